@@ -1,0 +1,1 @@
+//! The Triton backend; see docs/ARCHITECTURE.md.

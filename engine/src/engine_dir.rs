@@ -1,0 +1,333 @@
+//! The engine directory: what `recsys convert` writes and the server loads.
+//!
+//! ```text
+//! manifest.json          format version, model config, precision, source checkpoint, per-file sha256
+//! weights.safetensors    the model's tensors (f32), memory-mapped at load
+//! item_ids.tsv           internal index -> external id
+//! ```
+//! Loading checks the format version, every file's size and sha256, and the tensors' shapes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::idmap::{IdMap, IdType};
+use crate::import::CheckpointFormat;
+use crate::models::{Model, TensorMap};
+use crate::tensor::{Storage, Tensor};
+
+pub const FORMAT_NAME: &str = "recsys-engine";
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const WEIGHTS_FILE: &str = "weights.safetensors";
+pub const ITEM_IDS_FILE: &str = "item_ids.tsv";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceCheckpoint {
+    /// File name of the checkpoint the engine was converted from.
+    pub file: String,
+    pub format: CheckpointFormat,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub format_version: u32,
+    pub model: ModelConfig,
+    pub precision: Precision,
+    /// Quantization scheme and scales; `null` at fp32.
+    pub quantization: Option<serde_json::Value>,
+    /// Calibration summary; `null` when no calibration was run.
+    pub calibration: Option<serde_json::Value>,
+    pub id_type: IdType,
+    pub source: SourceCheckpoint,
+    pub files: BTreeMap<String, FileEntry>,
+    pub created_by: String,
+    pub created_at: String,
+}
+
+/// Everything needed to write an engine directory.
+pub struct EngineParts<'a> {
+    pub config: &'a ModelConfig,
+    pub tensors: &'a [(String, Tensor)],
+    pub ids: &'a IdMap,
+    pub source: SourceCheckpoint,
+}
+
+/// Writes an engine directory atomically: files go to a temporary sibling directory that is renamed
+/// into place, so a crash never leaves a half-written engine under the final name.
+pub fn write(out: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
+    if parts.ids.len() != parts.config.n_items() {
+        return Err(EngineError::Config(format!(
+            "the item id map has {} items but the model has {}",
+            parts.ids.len(),
+            parts.config.n_items()
+        )));
+    }
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)
+        .map_err(|e| EngineError::io(format!("cannot create {}", parent.display()), e))?;
+    let name = out
+        .file_name()
+        .ok_or_else(|| EngineError::Config(format!("{} is not a directory name", out.display())))?;
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)
+            .map_err(|e| EngineError::io(format!("cannot clear {}", tmp.display()), e))?;
+    }
+    std::fs::create_dir(&tmp)
+        .map_err(|e| EngineError::io(format!("cannot create {}", tmp.display()), e))?;
+
+    let result = write_files(&tmp, parts).and_then(|manifest| {
+        if out.exists() {
+            std::fs::remove_dir_all(out)
+                .map_err(|e| EngineError::io(format!("cannot replace {}", out.display()), e))?;
+        }
+        std::fs::rename(&tmp, out).map_err(|e| {
+            EngineError::io(format!("cannot move the engine into {}", out.display()), e)
+        })?;
+        Ok(manifest)
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
+    let weights_path = dir.join(WEIGHTS_FILE);
+    let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = parts
+        .tensors
+        .iter()
+        .map(|(name, t)| {
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                t.shape().to_vec(),
+                bytemuck::cast_slice(t.as_slice()),
+            )
+            .expect("a tensor's bytes always match its shape");
+            (name.as_str(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, &weights_path)
+        .map_err(|e| EngineError::Config(format!("cannot write {}: {e}", weights_path.display())))?;
+    let ids_path = dir.join(ITEM_IDS_FILE);
+    std::fs::write(&ids_path, parts.ids.to_tsv())
+        .map_err(|e| EngineError::io(format!("cannot write {}", ids_path.display()), e))?;
+
+    let mut files = BTreeMap::new();
+    for file in [WEIGHTS_FILE, ITEM_IDS_FILE] {
+        let bytes = std::fs::read(dir.join(file))
+            .map_err(|e| EngineError::io(format!("cannot read back {file}"), e))?;
+        files.insert(
+            file.to_string(),
+            FileEntry {
+                bytes: bytes.len() as u64,
+                sha256: hex::encode(Sha256::digest(&bytes)),
+            },
+        );
+    }
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        format_version: FORMAT_VERSION,
+        model: parts.config.clone(),
+        precision: Precision::Fp32,
+        quantization: None,
+        calibration: None,
+        id_type: parts.ids.id_type(),
+        source: parts.source.clone(),
+        files,
+        created_by: format!("recsys {}", env!("CARGO_PKG_VERSION")),
+        created_at: utc_now_rfc3339(),
+    };
+    let json = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
+    std::fs::write(dir.join(MANIFEST_FILE), json + "\n")
+        .map_err(|e| EngineError::io("cannot write the manifest", e))?;
+    Ok(manifest)
+}
+
+/// A loaded, verified engine directory.
+pub struct LoadedDir {
+    pub path: PathBuf,
+    pub manifest: Manifest,
+    pub model: Model,
+    pub ids: IdMap,
+}
+
+pub fn load(dir: &Path) -> Result<LoadedDir> {
+    let bad = |reason: String| EngineError::EngineDir {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    if !dir.is_dir() {
+        return Err(EngineError::NotFound {
+            path: dir.to_path_buf(),
+        });
+    }
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            EngineError::NotFound {
+                path: manifest_path.clone(),
+            }
+        } else {
+            EngineError::io(format!("cannot read {}", manifest_path.display()), e)
+        }
+    })?;
+    // Check the format before the full schema so an engine from a newer recsys gets the right message.
+    let header: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| bad(format!("{MANIFEST_FILE} is not valid JSON: {e}")))?;
+    if header.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
+        return Err(bad(format!("{MANIFEST_FILE} is not a {FORMAT_NAME} manifest")));
+    }
+    match header.get("format_version").and_then(|v| v.as_u64()) {
+        Some(v) if v == FORMAT_VERSION as u64 => {}
+        Some(v) => {
+            return Err(bad(format!(
+                "format version {v} is not supported by this recsys (it reads version {FORMAT_VERSION}); \
+                 re-convert the model with this version"
+            )))
+        }
+        None => return Err(bad(format!("{MANIFEST_FILE} has no format_version"))),
+    }
+    let manifest: Manifest = serde_json::from_value(header)
+        .map_err(|e| bad(format!("{MANIFEST_FILE} is malformed: {e}")))?;
+
+    for required in [WEIGHTS_FILE, ITEM_IDS_FILE] {
+        if !manifest.files.contains_key(required) {
+            return Err(bad(format!("the manifest does not list {required}")));
+        }
+    }
+    for (file, entry) in &manifest.files {
+        if file.contains(['/', '\\']) || file.starts_with('.') {
+            return Err(bad(format!("the manifest names a file outside the engine: {file:?}")));
+        }
+        let path = dir.join(file);
+        let meta = std::fs::metadata(&path).map_err(|_| EngineError::NotFound { path: path.clone() })?;
+        if meta.len() != entry.bytes {
+            return Err(bad(format!(
+                "{file} is {} bytes, the manifest says {} (truncated or replaced?)",
+                meta.len(),
+                entry.bytes
+            )));
+        }
+    }
+
+    let weights_path = dir.join(WEIGHTS_FILE);
+    let file = EngineError::open(&weights_path)?;
+    // SAFETY: the mapping is read-only and the file belongs to an engine directory, which recsys never
+    // modifies after writing; its contents are verified against the manifest's sha256 right below.
+    // Truncating the file while it is mapped would be an operator error outside this process' control.
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| EngineError::io(format!("cannot map {}", weights_path.display()), e))?;
+    verify(&weights_path, &map, &manifest.files[WEIGHTS_FILE].sha256)?;
+    let storage = Storage::mapped(map);
+    let tensors = tensor_map(&storage).map_err(|reason| bad(format!("{WEIGHTS_FILE}: {reason}")))?;
+
+    let ids_path = dir.join(ITEM_IDS_FILE);
+    let ids_bytes = std::fs::read(&ids_path)
+        .map_err(|e| EngineError::io(format!("cannot read {}", ids_path.display()), e))?;
+    verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
+    let ids_text = String::from_utf8(ids_bytes).map_err(|_| bad(format!("{ITEM_IDS_FILE} is not UTF-8")))?;
+    let ids = IdMap::parse_tsv(&ids_text).map_err(|reason| EngineError::IdMap {
+        path: ids_path.clone(),
+        reason,
+    })?;
+    if ids.len() != manifest.model.n_items() {
+        return Err(bad(format!(
+            "{ITEM_IDS_FILE} has {} items, the model has {}",
+            ids.len(),
+            manifest.model.n_items()
+        )));
+    }
+    if ids.id_type() != manifest.id_type {
+        return Err(bad(format!(
+            "{ITEM_IDS_FILE} holds {:?} ids, the manifest says {:?}",
+            ids.id_type(),
+            manifest.id_type
+        )));
+    }
+    let model = Model::from_tensors(&manifest.model, &tensors).map_err(|e| bad(e.to_string()))?;
+    Ok(LoadedDir {
+        path: dir.to_path_buf(),
+        manifest,
+        model,
+        ids,
+    })
+}
+
+fn verify(path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
+    let found = hex::encode(Sha256::digest(bytes));
+    if found != expected {
+        return Err(EngineError::Checksum {
+            path: path.to_path_buf(),
+            expected: expected.into(),
+            found,
+        });
+    }
+    Ok(())
+}
+
+fn tensor_map(storage: &Storage) -> Result<TensorMap, String> {
+    let bytes = storage.bytes();
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+    let mut map = TensorMap::new();
+    for (name, view) in st.tensors() {
+        if view.dtype() != safetensors::Dtype::F32 {
+            return Err(format!("tensor {name} is {:?}, expected F32", view.dtype()));
+        }
+        let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        let tensor = Tensor::view(storage, offset, view.shape().to_vec()).map_err(|e| e.to_string())?;
+        map.insert(name, tensor);
+    }
+    Ok(map)
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc_now_rfc3339() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}

@@ -1,0 +1,282 @@
+//! The mapping between a catalogue's own item ids (external: int64 or strings) and the model's
+//! internal indices 1..=N (0 is PAD).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::error::{EngineError, Result};
+
+/// External ids of one request, as they arrive.
+#[derive(Clone, Copy, Debug)]
+pub enum ExternalIds<'a> {
+    Int(&'a [i64]),
+    Str(&'a [&'a str]),
+}
+
+impl ExternalIds<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            ExternalIds::Int(v) => v.len(),
+            ExternalIds::Str(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One external id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ExternalId {
+    Int(i64),
+    Str(String),
+}
+
+impl std::fmt::Display for ExternalId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExternalId::Int(i) => write!(f, "{i}"),
+            ExternalId::Str(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IdType {
+    Int64,
+    String,
+}
+
+#[derive(Clone, Debug)]
+enum Ids {
+    Int {
+        by_index: Vec<i64>,
+        lookup: HashMap<i64, u32>,
+    },
+    Str {
+        by_index: Vec<String>,
+        lookup: HashMap<String, u32>,
+    },
+}
+
+/// Item id map for N items. Index `i` (1-based) maps to `by_index[i - 1]`.
+#[derive(Clone, Debug)]
+pub struct IdMap {
+    ids: Ids,
+}
+
+/// What happened to a request's ids.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Mapped {
+    pub indices: Vec<u32>,
+    /// How many ids were not in the catalogue (and were dropped).
+    pub unknown: usize,
+}
+
+impl IdMap {
+    /// Reads `internal_index <TAB> external_id` lines (an optional header line is skipped). Indices
+    /// must be exactly 1..=N, each once, and external ids unique. External ids are int64 if every one
+    /// parses as an integer, strings otherwise.
+    pub fn read_tsv(path: &Path) -> Result<IdMap> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                EngineError::NotFound {
+                    path: path.to_path_buf(),
+                }
+            } else {
+                EngineError::io(format!("cannot read {}", path.display()), e)
+            }
+        })?;
+        Self::parse_tsv(&text).map_err(|reason| EngineError::IdMap {
+            path: path.to_path_buf(),
+            reason,
+        })
+    }
+
+    pub fn parse_tsv(text: &str) -> Result<IdMap, String> {
+        let mut rows: Vec<(usize, &str)> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim_end_matches('\r');
+            if line.is_empty() {
+                continue;
+            }
+            let Some((index, external)) = line.split_once('\t') else {
+                return Err(format!("line {}: expected 'index<TAB>external_id'", n + 1));
+            };
+            match index.trim().parse::<usize>() {
+                Ok(i) => rows.push((i, external)),
+                Err(_) if n == 0 => continue, // header
+                Err(_) => {
+                    return Err(format!("line {}: index {index:?} is not an integer", n + 1))
+                }
+            }
+        }
+        if rows.is_empty() {
+            return Err("no items".into());
+        }
+        let n = rows.len();
+        let mut slots: Vec<Option<&str>> = vec![None; n];
+        for &(i, ext) in &rows {
+            if i == 0 || i > n {
+                return Err(format!(
+                    "index {i} is outside 1..={n} (0 is reserved for padding; indices must be contiguous)"
+                ));
+            }
+            if slots[i - 1].replace(ext).is_some() {
+                return Err(format!("index {i} appears twice"));
+            }
+        }
+        let externals: Vec<&str> = slots.into_iter().map(|s| s.expect("all filled")).collect();
+        let ints: Option<Vec<i64>> = externals.iter().map(|s| s.parse::<i64>().ok()).collect();
+        match ints {
+            Some(ints) => IdMap::from_int_ids(ints),
+            None => IdMap::from_string_ids(externals.into_iter().map(str::to_owned).collect()),
+        }
+    }
+
+    /// Builds a map from the external ids of items 1..=N, in order.
+    pub fn from_int_ids(by_index: Vec<i64>) -> Result<IdMap, String> {
+        let mut lookup = HashMap::with_capacity(by_index.len());
+        for (i, &id) in by_index.iter().enumerate() {
+            if lookup.insert(id, i as u32 + 1).is_some() {
+                return Err(format!("external id {id} appears twice"));
+            }
+        }
+        Ok(IdMap {
+            ids: Ids::Int { by_index, lookup },
+        })
+    }
+
+    pub fn from_string_ids(by_index: Vec<String>) -> Result<IdMap, String> {
+        let mut lookup = HashMap::with_capacity(by_index.len());
+        for (i, id) in by_index.iter().enumerate() {
+            if id.contains(['\t', '\n', '\r']) {
+                return Err(format!("external id {id:?} contains a tab or newline"));
+            }
+            if lookup.insert(id.clone(), i as u32 + 1).is_some() {
+                return Err(format!("external id {id:?} appears twice"));
+            }
+        }
+        Ok(IdMap {
+            ids: Ids::Str { by_index, lookup },
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        match &self.ids {
+            Ids::Int { by_index, .. } => by_index.len(),
+            Ids::Str { by_index, .. } => by_index.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn id_type(&self) -> IdType {
+        match &self.ids {
+            Ids::Int { .. } => IdType::Int64,
+            Ids::Str { .. } => IdType::String,
+        }
+    }
+
+    /// The TSV form read by [`IdMap::parse_tsv`], with a header.
+    pub fn to_tsv(&self) -> String {
+        let mut out = String::from("internal_index\texternal_item_id\n");
+        for i in 1..=self.len() {
+            let _ = writeln!(out, "{i}\t{}", self.external_string(i as u32));
+        }
+        out
+    }
+
+    fn external_string(&self, index: u32) -> String {
+        match &self.ids {
+            Ids::Int { by_index, .. } => by_index[index as usize - 1].to_string(),
+            Ids::Str { by_index, .. } => by_index[index as usize - 1].clone(),
+        }
+    }
+
+    pub fn index_of_int(&self, id: i64) -> Option<u32> {
+        match &self.ids {
+            Ids::Int { lookup, .. } => lookup.get(&id).copied(),
+            // A string catalogue may still be addressed by digits.
+            Ids::Str { lookup, .. } => lookup.get(&id.to_string()).copied(),
+        }
+    }
+
+    pub fn index_of_str(&self, id: &str) -> Option<u32> {
+        match &self.ids {
+            Ids::Int { lookup, .. } => id.trim().parse::<i64>().ok().and_then(|i| lookup.get(&i).copied()),
+            Ids::Str { lookup, .. } => lookup.get(id).copied(),
+        }
+    }
+
+    /// Maps ids to internal indices, dropping (and counting) unknown ones; order and duplicates are kept.
+    pub fn map(&self, ids: ExternalIds<'_>) -> Mapped {
+        let mut out = Mapped {
+            indices: Vec::with_capacity(ids.len()),
+            unknown: 0,
+        };
+        let mut push = |found: Option<u32>| match found {
+            Some(i) => out.indices.push(i),
+            None => out.unknown += 1,
+        };
+        match ids {
+            ExternalIds::Int(v) => v.iter().for_each(|&id| push(self.index_of_int(id))),
+            ExternalIds::Str(v) => v.iter().for_each(|id| push(self.index_of_str(id))),
+        }
+        out
+    }
+
+    /// The external id of internal index `index` (1..=N).
+    pub fn external(&self, index: u32) -> ExternalId {
+        match &self.ids {
+            Ids::Int { by_index, .. } => ExternalId::Int(by_index[index as usize - 1]),
+            Ids::Str { by_index, .. } => ExternalId::Str(by_index[index as usize - 1].clone()),
+        }
+    }
+
+    /// The external id as an i64, for int64 catalogues.
+    pub fn external_int(&self, index: u32) -> Option<i64> {
+        match &self.ids {
+            Ids::Int { by_index, .. } => Some(by_index[index as usize - 1]),
+            Ids::Str { .. } => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_header_and_maps_ids() {
+        let map = IdMap::parse_tsv("internal_index\texternal_item_id\n2\t20\n1\t10\n").unwrap();
+        assert_eq!(map.id_type(), IdType::Int64);
+        let m = map.map(ExternalIds::Int(&[20, 99, 10, 20, -1]));
+        assert_eq!(m.indices, vec![2, 1, 2]);
+        assert_eq!(m.unknown, 2);
+        assert_eq!(map.external(1), ExternalId::Int(10));
+        assert_eq!(IdMap::parse_tsv(&map.to_tsv()).unwrap().map(ExternalIds::Int(&[10])).indices, vec![1]);
+    }
+
+    #[test]
+    fn string_catalogue() {
+        let map = IdMap::parse_tsv("1\tsku-a\n2\tsku-b\n").unwrap();
+        assert_eq!(map.id_type(), IdType::String);
+        let m = map.map(ExternalIds::Str(&["sku-b", "nope"]));
+        assert_eq!((m.indices, m.unknown), (vec![2], 1));
+    }
+
+    #[test]
+    fn rejects_gaps_duplicates_and_zero() {
+        assert!(IdMap::parse_tsv("1\t10\n3\t30\n").unwrap_err().contains("outside"));
+        assert!(IdMap::parse_tsv("1\t10\n1\t11\n").unwrap_err().contains("twice"));
+        assert!(IdMap::parse_tsv("0\t10\n").unwrap_err().contains("reserved"));
+        assert!(IdMap::parse_tsv("1\t10\n2\t10\n").unwrap_err().contains("appears twice"));
+        assert!(IdMap::parse_tsv("").unwrap_err().contains("no items"));
+    }
+}

@@ -1,0 +1,22 @@
+//! recsys engine: BERT4Rec and VAE-CF inference in pure Rust, independent of any serving framework.
+//!
+//! Flow: a checkpoint ([`import`]) plus hyper-parameters ([`config`]) become an engine directory
+//! ([`engine_dir`]); an [`Engine`] loads it and answers requests in external item ids
+//! ([`idmap`]) with the top-k items ([`topk`]); [`metrics`] scores it offline.
+
+pub mod config;
+pub mod engine;
+pub mod engine_dir;
+pub mod error;
+pub mod idmap;
+pub mod import;
+pub mod kernels;
+pub mod metrics;
+pub mod models;
+pub mod tensor;
+pub mod topk;
+
+pub use config::{ModelConfig, ModelKind};
+pub use engine::{convert, ConvertRequest, Engine, InternalRequest, Recommendation, Request, ServeOptions, UnknownItemPolicy};
+pub use error::{EngineError, Result};
+pub use idmap::{ExternalId, ExternalIds, IdMap};

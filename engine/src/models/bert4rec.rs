@@ -1,0 +1,288 @@
+//! BERT4Rec as RecBole 1.2.1 runs it in eval mode.
+//!
+//! The request's last L-1 items get a [MASK] appended; the model's answer is the output at the MASK
+//! slot. Sequences are run unpadded: RecBole's padded keys get -10000 before the softmax, which is
+//! exactly 0 after it, so leaving them out changes nothing. Tokens of all histories in a batch are
+//! stacked for the dense layers; attention stays within each history.
+
+use super::{take, HistoryNote, OutputLayer, TensorMap};
+use crate::config::Bert4RecConfig;
+use crate::error::Result;
+use crate::import::Checkpoint;
+use crate::kernels::cpu;
+use crate::tensor::Tensor;
+
+#[derive(Clone, Debug)]
+struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    fn load(t: &TensorMap, prefix: &str, out_dim: usize, in_dim: usize) -> Result<Dense> {
+        Ok(Dense {
+            weight: take(t, &format!("{prefix}.weight"), &[out_dim, in_dim])?,
+            bias: take(t, &format!("{prefix}.bias"), &[out_dim])?,
+        })
+    }
+
+    fn in_dim(&self) -> usize {
+        self.weight.shape()[1]
+    }
+
+    fn out_dim(&self) -> usize {
+        self.weight.shape()[0]
+    }
+
+    fn forward(&self, x: &[f32]) -> Vec<f32> {
+        let rows = x.len() / self.in_dim();
+        let mut out = vec![0f32; rows * self.out_dim()];
+        cpu::linear(
+            x,
+            self.in_dim(),
+            self.weight.as_slice(),
+            Some(self.bias.as_slice()),
+            &mut out,
+        );
+        out
+    }
+}
+
+#[derive(Clone, Debug)]
+struct LayerNorm {
+    gamma: Tensor,
+    beta: Tensor,
+}
+
+impl LayerNorm {
+    fn load(t: &TensorMap, prefix: &str, width: usize) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            gamma: take(t, &format!("{prefix}.weight"), &[width])?,
+            beta: take(t, &format!("{prefix}.bias"), &[width])?,
+        })
+    }
+
+    fn apply(&self, x: &mut [f32], eps: f64) {
+        cpu::layer_norm_rows(x, self.gamma.len(), self.gamma.as_slice(), self.beta.as_slice(), eps);
+    }
+}
+
+#[derive(Clone, Debug)]
+struct TransformerLayer {
+    query: Dense,
+    key: Dense,
+    value: Dense,
+    attn_out: Dense,
+    attn_ln: LayerNorm,
+    ffn_in: Dense,
+    ffn_out: Dense,
+    ffn_ln: LayerNorm,
+}
+
+#[derive(Clone, Debug)]
+pub struct Bert4Rec {
+    config: Bert4RecConfig,
+    item_embedding: Tensor,
+    position_embedding: Tensor,
+    embedding_ln: LayerNorm,
+    layers: Vec<TransformerLayer>,
+    head_dense: Dense,
+    head_ln: LayerNorm,
+    /// Tied to `item_embedding` rows 0..=N (the MASK row has no output).
+    pub output: OutputLayer,
+}
+
+/// The state-dict names, with their shapes, that BERT4Rec reads.
+fn tensor_shapes(c: &Bert4RecConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, i, n) = (c.hidden_size, c.inner_size, c.n_items);
+    let mut shapes = vec![
+        ("output_bias".to_string(), vec![n + 1]),
+        ("item_embedding.weight".into(), vec![n + 2, h]),
+        ("position_embedding.weight".into(), vec![c.max_len, h]),
+        ("LayerNorm.weight".into(), vec![h]),
+        ("LayerNorm.bias".into(), vec![h]),
+        ("output_ffn.weight".into(), vec![h, h]),
+        ("output_ffn.bias".into(), vec![h]),
+        ("output_ln.weight".into(), vec![h]),
+        ("output_ln.bias".into(), vec![h]),
+    ];
+    for l in 0..c.n_layers {
+        let p = format!("trm_encoder.layer.{l}");
+        for m in ["query", "key", "value", "dense"] {
+            shapes.push((format!("{p}.multi_head_attention.{m}.weight"), vec![h, h]));
+            shapes.push((format!("{p}.multi_head_attention.{m}.bias"), vec![h]));
+        }
+        for ln in ["multi_head_attention.LayerNorm", "feed_forward.LayerNorm"] {
+            shapes.push((format!("{p}.{ln}.weight"), vec![h]));
+            shapes.push((format!("{p}.{ln}.bias"), vec![h]));
+        }
+        shapes.push((format!("{p}.feed_forward.dense_1.weight"), vec![i, h]));
+        shapes.push((format!("{p}.feed_forward.dense_1.bias"), vec![i]));
+        shapes.push((format!("{p}.feed_forward.dense_2.weight"), vec![h, i]));
+        shapes.push((format!("{p}.feed_forward.dense_2.bias"), vec![h]));
+    }
+    shapes
+}
+
+/// BERT4Rec's engine tensors are the state-dict tensors under their own names.
+pub(super) fn engine_tensors(c: &Bert4RecConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
+    tensor_shapes(c)
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = ckpt.tensor_f32(&name, &shape)?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+impl Bert4Rec {
+    pub fn from_tensors(config: Bert4RecConfig, t: &TensorMap) -> Result<Bert4Rec> {
+        let (h, i, n) = (config.hidden_size, config.inner_size, config.n_items);
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers {
+            let p = format!("trm_encoder.layer.{l}");
+            layers.push(TransformerLayer {
+                query: Dense::load(t, &format!("{p}.multi_head_attention.query"), h, h)?,
+                key: Dense::load(t, &format!("{p}.multi_head_attention.key"), h, h)?,
+                value: Dense::load(t, &format!("{p}.multi_head_attention.value"), h, h)?,
+                attn_out: Dense::load(t, &format!("{p}.multi_head_attention.dense"), h, h)?,
+                attn_ln: LayerNorm::load(t, &format!("{p}.multi_head_attention.LayerNorm"), h)?,
+                ffn_in: Dense::load(t, &format!("{p}.feed_forward.dense_1"), i, h)?,
+                ffn_out: Dense::load(t, &format!("{p}.feed_forward.dense_2"), h, i)?,
+                ffn_ln: LayerNorm::load(t, &format!("{p}.feed_forward.LayerNorm"), h)?,
+            });
+        }
+        let item_embedding = take(t, "item_embedding.weight", &[n + 2, h])?;
+        let output = OutputLayer {
+            weight: item_embedding.rows(0, n + 1),
+            bias: take(t, "output_bias", &[n + 1])?,
+        };
+        Ok(Bert4Rec {
+            position_embedding: take(t, "position_embedding.weight", &[config.max_len, h])?,
+            embedding_ln: LayerNorm::load(t, "LayerNorm", h)?,
+            head_dense: Dense::load(t, "output_ffn", h, h)?,
+            head_ln: LayerNorm::load(t, "output_ln", h)?,
+            item_embedding,
+            layers,
+            output,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &Bert4RecConfig {
+        &self.config
+    }
+
+    fn mask_index(&self) -> u32 {
+        self.config.n_items as u32 + 1
+    }
+
+    /// The model input for one history: its last L-1 items, then [MASK].
+    pub fn model_input(&self, history: &[u32]) -> (Vec<u32>, HistoryNote) {
+        let keep = self.config.max_len - 1;
+        let start = history.len().saturating_sub(keep);
+        let mut tokens = history[start..].to_vec();
+        tokens.push(self.mask_index());
+        (tokens, HistoryNote { truncated: start > 0 })
+    }
+
+    /// Hidden vector at the MASK slot after the output head, `[B, hidden]`.
+    pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        let h = self.config.hidden_size;
+        let eps = self.config.layer_norm_eps;
+        let mut notes = Vec::with_capacity(histories.len());
+        // Token ranges of each sequence in the stacked matrix.
+        let mut spans = Vec::with_capacity(histories.len());
+        let mut x = Vec::new();
+        for history in histories {
+            let (tokens, note) = self.model_input(history);
+            notes.push(note);
+            let start = x.len() / h;
+            for (slot, &id) in tokens.iter().enumerate() {
+                let emb = self.item_embedding.row(id as usize);
+                let pos = self.position_embedding.row(slot);
+                x.extend(emb.iter().zip(pos).map(|(a, b)| a + b));
+            }
+            spans.push(start..start + tokens.len());
+        }
+        self.embedding_ln.apply(&mut x, eps);
+
+        let n_layers = self.layers.len();
+        for (l, layer) in self.layers.iter().enumerate() {
+            // Only the MASK slot's output is used, so the last layer computes its query, attention
+            // output and feed-forward for that one row per sequence.
+            let query_rows: Vec<usize> = if l + 1 == n_layers {
+                spans.iter().map(|s| s.end - 1).collect()
+            } else {
+                (0..x.len() / h).collect()
+            };
+            x = self.transformer_layer(layer, &x, &spans, &query_rows);
+        }
+        debug_assert_eq!(x.len(), histories.len() * h, "one row per sequence after the last layer");
+
+        let mut head = self.head_dense.forward(&x);
+        cpu::gelu_erf_inplace(&mut head);
+        self.head_ln.apply(&mut head, eps);
+        (head, notes)
+    }
+
+    /// One post-LN transformer layer; returns the outputs of `query_rows` only.
+    fn transformer_layer(
+        &self,
+        layer: &TransformerLayer,
+        x: &[f32],
+        spans: &[std::ops::Range<usize>],
+        query_rows: &[usize],
+    ) -> Vec<f32> {
+        let h = self.config.hidden_size;
+        let heads = self.config.n_heads;
+        let d = h / heads;
+        let sqrt_d = (d as f32).sqrt();
+        let eps = self.config.layer_norm_eps;
+
+        let keys = layer.key.forward(x);
+        let values = layer.value.forward(x);
+        let x_q: Vec<f32> = query_rows
+            .iter()
+            .flat_map(|&r| x[r * h..(r + 1) * h].iter().copied())
+            .collect();
+        let queries = layer.query.forward(&x_q);
+
+        let mut span_of_row = vec![0usize; x.len() / h];
+        for (s, span) in spans.iter().enumerate() {
+            span_of_row[span.clone()].fill(s);
+        }
+        let mut context = vec![0f32; query_rows.len() * h];
+        let mut probs = Vec::new();
+        for (qi, &row) in query_rows.iter().enumerate() {
+            let span = spans[span_of_row[row]].clone();
+            for head in 0..heads {
+                let q = &queries[qi * h + head * d..qi * h + (head + 1) * d];
+                probs.clear();
+                probs.extend(span.clone().map(|k| {
+                    cpu::dot(q, &keys[k * h + head * d..k * h + (head + 1) * d]) / sqrt_d
+                }));
+                cpu::softmax(&mut probs);
+                let ctx = &mut context[qi * h + head * d..qi * h + (head + 1) * d];
+                for (p, k) in probs.iter().zip(span.clone()) {
+                    cpu::axpy(*p, &values[k * h + head * d..k * h + (head + 1) * d], ctx);
+                }
+            }
+        }
+
+        let mut attended = layer.attn_out.forward(&context);
+        for (a, r) in attended.iter_mut().zip(&x_q) {
+            *a += r;
+        }
+        layer.attn_ln.apply(&mut attended, eps);
+
+        let mut inner = layer.ffn_in.forward(&attended);
+        cpu::gelu_erf_inplace(&mut inner);
+        let mut out = layer.ffn_out.forward(&inner);
+        for (o, r) in out.iter_mut().zip(&attended) {
+            *o += r;
+        }
+        layer.ffn_ln.apply(&mut out, eps);
+        out
+    }
+}

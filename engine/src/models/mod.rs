@@ -1,0 +1,120 @@
+//! The recommenders. Each model turns a batch of histories (internal indices) into one hidden vector
+//! per history; an [`OutputLayer`] then scores every item from it. Splitting there lets the scoring
+//! and top-k step, which dominates the cost, be shared (and fused) across models.
+
+pub mod bert4rec;
+pub mod vaecf;
+
+use std::collections::HashMap;
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::import::Checkpoint;
+use crate::kernels::cpu;
+use crate::tensor::Tensor;
+
+pub use bert4rec::Bert4Rec;
+pub use vaecf::VaeCf;
+
+/// `scores = hidden @ weight^T + bias` over all N+1 outputs (index 0 is PAD).
+#[derive(Clone, Debug)]
+pub struct OutputLayer {
+    /// `[N+1, d]`, one row per item.
+    pub weight: Tensor,
+    /// `[N+1]`.
+    pub bias: Tensor,
+}
+
+impl OutputLayer {
+    pub fn n_outputs(&self) -> usize {
+        self.weight.shape()[0]
+    }
+
+    pub fn input_size(&self) -> usize {
+        self.weight.shape()[1]
+    }
+
+    /// Scores every item for each row of `hidden` (`[B, d]` -> `[B, N+1]`).
+    pub fn score_all(&self, hidden: &[f32]) -> Vec<f32> {
+        let rows = hidden.len() / self.input_size();
+        let mut out = vec![0f32; rows * self.n_outputs()];
+        cpu::linear(
+            hidden,
+            self.input_size(),
+            self.weight.as_slice(),
+            Some(self.bias.as_slice()),
+            &mut out,
+        );
+        out
+    }
+}
+
+/// The tensors an engine stores, by name, in the layout the model computes with.
+pub type TensorMap = HashMap<String, Tensor>;
+
+/// Fetches `name` from an engine tensor map, checking its shape.
+pub(crate) fn take(tensors: &TensorMap, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let t = tensors
+        .get(name)
+        .ok_or_else(|| EngineError::MissingTensor { name: name.into() })?;
+    if t.shape() != shape {
+        return Err(EngineError::ShapeMismatch {
+            name: name.into(),
+            expected: shape.to_vec(),
+            found: t.shape().to_vec(),
+        });
+    }
+    Ok(t.clone())
+}
+
+/// A model ready to run.
+#[derive(Clone, Debug)]
+pub enum Model {
+    Bert4rec(Bert4Rec),
+    Vaecf(VaeCf),
+}
+
+/// What a model reports about one history besides its hidden vector.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HistoryNote {
+    /// The history was longer than the model's window and its oldest items were left out.
+    pub truncated: bool,
+}
+
+impl Model {
+    /// Picks, checks and re-lays-out the checkpoint tensors the model needs, under engine names.
+    pub fn engine_tensors(config: &ModelConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
+        match config {
+            ModelConfig::Bert4rec(c) => bert4rec::engine_tensors(c, ckpt),
+            ModelConfig::Vaecf(c) => vaecf::engine_tensors(c, ckpt),
+        }
+    }
+
+    pub fn from_tensors(config: &ModelConfig, tensors: &TensorMap) -> Result<Model> {
+        Ok(match config {
+            ModelConfig::Bert4rec(c) => Model::Bert4rec(Bert4Rec::from_tensors(c.clone(), tensors)?),
+            ModelConfig::Vaecf(c) => Model::Vaecf(VaeCf::from_tensors(c.clone(), tensors)?),
+        })
+    }
+
+    /// Hidden vectors `[B, d]` for a batch of histories of internal indices (1..=N, oldest first).
+    pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        match self {
+            Model::Bert4rec(m) => m.encode(histories),
+            Model::Vaecf(m) => m.encode(histories),
+        }
+    }
+
+    pub fn output(&self) -> &OutputLayer {
+        match self {
+            Model::Bert4rec(m) => &m.output,
+            Model::Vaecf(m) => &m.output,
+        }
+    }
+
+    /// All N+1 scores per history, `[B, N+1]` (for evaluation; serving uses top-k directly).
+    pub fn score_all(&self, histories: &[&[u32]]) -> Vec<f32> {
+        let (hidden, _) = self.encode(histories);
+        self.output().score_all(&hidden)
+    }
+}

@@ -1,0 +1,164 @@
+//! Mult-VAE (RecBole's `MultiVAE`) at inference: the L2-normalised binary multi-hot history goes
+//! through the encoder to mu, and the decoder turns mu into item logits. No sampling.
+//!
+//! The multi-hot input is never built: the first layer is the sum of the weight columns of the
+//! history's distinct items, scaled by 1/sqrt(count). The engine stores that layer transposed
+//! (`encoder.0.weight_by_item`, one contiguous row per item) so the gather reads whole rows.
+
+use super::{take, HistoryNote, OutputLayer, TensorMap};
+use crate::config::VaeCfConfig;
+use crate::error::Result;
+use crate::import::Checkpoint;
+use crate::kernels::cpu;
+use crate::tensor::Tensor;
+
+/// Engine name of the transposed first encoder layer, `[N+1, hidden_0]`.
+pub const FIRST_LAYER_BY_ITEM: &str = "encoder.0.weight_by_item";
+
+#[derive(Clone, Debug)]
+struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    fn forward(&self, x: &[f32], out: &mut Vec<f32>) {
+        let in_dim = self.weight.shape()[1];
+        out.clear();
+        out.resize(x.len() / in_dim * self.weight.shape()[0], 0.0);
+        cpu::linear(x, in_dim, self.weight.as_slice(), Some(self.bias.as_slice()), out);
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct VaeCf {
+    config: VaeCfConfig,
+    first_by_item: Tensor,
+    first_bias: Tensor,
+    /// Encoder layers after the first, ending with the mu half of the last one (logvar is unused).
+    encoder_rest: Vec<Dense>,
+    /// Decoder layers except the last, which is the output layer.
+    decoder_hidden: Vec<Dense>,
+    pub output: OutputLayer,
+}
+
+/// `(state-dict name prefix, [out, in])` of every Linear layer, encoder then decoder.
+fn layer_shapes(c: &VaeCfConfig) -> (Vec<(String, [usize; 2])>, Vec<(String, [usize; 2])>) {
+    let mut enc_dims = vec![c.n_items + 1];
+    enc_dims.extend(&c.hidden_sizes);
+    enc_dims.push(2 * c.latent_size);
+    let mut dec_dims = vec![c.latent_size];
+    dec_dims.extend(c.hidden_sizes.iter().rev());
+    dec_dims.push(c.n_items + 1);
+    let layers = |prefix: &str, dims: &[usize]| {
+        dims.windows(2)
+            .enumerate()
+            .map(|(i, w)| (format!("{prefix}.{}", 2 * i), [w[1], w[0]]))
+            .collect::<Vec<_>>()
+    };
+    (layers("encoder", &enc_dims), layers("decoder", &dec_dims))
+}
+
+pub(super) fn engine_tensors(c: &VaeCfConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
+    let (encoder, decoder) = layer_shapes(c);
+    let mut out = Vec::new();
+    for (i, (prefix, shape)) in encoder.iter().chain(&decoder).enumerate() {
+        let weight = ckpt.tensor_f32(&format!("{prefix}.weight"), shape)?;
+        let bias = ckpt.tensor_f32(&format!("{prefix}.bias"), &shape[..1])?;
+        if i == 0 {
+            out.push((FIRST_LAYER_BY_ITEM.to_string(), weight.transposed()));
+        } else {
+            out.push((format!("{prefix}.weight"), weight));
+        }
+        out.push((format!("{prefix}.bias"), bias));
+    }
+    Ok(out)
+}
+
+impl VaeCf {
+    pub fn from_tensors(config: VaeCfConfig, t: &TensorMap) -> Result<VaeCf> {
+        let (encoder, decoder) = layer_shapes(&config);
+        let load = |prefix: &str, shape: &[usize; 2]| -> Result<Dense> {
+            Ok(Dense {
+                weight: take(t, &format!("{prefix}.weight"), shape)?,
+                bias: take(t, &format!("{prefix}.bias"), &shape[..1])?,
+            })
+        };
+        let (first_prefix, first_shape) = &encoder[0];
+        let first_by_item = take(t, FIRST_LAYER_BY_ITEM, &[first_shape[1], first_shape[0]])?;
+        let first_bias = take(t, &format!("{first_prefix}.bias"), &first_shape[..1])?;
+        let mut encoder_rest = encoder[1..]
+            .iter()
+            .map(|(p, s)| load(p, s))
+            .collect::<Result<Vec<_>>>()?;
+        let last = encoder_rest.last_mut().expect("config has at least one hidden layer");
+        let mu = config.latent_size;
+        *last = Dense {
+            weight: last.weight.rows(0, mu),
+            bias: last.bias.rows(0, mu),
+        };
+        let mut decoder_layers = decoder
+            .iter()
+            .map(|(p, s)| load(p, s))
+            .collect::<Result<Vec<_>>>()?;
+        let out_layer = decoder_layers.pop().expect("decoder has an output layer");
+        Ok(VaeCf {
+            config,
+            first_by_item,
+            first_bias,
+            encoder_rest,
+            decoder_hidden: decoder_layers,
+            output: OutputLayer {
+                weight: out_layer.weight,
+                bias: out_layer.bias,
+            },
+        })
+    }
+
+    pub fn config(&self) -> &VaeCfConfig {
+        &self.config
+    }
+
+    /// Decoder activations before the output layer, `[B, hidden_0]`.
+    pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        let width = self.first_bias.len();
+        let mut x = Vec::with_capacity(histories.len() * width);
+        let mut items = Vec::new();
+        for history in histories {
+            // Binary multi-hot: duplicates collapse; PAD (0) is never an input.
+            items.clear();
+            items.extend(history.iter().copied().filter(|&i| i != 0 && (i as usize) <= self.config.n_items));
+            items.sort_unstable();
+            items.dedup();
+            let mut acc = vec![0f32; width];
+            for &i in &items {
+                for (a, w) in acc.iter_mut().zip(self.first_by_item.row(i as usize)) {
+                    *a += w;
+                }
+            }
+            // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
+            let scale = 1.0 / (items.len() as f32).sqrt().max(1e-12);
+            x.extend(
+                acc.iter()
+                    .zip(self.first_bias.as_slice())
+                    .map(|(a, b)| a.mul_add(scale, *b).tanh()),
+            );
+        }
+        let mut next = Vec::new();
+        let n_rest = self.encoder_rest.len();
+        for (i, layer) in self.encoder_rest.iter().enumerate() {
+            layer.forward(&x, &mut next);
+            if i + 1 < n_rest {
+                cpu::tanh_inplace(&mut next);
+            }
+            std::mem::swap(&mut x, &mut next);
+        }
+        // x is mu; every decoder layer but the output layer is followed by tanh.
+        for layer in &self.decoder_hidden {
+            layer.forward(&x, &mut next);
+            cpu::tanh_inplace(&mut next);
+            std::mem::swap(&mut x, &mut next);
+        }
+        (x, vec![HistoryNote::default(); histories.len()])
+    }
+}

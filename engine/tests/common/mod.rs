@@ -1,0 +1,73 @@
+//! Shared helpers for tests that use the PyTorch fixtures in `tests/fixtures`.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use recsys_engine::{convert, ConvertRequest, Engine, ModelKind};
+
+/// Largest |logit - PyTorch f32 logit| accepted. The models' logits reach about 10 in magnitude;
+/// f32 rounding through 2 transformer layers or a 2001-wide encoder was measured at 3e-6..7e-6.
+pub const LOGIT_ABS_TOL: f32 = 5e-5;
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+pub fn model_dir(kind: ModelKind) -> PathBuf {
+    fixtures().join(match kind {
+        ModelKind::Bert4rec => "bert4rec",
+        ModelKind::Vaecf => "multivae",
+    })
+}
+
+pub fn config_json(kind: ModelKind) -> serde_json::Map<String, serde_json::Value> {
+    let text = std::fs::read_to_string(model_dir(kind).join("config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Converts a fixture checkpoint into `out` and loads it.
+pub fn convert_fixture(kind: ModelKind, checkpoint: &str, out: &Path) -> Engine {
+    let config = config_json(kind);
+    convert(&ConvertRequest {
+        kind,
+        checkpoint: &model_dir(kind).join(checkpoint),
+        config: Some(&config),
+        item_map: &model_dir(kind).join("item_id_map.tsv"),
+        out,
+    })
+    .unwrap_or_else(|e| panic!("converting {checkpoint}: {e}"))
+}
+
+pub struct Golden {
+    pub cases: Vec<serde_json::Value>,
+    pub logits_f32: Vec<f32>,
+    pub n_outputs: usize,
+}
+
+pub fn golden(kind: ModelKind) -> Golden {
+    let dir = model_dir(kind);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st.tensor("logits_f32").unwrap();
+    let n_outputs = logits.shape()[1];
+    let logits_f32 = logits
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    Golden {
+        cases: json["cases"].as_array().unwrap().clone(),
+        logits_f32,
+        n_outputs,
+    }
+}
+
+pub fn u32s(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+pub fn i64s(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+}
