@@ -20,7 +20,9 @@ impl std::str::FromStr for ModelKind {
         match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
             "bert4rec" => Ok(ModelKind::Bert4rec),
             "vaecf" | "multivae" => Ok(ModelKind::Vaecf),
-            _ => Err(format!("unknown model kind {s:?} (expected bert4rec or vaecf)")),
+            _ => Err(format!(
+                "unknown model kind {s:?} (expected bert4rec or vaecf)"
+            )),
         }
     }
 }
@@ -95,10 +97,9 @@ impl ModelConfig {
 fn usize_field(json: &Map<String, Value>, keys: &[&str]) -> Result<Option<usize>> {
     for key in keys {
         if let Some(v) = json.get(*key) {
-            return v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| EngineError::Config(format!("'{key}' must be a non-negative integer, found {v}")));
+            return v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                EngineError::Config(format!("'{key}' must be a non-negative integer, found {v}"))
+            });
         }
     }
     Ok(None)
@@ -106,7 +107,12 @@ fn usize_field(json: &Map<String, Value>, keys: &[&str]) -> Result<Option<usize>
 
 /// Takes the value from the config when given (checking it against the weights) or else from the
 /// weights; `what` names the field in error messages.
-fn agree(what: &str, from_config: Option<usize>, from_weights: usize, evidence: &str) -> Result<usize> {
+fn agree(
+    what: &str,
+    from_config: Option<usize>,
+    from_weights: usize,
+    evidence: &str,
+) -> Result<usize> {
     match from_config {
         Some(v) if v != from_weights => Err(EngineError::Config(format!(
             "config says {what} = {v}, but {evidence} implies {from_weights}"
@@ -129,7 +135,12 @@ fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert
         emb_rows - 2,
         "item_embedding.weight (N+2 rows: PAD, items, MASK)",
     )?;
-    let hidden_size = agree("hidden_size", usize_field(json, &["hidden_size"])?, hidden, "item_embedding.weight")?;
+    let hidden_size = agree(
+        "hidden_size",
+        usize_field(json, &["hidden_size"])?,
+        hidden,
+        "item_embedding.weight",
+    )?;
     let pos = ckpt.require_shape("position_embedding.weight")?;
     let max_len = agree(
         "max_len",
@@ -139,8 +150,10 @@ fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert
     )?;
     let layers_in_weights = (0..)
         .take_while(|l| {
-            ckpt.shape(&format!("trm_encoder.layer.{l}.multi_head_attention.query.weight"))
-                .is_some()
+            ckpt.shape(&format!(
+                "trm_encoder.layer.{l}.multi_head_attention.query.weight"
+            ))
+            .is_some()
         })
         .count();
     let n_layers = usize_field(json, &["n_layers"])?.unwrap_or(layers_in_weights);
@@ -151,10 +164,17 @@ fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert
     }
     if n_layers > layers_in_weights {
         return Err(EngineError::MissingTensor {
-            name: format!("trm_encoder.layer.{layers_in_weights}.multi_head_attention.query.weight"),
+            name: format!(
+                "trm_encoder.layer.{layers_in_weights}.multi_head_attention.query.weight"
+            ),
         });
     }
-    agree("n_layers", Some(n_layers), layers_in_weights, "the trm_encoder.layer.* tensors")?;
+    agree(
+        "n_layers",
+        Some(n_layers),
+        layers_in_weights,
+        "the trm_encoder.layer.* tensors",
+    )?;
     let inner = ckpt.require_shape("trm_encoder.layer.0.feed_forward.dense_1.weight")?;
     let inner_size = agree(
         "inner_size",
@@ -175,7 +195,11 @@ fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert
         Some(v) => v
             .as_f64()
             .filter(|e| *e >= 0.0 && e.is_finite())
-            .ok_or_else(|| EngineError::Config(format!("'layer_norm_eps' must be a non-negative number, found {v}")))?,
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "'layer_norm_eps' must be a non-negative number, found {v}"
+                ))
+            })?,
     };
     for key in ["hidden_act", "output_act"] {
         if let Some(act) = json.get(key).and_then(Value::as_str) {
@@ -215,7 +239,10 @@ fn resolve_vaecf(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<VaeCfCo
         .take_while(|i| ckpt.shape(&format!("encoder.{}.weight", 2 * i)).is_some())
         .count();
     let hidden_from_weights: Vec<usize> = (0..encoder_layers.saturating_sub(1))
-        .map(|i| ckpt.require_shape(&format!("encoder.{}.weight", 2 * i)).map(|s| s[0]))
+        .map(|i| {
+            ckpt.require_shape(&format!("encoder.{}.weight", 2 * i))
+                .map(|s| s[0])
+        })
         .collect::<Result<_>>()?;
     let hidden_sizes = match json.get("mlp_hidden_size") {
         None => hidden_from_weights.clone(),
@@ -223,7 +250,11 @@ fn resolve_vaecf(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<VaeCfCo
             let list: Option<Vec<usize>> = v
                 .as_array()
                 .and_then(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect());
-            let list = list.ok_or_else(|| EngineError::Config(format!("'mlp_hidden_size' must be a list of integers, found {v}")))?;
+            let list = list.ok_or_else(|| {
+                EngineError::Config(format!(
+                    "'mlp_hidden_size' must be a list of integers, found {v}"
+                ))
+            })?;
             if list != hidden_from_weights {
                 return Err(EngineError::Config(format!(
                     "config says mlp_hidden_size = {list:?}, but the encoder weights have hidden layers {hidden_from_weights:?}"

@@ -26,7 +26,9 @@ impl std::str::FromStr for UnknownItemPolicy {
         match s {
             "drop" | "skip" | "ignore" => Ok(UnknownItemPolicy::Drop),
             "error" => Ok(UnknownItemPolicy::Error),
-            _ => Err(format!("unknown_item_policy must be \"drop\" or \"error\", found {s:?}")),
+            _ => Err(format!(
+                "unknown_item_policy must be \"drop\" or \"error\", found {s:?}"
+            )),
         }
     }
 }
@@ -110,11 +112,19 @@ impl Engine {
     }
 
     /// Maps and validates one request. Errors name the offending input.
-    pub fn prepare(&self, request: &Request<'_>, options: &ServeOptions) -> Result<(InternalRequest, usize)> {
+    pub fn prepare(
+        &self,
+        request: &Request<'_>,
+        options: &ServeOptions,
+    ) -> Result<(InternalRequest, usize)> {
         let k = match request.k {
             None => options.default_k,
             Some(k) if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
-            Some(k) => return Err(EngineError::InvalidRequest(format!("K must be at least 1, found {k}"))),
+            Some(k) => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "K must be at least 1, found {k}"
+                )))
+            }
         };
         let history = self.ids.map(request.history);
         if history.unknown > 0 && options.unknown_items == UnknownItemPolicy::Error {
@@ -123,7 +133,10 @@ impl Engine {
                 history.unknown
             )));
         }
-        let exclude = request.exclude.map(|e| self.ids.map(e).indices).unwrap_or_default();
+        let exclude = request
+            .exclude
+            .map(|e| self.ids.map(e).indices)
+            .unwrap_or_default();
         Ok((
             InternalRequest {
                 history: history.indices,
@@ -137,7 +150,11 @@ impl Engine {
 
     /// Answers a batch. Each request gets its own result; a bad request does not affect the others,
     /// and the good ones run as one batch.
-    pub fn recommend(&self, requests: &[Request<'_>], options: &ServeOptions) -> Vec<Result<Recommendation>> {
+    pub fn recommend(
+        &self,
+        requests: &[Request<'_>],
+        options: &ServeOptions,
+    ) -> Vec<Result<Recommendation>> {
         let mut results: Vec<Option<Result<Recommendation>>> = Vec::with_capacity(requests.len());
         let mut batch = Vec::new();
         let mut unknown = Vec::new();
@@ -154,14 +171,19 @@ impl Engine {
             }
         }
         let answers = self.recommend_internal(&batch);
-        for (((slot, (items, note)), n_unknown), _) in slots.into_iter().zip(answers).zip(unknown).zip(&batch) {
+        for (((slot, (items, note)), n_unknown), _) in
+            slots.into_iter().zip(answers).zip(unknown).zip(&batch)
+        {
             results[slot] = Some(Ok(Recommendation {
                 items,
                 unknown_ids: n_unknown,
                 truncated: note.truncated,
             }));
         }
-        results.into_iter().map(|r| r.expect("every slot is filled")).collect()
+        results
+            .into_iter()
+            .map(|r| r.expect("every slot is filled"))
+            .collect()
     }
 
     /// Top-k over internal indices for a batch of prepared requests.

@@ -133,8 +133,9 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
             (name.as_str(), view)
         })
         .collect();
-    safetensors::serialize_to_file(views, &None, &weights_path)
-        .map_err(|e| EngineError::Config(format!("cannot write {}: {e}", weights_path.display())))?;
+    safetensors::serialize_to_file(views, &None, &weights_path).map_err(|e| {
+        EngineError::Config(format!("cannot write {}: {e}", weights_path.display()))
+    })?;
     let ids_path = dir.join(ITEM_IDS_FILE);
     std::fs::write(&ids_path, parts.ids.to_tsv())
         .map_err(|e| EngineError::io(format!("cannot write {}", ids_path.display()), e))?;
@@ -202,7 +203,9 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
     let header: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| bad(format!("{MANIFEST_FILE} is not valid JSON: {e}")))?;
     if header.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
-        return Err(bad(format!("{MANIFEST_FILE} is not a {FORMAT_NAME} manifest")));
+        return Err(bad(format!(
+            "{MANIFEST_FILE} is not a {FORMAT_NAME} manifest"
+        )));
     }
     match header.get("format_version").and_then(|v| v.as_u64()) {
         Some(v) if v == FORMAT_VERSION as u64 => {}
@@ -224,10 +227,13 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
     }
     for (file, entry) in &manifest.files {
         if file.contains(['/', '\\']) || file.starts_with('.') {
-            return Err(bad(format!("the manifest names a file outside the engine: {file:?}")));
+            return Err(bad(format!(
+                "the manifest names a file outside the engine: {file:?}"
+            )));
         }
         let path = dir.join(file);
-        let meta = std::fs::metadata(&path).map_err(|_| EngineError::NotFound { path: path.clone() })?;
+        let meta =
+            std::fs::metadata(&path).map_err(|_| EngineError::NotFound { path: path.clone() })?;
         if meta.len() != entry.bytes {
             return Err(bad(format!(
                 "{file} is {} bytes, the manifest says {} (truncated or replaced?)",
@@ -246,13 +252,15 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
         .map_err(|e| EngineError::io(format!("cannot map {}", weights_path.display()), e))?;
     verify(&weights_path, &map, &manifest.files[WEIGHTS_FILE].sha256)?;
     let storage = Storage::mapped(map);
-    let tensors = tensor_map(&storage).map_err(|reason| bad(format!("{WEIGHTS_FILE}: {reason}")))?;
+    let tensors =
+        tensor_map(&storage).map_err(|reason| bad(format!("{WEIGHTS_FILE}: {reason}")))?;
 
     let ids_path = dir.join(ITEM_IDS_FILE);
     let ids_bytes = std::fs::read(&ids_path)
         .map_err(|e| EngineError::io(format!("cannot read {}", ids_path.display()), e))?;
     verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
-    let ids_text = String::from_utf8(ids_bytes).map_err(|_| bad(format!("{ITEM_IDS_FILE} is not UTF-8")))?;
+    let ids_text =
+        String::from_utf8(ids_bytes).map_err(|_| bad(format!("{ITEM_IDS_FILE} is not UTF-8")))?;
     let ids = IdMap::parse_tsv(&ids_text).map_err(|reason| EngineError::IdMap {
         path: ids_path.clone(),
         reason,
@@ -301,7 +309,8 @@ fn tensor_map(storage: &Storage) -> Result<TensorMap, String> {
             return Err(format!("tensor {name} is {:?}, expected F32", view.dtype()));
         }
         let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
-        let tensor = Tensor::view(storage, offset, view.shape().to_vec()).map_err(|e| e.to_string())?;
+        let tensor =
+            Tensor::view(storage, offset, view.shape().to_vec()).map_err(|e| e.to_string())?;
         map.insert(name, tensor);
     }
     Ok(map)

@@ -109,9 +109,7 @@ impl IdMap {
             match index.trim().parse::<usize>() {
                 Ok(i) => rows.push((i, external)),
                 Err(_) if n == 0 => continue, // header
-                Err(_) => {
-                    return Err(format!("line {}: index {index:?} is not an integer", n + 1))
-                }
+                Err(_) => return Err(format!("line {}: index {index:?} is not an integer", n + 1)),
             }
         }
         if rows.is_empty() {
@@ -209,7 +207,11 @@ impl IdMap {
 
     pub fn index_of_str(&self, id: &str) -> Option<u32> {
         match &self.ids {
-            Ids::Int { lookup, .. } => id.trim().parse::<i64>().ok().and_then(|i| lookup.get(&i).copied()),
+            Ids::Int { lookup, .. } => id
+                .trim()
+                .parse::<i64>()
+                .ok()
+                .and_then(|i| lookup.get(&i).copied()),
             Ids::Str { lookup, .. } => lookup.get(id).copied(),
         }
     }
@@ -260,7 +262,13 @@ mod tests {
         assert_eq!(m.indices, vec![2, 1, 2]);
         assert_eq!(m.unknown, 2);
         assert_eq!(map.external(1), ExternalId::Int(10));
-        assert_eq!(IdMap::parse_tsv(&map.to_tsv()).unwrap().map(ExternalIds::Int(&[10])).indices, vec![1]);
+        assert_eq!(
+            IdMap::parse_tsv(&map.to_tsv())
+                .unwrap()
+                .map(ExternalIds::Int(&[10]))
+                .indices,
+            vec![1]
+        );
     }
 
     #[test]
@@ -273,10 +281,18 @@ mod tests {
 
     #[test]
     fn rejects_gaps_duplicates_and_zero() {
-        assert!(IdMap::parse_tsv("1\t10\n3\t30\n").unwrap_err().contains("outside"));
-        assert!(IdMap::parse_tsv("1\t10\n1\t11\n").unwrap_err().contains("twice"));
-        assert!(IdMap::parse_tsv("0\t10\n").unwrap_err().contains("reserved"));
-        assert!(IdMap::parse_tsv("1\t10\n2\t10\n").unwrap_err().contains("appears twice"));
+        assert!(IdMap::parse_tsv("1\t10\n3\t30\n")
+            .unwrap_err()
+            .contains("outside"));
+        assert!(IdMap::parse_tsv("1\t10\n1\t11\n")
+            .unwrap_err()
+            .contains("twice"));
+        assert!(IdMap::parse_tsv("0\t10\n")
+            .unwrap_err()
+            .contains("reserved"));
+        assert!(IdMap::parse_tsv("1\t10\n2\t10\n")
+            .unwrap_err()
+            .contains("appears twice"));
         assert!(IdMap::parse_tsv("").unwrap_err().contains("no items"));
     }
 }

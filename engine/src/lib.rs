@@ -17,6 +17,9 @@ pub mod tensor;
 pub mod topk;
 
 pub use config::{ModelConfig, ModelKind};
-pub use engine::{convert, ConvertRequest, Engine, InternalRequest, Recommendation, Request, ServeOptions, UnknownItemPolicy};
+pub use engine::{
+    convert, ConvertRequest, Engine, InternalRequest, Recommendation, Request, ServeOptions,
+    UnknownItemPolicy,
+};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};

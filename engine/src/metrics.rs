@@ -89,7 +89,9 @@ pub struct TestCase {
 pub fn read_test_set(path: &Path) -> Result<Vec<TestCase>> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            EngineError::NotFound { path: path.to_path_buf() }
+            EngineError::NotFound {
+                path: path.to_path_buf(),
+            }
         } else {
             EngineError::io(format!("cannot read {}", path.display()), e)
         }
@@ -108,7 +110,12 @@ pub fn read_test_set(path: &Path) -> Result<Vec<TestCase>> {
                 reason: "expected user_id<TAB>target_item_id<TAB>history".into(),
             });
         };
-        let history = fields.next().unwrap_or("").split_whitespace().map(str::to_owned).collect();
+        let history = fields
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
         cases.push(TestCase {
             user_id: user.to_owned(),
             target: target.trim().to_owned(),
@@ -197,7 +204,11 @@ pub fn evaluate(
                     excluded.clear();
                     excluded.insert(0);
                     history.indices.iter().for_each(|&i| excluded.insert(i));
-                    Some(target_rank(&scores[row * n_out..(row + 1) * n_out], target, &excluded))
+                    Some(target_rank(
+                        &scores[row * n_out..(row + 1) * n_out],
+                        target,
+                        &excluded,
+                    ))
                 }
             };
             metrics.add(rank);

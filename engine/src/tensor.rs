@@ -53,7 +53,9 @@ pub struct Tensor {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Tensor").field("shape", &self.shape).finish()
+        f.debug_struct("Tensor")
+            .field("shape", &self.shape)
+            .finish()
     }
 }
 
@@ -81,7 +83,8 @@ impl Tensor {
         let bytes = storage.bytes();
         let end = byte_offset.checked_add(len_bytes);
         let in_bounds = end.is_some_and(|end| end <= bytes.len());
-        let aligned = (bytes.as_ptr() as usize + byte_offset) % std::mem::align_of::<f32>() == 0;
+        let aligned =
+            (bytes.as_ptr() as usize + byte_offset).is_multiple_of(std::mem::align_of::<f32>());
         if !in_bounds || !aligned {
             return Err(EngineError::Config(format!(
                 "tensor of shape {shape:?} at byte {byte_offset} does not fit the weights file \
@@ -115,8 +118,14 @@ impl Tensor {
 
     /// Rows `start..end` of a 1-D or 2-D tensor, sharing the storage.
     pub fn rows(&self, start: usize, end: usize) -> Tensor {
-        assert!(matches!(self.shape.len(), 1 | 2), "rows() needs a 1-D or 2-D tensor");
-        assert!(start <= end && end <= self.shape[0], "row range out of bounds");
+        assert!(
+            matches!(self.shape.len(), 1 | 2),
+            "rows() needs a 1-D or 2-D tensor"
+        );
+        assert!(
+            start <= end && end <= self.shape[0],
+            "row range out of bounds"
+        );
         let width: usize = self.shape[1..].iter().product();
         let mut shape = self.shape.clone();
         shape[0] = end - start;

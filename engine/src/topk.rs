@@ -123,7 +123,10 @@ mod tests {
             .iter()
             .enumerate()
             .filter(|(i, _)| !excluded.contains(&(*i as u32)))
-            .map(|(i, &s)| Scored { index: i as u32, score: s })
+            .map(|(i, &s)| Scored {
+                index: i as u32,
+                score: s,
+            })
             .collect();
         all.sort_by(rank_order);
         all.truncate(k);

@@ -24,12 +24,26 @@ fn check_logits_and_topk(kind: ModelKind) {
 
         // Top-100 from the raw request (unknown ids included, so the id map is exercised too).
         let raw = i64s(&case["history_ext"]);
-        let options = ServeOptions { default_k: 100, ..ServeOptions::default() };
+        let options = ServeOptions {
+            default_k: 100,
+            ..ServeOptions::default()
+        };
         let answer = engine
-            .recommend(&[Request { history: ExternalIds::Int(&raw), k: None, exclude: None }], &options)
+            .recommend(
+                &[Request {
+                    history: ExternalIds::Int(&raw),
+                    k: None,
+                    exclude: None,
+                }],
+                &options,
+            )
             .remove(0)
             .unwrap();
-        assert_eq!(answer.unknown_ids, case["unknown_ext"].as_array().unwrap().len(), "case {case_no}");
+        assert_eq!(
+            answer.unknown_ids,
+            case["unknown_ext"].as_array().unwrap().len(),
+            "case {case_no}"
+        );
         let want_top = case["topk"].as_array().unwrap();
         assert_eq!(answer.items.len(), want_top.len(), "case {case_no}");
         for (pos, (got, want)) in answer.items.iter().zip(want_top).enumerate() {
@@ -41,7 +55,9 @@ fn check_logits_and_topk(kind: ModelKind) {
                     .iter()
                     .find(|w| w["internal"].as_u64().unwrap() as u32 == got.index)
                     .map(|w| w["score"].as_f64().unwrap() as f32)
-                    .unwrap_or_else(|| golden.logits_f32[case_no * golden.n_outputs + got.index as usize]);
+                    .unwrap_or_else(|| {
+                        golden.logits_f32[case_no * golden.n_outputs + got.index as usize]
+                    });
                 assert!(
                     (ours_in_torch - want_score).abs() <= LOGIT_ABS_TOL,
                     "case {case_no} position {pos}: got item {} want {want_index} (scores {ours_in_torch} vs {want_score})",
@@ -51,12 +67,19 @@ fn check_logits_and_topk(kind: ModelKind) {
             }
             assert_eq!(
                 engine.external_id(got.index).to_string(),
-                if got.index == want_index { want["external"].to_string() } else { engine.external_id(got.index).to_string() }
+                if got.index == want_index {
+                    want["external"].to_string()
+                } else {
+                    engine.external_id(got.index).to_string()
+                }
             );
         }
     }
     eprintln!("{kind}: max |logit diff| = {max_diff:e}, top-100 positions differing at exact ties: {swapped_ties}");
-    assert!(max_diff <= LOGIT_ABS_TOL, "{kind}: max |logit diff| {max_diff} > {LOGIT_ABS_TOL}");
+    assert!(
+        max_diff <= LOGIT_ABS_TOL,
+        "{kind}: max |logit diff| {max_diff} > {LOGIT_ABS_TOL}"
+    );
 }
 
 #[test]
@@ -74,14 +97,30 @@ fn check_metrics(kind: ModelKind) {
     let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
     let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
     let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model_dir(kind).join("metrics.json")).unwrap()).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir(kind).join("metrics.json")).unwrap(),
+    )
+    .unwrap();
     let expected = &expected["test_float64"];
-    for key in ["ndcg@10", "recall@10", "ndcg@20", "recall@20", "ndcg@100", "recall@100", "mrr"] {
+    for key in [
+        "ndcg@10",
+        "recall@10",
+        "ndcg@20",
+        "recall@20",
+        "ndcg@100",
+        "recall@100",
+        "mrr",
+    ] {
         let (got, want) = (report.metrics[key], expected[key].as_f64().unwrap());
-        assert!((got - want).abs() <= 1e-6, "{kind} {key}: {got} vs PyTorch {want}");
+        assert!(
+            (got - want).abs() <= 1e-6,
+            "{kind} {key}: {got} vs PyTorch {want}"
+        );
     }
-    assert_eq!(report.metrics["n_users"], expected["n_users"].as_f64().unwrap());
+    assert_eq!(
+        report.metrics["n_users"],
+        expected["n_users"].as_f64().unwrap()
+    );
 
     // Rank by rank against PyTorch's float64 ranks.
     let ranks_text = std::fs::read_to_string(model_dir(kind).join("test_ranks.tsv")).unwrap();
@@ -92,7 +131,10 @@ fn check_metrics(kind: ModelKind) {
             differing += 1;
         }
     }
-    assert_eq!(differing, 0, "{kind}: {differing} users' target ranks differ from PyTorch float64");
+    assert_eq!(
+        differing, 0,
+        "{kind}: {differing} users' target ranks differ from PyTorch float64"
+    );
 }
 
 #[test]
@@ -111,13 +153,21 @@ fn batched_ragged_histories_equal_one_by_one() {
         let tmp = tempfile::tempdir().unwrap();
         let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
         let golden = golden(kind);
-        let histories: Vec<Vec<u32>> = golden.cases.iter().map(|c| u32s(&c["effective_history_internal"])).collect();
+        let histories: Vec<Vec<u32>> = golden
+            .cases
+            .iter()
+            .map(|c| u32s(&c["effective_history_internal"]))
+            .collect();
         let refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
         let batched = engine.model.score_all(&refs);
         let n = engine.model.output().n_outputs();
         for (i, h) in refs.iter().enumerate() {
             let single = engine.model.score_all(&[h]);
-            assert_eq!(&batched[i * n..(i + 1) * n], &single[..], "{kind}: history {i} differs in a batch");
+            assert_eq!(
+                &batched[i * n..(i + 1) * n],
+                &single[..],
+                "{kind}: history {i} differs in a batch"
+            );
         }
     }
 }

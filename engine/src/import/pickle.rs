@@ -26,7 +26,10 @@ pub enum Value {
     Dict(Vec<(Value, Value)>),
     Set(Vec<Value>),
     /// A reference to `module.name`; never resolved.
-    Global { module: String, name: String },
+    Global {
+        module: String,
+        name: String,
+    },
     /// The result of calling `callable(*args)` and then `BUILD`ing `state` into it, recorded, not run.
     Object {
         callable: Box<Value>,
@@ -88,7 +91,9 @@ impl Value {
     /// How many values this one contains, itself included; used to bound memory.
     fn node_count(&self) -> usize {
         1 + match self {
-            Value::List(v) | Value::Tuple(v) | Value::Set(v) => v.iter().map(Value::node_count).sum(),
+            Value::List(v) | Value::Tuple(v) | Value::Set(v) => {
+                v.iter().map(Value::node_count).sum()
+            }
             Value::Dict(items) => items
                 .iter()
                 .map(|(k, v)| k.node_count() + v.node_count())
@@ -213,7 +218,9 @@ impl<'a> Machine<'a> {
     fn count(&mut self, n: usize) -> Result<(), PickleError> {
         self.values_made = self.values_made.saturating_add(n);
         if self.values_made > MAX_VALUES {
-            return self.error(format!("more than {MAX_VALUES} values; refusing to continue"));
+            return self.error(format!(
+                "more than {MAX_VALUES} values; refusing to continue"
+            ));
         }
         Ok(())
     }
@@ -591,7 +598,7 @@ fn long_from_bytes(bytes: &[u8]) -> Value {
 }
 
 fn pairs_of(items: Vec<Value>) -> Result<Vec<(Value, Value)>, String> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err("odd number of items for a dict".into());
     }
     let mut pairs = Vec::with_capacity(items.len() / 2);
@@ -681,7 +688,10 @@ mod tests {
     fn truncated_stream_is_an_error() {
         let err = parse(b"\x80\x02X\xff\x00\x00\x00abc").unwrap_err();
         assert!(err.message.contains("truncated"), "{err}");
-        assert!(parse(b"\x80\x02K\x01").unwrap_err().message.contains("truncated"));
+        assert!(parse(b"\x80\x02K\x01")
+            .unwrap_err()
+            .message
+            .contains("truncated"));
     }
 
     #[test]

@@ -26,7 +26,10 @@ pub(super) fn read(path: &Path, bytes: &[u8]) -> Result<Parsed> {
         .find(|n| *n == "data.pkl" || n.ends_with("/data.pkl"))
         .map(str::to_owned)
         .ok_or_else(|| bad("zip archive has no data.pkl: not a torch.save checkpoint".into()))?;
-    let prefix = pickle_name.strip_suffix("data.pkl").unwrap_or("").to_owned();
+    let prefix = pickle_name
+        .strip_suffix("data.pkl")
+        .unwrap_or("")
+        .to_owned();
 
     if let Some(order) = read_entry(&mut archive, &format!("{prefix}byteorder"), path)? {
         if order != b"little" {
@@ -41,8 +44,10 @@ pub(super) fn read(path: &Path, bytes: &[u8]) -> Result<Parsed> {
     let root = pickle::parse(&pickled).map_err(|e| bad(format!("in {pickle_name}: {e}")))?;
 
     let (format, state_dict) = find_state_dict(&root).ok_or_else(|| {
-        bad("no state dict found: expected a dict of tensors, or a dict with a 'state_dict' entry"
-            .into())
+        bad(
+            "no state dict found: expected a dict of tensors, or a dict with a 'state_dict' entry"
+                .into(),
+        )
     })?;
 
     let mut tensors = BTreeMap::new();
@@ -59,8 +64,8 @@ pub(super) fn read(path: &Path, bytes: &[u8]) -> Result<Parsed> {
                 "tensor '{name}': storage {storage_name} is missing from the archive"
             ))
         })?;
-        let bytes = gather(&spec, &storage)
-            .map_err(|reason| bad(format!("tensor '{name}': {reason}")))?;
+        let bytes =
+            gather(&spec, &storage).map_err(|reason| bad(format!("tensor '{name}': {reason}")))?;
         tensors.insert(
             name.to_owned(),
             RawTensor {
@@ -72,13 +77,14 @@ pub(super) fn read(path: &Path, bytes: &[u8]) -> Result<Parsed> {
     }
 
     let config = match format {
-        CheckpointFormat::Recbole => root
-            .get("config")
-            .and_then(recbole_final_config)
-            .map(|c| match to_json(c) {
-                serde_json::Value::Object(map) => map,
-                _ => serde_json::Map::new(),
-            }),
+        CheckpointFormat::Recbole => {
+            root.get("config")
+                .and_then(recbole_final_config)
+                .map(|c| match to_json(c) {
+                    serde_json::Value::Object(map) => map,
+                    _ => serde_json::Map::new(),
+                })
+        }
         _ => None,
     };
     Ok((format, tensors, config))
@@ -150,14 +156,18 @@ fn tensor_spec(value: &Value) -> Option<Result<TensorSpec, String>> {
 }
 
 fn parse_rebuild_args(args: &Value) -> Result<TensorSpec, String> {
-    let args = args.as_sequence().ok_or("rebuild arguments are not a tuple")?;
+    let args = args
+        .as_sequence()
+        .ok_or("rebuild arguments are not a tuple")?;
     if args.len() < 4 {
         return Err(format!("rebuild takes 4+ arguments, found {}", args.len()));
     }
     let Value::PersistentId(pid) = &args[0] else {
         return Err("storage is not a persistent reference".into());
     };
-    let pid = pid.as_sequence().ok_or("storage reference is not a tuple")?;
+    let pid = pid
+        .as_sequence()
+        .ok_or("storage reference is not a tuple")?;
     if pid.len() < 5 || pid[0].as_str() != Some("storage") {
         return Err("storage reference is not ('storage', type, key, location, numel)".into());
     }

@@ -63,7 +63,13 @@ impl LayerNorm {
     }
 
     fn apply(&self, x: &mut [f32], eps: f64) {
-        cpu::layer_norm_rows(x, self.gamma.len(), self.gamma.as_slice(), self.beta.as_slice(), eps);
+        cpu::layer_norm_rows(
+            x,
+            self.gamma.len(),
+            self.gamma.as_slice(),
+            self.beta.as_slice(),
+            eps,
+        );
     }
 }
 
@@ -125,7 +131,10 @@ fn tensor_shapes(c: &Bert4RecConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 /// BERT4Rec's engine tensors are the state-dict tensors under their own names.
-pub(super) fn engine_tensors(c: &Bert4RecConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
+pub(super) fn engine_tensors(
+    c: &Bert4RecConfig,
+    ckpt: &Checkpoint,
+) -> Result<Vec<(String, Tensor)>> {
     tensor_shapes(c)
         .into_iter()
         .map(|(name, shape)| {
@@ -183,7 +192,12 @@ impl Bert4Rec {
         let start = history.len().saturating_sub(keep);
         let mut tokens = history[start..].to_vec();
         tokens.push(self.mask_index());
-        (tokens, HistoryNote { truncated: start > 0 })
+        (
+            tokens,
+            HistoryNote {
+                truncated: start > 0,
+            },
+        )
     }
 
     /// Hidden vector at the MASK slot after the output head, `[B, hidden]`.
@@ -218,7 +232,11 @@ impl Bert4Rec {
             };
             x = self.transformer_layer(layer, &x, &spans, &query_rows);
         }
-        debug_assert_eq!(x.len(), histories.len() * h, "one row per sequence after the last layer");
+        debug_assert_eq!(
+            x.len(),
+            histories.len() * h,
+            "one row per sequence after the last layer"
+        );
 
         let mut head = self.head_dense.forward(&x);
         cpu::gelu_erf_inplace(&mut head);

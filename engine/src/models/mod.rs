@@ -70,8 +70,8 @@ pub(crate) fn take(tensors: &TensorMap, name: &str, shape: &[usize]) -> Result<T
 /// A model ready to run.
 #[derive(Clone, Debug)]
 pub enum Model {
-    Bert4rec(Bert4Rec),
-    Vaecf(VaeCf),
+    Bert4rec(Box<Bert4Rec>),
+    Vaecf(Box<VaeCf>),
 }
 
 /// What a model reports about one history besides its hidden vector.
@@ -83,7 +83,10 @@ pub struct HistoryNote {
 
 impl Model {
     /// Picks, checks and re-lays-out the checkpoint tensors the model needs, under engine names.
-    pub fn engine_tensors(config: &ModelConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
+    pub fn engine_tensors(
+        config: &ModelConfig,
+        ckpt: &Checkpoint,
+    ) -> Result<Vec<(String, Tensor)>> {
         match config {
             ModelConfig::Bert4rec(c) => bert4rec::engine_tensors(c, ckpt),
             ModelConfig::Vaecf(c) => vaecf::engine_tensors(c, ckpt),
@@ -92,8 +95,12 @@ impl Model {
 
     pub fn from_tensors(config: &ModelConfig, tensors: &TensorMap) -> Result<Model> {
         Ok(match config {
-            ModelConfig::Bert4rec(c) => Model::Bert4rec(Bert4Rec::from_tensors(c.clone(), tensors)?),
-            ModelConfig::Vaecf(c) => Model::Vaecf(VaeCf::from_tensors(c.clone(), tensors)?),
+            ModelConfig::Bert4rec(c) => {
+                Model::Bert4rec(Box::new(Bert4Rec::from_tensors(c.clone(), tensors)?))
+            }
+            ModelConfig::Vaecf(c) => {
+                Model::Vaecf(Box::new(VaeCf::from_tensors(c.clone(), tensors)?))
+            }
         })
     }
 

@@ -26,7 +26,13 @@ impl Dense {
         let in_dim = self.weight.shape()[1];
         out.clear();
         out.resize(x.len() / in_dim * self.weight.shape()[0], 0.0);
-        cpu::linear(x, in_dim, self.weight.as_slice(), Some(self.bias.as_slice()), out);
+        cpu::linear(
+            x,
+            in_dim,
+            self.weight.as_slice(),
+            Some(self.bias.as_slice()),
+            out,
+        );
     }
 }
 
@@ -43,7 +49,10 @@ pub struct VaeCf {
 }
 
 /// `(state-dict name prefix, [out, in])` of every Linear layer, encoder then decoder.
-fn layer_shapes(c: &VaeCfConfig) -> (Vec<(String, [usize; 2])>, Vec<(String, [usize; 2])>) {
+/// A Linear layer's state-dict prefix and `[out, in]` shape.
+type LayerShape = (String, [usize; 2]);
+
+fn layer_shapes(c: &VaeCfConfig) -> (Vec<LayerShape>, Vec<LayerShape>) {
     let mut enc_dims = vec![c.n_items + 1];
     enc_dims.extend(&c.hidden_sizes);
     enc_dims.push(2 * c.latent_size);
@@ -91,7 +100,9 @@ impl VaeCf {
             .iter()
             .map(|(p, s)| load(p, s))
             .collect::<Result<Vec<_>>>()?;
-        let last = encoder_rest.last_mut().expect("config has at least one hidden layer");
+        let last = encoder_rest
+            .last_mut()
+            .expect("config has at least one hidden layer");
         let mu = config.latent_size;
         *last = Dense {
             weight: last.weight.rows(0, mu),
@@ -127,7 +138,12 @@ impl VaeCf {
         for history in histories {
             // Binary multi-hot: duplicates collapse; PAD (0) is never an input.
             items.clear();
-            items.extend(history.iter().copied().filter(|&i| i != 0 && (i as usize) <= self.config.n_items));
+            items.extend(
+                history
+                    .iter()
+                    .copied()
+                    .filter(|&i| i != 0 && (i as usize) <= self.config.n_items),
+            );
             items.sort_unstable();
             items.dedup();
             let mut acc = vec![0f32; width];
@@ -141,7 +157,7 @@ impl VaeCf {
             x.extend(
                 acc.iter()
                     .zip(self.first_bias.as_slice())
-                    .map(|(a, b)| a.mul_add(scale, *b).tanh()),
+                    .map(|(a, b)| (a * scale + b).tanh()),
             );
         }
         let mut next = Vec::new();

@@ -1,0 +1,138 @@
+//! Command-line definitions. The help text is the user manual of each command.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "recsys",
+    version,
+    about = "Convert, evaluate and run BERT4Rec and VAE-CF recommenders",
+    long_about = "recsys turns recommenders trained in PyTorch or RecBole into engine directories that the \
+Triton backend (libtriton_recsys.so) serves, scores users offline, and evaluates ranking quality.\n\n\
+Typical flow:\n  recsys convert --kind bert4rec --checkpoint model.pt --config config.json \\\n      \
+--item-map item_id_map.tsv --out model_repository/bert4rec/1\n  \
+recsys eval --engine model_repository/bert4rec/1 --test test_set.tsv\n  \
+recsys predict --engine model_repository/bert4rec/1 --input users.jsonl --output recs.jsonl"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Import a trained checkpoint and write a verified engine directory.
+    Convert(ConvertArgs),
+    /// Score users offline: JSON lines of histories in, JSON lines of top-k items out.
+    Predict(PredictArgs),
+    /// Leave-one-out evaluation (NDCG@k, Recall@k, MRR) over the full catalogue.
+    Eval(EvalArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Kind {
+    /// RecBole BERT4Rec (sequential; order of the history matters).
+    Bert4rec,
+    /// RecBole MultiVAE / Mult-VAE (collaborative filtering; the history is a set).
+    Vaecf,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Precision {
+    /// 32-bit floats, PyTorch-exact within f32 rounding.
+    Fp32,
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Checkpoints are read as data: pickle code in .pt/.pth files is never executed. \
+The format is detected from the file's content, so the extension does not matter.\n\n\
+The engine directory holds manifest.json (hyper-parameters, precision, source checksum, per-file \
+sha256), weights.safetensors and item_ids.tsv; loading it verifies every checksum."
+)]
+pub struct ConvertArgs {
+    /// Model architecture of the checkpoint.
+    #[arg(long, value_enum)]
+    pub kind: Kind,
+    /// Trained weights: .safetensors, a torch.save state dict (.pt/.pth), or a RecBole checkpoint.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Hyper-parameters as JSON (n_heads, max_seq_length, ...). Optional for RecBole checkpoints,
+    /// which carry their own; anything the weights' shapes determine is checked against them.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// TSV of `internal_index<TAB>external_item_id` for items 1..N (a header line is allowed).
+    #[arg(long)]
+    pub item_map: PathBuf,
+    /// Engine directory to create (for serving: <model_repository>/<model>/<version>).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Numeric precision of the engine.
+    #[arg(long, value_enum, default_value = "fp32")]
+    pub precision: Precision,
+    /// Replace the output directory if it already exists.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Input: one JSON object per line with \"item_ids\" (the history, oldest first, as \
+numbers or strings); optional \"k\" and \"exclude_item_ids\". Every other field (\"user_id\", ...) is copied \
+to the output.\n\
+Output: one line per input line, in input order: {\"item_ids\": [...best first], \"scores\": [...], ...}. \
+A line that cannot be served gets {\"error\": \"...\", \"line\": N} in its place and the run goes on.\n\n\
+Exit status: 0 all lines served, 3 some lines failed (a summary goes to stderr), 1 the run could not \
+start or stopped (unreadable engine or input, unwritable output)."
+)]
+pub struct PredictArgs {
+    /// Engine directory written by `recsys convert`.
+    #[arg(long)]
+    pub engine: PathBuf,
+    /// JSON-lines input; `-` reads standard input.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// JSON-lines output; `-` writes standard output.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Items to return per user (a line's own "k" wins).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub k: u32,
+    /// Lines scored together; memory stays bounded by this, whatever the file size.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub batch_size: u32,
+    /// Also recommend items that are in the user's history.
+    #[arg(long)]
+    pub include_seen: bool,
+    /// Fail a line whose history holds ids unknown to the model, instead of dropping those ids.
+    #[arg(long)]
+    pub strict_ids: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "The test file has `user_id<TAB>target_item_id<TAB>history` lines (history: \
+space-separated external ids, oldest first; a header line is allowed). Each target is ranked against \
+every item except PAD and the user's history; rank0 counts items scoring strictly higher. \
+NDCG@k = 1/log2(rank0+2) if rank0 < k, Recall@k = HR@k = [rank0 < k], MRR = 1/(rank0+1). \
+Targets unknown to the model count as misses. Prints JSON to stdout."
+)]
+pub struct EvalArgs {
+    /// Engine directory written by `recsys convert`.
+    #[arg(long)]
+    pub engine: PathBuf,
+    /// Leave-one-out test file.
+    #[arg(long)]
+    pub test: PathBuf,
+    /// Cut-offs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "10,20,100")]
+    pub k: Vec<usize>,
+    /// Users scored together.
+    #[arg(long, default_value_t = 256)]
+    pub batch_size: usize,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+}

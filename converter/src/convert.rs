@@ -1,0 +1,75 @@
+//! `recsys convert`.
+
+use crate::cli::{ConvertArgs, Kind};
+use crate::error::{CliError, Result};
+use crate::progress;
+use recsys_engine::{ConvertRequest, ModelKind};
+
+pub fn run(args: &ConvertArgs) -> Result<i32> {
+    if args.out.exists() && !args.force {
+        let empty = std::fs::read_dir(&args.out)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
+        if !empty {
+            return Err(CliError::Usage(format!(
+                "{} already exists; pass --force to replace it",
+                args.out.display()
+            )));
+        }
+    }
+    let config = match &args.config {
+        None => None,
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(CliError::io(format!(
+                "cannot read config {}",
+                path.display()
+            )))?;
+            match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(serde_json::Value::Object(map)) => Some(map),
+                Ok(_) => {
+                    return Err(CliError::Usage(format!(
+                        "{} is not a JSON object",
+                        path.display()
+                    )))
+                }
+                Err(e) => {
+                    return Err(CliError::Usage(format!(
+                        "{} is not valid JSON: {e}",
+                        path.display()
+                    )))
+                }
+            }
+        }
+    };
+    let kind = match args.kind {
+        Kind::Bert4rec => ModelKind::Bert4rec,
+        Kind::Vaecf => ModelKind::Vaecf,
+    };
+    let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
+    let engine = recsys_engine::convert(&ConvertRequest {
+        kind,
+        checkpoint: &args.checkpoint,
+        config: config.as_ref(),
+        item_map: &args.item_map,
+        out: &args.out,
+    });
+    bar.finish_and_clear();
+    let engine = engine?;
+    let m = &engine.manifest;
+    let weights = &m.files[recsys_engine::engine_dir::WEIGHTS_FILE];
+    // The manifest's own spelling of the enums, so the message matches what users see in the file.
+    let name = |v: serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    println!(
+        "wrote {} engine to {}: {} items ({} ids), precision {}, weights {:.1} MiB, source {} ({}, sha256 {})",
+        m.model.kind(),
+        args.out.display(),
+        engine.n_items(),
+        name(serde_json::json!(m.id_type)),
+        name(serde_json::json!(m.precision)),
+        weights.bytes as f64 / (1024.0 * 1024.0),
+        m.source.file,
+        name(serde_json::json!(m.source.format)),
+        &m.source.sha256[..12],
+    );
+    Ok(0)
+}

@@ -1,0 +1,40 @@
+//! `recsys eval`.
+
+use crate::cli::EvalArgs;
+use crate::error::{CliError, Result};
+use crate::progress;
+use recsys_engine::metrics::{evaluate, read_test_set};
+use recsys_engine::Engine;
+
+pub fn run(args: &EvalArgs) -> Result<i32> {
+    if args.k.is_empty() || args.k.contains(&0) {
+        return Err(CliError::Usage("--k needs cut-offs of at least 1".into()));
+    }
+    let engine = Engine::load(&args.engine)?;
+    let cases = read_test_set(&args.test)?;
+    let bar = progress::counter(cases.len() as u64, "users");
+    let started = std::time::Instant::now();
+    let report = evaluate(&engine, &cases, &args.k, args.batch_size, |n| {
+        bar.inc(n as u64)
+    });
+    bar.finish_and_clear();
+    let mut json = serde_json::json!({
+        "engine": args.engine.display().to_string(),
+        "model": engine.kind().to_string(),
+        "test": args.test.display().to_string(),
+        "metrics": report.metrics,
+        "unknown_history_ids": report.unknown_history_ids,
+        "unknown_targets": report.unknown_targets,
+        "seconds": started.elapsed().as_secs_f64(),
+    });
+    if let Some(n) = json["metrics"]["n_users"].as_f64() {
+        json["metrics"]["n_users"] = serde_json::json!(n as u64);
+    }
+    let text = serde_json::to_string_pretty(&json).expect("report serialises");
+    println!("{text}");
+    if let Some(path) = &args.output {
+        std::fs::write(path, text + "\n")
+            .map_err(CliError::io(format!("cannot write {}", path.display())))?;
+    }
+    Ok(0)
+}

@@ -1,0 +1,32 @@
+//! `recsys`: turn trained recommender checkpoints into serving engines, score users offline and
+//! evaluate ranking quality.
+
+mod cli;
+mod convert;
+mod error;
+mod eval;
+mod predict;
+mod progress;
+
+use clap::Parser;
+
+fn main() {
+    let cli = cli::Cli::parse();
+    let code = match cli.command {
+        cli::Command::Convert(args) => convert::run(&args),
+        cli::Command::Predict(args) => predict::run(&args),
+        cli::Command::Eval(args) => eval::run(&args),
+    };
+    match code {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                eprintln!("  caused by: {cause}");
+                source = cause.source();
+            }
+            std::process::exit(1);
+        }
+    }
+}

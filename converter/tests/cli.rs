@@ -1,0 +1,258 @@
+//! The `recsys` binary end to end on the fixture models: convert, predict and eval against PyTorch.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+fn recsys() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_recsys"))
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+fn convert(model_dir: &str, kind: &str, checkpoint: &str, out: &Path) {
+    let dir = fixtures().join(model_dir);
+    let status = recsys()
+        .args(["convert", "--kind", kind, "--checkpoint"])
+        .arg(dir.join(checkpoint))
+        .arg("--config")
+        .arg(dir.join("config.json"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--out")
+        .arg(out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// `recsys predict` answers each golden request with PyTorch's top-100, in input order.
+fn predict_matches_golden(model_dir: &str, kind: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tmp.path().join("engine");
+    convert(model_dir, kind, "model.safetensors", &engine);
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(model_dir).join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    let cases = golden["cases"].as_array().unwrap();
+    let input: String = cases
+        .iter()
+        .map(|c| {
+            serde_json::json!({"case": c["case"], "item_ids": c["history_ext"]}).to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(tmp.path().join("in.jsonl"), input).unwrap();
+    // A batch size that does not divide 64 checks order across batch boundaries.
+    let status = recsys()
+        .args(["predict", "--k", "100", "--batch-size", "7", "--engine"])
+        .arg(&engine)
+        .arg("--input")
+        .arg(tmp.path().join("in.jsonl"))
+        .arg("--output")
+        .arg(tmp.path().join("out.jsonl"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = std::fs::read_to_string(tmp.path().join("out.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), cases.len());
+    let mut differing = 0;
+    for (line, case) in lines.iter().zip(cases) {
+        assert_eq!(line["case"], case["case"], "output order");
+        let want: Vec<&serde_json::Value> = case["topk"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| &t["external"])
+            .collect();
+        let got: Vec<&serde_json::Value> = line["item_ids"].as_array().unwrap().iter().collect();
+        assert_eq!(got.len(), want.len());
+        let scores = case["topk"].as_array().unwrap();
+        for (pos, (g, w)) in got.iter().zip(&want).enumerate() {
+            if g != w {
+                // Allowed only at an exact tie in PyTorch's own scores.
+                let next = scores.get(pos + 1).map(|s| s["score"].as_f64().unwrap());
+                let prev = pos
+                    .checked_sub(1)
+                    .map(|p| scores[p]["score"].as_f64().unwrap());
+                let here = scores[pos]["score"].as_f64().unwrap();
+                assert!(
+                    next == Some(here) || prev == Some(here),
+                    "case {}: position {pos}",
+                    case["case"]
+                );
+                differing += 1;
+            }
+        }
+    }
+    assert_eq!(
+        differing, 0,
+        "top-100 positions differing (all at exact ties)"
+    );
+}
+
+#[test]
+fn bert4rec_predict_reproduces_pytorch_top100() {
+    predict_matches_golden("bert4rec", "bert4rec");
+}
+
+#[test]
+fn vaecf_predict_reproduces_pytorch_top100() {
+    predict_matches_golden("multivae", "vaecf");
+}
+
+#[test]
+fn eval_prints_pytorch_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "recbole_checkpoint.pth", &engine);
+    let out = recsys()
+        .args(["eval", "--k", "10,20,100", "--engine"])
+        .arg(&engine)
+        .arg("--test")
+        .arg(fixtures().join("test_set.tsv"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("bert4rec/metrics.json")).unwrap(),
+    )
+    .unwrap();
+    for key in [
+        "ndcg@10",
+        "recall@10",
+        "ndcg@20",
+        "recall@20",
+        "ndcg@100",
+        "recall@100",
+        "mrr",
+    ] {
+        let (got, want) = (
+            report["metrics"][key].as_f64().unwrap(),
+            expected["test_float64"][key].as_f64().unwrap(),
+        );
+        assert!((got - want).abs() <= 1e-6, "{key}: {got} vs {want}");
+    }
+    assert_eq!(report["metrics"]["n_users"], 5000);
+}
+
+#[test]
+fn predict_reports_bad_lines_in_place_and_exits_3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.pt", &engine);
+    let input = concat!(
+        "{\"user_id\": 1, \"item_ids\": [10011403, 10011207]}\n",
+        "{\"user_id\": 2, \"item_ids\": \"oops\"}\n",
+        "this is not json\n",
+        "\n",
+        "{\"user_id\": 3, \"item_ids\": [\"10011403\"], \"k\": 2, \"exclude_item_ids\": [10011445]}\n",
+        "{\"user_id\": 4, \"item_ids\": [10011403], \"k\": -1}\n",
+        "{\"user_id\": 5, \"item_ids\": [1, 2, 3]}\n",
+    );
+    let mut child = recsys()
+        .args([
+            "predict", "--input", "-", "--output", "-", "--k", "3", "--engine",
+        ])
+        .arg(&engine)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), input.as_bytes()).unwrap();
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("6 lines, 3 ok, 3 failed"), "{stderr}");
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6);
+    assert_eq!(lines[0]["user_id"], 1);
+    assert_eq!(lines[0]["item_ids"].as_array().unwrap().len(), 3);
+    assert_eq!(lines[1]["user_id"], 2);
+    assert!(lines[1]["error"].as_str().unwrap().contains("item_ids"));
+    assert_eq!(lines[2]["line"], 3);
+    assert!(lines[2]["error"].as_str().unwrap().contains("invalid JSON"));
+    assert_eq!(lines[3]["user_id"], 3);
+    let recs = lines[3]["item_ids"].as_array().unwrap();
+    assert_eq!(recs.len(), 2);
+    assert!(
+        !recs.contains(&serde_json::json!(10011445)),
+        "excluded item came back"
+    );
+    assert!(
+        !recs.contains(&serde_json::json!(10011403)),
+        "seen item came back"
+    );
+    assert!(lines[4]["error"].as_str().unwrap().contains("\"k\""));
+    // Only unknown ids: the model's answer for an empty history, not an error.
+    assert_eq!(lines[5]["user_id"], 5);
+    assert_eq!(lines[5]["item_ids"].as_array().unwrap().len(), 3);
+
+    // --strict-ids turns unknown ids into per-line errors.
+    let out = recsys()
+        .args(["predict", "--strict-ids", "--input"])
+        .arg(tmp.path().join("missing.jsonl"))
+        .args(["--output", "-", "--engine"])
+        .arg(&engine)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot open input"));
+}
+
+#[test]
+fn convert_refuses_to_overwrite_and_explains_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.pt", &engine);
+    let dir = fixtures().join("bert4rec");
+    let out = recsys()
+        .args(["convert", "--kind", "bert4rec", "--checkpoint"])
+        .arg(dir.join("model.pt"))
+        .arg("--config")
+        .arg(dir.join("config.json"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--out")
+        .arg(&engine)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+
+    // The wrong kind for the checkpoint names the tensor it could not find.
+    let out = recsys()
+        .args(["convert", "--kind", "vaecf", "--force", "--checkpoint"])
+        .arg(dir.join("model.pt"))
+        .arg("--config")
+        .arg(dir.join("config.json"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--out")
+        .arg(&engine)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tensor 'encoder.0.weight' is missing"));
+    // The failed conversion left the previous engine in place.
+    assert!(engine.join("manifest.json").exists());
+
+    let help = recsys().args(["predict", "--help"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&help.stdout).contains("Exit status"));
+}

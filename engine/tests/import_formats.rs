@@ -1,0 +1,357 @@
+//! Checkpoint import: the three formats agree, and every kind of bad input gets an error that names
+//! the problem.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::*;
+use recsys_engine::engine_dir::{Manifest, MANIFEST_FILE, WEIGHTS_FILE};
+use recsys_engine::{convert, ConvertRequest, Engine, EngineError, ModelKind};
+
+fn manifest(dir: &Path) -> Manifest {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(MANIFEST_FILE)).unwrap()).unwrap()
+}
+
+#[test]
+fn pt_safetensors_and_recbole_give_identical_engines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut weight_hashes = BTreeMap::new();
+    for file in ["model.safetensors", "model.pt", "recbole_checkpoint.pth"] {
+        let out = tmp.path().join(file);
+        convert_fixture(ModelKind::Bert4rec, file, &out);
+        weight_hashes.insert(file, manifest(&out).files[WEIGHTS_FILE].sha256.clone());
+    }
+    let distinct: std::collections::BTreeSet<_> = weight_hashes.values().collect();
+    assert_eq!(distinct.len(), 1, "engines differ: {weight_hashes:?}");
+}
+
+#[test]
+fn recbole_checkpoint_carries_its_own_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = model_dir(ModelKind::Bert4rec);
+    let engine = convert(&ConvertRequest {
+        kind: ModelKind::Bert4rec,
+        checkpoint: &dir.join("recbole_checkpoint.pth"),
+        config: None,
+        item_map: &dir.join("item_id_map.tsv"),
+        out: &tmp.path().join("e"),
+    })
+    .unwrap();
+    let from_json = convert_fixture(ModelKind::Bert4rec, "model.pt", &tmp.path().join("f"));
+    assert_eq!(engine.manifest.model, from_json.manifest.model);
+    assert_eq!(
+        engine.manifest.source.format,
+        recsys_engine::import::CheckpointFormat::Recbole
+    );
+}
+
+#[test]
+fn plain_state_dict_needs_a_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = model_dir(ModelKind::Bert4rec);
+    let err = convert(&ConvertRequest {
+        kind: ModelKind::Bert4rec,
+        checkpoint: &dir.join("model.pt"),
+        config: None,
+        item_map: &dir.join("item_id_map.tsv"),
+        out: &tmp.path().join("e"),
+    })
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("--config"), "{err}");
+}
+
+/// The fixture's BERT4Rec tensors as (dtype, shape, bytes), to be altered and re-saved.
+type Raw = BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+fn fixture_tensors() -> Raw {
+    let bytes = std::fs::read(model_dir(ModelKind::Bert4rec).join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect()
+}
+
+fn save(raw: &Raw, path: &Path) {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = raw
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, path).unwrap();
+}
+
+fn convert_file(
+    path: &Path,
+    config: serde_json::Map<String, serde_json::Value>,
+) -> Result<Engine, EngineError> {
+    let out = path.with_extension("engine");
+    convert(&ConvertRequest {
+        kind: ModelKind::Bert4rec,
+        checkpoint: path,
+        config: Some(&config),
+        item_map: &model_dir(ModelKind::Bert4rec).join("item_id_map.tsv"),
+        out: &out,
+    })
+}
+
+fn convert_altered(alter: impl FnOnce(&mut Raw)) -> EngineError {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut raw = fixture_tensors();
+    alter(&mut raw);
+    let path = tmp.path().join("altered.safetensors");
+    save(&raw, &path);
+    convert_file(&path, config_json(ModelKind::Bert4rec))
+        .err()
+        .expect("conversion must fail")
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let err = convert_altered(|raw| {
+        raw.remove("trm_encoder.layer.1.feed_forward.dense_2.bias");
+    });
+    assert!(
+        matches!(&err, EngineError::MissingTensor { name } if name == "trm_encoder.layer.1.feed_forward.dense_2.bias"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shape_mismatch_names_expected_and_found() {
+    let err = convert_altered(|raw| {
+        let t = raw.get_mut("output_ffn.weight").unwrap();
+        t.1 = vec![32, 128];
+    });
+    let msg = err.to_string();
+    assert!(matches!(err, EngineError::ShapeMismatch { .. }), "{msg}");
+    assert!(
+        msg.contains("output_ffn.weight") && msg.contains("[32, 128]") && msg.contains("[64, 64]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn unsupported_dtype_is_refused() {
+    let err = convert_altered(|raw| {
+        let t = raw.get_mut("output_bias").unwrap();
+        t.0 = safetensors::Dtype::I32;
+    });
+    assert!(
+        matches!(&err, EngineError::UnsupportedDtype { name, dtype } if name == "output_bias" && dtype == "I32"),
+        "{err}"
+    );
+}
+
+#[test]
+fn half_precision_checkpoints_are_widened() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut raw = fixture_tensors();
+    for (dtype, _, bytes) in raw.values_mut() {
+        let halves: Vec<u8> = bytes
+            .chunks_exact(4)
+            .flat_map(|c| {
+                half::f16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
+            })
+            .collect();
+        *dtype = safetensors::Dtype::F16;
+        *bytes = halves;
+    }
+    let path = tmp.path().join("half.safetensors");
+    save(&raw, &path);
+    let engine = convert_file(&path, config_json(ModelKind::Bert4rec)).unwrap();
+    let full = convert_fixture(
+        ModelKind::Bert4rec,
+        "model.safetensors",
+        &tmp.path().join("full"),
+    );
+    let (a, b) = (
+        engine.model.score_all(&[&[1, 2, 3]]),
+        full.model.score_all(&[&[1, 2, 3]]),
+    );
+    let max = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(max < 0.1, "fp16 weights should stay close to fp32: {max}");
+}
+
+#[test]
+fn non_finite_weight_is_located() {
+    let err = convert_altered(|raw| {
+        let t = raw.get_mut("position_embedding.weight").unwrap();
+        t.2[4 * 7..4 * 8].copy_from_slice(&f32::NAN.to_le_bytes());
+    });
+    assert!(
+        matches!(&err, EngineError::NonFiniteWeight { name, index: 7 } if name == "position_embedding.weight"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_contradicting_weights_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = model_dir(ModelKind::Bert4rec).join("model.safetensors");
+    let local = tmp.path().join("m.safetensors");
+    std::fs::copy(&path, &local).unwrap();
+    for (key, value, needle) in [
+        ("hidden_size", serde_json::json!(128), "hidden_size = 128"),
+        ("max_seq_length", serde_json::json!(200), "max_len = 200"),
+        ("n_heads", serde_json::json!(3), "does not divide"),
+        ("n_layers", serde_json::json!(3), "trm_encoder.layer.2"),
+        ("n_real_items", serde_json::json!(10), "n_items = 10"),
+        ("hidden_act", serde_json::json!("relu"), "not supported"),
+    ] {
+        let mut config = config_json(ModelKind::Bert4rec);
+        config.insert(key.into(), value);
+        let err = convert_file(&local, config).err().expect("must fail");
+        assert!(err.to_string().contains(needle), "{key}: {err}");
+    }
+    let mut config = config_json(ModelKind::Bert4rec);
+    config.remove("n_heads");
+    let err = convert_file(&local, config).err().unwrap();
+    assert!(err.to_string().contains("n_heads"), "{err}");
+}
+
+#[test]
+fn vaecf_config_contradicting_weights_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config = config_json(ModelKind::Vaecf);
+    config.insert("mlp_hidden_size".into(), serde_json::json!([300]));
+    let dir = model_dir(ModelKind::Vaecf);
+    let err = convert(&ConvertRequest {
+        kind: ModelKind::Vaecf,
+        checkpoint: &dir.join("model.safetensors"),
+        config: Some(&config),
+        item_map: &dir.join("item_id_map.tsv"),
+        out: &tmp.path().join("e"),
+    })
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("mlp_hidden_size = [300]"), "{err}");
+    // A BERT4Rec checkpoint handed in as VAE-CF is missing VAE-CF's first tensor.
+    let err = convert(&ConvertRequest {
+        kind: ModelKind::Vaecf,
+        checkpoint: &model_dir(ModelKind::Bert4rec).join("model.pt"),
+        config: Some(&config_json(ModelKind::Bert4rec)),
+        item_map: &dir.join("item_id_map.tsv"),
+        out: &tmp.path().join("f"),
+    })
+    .err()
+    .unwrap();
+    assert!(
+        matches!(&err, EngineError::MissingTensor { name } if name == "encoder.0.weight"),
+        "{err}"
+    );
+}
+
+fn checkpoint_error(bytes: &[u8], name: &str) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(name);
+    std::fs::write(&path, bytes).unwrap();
+    let err = convert_file(&path, config_json(ModelKind::Bert4rec))
+        .err()
+        .expect("must fail");
+    assert!(matches!(err, EngineError::Checkpoint { .. }), "{err}");
+    err.to_string()
+}
+
+#[test]
+fn truncated_and_corrupted_files_are_reported() {
+    let dir = model_dir(ModelKind::Bert4rec);
+    for file in ["model.pt", "recbole_checkpoint.pth", "model.safetensors"] {
+        let bytes = std::fs::read(dir.join(file)).unwrap();
+        // Cut anywhere: the header, the middle of the tensor data, just before the end.
+        for cut in [20, bytes.len() / 2, bytes.len() - 30] {
+            let msg = checkpoint_error(&bytes[..cut], file);
+            assert!(msg.contains(file), "{msg}");
+        }
+        // Flip bytes in the middle (tensor data in a zip is CRC-checked; safetensors is not, but
+        // flipping its header length makes it unreadable).
+        let mut corrupted = bytes.clone();
+        if file.ends_with(".safetensors") {
+            corrupted[3] ^= 0x40;
+        } else {
+            let mid = corrupted.len() / 2;
+            corrupted[mid] ^= 0xff;
+        }
+        checkpoint_error(&corrupted, file);
+    }
+    let msg = checkpoint_error(b"hello, this is not a model", "x.pt");
+    assert!(msg.contains("not a safetensors file"), "{msg}");
+    let msg = checkpoint_error(b"\x80\x02}q\x00.", "legacy.pt");
+    assert!(msg.contains("legacy"), "{msg}");
+}
+
+#[test]
+fn zip_without_state_dict_is_refused() {
+    // A torch.save of a plain list: no tensors anywhere.
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("list.pt");
+    let file = std::fs::File::create(&path).unwrap();
+    let mut zip = zip::ZipWriter::new(file);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    zip.start_file("archive/data.pkl", opts).unwrap();
+    std::io::Write::write_all(&mut zip, b"\x80\x02]q\x00(K\x01K\x02e.").unwrap();
+    zip.finish().unwrap();
+    let err = convert_file(&path, config_json(ModelKind::Bert4rec))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("no state dict"), "{err}");
+}
+
+#[test]
+fn engine_load_verifies_checksums_and_format() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("engine");
+    convert_fixture(ModelKind::Bert4rec, "model.safetensors", &out);
+
+    // A flipped byte in the weights.
+    let weights = out.join(WEIGHTS_FILE);
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&weights, &bytes).unwrap();
+    let err = Engine::load(&out).err().unwrap();
+    assert!(matches!(err, EngineError::Checksum { .. }), "{err}");
+    // Truncated weights.
+    std::fs::write(&weights, &bytes[..100]).unwrap();
+    let err = Engine::load(&out).err().unwrap();
+    assert!(err.to_string().contains("truncated"), "{err}");
+
+    // A future format version.
+    convert_fixture(ModelKind::Bert4rec, "model.safetensors", &out);
+    let text = std::fs::read_to_string(out.join(MANIFEST_FILE)).unwrap();
+    std::fs::write(
+        out.join(MANIFEST_FILE),
+        text.replace("\"format_version\": 1", "\"format_version\": 99"),
+    )
+    .unwrap();
+    let err = Engine::load(&out).err().unwrap();
+    assert!(
+        err.to_string()
+            .contains("format version 99 is not supported"),
+        "{err}"
+    );
+
+    // Missing pieces.
+    convert_fixture(ModelKind::Bert4rec, "model.safetensors", &out);
+    std::fs::remove_file(out.join("item_ids.tsv")).unwrap();
+    assert!(matches!(
+        Engine::load(&out).err().unwrap(),
+        EngineError::NotFound { .. }
+    ));
+    assert!(matches!(
+        Engine::load(&tmp.path().join("nope")).err().unwrap(),
+        EngineError::NotFound { .. }
+    ));
+}
