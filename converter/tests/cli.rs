@@ -11,17 +11,30 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
-fn convert(model_dir: &str, kind: &str, checkpoint: &str, out: &Path) {
+/// `recsys convert` of a fixture checkpoint with the fixture's config and the given item map.
+fn convert_command(
+    model_dir: &str,
+    kind: &str,
+    checkpoint: &str,
+    item_map: &Path,
+    out: &Path,
+) -> Command {
     let dir = fixtures().join(model_dir);
-    let status = recsys()
-        .args(["convert", "--kind", kind, "--checkpoint"])
+    let mut cmd = recsys();
+    cmd.args(["convert", "--kind", kind, "--checkpoint"])
         .arg(dir.join(checkpoint))
         .arg("--config")
         .arg(dir.join("config.json"))
         .arg("--item-map")
-        .arg(dir.join("item_id_map.tsv"))
+        .arg(item_map)
         .arg("--out")
-        .arg(out)
+        .arg(out);
+    cmd
+}
+
+fn convert(model_dir: &str, kind: &str, checkpoint: &str, out: &Path) {
+    let item_map = fixtures().join(model_dir).join("item_id_map.tsv");
+    let status = convert_command(model_dir, kind, checkpoint, &item_map, out)
         .status()
         .unwrap();
     assert!(status.success());
@@ -221,31 +234,16 @@ fn convert_refuses_to_overwrite_and_explains_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let engine = tmp.path().join("engine");
     convert("bert4rec", "bert4rec", "model.pt", &engine);
-    let dir = fixtures().join("bert4rec");
-    let out = recsys()
-        .args(["convert", "--kind", "bert4rec", "--checkpoint"])
-        .arg(dir.join("model.pt"))
-        .arg("--config")
-        .arg(dir.join("config.json"))
-        .arg("--item-map")
-        .arg(dir.join("item_id_map.tsv"))
-        .arg("--out")
-        .arg(&engine)
+    let item_map = fixtures().join("bert4rec/item_id_map.tsv");
+    let out = convert_command("bert4rec", "bert4rec", "model.pt", &item_map, &engine)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
 
     // The wrong kind for the checkpoint names the tensor it could not find.
-    let out = recsys()
-        .args(["convert", "--kind", "vaecf", "--force", "--checkpoint"])
-        .arg(dir.join("model.pt"))
-        .arg("--config")
-        .arg(dir.join("config.json"))
-        .arg("--item-map")
-        .arg(dir.join("item_id_map.tsv"))
-        .arg("--out")
-        .arg(&engine)
+    let out = convert_command("bert4rec", "vaecf", "model.pt", &item_map, &engine)
+        .arg("--force")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -255,4 +253,73 @@ fn convert_refuses_to_overwrite_and_explains_errors() {
 
     let help = recsys().args(["predict", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&help.stdout).contains("Exit status"));
+}
+
+#[test]
+fn string_catalogue_gives_the_same_answers_as_int_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("bert4rec");
+    // The same catalogue keyed by strings: "sku-<id>".
+    let map = std::fs::read_to_string(dir.join("item_id_map.tsv")).unwrap();
+    let string_map: String = map
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let (i, ext) = l.split_once('\t').unwrap();
+            format!("{i}\tsku-{ext}\n")
+        })
+        .collect();
+    std::fs::write(tmp.path().join("map.tsv"), string_map).unwrap();
+    let status = convert_command(
+        "bert4rec",
+        "bert4rec",
+        "model.safetensors",
+        &tmp.path().join("map.tsv"),
+        &tmp.path().join("strings"),
+    )
+    .status()
+    .unwrap();
+    assert!(status.success());
+    convert(
+        "bert4rec",
+        "bert4rec",
+        "model.safetensors",
+        &tmp.path().join("ints"),
+    );
+
+    let run = |engine: &str, input: &str| -> serde_json::Value {
+        let path = tmp.path().join(format!("{engine}.jsonl"));
+        std::fs::write(&path, input).unwrap();
+        let out = recsys()
+            .args(["predict", "--k", "5", "--output", "-", "--input"])
+            .arg(&path)
+            .arg("--engine")
+            .arg(tmp.path().join(engine))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let ints = run("ints", "{\"item_ids\": [10011403, 10011207, 42]}\n");
+    let strings = run(
+        "strings",
+        "{\"item_ids\": [\"sku-10011403\", \"sku-10011207\", \"sku-nope\"]}\n",
+    );
+    let expected: Vec<serde_json::Value> = ints["item_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| serde_json::json!(format!("sku-{id}")))
+        .collect();
+    assert_eq!(strings["item_ids"].as_array().unwrap(), &expected);
+    assert_eq!(strings["scores"], ints["scores"]);
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("strings/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(manifest["id_type"], "string");
 }
