@@ -1,0 +1,458 @@
+//! Turning a request's input tensors into engine requests, and engine answers into output tensors.
+//! Pure Rust over byte buffers: the FFI layer only gathers the bytes and hands them here.
+
+use crate::error::{BackendError, Result};
+use crate::settings::{IdTensorType, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K};
+use recsys_engine::topk::Scored;
+use recsys_engine::{Engine, ExternalId, ExternalIds};
+
+/// Element types the backend distinguishes (the FFI layer maps Triton's enum onto these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    Int64,
+    Int32,
+    Bytes,
+    /// Any other type, by its Triton name, for error messages.
+    Other(&'static str),
+}
+
+/// One input tensor of a request, its buffers already gathered into one contiguous copy.
+#[derive(Clone, Debug)]
+pub struct InputTensor {
+    pub name: String,
+    pub dtype: DType,
+    /// Includes the batch dimension when the model batches.
+    pub shape: Vec<i64>,
+    pub data: Vec<u8>,
+}
+
+/// Item ids of one history as they arrived.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OwnedIds {
+    Int(Vec<i64>),
+    Str(Vec<String>),
+}
+
+impl OwnedIds {
+    /// Runs `f` with a borrowed view of the ids.
+    pub fn with_external<R>(&self, f: impl FnOnce(ExternalIds<'_>) -> R) -> R {
+        match self {
+            OwnedIds::Int(v) => f(ExternalIds::Int(v)),
+            OwnedIds::Str(v) => {
+                let refs: Vec<&str> = v.iter().map(String::as_str).collect();
+                f(ExternalIds::Str(&refs))
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            OwnedIds::Int(v) => v.len(),
+            OwnedIds::Str(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One history of a request (a request may carry several along its batch dimension).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowRequest {
+    pub history: OwnedIds,
+    pub k: Option<i64>,
+    pub exclude: Option<OwnedIds>,
+}
+
+/// The rows of one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodedRequest {
+    pub rows: Vec<RowRequest>,
+}
+
+fn invalid(msg: String) -> BackendError {
+    BackendError::InvalidInput(msg)
+}
+
+/// `[batch, length]` of a tensor: with batching the shape is `[B, L]`, without it `[L]`.
+fn rows_and_width(t: &InputTensor, batched: bool) -> Result<(usize, usize)> {
+    let dims: Vec<usize> = t
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<Result<_, _>>()
+        .map_err(|_| {
+            invalid(format!(
+                "{} has a negative dimension in shape {:?}",
+                t.name, t.shape
+            ))
+        })?;
+    match (batched, dims.as_slice()) {
+        (true, [b, l]) => Ok((*b, *l)),
+        (false, [l]) => Ok((1, *l)),
+        _ => Err(invalid(format!(
+            "{} must have shape {}, found {:?}",
+            t.name,
+            if batched {
+                "[batch, length]"
+            } else {
+                "[length]"
+            },
+            t.shape
+        ))),
+    }
+}
+
+/// Splits BYTES tensor data into its elements (4-byte little-endian length, then the bytes).
+pub fn split_bytes_elements(name: &str, data: &[u8], expected: usize) -> Result<Vec<String>> {
+    let mut out = Vec::with_capacity(expected.min(data.len() / 4));
+    let mut rest = data;
+    for i in 0..expected {
+        let Some((len, tail)) = rest.split_first_chunk::<4>() else {
+            return Err(invalid(format!(
+                "{name}: element {i} is truncated (its 4-byte length prefix is missing)"
+            )));
+        };
+        let len = u32::from_le_bytes(*len) as usize;
+        if len > tail.len() {
+            return Err(invalid(format!(
+                "{name}: element {i} claims {len} bytes but only {} remain",
+                tail.len()
+            )));
+        }
+        let text = std::str::from_utf8(&tail[..len])
+            .map_err(|_| invalid(format!("{name}: element {i} is not valid UTF-8")))?;
+        out.push(text.to_owned());
+        rest = &tail[len..];
+    }
+    if !rest.is_empty() {
+        return Err(invalid(format!(
+            "{name}: {} bytes left over after its {expected} elements",
+            rest.len()
+        )));
+    }
+    Ok(out)
+}
+
+/// The rows of an id tensor (ITEM_IDS or EXCLUDE_ITEM_IDS).
+fn id_rows(t: &InputTensor, batched: bool) -> Result<Vec<OwnedIds>> {
+    let (rows, width) = rows_and_width(t, batched)?;
+    let count = rows
+        .checked_mul(width)
+        .ok_or_else(|| invalid(format!("{} shape {:?} is too large", t.name, t.shape)))?;
+    match t.dtype {
+        DType::Int64 => {
+            if t.data.len() != count * 8 {
+                return Err(invalid(format!(
+                    "{} holds {} bytes, but shape {:?} of INT64 needs {}",
+                    t.name,
+                    t.data.len(),
+                    t.shape,
+                    count * 8
+                )));
+            }
+            let values: Vec<i64> = t
+                .data
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            Ok((0..rows)
+                .map(|r| OwnedIds::Int(values[r * width..(r + 1) * width].to_vec()))
+                .collect())
+        }
+        DType::Bytes => {
+            let mut values = split_bytes_elements(&t.name, &t.data, count)?.into_iter();
+            Ok((0..rows)
+                .map(|_| OwnedIds::Str(values.by_ref().take(width).collect()))
+                .collect())
+        }
+        DType::Int32 => Err(invalid(format!(
+            "{} must be INT64 or BYTES, found INT32",
+            t.name
+        ))),
+        DType::Other(name) => Err(invalid(format!(
+            "{} must be INT64 or BYTES, found {name}",
+            t.name
+        ))),
+    }
+}
+
+/// Decodes one request's inputs.
+pub fn decode(inputs: &[InputTensor], batched: bool) -> Result<DecodedRequest> {
+    for t in inputs {
+        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE].contains(&t.name.as_str()) {
+            return Err(invalid(format!("unexpected input {:?}", t.name)));
+        }
+    }
+    let find = |name: &str| inputs.iter().find(|t| t.name == name);
+    let items = find(INPUT_ITEM_IDS)
+        .ok_or_else(|| invalid(format!("the request has no {INPUT_ITEM_IDS} input")))?;
+    let histories = id_rows(items, batched)?;
+    let rows = histories.len();
+
+    let ks: Vec<Option<i64>> = match find(INPUT_K) {
+        None => vec![None; rows],
+        Some(t) => {
+            if t.dtype != DType::Int32 {
+                return Err(invalid(format!(
+                    "{INPUT_K} must be INT32, found {:?}",
+                    t.dtype
+                )));
+            }
+            let values: Vec<i32> = t
+                .data
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            if values.len() != rows || t.data.len() % 4 != 0 {
+                return Err(invalid(format!(
+                    "{INPUT_K} must hold one INT32 per history ({rows}), found shape {:?} with {} bytes",
+                    t.shape,
+                    t.data.len()
+                )));
+            }
+            if let Some(bad) = values.iter().find(|&&k| k < 1) {
+                return Err(invalid(format!(
+                    "{INPUT_K} must be at least 1, found {bad}"
+                )));
+            }
+            values.into_iter().map(|k| Some(k as i64)).collect()
+        }
+    };
+    let excludes: Vec<Option<OwnedIds>> = match find(INPUT_EXCLUDE) {
+        None => vec![None; rows],
+        Some(t) => {
+            let lists = id_rows(t, batched)?;
+            if lists.len() != rows {
+                return Err(invalid(format!(
+                    "{INPUT_EXCLUDE} has {} rows, {INPUT_ITEM_IDS} has {rows}",
+                    lists.len()
+                )));
+            }
+            lists.into_iter().map(Some).collect()
+        }
+    };
+    Ok(DecodedRequest {
+        rows: histories
+            .into_iter()
+            .zip(ks)
+            .zip(excludes)
+            .map(|((history, k), exclude)| RowRequest {
+                history,
+                k,
+                exclude,
+            })
+            .collect(),
+    })
+}
+
+/// Output tensors of one response.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EncodedOutputs {
+    pub shape: Vec<i64>,
+    pub ids: Vec<u8>,
+    pub ids_type: IdTensorType,
+    pub scores: Vec<u8>,
+}
+
+/// Score written where a row has fewer results than the widest row of its request (only possible
+/// when one request carries several histories): the lowest f32, which JSON can carry (NaN and
+/// infinities cannot), with id -1 or the empty string.
+pub const PADDING_SCORE: f32 = f32::MIN;
+pub const PADDING_ID: i64 = -1;
+
+pub fn encode(
+    rows: &[Vec<Scored>],
+    engine: &Engine,
+    ids_type: IdTensorType,
+    batched: bool,
+) -> EncodedOutputs {
+    let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let shape = if batched {
+        vec![rows.len() as i64, width as i64]
+    } else {
+        vec![width as i64]
+    };
+    let mut ids = Vec::with_capacity(rows.len() * width * 8);
+    let mut scores = Vec::with_capacity(rows.len() * width * 4);
+    for row in rows {
+        for slot in 0..width {
+            let item = row.get(slot);
+            scores.extend_from_slice(&item.map_or(PADDING_SCORE, |s| s.score).to_le_bytes());
+            let id = item.map(|s| engine.external_id(s.index));
+            match ids_type {
+                IdTensorType::Int64 => {
+                    let value = match id {
+                        Some(ExternalId::Int(i)) => i,
+                        // The config check refuses INT64 outputs for string catalogues.
+                        Some(ExternalId::Str(_)) | None => PADDING_ID,
+                    };
+                    ids.extend_from_slice(&value.to_le_bytes());
+                }
+                IdTensorType::String => {
+                    let text = match id {
+                        Some(ExternalId::Int(i)) => i.to_string(),
+                        Some(ExternalId::Str(s)) => s,
+                        None => String::new(),
+                    };
+                    ids.extend_from_slice(&(text.len() as u32).to_le_bytes());
+                    ids.extend_from_slice(text.as_bytes());
+                }
+            }
+        }
+    }
+    EncodedOutputs {
+        shape,
+        ids,
+        ids_type,
+        scores,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn int_tensor(name: &str, shape: Vec<i64>, values: &[i64]) -> InputTensor {
+        InputTensor {
+            name: name.into(),
+            dtype: DType::Int64,
+            shape,
+            data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    fn bytes_of(items: &[&str]) -> Vec<u8> {
+        items
+            .iter()
+            .flat_map(|s| (s.len() as u32).to_le_bytes().into_iter().chain(s.bytes()))
+            .collect()
+    }
+
+    #[test]
+    fn decodes_batched_rows_with_k_and_exclusions() {
+        let inputs = vec![
+            int_tensor(INPUT_ITEM_IDS, vec![2, 3], &[1, 2, 3, 4, 5, 6]),
+            InputTensor {
+                name: INPUT_K.into(),
+                dtype: DType::Int32,
+                shape: vec![2, 1],
+                data: [5i32, 7].iter().flat_map(|v| v.to_le_bytes()).collect(),
+            },
+            int_tensor(INPUT_EXCLUDE, vec![2, 1], &[9, 8]),
+        ];
+        let d = decode(&inputs, true).unwrap();
+        assert_eq!(d.rows.len(), 2);
+        assert_eq!(d.rows[1].history, OwnedIds::Int(vec![4, 5, 6]));
+        assert_eq!(d.rows[1].k, Some(7));
+        assert_eq!(d.rows[0].exclude, Some(OwnedIds::Int(vec![9])));
+    }
+
+    #[test]
+    fn empty_history_is_a_row_with_no_ids() {
+        let d = decode(&[int_tensor(INPUT_ITEM_IDS, vec![1, 0], &[])], true).unwrap();
+        assert!(d.rows[0].history.is_empty());
+    }
+
+    #[test]
+    fn string_ids() {
+        let t = InputTensor {
+            name: INPUT_ITEM_IDS.into(),
+            dtype: DType::Bytes,
+            shape: vec![1, 2],
+            data: bytes_of(&["sku-1", "é"]),
+        };
+        let d = decode(&[t], true).unwrap();
+        assert_eq!(
+            d.rows[0].history,
+            OwnedIds::Str(vec!["sku-1".into(), "é".into()])
+        );
+    }
+
+    #[test]
+    fn bad_inputs_are_named() {
+        let cases: Vec<(Vec<InputTensor>, &str)> = vec![
+            (vec![], "no ITEM_IDS"),
+            (
+                vec![int_tensor(INPUT_ITEM_IDS, vec![1, 3], &[1, 2])],
+                "ITEM_IDS holds 16 bytes",
+            ),
+            (
+                vec![int_tensor(INPUT_ITEM_IDS, vec![3], &[1, 2, 3])],
+                "ITEM_IDS must have shape [batch, length]",
+            ),
+            (
+                vec![int_tensor(INPUT_ITEM_IDS, vec![1, -1], &[])],
+                "negative",
+            ),
+            (
+                vec![InputTensor {
+                    name: INPUT_ITEM_IDS.into(),
+                    dtype: DType::Other("FP32"),
+                    shape: vec![1, 1],
+                    data: vec![0; 4],
+                }],
+                "ITEM_IDS must be INT64 or BYTES, found FP32",
+            ),
+            (
+                vec![InputTensor {
+                    name: INPUT_ITEM_IDS.into(),
+                    dtype: DType::Bytes,
+                    shape: vec![1, 2],
+                    data: bytes_of(&["a"]),
+                }],
+                "ITEM_IDS: element 1 is truncated",
+            ),
+            (
+                vec![InputTensor {
+                    name: INPUT_ITEM_IDS.into(),
+                    dtype: DType::Bytes,
+                    shape: vec![1, 1],
+                    data: vec![200, 0, 0, 0, b'x'],
+                }],
+                "claims 200 bytes",
+            ),
+            (
+                vec![InputTensor {
+                    name: INPUT_ITEM_IDS.into(),
+                    dtype: DType::Bytes,
+                    shape: vec![1, 1],
+                    data: vec![2, 0, 0, 0, 0xff, 0xfe],
+                }],
+                "not valid UTF-8",
+            ),
+            (
+                vec![
+                    int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
+                    InputTensor {
+                        name: INPUT_K.into(),
+                        dtype: DType::Int32,
+                        shape: vec![1, 1],
+                        data: 0i32.to_le_bytes().to_vec(),
+                    },
+                ],
+                "K must be at least 1, found 0",
+            ),
+            (
+                vec![
+                    int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
+                    int_tensor(INPUT_K, vec![1, 1], &[3]),
+                ],
+                "K must be INT32",
+            ),
+            (
+                vec![
+                    int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
+                    int_tensor("USER", vec![1, 1], &[3]),
+                ],
+                "unexpected input \"USER\"",
+            ),
+        ];
+        for (inputs, needle) in cases {
+            let err = decode(&inputs, true).unwrap_err();
+            assert!(err.to_string().contains(needle), "{needle}: {err}");
+            assert_eq!(err.code(), crate::error::ErrorCode::InvalidArg);
+        }
+    }
+}

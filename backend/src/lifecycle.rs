@@ -1,0 +1,458 @@
+//! What each Triton entry point does: backend, model and instance lifecycle, and Execute.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::ptr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use recsys_engine::Engine;
+use recsys_ffi as sys;
+
+use crate::decode::{self, DecodedRequest};
+use crate::error::{BackendError, Result};
+use crate::metrics::{self, ModelMetrics};
+use crate::serve::{self, Answer};
+use crate::settings::{self, IdTensorType, ModelSettings, OUTPUT_ITEM_IDS, OUTPUT_SCORES};
+use crate::triton::{borrowed_str, ffi_call, log, LogLevel, OutputType, Request, Response};
+
+pub(crate) fn initialize(backend: *mut sys::TRITONBACKEND_Backend) -> Result<()> {
+    let (mut major, mut minor) = (0u32, 0u32);
+    // SAFETY: valid out-pointers.
+    unsafe { ffi_call!(TRITONBACKEND_ApiVersion(&mut major, &mut minor))? };
+    if major != sys::TRITONBACKEND_API_VERSION_MAJOR || minor < sys::TRITONBACKEND_API_VERSION_MINOR
+    {
+        return Err(BackendError::Unsupported(format!(
+            "the recsys backend needs Triton backend API {}.{} or a later 1.x; this server has {major}.{minor}",
+            sys::TRITONBACKEND_API_VERSION_MAJOR,
+            sys::TRITONBACKEND_API_VERSION_MINOR
+        )));
+    }
+    let mut name = ptr::null();
+    // SAFETY: `backend` is live during Initialize; the name is owned by Triton.
+    unsafe { ffi_call!(TRITONBACKEND_BackendName(backend, &mut name))? };
+    // SAFETY: Triton owns the name for the backend's lifetime.
+    let name = unsafe { borrowed_str(name) };
+    metrics::init_families();
+    log(
+        LogLevel::Info,
+        &format!(
+            "recsys backend {} ({name}) initialised on Triton backend API {major}.{minor}",
+            env!("CARGO_PKG_VERSION")
+        ),
+    );
+    Ok(())
+}
+
+pub(crate) fn finalize() -> Result<()> {
+    metrics::finalize_families();
+    Ok(())
+}
+
+/// State of one model version, shared by its instances.
+pub(crate) struct ModelState {
+    name: String,
+    version: u64,
+    engine: Arc<Engine>,
+    settings: ModelSettings,
+    metrics: Option<Arc<ModelMetrics>>,
+}
+
+pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<()> {
+    let (mut name, mut version) = (ptr::null(), 0u64);
+    let (mut artifact, mut location) = (0, ptr::null());
+    // SAFETY: `model` is live during ModelInitialize; out-pointers are valid locals.
+    unsafe {
+        ffi_call!(TRITONBACKEND_ModelName(model, &mut name))?;
+        ffi_call!(TRITONBACKEND_ModelVersion(model, &mut version))?;
+        ffi_call!(TRITONBACKEND_ModelRepository(
+            model,
+            &mut artifact,
+            &mut location
+        ))?;
+    }
+    // SAFETY: Triton owns both strings for the model's lifetime.
+    let (name, location) = unsafe { (borrowed_str(name), borrowed_str(location)) };
+    if artifact != sys::TRITONBACKEND_ARTIFACT_FILESYSTEM {
+        return Err(BackendError::Unsupported(format!(
+            "model {name}: only file-system model repositories are supported"
+        )));
+    }
+    let engine_dir = PathBuf::from(&location).join(version.to_string());
+    let engine = Engine::load(&engine_dir).map_err(|source| {
+        let hint = match source {
+            recsys_engine::EngineError::NotFound { .. } => format!(
+                " (write the engine there with `recsys convert --out {}`)",
+                engine_dir.display()
+            ),
+            _ => String::new(),
+        };
+        BackendError::Load {
+            what: format!(
+                "model '{name}' version {version} from {}{hint}",
+                engine_dir.display()
+            ),
+            source: Box::new(source),
+        }
+    })?;
+
+    let mut config = crate::triton::model_config(model)?;
+    let mut auto_complete = false;
+    // SAFETY: valid out-pointer; `model` is live.
+    unsafe {
+        ffi_call!(TRITONBACKEND_ModelAutoCompleteConfig(
+            model,
+            &mut auto_complete
+        ))?
+    };
+    if auto_complete && settings::auto_complete(&mut config, engine.manifest.id_type) {
+        crate::triton::set_model_config(model, &config)?;
+        log(
+            LogLevel::Info,
+            &format!("recsys: model {name}: filled in the config from the engine"),
+        );
+    }
+    let settings = settings::parse(&config, &engine).map_err(|e| {
+        BackendError::InvalidConfig(format!(
+            "model '{name}' version {version}: {}",
+            e.full_message()
+        ))
+    })?;
+    let metrics = ModelMetrics::new(&name, version).map(Arc::new);
+    log(
+        LogLevel::Info,
+        &format!(
+            "recsys: loaded model {name} version {version}: {} engine, {} items, top_k {}",
+            engine.kind(),
+            engine.n_items(),
+            settings.default_k
+        ),
+    );
+    let state = Box::new(ModelState {
+        name,
+        version,
+        engine: Arc::new(engine),
+        settings,
+        metrics,
+    });
+    let raw = Box::into_raw(state);
+    // SAFETY: ownership of the box passes to Triton until ModelFinalize takes it back.
+    if let Err(e) = unsafe { ffi_call!(TRITONBACKEND_ModelSetState(model, raw as *mut c_void)) } {
+        // SAFETY: Triton did not take the pointer; reclaim it so it is freed.
+        drop(unsafe { Box::from_raw(raw) });
+        return Err(e);
+    }
+    Ok(())
+}
+
+pub(crate) fn model_finalize(model: *mut sys::TRITONBACKEND_Model) -> Result<()> {
+    let mut raw = ptr::null_mut();
+    // SAFETY: `model` is live; the state was set in ModelInitialize.
+    unsafe { ffi_call!(TRITONBACKEND_ModelState(model, &mut raw))? };
+    if !raw.is_null() {
+        // SAFETY: the pointer came from Box::into_raw in model_initialize and is reclaimed once here.
+        let state = unsafe { Box::from_raw(raw as *mut ModelState) };
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: unloaded model {} version {}",
+                state.name, state.version
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// State of one model instance: its own handle on the shared (memory-mapped) engine.
+pub(crate) struct InstanceState {
+    name: String,
+    engine: Arc<Engine>,
+    settings: ModelSettings,
+    metrics: Option<Arc<ModelMetrics>>,
+    batched: bool,
+}
+
+pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstance) -> Result<()> {
+    let (mut name, mut kind, mut device, mut model) = (ptr::null(), 0, 0i32, ptr::null_mut());
+    // SAFETY: `instance` is live during ModelInstanceInitialize; out-pointers are valid locals.
+    unsafe {
+        ffi_call!(TRITONBACKEND_ModelInstanceName(instance, &mut name))?;
+        ffi_call!(TRITONBACKEND_ModelInstanceKind(instance, &mut kind))?;
+        ffi_call!(TRITONBACKEND_ModelInstanceDeviceId(instance, &mut device))?;
+        ffi_call!(TRITONBACKEND_ModelInstanceModel(instance, &mut model))?;
+    }
+    // SAFETY: owned by Triton for the instance's lifetime.
+    let name = unsafe { borrowed_str(name) };
+    if kind == sys::TRITONSERVER_INSTANCEGROUPKIND_GPU {
+        return Err(BackendError::Unsupported(format!(
+            "instance {name}: KIND_GPU (device {device}) is not available in this build of the recsys backend, \
+             which runs on the CPU only; use instance_group [ {{ kind: KIND_CPU }} ]"
+        )));
+    }
+    let mut raw = ptr::null_mut();
+    // SAFETY: the model outlives its instances; its state is the ModelState set at initialisation.
+    unsafe { ffi_call!(TRITONBACKEND_ModelState(model, &mut raw))? };
+    if raw.is_null() {
+        return Err(BackendError::Internal(format!(
+            "instance {name}: the model has no state"
+        )));
+    }
+    // SAFETY: see above; only shared access is taken, and ModelFinalize runs after every instance's.
+    let model_state = unsafe { &*(raw as *const ModelState) };
+    let state = Box::new(InstanceState {
+        name,
+        engine: Arc::clone(&model_state.engine),
+        settings: model_state.settings.clone(),
+        metrics: model_state.metrics.clone(),
+        batched: model_state.settings.max_batch_size > 0,
+    });
+    let raw = Box::into_raw(state);
+    // SAFETY: ownership passes to Triton until ModelInstanceFinalize.
+    if let Err(e) = unsafe {
+        ffi_call!(TRITONBACKEND_ModelInstanceSetState(
+            instance,
+            raw as *mut c_void
+        ))
+    } {
+        // SAFETY: not taken by Triton; reclaim.
+        drop(unsafe { Box::from_raw(raw) });
+        return Err(e);
+    }
+    Ok(())
+}
+
+pub(crate) fn instance_finalize(instance: *mut sys::TRITONBACKEND_ModelInstance) -> Result<()> {
+    let mut raw = ptr::null_mut();
+    // SAFETY: `instance` is live.
+    unsafe { ffi_call!(TRITONBACKEND_ModelInstanceState(instance, &mut raw))? };
+    if !raw.is_null() {
+        // SAFETY: from Box::into_raw in instance_initialize; reclaimed once.
+        drop(unsafe { Box::from_raw(raw as *mut InstanceState) });
+    }
+    Ok(())
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Only in test builds of the backend: a history holding this id makes Execute panic.
+#[cfg(feature = "panic-trigger")]
+pub const PANIC_TRIGGER_ID: i64 = -7_777_777_777;
+
+/// Execute: create every response first; then decode, score and answer each request, reporting
+/// errors per request; report statistics; release every request. Returns an error only if nothing
+/// was taken over from Triton (the instance state is missing).
+pub(crate) fn execute(
+    instance: *mut sys::TRITONBACKEND_ModelInstance,
+    raw_requests: *mut *mut sys::TRITONBACKEND_Request,
+    count: u32,
+) -> Result<()> {
+    let exec_start = now_ns();
+    let mut raw_state = ptr::null_mut();
+    // SAFETY: `instance` is live during Execute.
+    unsafe { ffi_call!(TRITONBACKEND_ModelInstanceState(instance, &mut raw_state))? };
+    if raw_state.is_null() {
+        return Err(BackendError::Internal("the instance has no state".into()));
+    }
+    // SAFETY: set in instance_initialize and alive until instance_finalize, which Triton never runs
+    // concurrently with Execute on the same instance.
+    let state = unsafe { &*(raw_state as *const InstanceState) };
+    let raw_requests = if count == 0 || raw_requests.is_null() {
+        &[][..]
+    } else {
+        // SAFETY: Triton passes `count` request pointers, ours from here on.
+        unsafe { std::slice::from_raw_parts(raw_requests, count as usize) }
+    };
+    // From here on every request is ours: the wrappers release each exactly once when dropped.
+    // SAFETY: each pointer is a distinct live request, wrapped once.
+    let requests: Vec<Request> = raw_requests
+        .iter()
+        .map(|&r| unsafe { Request::from_raw(r) })
+        .collect();
+    let mut responses: Vec<Option<Response>> = requests
+        .iter()
+        .map(|r| match Response::new(r) {
+            Ok(response) => Some(response),
+            Err(e) => {
+                log(
+                    LogLevel::Error,
+                    &format!(
+                        "recsys: instance {}: cannot create a response: {e}",
+                        state.name
+                    ),
+                );
+                None
+            }
+        })
+        .collect();
+
+    // The work that could panic runs inside catch_unwind so a bug still answers every request.
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let decoded: Vec<Result<DecodedRequest>> = requests
+            .iter()
+            .map(|r| {
+                r.inputs()
+                    .and_then(|inputs| decode::decode(&inputs, state.batched))
+            })
+            .collect();
+        #[cfg(feature = "panic-trigger")]
+        for d in decoded.iter().flatten() {
+            if d.rows.iter().any(|row| matches!(&row.history, decode::OwnedIds::Int(v) if v.contains(&PANIC_TRIGGER_ID))) {
+                panic!("test-only panic trigger");
+            }
+        }
+        let batch_size: u64 = decoded
+            .iter()
+            .map(|d| d.as_ref().map_or(1, |d| d.rows.len() as u64))
+            .sum();
+        let compute_start = now_ns();
+        let (answers, summary) = serve::serve(&state.engine, &state.settings.options(), decoded);
+        let compute_end = now_ns();
+        (answers, summary, batch_size, compute_start, compute_end)
+    }));
+
+    match outcome {
+        Ok((answers, summary, batch_size, compute_start, compute_end)) => {
+            let (mut unknown, mut truncated, mut invalid) = (0, 0, 0);
+            let mut successes = Vec::with_capacity(requests.len());
+            for (response, answer) in responses.iter_mut().zip(answers) {
+                let success = match (response.take(), answer) {
+                    (Some(mut response), Ok(answer)) => {
+                        unknown += answer.unknown_ids;
+                        truncated += answer.truncated;
+                        match write_outputs(&mut response, state, &answer) {
+                            Ok(()) => {
+                                response.send(None);
+                                true
+                            }
+                            Err(e) => {
+                                response.send(Some(&e));
+                                false
+                            }
+                        }
+                    }
+                    (Some(response), Err(e)) => {
+                        response.send(Some(&e));
+                        false
+                    }
+                    (None, _) => false,
+                };
+                invalid += usize::from(!success);
+                successes.push(success);
+            }
+            let exec_end = now_ns();
+            for (request, success) in requests.iter().zip(successes) {
+                report_request(
+                    instance,
+                    request,
+                    success,
+                    exec_start,
+                    compute_start,
+                    compute_end,
+                    exec_end,
+                );
+            }
+            // SAFETY: `instance` is live during Execute.
+            if let Err(e) = unsafe {
+                ffi_call!(TRITONBACKEND_ModelInstanceReportBatchStatistics(
+                    instance,
+                    batch_size,
+                    exec_start,
+                    compute_start,
+                    compute_end,
+                    exec_end
+                ))
+            } {
+                log(
+                    LogLevel::Error,
+                    &format!("recsys: cannot report batch statistics: {e}"),
+                );
+            }
+            if let Some(metrics) = &state.metrics {
+                metrics.record_batch(summary.engine_rows, unknown, truncated, invalid);
+            }
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            let error = BackendError::Internal(format!(
+                "the recsys backend failed while executing this batch: {what}"
+            ));
+            log(
+                LogLevel::Error,
+                &format!("recsys: instance {}: {error}", state.name),
+            );
+            for response in responses.iter_mut().filter_map(Option::take) {
+                response.send(Some(&error));
+            }
+            let now = now_ns();
+            for request in &requests {
+                report_request(instance, request, false, exec_start, now, now, now);
+            }
+            if let Some(metrics) = &state.metrics {
+                metrics.record_batch(0, 0, 0, requests.len());
+            }
+        }
+    }
+    drop(requests);
+    Ok(())
+}
+
+fn report_request(
+    instance: *mut sys::TRITONBACKEND_ModelInstance,
+    request: &Request,
+    success: bool,
+    exec_start: u64,
+    compute_start: u64,
+    compute_end: u64,
+    exec_end: u64,
+) {
+    // SAFETY: the instance and the request are live (the request is released later, on drop).
+    if let Err(e) = unsafe {
+        ffi_call!(TRITONBACKEND_ModelInstanceReportStatistics(
+            instance,
+            request.raw(),
+            success,
+            exec_start,
+            compute_start,
+            compute_end,
+            exec_end
+        ))
+    } {
+        log(
+            LogLevel::Error,
+            &format!("recsys: cannot report request statistics: {e}"),
+        );
+    }
+}
+
+fn write_outputs(response: &mut Response, state: &InstanceState, answer: &Answer) -> Result<()> {
+    let encoded = decode::encode(
+        &answer.rows,
+        &state.engine,
+        state.settings.output_ids_type,
+        state.batched,
+    );
+    let ids_type = match encoded.ids_type {
+        IdTensorType::Int64 => OutputType::Int64,
+        IdTensorType::String => OutputType::Bytes,
+    };
+    response.add_output(OUTPUT_ITEM_IDS, ids_type, &encoded.shape, &encoded.ids)?;
+    response.add_output(
+        OUTPUT_SCORES,
+        OutputType::Fp32,
+        &encoded.shape,
+        &encoded.scores,
+    )?;
+    // Counted for the client too, so it can tell a cold-start answer from a personalised one.
+    response.set_int_parameter("unknown_item_count", answer.unknown_ids as i64)?;
+    response.set_int_parameter("truncated_histories", answer.truncated as i64)?;
+    Ok(())
+}

@@ -1,0 +1,246 @@
+//! Custom Prometheus metrics, published on Triton's own metrics endpoint through its metrics API.
+//!
+//! The families are process-wide (created in TRITONBACKEND_Initialize, deleted in Finalize); each
+//! model version gets its own labelled metrics. Metrics are best effort: if the server runs with
+//! metrics disabled, creation fails, a warning is logged, and serving is unaffected.
+
+use std::ptr;
+use std::sync::Mutex;
+
+use recsys_ffi as sys;
+
+use crate::error::Result;
+use crate::triton::{c_string, ffi_call, log, LogLevel};
+
+struct Family(*mut sys::TRITONSERVER_MetricFamily);
+
+// SAFETY: a metric family is an immutable server object that Triton allows to be used from any
+// thread; the pointer is only deleted in `finalize_families`, after every model is finalized.
+unsafe impl Send for Family {}
+
+struct Families {
+    unknown_ids: Family,
+    truncated: Family,
+    invalid_requests: Family,
+    batch_size: Family,
+}
+
+static FAMILIES: Mutex<Option<Families>> = Mutex::new(None);
+
+fn family(kind: sys::TRITONSERVER_MetricKind, name: &str, help: &str) -> Result<Family> {
+    let (name, help) = (c_string(name), c_string(help));
+    let mut raw = ptr::null_mut();
+    // SAFETY: valid strings, copied by Triton; `raw` is a valid out-pointer.
+    unsafe {
+        ffi_call!(TRITONSERVER_MetricFamilyNew(
+            &mut raw,
+            kind,
+            name.as_ptr(),
+            help.as_ptr()
+        ))?
+    };
+    Ok(Family(raw))
+}
+
+fn make_families() -> Result<Families> {
+    Ok(Families {
+            unknown_ids: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_unknown_item_ids_total",
+                "History item ids not in the model's catalogue (dropped, or refused under unknown_item_policy=error)",
+            )?,
+            truncated: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_histories_truncated_total",
+                "Histories longer than the model's window whose oldest items were left out",
+            )?,
+            invalid_requests: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_invalid_requests_total",
+                "Requests answered with an error by the recsys backend",
+            )?,
+            batch_size: family(
+                sys::TRITONSERVER_METRIC_KIND_HISTOGRAM,
+                "recsys_engine_batch_size",
+                "Histories scored together in one engine batch",
+            )?,
+        })
+}
+
+pub(crate) fn init_families() {
+    match make_families() {
+        Ok(families) => *FAMILIES.lock().unwrap_or_else(|p| p.into_inner()) = Some(families),
+        Err(e) => log(
+            LogLevel::Warn,
+            &format!("recsys: custom metrics are off: {e}"),
+        ),
+    }
+}
+
+pub(crate) fn finalize_families() {
+    if let Some(families) = FAMILIES.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        for f in [
+            families.unknown_ids,
+            families.truncated,
+            families.invalid_requests,
+            families.batch_size,
+        ] {
+            // SAFETY: every metric of the family was deleted with its model; the family is deleted once.
+            let _ = unsafe { ffi_call!(TRITONSERVER_MetricFamilyDelete(f.0)) };
+        }
+    }
+}
+
+struct Metric(*mut sys::TRITONSERVER_Metric);
+
+// SAFETY: Triton's metric objects are internally synchronised (prometheus-cpp); increments and
+// observations may come from several model instances at once.
+unsafe impl Send for Metric {}
+unsafe impl Sync for Metric {}
+
+impl Drop for Metric {
+    fn drop(&mut self) {
+        // SAFETY: created by MetricNew(WithArgs) and deleted exactly once, before its family.
+        let _ = unsafe { ffi_call!(TRITONSERVER_MetricDelete(self.0)) };
+    }
+}
+
+/// Upper bounds of the engine batch size histogram.
+const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+/// The metrics of one model version.
+pub(crate) struct ModelMetrics {
+    unknown_ids: Metric,
+    truncated: Metric,
+    invalid_requests: Metric,
+    batch_size: Metric,
+}
+
+impl ModelMetrics {
+    /// `None` when metrics are off (families missing or the server refused).
+    pub(crate) fn new(model: &str, version: u64) -> Option<ModelMetrics> {
+        let guard = FAMILIES.lock().unwrap_or_else(|p| p.into_inner());
+        let families = guard.as_ref()?;
+        match Self::create(families, model, version) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                log(
+                    LogLevel::Warn,
+                    &format!("recsys: metrics for model {model} are off: {e}"),
+                );
+                None
+            }
+        }
+    }
+
+    fn create(families: &Families, model: &str, version: u64) -> Result<ModelMetrics> {
+        {
+            let (k_model, v_model) = (c_string("model"), c_string(model));
+            let (k_version, v_version) = (c_string("version"), c_string(&version.to_string()));
+            // SAFETY: each parameter copies its name and value; they are deleted below after the
+            // metrics, which copy the labels, are created.
+            let labels = unsafe {
+                [
+                    sys::TRITONSERVER_ParameterNew(
+                        k_model.as_ptr(),
+                        sys::TRITONSERVER_PARAMETER_STRING,
+                        v_model.as_ptr().cast(),
+                    ),
+                    sys::TRITONSERVER_ParameterNew(
+                        k_version.as_ptr(),
+                        sys::TRITONSERVER_PARAMETER_STRING,
+                        v_version.as_ptr().cast(),
+                    ),
+                ]
+            };
+            let label_ptrs: [*const sys::TRITONSERVER_Parameter; 2] = [labels[0], labels[1]];
+            let new_metric = |family: &Family| -> Result<Metric> {
+                let mut raw = ptr::null_mut();
+                // SAFETY: the family is live; the label array holds 2 valid parameters.
+                unsafe {
+                    ffi_call!(TRITONSERVER_MetricNew(
+                        &mut raw,
+                        family.0,
+                        label_ptrs.as_ptr(),
+                        2
+                    ))?
+                };
+                Ok(Metric(raw))
+            };
+            let histogram = |family: &Family| -> Result<Metric> {
+                let mut args = ptr::null_mut();
+                let mut raw = ptr::null_mut();
+                // SAFETY: args are created, used for one metric and deleted; buckets are copied.
+                unsafe {
+                    ffi_call!(TRITONSERVER_MetricArgsNew(&mut args))?;
+                    let made = ffi_call!(TRITONSERVER_MetricArgsSetHistogram(
+                        args,
+                        BATCH_BUCKETS.as_ptr(),
+                        BATCH_BUCKETS.len() as u64
+                    ))
+                    .and_then(|_| {
+                        ffi_call!(TRITONSERVER_MetricNewWithArgs(
+                            &mut raw,
+                            family.0,
+                            label_ptrs.as_ptr(),
+                            2,
+                            args
+                        ))
+                    });
+                    let _ = ffi_call!(TRITONSERVER_MetricArgsDelete(args));
+                    made?;
+                }
+                Ok(Metric(raw))
+            };
+            let metrics = new_metric(&families.unknown_ids).and_then(|unknown_ids| {
+                Ok(ModelMetrics {
+                    unknown_ids,
+                    truncated: new_metric(&families.truncated)?,
+                    invalid_requests: new_metric(&families.invalid_requests)?,
+                    batch_size: histogram(&families.batch_size)?,
+                })
+            });
+            for label in labels {
+                // SAFETY: created above, no longer referenced.
+                unsafe { sys::TRITONSERVER_ParameterDelete(label) };
+            }
+            metrics
+        }
+    }
+
+    pub(crate) fn record_batch(
+        &self,
+        engine_rows: usize,
+        unknown_ids: usize,
+        truncated: usize,
+        invalid: usize,
+    ) {
+        // SAFETY: the metrics are live for as long as `self`.
+        unsafe {
+            if engine_rows > 0 {
+                let _ = ffi_call!(TRITONSERVER_MetricObserve(
+                    self.batch_size.0,
+                    engine_rows as f64
+                ));
+            }
+            if unknown_ids > 0 {
+                let _ = ffi_call!(TRITONSERVER_MetricIncrement(
+                    self.unknown_ids.0,
+                    unknown_ids as f64
+                ));
+            }
+            if truncated > 0 {
+                let _ = ffi_call!(TRITONSERVER_MetricIncrement(
+                    self.truncated.0,
+                    truncated as f64
+                ));
+            }
+            if invalid > 0 {
+                let _ = ffi_call!(TRITONSERVER_MetricIncrement(
+                    self.invalid_requests.0,
+                    invalid as f64
+                ));
+            }
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! The model configuration (Triton's config.pbtxt, as JSON): reading the recsys parameters,
+//! checking the config against the engine, and filling in what an auto-completed config leaves out.
+
+use serde_json::{json, Map, Value};
+
+use crate::error::{BackendError, Result};
+use recsys_engine::idmap::IdType;
+use recsys_engine::{Engine, UnknownItemPolicy};
+
+pub const INPUT_ITEM_IDS: &str = "ITEM_IDS";
+pub const INPUT_K: &str = "K";
+pub const INPUT_EXCLUDE: &str = "EXCLUDE_ITEM_IDS";
+pub const OUTPUT_ITEM_IDS: &str = "TOP_ITEM_IDS";
+pub const OUTPUT_SCORES: &str = "TOP_SCORES";
+
+/// Element type of the item-id tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdTensorType {
+    Int64,
+    /// `TYPE_STRING` (Triton BYTES): 4-byte little-endian length, then the UTF-8 bytes.
+    String,
+}
+
+/// What the backend needs from the model configuration.
+#[derive(Clone, Debug)]
+pub struct ModelSettings {
+    pub default_k: usize,
+    pub exclude_seen: bool,
+    pub unknown_items: UnknownItemPolicy,
+    /// 0 when the model does not batch (shapes then have no batch dimension).
+    pub max_batch_size: u64,
+    pub item_ids_type: IdTensorType,
+    pub exclude_type: IdTensorType,
+    pub output_ids_type: IdTensorType,
+}
+
+impl ModelSettings {
+    pub fn options(&self) -> recsys_engine::ServeOptions {
+        recsys_engine::ServeOptions {
+            default_k: self.default_k,
+            exclude_seen: self.exclude_seen,
+            unknown_items: self.unknown_items,
+        }
+    }
+}
+
+/// A `parameters { key: ... value { string_value: ... } }` entry.
+fn parameter<'a>(config: &'a Value, key: &str) -> Option<&'a str> {
+    config
+        .get("parameters")?
+        .get(key)?
+        .get("string_value")?
+        .as_str()
+}
+
+/// Triton prints int64 fields either as numbers or as strings depending on the path; accept both.
+fn as_i64(v: &Value) -> Option<i64> {
+    v.as_i64().or_else(|| v.as_str()?.parse().ok())
+}
+
+fn tensors<'a>(config: &'a Value, field: &str) -> &'a [Value] {
+    config
+        .get(field)
+        .and_then(Value::as_array)
+        .map_or(&[], Vec::as_slice)
+}
+
+fn find<'a>(list: &'a [Value], name: &str) -> Option<&'a Value> {
+    list.iter()
+        .find(|t| t.get("name").and_then(Value::as_str) == Some(name))
+}
+
+fn data_type(tensor: &Value) -> &str {
+    tensor
+        .get("data_type")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+}
+
+fn id_tensor_type(tensor: &Value, what: &str) -> Result<IdTensorType> {
+    match data_type(tensor) {
+        "TYPE_INT64" => Ok(IdTensorType::Int64),
+        "TYPE_STRING" | "TYPE_BYTES" => Ok(IdTensorType::String),
+        other => Err(BackendError::InvalidConfig(format!(
+            "{what} must be TYPE_INT64 or TYPE_STRING, the config says {other:?}"
+        ))),
+    }
+}
+
+const KNOWN_PARAMETERS: &[&str] = &["top_k", "exclude_seen", "unknown_item_policy"];
+
+/// Reads and checks the configuration against the loaded engine.
+pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
+    if let Some(params) = config.get("parameters").and_then(Value::as_object) {
+        for key in params.keys() {
+            if !KNOWN_PARAMETERS.contains(&key.as_str()) {
+                return Err(BackendError::InvalidConfig(format!(
+                    "unknown parameter {key:?} (the recsys backend reads {})",
+                    KNOWN_PARAMETERS.join(", ")
+                )));
+            }
+        }
+    }
+    let default_k = match parameter(config, "top_k") {
+        None => 10,
+        Some(text) => match text.trim().parse::<usize>() {
+            Ok(k) if k >= 1 => k,
+            _ => {
+                return Err(BackendError::InvalidConfig(format!(
+                    "parameter top_k must be a positive integer, found {text:?}"
+                )))
+            }
+        },
+    };
+    let exclude_seen = match parameter(config, "exclude_seen").map(str::trim) {
+        None | Some("true") => true,
+        Some("false") => false,
+        Some(other) => {
+            return Err(BackendError::InvalidConfig(format!(
+                "parameter exclude_seen must be \"true\" or \"false\", found {other:?}"
+            )))
+        }
+    };
+    let unknown_items = match parameter(config, "unknown_item_policy") {
+        None => UnknownItemPolicy::Drop,
+        Some(text) => text
+            .trim()
+            .parse()
+            .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
+    };
+    let max_batch_size = config
+        .get("max_batch_size")
+        .and_then(as_i64)
+        .unwrap_or(0)
+        .max(0) as u64;
+
+    let inputs = tensors(config, "input");
+    let outputs = tensors(config, "output");
+    for tensor in inputs {
+        let name = tensor.get("name").and_then(Value::as_str).unwrap_or("");
+        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE].contains(&name) {
+            return Err(BackendError::InvalidConfig(format!(
+                "input {name:?} is not one the recsys backend reads ({INPUT_ITEM_IDS}, {INPUT_K}, {INPUT_EXCLUDE})"
+            )));
+        }
+    }
+    for tensor in outputs {
+        let name = tensor.get("name").and_then(Value::as_str).unwrap_or("");
+        if ![OUTPUT_ITEM_IDS, OUTPUT_SCORES].contains(&name) {
+            return Err(BackendError::InvalidConfig(format!(
+                "output {name:?} is not one the recsys backend produces ({OUTPUT_ITEM_IDS}, {OUTPUT_SCORES})"
+            )));
+        }
+    }
+    let item_ids = find(inputs, INPUT_ITEM_IDS).ok_or_else(|| {
+        BackendError::InvalidConfig(format!("the config has no {INPUT_ITEM_IDS} input"))
+    })?;
+    let item_ids_type = id_tensor_type(item_ids, INPUT_ITEM_IDS)?;
+    let exclude_type = match find(inputs, INPUT_EXCLUDE) {
+        Some(t) => id_tensor_type(t, INPUT_EXCLUDE)?,
+        None => item_ids_type,
+    };
+    if let Some(k) = find(inputs, INPUT_K) {
+        if data_type(k) != "TYPE_INT32" {
+            return Err(BackendError::InvalidConfig(format!(
+                "{INPUT_K} must be TYPE_INT32, the config says {:?}",
+                data_type(k)
+            )));
+        }
+    }
+    let top_ids = find(outputs, OUTPUT_ITEM_IDS).ok_or_else(|| {
+        BackendError::InvalidConfig(format!("the config has no {OUTPUT_ITEM_IDS} output"))
+    })?;
+    let output_ids_type = id_tensor_type(top_ids, OUTPUT_ITEM_IDS)?;
+    let catalogue = engine.manifest.id_type;
+    if catalogue == IdType::String && output_ids_type == IdTensorType::Int64 {
+        return Err(BackendError::InvalidConfig(format!(
+            "the engine's catalogue has string item ids, so {OUTPUT_ITEM_IDS} must be TYPE_STRING, not TYPE_INT64"
+        )));
+    }
+    let scores = find(outputs, OUTPUT_SCORES).ok_or_else(|| {
+        BackendError::InvalidConfig(format!("the config has no {OUTPUT_SCORES} output"))
+    })?;
+    if data_type(scores) != "TYPE_FP32" {
+        return Err(BackendError::InvalidConfig(format!(
+            "{OUTPUT_SCORES} must be TYPE_FP32, the config says {:?}",
+            data_type(scores)
+        )));
+    }
+    for output in [top_ids, scores] {
+        let dims: Vec<i64> = tensors(output, "dims").iter().filter_map(as_i64).collect();
+        if dims.len() != 1 || (dims[0] != -1 && dims[0] < default_k as i64) {
+            return Err(BackendError::InvalidConfig(format!(
+                "output {} must have dims [ -1 ] (one variable dimension up to k), the config says {dims:?}",
+                output.get("name").and_then(Value::as_str).unwrap_or("")
+            )));
+        }
+    }
+    Ok(ModelSettings {
+        default_k,
+        exclude_seen,
+        unknown_items,
+        max_batch_size,
+        item_ids_type,
+        exclude_type,
+        output_ids_type,
+    })
+}
+
+/// Fills the inputs, outputs and parameters a minimal config leaves out, from the engine's id type.
+/// Returns true when the config changed. Existing entries are never overwritten.
+pub fn auto_complete(config: &mut Value, catalogue: IdType) -> bool {
+    let Some(object) = config.as_object_mut() else {
+        return false;
+    };
+    let id_type = match catalogue {
+        IdType::Int64 => "TYPE_INT64",
+        IdType::String => "TYPE_STRING",
+    };
+    let batching = object.get("max_batch_size").and_then(as_i64).unwrap_or(0) > 0;
+    let mut changed = false;
+    let mut fill = |object: &mut Map<String, Value>, field: &str, entries: Vec<Value>| {
+        let list = object.entry(field).or_insert_with(|| json!([]));
+        if !list.is_array() {
+            *list = json!([]);
+        }
+        let list = list.as_array_mut().expect("made an array");
+        if list.is_empty() {
+            *list = entries;
+            changed = true;
+        }
+    };
+    let ragged = |mut t: Value| {
+        if batching {
+            t["allow_ragged_batch"] = json!(true);
+        }
+        t
+    };
+    let inputs = vec![
+        ragged(json!({"name": INPUT_ITEM_IDS, "data_type": id_type, "dims": [-1]})),
+        json!({"name": INPUT_K, "data_type": "TYPE_INT32", "dims": [1], "optional": true}),
+        ragged(
+            json!({"name": INPUT_EXCLUDE, "data_type": id_type, "dims": [-1], "optional": true}),
+        ),
+    ];
+    fill(object, "input", inputs);
+    fill(
+        object,
+        "output",
+        vec![
+            json!({"name": OUTPUT_ITEM_IDS, "data_type": id_type, "dims": [-1]}),
+            json!({"name": OUTPUT_SCORES, "data_type": "TYPE_FP32", "dims": [-1]}),
+        ],
+    );
+    let params = object.entry("parameters").or_insert_with(|| json!({}));
+    if let Some(params) = params.as_object_mut() {
+        if !params.contains_key("top_k") {
+            params.insert("top_k".into(), json!({"string_value": "10"}));
+            changed = true;
+        }
+    }
+    // Batch whatever is already queued, without waiting: a queue delay is pure latency at low load.
+    if batching
+        && !object.contains_key("dynamic_batching")
+        && !object.contains_key("sequence_batching")
+    {
+        object.insert("dynamic_batching".into(), json!({}));
+        changed = true;
+    }
+    changed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine() -> (Engine, tempfile::TempDir) {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/bert4rec");
+        let config: Map<String, Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = recsys_engine::convert(&recsys_engine::ConvertRequest {
+            kind: recsys_engine::ModelKind::Bert4rec,
+            checkpoint: &dir.join("model.safetensors"),
+            config: Some(&config),
+            item_map: &dir.join("item_id_map.tsv"),
+            out: &tmp.path().join("e"),
+        })
+        .unwrap();
+        (engine, tmp)
+    }
+
+    fn minimal() -> Value {
+        json!({"name": "m", "backend": "recsys", "max_batch_size": 64})
+    }
+
+    #[test]
+    fn auto_complete_fills_a_minimal_config_that_then_parses() {
+        let (engine, _tmp) = engine();
+        let mut config = minimal();
+        assert!(auto_complete(&mut config, IdType::Int64));
+        assert_eq!(config["input"][0]["allow_ragged_batch"], true);
+        assert_eq!(config["dynamic_batching"], json!({}));
+        let settings = parse(&config, &engine).unwrap();
+        assert_eq!(settings.default_k, 10);
+        assert_eq!(settings.item_ids_type, IdTensorType::Int64);
+        assert!(settings.exclude_seen);
+        // A second pass changes nothing.
+        assert!(!auto_complete(&mut config, IdType::Int64));
+    }
+
+    #[test]
+    fn bad_parameters_are_named() {
+        let (engine, _tmp) = engine();
+        let mut config = minimal();
+        auto_complete(&mut config, IdType::Int64);
+        for (key, value, needle) in [
+            ("top_k", "zero", "top_k must be a positive integer"),
+            ("top_k", "0", "top_k must be a positive integer"),
+            ("exclude_seen", "maybe", "exclude_seen must be"),
+            (
+                "unknown_item_policy",
+                "panic",
+                "unknown_item_policy must be",
+            ),
+            ("topk", "10", "unknown parameter \"topk\""),
+        ] {
+            let mut c = config.clone();
+            c["parameters"][key] = json!({"string_value": value});
+            let err = parse(&c, &engine).unwrap_err().to_string();
+            assert!(err.contains(needle), "{key}={value}: {err}");
+        }
+    }
+
+    #[test]
+    fn config_contradicting_the_engine_is_refused() {
+        let (engine, _tmp) = engine();
+        let mut config = minimal();
+        auto_complete(&mut config, IdType::Int64);
+        let mut c = config.clone();
+        c["output"][1]["data_type"] = json!("TYPE_FP16");
+        assert!(parse(&c, &engine)
+            .unwrap_err()
+            .to_string()
+            .contains("TOP_SCORES must be TYPE_FP32"));
+        let mut c = config.clone();
+        c["input"][0]["data_type"] = json!("TYPE_FP32");
+        assert!(parse(&c, &engine)
+            .unwrap_err()
+            .to_string()
+            .contains("ITEM_IDS must be"));
+        let mut c = config.clone();
+        c["output"][0]["dims"] = json!([5]);
+        assert!(parse(&c, &engine).unwrap_err().to_string().contains("dims"));
+        let mut c = config.clone();
+        c["input"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "USER_ID", "data_type": "TYPE_INT64", "dims": [1]}));
+        assert!(parse(&c, &engine)
+            .unwrap_err()
+            .to_string()
+            .contains("USER_ID"));
+        let mut c = config.clone();
+        c["input"].as_array_mut().unwrap().remove(0);
+        assert!(parse(&c, &engine)
+            .unwrap_err()
+            .to_string()
+            .contains("no ITEM_IDS input"));
+        // Strings in, strings out: fine for an int64 catalogue (ids are parsed).
+        let mut c = config.clone();
+        c["input"][0]["data_type"] = json!("TYPE_STRING");
+        c["output"][0]["data_type"] = json!("TYPE_STRING");
+        assert_eq!(
+            parse(&c, &engine).unwrap().output_ids_type,
+            IdTensorType::String
+        );
+        // Dims given as strings (one of Triton's JSON spellings of int64) are understood.
+        let mut c = config.clone();
+        c["output"][0]["dims"] = json!(["-1"]);
+        assert!(parse(&c, &engine).is_ok());
+    }
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv with the real Triton server and client:
+#   nvidia-pytriton 0.7.0  -> bundles tritonserver 2.51.0 (container release 24.10)
+#   tritonclient 2.51.0    -> the HTTP/gRPC client and the perf_analyzer binary
+# plus numpy and pytest for the integration tests. Idempotent: a complete venv is left as is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${RECSYS_VENV:-.venv}
+STAMP="$VENV/.recsys-python-env-v1"
+if [[ -f "$STAMP" ]]; then
+  exit 0
+fi
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if (3, 8) <= sys.version_info[:2] < (3, 13) else 1)'; then
+  echo "error: $PYTHON is $("$PYTHON" --version 2>&1); tritonclient 2.51 needs Python 3.8..3.12" >&2
+  exit 1
+fi
+echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a few minutes once)"
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/pip" install --quiet --upgrade pip
+"$VENV/bin/pip" install --quiet \
+  "nvidia-pytriton==0.7.0" \
+  "tritonclient[http,grpc]==2.51.0" \
+  "numpy<2" "pytest>=7" "requests"
+touch "$STAMP"
