@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# Runs every check CI runs: formatting, lints, and the whole test suite (unit, PyTorch parity,
-# import errors, CLI end to end). Ends with one "N passed, N failed" line over all test binaries.
+# Runs every check CI runs, installing what it needs (the Python venv with the real tritonserver and
+# tritonclient): formatting, lints, the Rust test suite (unit, PyTorch parity, import errors, CLI end
+# to end), the README's main command in --check mode, and the integration tests against a real
+# tritonserver. Ends with one "N passed, N failed" line over everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+# Sums the "N <word>" counts ($2: passed, failed, error) on the summary lines ($3, a regex) of log $1.
+count() {
+  local n
+  n=$(grep -E "$3" "$1" | grep -oE "[0-9]+ $2" | awk '{s+=$1} END {print s+0}') || true
+  echo "${n:-0}"
+}
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
@@ -10,12 +21,29 @@ echo "==> cargo clippy -D warnings"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 
 echo "==> cargo test"
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-status=0
-cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$log" || status=$?
-passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+rust_status=0
+cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log" || rust_status=$?
+
+echo "==> the README's main command, in --check mode (builds, converts, serves, runs the examples, stops)"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+HTTP_PORT=$(free_port) GRPC_PORT=$(free_port) METRICS_PORT=$(free_port) ./scripts/serve.sh --check
+
+echo "==> integration tests against the real tritonserver"
+# The backend under test is built with the test-only panic trigger, into its own backend directory.
+cargo build --release --locked -p recsys-backend --features recsys-backend/panic-trigger
+mkdir -p build/test-backends/recsys
+cp target/release/libtriton_recsys.so build/test-backends/recsys/
+py_status=0
+.venv/bin/pytest tests/integration -q -p no:cacheprovider 2>&1 | tee "$logs/py.log" || py_status=$?
+# Leave the serving build of the backend in place for scripts/serve.sh and the benchmarks.
+cargo build --release --locked -p recsys-backend >/dev/null 2>&1 || true
+
+rust_passed=$(count "$logs/rust.log" passed '^test result:')
+rust_failed=$(count "$logs/rust.log" failed '^test result:')
+py_passed=$(count "$logs/py.log" passed '(passed|failed|error).* in [0-9.]+s')
+py_failed=$(count "$logs/py.log" failed '(passed|failed|error).* in [0-9.]+s')
+py_errors=$(count "$logs/py.log" error '(passed|failed|error).* in [0-9.]+s')
 echo
-echo "rust: ${passed} passed, ${failed} failed"
-exit "$status"
+echo "rust: ${rust_passed} passed, ${rust_failed} failed; integration: ${py_passed} passed, $((py_failed + py_errors)) failed"
+echo "all: $((rust_passed + py_passed)) passed, $((rust_failed + py_failed + py_errors)) failed"
+if [[ $rust_status -ne 0 || $py_status -ne 0 ]]; then exit 1; fi

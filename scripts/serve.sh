@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The main command: builds recsys (release), sets up the Python venv with the real Triton server and
+# client, converts the demo checkpoints into model_repository/, installs libtriton_recsys.so, and
+# serves both demo models from tritonserver on 127.0.0.1 until Ctrl-C (which stops everything).
+#
+#   scripts/serve.sh            serve in the foreground
+#   scripts/serve.sh --check    start, run the printed examples once, stop (used by the tests)
+#
+# Ports: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HTTP_PORT=${HTTP_PORT:-8000}
+GRPC_PORT=${GRPC_PORT:-8001}
+METRICS_PORT=${METRICS_PORT:-8002}
+CHECK=false
+[[ "${1:-}" == "--check" ]] && CHECK=true
+
+./scripts/python-env.sh
+echo "==> building recsys (release)"
+cargo build --release --locked -p recsys-converter -p recsys-backend
+mkdir -p build/backends/recsys
+cp target/release/libtriton_recsys.so build/backends/recsys/
+
+echo "==> converting the demo checkpoints into model_repository/"
+target/release/recsys convert --force --kind bert4rec \
+  --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
+  --item-map tests/fixtures/bert4rec/item_id_map.tsv --out model_repository/bert4rec/1
+target/release/recsys convert --force --kind vaecf \
+  --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
+  --item-map tests/fixtures/multivae/item_id_map.tsv --out model_repository/vaecf/1
+
+TRITONSERVER=$(.venv/bin/python -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver/bin/tritonserver")')
+mkdir -p build
+LOG=build/tritonserver.log
+echo "==> starting tritonserver on 127.0.0.1 (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT; log: $LOG)"
+setsid "$TRITONSERVER" \
+  --model-repository="$PWD/model_repository" --backend-directory="$PWD/build/backends" \
+  --model-control-mode=explicit --load-model='*' \
+  --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
+  --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" \
+  --pinned-memory-pool-byte-size=0 --allow-gpu-metrics=false >"$LOG" 2>&1 &
+SERVER=$!
+stop() {
+  if kill -0 "$SERVER" 2>/dev/null; then
+    kill -TERM -- "-$SERVER" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$SERVER" 2>/dev/null || true
+  fi
+}
+trap stop EXIT
+trap 'exit 130' INT TERM
+
+for _ in $(seq 600); do
+  if curl -sf "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null; then break; fi
+  if ! kill -0 "$SERVER" 2>/dev/null; then echo "tritonserver exited; see $LOG" >&2; tail -20 "$LOG" >&2; exit 1; fi
+  sleep 0.1
+done
+curl -sf "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null || { echo "tritonserver not ready after 60 s; see $LOG" >&2; exit 1; }
+
+CURL_EXAMPLE="curl -s -X POST http://127.0.0.1:$HTTP_PORT/v2/models/bert4rec/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 3], \"data\": [10011403, 10011207, 10011739]}, {\"name\": \"K\", \"datatype\": \"INT32\", \"shape\": [1, 1], \"data\": [5]}]}'"
+PY_EXAMPLE=".venv/bin/python examples/client.py --http 127.0.0.1:$HTTP_PORT --grpc 127.0.0.1:$GRPC_PORT"
+cat <<MSG
+
+recsys is serving bert4rec and vaecf. Try:
+
+  $CURL_EXAMPLE
+
+  $PY_EXAMPLE
+
+Metrics: curl -s http://127.0.0.1:$METRICS_PORT/metrics | grep recsys_
+MSG
+echo
+echo "--- curl example ---"
+eval "$CURL_EXAMPLE"
+echo
+echo "--- Python example ---"
+$PY_EXAMPLE
+if $CHECK; then
+  echo "==> --check: examples answered; stopping"
+  exit 0
+fi
+echo
+echo "Serving until Ctrl-C."
+wait "$SERVER"

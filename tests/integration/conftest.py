@@ -1,0 +1,173 @@
+"""Session fixtures: a model repository built with the real `recsys convert` from the fixture
+checkpoints, and one real tritonserver serving it (explicit model control), always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from triton_harness import ROOT, TritonServer  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures"
+
+# Models the shared server loads at start; the broken ones are loaded by the tests that need them.
+GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2"]
+BROKEN_MODELS = [
+    "missing_engine",
+    "corrupted_engine",
+    "future_format",
+    "bad_parameter",
+    "contradicting",
+    "gpu_instance",
+]
+
+
+def _path_from_env(var: str, default: Path) -> Path:
+    return Path(os.environ.get(var, default))
+
+
+@pytest.fixture(scope="session")
+def recsys_bin() -> Path:
+    path = _path_from_env("RECSYS_BIN", ROOT / "target" / "release" / "recsys")
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run scripts/test.sh (it builds it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def backend_dir() -> Path:
+    path = _path_from_env("RECSYS_TEST_BACKEND_DIR", ROOT / "build" / "test-backends")
+    if not (path / "recsys" / "libtriton_recsys.so").exists():
+        pytest.fail(f"{path}/recsys/libtriton_recsys.so is missing: run scripts/test.sh (it builds it)")
+    return path
+
+
+def convert(recsys_bin: Path, kind: str, model_dir: str, checkpoint: str, out: Path, item_map: Path | None = None):
+    src = FIXTURES / model_dir
+    subprocess.run(
+        [
+            str(recsys_bin), "convert", "--force", "--kind", kind,
+            "--checkpoint", str(src / checkpoint),
+            "--config", str(src / "config.json"),
+            "--item-map", str(item_map or src / "item_id_map.tsv"),
+            "--out", str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
+def contract_config(name: str, *, id_type: str = "TYPE_INT64", params: dict | None = None,
+                    kind: str = "KIND_CPU", count: int = 1, score_type: str = "TYPE_FP32") -> str:
+    """config.pbtxt following the serving contract of design.md section 2."""
+    params = {"top_k": "10", **(params or {})}
+    param_text = ",\n  ".join(
+        f'{{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
+    )
+    return f"""name: "{name}"
+backend: "recsys"
+max_batch_size: 64
+input [
+  {{ name: "ITEM_IDS" data_type: {id_type} dims: [ -1 ] allow_ragged_batch: true }},
+  {{ name: "K" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "EXCLUDE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }}
+]
+output [
+  {{ name: "TOP_ITEM_IDS" data_type: {id_type} dims: [ -1 ] }},
+  {{ name: "TOP_SCORES" data_type: {score_type} dims: [ -1 ] }}
+]
+dynamic_batching {{ max_queue_delay_microseconds: 100 }}
+instance_group [ {{ kind: {kind} count: {count} }} ]
+parameters [
+  {param_text}
+]
+"""
+
+
+@pytest.fixture(scope="session")
+def repository(tmp_path_factory, recsys_bin) -> Path:
+    repo = tmp_path_factory.mktemp("triton") / "model_repository"
+    repo.mkdir()
+
+    def model(name: str, config: str, engine: Path | None) -> Path:
+        d = repo / name
+        d.mkdir()
+        (d / "config.pbtxt").write_text(config)
+        if engine is not None:
+            shutil.copytree(engine, d / "1")
+        return d
+
+    engines = repo.parent / "engines"
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", engines / "bert4rec")
+    convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf")
+    # The same BERT4Rec with a catalogue keyed by strings ("sku-<id>").
+    lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
+    string_map = repo.parent / "string_map.tsv"
+    string_map.write_text("".join(f"{i}\tsku-{e}\n" for i, e in (l.split("\t") for l in lines)))
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.safetensors", engines / "bert4rec_str", string_map)
+
+    # The demo configs as shipped, so the tests cover what users deploy.
+    for name in ["bert4rec", "vaecf"]:
+        model(name, (ROOT / "model_repository" / name / "config.pbtxt").read_text(), engines / name)
+    model("bert4rec_str", contract_config("bert4rec_str", id_type="TYPE_STRING"), engines / "bert4rec_str")
+    model("bert4rec_strict", contract_config("bert4rec_strict", params={"unknown_item_policy": "error"}), engines / "bert4rec")
+    model("minimal", 'backend: "recsys"\nmax_batch_size: 16\n', engines / "bert4rec")
+    model("bert4rec_x2", contract_config("bert4rec_x2", count=2), engines / "bert4rec")
+
+    # Models that must fail to load, each for one reason.
+    model("missing_engine", contract_config("missing_engine"), None)
+    (repo / "missing_engine" / "1").mkdir()
+    d = model("corrupted_engine", contract_config("corrupted_engine"), engines / "bert4rec")
+    weights = d / "1" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    d = model("future_format", contract_config("future_format"), engines / "bert4rec")
+    manifest = json.loads((d / "1" / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (d / "1" / "manifest.json").write_text(json.dumps(manifest))
+    model("bad_parameter", contract_config("bad_parameter", params={"top_k": "many"}), engines / "bert4rec")
+    # A string catalogue cannot answer with INT64 ids.
+    model("contradicting", contract_config("contradicting"), engines / "bert4rec_str")
+    model("gpu_instance", contract_config("gpu_instance", kind="KIND_GPU"), engines / "bert4rec")
+    return repo
+
+
+@pytest.fixture(scope="session")
+def server(repository, backend_dir):
+    srv = TritonServer(repository, backend_dir, explicit=True, load_models=GOOD_MODELS,
+                       log_path=repository.parent / "tritonserver.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def predict(recsys_bin, repository, tmp_path_factory):
+    """Runs `recsys predict` (the engine offline) on histories; returns [(ids, scores)]."""
+    workdir = tmp_path_factory.mktemp("predict")
+
+    def run(model: str, histories: list[list], k: int) -> list[tuple[list, list]]:
+        src = workdir / f"{model}-in.jsonl"
+        dst = workdir / f"{model}-out.jsonl"
+        src.write_text("".join(json.dumps({"item_ids": h}) + "\n" for h in histories))
+        subprocess.run(
+            [str(recsys_bin), "predict", "--engine", str(repository / model / "1"),
+             "--input", str(src), "--output", str(dst), "--k", str(k)],
+            check=True, capture_output=True,
+        )
+        out = [json.loads(l) for l in dst.read_text().splitlines()]
+        return [(o["item_ids"], o["scores"]) for o in out]
+
+    return run
+
+
+def golden_cases(model_dir: str) -> list[dict]:
+    return json.loads((FIXTURES / model_dir / "golden.json").read_text())["cases"]

@@ -1,0 +1,269 @@
+"""The recsys backend inside a real tritonserver, driven by the real tritonclient over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import BROKEN_MODELS, golden_cases
+
+# The test-only id that makes a backend built with the `panic-trigger` feature panic in Execute.
+PANIC_TRIGGER_ID = -7_777_777_777
+
+
+def make_inputs(module, history, *, k=None, exclude=None, strings=False):
+    def ids(name, values):
+        if strings:
+            arr = np.array([[str(v).encode() if not isinstance(v, bytes) else v for v in values]], dtype=np.object_)
+            t = module.InferInput(name, list(arr.shape), "BYTES")
+        else:
+            arr = np.array([values], dtype=np.int64).reshape(1, len(values))
+            t = module.InferInput(name, list(arr.shape), "INT64")
+        t.set_data_from_numpy(arr)
+        return t
+
+    inputs = [ids("ITEM_IDS", history)]
+    if k is not None:
+        t = module.InferInput("K", [1, 1], "INT32")
+        t.set_data_from_numpy(np.array([[k]], dtype=np.int32))
+        inputs.append(t)
+    if exclude is not None:
+        inputs.append(ids("EXCLUDE_ITEM_IDS", exclude))
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    return httpclient.InferenceServerClient(server.http_url, concurrency=8)
+
+
+@pytest.fixture(scope="module")
+def grpc(server):
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def top(result):
+    return result.as_numpy("TOP_ITEM_IDS")[0].tolist(), result.as_numpy("TOP_SCORES")[0].tolist()
+
+
+@pytest.mark.parametrize("model,model_dir", [("bert4rec", "bert4rec"), ("vaecf", "multivae")])
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_answers_equal_pytorch_golden_and_the_engine(model, model_dir, protocol, http, grpc, predict):
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    cases = golden_cases(model_dir)
+    offline = predict(model, [c["history_ext"] for c in cases], 100)
+    for case, (engine_ids, engine_scores) in zip(cases, offline):
+        result = client.infer(model, make_inputs(module, case["history_ext"], k=100))
+        ids, scores = top(result)
+        assert ids == [t["external"] for t in case["topk"]], f"case {case['case']} differs from PyTorch"
+        assert ids == engine_ids, f"case {case['case']} differs from recsys predict"
+        np.testing.assert_array_equal(np.float32(scores), np.float32(engine_scores))
+        assert result.get_response()["parameters"]["unknown_item_count"] == len(case["unknown_ext"]) if protocol == "http" else True
+
+
+def test_default_k_exclusions_and_string_catalogue(http):
+    ids, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403, 10011207])))
+    assert len(ids) == 10 and 10011403 not in ids and 10011207 not in ids
+    excluded = ids[:3]
+    ids2, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403, 10011207], k=5, exclude=excluded)))
+    assert ids2 == ids[3:8]
+    sids, sscores = top(http.infer("bert4rec_str", make_inputs(httpclient, ["sku-10011403", "sku-10011207"], strings=True)))
+    assert [s.decode() for s in sids] == [f"sku-{i}" for i in ids]
+
+
+def test_concurrent_ragged_requests_are_batched_and_each_right(server, grpc, predict):
+    rng = np.random.default_rng(7)
+    pool = sorted({i for c in golden_cases("bert4rec") for i in c["effective_history_ext"]})
+    # 64 histories, lengths spread over 1..200 (BERT4Rec truncates past 49, which is tested too).
+    lengths = np.linspace(1, 200, 64).round().astype(int)
+    histories = [[int(x) for x in rng.choice(pool, size=length)] for length in lengths]
+    expected = predict("bert4rec", histories, 10)
+    before = grpc.get_inference_statistics("bert4rec", as_json=True)
+
+    results: dict[int, object] = {}
+    done = threading.Event()
+
+    def callback(i, result, error):
+        results[i] = error if error is not None else result
+        if len(results) == len(histories):
+            done.set()
+
+    for i, h in enumerate(histories):
+        grpc.async_infer("bert4rec", make_inputs(grpcclient, h), callback=lambda result, error, i=i: callback(i, result, error))
+    assert done.wait(60), f"only {len(results)} of {len(histories)} answers arrived"
+    for i, (ids, scores) in enumerate(expected):
+        r = results[i]
+        assert not isinstance(r, Exception), f"request {i}: {r}"
+        got_ids, got_scores = top(r)
+        assert got_ids == ids, f"history {i} (length {len(histories[i])}) got another user's answer"
+        np.testing.assert_array_equal(np.float32(got_scores), np.float32(scores))
+
+    after = grpc.get_inference_statistics("bert4rec", as_json=True)
+    def batches(stats):
+        return {int(b["batch_size"]): int(b["compute_infer"].get("count", 0)) for b in stats["model_stats"][0].get("batch_stats", [])}
+    grown = {size: n - batches(before).get(size, 0) for size, n in batches(after).items()}
+    assert sum(grown.values()) > 0
+    assert max(size for size, n in grown.items() if n > 0) > 1, f"no batch of more than one request: {grown}"
+
+
+def expect_error(call, status_http=None, needle=""):
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    message = info.value.message()
+    assert needle in message, message
+    if status_http is not None:
+        assert str(info.value.status()) in {str(status_http), f"StatusCode.{status_http}"}, info.value.status()
+    return message
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_requests_get_clear_errors_and_the_server_stays_ready(protocol, server, http, grpc):
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    invalid = "400" if protocol == "http" else "INVALID_ARGUMENT"
+    # k < 1
+    expect_error(lambda: client.infer("bert4rec", make_inputs(module, [10011403], k=0)), invalid, "K must be at least 1")
+    # wrong dtype (Triton rejects it before the backend; the message names the input)
+    bad = module.InferInput("ITEM_IDS", [1, 2], "FP32")
+    bad.set_data_from_numpy(np.array([[1.0, 2.0]], dtype=np.float32))
+    expect_error(lambda: client.infer("bert4rec", [bad]), invalid, "ITEM_IDS")
+    # wrong shape: a 3-D history
+    bad = module.InferInput("ITEM_IDS", [1, 1, 2], "INT64")
+    bad.set_data_from_numpy(np.array([[[1, 2]]], dtype=np.int64))
+    expect_error(lambda: client.infer("bert4rec", [bad]), invalid, "ITEM_IDS")
+    # missing ITEM_IDS
+    expect_error(lambda: client.infer("bert4rec", make_inputs(module, [1], k=3)[1:]), invalid, "ITEM_IDS")
+    # malformed string id (not UTF-8)
+    expect_error(
+        lambda: client.infer("bert4rec_str", make_inputs(module, [b"\xff\xfe"], strings=True)),
+        invalid, "not valid UTF-8",
+    )
+    # unknown ids under unknown_item_policy=error
+    expect_error(lambda: client.infer("bert4rec_strict", make_inputs(module, [10011403, 123])), invalid, "unknown")
+    assert server.is_ready()
+    ids, _ = top(client.infer("bert4rec", make_inputs(module, [10011403])))
+    assert len(ids) == 10
+
+
+def test_a_bad_request_does_not_fail_its_batch(grpc, predict):
+    good = [[10011403, 10011207], [10011739], [10011403, 10011844, 10011305]] * 6
+    expected = predict("bert4rec_strict", good, 10)
+    results, done = {}, threading.Event()
+    total = len(good) * 2
+
+    def callback(key, result, error):
+        results[key] = (result, error)
+        if len(results) == total:
+            done.set()
+
+    for i, h in enumerate(good):
+        grpc.async_infer("bert4rec_strict", make_inputs(grpcclient, h), callback=lambda result, error, i=i: callback(("good", i), result, error))
+        # Interleaved bad ones: an unknown id (refused by policy) and k = 0, both reach the backend.
+        bad = make_inputs(grpcclient, [10011403, 99]) if i % 2 else make_inputs(grpcclient, [10011403], k=0)
+        grpc.async_infer("bert4rec_strict", bad, callback=lambda result, error, i=i: callback(("bad", i), result, error))
+    assert done.wait(60)
+    for i, (ids, _) in enumerate(expected):
+        result, error = results[("good", i)]
+        assert error is None, error
+        assert top(result)[0] == ids
+        assert results[("bad", i)][1] is not None
+
+
+@pytest.mark.parametrize(
+    "model,needle",
+    [
+        ("missing_engine", "manifest.json"),
+        ("corrupted_engine", "checksum mismatch"),
+        ("future_format", "format version 99 is not supported"),
+        ("bad_parameter", "top_k must be a positive integer"),
+        ("contradicting", "must be TYPE_STRING"),
+        ("gpu_instance", "GPU"),
+    ],
+)
+def test_load_errors_are_clear_and_leave_the_server_serving(model, needle, server, http):
+    assert model in BROKEN_MODELS
+    message = expect_error(lambda: http.load_model(model), None, "")
+    assert needle in message, message
+    assert not http.is_model_ready(model)
+    assert server.is_live()
+    ids, _ = top(http.infer("vaecf", make_inputs(httpclient, [10011403])))
+    assert len(ids) == 10
+    # Healthy: live, and the models that loaded stay ready. (Triton's strict readiness reports the
+    # whole server not ready once any load failed; that is the server's policy, not the backend's.)
+    assert all(http.is_model_ready(m) for m in ["bert4rec", "vaecf"])
+
+
+def test_auto_complete_fills_a_minimal_config(http):
+    config = http.get_model_config("minimal")
+    names = {i["name"]: i for i in config["input"]}
+    assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS"}
+    assert names["ITEM_IDS"]["data_type"] == "TYPE_INT64" and names["ITEM_IDS"]["allow_ragged_batch"]
+    assert {o["name"] for o in config["output"]} == {"TOP_ITEM_IDS", "TOP_SCORES"}
+    a, _ = top(http.infer("minimal", make_inputs(httpclient, [10011403, 10011207], k=7)))
+    b, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403, 10011207], k=7)))
+    assert a == b
+
+
+def test_two_instances_share_one_engine_and_agree(http):
+    a = [top(http.infer("bert4rec_x2", make_inputs(httpclient, [10011403, i]))) for i in (10011207, 10011739, 10011844)]
+    b = [top(http.infer("bert4rec", make_inputs(httpclient, [10011403, i]))) for i in (10011207, 10011739, 10011844)]
+    assert a == b
+
+
+def test_custom_metrics_are_published(server, http):
+    http.infer("bert4rec", make_inputs(httpclient, [10011403, 5, 6]))  # two unknown ids
+    http.infer("bert4rec", make_inputs(httpclient, list(range(10011403, 10011403 + 7 * 60, 7))))  # 60 ids > window
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    def value(name):
+        for line in text.splitlines():
+            if line.startswith(name + '{') and 'model="bert4rec"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} for bert4rec not in the metrics:\n{text[:2000]}")
+    assert value("recsys_unknown_item_ids_total") >= 2
+    assert value("recsys_histories_truncated_total") >= 1
+    assert value("recsys_engine_batch_size_count") >= 2
+
+
+def test_explicit_reload_swaps_without_failed_requests(http, server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    failures, done_count, stop = [], [0], threading.Event()
+
+    def load():
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline and done_count[0] < 20000:
+            try:
+                ids, _ = top(client.infer("vaecf", make_inputs(httpclient, [10011403, 10011207])))
+                assert len(ids) == 10
+            except Exception as e:  # noqa: BLE001  (every failure counts)
+                failures.append(repr(e))
+            done_count[0] += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        time.sleep(0.3)
+        for _ in range(3):
+            http.load_model("vaecf")  # reload in place
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert done_count[0] > 20
+    assert failures == [], failures[:5]
+
+
+def test_a_panic_in_execute_answers_internal_and_the_server_keeps_serving(server, http):
+    message = expect_error(
+        lambda: http.infer("bert4rec", make_inputs(httpclient, [10011403, PANIC_TRIGGER_ID])),
+        "500", "panic trigger",
+    )
+    assert "failed while executing" in message
+    assert server.is_live() and http.is_model_ready("bert4rec")
+    ids, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403])))
+    assert len(ids) == 10
