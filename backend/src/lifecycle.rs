@@ -5,7 +5,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::ptr;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use recsys_engine::Engine;
 use recsys_ffi as sys;
@@ -233,10 +232,16 @@ pub(crate) fn instance_finalize(instance: *mut sys::TRITONBACKEND_ModelInstance)
     Ok(())
 }
 
+/// Nanoseconds on CLOCK_MONOTONIC, the clock Triton stamps requests with (C++ steady_clock), so
+/// the queue and compute times it derives from our timestamps are meaningful.
 fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Only in test builds of the backend: a history holding this id makes Execute panic.

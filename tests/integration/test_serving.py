@@ -111,6 +111,11 @@ def test_concurrent_ragged_requests_are_batched_and_each_right(server, grpc, pre
     grown = {size: n - batches(before).get(size, 0) for size, n in batches(after).items()}
     assert sum(grown.values()) > 0
     assert max(size for size, n in grown.items() if n > 0) > 1, f"no batch of more than one request: {grown}"
+    # The backend's timestamps are on Triton's clock: queue and compute times are plausible.
+    stats = after["model_stats"][0]["inference_stats"]
+    for phase in ["queue", "compute_infer"]:
+        mean_ns = int(stats[phase]["ns"]) / max(int(stats[phase]["count"]), 1)
+        assert 0 < mean_ns < 5e9, f"mean {phase} time {mean_ns} ns is not plausible"
 
 
 def expect_error(call, status_http=None, needle=""):
