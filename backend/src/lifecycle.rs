@@ -235,7 +235,10 @@ pub(crate) fn instance_finalize(instance: *mut sys::TRITONBACKEND_ModelInstance)
 /// Nanoseconds on CLOCK_MONOTONIC, the clock Triton stamps requests with (C++ steady_clock), so
 /// the queue and compute times it derives from our timestamps are meaningful.
 fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     if rc != 0 {
