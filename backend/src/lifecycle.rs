@@ -119,12 +119,17 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
         ))
     })?;
     let metrics = ModelMetrics::new(&name, version).map(Arc::new);
+    let mut engine = engine;
+    engine.set_threads(settings.threads);
     log(
         LogLevel::Info,
         &format!(
-            "recsys: loaded model {name} version {version}: {} engine, {} items, top_k {}",
+            "recsys: loaded model {name} version {version}: {} engine, {} items, precision {:?}, {} kernels, {} scoring thread(s), top_k {}",
             engine.kind(),
             engine.n_items(),
+            engine.manifest.precision,
+            engine.scorer.kernels.isa.name(),
+            engine.scorer.threads,
             settings.default_k
         ),
     );

@@ -129,6 +129,7 @@ mod tests {
             config: Some(&config),
             item_map: &dir.join("item_id_map.tsv"),
             out: &tmp.path().join("e"),
+            precision: recsys_engine::engine_dir::Precision::Fp32,
         })
         .unwrap();
         (engine, tmp)

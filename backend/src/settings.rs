@@ -25,6 +25,8 @@ pub enum IdTensorType {
 #[derive(Clone, Debug)]
 pub struct ModelSettings {
     pub default_k: usize,
+    /// Scoring threads per instance (instances x threads should not exceed the cores).
+    pub threads: usize,
     pub exclude_seen: bool,
     pub unknown_items: UnknownItemPolicy,
     /// 0 when the model does not batch (shapes then have no batch dimension).
@@ -87,7 +89,7 @@ fn id_tensor_type(tensor: &Value, what: &str) -> Result<IdTensorType> {
     }
 }
 
-const KNOWN_PARAMETERS: &[&str] = &["top_k", "exclude_seen", "unknown_item_policy"];
+const KNOWN_PARAMETERS: &[&str] = &["top_k", "exclude_seen", "unknown_item_policy", "threads"];
 
 /// Reads and checks the configuration against the loaded engine.
 pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
@@ -108,6 +110,17 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
             _ => {
                 return Err(BackendError::InvalidConfig(format!(
                     "parameter top_k must be a positive integer, found {text:?}"
+                )))
+            }
+        },
+    };
+    let threads = match parameter(config, "threads") {
+        None => 1,
+        Some(text) => match text.trim().parse::<usize>() {
+            Ok(t) if (1..=256).contains(&t) => t,
+            _ => {
+                return Err(BackendError::InvalidConfig(format!(
+                    "parameter threads must be an integer from 1 to 256, found {text:?}"
                 )))
             }
         },
@@ -198,6 +211,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     }
     Ok(ModelSettings {
         default_k,
+        threads,
         exclude_seen,
         unknown_items,
         max_batch_size,
@@ -287,6 +301,7 @@ mod tests {
             config: Some(&config),
             item_map: &dir.join("item_id_map.tsv"),
             out: &tmp.path().join("e"),
+            precision: recsys_engine::engine_dir::Precision::Fp32,
         })
         .unwrap();
         (engine, tmp)
@@ -326,6 +341,7 @@ mod tests {
                 "unknown_item_policy must be",
             ),
             ("topk", "10", "unknown parameter \"topk\""),
+            ("threads", "0", "threads must be an integer from 1 to 256"),
         ] {
             let mut c = config.clone();
             c["parameters"][key] = json!({"string_value": value});

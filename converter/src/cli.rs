@@ -43,6 +43,16 @@ pub enum Kind {
 pub enum Precision {
     /// 32-bit floats, PyTorch-exact within f32 rounding.
     Fp32,
+    /// Output layer stored as IEEE half (half the bytes to stream), computed in f32.
+    Fp16,
+    /// Output layer stored as int8 with one scale per item (a quarter of the bytes), computed in f32.
+    Int8,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Int8Mode {
+    /// Quantize the weights only; activations stay f32 (no calibration needed).
+    WeightOnly,
 }
 
 #[derive(Args, Debug)]
@@ -69,9 +79,13 @@ pub struct ConvertArgs {
     /// Engine directory to create (for serving: <model_repository>/<model>/<version>).
     #[arg(long)]
     pub out: PathBuf,
-    /// Numeric precision of the engine.
+    /// Numeric precision of the engine's output layer (the item-scoring step that dominates the
+    /// cost); the other layers stay fp32. `recsys eval` shows what a precision costs in ranking quality.
     #[arg(long, value_enum, default_value = "fp32")]
     pub precision: Precision,
+    /// How int8 is applied (with --precision int8).
+    #[arg(long, value_enum, default_value = "weight-only")]
+    pub int8_mode: Int8Mode,
     /// Replace the output directory if it already exists.
     #[arg(long)]
     pub force: bool,
@@ -109,6 +123,9 @@ pub struct PredictArgs {
     /// Fail a line whose history holds ids unknown to the model, instead of dropping those ids.
     #[arg(long)]
     pub strict_ids: bool,
+    /// Threads for scoring each batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub threads: u32,
 }
 
 #[derive(Args, Debug)]
@@ -135,4 +152,7 @@ pub struct EvalArgs {
     /// Also write the JSON report to this file.
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Threads for scoring each batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub threads: u32,
 }

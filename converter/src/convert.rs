@@ -1,6 +1,6 @@
 //! `recsys convert`.
 
-use crate::cli::{ConvertArgs, Kind};
+use crate::cli::{ConvertArgs, Int8Mode, Kind, Precision};
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::{ConvertRequest, ModelKind};
@@ -52,6 +52,11 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         config: config.as_ref(),
         item_map: &args.item_map,
         out: &args.out,
+        precision: match (args.precision, args.int8_mode) {
+            (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
+            (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
+            (Precision::Int8, Int8Mode::WeightOnly) => recsys_engine::engine_dir::Precision::Int8,
+        },
     });
     bar.finish_and_clear();
     let engine = engine?;

@@ -10,7 +10,8 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     if args.k.is_empty() || args.k.contains(&0) {
         return Err(CliError::Usage("--k needs cut-offs of at least 1".into()));
     }
-    let engine = Engine::load(&args.engine)?;
+    let mut engine = Engine::load(&args.engine)?;
+    engine.set_threads(args.threads as usize);
     let cases = read_test_set(&args.test)?;
     let bar = progress::counter(cases.len() as u64, "users");
     let started = std::time::Instant::now();
@@ -21,6 +22,9 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     let mut json = serde_json::json!({
         "engine": args.engine.display().to_string(),
         "model": engine.kind().to_string(),
+        "precision": serde_json::json!(engine.manifest.precision),
+        "kernels": engine.scorer.kernels.isa.name(),
+        "threads": engine.scorer.threads,
         "test": args.test.display().to_string(),
         "metrics": report.metrics,
         "unknown_history_ids": report.unknown_history_ids,

@@ -107,7 +107,8 @@ struct Counts {
 }
 
 pub fn run(args: &PredictArgs) -> Result<i32> {
-    let engine = Engine::load(&args.engine)?;
+    let mut engine = Engine::load(&args.engine)?;
+    engine.set_threads(args.threads as usize);
     let options = ServeOptions {
         default_k: args.k as usize,
         exclude_seen: !args.include_seen,

@@ -3,12 +3,18 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::{ModelConfig, ModelKind};
-use crate::engine_dir::{self, EngineParts, Manifest, SourceCheckpoint};
+use crate::engine_dir::{
+    self, EngineParts, Manifest, Precision, RawTensor, SourceCheckpoint, OUTPUT_WEIGHT,
+    OUTPUT_WEIGHT_SCALE,
+};
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalId, ExternalIds, IdMap};
 use crate::import::Checkpoint;
-use crate::models::{HistoryNote, Model};
-use crate::topk::{self, ExclusionSet, Scored};
+use crate::kernels::fused::{self, Exclusions, RowQuery};
+use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use crate::kernels::KernelTable;
+use crate::models::{HistoryNote, Model, TensorMap};
+use crate::topk::Scored;
 
 /// What to do with history ids the catalogue does not know.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,24 +89,107 @@ pub struct InternalRequest {
     pub exclude_seen: bool,
 }
 
+/// The output layer as the fused kernels read it, and how to run them.
+pub struct Scorer {
+    pub packed: PackedOutput,
+    pub kernels: &'static KernelTable,
+    /// Threads one batch's scoring may use (instances x threads should fit the cores).
+    pub threads: usize,
+}
+
 /// A loaded model with its id map.
 pub struct Engine {
     pub manifest: Manifest,
     pub model: Model,
     pub ids: IdMap,
     pub path: Option<PathBuf>,
+    pub scorer: Scorer,
+}
+
+fn raw_tensor<'a>(
+    loaded: &'a engine_dir::LoadedDir,
+    name: &str,
+    dtype: safetensors::Dtype,
+    shape: &[usize],
+) -> Result<&'a RawTensor> {
+    let bad = |reason: String| EngineError::EngineDir {
+        path: loaded.path.clone(),
+        reason,
+    };
+    let t = loaded.raw_tensors.get(name).ok_or_else(|| {
+        bad(format!(
+            "precision {:?} needs tensor {name}, which is missing",
+            loaded.manifest.precision
+        ))
+    })?;
+    if t.dtype != dtype || t.shape != shape {
+        return Err(bad(format!(
+            "tensor {name} is {:?} {:?}, expected {dtype:?} {shape:?}",
+            t.dtype, t.shape
+        )));
+    }
+    Ok(t)
+}
+
+/// Packs the output layer at the engine's precision.
+fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
+    let out = loaded.model.output();
+    let (n, d) = (out.n_outputs(), out.input_size());
+    let bias = out.bias.as_slice();
+    Ok(match loaded.manifest.precision {
+        Precision::Fp32 => PackedOutput::from_f32(out.weight.as_slice(), bias, d),
+        Precision::Fp16 => {
+            let t = raw_tensor(loaded, OUTPUT_WEIGHT, safetensors::Dtype::F16, &[n, d])?;
+            let bits: Vec<u16> = t
+                .bytes
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            PackedOutput::from_f16_bits(&bits, bias, d)
+        }
+        Precision::Int8 => {
+            let t = raw_tensor(loaded, OUTPUT_WEIGHT, safetensors::Dtype::I8, &[n, d])?;
+            let q: Vec<i8> = t.bytes.iter().map(|&b| b as i8).collect();
+            let scales = crate::models::take(&loaded.extra_tensors, OUTPUT_WEIGHT_SCALE, &[n])?;
+            PackedOutput::from_i8(&q, scales.as_slice(), bias, d)
+        }
+    })
 }
 
 impl Engine {
-    /// Loads and verifies an engine directory.
+    /// Loads and verifies an engine directory; the kernels are the best this CPU runs (or
+    /// `RECSYS_FORCE_ISA`), with one scoring thread.
     pub fn load(dir: &Path) -> Result<Engine> {
         let loaded = engine_dir::load(dir)?;
+        let packed = packed_output(&loaded)?;
         Ok(Engine {
             manifest: loaded.manifest,
             model: loaded.model,
             ids: loaded.ids,
             path: Some(loaded.path),
+            scorer: Scorer {
+                packed,
+                kernels: KernelTable::detect(),
+                threads: 1,
+            },
         })
+    }
+
+    /// Threads for scoring one batch (at least 1).
+    pub fn set_threads(&mut self, threads: usize) {
+        self.scorer.threads = threads.max(1);
+    }
+
+    /// Replaces the kernel set (tests and benches run every ISA path).
+    pub fn set_kernels(&mut self, kernels: &'static KernelTable) {
+        self.scorer.kernels = kernels;
+    }
+
+    /// Every item's score for each history, `[B, N+1]`, with the serving kernels and precision
+    /// (for evaluation; serving never materialises this).
+    pub fn score_all(&self, histories: &[&[u32]]) -> Vec<f32> {
+        let (hidden, _) = self.model.encode(histories);
+        fused::score_all(self.scorer.kernels, &self.scorer.packed, &hidden)
     }
 
     pub fn kind(&self) -> ModelKind {
@@ -193,24 +282,35 @@ impl Engine {
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.model.encode(&histories);
-        let scores = self.model.output().score_all(&hidden);
-        let n_out = self.model.output().n_outputs();
-        let mut excluded = ExclusionSet::new(n_out);
-        batch
+        let exclusions: Vec<Exclusions> = batch
             .iter()
-            .zip(notes)
-            .enumerate()
-            .map(|(row, (request, note))| {
-                excluded.clear();
-                excluded.insert(0); // PAD is never an item
+            .map(|request| {
+                let mut excluded =
+                    Vec::with_capacity(1 + request.history.len() + request.exclude.len());
+                excluded.push(0); // PAD is never an item
                 if request.exclude_seen {
-                    request.history.iter().for_each(|&i| excluded.insert(i));
+                    excluded.extend_from_slice(&request.history);
                 }
-                request.exclude.iter().for_each(|&i| excluded.insert(i));
-                let row_scores = &scores[row * n_out..(row + 1) * n_out];
-                (topk::top_k(row_scores, request.k, &excluded), note)
+                excluded.extend_from_slice(&request.exclude);
+                Exclusions::new(excluded)
             })
-            .collect()
+            .collect();
+        let queries: Vec<RowQuery<'_>> = batch
+            .iter()
+            .zip(&exclusions)
+            .map(|(request, excluded)| RowQuery {
+                k: request.k,
+                excluded,
+            })
+            .collect();
+        let top = fused::top_k(
+            self.scorer.kernels,
+            &self.scorer.packed,
+            &hidden,
+            &queries,
+            self.scorer.threads,
+        );
+        top.into_iter().zip(notes).collect()
     }
 
     /// External id of an internal index.
@@ -227,6 +327,7 @@ pub struct ConvertRequest<'a> {
     pub config: Option<&'a serde_json::Map<String, serde_json::Value>>,
     pub item_map: &'a Path,
     pub out: &'a Path,
+    pub precision: Precision,
 }
 
 /// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
@@ -243,7 +344,8 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
         }
     };
     let config = ModelConfig::resolve(request.kind, &json, &ckpt)?;
-    let tensors = Model::engine_tensors(&config, &ckpt)?;
+    let mut tensors = Model::engine_tensors(&config, &ckpt)?;
+    let (raw_tensors, quantization) = quantize_output(&config, &mut tensors, request.precision)?;
     let ids = IdMap::read_tsv(request.item_map)?;
     let source = SourceCheckpoint {
         file: request
@@ -259,9 +361,74 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
         &EngineParts {
             config: &config,
             tensors: &tensors,
+            raw_tensors: &raw_tensors,
+            precision: request.precision,
+            quantization,
             ids: &ids,
             source,
         },
     )?;
     Engine::load(request.out)
+}
+
+/// Quantized tensors to store, and the manifest's description of the scheme.
+type QuantizedOutput = (Vec<(String, RawTensor)>, Option<serde_json::Value>);
+
+/// Stores the output layer at `precision` (fp32 keeps the model's own tensor and adds nothing).
+/// Returns the quantized tensors and the manifest's description of the scheme.
+fn quantize_output(
+    config: &ModelConfig,
+    tensors: &mut Vec<(String, crate::tensor::Tensor)>,
+    precision: Precision,
+) -> Result<QuantizedOutput> {
+    if precision == Precision::Fp32 {
+        return Ok((Vec::new(), None));
+    }
+    let map: TensorMap = tensors.iter().cloned().collect();
+    let model = Model::from_tensors(config, &map)?;
+    let out = model.output();
+    let (n, d) = (out.n_outputs(), out.input_size());
+    let weight = out.weight.as_slice();
+    let (raw, scheme) = match precision {
+        Precision::Fp32 => unreachable!("handled above"),
+        Precision::Fp16 => {
+            let bytes = to_f16_bits(weight)
+                .iter()
+                .flat_map(|b| b.to_le_bytes())
+                .collect();
+            (
+                RawTensor {
+                    dtype: safetensors::Dtype::F16,
+                    shape: vec![n, d],
+                    bytes,
+                },
+                serde_json::json!({"weights": "fp16", "compute": "fp32", "rounding": "nearest-even"}),
+            )
+        }
+        Precision::Int8 => {
+            let (q, scales) = quantize_int8_per_row(weight, d);
+            tensors.push((
+                OUTPUT_WEIGHT_SCALE.to_string(),
+                crate::tensor::Tensor::from_vec(vec![n], scales),
+            ));
+            (
+                RawTensor {
+                    dtype: safetensors::Dtype::I8,
+                    shape: vec![n, d],
+                    bytes: q.iter().map(|&v| v as u8).collect(),
+                },
+                serde_json::json!({
+                    "weights": "int8", "mode": "weight-only", "compute": "fp32",
+                    "scheme": "symmetric, one scale per item (output row): scale = max|w| / 127, q = round(w / scale)",
+                    "scales": OUTPUT_WEIGHT_SCALE,
+                }),
+            )
+        }
+    };
+    let quantization = serde_json::json!({
+        "output_layer": scheme,
+        "other_layers": "fp32",
+        "tensor": OUTPUT_WEIGHT,
+    });
+    Ok((vec![(OUTPUT_WEIGHT.to_string(), raw)], Some(quantization)))
 }

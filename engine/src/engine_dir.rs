@@ -26,10 +26,42 @@ pub const MANIFEST_FILE: &str = "manifest.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const ITEM_IDS_FILE: &str = "item_ids.tsv";
 
+/// Numeric precision of the engine's output layer (the item-scoring step that dominates serving
+/// cost); the manifest's `quantization` field says exactly what is stored how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     Fp32,
+    /// Weights stored as IEEE half, computed in f32.
+    Fp16,
+    /// Weights stored as symmetric int8 with one f32 scale per item, computed in f32 (weight-only).
+    Int8,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "fp16" => Ok(Precision::Fp16),
+            "int8" => Ok(Precision::Int8),
+            _ => Err(format!(
+                "unknown precision {s:?} (expected fp32, fp16 or int8)"
+            )),
+        }
+    }
+}
+
+/// Engine names of the quantized output layer (absent at fp32, where the model's own tensor is used).
+pub const OUTPUT_WEIGHT: &str = "output.weight";
+pub const OUTPUT_WEIGHT_SCALE: &str = "output.weight_scale";
+
+/// A tensor stored in a non-f32 dtype (quantized weights), as little-endian bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawTensor {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -67,6 +99,10 @@ pub struct Manifest {
 pub struct EngineParts<'a> {
     pub config: &'a ModelConfig,
     pub tensors: &'a [(String, Tensor)],
+    /// Quantized tensors, stored in their own dtype.
+    pub raw_tensors: &'a [(String, RawTensor)],
+    pub precision: Precision,
+    pub quantization: Option<serde_json::Value>,
     pub ids: &'a IdMap,
     pub source: SourceCheckpoint,
 }
@@ -132,6 +168,11 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
             .expect("a tensor's bytes always match its shape");
             (name.as_str(), view)
         })
+        .chain(parts.raw_tensors.iter().map(|(name, t)| {
+            let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes)
+                .expect("quantized tensor bytes match their shape");
+            (name.as_str(), view)
+        }))
         .collect();
     safetensors::serialize_to_file(views, &None, &weights_path).map_err(|e| {
         EngineError::Config(format!("cannot write {}: {e}", weights_path.display()))
@@ -156,8 +197,8 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
         model: parts.config.clone(),
-        precision: Precision::Fp32,
-        quantization: None,
+        precision: parts.precision,
+        quantization: parts.quantization.clone(),
         calibration: None,
         id_type: parts.ids.id_type(),
         source: parts.source.clone(),
@@ -177,6 +218,10 @@ pub struct LoadedDir {
     pub manifest: Manifest,
     pub model: Model,
     pub ids: IdMap,
+    /// Non-f32 tensors (quantized output layer), copied out of the mapping.
+    pub raw_tensors: std::collections::HashMap<String, RawTensor>,
+    /// The f32 tensors that are not part of the model itself (quantization scales).
+    pub extra_tensors: TensorMap,
 }
 
 pub fn load(dir: &Path) -> Result<LoadedDir> {
@@ -252,7 +297,7 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
         .map_err(|e| EngineError::io(format!("cannot map {}", weights_path.display()), e))?;
     verify(&weights_path, &map, &manifest.files[WEIGHTS_FILE].sha256)?;
     let storage = Storage::mapped(map);
-    let tensors =
+    let (tensors, raw_tensors) =
         tensor_map(&storage).map_err(|reason| bad(format!("{WEIGHTS_FILE}: {reason}")))?;
 
     let ids_path = dir.join(ITEM_IDS_FILE);
@@ -280,11 +325,17 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
         )));
     }
     let model = Model::from_tensors(&manifest.model, &tensors).map_err(|e| bad(e.to_string()))?;
+    let extra_tensors = tensors
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("output."))
+        .collect();
     Ok(LoadedDir {
         path: dir.to_path_buf(),
         manifest,
         model,
         ids,
+        raw_tensors,
+        extra_tensors,
     })
 }
 
@@ -300,20 +351,39 @@ fn verify(path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
     Ok(())
 }
 
-fn tensor_map(storage: &Storage) -> Result<TensorMap, String> {
+type Tensors = (TensorMap, std::collections::HashMap<String, RawTensor>);
+
+fn tensor_map(storage: &Storage) -> Result<Tensors, String> {
     let bytes = storage.bytes();
     let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
     let mut map = TensorMap::new();
+    let mut raw = std::collections::HashMap::new();
     for (name, view) in st.tensors() {
-        if view.dtype() != safetensors::Dtype::F32 {
-            return Err(format!("tensor {name} is {:?}, expected F32", view.dtype()));
+        match view.dtype() {
+            safetensors::Dtype::F32 => {}
+            safetensors::Dtype::F16 | safetensors::Dtype::I8 => {
+                raw.insert(
+                    name,
+                    RawTensor {
+                        dtype: view.dtype(),
+                        shape: view.shape().to_vec(),
+                        bytes: view.data().to_vec(),
+                    },
+                );
+                continue;
+            }
+            other => {
+                return Err(format!(
+                    "tensor {name} is {other:?}, expected F32, F16 or I8"
+                ))
+            }
         }
         let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
         let tensor =
             Tensor::view(storage, offset, view.shape().to_vec()).map_err(|e| e.to_string())?;
         map.insert(name, tensor);
     }
-    Ok(map)
+    Ok((map, raw))
 }
 
 /// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.

@@ -181,7 +181,7 @@ pub fn evaluate(
     let mut metrics = RankingMetrics::new(ks);
     let mut ranks = Vec::with_capacity(cases.len());
     let (mut unknown_history_ids, mut unknown_targets) = (0, 0);
-    let n_out = engine.model.output().n_outputs();
+    let n_out = engine.scorer.packed.n;
     let mut excluded = ExclusionSet::new(n_out);
     for chunk in cases.chunks(batch.max(1)) {
         let mapped: Vec<_> = chunk
@@ -192,7 +192,7 @@ pub fn evaluate(
             })
             .collect();
         let histories: Vec<&[u32]> = mapped.iter().map(|m| m.indices.as_slice()).collect();
-        let scores = engine.model.score_all(&histories);
+        let scores = engine.score_all(&histories);
         for (row, (case, history)) in chunk.iter().zip(&mapped).enumerate() {
             unknown_history_ids += history.unknown;
             let rank = match engine.ids.index_of_str(&case.target) {

@@ -15,7 +15,7 @@ fn check_logits_and_topk(kind: ModelKind) {
     for (case_no, case) in golden.cases.iter().enumerate() {
         // Logits on the effective history.
         let history = u32s(&case["effective_history_internal"]);
-        let scores = engine.model.score_all(&[history.as_slice()]);
+        let scores = engine.score_all(&[history.as_slice()]);
         let want = &golden.logits_f32[case_no * golden.n_outputs..(case_no + 1) * golden.n_outputs];
         assert_eq!(scores.len(), want.len());
         for (g, w) in scores.iter().zip(want) {
@@ -122,15 +122,26 @@ fn check_metrics(kind: ModelKind) {
         expected["n_users"].as_f64().unwrap()
     );
 
-    // Rank by rank against PyTorch's float64 ranks.
+    // Rank by rank against PyTorch: equal to its float64 rank, or, where PyTorch's own float32 and
+    // float64 ranks disagree (a near-tie that f32 cannot resolve), to its float32 rank.
     let ranks_text = std::fs::read_to_string(model_dir(kind).join("test_ranks.tsv")).unwrap();
     let mut differing = 0;
+    let mut f32_ties = 0;
     for (line, ours) in ranks_text.lines().skip(1).zip(&report.ranks) {
-        let want: usize = line.split('\t').nth(2).unwrap().parse().unwrap();
-        if Some(want) != *ours {
-            differing += 1;
+        let fields: Vec<&str> = line.split('\t').collect();
+        let f64_rank: usize = fields[2].parse().unwrap();
+        let f32_rank: usize = fields[3].parse().unwrap();
+        if *ours == Some(f64_rank) {
+            continue;
         }
+        if f32_rank != f64_rank && *ours == Some(f32_rank) {
+            f32_ties += 1;
+            continue;
+        }
+        eprintln!("{kind}: {line}: ours {ours:?}");
+        differing += 1;
     }
+    eprintln!("{kind}: {f32_ties} users at PyTorch's own f32/f64 near-ties took its f32 rank");
     assert_eq!(
         differing, 0,
         "{kind}: {differing} users' target ranks differ from PyTorch float64"
@@ -159,10 +170,10 @@ fn batched_ragged_histories_equal_one_by_one() {
             .map(|c| u32s(&c["effective_history_internal"]))
             .collect();
         let refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
-        let batched = engine.model.score_all(&refs);
+        let batched = engine.score_all(&refs);
         let n = engine.model.output().n_outputs();
         for (i, h) in refs.iter().enumerate() {
-            let single = engine.model.score_all(&[h]);
+            let single = engine.score_all(&[h]);
             assert_eq!(
                 &batched[i * n..(i + 1) * n],
                 &single[..],

@@ -37,6 +37,7 @@ fn recbole_checkpoint_carries_its_own_config() {
         config: None,
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("e"),
+        precision: recsys_engine::engine_dir::Precision::Fp32,
     })
     .unwrap();
     let from_json = convert_fixture(ModelKind::Bert4rec, "model.pt", &tmp.path().join("f"));
@@ -57,6 +58,7 @@ fn plain_state_dict_needs_a_config() {
         config: None,
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("e"),
+        precision: recsys_engine::engine_dir::Precision::Fp32,
     })
     .err()
     .unwrap();
@@ -99,6 +101,7 @@ fn convert_file(
         config: Some(&config),
         item_map: &model_dir(ModelKind::Bert4rec).join("item_id_map.tsv"),
         out: &out,
+        precision: recsys_engine::engine_dir::Precision::Fp32,
     })
 }
 
@@ -233,6 +236,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         config: Some(&config),
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("e"),
+        precision: recsys_engine::engine_dir::Precision::Fp32,
     })
     .err()
     .unwrap();
@@ -244,6 +248,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         config: Some(&config_json(ModelKind::Bert4rec)),
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("f"),
+        precision: recsys_engine::engine_dir::Precision::Fp32,
     })
     .err()
     .unwrap();

@@ -1,4 +1,123 @@
-//! Numeric building blocks. `cpu` holds the portable kernels every path can run; faster versions
-//! chosen at run time will sit beside them behind the same signatures.
+//! Numeric kernels and the one place that picks them.
+//!
+//! `cpu` holds the portable kernels used by the models' dense layers. The output layer (scoring every
+//! item, the dominant cost) runs through `fused`: packed weight panels (`packed`), a micro-kernel per
+//! precision chosen from a [`KernelTable`] at engine load, and a bounded top-k selection that never
+//! materialises the batch x items score matrix. The table is portable scalar code, overlaid by the
+//! AVX2 + FMA + F16C kernels of `avx2` when the CPU has them; `RECSYS_FORCE_ISA=scalar|avx2` forces a
+//! path so every path can be tested.
 
 pub mod cpu;
+pub mod fused;
+pub mod packed;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod scalar;
+
+/// Instruction-set paths the kernels exist for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 with FMA and F16C (x86-64).
+    Avx2,
+}
+
+impl Isa {
+    /// What this CPU can run.
+    pub fn available() -> Vec<Isa> {
+        let mut out = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            out.push(Isa::Avx2);
+        }
+        out
+    }
+
+    /// The best available path, unless `RECSYS_FORCE_ISA` names one. Forcing a path the CPU lacks
+    /// falls back to scalar with a warning on stderr rather than crashing on an illegal instruction.
+    pub fn detect() -> Isa {
+        let available = Isa::available();
+        match std::env::var("RECSYS_FORCE_ISA").ok().as_deref() {
+            Some("scalar") => Isa::Scalar,
+            Some("avx2") if available.contains(&Isa::Avx2) => Isa::Avx2,
+            Some(other) => {
+                eprintln!("recsys: RECSYS_FORCE_ISA={other} is not available on this CPU (have {available:?}); using scalar");
+                Isa::Scalar
+            }
+            None => *available.last().expect("scalar is always available"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Dot products of up to 4 hidden rows against `P` consecutive packed panels of 8 items.
+///
+/// Arguments: `hidden` (rows x d, row-major), `d`, the panels (P x d x 8 elements), the output
+/// (rows x P x 8 raw dot products, row-major by row then item). Every implementation accumulates
+/// each item's dot product over `d` in increasing order, so a result never depends on how many rows
+/// or panels are computed together.
+pub type PanelF32 = fn(&[f32], usize, &[f32], &mut [f32]);
+pub type PanelF16 = fn(&[f32], usize, &[u16], &mut [f32]);
+pub type PanelI8 = fn(&[f32], usize, &[i8], &mut [f32]);
+
+/// The micro-kernels of one ISA, indexed by `[rows - 1][log2(panels)]` for rows in {1, 2, 4}
+/// (3 rows run as 2 + 1) and panels in {1, 2, 4, 8}.
+pub struct KernelTable {
+    pub isa: Isa,
+    pub f32: [[PanelF32; 4]; 3],
+    pub f16: [[PanelF16; 4]; 3],
+    pub i8: [[PanelI8; 4]; 3],
+}
+
+impl KernelTable {
+    pub fn for_isa(isa: Isa) -> &'static KernelTable {
+        match isa {
+            Isa::Scalar => &scalar::TABLE,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                assert!(
+                    Isa::available().contains(&Isa::Avx2),
+                    "AVX2 kernels requested on a CPU without AVX2/FMA/F16C"
+                );
+                &avx2::TABLE
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => &scalar::TABLE,
+        }
+    }
+
+    pub fn detect() -> &'static KernelTable {
+        Self::for_isa(Isa::detect())
+    }
+}
+
+/// Row-group index into the tables: 1 -> 0, 2 -> 1, 4 -> 2.
+pub(crate) fn rows_slot(rows: usize) -> usize {
+    match rows {
+        1 => 0,
+        2 => 1,
+        4 => 2,
+        _ => unreachable!("row groups are 1, 2 or 4"),
+    }
+}
+
+/// Panel-count index: 1 -> 0, 2 -> 1, 4 -> 2, 8 -> 3.
+pub(crate) fn panels_slot(panels: usize) -> usize {
+    match panels {
+        1 => 0,
+        2 => 1,
+        4 => 2,
+        8 => 3,
+        _ => unreachable!("panel groups are 1, 2, 4 or 8"),
+    }
+}

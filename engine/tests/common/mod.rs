@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub use recsys_engine::engine_dir::Precision;
 use recsys_engine::{convert, ConvertRequest, Engine, ModelKind};
 
 /// Largest |logit - PyTorch f32 logit| accepted. The models' logits reach about 10 in magnitude;
@@ -25,8 +26,18 @@ pub fn config_json(kind: ModelKind) -> serde_json::Map<String, serde_json::Value
     serde_json::from_str(&text).unwrap()
 }
 
-/// Converts a fixture checkpoint into `out` and loads it.
+/// Converts a fixture checkpoint into `out` (fp32) and loads it.
 pub fn convert_fixture(kind: ModelKind, checkpoint: &str, out: &Path) -> Engine {
+    convert_fixture_at(kind, checkpoint, out, Precision::Fp32)
+}
+
+/// Converts a fixture checkpoint into `out` at `precision` and loads it.
+pub fn convert_fixture_at(
+    kind: ModelKind,
+    checkpoint: &str,
+    out: &Path,
+    precision: Precision,
+) -> Engine {
     let config = config_json(kind);
     convert(&ConvertRequest {
         kind,
@@ -34,6 +45,7 @@ pub fn convert_fixture(kind: ModelKind, checkpoint: &str, out: &Path) -> Engine 
         config: Some(&config),
         item_map: &model_dir(kind).join("item_id_map.tsv"),
         out,
+        precision,
     })
     .unwrap_or_else(|e| panic!("converting {checkpoint}: {e}"))
 }

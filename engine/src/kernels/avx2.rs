@@ -1,0 +1,122 @@
+//! AVX2 + FMA + F16C micro-kernels. Each register holds 8 items of one panel; each hidden value is
+//! broadcast and fused-multiply-added into R x P independent accumulators (8 for the shapes used:
+//! 1x8, 2x4, 4x2), enough to cover the FMA latency on two ports.
+//!
+//! The `unsafe` is confined here: every kernel is a `#[target_feature]` function, reached only
+//! through the safe wrappers in `TABLE`, which is only handed out after `Isa::available()` has seen
+//! AVX2, FMA and F16C on this CPU.
+
+use std::arch::x86_64::*;
+
+use super::{Isa, KernelTable, PanelF16, PanelF32, PanelI8};
+
+/// Loads 8 weights of the panel element range starting at `offset` as f32.
+trait Load8: Copy {
+    /// # Safety
+    /// `ptr.add(offset)` must have 8 readable elements, and the CPU must support AVX2/FMA/F16C.
+    unsafe fn load8(ptr: *const Self, offset: usize) -> __m256;
+}
+
+impl Load8 for f32 {
+    #[inline(always)]
+    unsafe fn load8(ptr: *const f32, offset: usize) -> __m256 {
+        _mm256_loadu_ps(ptr.add(offset))
+    }
+}
+
+impl Load8 for u16 {
+    #[inline(always)]
+    unsafe fn load8(ptr: *const u16, offset: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(ptr.add(offset) as *const __m128i))
+    }
+}
+
+impl Load8 for i8 {
+    #[inline(always)]
+    unsafe fn load8(ptr: *const i8, offset: usize) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            ptr.add(offset) as *const __m128i
+        )))
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C. Bounds are checked below with assertions, so any slice
+/// lengths are safe.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panels<const R: usize, const P: usize, T: Load8>(
+    hidden: &[f32],
+    d: usize,
+    w: &[T],
+    out: &mut [f32],
+) {
+    assert!(hidden.len() >= R * d && w.len() >= P * d * 8 && out.len() >= R * P * 8);
+    let mut acc = [[_mm256_setzero_ps(); P]; R];
+    let hp = hidden.as_ptr();
+    let wp = w.as_ptr();
+    for j in 0..d {
+        let mut wv = [_mm256_setzero_ps(); P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            // In bounds: p < P, j < d, so p*d*8 + j*8 + 8 <= P*d*8 <= w.len() (asserted above).
+            *v = T::load8(wp, p * d * 8 + j * 8);
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // In bounds: r*d + j < R*d <= hidden.len().
+            let h = _mm256_set1_ps(*hp.add(r * d + j));
+            for (a, v) in acc_r.iter_mut().zip(&wv) {
+                *a = _mm256_fmadd_ps(h, *v, *a);
+            }
+        }
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (p, a) in acc_r.iter().enumerate() {
+            // In bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len().
+            _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), *a);
+        }
+    }
+}
+
+fn f32_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[f32], out: &mut [f32]) {
+    // SAFETY: TABLE is only reachable after AVX2/FMA/F16C were detected (KernelTable::for_isa).
+    unsafe { panels::<R, P, f32>(h, d, w, out) }
+}
+
+fn f16_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[u16], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { panels::<R, P, u16>(h, d, w, out) }
+}
+
+fn i8_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[i8], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { panels::<R, P, i8>(h, d, w, out) }
+}
+
+macro_rules! table_row {
+    ($kernel:ident, $ty:ty, $r:literal) => {
+        [
+            $kernel::<$r, 1> as $ty,
+            $kernel::<$r, 2> as $ty,
+            $kernel::<$r, 4> as $ty,
+            $kernel::<$r, 8> as $ty,
+        ]
+    };
+}
+
+pub(super) static TABLE: KernelTable = KernelTable {
+    isa: Isa::Avx2,
+    f32: [
+        table_row!(f32_k, PanelF32, 1),
+        table_row!(f32_k, PanelF32, 2),
+        table_row!(f32_k, PanelF32, 4),
+    ],
+    f16: [
+        table_row!(f16_k, PanelF16, 1),
+        table_row!(f16_k, PanelF16, 2),
+        table_row!(f16_k, PanelF16, 4),
+    ],
+    i8: [
+        table_row!(i8_k, PanelI8, 1),
+        table_row!(i8_k, PanelI8, 2),
+        table_row!(i8_k, PanelI8, 4),
+    ],
+};

@@ -1,0 +1,416 @@
+//! Fused scoring + top-k over the output layer.
+//!
+//! The items are walked in cache-sized tiles of packed panels; for each tile every batch row is
+//! scored (so the tile is read from memory once per batch, not once per row) and each row's scores go
+//! straight into that row's bounded selection, which honours its exclusions. Only the tile's raw dot
+//! products for one row group ever exist; the batch x items score matrix is never built (except by
+//! [`score_all`], on request, for evaluation).
+//!
+//! Parallelism splits the items into contiguous ranges, one per thread; each thread keeps its own
+//! selections, merged at the end by the total ranking order (score, then lower index), so the result
+//! is identical whatever the thread count.
+
+use super::packed::{PackedOutput, PanelData};
+use super::{panels_slot, rows_slot, KernelTable};
+use crate::topk::{rank_order, Scored};
+
+/// Items never to recommend to one row: sorted, distinct internal indices. Checked only for
+/// candidates that beat the row's current k-th best, so its cost does not grow with the catalogue.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Exclusions(Vec<u32>);
+
+impl Exclusions {
+    pub fn new(mut indices: Vec<u32>) -> Self {
+        indices.sort_unstable();
+        indices.dedup();
+        Exclusions(indices)
+    }
+
+    #[inline]
+    pub fn contains(&self, index: u32) -> bool {
+        self.0.binary_search(&index).is_ok()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// What one batch row asks for.
+#[derive(Clone, Copy, Debug)]
+pub struct RowQuery<'a> {
+    pub k: usize,
+    pub excluded: &'a Exclusions,
+}
+
+/// Bounded selection of one row's best `k`: candidates that beat the current k-th best are buffered
+/// (up to 2k), and the buffer is pruned back to k when full, raising the bar.
+struct Selection<'a> {
+    k: usize,
+    excluded: &'a Exclusions,
+    buffer: Vec<Scored>,
+    /// Score a candidate must strictly exceed. Items arrive in increasing index order within one
+    /// scan, so a later item tying the bar ranks after it and is rightly refused.
+    bar: f32,
+}
+
+impl<'a> Selection<'a> {
+    fn new(query: &RowQuery<'a>) -> Self {
+        Selection {
+            k: query.k,
+            excluded: query.excluded,
+            buffer: Vec::with_capacity(2 * query.k.min(1 << 16)),
+            bar: if query.k == 0 {
+                f32::INFINITY
+            } else {
+                f32::NEG_INFINITY
+            },
+        }
+    }
+
+    #[inline]
+    fn offer(&mut self, index: u32, score: f32) {
+        // Only a score strictly above the bar gets in; NaN (impossible with finite weights) never does.
+        if score.partial_cmp(&self.bar) != Some(std::cmp::Ordering::Greater)
+            || self.excluded.contains(index)
+        {
+            return;
+        }
+        self.buffer.push(Scored { index, score });
+        if self.buffer.len() >= 2 * self.k {
+            self.prune();
+        }
+    }
+
+    fn prune(&mut self) {
+        if self.buffer.len() > self.k {
+            self.buffer.select_nth_unstable_by(self.k - 1, rank_order);
+            self.buffer.truncate(self.k);
+            self.bar = self.buffer[self.k - 1].score;
+        }
+    }
+}
+
+/// Rows computed together by one micro-kernel call, and the panels per call for that row count:
+/// 8 accumulators either way (1x8, 2x4, 4x2).
+fn row_groups(rows: usize) -> Vec<(usize, usize, usize)> {
+    let mut groups = Vec::new();
+    let mut start = 0;
+    while start < rows {
+        let left = rows - start;
+        let (size, panels) = if left >= 4 {
+            (4, 2)
+        } else if left >= 2 {
+            (2, 4)
+        } else {
+            (1, 8)
+        };
+        groups.push((start, size, panels));
+        start += size;
+    }
+    groups
+}
+
+/// Panels per tile: about 96 KiB of weights, so a tile stays in L2 while every row group uses it.
+fn tile_panels(out: &PackedOutput) -> usize {
+    let bytes_per_panel = out.weight_bytes() / out.panels().max(1);
+    (96 * 1024 / bytes_per_panel.max(1)).clamp(8, 4096) / 8 * 8
+}
+
+/// Calls `sink(row, item, score)` for every real item of panels `range`, rows in increasing item
+/// order per row.
+fn scan(
+    table: &KernelTable,
+    out: &PackedOutput,
+    hidden: &[f32],
+    range: std::ops::Range<usize>,
+    mut sink: impl FnMut(usize, u32, f32),
+) {
+    let d = out.d;
+    let rows = hidden.len() / d;
+    let groups = row_groups(rows);
+    let tile = tile_panels(out);
+    let mut raw = [0f32; 64];
+    let mut tile_start = range.start;
+    while tile_start < range.end {
+        let tile_end = (tile_start + tile).min(range.end);
+        for &(row0, size, per_call) in &groups {
+            let h = &hidden[row0 * d..(row0 + size) * d];
+            let mut p = tile_start;
+            while p < tile_end {
+                let count = if tile_end - p >= per_call {
+                    per_call
+                } else {
+                    1
+                };
+                let (rs, ps) = (rows_slot(size), panels_slot(count));
+                let span = p * d * 8..(p + count) * d * 8;
+                match &out.data {
+                    PanelData::F32(w) => (table.f32[rs][ps])(h, d, &w[span], &mut raw),
+                    PanelData::F16(w) => (table.f16[rs][ps])(h, d, &w[span], &mut raw),
+                    PanelData::I8 { q, .. } => (table.i8[rs][ps])(h, d, &q[span], &mut raw),
+                }
+                for r in 0..size {
+                    for c in 0..count {
+                        let base = (p + c) * 8;
+                        let lanes = out.n.saturating_sub(base).min(8);
+                        let dots = &raw[(r * count + c) * 8..(r * count + c) * 8 + 8];
+                        for (l, &dot) in dots.iter().enumerate().take(lanes) {
+                            let item = base + l;
+                            let score = match &out.data {
+                                PanelData::I8 { scales, .. } => dot * scales[item] + out.bias[item],
+                                _ => dot + out.bias[item],
+                            };
+                            sink(row0 + r, item as u32, score);
+                        }
+                    }
+                }
+                p += count;
+            }
+        }
+        tile_start = tile_end;
+    }
+}
+
+/// Smallest item range worth a thread of its own (spawning costs tens of microseconds).
+const MIN_PANELS_PER_THREAD: usize = 1024;
+
+/// The best `k` items of each row of `hidden` (`[B, d]`), best first, without materialising scores.
+pub fn top_k(
+    table: &KernelTable,
+    out: &PackedOutput,
+    hidden: &[f32],
+    queries: &[RowQuery<'_>],
+    threads: usize,
+) -> Vec<Vec<Scored>> {
+    assert_eq!(
+        hidden.len(),
+        queries.len() * out.d,
+        "one hidden row per query"
+    );
+    if queries.is_empty() {
+        return Vec::new();
+    }
+    let panels = out.panels();
+    let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
+    let run = |range: std::ops::Range<usize>| {
+        let mut selections: Vec<Selection<'_>> = queries.iter().map(Selection::new).collect();
+        scan(table, out, hidden, range, |row, item, score| {
+            selections[row].offer(item, score)
+        });
+        selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>()
+    };
+    let per_thread: Vec<Vec<Vec<Scored>>> = if threads == 1 {
+        vec![run(0..panels)]
+    } else {
+        let chunk = panels.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let range = (t * chunk).min(panels)..((t + 1) * chunk).min(panels);
+                    let run = &run;
+                    scope.spawn(move || run(range))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("scoring thread panicked"))
+                .collect()
+        })
+    };
+    queries
+        .iter()
+        .enumerate()
+        .map(|(row, query)| {
+            let mut merged: Vec<Scored> = per_thread
+                .iter()
+                .flat_map(|t| t[row].iter().copied())
+                .collect();
+            merged.sort_unstable_by(rank_order);
+            merged.truncate(query.k);
+            merged
+        })
+        .collect()
+}
+
+/// Every score, `[B, n]`, computed by the same kernels as [`top_k`] (for evaluation and tests).
+pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec<f32> {
+    let rows = hidden.len() / out.d;
+    let mut scores = vec![0f32; rows * out.n];
+    let n = out.n;
+    scan(table, out, hidden, 0..out.panels(), |row, item, score| {
+        scores[row * n + item as usize] = score
+    });
+    scores
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits};
+    use crate::kernels::Isa;
+    use proptest::prelude::*;
+
+    /// f32 scores of a d-long dot product against the f64 formula: relative to the sum of |terms|.
+    const F32_DOT_REL_TOL: f64 = 1e-5;
+
+    fn lcg(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    fn reference_top_k(scores: &[f32], k: usize, excluded: &Exclusions) -> Vec<Scored> {
+        let mut all: Vec<Scored> = scores
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| !excluded.contains(*i as u32) && !s.is_nan())
+            .map(|(i, &s)| Scored {
+                index: i as u32,
+                score: s,
+            })
+            .collect();
+        all.sort_by(rank_order);
+        all.truncate(k);
+        all
+    }
+
+    fn packed_variants(
+        w: &[f32],
+        b: &[f32],
+        d: usize,
+    ) -> Vec<(&'static str, PackedOutput, Vec<f32>)> {
+        let bits = to_f16_bits(w);
+        let (q, s) = quantize_int8_per_row(w, d);
+        // The weights each precision really holds, for its f64 reference.
+        let w16: Vec<f32> = bits
+            .iter()
+            .map(|&x| half::f16::from_bits(x).to_f32())
+            .collect();
+        let w8: Vec<f32> = q
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| x as f32 * s[i / d])
+            .collect();
+        vec![
+            ("f32", PackedOutput::from_f32(w, b, d), w.to_vec()),
+            ("f16", PackedOutput::from_f16_bits(&bits, b, d), w16),
+            ("i8", PackedOutput::from_i8(&q, &s, b, d), w8),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Every ISA and precision: scores within tolerance of f64 over the weights it holds; fused
+        /// top-k equal to a full sort of its own materialised scores (ties, k > eligible, exclusions,
+        /// all-excluded rows, N not a multiple of 8 or of the tile); and independent of threads.
+        #[test]
+        fn fused_top_k_matches_reference(
+            n in 1usize..700, d in 1usize..40, rows in 1usize..7, k in 0usize..80, seed in 0u64..10_000,
+            extreme in prop::bool::ANY, tie_every in 0usize..5,
+        ) {
+            let mut next = lcg(seed);
+            let scale = if extreme { 1e3 } else { 1.0 };
+            let mut w: Vec<f32> = (0..n * d).map(|_| next() * scale).collect();
+            if tie_every > 0 {
+                // Duplicate rows force exact score ties.
+                for i in (tie_every..n).step_by(tie_every + 1) {
+                    let (a, b) = (i - tie_every, i);
+                    for j in 0..d { w[b * d + j] = w[a * d + j]; }
+                }
+            }
+            let b: Vec<f32> = (0..n).map(|i| if tie_every > 0 { 0.0 } else { next() + i as f32 * 0.0 }).collect();
+            let hidden: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+            let exclusions: Vec<Exclusions> = (0..rows)
+                .map(|r| match r % 3 {
+                    0 => Exclusions::default(),
+                    1 => Exclusions::new((0..n as u32).filter(|i| i % 3 == 0).collect()),
+                    _ => Exclusions::new((0..n as u32).collect()), // everything excluded
+                })
+                .collect();
+            let queries: Vec<RowQuery> = exclusions.iter().map(|e| RowQuery { k, excluded: e }).collect();
+            for isa in Isa::available() {
+                let table = KernelTable::for_isa(isa);
+                for (name, packed, held) in packed_variants(&w, &b, d) {
+                    let scores = score_all(table, &packed, &hidden);
+                    for r in 0..rows {
+                        for i in 0..n {
+                            let terms: Vec<f64> = (0..d).map(|j| hidden[r * d + j] as f64 * held[i * d + j] as f64).collect();
+                            let want = terms.iter().sum::<f64>() + b[i] as f64;
+                            let mag = terms.iter().map(|t| t.abs()).sum::<f64>() + (b[i] as f64).abs();
+                            // int8 scores add one rounding of the scale product.
+                            let tol = F32_DOT_REL_TOL * mag + if name == "i8" { 1e-6 * mag } else { 0.0 } + 1e-30;
+                            prop_assert!((scores[r * n + i] as f64 - want).abs() <= tol,
+                                "{:?} {} row {} item {}: {} vs {}", isa, name, r, i, scores[r * n + i], want);
+                        }
+                    }
+                    let fused = top_k(table, &packed, &hidden, &queries, 1);
+                    for r in 0..rows {
+                        let want = reference_top_k(&scores[r * n..(r + 1) * n], k, &exclusions[r]);
+                        prop_assert_eq!(&fused[r], &want, "{:?} {} row {}", isa, name, r);
+                    }
+                    // Single rows give the same answers as the batch.
+                    let alone = top_k(table, &packed, &hidden[..d], &queries[..1], 1);
+                    prop_assert_eq!(&alone[0], &fused[0]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn thread_count_does_not_change_results() {
+        let (n, d, rows) = (40_000, 16, 3);
+        let mut next = lcg(42);
+        let w: Vec<f32> = (0..n * d).map(|_| (next() * 4.0).round() / 4.0).collect(); // many ties
+        let b = vec![0f32; n];
+        let hidden: Vec<f32> = (0..rows * d).map(|_| (next() * 2.0).round()).collect();
+        let none = Exclusions::default();
+        let queries = vec![
+            RowQuery {
+                k: 100,
+                excluded: &none
+            };
+            rows
+        ];
+        for isa in Isa::available() {
+            let table = KernelTable::for_isa(isa);
+            let packed = PackedOutput::from_f32(&w, &b, d);
+            let one = top_k(table, &packed, &hidden, &queries, 1);
+            for threads in [2, 3, 4] {
+                assert_eq!(
+                    top_k(table, &packed, &hidden, &queries, threads),
+                    one,
+                    "{isa:?} threads {threads}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn isa_paths_agree_within_tolerance() {
+        let (n, d) = (1000, 64);
+        let mut next = lcg(7);
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let b: Vec<f32> = (0..n).map(|_| next()).collect();
+        let hidden: Vec<f32> = (0..d).map(|_| next()).collect();
+        let packed = PackedOutput::from_f32(&w, &b, d);
+        let reference = score_all(KernelTable::for_isa(Isa::Scalar), &packed, &hidden);
+        for isa in Isa::available() {
+            let scores = score_all(KernelTable::for_isa(isa), &packed, &hidden);
+            let max = scores
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(max < 1e-4, "{isa:?}: {max}");
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! The output layer laid out for the micro-kernels, at each precision.
+//!
+//! Items are grouped in panels of 8; inside a panel the weights are stored feature-major
+//! (`panel[j * 8 + l]` is feature j of item 8p + l), so one 8-wide load fetches feature j of 8 items
+//! and the kernel never needs a horizontal sum. The last panel is zero-padded; padded items are never
+//! offered to the top-k selection.
+
+/// Storage of the packed weights.
+#[derive(Clone, Debug)]
+pub enum PanelData {
+    F32(Vec<f32>),
+    /// IEEE half bits, widened to f32 in registers (F16C).
+    F16(Vec<u16>),
+    /// Symmetric int8 with one scale per item (output row).
+    I8 {
+        q: Vec<i8>,
+        scales: Vec<f32>,
+    },
+}
+
+/// Precision of a packed output layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputPrecision {
+    F32,
+    F16,
+    Int8,
+}
+
+#[derive(Clone, Debug)]
+pub struct PackedOutput {
+    /// Items (N + 1 with PAD).
+    pub n: usize,
+    /// Hidden size.
+    pub d: usize,
+    pub data: PanelData,
+    /// Padded to a whole number of panels.
+    pub bias: Vec<f32>,
+}
+
+fn pack<T: Copy + Default>(rows: &[T], n: usize, d: usize) -> Vec<T> {
+    let panels = n.div_ceil(8);
+    let mut out = vec![T::default(); panels * d * 8];
+    for item in 0..n {
+        let (p, l) = (item / 8, item % 8);
+        for j in 0..d {
+            out[p * d * 8 + j * 8 + l] = rows[item * d + j];
+        }
+    }
+    out
+}
+
+fn padded(values: &[f32], n: usize) -> Vec<f32> {
+    let mut out = values.to_vec();
+    out.resize(n.div_ceil(8) * 8, 0.0);
+    out
+}
+
+impl PackedOutput {
+    /// From row-major f32 weights `[n, d]`.
+    pub fn from_f32(weight: &[f32], bias: &[f32], d: usize) -> Self {
+        let n = bias.len();
+        assert_eq!(weight.len(), n * d, "weight must be [n, d]");
+        PackedOutput {
+            n,
+            d,
+            data: PanelData::F32(pack(weight, n, d)),
+            bias: padded(bias, n),
+        }
+    }
+
+    /// From row-major half-precision bits `[n, d]`.
+    pub fn from_f16_bits(bits: &[u16], bias: &[f32], d: usize) -> Self {
+        let n = bias.len();
+        assert_eq!(bits.len(), n * d, "weight must be [n, d]");
+        PackedOutput {
+            n,
+            d,
+            data: PanelData::F16(pack(bits, n, d)),
+            bias: padded(bias, n),
+        }
+    }
+
+    /// From row-major int8 weights `[n, d]` and their per-row scales `[n]`.
+    pub fn from_i8(q: &[i8], scales: &[f32], bias: &[f32], d: usize) -> Self {
+        let n = bias.len();
+        assert_eq!(q.len(), n * d, "weight must be [n, d]");
+        assert_eq!(scales.len(), n, "one scale per row");
+        PackedOutput {
+            n,
+            d,
+            data: PanelData::I8 {
+                q: pack(q, n, d),
+                scales: padded(scales, n),
+            },
+            bias: padded(bias, n),
+        }
+    }
+
+    pub fn panels(&self) -> usize {
+        self.n.div_ceil(8)
+    }
+
+    pub fn precision(&self) -> OutputPrecision {
+        match self.data {
+            PanelData::F32(_) => OutputPrecision::F32,
+            PanelData::F16(_) => OutputPrecision::F16,
+            PanelData::I8 { .. } => OutputPrecision::Int8,
+        }
+    }
+
+    /// Bytes of weights streamed per full pass over the items (what bounds a memory-bound pass).
+    pub fn weight_bytes(&self) -> usize {
+        match &self.data {
+            PanelData::F32(v) => v.len() * 4,
+            PanelData::F16(v) => v.len() * 2,
+            PanelData::I8 { q, scales } => q.len() + scales.len() * 4,
+        }
+    }
+}
+
+/// Rounds every weight to the nearest half (round-to-nearest-even), as IEEE bits.
+pub fn to_f16_bits(weight: &[f32]) -> Vec<u16> {
+    weight
+        .iter()
+        .map(|&w| half::f16::from_f32(w).to_bits())
+        .collect()
+}
+
+/// Symmetric per-row int8: `scale = max|w| / 127`, `q = round(w / scale)` in [-127, 127]. A row of
+/// zeros gets scale 0 (and scores its bias).
+pub fn quantize_int8_per_row(weight: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
+    let rows = weight.len() / d;
+    let mut q = Vec::with_capacity(weight.len());
+    let mut scales = Vec::with_capacity(rows);
+    for row in weight.chunks_exact(d) {
+        let max = row.iter().fold(0f32, |m, &w| m.max(w.abs()));
+        let scale = max / 127.0;
+        scales.push(scale);
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        q.extend(
+            row.iter()
+                .map(|&w| (w * inv).round().clamp(-127.0, 127.0) as i8),
+        );
+    }
+    (q, scales)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_puts_feature_j_of_8_items_together() {
+        let (n, d) = (10, 3);
+        let w: Vec<f32> = (0..n * d).map(|i| i as f32).collect();
+        let p = PackedOutput::from_f32(&w, &vec![0.0; n], d);
+        let PanelData::F32(data) = &p.data else {
+            unreachable!()
+        };
+        assert_eq!(p.panels(), 2);
+        // item 9 = panel 1, lane 1; feature 2 -> w[9*3+2]
+        assert_eq!(data[d * 8 + 2 * 8 + 1], (9 * 3 + 2) as f32);
+        // padded lane
+        assert_eq!(data[d * 8 + 8 + 7], 0.0);
+    }
+
+    #[test]
+    fn int8_roundtrip_error_is_at_most_half_a_step() {
+        let w: Vec<f32> = (0..640)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let (q, s) = quantize_int8_per_row(&w, 64);
+        for (row, (qr, &scale)) in w.chunks(64).zip(q.chunks(64).zip(&s)) {
+            for (&x, &y) in row.iter().zip(qr) {
+                assert!((x - y as f32 * scale).abs() <= scale * 0.5 + 1e-6);
+            }
+        }
+        let (q0, s0) = quantize_int8_per_row(&[0.0; 4], 4);
+        assert_eq!((q0, s0), (vec![0; 4], vec![0.0]));
+    }
+}

@@ -1,0 +1,75 @@
+//! Portable micro-kernels: plain loops, one multiply and one add per element, in the same
+//! accumulation order as the SIMD versions (over d, increasing).
+
+use super::{KernelTable, PanelF16, PanelF32, PanelI8};
+use crate::kernels::Isa;
+
+/// Generic body: `load(panel, i)` gives the weight at element `i` of the panel group as f32.
+#[inline(always)]
+fn panels<const R: usize, const P: usize, T: Copy>(
+    hidden: &[f32],
+    d: usize,
+    panels: &[T],
+    out: &mut [f32],
+    load: impl Fn(T) -> f32,
+) {
+    let mut acc = [[[0f32; 8]; P]; R];
+    for j in 0..d {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let h = hidden[r * d + j];
+            for (p, acc_rp) in acc_r.iter_mut().enumerate() {
+                let w = &panels[p * d * 8 + j * 8..p * d * 8 + j * 8 + 8];
+                for l in 0..8 {
+                    acc_rp[l] += h * load(w[l]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for p in 0..P {
+            out[(r * P + p) * 8..(r * P + p) * 8 + 8].copy_from_slice(&acc[r][p]);
+        }
+    }
+}
+
+fn f32_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[f32], out: &mut [f32]) {
+    panels::<R, P, f32>(h, d, w, out, |x| x)
+}
+
+fn f16_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[u16], out: &mut [f32]) {
+    panels::<R, P, u16>(h, d, w, out, |x| half::f16::from_bits(x).to_f32())
+}
+
+fn i8_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[i8], out: &mut [f32]) {
+    panels::<R, P, i8>(h, d, w, out, |x| x as f32)
+}
+
+macro_rules! table_row {
+    ($kernel:ident, $ty:ty, $r:literal) => {
+        [
+            $kernel::<$r, 1> as $ty,
+            $kernel::<$r, 2> as $ty,
+            $kernel::<$r, 4> as $ty,
+            $kernel::<$r, 8> as $ty,
+        ]
+    };
+}
+
+pub(super) static TABLE: KernelTable = KernelTable {
+    isa: Isa::Scalar,
+    f32: [
+        table_row!(f32_k, PanelF32, 1),
+        table_row!(f32_k, PanelF32, 2),
+        table_row!(f32_k, PanelF32, 4),
+    ],
+    f16: [
+        table_row!(f16_k, PanelF16, 1),
+        table_row!(f16_k, PanelF16, 2),
+        table_row!(f16_k, PanelF16, 4),
+    ],
+    i8: [
+        table_row!(i8_k, PanelI8, 1),
+        table_row!(i8_k, PanelI8, 2),
+        table_row!(i8_k, PanelI8, 4),
+    ],
+};
