@@ -2,12 +2,13 @@
 # Creates (or reuses) .venv with the real Triton server and client:
 #   nvidia-pytriton 0.7.0  -> bundles tritonserver 2.51.0 (container release 24.10)
 #   tritonclient 2.51.0    -> the HTTP/gRPC client and the perf_analyzer binary
-# plus numpy and pytest for the integration tests. Idempotent: a complete venv is left as is.
+# plus numpy and pytest for the integration tests, and onnx/onnxruntime/threadpoolctl for the
+# kernel benchmarks against their peers (numpy stays < 2: tritonclient 2.51 requires it). Idempotent: a complete venv is left as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
-STAMP="$VENV/.recsys-python-env-v1"
+STAMP="$VENV/.recsys-python-env-v2"
 if [[ -f "$STAMP" ]]; then
   exit 0
 fi
@@ -22,5 +23,6 @@ echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a 
 "$VENV/bin/pip" install --quiet \
   "nvidia-pytriton==0.7.0" \
   "tritonclient[http,grpc]==2.51.0" \
-  "numpy<2" "pytest>=7" "requests"
+  "numpy<2" "pytest>=7" "requests" \
+  "onnx==1.17.0" "onnxruntime==1.20.1" "threadpoolctl==3.8.0"
 touch "$STAMP"

@@ -120,3 +120,37 @@ pub(super) static TABLE: KernelTable = KernelTable {
         table_row!(i8_k, PanelI8, 4),
     ],
 };
+
+/// FLOPs per second of one core running independent 8-wide FMA chains: the compute ceiling the
+/// benchmarks compare against. Runs `iterations` x 10 FMAs per chain.
+///
+/// # Panics
+/// If the CPU lacks AVX2/FMA (callers check `Isa::available()` first).
+pub fn fma_peak_flops(iterations: u64) -> f64 {
+    assert!(Isa::available().contains(&Isa::Avx2), "the FMA probe needs AVX2/FMA");
+    // SAFETY: AVX2 and FMA were just checked.
+    let (seconds, sink) = unsafe { fma_chains(iterations) };
+    std::hint::black_box(sink);
+    (iterations * 10 * 8 * 2) as f64 / seconds
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_chains(iterations: u64) -> (f64, f32) {
+    let mut acc = [_mm256_set1_ps(0.0); 10];
+    let a = _mm256_set1_ps(0.999_999);
+    let b = _mm256_set1_ps(1e-7);
+    let start = std::time::Instant::now();
+    for _ in 0..iterations {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, a, b);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let mut out = [0f32; 8];
+    let mut total = _mm256_setzero_ps();
+    for v in acc {
+        total = _mm256_add_ps(total, v);
+    }
+    _mm256_storeu_ps(out.as_mut_ptr(), total);
+    (seconds, out.iter().sum())
+}

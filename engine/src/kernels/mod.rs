@@ -15,6 +15,17 @@ pub mod packed;
 mod avx2;
 mod scalar;
 
+/// Measures one core's FMA throughput (FLOP/s) with AVX2, for the benchmarks' compute floor; `None`
+/// without AVX2/FMA.
+pub fn fma_peak_flops(iterations: u64) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::available().contains(&Isa::Avx2) {
+        return Some(avx2::fma_peak_flops(iterations));
+    }
+    let _ = iterations;
+    None
+}
+
 /// Instruction-set paths the kernels exist for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {

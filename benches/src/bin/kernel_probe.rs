@@ -1,0 +1,131 @@
+//! Times the fused score + top-k kernel on weights written by `scripts/bench_kernels.py`, so that the
+//! script can run ONNX Runtime and numpy on the very same weights in the same invocation. Also
+//! measures the machine's floor: streaming read bandwidth and FMA throughput.
+//!
+//! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps
+//! kernel_probe bandwidth MIB threads reps
+//! kernel_probe fma threads
+//!
+//! Prints one JSON object.
+
+use std::time::Instant;
+
+use recsys_engine::kernels::fused::{top_k, Exclusions, RowQuery};
+use recsys_engine::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use recsys_engine::kernels::{fma_peak_flops, KernelTable};
+
+fn read_f32(path: &str) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
+    args.get(i).and_then(|a| a.parse().ok()).unwrap_or_else(|| panic!("argument {i} ({what}) missing or invalid"))
+}
+
+fn topk(args: &[String]) {
+    let (weights, bias, hidden) = (read_f32(&args[2]), read_f32(&args[3]), read_f32(&args[4]));
+    let n: usize = arg(args, 5, "n");
+    let d: usize = arg(args, 6, "d");
+    let batch: usize = arg(args, 7, "batch");
+    let k: usize = arg(args, 8, "k");
+    let precision = args[9].as_str();
+    let threads: usize = arg(args, 10, "threads");
+    let reps: usize = arg(args, 11, "reps");
+    assert_eq!(weights.len(), n * d);
+    assert_eq!(bias.len(), n);
+    assert!(hidden.len() >= batch * d);
+    let packed = match precision {
+        "fp32" => PackedOutput::from_f32(&weights, &bias, d),
+        "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
+        "int8" => {
+            let (q, s) = quantize_int8_per_row(&weights, d);
+            PackedOutput::from_i8(&q, &s, &bias, d)
+        }
+        other => panic!("unknown precision {other}"),
+    };
+    drop(weights);
+    let table = KernelTable::detect();
+    let none = Exclusions::default();
+    let queries = vec![RowQuery { k, excluded: &none }; batch];
+    let h = &hidden[..batch * d];
+    let mut times = Vec::with_capacity(reps);
+    let mut result = Vec::new();
+    for _ in 0..reps {
+        let start = Instant::now();
+        result = top_k(table, &packed, h, &queries, threads);
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let first: Vec<u32> = result[0].iter().map(|s| s.index).collect();
+    println!(
+        "{}",
+        serde_json::json!({
+            "median_s": median(times.clone()),
+            "min_s": times.iter().cloned().fold(f64::INFINITY, f64::min),
+            "isa": table.isa.name(),
+            "weight_bytes": packed.weight_bytes(),
+            "top_row0": first,
+        })
+    );
+}
+
+/// Streaming read bandwidth over a buffer much larger than the caches, `threads` readers.
+fn bandwidth(args: &[String]) {
+    let mib: usize = arg(args, 2, "MiB");
+    let threads: usize = arg(args, 3, "threads");
+    let reps: usize = arg(args, 4, "reps");
+    let data: Vec<f32> = (0..mib * 1024 * 1024 / 4).map(|i| (i % 7) as f32).collect();
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let start = Instant::now();
+        let chunk = data.len().div_ceil(threads);
+        let total: f32 = std::thread::scope(|s| {
+            let handles: Vec<_> = data
+                .chunks(chunk)
+                .map(|part| {
+                    s.spawn(move || {
+                        let mut acc = [0f32; 16];
+                        for block in part.chunks_exact(16) {
+                            for (a, v) in acc.iter_mut().zip(block) {
+                                *a += v;
+                            }
+                        }
+                        acc.iter().sum::<f32>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        std::hint::black_box(total);
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let bytes = (data.len() * 4) as f64;
+    println!("{}", serde_json::json!({"bytes_per_s": bytes / median(times)}));
+}
+
+fn fma(args: &[String]) {
+    let threads: usize = arg(args, 2, "threads");
+    let per_thread: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(|| fma_peak_flops(50_000_000).unwrap_or(0.0))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    println!("{}", serde_json::json!({"flops": per_thread.iter().sum::<f64>()}));
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("topk") => topk(&args),
+        Some("bandwidth") => bandwidth(&args),
+        Some("fma") => fma(&args),
+        _ => {
+            eprintln!("usage: kernel_probe topk|bandwidth|fma ... (see the source header)");
+            std::process::exit(2);
+        }
+    }
+}
