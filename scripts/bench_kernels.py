@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     threads = args.threads
 
-    bandwidth = probe("bandwidth", "1024", str(threads), "5")["bytes_per_s"]
+    bandwidth = probe("bandwidth", "1024", str(threads), "12")["bytes_per_s"]
     fma = probe("fma", str(threads))["flops"]
     print(f"floor inputs: read bandwidth {bandwidth / 1e9:.1f} GB/s, FMA peak {fma / 1e9:.0f} GFLOP/s ({threads} threads)",
           file=sys.stderr)

@@ -16,7 +16,10 @@ use recsys_engine::kernels::{fma_peak_flops, KernelTable};
 
 fn read_f32(path: &str) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -25,7 +28,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
-    args.get(i).and_then(|a| a.parse().ok()).unwrap_or_else(|| panic!("argument {i} ({what}) missing or invalid"))
+    args.get(i)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("argument {i} ({what}) missing or invalid"))
 }
 
 fn topk(args: &[String]) {
@@ -105,16 +110,24 @@ fn bandwidth(args: &[String]) {
         times.push(start.elapsed().as_secs_f64());
     }
     let bytes = (data.len() * 4) as f64;
-    println!("{}", serde_json::json!({"bytes_per_s": bytes / median(times)}));
+    println!(
+        "{}",
+        serde_json::json!({"bytes_per_s": bytes / median(times)})
+    );
 }
 
 fn fma(args: &[String]) {
     let threads: usize = arg(args, 2, "threads");
     let per_thread: Vec<f64> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads).map(|_| s.spawn(|| fma_peak_flops(50_000_000).unwrap_or(0.0))).collect();
+        let handles: Vec<_> = (0..threads)
+            .map(|_| s.spawn(|| fma_peak_flops(50_000_000).unwrap_or(0.0)))
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    println!("{}", serde_json::json!({"flops": per_thread.iter().sum::<f64>()}));
+    println!(
+        "{}",
+        serde_json::json!({"flops": per_thread.iter().sum::<f64>()})
+    );
 }
 
 fn main() {

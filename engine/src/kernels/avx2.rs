@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Isa, KernelTable, PanelF16, PanelF32, PanelI8};
+use super::{Epilogue, Isa, KernelTable, PanelF16, PanelF32, PanelI8};
 
 /// Loads 8 weights of the panel element range starting at `offset` as f32.
 trait Load8: Copy {
@@ -48,9 +48,20 @@ unsafe fn panels<const R: usize, const P: usize, T: Load8>(
     hidden: &[f32],
     d: usize,
     w: &[T],
+    epilogue: &Epilogue<'_>,
     out: &mut [f32],
+    masks: &mut [u8],
 ) {
-    assert!(hidden.len() >= R * d && w.len() >= P * d * 8 && out.len() >= R * P * 8);
+    assert!(
+        hidden.len() >= R * d
+            && w.len() >= P * d * 8
+            && out.len() >= R * P * 8
+            && masks.len() >= R * P
+    );
+    assert!(
+        epilogue.bias.len() >= P * 8
+            && (epilogue.scales.is_empty() || epilogue.scales.len() >= P * 8)
+    );
     let mut acc = [[_mm256_setzero_ps(); P]; R];
     let hp = hidden.as_ptr();
     let wp = w.as_ptr();
@@ -68,27 +79,60 @@ unsafe fn panels<const R: usize, const P: usize, T: Load8>(
             }
         }
     }
+    let scaled = !epilogue.scales.is_empty();
     for (r, acc_r) in acc.iter().enumerate() {
+        let bar = _mm256_set1_ps(epilogue.bars[r]);
         for (p, a) in acc_r.iter().enumerate() {
+            // In bounds: p*8 + 8 <= P*8 <= bias.len() (and scales.len() when scaled), asserted above.
+            let bias = _mm256_loadu_ps(epilogue.bias.as_ptr().add(p * 8));
+            let score = if scaled {
+                let scale = _mm256_loadu_ps(epilogue.scales.as_ptr().add(p * 8));
+                _mm256_add_ps(_mm256_mul_ps(*a, scale), bias)
+            } else {
+                _mm256_add_ps(*a, bias)
+            };
             // In bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len().
-            _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), *a);
+            _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), score);
+            let above = _mm256_cmp_ps::<_CMP_GT_OQ>(score, bar);
+            masks[r * P + p] = _mm256_movemask_ps(above) as u8;
         }
     }
 }
 
-fn f32_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[f32], out: &mut [f32]) {
+fn f32_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[f32],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
     // SAFETY: TABLE is only reachable after AVX2/FMA/F16C were detected (KernelTable::for_isa).
-    unsafe { panels::<R, P, f32>(h, d, w, out) }
+    unsafe { panels::<R, P, f32>(h, d, w, e, out, m) }
 }
 
-fn f16_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[u16], out: &mut [f32]) {
+fn f16_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[u16],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
     // SAFETY: as above.
-    unsafe { panels::<R, P, u16>(h, d, w, out) }
+    unsafe { panels::<R, P, u16>(h, d, w, e, out, m) }
 }
 
-fn i8_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[i8], out: &mut [f32]) {
+fn i8_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[i8],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
     // SAFETY: as above.
-    unsafe { panels::<R, P, i8>(h, d, w, out) }
+    unsafe { panels::<R, P, i8>(h, d, w, e, out, m) }
 }
 
 macro_rules! table_row {
@@ -127,7 +171,10 @@ pub(super) static TABLE: KernelTable = KernelTable {
 /// # Panics
 /// If the CPU lacks AVX2/FMA (callers check `Isa::available()` first).
 pub fn fma_peak_flops(iterations: u64) -> f64 {
-    assert!(Isa::available().contains(&Isa::Avx2), "the FMA probe needs AVX2/FMA");
+    assert!(
+        Isa::available().contains(&Isa::Avx2),
+        "the FMA probe needs AVX2/FMA"
+    );
     // SAFETY: AVX2 and FMA were just checked.
     let (seconds, sink) = unsafe { fma_chains(iterations) };
     std::hint::black_box(sink);

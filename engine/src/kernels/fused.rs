@@ -11,7 +11,7 @@
 //! is identical whatever the thread count.
 
 use super::packed::{PackedOutput, PanelData};
-use super::{panels_slot, rows_slot, KernelTable};
+use super::{panels_slot, rows_slot, Epilogue, KernelTable};
 use crate::topk::{rank_order, Scored};
 
 /// Items never to recommend to one row: sorted, distinct internal indices. Checked only for
@@ -121,20 +121,54 @@ fn tile_panels(out: &PackedOutput) -> usize {
     (96 * 1024 / bytes_per_panel.max(1)).clamp(8, 4096) / 8 * 8
 }
 
-/// Calls `sink(row, item, score)` for every real item of panels `range`, rows in increasing item
+/// Receives the flagged scores of a scan.
+trait Sink {
+    /// The score row `row` must beat to be of interest (-inf: every score).
+    fn bar(&self, row: usize) -> f32;
+    fn take(&mut self, row: usize, item: u32, score: f32);
+}
+
+impl Sink for Vec<Selection<'_>> {
+    fn bar(&self, row: usize) -> f32 {
+        self[row].bar
+    }
+
+    fn take(&mut self, row: usize, item: u32, score: f32) {
+        self[row].offer(item, score);
+    }
+}
+
+/// Writes every score into a `[rows, n]` matrix.
+struct Matrix<'a> {
+    scores: &'a mut [f32],
+    n: usize,
+}
+
+impl Sink for Matrix<'_> {
+    fn bar(&self, _row: usize) -> f32 {
+        f32::NEG_INFINITY
+    }
+
+    fn take(&mut self, row: usize, item: u32, score: f32) {
+        self.scores[row * self.n + item as usize] = score;
+    }
+}
+
+/// Scores panels `range` for every row and hands the flagged items to `sink`, in increasing item
 /// order per row.
 fn scan(
     table: &KernelTable,
     out: &PackedOutput,
     hidden: &[f32],
     range: std::ops::Range<usize>,
-    mut sink: impl FnMut(usize, u32, f32),
+    sink: &mut impl Sink,
 ) {
     let d = out.d;
     let rows = hidden.len() / d;
     let groups = row_groups(rows);
     let tile = tile_panels(out);
-    let mut raw = [0f32; 64];
+    let mut scores = [0f32; 64];
+    let mut masks = [0u8; 8];
     let mut tile_start = range.start;
     while tile_start < range.end {
         let tile_end = (tile_start + tile).min(range.end);
@@ -149,23 +183,39 @@ fn scan(
                 };
                 let (rs, ps) = (rows_slot(size), panels_slot(count));
                 let span = p * d * 8..(p + count) * d * 8;
+                let items = p * 8..(p + count) * 8;
+                let mut bars = [f32::INFINITY; 4];
+                for (r, bar) in bars.iter_mut().enumerate().take(size) {
+                    *bar = sink.bar(row0 + r);
+                }
+                let no_scales: &[f32] = &[];
+                let epilogue = Epilogue {
+                    bias: &out.bias[items.clone()],
+                    scales: match &out.data {
+                        PanelData::I8 { scales, .. } => &scales[items.clone()],
+                        _ => no_scales,
+                    },
+                    bars,
+                };
                 match &out.data {
-                    PanelData::F32(w) => (table.f32[rs][ps])(h, d, &w[span], &mut raw),
-                    PanelData::F16(w) => (table.f16[rs][ps])(h, d, &w[span], &mut raw),
-                    PanelData::I8 { q, .. } => (table.i8[rs][ps])(h, d, &q[span], &mut raw),
+                    PanelData::F32(w) => {
+                        (table.f32[rs][ps])(h, d, &w[span], &epilogue, &mut scores, &mut masks)
+                    }
+                    PanelData::F16(w) => {
+                        (table.f16[rs][ps])(h, d, &w[span], &epilogue, &mut scores, &mut masks)
+                    }
+                    PanelData::I8 { q, .. } => {
+                        (table.i8[rs][ps])(h, d, &q[span], &epilogue, &mut scores, &mut masks)
+                    }
                 }
                 for r in 0..size {
                     for c in 0..count {
-                        let base = (p + c) * 8;
-                        let lanes = out.n.saturating_sub(base).min(8);
-                        let dots = &raw[(r * count + c) * 8..(r * count + c) * 8 + 8];
-                        for (l, &dot) in dots.iter().enumerate().take(lanes) {
-                            let item = base + l;
-                            let score = match &out.data {
-                                PanelData::I8 { scales, .. } => dot * scales[item] + out.bias[item],
-                                _ => dot + out.bias[item],
-                            };
-                            sink(row0 + r, item as u32, score);
+                        let mut mask = masks[r * count + c];
+                        while mask != 0 {
+                            let l = mask.trailing_zeros() as usize;
+                            mask &= mask - 1;
+                            let item = (p + c) * 8 + l;
+                            sink.take(row0 + r, item as u32, scores[(r * count + c) * 8 + l]);
                         }
                     }
                 }
@@ -199,9 +249,7 @@ pub fn top_k(
     let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
     let run = |range: std::ops::Range<usize>| {
         let mut selections: Vec<Selection<'_>> = queries.iter().map(Selection::new).collect();
-        scan(table, out, hidden, range, |row, item, score| {
-            selections[row].offer(item, score)
-        });
+        scan(table, out, hidden, range, &mut selections);
         selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>()
     };
     let per_thread: Vec<Vec<Vec<Scored>>> = if threads == 1 {
@@ -241,10 +289,11 @@ pub fn top_k(
 pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec<f32> {
     let rows = hidden.len() / out.d;
     let mut scores = vec![0f32; rows * out.n];
-    let n = out.n;
-    scan(table, out, hidden, 0..out.panels(), |row, item, score| {
-        scores[row * n + item as usize] = score
-    });
+    let mut sink = Matrix {
+        scores: &mut scores,
+        n: out.n,
+    };
+    scan(table, out, hidden, 0..out.panels(), &mut sink);
     scores
 }
 

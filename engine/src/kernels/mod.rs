@@ -71,15 +71,27 @@ impl Isa {
     }
 }
 
-/// Dot products of up to 4 hidden rows against `P` consecutive packed panels of 8 items.
+/// What a micro-kernel does with its dot products: add the bias (after scaling, for int8) and flag
+/// the items whose score beats each row's bar, so the caller only looks at the few that might enter
+/// a top-k instead of every item.
+pub struct Epilogue<'a> {
+    /// Bias of the P x 8 items of the call. Padding items carry -inf so they are never flagged.
+    pub bias: &'a [f32],
+    /// Per-item scales (int8 weights), as long as `bias`; empty when the weights need none.
+    pub scales: &'a [f32],
+    /// Per row: a score must be strictly greater to be flagged (-inf flags every real item).
+    pub bars: [f32; 4],
+}
+
+/// Scores of up to 4 hidden rows against `P` consecutive packed panels of 8 items.
 ///
-/// Arguments: `hidden` (rows x d, row-major), `d`, the panels (P x d x 8 elements), the output
-/// (rows x P x 8 raw dot products, row-major by row then item). Every implementation accumulates
-/// each item's dot product over `d` in increasing order, so a result never depends on how many rows
-/// or panels are computed together.
-pub type PanelF32 = fn(&[f32], usize, &[f32], &mut [f32]);
-pub type PanelF16 = fn(&[f32], usize, &[u16], &mut [f32]);
-pub type PanelI8 = fn(&[f32], usize, &[i8], &mut [f32]);
+/// Arguments: `hidden` (rows x d, row-major), `d`, the panels (P x d x 8 elements), the epilogue,
+/// the scores out (rows x P x 8, by row then item), and one flag byte per (row, panel) whose bit l
+/// says item l beat the row's bar. Every implementation accumulates each item's dot product over `d`
+/// in increasing order, so a score never depends on how many rows or panels are computed together.
+pub type PanelF32 = fn(&[f32], usize, &[f32], &Epilogue<'_>, &mut [f32], &mut [u8]);
+pub type PanelF16 = fn(&[f32], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u8]);
+pub type PanelI8 = fn(&[f32], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
 
 /// The micro-kernels of one ISA, indexed by `[rows - 1][log2(panels)]` for rows in {1, 2, 4}
 /// (3 rows run as 2 + 1) and panels in {1, 2, 4, 8}.

@@ -33,7 +33,7 @@ pub struct PackedOutput {
     /// Hidden size.
     pub d: usize,
     pub data: PanelData,
-    /// Padded to a whole number of panels.
+    /// Padded to a whole number of panels with -inf, so padding items never score above any bar.
     pub bias: Vec<f32>,
 }
 
@@ -49,9 +49,9 @@ fn pack<T: Copy + Default>(rows: &[T], n: usize, d: usize) -> Vec<T> {
     out
 }
 
-fn padded(values: &[f32], n: usize) -> Vec<f32> {
+fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
     let mut out = values.to_vec();
-    out.resize(n.div_ceil(8) * 8, 0.0);
+    out.resize(n.div_ceil(8) * 8, fill);
     out
 }
 
@@ -64,7 +64,7 @@ impl PackedOutput {
             n,
             d,
             data: PanelData::F32(pack(weight, n, d)),
-            bias: padded(bias, n),
+            bias: padded(bias, n, f32::NEG_INFINITY),
         }
     }
 
@@ -76,7 +76,7 @@ impl PackedOutput {
             n,
             d,
             data: PanelData::F16(pack(bits, n, d)),
-            bias: padded(bias, n),
+            bias: padded(bias, n, f32::NEG_INFINITY),
         }
     }
 
@@ -90,9 +90,9 @@ impl PackedOutput {
             d,
             data: PanelData::I8 {
                 q: pack(q, n, d),
-                scales: padded(scales, n),
+                scales: padded(scales, n, 0.0),
             },
-            bias: padded(bias, n),
+            bias: padded(bias, n, f32::NEG_INFINITY),
         }
     }
 

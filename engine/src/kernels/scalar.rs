@@ -1,7 +1,7 @@
 //! Portable micro-kernels: plain loops, one multiply and one add per element, in the same
 //! accumulation order as the SIMD versions (over d, increasing).
 
-use super::{KernelTable, PanelF16, PanelF32, PanelI8};
+use super::{Epilogue, KernelTable, PanelF16, PanelF32, PanelI8};
 use crate::kernels::Isa;
 
 /// Generic body: `load(panel, i)` gives the weight at element `i` of the panel group as f32.
@@ -10,7 +10,9 @@ fn panels<const R: usize, const P: usize, T: Copy>(
     hidden: &[f32],
     d: usize,
     panels: &[T],
+    epilogue: &Epilogue<'_>,
     out: &mut [f32],
+    masks: &mut [u8],
     load: impl Fn(T) -> f32,
 ) {
     let mut acc = [[[0f32; 8]; P]; R];
@@ -25,23 +27,57 @@ fn panels<const R: usize, const P: usize, T: Copy>(
             }
         }
     }
-    for r in 0..R {
-        for p in 0..P {
-            out[(r * P + p) * 8..(r * P + p) * 8 + 8].copy_from_slice(&acc[r][p]);
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (p, acc_rp) in acc_r.iter().enumerate() {
+            let mut mask = 0u8;
+            for (l, &dot) in acc_rp.iter().enumerate() {
+                let item = p * 8 + l;
+                let score = if epilogue.scales.is_empty() {
+                    dot + epilogue.bias[item]
+                } else {
+                    dot * epilogue.scales[item] + epilogue.bias[item]
+                };
+                out[r * P * 8 + item] = score;
+                if score > epilogue.bars[r] {
+                    mask |= 1 << l;
+                }
+            }
+            masks[r * P + p] = mask;
         }
     }
 }
 
-fn f32_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[f32], out: &mut [f32]) {
-    panels::<R, P, f32>(h, d, w, out, |x| x)
+fn f32_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[f32],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    panels::<R, P, f32>(h, d, w, e, out, m, |x| x)
 }
 
-fn f16_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[u16], out: &mut [f32]) {
-    panels::<R, P, u16>(h, d, w, out, |x| half::f16::from_bits(x).to_f32())
+fn f16_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[u16],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    panels::<R, P, u16>(h, d, w, e, out, m, |x| half::f16::from_bits(x).to_f32())
 }
 
-fn i8_k<const R: usize, const P: usize>(h: &[f32], d: usize, w: &[i8], out: &mut [f32]) {
-    panels::<R, P, i8>(h, d, w, out, |x| x as f32)
+fn i8_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[i8],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    panels::<R, P, i8>(h, d, w, e, out, m, |x| x as f32)
 }
 
 macro_rules! table_row {
