@@ -31,15 +31,6 @@ impl Load8 for u16 {
     }
 }
 
-impl Load8 for i8 {
-    #[inline(always)]
-    unsafe fn load8(ptr: *const i8, offset: usize) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-            ptr.add(offset) as *const __m128i
-        )))
-    }
-}
-
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C. Bounds are checked below with assertions, so any slice
 /// lengths are safe.
@@ -124,7 +115,7 @@ fn f16_k<const R: usize, const P: usize>(
 }
 
 fn i8_k<const R: usize, const P: usize>(
-    h: &[f32],
+    h: &[i16],
     d: usize,
     w: &[i8],
     e: &Epilogue<'_>,
@@ -132,7 +123,74 @@ fn i8_k<const R: usize, const P: usize>(
     m: &mut [u8],
 ) {
     // SAFETY: as above.
-    unsafe { panels::<R, P, i8>(h, d, w, e, out, m) }
+    unsafe { panels_i8::<R, P>(h, d, w, e, out, m) }
+}
+
+/// int16 activations x int8 weight pairs: each 128-bit load is 8 items x 2 features, widened to
+/// 16 x i16, multiplied by the broadcast activation pair and summed pairwise into 8 x i32
+/// (`madd_epi16`), exact; the epilogue converts once per item.
+///
+/// # Safety
+/// The CPU must support AVX2. Bounds are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panels_i8<const R: usize, const P: usize>(
+    hidden: &[i16],
+    d: usize,
+    w: &[i8],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    let pairs = d.div_ceil(2);
+    let width = pairs * 2;
+    assert!(
+        hidden.len() >= R * width
+            && w.len() >= P * pairs * 16
+            && out.len() >= R * P * 8
+            && masks.len() >= R * P
+    );
+    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
+    let mut acc = [[_mm256_setzero_si256(); P]; R];
+    let hp = hidden.as_ptr() as *const i32;
+    let wp = w.as_ptr();
+    for jp in 0..pairs {
+        let mut wv = [_mm256_setzero_si256(); P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            // In bounds: p*pairs*16 + jp*16 + 16 <= P*pairs*16 <= w.len().
+            *v = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                wp.add(p * pairs * 16 + jp * 16) as *const __m128i
+            ));
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // The two i16 activations 2jp, 2jp+1 of row r read as one i32 (little-endian pair);
+            // in bounds: r*width + 2jp + 2 <= R*width <= hidden.len(). Unaligned read.
+            let pair = _mm256_set1_epi32(
+                hp.cast::<u8>()
+                    .add(2 * (r * width + 2 * jp))
+                    .cast::<i32>()
+                    .read_unaligned(),
+            );
+            for (a, v) in acc_r.iter_mut().zip(&wv) {
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(*v, pair));
+            }
+        }
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        let bar = _mm256_set1_ps(epilogue.bars[r]);
+        let row_scale = _mm256_set1_ps(epilogue.row_scales[r]);
+        for (p, a) in acc_r.iter().enumerate() {
+            // In bounds: p*8 + 8 <= P*8 <= bias.len(), scales.len().
+            let bias = _mm256_loadu_ps(epilogue.bias.as_ptr().add(p * 8));
+            let scale = _mm256_mul_ps(
+                _mm256_loadu_ps(epilogue.scales.as_ptr().add(p * 8)),
+                row_scale,
+            );
+            let score = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(*a), scale), bias);
+            // In bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len().
+            _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), score);
+            masks[r * P + p] = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(score, bar)) as u8;
+        }
+    }
 }
 
 macro_rules! table_row {

@@ -10,7 +10,7 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
-use super::packed::{PackedOutput, PanelData};
+use super::packed::{quantize_activations, PackedOutput, PanelData};
 use super::{panels_slot, rows_slot, Epilogue, KernelTable};
 use crate::topk::{rank_order, Scored};
 
@@ -169,6 +169,12 @@ fn scan(
     let tile = tile_panels(out);
     let mut scores = [0f32; 64];
     let mut masks = [0u8; 8];
+    // int8 weights multiply int16 activations: quantize each row once per scan.
+    let (hidden_q, hidden_scales) = match out.data {
+        PanelData::I8 { .. } => quantize_activations(hidden, d),
+        _ => (Vec::new(), Vec::new()),
+    };
+    let width_q = d.div_ceil(2) * 2;
     let mut tile_start = range.start;
     while tile_start < range.end {
         let tile_end = (tile_start + tile).min(range.end);
@@ -185,8 +191,12 @@ fn scan(
                 let span = p * d * 8..(p + count) * d * 8;
                 let items = p * 8..(p + count) * 8;
                 let mut bars = [f32::INFINITY; 4];
-                for (r, bar) in bars.iter_mut().enumerate().take(size) {
-                    *bar = sink.bar(row0 + r);
+                let mut row_scales = [1f32; 4];
+                for r in 0..size {
+                    bars[r] = sink.bar(row0 + r);
+                    if let Some(&s) = hidden_scales.get(row0 + r) {
+                        row_scales[r] = s;
+                    }
                 }
                 let no_scales: &[f32] = &[];
                 let epilogue = Epilogue {
@@ -196,6 +206,7 @@ fn scan(
                         _ => no_scales,
                     },
                     bars,
+                    row_scales,
                 };
                 match &out.data {
                     PanelData::F32(w) => {
@@ -205,7 +216,10 @@ fn scan(
                         (table.f16[rs][ps])(h, d, &w[span], &epilogue, &mut scores, &mut masks)
                     }
                     PanelData::I8 { q, .. } => {
-                        (table.i8[rs][ps])(h, d, &q[span], &epilogue, &mut scores, &mut masks)
+                        let pairs = d.div_ceil(2);
+                        let hq = &hidden_q[row0 * width_q..(row0 + size) * width_q];
+                        let span_q = p * pairs * 16..(p + count) * pairs * 16;
+                        (table.i8[rs][ps])(hq, d, &q[span_q], &epilogue, &mut scores, &mut masks)
                     }
                 }
                 for r in 0..size {
@@ -300,7 +314,7 @@ pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits};
+    use crate::kernels::packed::{activation_levels, quantize_int8_per_row, to_f16_bits};
     use crate::kernels::Isa;
     use proptest::prelude::*;
 
@@ -395,8 +409,16 @@ mod tests {
                             let terms: Vec<f64> = (0..d).map(|j| hidden[r * d + j] as f64 * held[i * d + j] as f64).collect();
                             let want = terms.iter().sum::<f64>() + b[i] as f64;
                             let mag = terms.iter().map(|t| t.abs()).sum::<f64>() + (b[i] as f64).abs();
-                            // int8 scores add one rounding of the scale product.
-                            let tol = F32_DOT_REL_TOL * mag + if name == "i8" { 1e-6 * mag } else { 0.0 } + 1e-30;
+                            // int8 also quantizes the activations to int16 (half a level per
+                            // element, exact integer sums) and rounds the scale product once.
+                            let activation_err = if name == "i8" {
+                                let hmax = hidden[r * d..(r + 1) * d].iter().fold(0f32, |m, h| m.max(h.abs())) as f64;
+                                let step = hmax / activation_levels(d) as f64;
+                                0.5 * step * (0..d).map(|j| (held[i * d + j] as f64).abs()).sum::<f64>() + 1e-6 * mag
+                            } else {
+                                0.0
+                            };
+                            let tol = F32_DOT_REL_TOL * mag + activation_err + 1e-30;
                             prop_assert!((scores[r * n + i] as f64 - want).abs() <= tol,
                                 "{:?} {} row {} item {}: {} vs {}", isa, name, r, i, scores[r * n + i], want);
                         }
@@ -440,6 +462,25 @@ mod tests {
                     "{isa:?} threads {threads}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn int8_scores_are_bit_identical_on_every_isa() {
+        let (n, d) = (777, 61);
+        let mut next = lcg(9);
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let b: Vec<f32> = (0..n).map(|_| next()).collect();
+        let hidden: Vec<f32> = (0..5 * d).map(|_| next() * 3.0).collect();
+        let (q, s) = quantize_int8_per_row(&w, d);
+        let packed = PackedOutput::from_i8(&q, &s, &b, d);
+        let reference = score_all(KernelTable::for_isa(Isa::Scalar), &packed, &hidden);
+        for isa in Isa::available() {
+            assert_eq!(
+                score_all(KernelTable::for_isa(isa), &packed, &hidden),
+                reference,
+                "{isa:?}"
+            );
         }
     }
 

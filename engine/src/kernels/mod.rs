@@ -81,6 +81,8 @@ pub struct Epilogue<'a> {
     pub scales: &'a [f32],
     /// Per row: a score must be strictly greater to be flagged (-inf flags every real item).
     pub bars: [f32; 4],
+    /// Per row: the scale of its int16-quantized activations (int8 kernels only; 1 otherwise).
+    pub row_scales: [f32; 4],
 }
 
 /// Scores of up to 4 hidden rows against `P` consecutive packed panels of 8 items.
@@ -91,7 +93,9 @@ pub struct Epilogue<'a> {
 /// in increasing order, so a score never depends on how many rows or panels are computed together.
 pub type PanelF32 = fn(&[f32], usize, &[f32], &Epilogue<'_>, &mut [f32], &mut [u8]);
 pub type PanelF16 = fn(&[f32], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u8]);
-pub type PanelI8 = fn(&[f32], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
+/// int8 weights take activations quantized to int16 (`hidden` as i16, `d` rounded up to even) and
+/// accumulate exactly in i32: 16 multiply-adds per instruction, and bit-identical on every ISA.
+pub type PanelI8 = fn(&[i16], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
 
 /// The micro-kernels of one ISA, indexed by `[rows - 1][log2(panels)]` for rows in {1, 2, 4}
 /// (3 rows run as 2 + 1) and panels in {1, 2, 4, 8}.

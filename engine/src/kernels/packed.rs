@@ -49,6 +49,47 @@ fn pack<T: Copy + Default>(rows: &[T], n: usize, d: usize) -> Vec<T> {
     out
 }
 
+/// Feature pairs of 8 items side by side (see [`PanelData::I8`]).
+fn pack_pairs(rows: &[i8], n: usize, d: usize) -> Vec<i8> {
+    let pairs = d.div_ceil(2);
+    let panels = n.div_ceil(8);
+    let mut out = vec![0i8; panels * pairs * 16];
+    for item in 0..n {
+        let (p, l) = (item / 8, item % 8);
+        for j in 0..d {
+            out[p * pairs * 16 + (j / 2) * 16 + l * 2 + j % 2] = rows[item * d + j];
+        }
+    }
+    out
+}
+
+/// Largest int16 level for activations of width `d`, so that a dot product with int8 weights
+/// (|q| <= 127) can never overflow the i32 accumulator: d_even * 127 * level < 2^31.
+pub fn activation_levels(d: usize) -> i32 {
+    let d_even = d.div_ceil(2) * 2;
+    (i32::MAX as i64 / (d_even.max(1) as i64 * 127)).min(i16::MAX as i64) as i32
+}
+
+/// Quantizes each row of `hidden` (`[rows, d]`) to int16 with its own symmetric scale; rows are
+/// padded to an even width. Returns the values and one scale per row (0 for an all-zero row).
+pub fn quantize_activations(hidden: &[f32], d: usize) -> (Vec<i16>, Vec<f32>) {
+    let width = d.div_ceil(2) * 2;
+    let levels = activation_levels(d) as f32;
+    let rows = hidden.len() / d;
+    let mut q = vec![0i16; rows * width];
+    let mut scales = Vec::with_capacity(rows);
+    for (r, row) in hidden.chunks_exact(d).enumerate() {
+        let max = row.iter().fold(0f32, |m, &h| m.max(h.abs()));
+        let scale = max / levels;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (j, &h) in row.iter().enumerate() {
+            q[r * width + j] = (h * inv).round().clamp(-levels, levels) as i16;
+        }
+        scales.push(scale);
+    }
+    (q, scales)
+}
+
 fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
     let mut out = values.to_vec();
     out.resize(n.div_ceil(8) * 8, fill);
@@ -89,7 +130,7 @@ impl PackedOutput {
             n,
             d,
             data: PanelData::I8 {
-                q: pack(q, n, d),
+                q: pack_pairs(q, n, d),
                 scales: padded(scales, n, 0.0),
             },
             bias: padded(bias, n, f32::NEG_INFINITY),

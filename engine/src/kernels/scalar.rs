@@ -69,15 +69,48 @@ fn f16_k<const R: usize, const P: usize>(
     panels::<R, P, u16>(h, d, w, e, out, m, |x| half::f16::from_bits(x).to_f32())
 }
 
+/// Exact integer dot products of int16 activations with int8 weight pairs; same epilogue arithmetic
+/// as the SIMD version (`acc as f32 * (scale * row_scale) + bias`), so results are bit-identical.
 fn i8_k<const R: usize, const P: usize>(
-    h: &[f32],
+    h: &[i16],
     d: usize,
     w: &[i8],
     e: &Epilogue<'_>,
     out: &mut [f32],
     m: &mut [u8],
 ) {
-    panels::<R, P, i8>(h, d, w, e, out, m, |x| x as f32)
+    let pairs = d.div_ceil(2);
+    let width = pairs * 2;
+    let mut acc = [[[0i32; 8]; P]; R];
+    for jp in 0..pairs {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let (h0, h1) = (
+                h[r * width + 2 * jp] as i32,
+                h[r * width + 2 * jp + 1] as i32,
+            );
+            for (p, acc_rp) in acc_r.iter_mut().enumerate() {
+                let base = p * pairs * 16 + jp * 16;
+                for (l, a) in acc_rp.iter_mut().enumerate() {
+                    *a += w[base + 2 * l] as i32 * h0 + w[base + 2 * l + 1] as i32 * h1;
+                }
+            }
+        }
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (p, acc_rp) in acc_r.iter().enumerate() {
+            let mut mask = 0u8;
+            for (l, &dot) in acc_rp.iter().enumerate() {
+                let item = p * 8 + l;
+                let scale = e.scales[item] * e.row_scales[r];
+                let score = dot as f32 * scale + e.bias[item];
+                out[r * P * 8 + item] = score;
+                if score > e.bars[r] {
+                    mask |= 1 << l;
+                }
+            }
+            m[r * P + p] = mask;
+        }
+    }
 }
 
 macro_rules! table_row {
