@@ -302,6 +302,7 @@ mod tests {
             item_map: &dir.join("item_id_map.tsv"),
             out: &tmp.path().join("e"),
             precision: recsys_engine::engine_dir::Precision::Fp32,
+            calibration: None,
         })
         .unwrap();
         (engine, tmp)

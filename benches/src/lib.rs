@@ -26,6 +26,7 @@ pub fn fixture_engine(kind: ModelKind) -> (Engine, tempfile::TempDir) {
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("engine"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
     })
     .unwrap();
     (engine, tmp)

@@ -51,8 +51,20 @@ pub enum Precision {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Int8Mode {
-    /// Quantize the weights only; activations stay f32 (no calibration needed).
+    /// Quantize the weights; each request's activations get their own int16 scale (no calibration).
     WeightOnly,
+    /// Weights and activations in int8, with a static activation scale from --calibration.
+    W8a8,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum CalibrationMethodArg {
+    /// Clip at the largest activation magnitude seen (ONNX Runtime's default).
+    Minmax,
+    /// Clip at a high percentile of the magnitudes (--calibration-percentile), ignoring rare outliers.
+    Percentile,
+    /// Clip where the 8-bit histogram loses the least information (KL divergence; TensorRT's default).
+    Entropy,
 }
 
 #[derive(Args, Debug)]
@@ -86,6 +98,16 @@ pub struct ConvertArgs {
     /// How int8 is applied (with --precision int8).
     #[arg(long, value_enum, default_value = "weight-only")]
     pub int8_mode: Int8Mode,
+    /// Calibration histories for --int8-mode w8a8: JSON lines in the `recsys predict` input format.
+    /// Use a few thousand real histories; their activations set the static scale.
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    /// How the calibration picks the activation clipping threshold.
+    #[arg(long, value_enum, default_value = "entropy")]
+    pub calibration_method: CalibrationMethodArg,
+    /// Percentile for --calibration-method percentile.
+    #[arg(long, default_value_t = 99.99)]
+    pub calibration_percentile: f64,
     /// Replace the output directory if it already exists.
     #[arg(long)]
     pub force: bool,

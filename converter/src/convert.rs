@@ -1,8 +1,9 @@
 //! `recsys convert`.
 
-use crate::cli::{ConvertArgs, Int8Mode, Kind, Precision};
+use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Kind, Precision};
 use crate::error::{CliError, Result};
 use crate::progress;
+use recsys_engine::calibration::{read_histories, CalibrationMethod};
 use recsys_engine::{ConvertRequest, ModelKind};
 
 pub fn run(args: &ConvertArgs) -> Result<i32> {
@@ -45,6 +46,33 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         Kind::Bert4rec => ModelKind::Bert4rec,
         Kind::Vaecf => ModelKind::Vaecf,
     };
+    let w8a8 = matches!(
+        (args.precision, args.int8_mode),
+        (Precision::Int8, Int8Mode::W8a8)
+    );
+    let calibration =
+        match (&args.calibration, w8a8) {
+            (Some(path), true) => {
+                let method = match args.calibration_method {
+                    CalibrationMethodArg::Minmax => "minmax",
+                    CalibrationMethodArg::Percentile => "percentile",
+                    CalibrationMethodArg::Entropy => "entropy",
+                };
+                let method = CalibrationMethod::parse(method, args.calibration_percentile)
+                    .map_err(CliError::Usage)?;
+                Some((read_histories(path)?, method))
+            }
+            (None, true) => return Err(CliError::Usage(
+                "--int8-mode w8a8 needs --calibration FILE (histories in the predict JSONL format)"
+                    .into(),
+            )),
+            (Some(_), false) => {
+                return Err(CliError::Usage(
+                    "--calibration applies to --precision int8 --int8-mode w8a8 only".into(),
+                ))
+            }
+            (None, false) => None,
+        };
     let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
     let engine = recsys_engine::convert(&ConvertRequest {
         kind,
@@ -55,8 +83,9 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         precision: match (args.precision, args.int8_mode) {
             (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
             (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
-            (Precision::Int8, Int8Mode::WeightOnly) => recsys_engine::engine_dir::Precision::Int8,
+            (Precision::Int8, _) => recsys_engine::engine_dir::Precision::Int8,
         },
+        calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
     });
     bar.finish_and_clear();
     let engine = engine?;
@@ -76,5 +105,16 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         name(serde_json::json!(m.source.format)),
         &m.source.sha256[..12],
     );
+    if let Some(c) = &m.calibration {
+        println!(
+            "calibration: {} over {} histories ({} values): |activation| max {:.4}, threshold {:.4}, {:.4}% clipped",
+            c["method"].as_str().unwrap_or("?"),
+            c["histories"],
+            c["values"],
+            c["abs_max"].as_f64().unwrap_or(0.0),
+            c["threshold"].as_f64().unwrap_or(0.0),
+            100.0 * c["clipped_fraction"].as_f64().unwrap_or(0.0)
+        );
+    }
     Ok(0)
 }

@@ -323,3 +323,108 @@ fn string_catalogue_gives_the_same_answers_as_int_ids() {
     .unwrap();
     assert_eq!(manifest["id_type"], "string");
 }
+
+#[test]
+fn convert_w8a8_with_calibration_and_clear_flag_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let item_map = fixtures().join("multivae/item_id_map.tsv");
+    // Calibration histories in the predict input format, from the test set.
+    let lines: String = std::fs::read_to_string(fixtures().join("test_set.tsv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .take(300)
+        .map(|l| {
+            let ids: Vec<&str> = l.split('\t').nth(2).unwrap().split(' ').collect();
+            format!("{{\"item_ids\": [{}]}}\n", ids.join(", "))
+        })
+        .collect();
+    let calib = tmp.path().join("calibration.jsonl");
+    std::fs::write(&calib, lines).unwrap();
+
+    let out = convert_command(
+        "multivae",
+        "vaecf",
+        "model.safetensors",
+        &item_map,
+        &tmp.path().join("w8a8"),
+    )
+    .args([
+        "--precision",
+        "int8",
+        "--int8-mode",
+        "w8a8",
+        "--calibration-method",
+        "percentile",
+        "--calibration",
+    ])
+    .arg(&calib)
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("calibration: percentile over 300 histories"),
+        "{stdout}"
+    );
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("w8a8/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(manifest["precision"], "int8");
+    assert_eq!(manifest["quantization"]["output_layer"]["mode"], "w8a8");
+    assert_eq!(manifest["calibration"]["method"], "percentile");
+
+    // The engine serves.
+    let out = recsys()
+        .args([
+            "predict", "--k", "3", "--input", "-", "--output", "-", "--engine",
+        ])
+        .arg(tmp.path().join("w8a8"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            std::io::Write::write_all(
+                child.stdin.as_mut().unwrap(),
+                b"{\"item_ids\": [10011403]}\n",
+            )?;
+            drop(child.stdin.take());
+            child.wait_with_output()
+        })
+        .unwrap();
+    assert!(out.status.success());
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["item_ids"].as_array().unwrap().len(), 3);
+
+    // w8a8 without calibration, and calibration without w8a8, are refused with the reason.
+    let out = convert_command(
+        "multivae",
+        "vaecf",
+        "model.safetensors",
+        &item_map,
+        &tmp.path().join("x"),
+    )
+    .args(["--precision", "int8", "--int8-mode", "w8a8"])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --calibration"));
+    let out = convert_command(
+        "multivae",
+        "vaecf",
+        "model.safetensors",
+        &item_map,
+        &tmp.path().join("y"),
+    )
+    .args(["--precision", "fp16", "--calibration"])
+    .arg(&calib)
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration applies to"));
+}

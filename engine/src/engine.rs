@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
 use crate::config::{ModelConfig, ModelKind};
 use crate::engine_dir::{
     self, EngineParts, Manifest, Precision, RawTensor, SourceCheckpoint, OUTPUT_WEIGHT,
@@ -151,7 +152,25 @@ fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
             let t = raw_tensor(loaded, OUTPUT_WEIGHT, safetensors::Dtype::I8, &[n, d])?;
             let q: Vec<i8> = t.bytes.iter().map(|&b| b as i8).collect();
             let scales = crate::models::take(&loaded.extra_tensors, OUTPUT_WEIGHT_SCALE, &[n])?;
-            PackedOutput::from_i8(&q, scales.as_slice(), bias, d)
+            let packed = PackedOutput::from_i8(&q, scales.as_slice(), bias, d);
+            let layer = loaded
+                .manifest
+                .quantization
+                .as_ref()
+                .map(|q| &q["output_layer"]);
+            match layer.and_then(|l| l["mode"].as_str()) {
+                Some("w8a8") => {
+                    let scale = layer
+                        .and_then(|l| l["activation_scale"].as_f64())
+                        .filter(|s| s.is_finite() && *s >= 0.0);
+                    let scale = scale.ok_or_else(|| EngineError::EngineDir {
+                        path: loaded.path.clone(),
+                        reason: "w8a8 engine without a valid output_layer.activation_scale in the manifest".into(),
+                    })?;
+                    packed.with_static_activation_scale(scale as f32)
+                }
+                _ => packed,
+            }
         }
     })
 }
@@ -328,6 +347,9 @@ pub struct ConvertRequest<'a> {
     pub item_map: &'a Path,
     pub out: &'a Path,
     pub precision: Precision,
+    /// With `Precision::Int8`: calibration histories (external ids as text) and method, for W8A8
+    /// static activation scales. `None` is weight-only int8.
+    pub calibration: Option<(&'a [Vec<String>], CalibrationMethod)>,
 }
 
 /// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
@@ -345,8 +367,19 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
     };
     let config = ModelConfig::resolve(request.kind, &json, &ckpt)?;
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
-    let (raw_tensors, quantization) = quantize_output(&config, &mut tensors, request.precision)?;
     let ids = IdMap::read_tsv(request.item_map)?;
+    if request.calibration.is_some() && request.precision != Precision::Int8 {
+        return Err(EngineError::Config(
+            "calibration applies to int8 (W8A8) only".into(),
+        ));
+    }
+    let (raw_tensors, quantization, calibration) = quantize_output(
+        &config,
+        &mut tensors,
+        request.precision,
+        &ids,
+        request.calibration,
+    )?;
     let source = SourceCheckpoint {
         file: request
             .checkpoint
@@ -364,6 +397,7 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
             raw_tensors: &raw_tensors,
             precision: request.precision,
             quantization,
+            calibration: calibration.map(|c| serde_json::to_value(c).expect("summary serialises")),
             ids: &ids,
             source,
         },
@@ -371,8 +405,29 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
     Engine::load(request.out)
 }
 
-/// Quantized tensors to store, and the manifest's description of the scheme.
-type QuantizedOutput = (Vec<(String, RawTensor)>, Option<serde_json::Value>);
+/// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
+type QuantizedOutput = (
+    Vec<(String, RawTensor)>,
+    Option<serde_json::Value>,
+    Option<CalibrationSummary>,
+);
+
+/// The values entering the output layer for the calibration histories.
+fn output_activations(model: &Model, ids: &IdMap, histories: &[Vec<String>]) -> Vec<f32> {
+    let mut values = Vec::new();
+    for chunk in histories.chunks(256) {
+        let mapped: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|h| {
+                let refs: Vec<&str> = h.iter().map(String::as_str).collect();
+                ids.map(ExternalIds::Str(&refs)).indices
+            })
+            .collect();
+        let refs: Vec<&[u32]> = mapped.iter().map(Vec::as_slice).collect();
+        values.extend(model.encode(&refs).0);
+    }
+    values
+}
 
 /// Stores the output layer at `precision` (fp32 keeps the model's own tensor and adds nothing).
 /// Returns the quantized tensors and the manifest's description of the scheme.
@@ -380,9 +435,11 @@ fn quantize_output(
     config: &ModelConfig,
     tensors: &mut Vec<(String, crate::tensor::Tensor)>,
     precision: Precision,
+    ids: &IdMap,
+    calibration: Option<(&[Vec<String>], CalibrationMethod)>,
 ) -> Result<QuantizedOutput> {
     if precision == Precision::Fp32 {
-        return Ok((Vec::new(), None));
+        return Ok((Vec::new(), None, None));
     }
     let map: TensorMap = tensors.iter().cloned().collect();
     let model = Model::from_tensors(config, &map)?;
@@ -411,6 +468,27 @@ fn quantize_output(
                 OUTPUT_WEIGHT_SCALE.to_string(),
                 crate::tensor::Tensor::from_vec(vec![n], scales),
             ));
+            if let Some((histories, method)) = calibration {
+                let values = output_activations(&model, ids, histories);
+                let summary = calibration::summarize(&values, histories.len(), method);
+                let scheme = serde_json::json!({
+                    "weights": "int8", "mode": "w8a8", "compute": "int32 accumulation of int8 x int8",
+                    "scheme": "weights: symmetric, one scale per item (output row); activations: symmetric, one static scale from calibration, clipped to +-127",
+                    "scales": OUTPUT_WEIGHT_SCALE,
+                    "activation_scale": summary.scale,
+                });
+                let quantization = serde_json::json!({"output_layer": scheme, "other_layers": "fp32", "tensor": OUTPUT_WEIGHT});
+                let raw = RawTensor {
+                    dtype: safetensors::Dtype::I8,
+                    shape: vec![n, d],
+                    bytes: q.iter().map(|&v| v as u8).collect(),
+                };
+                return Ok((
+                    vec![(OUTPUT_WEIGHT.to_string(), raw)],
+                    Some(quantization),
+                    Some(summary),
+                ));
+            }
             (
                 RawTensor {
                     dtype: safetensors::Dtype::I8,
@@ -418,7 +496,8 @@ fn quantize_output(
                     bytes: q.iter().map(|&v| v as u8).collect(),
                 },
                 serde_json::json!({
-                    "weights": "int8", "mode": "weight-only", "compute": "fp32",
+                    "weights": "int8", "mode": "weight-only",
+                    "compute": "int32 accumulation of int8 weights x int16 activations (each request's own scale)",
                     "scheme": "symmetric, one scale per item (output row): scale = max|w| / 127, q = round(w / scale)",
                     "scales": OUTPUT_WEIGHT_SCALE,
                 }),
@@ -430,5 +509,9 @@ fn quantize_output(
         "other_layers": "fp32",
         "tensor": OUTPUT_WEIGHT,
     });
-    Ok((vec![(OUTPUT_WEIGHT.to_string(), raw)], Some(quantization)))
+    Ok((
+        vec![(OUTPUT_WEIGHT.to_string(), raw)],
+        Some(quantization),
+        None,
+    ))
 }

@@ -103,6 +103,7 @@ pub struct EngineParts<'a> {
     pub raw_tensors: &'a [(String, RawTensor)],
     pub precision: Precision,
     pub quantization: Option<serde_json::Value>,
+    pub calibration: Option<serde_json::Value>,
     pub ids: &'a IdMap,
     pub source: SourceCheckpoint,
 }
@@ -199,7 +200,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         model: parts.config.clone(),
         precision: parts.precision,
         quantization: parts.quantization.clone(),
-        calibration: None,
+        calibration: parts.calibration.clone(),
         id_type: parts.ids.id_type(),
         source: parts.source.clone(),
         files,

@@ -4,6 +4,7 @@
 //! ([`engine_dir`]); an [`Engine`] loads it and answers requests in external item ids
 //! ([`idmap`]) with the top-k items ([`topk`]); [`metrics`] scores it offline.
 
+pub mod calibration;
 pub mod config;
 pub mod engine;
 pub mod engine_dir;

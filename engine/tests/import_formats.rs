@@ -38,6 +38,7 @@ fn recbole_checkpoint_carries_its_own_config() {
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("e"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
     })
     .unwrap();
     let from_json = convert_fixture(ModelKind::Bert4rec, "model.pt", &tmp.path().join("f"));
@@ -59,6 +60,7 @@ fn plain_state_dict_needs_a_config() {
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("e"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
     })
     .err()
     .unwrap();
@@ -102,6 +104,7 @@ fn convert_file(
         item_map: &model_dir(ModelKind::Bert4rec).join("item_id_map.tsv"),
         out: &out,
         precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
     })
 }
 
@@ -237,6 +240,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("e"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
     })
     .err()
     .unwrap();
@@ -249,6 +253,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         item_map: &dir.join("item_id_map.tsv"),
         out: &tmp.path().join("f"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
     })
     .err()
     .unwrap();

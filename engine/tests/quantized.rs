@@ -144,6 +144,73 @@ fn check(kind: ModelKind) {
     }
 }
 
+/// W8A8 with each calibration method: calibrated on the first 1000 test histories, evaluated on all
+/// 5000 (the same protocol a team would use with a held-out calibration sample).
+fn check_w8a8(kind: ModelKind) {
+    use recsys_engine::calibration::CalibrationMethod;
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    let calibration: Vec<Vec<String>> =
+        cases.iter().take(1000).map(|c| c.history.clone()).collect();
+    let fp32 = convert_fixture_at(
+        kind,
+        "model.safetensors",
+        &tmp.path().join("fp32"),
+        Precision::Fp32,
+    );
+    let base = evaluate(&fp32, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
+    for (name, method) in [
+        ("minmax", CalibrationMethod::MinMax),
+        (
+            "percentile",
+            CalibrationMethod::Percentile { percentile: 99.99 },
+        ),
+        ("entropy", CalibrationMethod::Entropy),
+    ] {
+        let engine = convert_fixture_w8a8(kind, &tmp.path().join(name), &calibration, method);
+        let summary = engine
+            .manifest
+            .calibration
+            .clone()
+            .expect("calibration recorded");
+        assert_eq!(summary["histories"], 1000);
+        assert_eq!(
+            engine.manifest.quantization.as_ref().unwrap()["output_layer"]["mode"],
+            "w8a8"
+        );
+        let threshold = summary["threshold"].as_f64().unwrap();
+        assert!(threshold > 0.0 && threshold <= summary["abs_max"].as_f64().unwrap() * 1.001);
+        let c = compare(kind, &fp32, &engine);
+        let ndcg = evaluate(&engine, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
+        let loss = (base - ndcg) / base;
+        eprintln!(
+            "{kind} w8a8 {name}: threshold {threshold:.4} (max {:.4}), NDCG@10 {ndcg:.5} vs fp32 {base:.5} ({:+.2}%)",
+            summary["abs_max"].as_f64().unwrap(),
+            -100.0 * loss
+        );
+        assert!(
+            c.top10_jaccard >= 0.85,
+            "{kind} w8a8 {name}: top-10 overlap {}",
+            c.top10_jaccard
+        );
+        assert!(
+            loss < 0.05,
+            "{kind} w8a8 {name} loses {:.2}% NDCG@10",
+            100.0 * loss
+        );
+    }
+}
+
+#[test]
+fn bert4rec_w8a8_calibrations_stay_close_to_fp32() {
+    check_w8a8(ModelKind::Bert4rec);
+}
+
+#[test]
+fn vaecf_w8a8_calibrations_stay_close_to_fp32() {
+    check_w8a8(ModelKind::Vaecf);
+}
+
 #[test]
 fn bert4rec_fp16_and_int8_stay_close_to_fp32() {
     check(ModelKind::Bert4rec);

@@ -10,7 +10,7 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
-use super::packed::{quantize_activations, PackedOutput, PanelData};
+use super::packed::{quantize_activations, quantize_activations_static, PackedOutput, PanelData};
 use super::{panels_slot, rows_slot, Epilogue, KernelTable};
 use crate::topk::{rank_order, Scored};
 
@@ -170,8 +170,9 @@ fn scan(
     let mut scores = [0f32; 64];
     let mut masks = [0u8; 8];
     // int8 weights multiply int16 activations: quantize each row once per scan.
-    let (hidden_q, hidden_scales) = match out.data {
-        PanelData::I8 { .. } => quantize_activations(hidden, d),
+    let (hidden_q, hidden_scales) = match (&out.data, out.activation_scale) {
+        (PanelData::I8 { .. }, None) => quantize_activations(hidden, d),
+        (PanelData::I8 { .. }, Some(scale)) => quantize_activations_static(hidden, d, scale),
         _ => (Vec::new(), Vec::new()),
     };
     let width_q = d.div_ceil(2) * 2;

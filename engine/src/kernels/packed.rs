@@ -35,6 +35,9 @@ pub struct PackedOutput {
     pub data: PanelData,
     /// Padded to a whole number of panels with -inf, so padding items never score above any bar.
     pub bias: Vec<f32>,
+    /// int8 only: a calibrated static activation scale (W8A8: activations clipped to +-127 levels of
+    /// it). `None`: each request's activations get their own int16 scale (weight-only).
+    pub activation_scale: Option<f32>,
 }
 
 fn pack<T: Copy + Default>(rows: &[T], n: usize, d: usize) -> Vec<T> {
@@ -90,6 +93,21 @@ pub fn quantize_activations(hidden: &[f32], d: usize) -> (Vec<i16>, Vec<f32>) {
     (q, scales)
 }
 
+/// Quantizes activations with one static scale to int8 levels (+-127, clipping beyond), stored as
+/// int16 for the same integer kernel; rows are padded to an even width.
+pub fn quantize_activations_static(hidden: &[f32], d: usize, scale: f32) -> (Vec<i16>, Vec<f32>) {
+    let width = d.div_ceil(2) * 2;
+    let rows = hidden.len() / d;
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let mut q = vec![0i16; rows * width];
+    for (r, row) in hidden.chunks_exact(d).enumerate() {
+        for (j, &h) in row.iter().enumerate() {
+            q[r * width + j] = (h * inv).round().clamp(-127.0, 127.0) as i16;
+        }
+    }
+    (q, vec![scale; rows])
+}
+
 fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
     let mut out = values.to_vec();
     out.resize(n.div_ceil(8) * 8, fill);
@@ -106,6 +124,7 @@ impl PackedOutput {
             d,
             data: PanelData::F32(pack(weight, n, d)),
             bias: padded(bias, n, f32::NEG_INFINITY),
+            activation_scale: None,
         }
     }
 
@@ -118,6 +137,7 @@ impl PackedOutput {
             d,
             data: PanelData::F16(pack(bits, n, d)),
             bias: padded(bias, n, f32::NEG_INFINITY),
+            activation_scale: None,
         }
     }
 
@@ -134,7 +154,18 @@ impl PackedOutput {
                 scales: padded(scales, n, 0.0),
             },
             bias: padded(bias, n, f32::NEG_INFINITY),
+            activation_scale: None,
         }
+    }
+
+    /// W8A8: use a calibrated static activation scale (int8 weights only).
+    pub fn with_static_activation_scale(mut self, scale: f32) -> Self {
+        assert!(
+            matches!(self.data, PanelData::I8 { .. }),
+            "static activation scales need int8 weights"
+        );
+        self.activation_scale = Some(scale);
+        self
     }
 
     pub fn panels(&self) -> usize {

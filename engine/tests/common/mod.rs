@@ -46,8 +46,29 @@ pub fn convert_fixture_at(
         item_map: &model_dir(kind).join("item_id_map.tsv"),
         out,
         precision,
+        calibration: None,
     })
     .unwrap_or_else(|e| panic!("converting {checkpoint}: {e}"))
+}
+
+/// Converts the fixture's safetensors checkpoint to a W8A8 engine calibrated on `histories`.
+pub fn convert_fixture_w8a8(
+    kind: ModelKind,
+    out: &Path,
+    histories: &[Vec<String>],
+    method: recsys_engine::calibration::CalibrationMethod,
+) -> Engine {
+    let config = config_json(kind);
+    convert(&ConvertRequest {
+        kind,
+        checkpoint: &model_dir(kind).join("model.safetensors"),
+        config: Some(&config),
+        item_map: &model_dir(kind).join("item_id_map.tsv"),
+        out,
+        precision: Precision::Int8,
+        calibration: Some((histories, method)),
+    })
+    .unwrap_or_else(|e| panic!("converting to w8a8: {e}"))
 }
 
 pub struct Golden {
