@@ -202,6 +202,7 @@ impl Engine {
     /// Replaces the kernel set (tests and benches run every ISA path).
     pub fn set_kernels(&mut self, kernels: &'static KernelTable) {
         self.scorer.kernels = kernels;
+        self.model.set_kernels(kernels);
     }
 
     /// Every item's score for each history, `[B, N+1]`, with the serving kernels and precision

@@ -300,6 +300,53 @@ pub fn top_k(
         .collect()
 }
 
+/// A dense layer on the same micro-kernels: `x @ W^T + b` for `x` of `[rows, d]`, `[rows, n]` out.
+/// Rows are computed independently (the same accumulation order whatever the batch).
+pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> {
+    let d = layer.d;
+    let rows = x.len() / d;
+    let n = layer.n;
+    let mut y = vec![0f32; rows * n];
+    let mut scores = [0f32; 64];
+    let mut masks = [0u8; 8];
+    let PanelData::F32(w) = &layer.data else {
+        panic!("dense layers are packed in f32");
+    };
+    let panels = layer.panels();
+    for (row0, size, per_call) in row_groups(rows) {
+        let h = &x[row0 * d..(row0 + size) * d];
+        let mut p = 0;
+        while p < panels {
+            let count = if panels - p >= per_call { per_call } else { 1 };
+            let epilogue = Epilogue {
+                bias: &layer.bias[p * 8..(p + count) * 8],
+                scales: &[],
+                bars: [f32::INFINITY; 4],
+                row_scales: [1.0; 4],
+            };
+            (table.f32[rows_slot(size)][panels_slot(count)])(
+                h,
+                d,
+                &w[p * d * 8..(p + count) * d * 8],
+                &epilogue,
+                &mut scores,
+                &mut masks,
+            );
+            for r in 0..size {
+                for c in 0..count {
+                    let start = (p + c) * 8;
+                    let lanes = n.saturating_sub(start).min(8);
+                    let dst = (row0 + r) * n + start;
+                    y[dst..dst + lanes]
+                        .copy_from_slice(&scores[(r * count + c) * 8..(r * count + c) * 8 + lanes]);
+                }
+            }
+            p += count;
+        }
+    }
+    y
+}
+
 /// Every score, `[B, n]`, computed by the same kernels as [`top_k`] (for evaluation and tests).
 pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec<f32> {
     let rows = hidden.len() / out.d;
@@ -433,6 +480,33 @@ mod tests {
                     let alone = top_k(table, &packed, &hidden[..d], &queries[..1], 1);
                     prop_assert_eq!(&alone[0], &fused[0]);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn linear_matches_f64_and_is_batch_invariant() {
+        let (n, d, rows) = (37, 29, 7);
+        let mut next = lcg(3);
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let b: Vec<f32> = (0..n).map(|_| next()).collect();
+        let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let layer = PackedOutput::from_f32(&w, &b, d);
+        for isa in Isa::available() {
+            let table = KernelTable::for_isa(isa);
+            let y = linear(table, &layer, &x);
+            for r in 0..rows {
+                for o in 0..n {
+                    let want: f64 = (0..d)
+                        .map(|j| x[r * d + j] as f64 * w[o * d + j] as f64)
+                        .sum::<f64>()
+                        + b[o] as f64;
+                    assert!((y[r * n + o] as f64 - want).abs() < 1e-5, "{isa:?}");
+                }
+                assert_eq!(
+                    linear(table, &layer, &x[r * d..(r + 1) * d]),
+                    y[r * n..(r + 1) * n].to_vec()
+                );
             }
         }
     }

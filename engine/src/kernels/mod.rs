@@ -106,6 +106,12 @@ pub struct KernelTable {
     pub i8: [[PanelI8; 4]; 3],
 }
 
+impl std::fmt::Debug for KernelTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KernelTable({})", self.isa.name())
+    }
+}
+
 impl KernelTable {
     pub fn for_isa(isa: Isa) -> &'static KernelTable {
         match isa {

@@ -5,46 +5,27 @@
 //! exactly 0 after it, so leaving them out changes nothing. Tokens of all histories in a batch are
 //! stacked for the dense layers; attention stays within each history.
 
-use super::{take, HistoryNote, OutputLayer, TensorMap};
+use super::{take, DenseLayer, HistoryNote, OutputLayer, TensorMap};
 use crate::config::Bert4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::cpu;
+use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 
 #[derive(Clone, Debug)]
-struct Dense {
-    weight: Tensor,
-    bias: Tensor,
-}
+struct Dense(DenseLayer);
 
 impl Dense {
     fn load(t: &TensorMap, prefix: &str, out_dim: usize, in_dim: usize) -> Result<Dense> {
-        Ok(Dense {
-            weight: take(t, &format!("{prefix}.weight"), &[out_dim, in_dim])?,
-            bias: take(t, &format!("{prefix}.bias"), &[out_dim])?,
-        })
+        Ok(Dense(DenseLayer::new(
+            &take(t, &format!("{prefix}.weight"), &[out_dim, in_dim])?,
+            &take(t, &format!("{prefix}.bias"), &[out_dim])?,
+        )))
     }
 
-    fn in_dim(&self) -> usize {
-        self.weight.shape()[1]
-    }
-
-    fn out_dim(&self) -> usize {
-        self.weight.shape()[0]
-    }
-
-    fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let rows = x.len() / self.in_dim();
-        let mut out = vec![0f32; rows * self.out_dim()];
-        cpu::linear(
-            x,
-            self.in_dim(),
-            self.weight.as_slice(),
-            Some(self.bias.as_slice()),
-            &mut out,
-        );
-        out
+    fn forward(&self, kernels: &KernelTable, x: &[f32]) -> Vec<f32> {
+        self.0.forward(kernels, x)
     }
 }
 
@@ -96,6 +77,7 @@ pub struct Bert4Rec {
     head_ln: LayerNorm,
     /// Tied to `item_embedding` rows 0..=N (the MASK row has no output).
     pub output: OutputLayer,
+    kernels: &'static KernelTable,
 }
 
 /// The state-dict names, with their shapes, that BERT4Rec reads.
@@ -175,11 +157,16 @@ impl Bert4Rec {
             layers,
             output,
             config,
+            kernels: KernelTable::detect(),
         })
     }
 
     pub fn config(&self) -> &Bert4RecConfig {
         &self.config
+    }
+
+    pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
+        self.kernels = kernels;
     }
 
     fn mask_index(&self) -> u32 {
@@ -238,7 +225,7 @@ impl Bert4Rec {
             "one row per sequence after the last layer"
         );
 
-        let mut head = self.head_dense.forward(&x);
+        let mut head = self.head_dense.forward(self.kernels, &x);
         cpu::gelu_erf_inplace(&mut head);
         self.head_ln.apply(&mut head, eps);
         (head, notes)
@@ -258,13 +245,13 @@ impl Bert4Rec {
         let sqrt_d = (d as f32).sqrt();
         let eps = self.config.layer_norm_eps;
 
-        let keys = layer.key.forward(x);
-        let values = layer.value.forward(x);
+        let keys = layer.key.forward(self.kernels, x);
+        let values = layer.value.forward(self.kernels, x);
         let x_q: Vec<f32> = query_rows
             .iter()
             .flat_map(|&r| x[r * h..(r + 1) * h].iter().copied())
             .collect();
-        let queries = layer.query.forward(&x_q);
+        let queries = layer.query.forward(self.kernels, &x_q);
 
         let mut span_of_row = vec![0usize; x.len() / h];
         for (s, span) in spans.iter().enumerate() {
@@ -288,15 +275,15 @@ impl Bert4Rec {
             }
         }
 
-        let mut attended = layer.attn_out.forward(&context);
+        let mut attended = layer.attn_out.forward(self.kernels, &context);
         for (a, r) in attended.iter_mut().zip(&x_q) {
             *a += r;
         }
         layer.attn_ln.apply(&mut attended, eps);
 
-        let mut inner = layer.ffn_in.forward(&attended);
+        let mut inner = layer.ffn_in.forward(self.kernels, &attended);
         cpu::gelu_erf_inplace(&mut inner);
-        let mut out = layer.ffn_out.forward(&inner);
+        let mut out = layer.ffn_out.forward(self.kernels, &inner);
         for (o, r) in out.iter_mut().zip(&attended) {
             *o += r;
         }

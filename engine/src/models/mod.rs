@@ -49,6 +49,29 @@ impl OutputLayer {
     }
 }
 
+/// A dense layer packed for the micro-kernels of [`crate::kernels::fused`] (`x @ W^T + b`).
+#[derive(Clone, Debug)]
+pub struct DenseLayer {
+    packed: crate::kernels::packed::PackedOutput,
+}
+
+impl DenseLayer {
+    /// From a PyTorch-layout weight `[out, in]` and bias `[out]`.
+    pub fn new(weight: &Tensor, bias: &Tensor) -> DenseLayer {
+        DenseLayer {
+            packed: crate::kernels::packed::PackedOutput::from_f32(
+                weight.as_slice(),
+                bias.as_slice(),
+                weight.shape()[1],
+            ),
+        }
+    }
+
+    pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
+        crate::kernels::fused::linear(kernels, &self.packed, x)
+    }
+}
+
 /// The tensors an engine stores, by name, in the layout the model computes with.
 pub type TensorMap = HashMap<String, Tensor>;
 
@@ -109,6 +132,14 @@ impl Model {
         match self {
             Model::Bert4rec(m) => m.encode(histories),
             Model::Vaecf(m) => m.encode(histories),
+        }
+    }
+
+    /// Runs the dense layers on `kernels` (the engine's single dispatch point calls this at load).
+    pub fn set_kernels(&mut self, kernels: &'static crate::kernels::KernelTable) {
+        match self {
+            Model::Bert4rec(m) => m.set_kernels(kernels),
+            Model::Vaecf(m) => m.set_kernels(kernels),
         }
     }
 

@@ -5,11 +5,12 @@
 //! history's distinct items, scaled by 1/sqrt(count). The engine stores that layer transposed
 //! (`encoder.0.weight_by_item`, one contiguous row per item) so the gather reads whole rows.
 
-use super::{take, HistoryNote, OutputLayer, TensorMap};
+use super::{take, DenseLayer, HistoryNote, OutputLayer, TensorMap};
 use crate::config::VaeCfConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::cpu;
+use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 
 /// Engine name of the transposed first encoder layer, `[N+1, hidden_0]`.
@@ -21,31 +22,17 @@ struct Dense {
     bias: Tensor,
 }
 
-impl Dense {
-    fn forward(&self, x: &[f32], out: &mut Vec<f32>) {
-        let in_dim = self.weight.shape()[1];
-        out.clear();
-        out.resize(x.len() / in_dim * self.weight.shape()[0], 0.0);
-        cpu::linear(
-            x,
-            in_dim,
-            self.weight.as_slice(),
-            Some(self.bias.as_slice()),
-            out,
-        );
-    }
-}
-
 #[derive(Clone, Debug)]
 pub struct VaeCf {
     config: VaeCfConfig,
     first_by_item: Tensor,
     first_bias: Tensor,
     /// Encoder layers after the first, ending with the mu half of the last one (logvar is unused).
-    encoder_rest: Vec<Dense>,
+    encoder_rest: Vec<DenseLayer>,
     /// Decoder layers except the last, which is the output layer.
-    decoder_hidden: Vec<Dense>,
+    decoder_hidden: Vec<DenseLayer>,
     pub output: OutputLayer,
+    kernels: &'static KernelTable,
 }
 
 /// `(state-dict name prefix, [out, in])` of every Linear layer, encoder then decoder.
@@ -113,21 +100,32 @@ impl VaeCf {
             .map(|(p, s)| load(p, s))
             .collect::<Result<Vec<_>>>()?;
         let out_layer = decoder_layers.pop().expect("decoder has an output layer");
+        let pack = |layers: Vec<Dense>| {
+            layers
+                .iter()
+                .map(|l| DenseLayer::new(&l.weight, &l.bias))
+                .collect()
+        };
         Ok(VaeCf {
             config,
             first_by_item,
             first_bias,
-            encoder_rest,
-            decoder_hidden: decoder_layers,
+            encoder_rest: pack(encoder_rest),
+            decoder_hidden: pack(decoder_layers),
             output: OutputLayer {
                 weight: out_layer.weight,
                 bias: out_layer.bias,
             },
+            kernels: KernelTable::detect(),
         })
     }
 
     pub fn config(&self) -> &VaeCfConfig {
         &self.config
+    }
+
+    pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
+        self.kernels = kernels;
     }
 
     /// Decoder activations before the output layer, `[B, hidden_0]`.
@@ -160,10 +158,10 @@ impl VaeCf {
                     .map(|(a, b)| (a * scale + b).tanh()),
             );
         }
-        let mut next = Vec::new();
+        let mut next;
         let n_rest = self.encoder_rest.len();
         for (i, layer) in self.encoder_rest.iter().enumerate() {
-            layer.forward(&x, &mut next);
+            next = layer.forward(self.kernels, &x);
             if i + 1 < n_rest {
                 cpu::tanh_inplace(&mut next);
             }
@@ -171,7 +169,7 @@ impl VaeCf {
         }
         // x is mu; every decoder layer but the output layer is followed by tanh.
         for layer in &self.decoder_hidden {
-            layer.forward(&x, &mut next);
+            next = layer.forward(self.kernels, &x);
             cpu::tanh_inplace(&mut next);
             std::mem::swap(&mut x, &mut next);
         }

@@ -1,0 +1,64 @@
+//! Times whole-model recommendation (encode + fused score + top-k with exclusions) of an engine
+//! directory on histories from a JSON file, for `scripts/bench_models.py`, which runs ONNX Runtime on
+//! the same model and histories in the same invocation.
+//!
+//! model_probe ENGINE HISTORIES_JSON batch k threads reps
+//!
+//! HISTORIES_JSON: a list of histories (lists of external int ids). Batches cycle through them.
+//! Prints JSON: median seconds per batch, and the top-k ids of the first history.
+
+use std::time::Instant;
+
+use recsys_engine::{Engine, ExternalIds, InternalRequest};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() != 7 {
+        eprintln!("usage: model_probe ENGINE HISTORIES_JSON batch k threads reps");
+        std::process::exit(2);
+    }
+    let mut engine = Engine::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| panic!("{e}"));
+    let histories: Vec<Vec<i64>> =
+        serde_json::from_str(&std::fs::read_to_string(&args[2]).expect("read histories"))
+            .expect("histories JSON");
+    let batch: usize = args[3].parse().expect("batch");
+    let k: usize = args[4].parse().expect("k");
+    engine.set_threads(args[5].parse().expect("threads"));
+    let reps: usize = args[6].parse().expect("reps");
+    let mapped: Vec<Vec<u32>> = histories
+        .iter()
+        .map(|h| engine.ids.map(ExternalIds::Int(h)).indices)
+        .collect();
+    let batches: Vec<Vec<InternalRequest>> = (0..reps.max(1))
+        .map(|r| {
+            (0..batch)
+                .map(|i| InternalRequest {
+                    history: mapped[(r * batch + i) % mapped.len()].clone(),
+                    exclude: Vec::new(),
+                    k,
+                    exclude_seen: true,
+                })
+                .collect()
+        })
+        .collect();
+    engine.recommend_internal(&batches[0]); // warm-up
+    let mut times: Vec<f64> = batches
+        .iter()
+        .map(|b| {
+            let start = Instant::now();
+            std::hint::black_box(engine.recommend_internal(b));
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let first = engine.recommend_internal(&batches[0][..1]);
+    let top: Vec<i64> = first[0]
+        .0
+        .iter()
+        .filter_map(|s| engine.ids.external_int(s.index))
+        .collect();
+    println!(
+        "{}",
+        serde_json::json!({"median_s": times[times.len() / 2], "isa": engine.scorer.kernels.isa.name(), "top_first": top})
+    );
+}

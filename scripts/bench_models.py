@@ -1,0 +1,292 @@
+"""Whole models against ONNX Runtime, same weights and histories, same invocation, same threads.
+
+    scripts/bench-models.sh [--threads 2] [--out FILE.md]
+
+recsys: `model_probe` (the engine: encode + fused score + top-k with the history excluded).
+ONNX Runtime: the model as a user exports it from PyTorch, built here with onnx.helper from the same
+weights (the ONNX export of recsys itself is a later issue): BERT4Rec over the padded sequence with
+the attention mask, every position through every layer, then the [MASK] row, the tied output layer
+and TopK; Mult-VAE on the dense multi-hot input (F.normalize, encoder, mu, decoder) and TopK. The
+exclusion of the history is an additive -inf mask input. ORT timings cover session.run only (input
+preparation is not counted, which favours ORT).
+
+Models: the fixture BERT4Rec and Mult-VAE (N = 2000, trained), and a Mult-VAE of the same shape with
+N = 100,000 items and random weights (the catalogue size of the kernel issue's target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "tests" / "fixtures"
+RECSYS = ROOT / "target" / "release" / "recsys"
+PROBE = ROOT / "target" / "release" / "model_probe"
+K = 10
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        assert meta["dtype"] == "F32", meta
+        s, e = meta["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + s : 8 + n + e], dtype=np.float32).reshape(meta["shape"])
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    header, offset, blobs = {}, 0, []
+    for name, t in tensors.items():
+        b = np.ascontiguousarray(t, dtype=np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        offset += len(b)
+        blobs.append(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little"))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+class Graph:
+    def __init__(self):
+        self.nodes, self.inits, self.n = [], [], 0
+
+    def const(self, value, name=None) -> str:
+        name = name or f"c{len(self.inits)}"
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type, *inputs, **attrs) -> str:
+        self.n += 1
+        out = f"t{self.n}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def linear(self, x, w, b) -> str:
+        return self.op("Add", self.op("MatMul", x, self.const(np.ascontiguousarray(w.T))), self.const(b))
+
+    def gelu(self, x) -> str:
+        erf = self.op("Erf", self.op("Div", x, self.const(np.float32(math.sqrt(2.0)))))
+        return self.op("Mul", self.op("Mul", x, self.op("Add", erf, self.const(np.float32(1.0)))), self.const(np.float32(0.5)))
+
+    def ln(self, x, w, b, eps) -> str:
+        return self.op("LayerNormalization", x, self.const(w), self.const(b), axis=-1, epsilon=eps)
+
+    def session(self, inputs, output, threads) -> ort.InferenceSession:
+        topk_vals, topk_idx = "VALUES", "INDICES"
+        self.nodes.append(helper.make_node("TopK", [output, self.const(np.array([K], dtype=np.int64))], [topk_vals, topk_idx], axis=1))
+        graph = helper.make_graph(self.nodes, "model", inputs,
+                                  [helper.make_tensor_value_info(topk_vals, TensorProto.FLOAT, None),
+                                   helper.make_tensor_value_info(topk_idx, TensorProto.INT64, None)], self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def bert4rec_session(w, cfg, threads):
+    H, L, heads = cfg["hidden_size"], cfg["max_seq_length"], cfg["n_heads"]
+    dh, eps, n_out = H // heads, cfg["layer_norm_eps"], cfg["n_real_items"] + 1
+    g = Graph()
+    x = g.op("Add", g.op("Gather", g.const(w["item_embedding.weight"]), "item_seq"), g.const(w["position_embedding.weight"]))
+    x = g.ln(x, w["LayerNorm.weight"], w["LayerNorm.bias"], eps)
+    pad = g.op("Cast", g.op("Equal", "item_seq", g.const(np.int64(0))), to=TensorProto.FLOAT)
+    mask = g.op("Unsqueeze", g.op("Mul", pad, g.const(np.float32(-10000.0))), g.const(np.array([1, 2], dtype=np.int64)))
+    split = g.const(np.array([0, 0, heads, dh], dtype=np.int64))
+    merge = g.const(np.array([0, 0, H], dtype=np.int64))
+    for l in range(cfg["n_layers"]):
+        p = f"trm_encoder.layer.{l}."
+        a = p + "multi_head_attention."
+        heads_of = lambda t, perm: g.op("Transpose", g.op("Reshape", t, split), perm=perm)  # noqa: E731
+        q = heads_of(g.linear(x, w[a + "query.weight"], w[a + "query.bias"]), [0, 2, 1, 3])
+        k = heads_of(g.linear(x, w[a + "key.weight"], w[a + "key.bias"]), [0, 2, 3, 1])
+        v = heads_of(g.linear(x, w[a + "value.weight"], w[a + "value.bias"]), [0, 2, 1, 3])
+        s = g.op("Add", g.op("Div", g.op("MatMul", q, k), g.const(np.float32(math.sqrt(dh)))), mask)
+        c = g.op("Reshape", g.op("Transpose", g.op("MatMul", g.op("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3]), merge)
+        x = g.ln(g.op("Add", g.linear(c, w[a + "dense.weight"], w[a + "dense.bias"]), x),
+                 w[a + "LayerNorm.weight"], w[a + "LayerNorm.bias"], eps)
+        f = p + "feed_forward."
+        inner = g.gelu(g.linear(x, w[f + "dense_1.weight"], w[f + "dense_1.bias"]))
+        x = g.ln(g.op("Add", g.linear(inner, w[f + "dense_2.weight"], w[f + "dense_2.bias"]), x),
+                 w[f + "LayerNorm.weight"], w[f + "LayerNorm.bias"], eps)
+    h = g.op("Reshape", g.op("MatMul", g.op("Unsqueeze", "mask_onehot", g.const(np.array([1], dtype=np.int64))), x),
+             g.const(np.array([0, H], dtype=np.int64)))
+    h = g.ln(g.gelu(g.linear(h, w["output_ffn.weight"], w["output_ffn.bias"])), w["output_ln.weight"], w["output_ln.bias"], eps)
+    logits = g.op("Add", g.linear(h, w["item_embedding.weight"][:n_out], w["output_bias"]), "exclude")
+    inputs = [helper.make_tensor_value_info("item_seq", TensorProto.INT64, ["B", L]),
+              helper.make_tensor_value_info("mask_onehot", TensorProto.FLOAT, ["B", L]),
+              helper.make_tensor_value_info("exclude", TensorProto.FLOAT, ["B", n_out])]
+    return g.session(inputs, logits, threads)
+
+
+def vaecf_session(w, n_out, latent, threads):
+    g = Graph()
+    norm = g.op("Max", g.op("ReduceL2", "multihot", axes=[1], keepdims=1), g.const(np.float32(1e-12)))
+    x = g.op("Div", "multihot", norm)
+    h = g.op("Tanh", g.linear(x, w["encoder.0.weight"], w["encoder.0.bias"]))
+    e = g.linear(h, w["encoder.2.weight"], w["encoder.2.bias"])
+    mu = g.op("Slice", e, g.const(np.array([0], dtype=np.int64)), g.const(np.array([latent], dtype=np.int64)),
+              g.const(np.array([1], dtype=np.int64)))
+    z = g.op("Tanh", g.linear(mu, w["decoder.0.weight"], w["decoder.0.bias"]))
+    logits = g.op("Add", g.linear(z, w["decoder.2.weight"], w["decoder.2.bias"]), "exclude")
+    inputs = [helper.make_tensor_value_info("multihot", TensorProto.FLOAT, ["B", n_out]),
+              helper.make_tensor_value_info("exclude", TensorProto.FLOAT, ["B", n_out])]
+    return g.session(inputs, logits, threads)
+
+
+def probe(engine: Path, histories: list[list[int]], batch: int, threads: int, reps: int, tmp: Path) -> dict:
+    path = tmp / "histories.json"
+    path.write_text(json.dumps(histories))
+    out = subprocess.run([str(PROBE), str(engine), str(path), str(batch), str(K), str(threads), str(reps)],
+                         check=True, capture_output=True, text=True, timeout=1200)
+    return json.loads(out.stdout)
+
+
+def time_ort(sess, feeds_list, reps):
+    sess.run(None, feeds_list[0])
+    times = []
+    for r in range(reps):
+        feeds = feeds_list[r % len(feeds_list)]
+        start = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    threads = args.threads
+    rows = []
+    test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # ---- BERT4Rec (fixture)
+        cfg = json.loads((FIX / "bert4rec" / "config.json").read_text())
+        w = read_safetensors(FIX / "bert4rec" / "model.safetensors")
+        engine = tmp / "bert4rec"
+        subprocess.run([str(RECSYS), "convert", "--kind", "bert4rec", "--checkpoint", str(FIX / "bert4rec/model.safetensors"),
+                        "--config", str(FIX / "bert4rec/config.json"), "--item-map", str(FIX / "bert4rec/item_id_map.tsv"),
+                        "--out", str(engine)], check=True, capture_output=True)
+        ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in (FIX / "bert4rec/item_id_map.tsv").read_text().splitlines()[1:]}
+        histories = [[int(x) for x in t[2].split()] for t in test[:640]]
+        L, N = cfg["max_seq_length"], cfg["n_real_items"]
+        sess = bert4rec_session(w, cfg, threads)
+
+        def bert_feeds(batch_hist):
+            seq = np.zeros((len(batch_hist), L), dtype=np.int64)
+            onehot = np.zeros((len(batch_hist), L), dtype=np.float32)
+            excl = np.zeros((len(batch_hist), N + 1), dtype=np.float32)
+            for i, h in enumerate(batch_hist):
+                ids = [ext_to_int[x] for x in h][-(L - 1):]
+                seq[i, : len(ids)] = ids
+                seq[i, len(ids)] = N + 1
+                onehot[i, len(ids)] = 1.0
+                excl[i, 0] = -np.inf
+                excl[i, [ext_to_int[x] for x in h]] = -np.inf
+            return {"item_seq": seq, "mask_onehot": onehot, "exclude": excl}
+
+        for batch in [1, 64]:
+            feeds = [bert_feeds(histories[i * batch:(i + 1) * batch]) for i in range(max(1, min(10, len(histories) // batch)))]
+            reps = 300 if batch == 1 else 30
+            ours = probe(engine, histories, batch, threads, reps, tmp)
+            theirs = time_ort(sess, feeds, reps)
+            ort_top = sess.run(None, feeds[0])[1][0].tolist()
+            int_to_ext = {v: k for k, v in ext_to_int.items()}
+            agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
+            rows.append(("BERT4Rec (fixture)", 2000, batch, ours["median_s"], theirs, agree))
+
+        # ---- Mult-VAE: fixture (N=2000) and synthetic N=100,000
+        rng = np.random.default_rng(5)
+        specs = [("Mult-VAE (fixture)", None), ("Mult-VAE (random weights)", 100_000)]
+        for label, n_items in specs:
+            if n_items is None:
+                w = read_safetensors(FIX / "multivae" / "model.safetensors")
+                n_items = w["encoder.0.weight"].shape[1] - 1
+                ckpt, cfg_path, map_path = FIX / "multivae/model.safetensors", FIX / "multivae/config.json", FIX / "multivae/item_id_map.tsv"
+                ext_ids = [int(l.split("\t")[1]) for l in map_path.read_text().splitlines()[1:]]
+            else:
+                w = {
+                    "encoder.0.weight": rng.standard_normal((600, n_items + 1), dtype=np.float32) * 0.02,
+                    "encoder.0.bias": rng.standard_normal(600, dtype=np.float32) * 0.02,
+                    "encoder.2.weight": rng.standard_normal((400, 600), dtype=np.float32) * 0.05,
+                    "encoder.2.bias": rng.standard_normal(400, dtype=np.float32) * 0.02,
+                    "decoder.0.weight": rng.standard_normal((600, 200), dtype=np.float32) * 0.05,
+                    "decoder.0.bias": rng.standard_normal(600, dtype=np.float32) * 0.02,
+                    "decoder.2.weight": rng.standard_normal((n_items + 1, 600), dtype=np.float32) * 0.05,
+                    "decoder.2.bias": rng.standard_normal(n_items + 1, dtype=np.float32) * 0.02,
+                }
+                ckpt, cfg_path, map_path = tmp / "vae.safetensors", tmp / "vae.json", tmp / "vae_map.tsv"
+                write_safetensors(ckpt, w)
+                cfg_path.write_text(json.dumps({"n_real_items": n_items, "mlp_hidden_size": [600], "latent_dimension": 400}))
+                ext_ids = list(range(1_000_001, 1_000_001 + n_items))
+                map_path.write_text("".join(f"{i + 1}\t{e}\n" for i, e in enumerate(ext_ids)))
+            engine = tmp / f"vae{n_items}"
+            subprocess.run([str(RECSYS), "convert", "--kind", "vaecf", "--checkpoint", str(ckpt), "--config", str(cfg_path),
+                            "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
+            sess = vaecf_session(w, n_items + 1, 200, threads)
+            if n_items == 2000:
+                histories = [[int(x) for x in t[2].split()] for t in test[:640]]
+            else:
+                histories = [[ext_ids[j] for j in rng.choice(n_items, size=int(rng.integers(5, 100)), replace=False)] for _ in range(640)]
+            index = {e: i + 1 for i, e in enumerate(ext_ids)}
+
+            def vae_feeds(batch_hist):
+                x = np.zeros((len(batch_hist), n_items + 1), dtype=np.float32)
+                excl = np.zeros_like(x)
+                for i, h in enumerate(batch_hist):
+                    idx = [index[e] for e in h]
+                    x[i, idx] = 1.0
+                    excl[i, idx] = -np.inf
+                    excl[i, 0] = -np.inf
+                return {"multihot": x, "exclude": excl}
+
+            for batch in [1, 64]:
+                feeds = [vae_feeds(histories[i * batch:(i + 1) * batch]) for i in range(max(1, min(10, len(histories) // batch)))]
+                reps = 200 if batch == 1 else 20
+                ours = probe(engine, histories, batch, threads, reps, tmp)
+                theirs = time_ort(sess, feeds, reps)
+                ort_top = sess.run(None, feeds[0])[1][0].tolist()
+                agree = len(set(ours["top_first"]) & {ext_ids[i - 1] for i in ort_top if i > 0}) / K
+                rows.append((label, n_items, batch, ours["median_s"], theirs, agree))
+
+    lines = [
+        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for both; "
+        f"onnxruntime {ort.__version__}; recsys fp32 ({ours['isa']} kernels); top-{K} with the history excluded",
+        "",
+        "| model | items | batch | recsys ms/batch | ORT ms/batch | ORT / recsys (latency ratio = throughput gain) | top-10 agreement, first history |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, n, batch, ours_s, ort_s, agree in rows:
+        lines.append(f"| {label} | {n} | {batch} | {1000 * ours_s:.3f} | {1000 * ort_s:.3f} | {ort_s / ours_s:.2f} | {agree:.1f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
