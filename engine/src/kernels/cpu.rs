@@ -57,16 +57,34 @@ pub fn linear(x: &[f32], in_dim: usize, weight: &[f32], bias: Option<&[f32]>, ou
     }
 }
 
-/// LayerNorm over one row with biased variance, statistics accumulated in f64 so that tiny epsilons
-/// (BERT4Rec uses 1e-12) do not meet catastrophic cancellation.
+/// LayerNorm over one row with biased variance. Two passes in f32 (mean, then the mean square of
+/// the centred values), so the tiny epsilon BERT4Rec uses (1e-12) never meets the cancellation of
+/// E[x^2] - E[x]^2; both loops vectorise.
 pub fn layer_norm(row: &mut [f32], gamma: &[f32], beta: &[f32], eps: f64) {
-    let n = row.len() as f64;
-    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
-    let inv = 1.0 / (var + eps).sqrt();
-    for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
-        *v = ((*v as f64 - mean) * inv) as f32 * *g + *b;
+    let n = row.len() as f32;
+    let mean = sum_f32(row) / n;
+    let mut centred_sq = [0f32; 8];
+    for chunk in row.chunks(8) {
+        for (acc, &v) in centred_sq.iter_mut().zip(chunk) {
+            *acc += (v - mean) * (v - mean);
+        }
     }
+    let var = centred_sq.iter().sum::<f32>() / n;
+    let inv = 1.0 / (var + eps as f32).sqrt();
+    for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
+        *v = (*v - mean) * inv * *g + *b;
+    }
+}
+
+/// Sum with 8 independent partial sums (vectorises; fixed order).
+fn sum_f32(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for chunk in x.chunks(8) {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            *a += v;
+        }
+    }
+    acc.iter().sum()
 }
 
 /// LayerNorm applied to every row of a row-major matrix.
@@ -130,14 +148,13 @@ pub fn tanh_inplace(x: &mut [f32]) {
     }
 }
 
-/// Numerically stable softmax in place.
+/// Numerically stable softmax in place (every exponent is <= 0, so the vectorisable exp applies).
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+        *v = exp_nonpositive(*v - max);
     }
+    let sum = sum_f32(x);
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
