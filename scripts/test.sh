@@ -24,7 +24,7 @@ echo "==> cargo test"
 rust_status=0
 cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log" || rust_status=$?
 echo "==> PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
-RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity --test quantized 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
 echo "==> the README's main command, in --check mode (builds, converts, serves, runs the examples, stops)"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

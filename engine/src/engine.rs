@@ -4,18 +4,16 @@ use std::path::{Path, PathBuf};
 
 use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
 use crate::config::{ModelConfig, ModelKind};
-use crate::engine_dir::{
-    self, EngineParts, Manifest, Precision, RawTensor, SourceCheckpoint, OUTPUT_WEIGHT,
-    OUTPUT_WEIGHT_SCALE,
-};
+use crate::engine_dir::{self, EngineParts, Manifest, Precision, RawTensor, SourceCheckpoint};
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalId, ExternalIds, IdMap};
 use crate::import::Checkpoint;
 use crate::kernels::fused::{self, Exclusions, RowQuery};
 use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
 use crate::kernels::KernelTable;
-use crate::models::{HistoryNote, Model, TensorMap};
+use crate::models::{HistoryNote, Model};
 use crate::topk::Scored;
+use crate::weights::scale_name;
 
 /// What to do with history ids the catalogue does not know.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -107,71 +105,36 @@ pub struct Engine {
     pub scorer: Scorer,
 }
 
-fn raw_tensor<'a>(
-    loaded: &'a engine_dir::LoadedDir,
-    name: &str,
-    dtype: safetensors::Dtype,
-    shape: &[usize],
-) -> Result<&'a RawTensor> {
-    let bad = |reason: String| EngineError::EngineDir {
-        path: loaded.path.clone(),
-        reason,
-    };
-    let t = loaded.raw_tensors.get(name).ok_or_else(|| {
-        bad(format!(
-            "precision {:?} needs tensor {name}, which is missing",
-            loaded.manifest.precision
-        ))
-    })?;
-    if t.dtype != dtype || t.shape != shape {
-        return Err(bad(format!(
-            "tensor {name} is {:?} {:?}, expected {dtype:?} {shape:?}",
-            t.dtype, t.shape
-        )));
-    }
-    Ok(t)
-}
-
-/// Packs the output layer at the engine's precision.
+/// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
+/// also carry their calibrated activation scale.
 fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
     let out = loaded.model.output();
-    let (n, d) = (out.n_outputs(), out.input_size());
-    let bias = out.bias.as_slice();
-    Ok(match loaded.manifest.precision {
-        Precision::Fp32 => PackedOutput::from_f32(out.weight.as_slice(), bias, d),
-        Precision::Fp16 => {
-            let t = raw_tensor(loaded, OUTPUT_WEIGHT, safetensors::Dtype::F16, &[n, d])?;
-            let bits: Vec<u16> = t
-                .bytes
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            PackedOutput::from_f16_bits(&bits, bias, d)
-        }
-        Precision::Int8 => {
-            let t = raw_tensor(loaded, OUTPUT_WEIGHT, safetensors::Dtype::I8, &[n, d])?;
-            let q: Vec<i8> = t.bytes.iter().map(|&b| b as i8).collect();
-            let scales = crate::models::take(&loaded.extra_tensors, OUTPUT_WEIGHT_SCALE, &[n])?;
-            let packed = PackedOutput::from_i8(&q, scales.as_slice(), bias, d);
-            let layer = loaded
-                .manifest
-                .quantization
-                .as_ref()
-                .map(|q| &q["output_layer"]);
-            match layer.and_then(|l| l["mode"].as_str()) {
-                Some("w8a8") => {
-                    let scale = layer
-                        .and_then(|l| l["activation_scale"].as_f64())
-                        .filter(|s| s.is_finite() && *s >= 0.0);
-                    let scale = scale.ok_or_else(|| EngineError::EngineDir {
-                        path: loaded.path.clone(),
-                        reason: "w8a8 engine without a valid output_layer.activation_scale in the manifest".into(),
-                    })?;
-                    packed.with_static_activation_scale(scale as f32)
-                }
-                _ => packed,
+    let packed = out.weight.pack(out.bias.as_slice());
+    let layer = loaded
+        .manifest
+        .quantization
+        .as_ref()
+        .map(|q| &q["output_layer"]);
+    Ok(match layer.and_then(|l| l["mode"].as_str()) {
+        Some("w8a8") => {
+            let scale = layer
+                .and_then(|l| l["activation_scale"].as_f64())
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| EngineError::EngineDir {
+                    path: loaded.path.clone(),
+                    reason:
+                        "w8a8 engine without a valid output_layer.activation_scale in the manifest"
+                            .into(),
+                })?;
+            if !matches!(out.weight, crate::weights::Matrix::I8 { .. }) {
+                return Err(EngineError::EngineDir {
+                    path: loaded.path.clone(),
+                    reason: "w8a8 engine whose output layer is not int8".into(),
+                });
             }
+            packed.with_static_activation_scale(scale as f32)
         }
+        _ => packed,
     })
 }
 
@@ -374,7 +337,7 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
             "calibration applies to int8 (W8A8) only".into(),
         ));
     }
-    let (raw_tensors, quantization, calibration) = quantize_output(
+    let (raw_tensors, quantization, calibration) = quantize(
         &config,
         &mut tensors,
         request.precision,
@@ -406,13 +369,6 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
     Engine::load(request.out)
 }
 
-/// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
-type QuantizedOutput = (
-    Vec<(String, RawTensor)>,
-    Option<serde_json::Value>,
-    Option<CalibrationSummary>,
-);
-
 /// The values entering the output layer for the calibration histories.
 fn output_activations(model: &Model, ids: &IdMap, histories: &[Vec<String>]) -> Vec<f32> {
     let mut values = Vec::new();
@@ -430,89 +386,108 @@ fn output_activations(model: &Model, ids: &IdMap, histories: &[Vec<String>]) -> 
     values
 }
 
-/// Stores the output layer at `precision` (fp32 keeps the model's own tensor and adds nothing).
-/// Returns the quantized tensors and the manifest's description of the scheme.
-fn quantize_output(
+/// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
+type Quantized = (
+    Vec<(String, RawTensor)>,
+    Option<serde_json::Value>,
+    Option<CalibrationSummary>,
+);
+
+/// Stores every quantizable 2-D weight (embeddings, dense layers, output layer) at `precision`;
+/// biases, norms and the position embedding stay fp32. fp32 changes nothing. With a calibration
+/// (int8 only), the output layer's activations get a static scale (W8A8), measured on the model as
+/// it will be served (quantized weights included).
+fn quantize(
     config: &ModelConfig,
     tensors: &mut Vec<(String, crate::tensor::Tensor)>,
     precision: Precision,
     ids: &IdMap,
     calibration: Option<(&[Vec<String>], CalibrationMethod)>,
-) -> Result<QuantizedOutput> {
+) -> Result<Quantized> {
     if precision == Precision::Fp32 {
         return Ok((Vec::new(), None, None));
     }
-    let map: TensorMap = tensors.iter().cloned().collect();
-    let model = Model::from_tensors(config, &map)?;
-    let out = model.output();
-    let (n, d) = (out.n_outputs(), out.input_size());
-    let weight = out.weight.as_slice();
-    let (raw, scheme) = match precision {
-        Precision::Fp32 => unreachable!("handled above"),
-        Precision::Fp16 => {
-            let bytes = to_f16_bits(weight)
-                .iter()
-                .flat_map(|b| b.to_le_bytes())
-                .collect();
-            (
-                RawTensor {
-                    dtype: safetensors::Dtype::F16,
-                    shape: vec![n, d],
-                    bytes,
-                },
-                serde_json::json!({"weights": "fp16", "compute": "fp32", "rounding": "nearest-even"}),
-            )
+    let targets = Model::quantizable(config);
+    let mut raw = Vec::new();
+    let mut kept = Vec::new();
+    for (name, tensor) in tensors.drain(..) {
+        if !targets.contains(&name) {
+            kept.push((name, tensor));
+            continue;
         }
-        Precision::Int8 => {
-            let (q, scales) = quantize_int8_per_row(weight, d);
-            tensors.push((
-                OUTPUT_WEIGHT_SCALE.to_string(),
-                crate::tensor::Tensor::from_vec(vec![n], scales),
-            ));
-            if let Some((histories, method)) = calibration {
-                let values = output_activations(&model, ids, histories);
-                let summary = calibration::summarize(&values, histories.len(), method);
-                let scheme = serde_json::json!({
-                    "weights": "int8", "mode": "w8a8", "compute": "int32 accumulation of int8 x int8",
-                    "scheme": "weights: symmetric, one scale per item (output row); activations: symmetric, one static scale from calibration, clipped to +-127",
-                    "scales": OUTPUT_WEIGHT_SCALE,
-                    "activation_scale": summary.scale,
-                });
-                let quantization = serde_json::json!({"output_layer": scheme, "other_layers": "fp32", "tensor": OUTPUT_WEIGHT});
-                let raw = RawTensor {
-                    dtype: safetensors::Dtype::I8,
-                    shape: vec![n, d],
-                    bytes: q.iter().map(|&v| v as u8).collect(),
-                };
-                return Ok((
-                    vec![(OUTPUT_WEIGHT.to_string(), raw)],
-                    Some(quantization),
-                    Some(summary),
+        let shape = tensor.shape().to_vec();
+        let cols = shape[1];
+        match precision {
+            Precision::Fp32 => unreachable!("returned above"),
+            Precision::Fp16 => {
+                let bytes = to_f16_bits(tensor.as_slice())
+                    .iter()
+                    .flat_map(|b| b.to_le_bytes())
+                    .collect();
+                raw.push((
+                    name,
+                    RawTensor {
+                        dtype: safetensors::Dtype::F16,
+                        shape,
+                        bytes,
+                    },
                 ));
             }
-            (
-                RawTensor {
-                    dtype: safetensors::Dtype::I8,
-                    shape: vec![n, d],
-                    bytes: q.iter().map(|&v| v as u8).collect(),
-                },
-                serde_json::json!({
-                    "weights": "int8", "mode": "weight-only",
-                    "compute": "int32 accumulation of int8 weights x int16 activations (each request's own scale)",
-                    "scheme": "symmetric, one scale per item (output row): scale = max|w| / 127, q = round(w / scale)",
-                    "scales": OUTPUT_WEIGHT_SCALE,
-                }),
-            )
+            Precision::Int8 => {
+                let (q, scales) = quantize_int8_per_row(tensor.as_slice(), cols);
+                kept.push((
+                    scale_name(&name),
+                    crate::tensor::Tensor::from_vec(vec![shape[0]], scales),
+                ));
+                raw.push((
+                    name,
+                    RawTensor {
+                        dtype: safetensors::Dtype::I8,
+                        shape,
+                        bytes: q.iter().map(|&v| v as u8).collect(),
+                    },
+                ));
+            }
         }
+    }
+    *tensors = kept;
+    let weights_name = match precision {
+        Precision::Fp16 => "fp16",
+        _ => "int8",
     };
+    let mut output_layer = match precision {
+        Precision::Fp16 => {
+            serde_json::json!({"weights": "fp16", "compute": "fp32", "rounding": "nearest-even"})
+        }
+        _ => serde_json::json!({
+            "weights": "int8", "mode": "weight-only",
+            "compute": "int32 accumulation of int8 weights x int16 activations (each request's own scale)",
+            "scheme": "symmetric, one scale per output row: scale = max|w| / 127, q = round(w / scale)",
+        }),
+    };
+    let mut summary = None;
+    if let Some((histories, method)) = calibration {
+        let weights = crate::weights::Weights {
+            f32: tensors.iter().cloned().collect(),
+            raw: raw.iter().cloned().collect(),
+        };
+        let model = Model::from_tensors(config, &weights)?;
+        let values = output_activations(&model, ids, histories);
+        let s = calibration::summarize(&values, histories.len(), method);
+        output_layer = serde_json::json!({
+            "weights": "int8", "mode": "w8a8", "compute": "int32 accumulation of int8 x int8",
+            "scheme": "weights: symmetric, one scale per output row; activations: one static scale from calibration, clipped to +-127",
+            "activation_scale": s.scale,
+        });
+        summary = Some(s);
+    }
     let quantization = serde_json::json!({
-        "output_layer": scheme,
-        "other_layers": "fp32",
-        "tensor": OUTPUT_WEIGHT,
+        "weights": weights_name,
+        "tensors": targets,
+        "int8_scales": if precision == Precision::Int8 { "<tensor>.scale, one f32 per row" } else { "" },
+        "kept_fp32": "biases, LayerNorm parameters, BERT4Rec's position embedding",
+        "dense_layers": if precision == Precision::Int8 { "int8 weights x int16 activations (each request's own scale)" } else { "fp16 weights, fp32 compute" },
+        "output_layer": output_layer,
     });
-    Ok((
-        vec![(OUTPUT_WEIGHT.to_string(), raw)],
-        Some(quantization),
-        None,
-    ))
+    Ok((raw, Some(quantization), summary))
 }

@@ -52,10 +52,6 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// Engine names of the quantized output layer (absent at fp32, where the model's own tensor is used).
-pub const OUTPUT_WEIGHT: &str = "output.weight";
-pub const OUTPUT_WEIGHT_SCALE: &str = "output.weight_scale";
-
 /// A tensor stored in a non-f32 dtype (quantized weights), as little-endian bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RawTensor {
@@ -219,10 +215,6 @@ pub struct LoadedDir {
     pub manifest: Manifest,
     pub model: Model,
     pub ids: IdMap,
-    /// Non-f32 tensors (quantized output layer), copied out of the mapping.
-    pub raw_tensors: std::collections::HashMap<String, RawTensor>,
-    /// The f32 tensors that are not part of the model itself (quantization scales).
-    pub extra_tensors: TensorMap,
 }
 
 pub fn load(dir: &Path) -> Result<LoadedDir> {
@@ -325,18 +317,16 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
             manifest.id_type
         )));
     }
-    let model = Model::from_tensors(&manifest.model, &tensors).map_err(|e| bad(e.to_string()))?;
-    let extra_tensors = tensors
-        .into_iter()
-        .filter(|(name, _)| name.starts_with("output."))
-        .collect();
+    let weights = crate::weights::Weights {
+        f32: tensors,
+        raw: raw_tensors,
+    };
+    let model = Model::from_tensors(&manifest.model, &weights).map_err(|e| bad(e.to_string()))?;
     Ok(LoadedDir {
         path: dir.to_path_buf(),
         manifest,
         model,
         ids,
-        raw_tensors,
-        extra_tensors,
     })
 }
 

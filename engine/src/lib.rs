@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod models;
 pub mod tensor;
 pub mod topk;
+pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use engine::{

@@ -179,8 +179,8 @@ fn half_precision_checkpoints_are_widened() {
         &tmp.path().join("full"),
     );
     let (a, b) = (
-        engine.model.score_all(&[&[1, 2, 3]]),
-        full.model.score_all(&[&[1, 2, 3]]),
+        engine.score_all(&[&[1, 2, 3]]),
+        full.score_all(&[&[1, 2, 3]]),
     );
     let max = a
         .iter()

@@ -7,10 +7,13 @@ use common::*;
 use recsys_engine::metrics::{evaluate, read_test_set};
 use recsys_engine::{Engine, ModelKind};
 
-/// Largest |score - fp32 score| accepted. fp16 keeps 11 significant bits of each weight; int8 keeps
-/// about 8 bits of the row's largest weight. Measured 2026-11-30: fp16 max 1.8e-3, int8 max 4.6e-2.
-const FP16_SCORE_ABS_TOL: f32 = 0.005;
-const INT8_SCORE_ABS_TOL: f32 = 0.1;
+/// Largest |score - fp32 score| accepted, for whole models quantized (embeddings, every dense layer
+/// and the output layer). fp16 keeps 11 significant bits of each weight; int8 about 8 bits of each
+/// row's largest weight, and the errors of BERT4Rec's 2 transformer layers add up. Measured
+/// 2026-11-30: fp16 max 5.1e-3 (BERT4Rec) / 1.2e-3 (Mult-VAE); int8 max 0.21 / 0.045, with mean
+/// errors of 0.017 / 0.0066 on logits of magnitude ~5-10.
+const FP16_SCORE_ABS_TOL: f32 = 0.01;
+const INT8_SCORE_ABS_TOL: f32 = 0.3;
 
 struct Comparison {
     max_abs: f32,
@@ -99,6 +102,20 @@ fn check(kind: ModelKind) {
         Precision::Int8,
     );
     assert!(int8.manifest.quantization.as_ref().unwrap()["output_layer"]["weights"] == "int8");
+
+    // Every embedding and dense weight is stored at the precision: the weights file shrinks.
+    let size = |e: &Engine| e.manifest.files["weights.safetensors"].bytes as f64;
+    eprintln!(
+        "{kind}: weights file fp16 {:.2}x, int8 {:.2}x of fp32",
+        size(&fp16) / size(&fp32),
+        size(&int8) / size(&fp32)
+    );
+    assert!(size(&fp16) < 0.6 * size(&fp32) && size(&int8) < 0.35 * size(&fp32));
+    let listed = int8.manifest.quantization.as_ref().unwrap()["tensors"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(listed >= 4, "{kind}: only {listed} tensors quantized");
 
     let c16 = compare(kind, &fp32, &fp16);
     assert!(

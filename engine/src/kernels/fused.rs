@@ -300,7 +300,8 @@ pub fn top_k(
         .collect()
 }
 
-/// A dense layer on the same micro-kernels: `x @ W^T + b` for `x` of `[rows, d]`, `[rows, n]` out.
+/// A dense layer on the same micro-kernels: `x @ W^T + b` for `x` of `[rows, d]`, `[rows, n]` out,
+/// at the layer's precision (int8 layers quantize each row of `x` to int16 with its own scale).
 /// Rows are computed independently (the same accumulation order whatever the batch).
 pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> {
     let d = layer.d;
@@ -309,29 +310,61 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
     let mut y = vec![0f32; rows * n];
     let mut scores = [0f32; 64];
     let mut masks = [0u8; 8];
-    let PanelData::F32(w) = &layer.data else {
-        panic!("dense layers are packed in f32");
+    let (x_q, x_scales) = match layer.data {
+        PanelData::I8 { .. } => quantize_activations(x, d),
+        _ => (Vec::new(), Vec::new()),
     };
+    let width_q = d.div_ceil(2) * 2;
+    let pairs = d.div_ceil(2);
     let panels = layer.panels();
     for (row0, size, per_call) in row_groups(rows) {
         let h = &x[row0 * d..(row0 + size) * d];
+        let mut row_scales = [1f32; 4];
+        for (r, scale) in row_scales.iter_mut().enumerate().take(size) {
+            if let Some(&s) = x_scales.get(row0 + r) {
+                *scale = s;
+            }
+        }
         let mut p = 0;
         while p < panels {
             let count = if panels - p >= per_call { per_call } else { 1 };
+            let items = p * 8..(p + count) * 8;
             let epilogue = Epilogue {
-                bias: &layer.bias[p * 8..(p + count) * 8],
-                scales: &[],
+                bias: &layer.bias[items.clone()],
+                scales: match &layer.data {
+                    PanelData::I8 { scales, .. } => &scales[items.clone()],
+                    _ => &[],
+                },
                 bars: [f32::INFINITY; 4],
-                row_scales: [1.0; 4],
+                row_scales,
             };
-            (table.f32[rows_slot(size)][panels_slot(count)])(
-                h,
-                d,
-                &w[p * d * 8..(p + count) * d * 8],
-                &epilogue,
-                &mut scores,
-                &mut masks,
-            );
+            let (rs, ps) = (rows_slot(size), panels_slot(count));
+            match &layer.data {
+                PanelData::F32(w) => (table.f32[rs][ps])(
+                    h,
+                    d,
+                    &w[p * d * 8..(p + count) * d * 8],
+                    &epilogue,
+                    &mut scores,
+                    &mut masks,
+                ),
+                PanelData::F16(w) => (table.f16[rs][ps])(
+                    h,
+                    d,
+                    &w[p * d * 8..(p + count) * d * 8],
+                    &epilogue,
+                    &mut scores,
+                    &mut masks,
+                ),
+                PanelData::I8 { q, .. } => (table.i8[rs][ps])(
+                    &x_q[row0 * width_q..(row0 + size) * width_q],
+                    d,
+                    &q[p * pairs * 16..(p + count) * pairs * 16],
+                    &epilogue,
+                    &mut scores,
+                    &mut masks,
+                ),
+            }
             for r in 0..size {
                 for c in 0..count {
                     let start = (p + c) * 8;

@@ -5,22 +5,23 @@
 //! exactly 0 after it, so leaving them out changes nothing. Tokens of all histories in a batch are
 //! stacked for the dense layers; attention stays within each history.
 
-use super::{take, DenseLayer, HistoryNote, OutputLayer, TensorMap};
+use super::{DenseLayer, HistoryNote, OutputLayer};
 use crate::config::Bert4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::cpu;
 use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
+use crate::weights::{Matrix, Weights};
 
 #[derive(Clone, Debug)]
 struct Dense(DenseLayer);
 
 impl Dense {
-    fn load(t: &TensorMap, prefix: &str, out_dim: usize, in_dim: usize) -> Result<Dense> {
+    fn load(t: &Weights, prefix: &str, out_dim: usize, in_dim: usize) -> Result<Dense> {
         Ok(Dense(DenseLayer::new(
-            &take(t, &format!("{prefix}.weight"), &[out_dim, in_dim])?,
-            &take(t, &format!("{prefix}.bias"), &[out_dim])?,
+            &t.matrix(&format!("{prefix}.weight"), [out_dim, in_dim])?,
+            &t.tensor(&format!("{prefix}.bias"), &[out_dim])?,
         )))
     }
 
@@ -36,10 +37,10 @@ struct LayerNorm {
 }
 
 impl LayerNorm {
-    fn load(t: &TensorMap, prefix: &str, width: usize) -> Result<LayerNorm> {
+    fn load(t: &Weights, prefix: &str, width: usize) -> Result<LayerNorm> {
         Ok(LayerNorm {
-            gamma: take(t, &format!("{prefix}.weight"), &[width])?,
-            beta: take(t, &format!("{prefix}.bias"), &[width])?,
+            gamma: t.tensor(&format!("{prefix}.weight"), &[width])?,
+            beta: t.tensor(&format!("{prefix}.bias"), &[width])?,
         })
     }
 
@@ -69,7 +70,7 @@ struct TransformerLayer {
 #[derive(Clone, Debug)]
 pub struct Bert4Rec {
     config: Bert4RecConfig,
-    item_embedding: Tensor,
+    item_embedding: Matrix,
     position_embedding: Tensor,
     embedding_ln: LayerNorm,
     layers: Vec<TransformerLayer>,
@@ -78,6 +79,16 @@ pub struct Bert4Rec {
     /// Tied to `item_embedding` rows 0..=N (the MASK row has no output).
     pub output: OutputLayer,
     kernels: &'static KernelTable,
+}
+
+/// The 2-D weights a reduced precision applies to: the item embedding (and so the tied output
+/// layer) and every dense layer. The position embedding, biases and norms stay fp32.
+pub(super) fn quantizable(c: &Bert4RecConfig) -> Vec<String> {
+    tensor_shapes(c)
+        .into_iter()
+        .filter(|(name, shape)| shape.len() == 2 && name != "position_embedding.weight")
+        .map(|(name, _)| name)
+        .collect()
 }
 
 /// The state-dict names, with their shapes, that BERT4Rec reads.
@@ -127,7 +138,7 @@ pub(super) fn engine_tensors(
 }
 
 impl Bert4Rec {
-    pub fn from_tensors(config: Bert4RecConfig, t: &TensorMap) -> Result<Bert4Rec> {
+    pub fn from_tensors(config: Bert4RecConfig, t: &Weights) -> Result<Bert4Rec> {
         let (h, i, n) = (config.hidden_size, config.inner_size, config.n_items);
         let mut layers = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers {
@@ -143,13 +154,13 @@ impl Bert4Rec {
                 ffn_ln: LayerNorm::load(t, &format!("{p}.feed_forward.LayerNorm"), h)?,
             });
         }
-        let item_embedding = take(t, "item_embedding.weight", &[n + 2, h])?;
+        let item_embedding = t.matrix("item_embedding.weight", [n + 2, h])?;
         let output = OutputLayer {
-            weight: item_embedding.rows(0, n + 1),
-            bias: take(t, "output_bias", &[n + 1])?,
+            weight: item_embedding.slice_rows(0, n + 1),
+            bias: t.tensor("output_bias", &[n + 1])?,
         };
         Ok(Bert4Rec {
-            position_embedding: take(t, "position_embedding.weight", &[config.max_len, h])?,
+            position_embedding: t.tensor("position_embedding.weight", &[config.max_len, h])?,
             embedding_ln: LayerNorm::load(t, "LayerNorm", h)?,
             head_dense: Dense::load(t, "output_ffn", h, h)?,
             head_ln: LayerNorm::load(t, "output_ln", h)?,
@@ -200,9 +211,10 @@ impl Bert4Rec {
             notes.push(note);
             let start = x.len() / h;
             for (slot, &id) in tokens.iter().enumerate() {
-                let emb = self.item_embedding.row(id as usize);
-                let pos = self.position_embedding.row(slot);
-                x.extend(emb.iter().zip(pos).map(|(a, b)| a + b));
+                let start = x.len();
+                x.extend_from_slice(self.position_embedding.row(slot));
+                self.item_embedding
+                    .add_row_into(id as usize, &mut x[start..]);
             }
             spans.push(start..start + tokens.len());
         }

@@ -10,42 +10,29 @@ use std::collections::HashMap;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::import::Checkpoint;
-use crate::kernels::cpu;
 use crate::tensor::Tensor;
+use crate::weights::{Matrix, Weights};
 
 pub use bert4rec::Bert4Rec;
 pub use vaecf::VaeCf;
 
-/// `scores = hidden @ weight^T + bias` over all N+1 outputs (index 0 is PAD).
+/// `scores = hidden @ weight^T + bias` over all N+1 outputs (index 0 is PAD); the engine packs it
+/// for the fused score + top-k kernels.
 #[derive(Clone, Debug)]
 pub struct OutputLayer {
-    /// `[N+1, d]`, one row per item.
-    pub weight: Tensor,
+    /// `[N+1, d]`, one row per item, at the engine's precision.
+    pub weight: Matrix,
     /// `[N+1]`.
     pub bias: Tensor,
 }
 
 impl OutputLayer {
     pub fn n_outputs(&self) -> usize {
-        self.weight.shape()[0]
+        self.weight.rows()
     }
 
     pub fn input_size(&self) -> usize {
-        self.weight.shape()[1]
-    }
-
-    /// Scores every item for each row of `hidden` (`[B, d]` -> `[B, N+1]`).
-    pub fn score_all(&self, hidden: &[f32]) -> Vec<f32> {
-        let rows = hidden.len() / self.input_size();
-        let mut out = vec![0f32; rows * self.n_outputs()];
-        cpu::linear(
-            hidden,
-            self.input_size(),
-            self.weight.as_slice(),
-            Some(self.bias.as_slice()),
-            &mut out,
-        );
-        out
+        self.weight.cols()
     }
 }
 
@@ -56,14 +43,10 @@ pub struct DenseLayer {
 }
 
 impl DenseLayer {
-    /// From a PyTorch-layout weight `[out, in]` and bias `[out]`.
-    pub fn new(weight: &Tensor, bias: &Tensor) -> DenseLayer {
+    /// From a PyTorch-layout weight `[out, in]` (any precision) and bias `[out]`.
+    pub fn new(weight: &Matrix, bias: &Tensor) -> DenseLayer {
         DenseLayer {
-            packed: crate::kernels::packed::PackedOutput::from_f32(
-                weight.as_slice(),
-                bias.as_slice(),
-                weight.shape()[1],
-            ),
+            packed: weight.pack(bias.as_slice()),
         }
     }
 
@@ -116,7 +99,15 @@ impl Model {
         }
     }
 
-    pub fn from_tensors(config: &ModelConfig, tensors: &TensorMap) -> Result<Model> {
+    /// The 2-D weights that `--precision fp16|int8` stores at that precision.
+    pub fn quantizable(config: &ModelConfig) -> Vec<String> {
+        match config {
+            ModelConfig::Bert4rec(c) => bert4rec::quantizable(c),
+            ModelConfig::Vaecf(c) => vaecf::quantizable(c),
+        }
+    }
+
+    pub fn from_tensors(config: &ModelConfig, tensors: &Weights) -> Result<Model> {
         Ok(match config {
             ModelConfig::Bert4rec(c) => {
                 Model::Bert4rec(Box::new(Bert4Rec::from_tensors(c.clone(), tensors)?))
@@ -148,11 +139,5 @@ impl Model {
             Model::Bert4rec(m) => &m.output,
             Model::Vaecf(m) => &m.output,
         }
-    }
-
-    /// All N+1 scores per history, `[B, N+1]` (for evaluation; serving uses top-k directly).
-    pub fn score_all(&self, histories: &[&[u32]]) -> Vec<f32> {
-        let (hidden, _) = self.encode(histories);
-        self.output().score_all(&hidden)
     }
 }

@@ -5,27 +5,28 @@
 //! history's distinct items, scaled by 1/sqrt(count). The engine stores that layer transposed
 //! (`encoder.0.weight_by_item`, one contiguous row per item) so the gather reads whole rows.
 
-use super::{take, DenseLayer, HistoryNote, OutputLayer, TensorMap};
+use super::{DenseLayer, HistoryNote, OutputLayer};
 use crate::config::VaeCfConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::cpu;
 use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
+use crate::weights::{Matrix, Weights};
 
 /// Engine name of the transposed first encoder layer, `[N+1, hidden_0]`.
 pub const FIRST_LAYER_BY_ITEM: &str = "encoder.0.weight_by_item";
 
 #[derive(Clone, Debug)]
 struct Dense {
-    weight: Tensor,
+    weight: Matrix,
     bias: Tensor,
 }
 
 #[derive(Clone, Debug)]
 pub struct VaeCf {
     config: VaeCfConfig,
-    first_by_item: Tensor,
+    first_by_item: Matrix,
     first_bias: Tensor,
     /// Encoder layers after the first, ending with the mu half of the last one (logvar is unused).
     encoder_rest: Vec<DenseLayer>,
@@ -55,6 +56,24 @@ fn layer_shapes(c: &VaeCfConfig) -> (Vec<LayerShape>, Vec<LayerShape>) {
     (layers("encoder", &enc_dims), layers("decoder", &dec_dims))
 }
 
+/// The 2-D weights a reduced precision applies to: every Linear layer (the first one in its
+/// by-item layout). Biases stay fp32.
+pub(super) fn quantizable(c: &VaeCfConfig) -> Vec<String> {
+    let (encoder, decoder) = layer_shapes(c);
+    encoder
+        .iter()
+        .chain(&decoder)
+        .enumerate()
+        .map(|(i, (prefix, _))| {
+            if i == 0 {
+                FIRST_LAYER_BY_ITEM.to_string()
+            } else {
+                format!("{prefix}.weight")
+            }
+        })
+        .collect()
+}
+
 pub(super) fn engine_tensors(c: &VaeCfConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
     let (encoder, decoder) = layer_shapes(c);
     let mut out = Vec::new();
@@ -72,17 +91,17 @@ pub(super) fn engine_tensors(c: &VaeCfConfig, ckpt: &Checkpoint) -> Result<Vec<(
 }
 
 impl VaeCf {
-    pub fn from_tensors(config: VaeCfConfig, t: &TensorMap) -> Result<VaeCf> {
+    pub fn from_tensors(config: VaeCfConfig, t: &Weights) -> Result<VaeCf> {
         let (encoder, decoder) = layer_shapes(&config);
         let load = |prefix: &str, shape: &[usize; 2]| -> Result<Dense> {
             Ok(Dense {
-                weight: take(t, &format!("{prefix}.weight"), shape)?,
-                bias: take(t, &format!("{prefix}.bias"), &shape[..1])?,
+                weight: t.matrix(&format!("{prefix}.weight"), *shape)?,
+                bias: t.tensor(&format!("{prefix}.bias"), &shape[..1])?,
             })
         };
         let (first_prefix, first_shape) = &encoder[0];
-        let first_by_item = take(t, FIRST_LAYER_BY_ITEM, &[first_shape[1], first_shape[0]])?;
-        let first_bias = take(t, &format!("{first_prefix}.bias"), &first_shape[..1])?;
+        let first_by_item = t.matrix(FIRST_LAYER_BY_ITEM, [first_shape[1], first_shape[0]])?;
+        let first_bias = t.tensor(&format!("{first_prefix}.bias"), &first_shape[..1])?;
         let mut encoder_rest = encoder[1..]
             .iter()
             .map(|(p, s)| load(p, s))
@@ -92,7 +111,7 @@ impl VaeCf {
             .expect("config has at least one hidden layer");
         let mu = config.latent_size;
         *last = Dense {
-            weight: last.weight.rows(0, mu),
+            weight: last.weight.slice_rows(0, mu),
             bias: last.bias.rows(0, mu),
         };
         let mut decoder_layers = decoder
@@ -146,9 +165,7 @@ impl VaeCf {
             items.dedup();
             let mut acc = vec![0f32; width];
             for &i in &items {
-                for (a, w) in acc.iter_mut().zip(self.first_by_item.row(i as usize)) {
-                    *a += w;
-                }
+                self.first_by_item.add_row_into(i as usize, &mut acc);
             }
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
             let scale = 1.0 / (items.len() as f32).sqrt().max(1e-12);

@@ -1,0 +1,199 @@
+//! Weight matrices at the engine's precision. fp32 matrices are views of the memory-mapped weights
+//! file; fp16 and int8 matrices are read into memory (they are packed for the kernels at load
+//! anyway). Every model reads its 2-D weights through [`Matrix`], so one model code path serves
+//! every precision.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::engine_dir::RawTensor;
+use crate::error::{EngineError, Result};
+use crate::kernels::packed::PackedOutput;
+use crate::tensor::Tensor;
+
+/// A row-major `[rows, cols]` weight matrix.
+#[derive(Clone, Debug)]
+pub enum Matrix {
+    F32(Tensor),
+    /// IEEE half bits; `start` is the first row of this view into the shared storage.
+    F16 {
+        bits: Arc<Vec<u16>>,
+        start: usize,
+        rows: usize,
+        cols: usize,
+    },
+    /// Symmetric int8 with one scale per row.
+    I8 {
+        q: Arc<Vec<i8>>,
+        scales: Arc<Vec<f32>>,
+        start: usize,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+impl Matrix {
+    pub fn rows(&self) -> usize {
+        match self {
+            Matrix::F32(t) => t.shape()[0],
+            Matrix::F16 { rows, .. } | Matrix::I8 { rows, .. } => *rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Matrix::F32(t) => t.shape()[1],
+            Matrix::F16 { cols, .. } | Matrix::I8 { cols, .. } => *cols,
+        }
+    }
+
+    /// Rows `from..to`, sharing the storage.
+    pub fn slice_rows(&self, from: usize, to: usize) -> Matrix {
+        assert!(from <= to && to <= self.rows(), "row range out of bounds");
+        match self {
+            Matrix::F32(t) => Matrix::F32(t.rows(from, to)),
+            Matrix::F16 {
+                bits, start, cols, ..
+            } => Matrix::F16 {
+                bits: bits.clone(),
+                start: start + from,
+                rows: to - from,
+                cols: *cols,
+            },
+            Matrix::I8 {
+                q,
+                scales,
+                start,
+                cols,
+                ..
+            } => Matrix::I8 {
+                q: q.clone(),
+                scales: scales.clone(),
+                start: start + from,
+                rows: to - from,
+                cols: *cols,
+            },
+        }
+    }
+
+    /// Row `i` as f32 (dequantized), added into `out` (which must be `cols` long).
+    pub fn add_row_into(&self, i: usize, out: &mut [f32]) {
+        match self {
+            Matrix::F32(t) => {
+                for (o, w) in out.iter_mut().zip(t.row(i)) {
+                    *o += w;
+                }
+            }
+            Matrix::F16 {
+                bits, start, cols, ..
+            } => {
+                let row = &bits[(start + i) * cols..(start + i + 1) * cols];
+                for (o, &b) in out.iter_mut().zip(row) {
+                    *o += half::f16::from_bits(b).to_f32();
+                }
+            }
+            Matrix::I8 {
+                q,
+                scales,
+                start,
+                cols,
+                ..
+            } => {
+                let row = &q[(start + i) * cols..(start + i + 1) * cols];
+                let scale = scales[start + i];
+                for (o, &v) in out.iter_mut().zip(row) {
+                    *o += v as f32 * scale;
+                }
+            }
+        }
+    }
+
+    /// Packs the matrix (as `[n, d]` output rows) with `bias` for the fused kernels.
+    pub fn pack(&self, bias: &[f32]) -> PackedOutput {
+        let (rows, cols) = (self.rows(), self.cols());
+        match self {
+            Matrix::F32(t) => PackedOutput::from_f32(t.as_slice(), bias, cols),
+            Matrix::F16 { bits, start, .. } => {
+                PackedOutput::from_f16_bits(&bits[start * cols..(start + rows) * cols], bias, cols)
+            }
+            Matrix::I8 {
+                q, scales, start, ..
+            } => PackedOutput::from_i8(
+                &q[start * cols..(start + rows) * cols],
+                &scales[*start..start + rows],
+                bias,
+                cols,
+            ),
+        }
+    }
+
+    /// The precision the matrix is stored in, by its manifest name.
+    pub fn precision_name(&self) -> &'static str {
+        match self {
+            Matrix::F32(_) => "fp32",
+            Matrix::F16 { .. } => "fp16",
+            Matrix::I8 { .. } => "int8",
+        }
+    }
+}
+
+/// Name of the per-row scales of an int8 matrix.
+pub fn scale_name(name: &str) -> String {
+    format!("{name}.scale")
+}
+
+/// All tensors of an engine: f32 ones (mapped) and quantized ones.
+#[derive(Clone, Debug, Default)]
+pub struct Weights {
+    pub f32: HashMap<String, Tensor>,
+    pub raw: HashMap<String, RawTensor>,
+}
+
+impl Weights {
+    /// An f32 tensor of exactly `shape` (biases, norms, small embeddings).
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        crate::models::take(&self.f32, name, shape)
+    }
+
+    /// A 2-D weight at whatever precision it was stored in.
+    pub fn matrix(&self, name: &str, shape: [usize; 2]) -> Result<Matrix> {
+        if let Some(raw) = self.raw.get(name) {
+            if raw.shape != shape {
+                return Err(EngineError::ShapeMismatch {
+                    name: name.into(),
+                    expected: shape.to_vec(),
+                    found: raw.shape.clone(),
+                });
+            }
+            let [rows, cols] = shape;
+            return match raw.dtype {
+                safetensors::Dtype::F16 => Ok(Matrix::F16 {
+                    bits: Arc::new(
+                        raw.bytes
+                            .chunks_exact(2)
+                            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                            .collect(),
+                    ),
+                    start: 0,
+                    rows,
+                    cols,
+                }),
+                safetensors::Dtype::I8 => {
+                    let scales = self.tensor(&scale_name(name), &[rows])?;
+                    Ok(Matrix::I8 {
+                        q: Arc::new(raw.bytes.iter().map(|&b| b as i8).collect()),
+                        scales: Arc::new(scales.as_slice().to_vec()),
+                        start: 0,
+                        rows,
+                        cols,
+                    })
+                }
+                other => Err(EngineError::UnsupportedDtype {
+                    name: name.into(),
+                    dtype: format!("{other:?}"),
+                }),
+            };
+        }
+        Ok(Matrix::F32(self.tensor(name, &shape)?))
+    }
+}
