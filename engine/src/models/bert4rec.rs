@@ -10,7 +10,8 @@ use crate::config::Bert4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::cpu;
-use crate::kernels::KernelTable;
+use crate::kernels::packed::PackedOutput;
+use crate::kernels::{fused, KernelTable};
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
@@ -265,26 +266,56 @@ impl Bert4Rec {
             .collect();
         let queries = layer.query.forward(self.kernels, &x_q);
 
-        let mut span_of_row = vec![0usize; x.len() / h];
-        for (s, span) in spans.iter().enumerate() {
-            span_of_row[span.clone()].fill(s);
-        }
+        // Attention per sequence and head as two small GEMMs on the packed kernels: scores =
+        // Q_h K_h^T (the keys packed as "items"), then context = P V_h (V_h^T packed). The query
+        // rows of one sequence are contiguous in `query_rows` (all its rows, or just the MASK row).
         let mut context = vec![0f32; query_rows.len() * h];
-        let mut probs = Vec::new();
-        for (qi, &row) in query_rows.iter().enumerate() {
-            let span = spans[span_of_row[row]].clone();
+        let values = values.as_slice();
+        let mut first_query = 0;
+        for span in spans {
+            let n_queries = query_rows[first_query..]
+                .iter()
+                .take_while(|&&r| span.contains(&r))
+                .count();
+            let t = span.len();
             for head in 0..heads {
-                let q = &queries[qi * h + head * d..qi * h + (head + 1) * d];
-                probs.clear();
-                probs.extend(span.clone().map(|k| {
-                    cpu::dot(q, &keys[k * h + head * d..k * h + (head + 1) * d]) / sqrt_d
-                }));
-                cpu::softmax(&mut probs);
-                let ctx = &mut context[qi * h + head * d..qi * h + (head + 1) * d];
-                for (p, k) in probs.iter().zip(span.clone()) {
-                    cpu::axpy(*p, &values[k * h + head * d..k * h + (head + 1) * d], ctx);
+                let cols = head * d..(head + 1) * d;
+                let k_h: Vec<f32> = span
+                    .clone()
+                    .flat_map(|k| keys[k * h + cols.start..k * h + cols.end].iter().copied())
+                    .collect();
+                let q_h: Vec<f32> = (first_query..first_query + n_queries)
+                    .flat_map(|qi| {
+                        queries[qi * h + cols.start..qi * h + cols.end]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                let mut scores = fused::linear(
+                    self.kernels,
+                    &PackedOutput::from_f32(&k_h, &vec![0.0; t], d),
+                    &q_h,
+                );
+                for row in scores.chunks_exact_mut(t) {
+                    for v in row.iter_mut() {
+                        *v /= sqrt_d;
+                    }
+                    cpu::softmax(row);
+                }
+                let v_t: Vec<f32> = cols
+                    .clone()
+                    .flat_map(|j| span.clone().map(move |k| values[k * h + j]))
+                    .collect();
+                let ctx = fused::linear(
+                    self.kernels,
+                    &PackedOutput::from_f32(&v_t, &vec![0.0; d], t),
+                    &scores,
+                );
+                for (qi, row) in (first_query..).zip(ctx.chunks_exact(d)) {
+                    context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
                 }
             }
+            first_query += n_queries;
         }
 
         let mut attended = layer.attn_out.forward(self.kernels, &context);
