@@ -29,6 +29,67 @@ pub enum Command {
     Predict(PredictArgs),
     /// Leave-one-out evaluation (NDCG@k, Recall@k, MRR) over the full catalogue.
     Eval(EvalArgs),
+    /// Copy an engine into a Triton model repository as the model's next version.
+    Publish(PublishArgs),
+    /// Approve a version: the newest approved version is the one Triton serves.
+    Approve(StatusArgs),
+    /// Reject a version; rejecting the serving version rolls back to the previous approved one.
+    Reject(StatusArgs),
+    /// List a model's versions with their status, precision, metrics and creation time.
+    Versions(VersionsArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Each version directory gets recsys-version.json (status pending|approved|rejected, \
+source checkpoint hash, precision, metrics, history). config.pbtxt's version_policy always names the newest \
+approved version. Changes take a lock file (<model>/.recsys.lock) and land by atomic rename. With --server, \
+the running tritonserver (explicit model control) reloads the model and the command waits until the \
+approved version serves. The first version of a model must be published with --approve."
+)]
+pub struct PublishArgs {
+    /// The Triton model repository.
+    #[arg(long)]
+    pub repository: PathBuf,
+    /// Model name (a directory of the repository holding config.pbtxt).
+    #[arg(long)]
+    pub model: String,
+    /// Engine directory written by `recsys convert`.
+    #[arg(long)]
+    pub engine: PathBuf,
+    /// Approve at once (otherwise the version is pending and does not serve).
+    #[arg(long)]
+    pub approve: bool,
+    /// JSON metrics to record with the version (e.g. the output of `recsys eval --output`).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Reload the model on this tritonserver, e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    pub server: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[arg(long)]
+    pub repository: PathBuf,
+    #[arg(long)]
+    pub model: String,
+    #[arg(long)]
+    pub version: u64,
+    /// Reload the model on this tritonserver, e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    pub server: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct VersionsArgs {
+    #[arg(long)]
+    pub repository: PathBuf,
+    #[arg(long)]
+    pub model: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

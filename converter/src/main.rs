@@ -7,6 +7,8 @@ mod error;
 mod eval;
 mod predict;
 mod progress;
+mod registry;
+mod versions;
 
 use clap::Parser;
 
@@ -16,6 +18,10 @@ fn main() {
         cli::Command::Convert(args) => convert::run(&args),
         cli::Command::Predict(args) => predict::run(&args),
         cli::Command::Eval(args) => eval::run(&args),
+        cli::Command::Publish(args) => versions::publish(&args),
+        cli::Command::Approve(args) => versions::set(&args, registry::Status::Approved),
+        cli::Command::Reject(args) => versions::set(&args, registry::Status::Rejected),
+        cli::Command::Versions(args) => versions::list(&args),
     };
     match code {
         Ok(code) => std::process::exit(code),

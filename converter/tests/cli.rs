@@ -428,3 +428,129 @@ fn convert_w8a8_with_calibration_and_clear_flag_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration applies to"));
 }
+
+#[test]
+fn publish_approve_reject_keep_the_newest_approved_version_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("repo");
+    std::fs::create_dir_all(repo.join("bert4rec")).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../model_repository/bert4rec/config.pbtxt"),
+        repo.join("bert4rec/config.pbtxt"),
+    )
+    .unwrap();
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.pt", &engine);
+    let run = |args: &[&str]| {
+        let out = recsys()
+            .args(args)
+            .arg("--repository")
+            .arg(&repo)
+            .args(["--model", "bert4rec"])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let policy = || {
+        let text = std::fs::read_to_string(repo.join("bert4rec/config.pbtxt")).unwrap();
+        assert_eq!(text.matches("version_policy").count(), 1, "{text}");
+        text.split("versions: [ ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let engine_arg = engine.to_str().unwrap();
+
+    // The first version must be approved.
+    let (code, _, err) = run(&["publish", "--engine", engine_arg]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--approve"), "{err}");
+    assert_eq!(
+        run(&["publish", "--approve", "--engine", engine_arg]).0,
+        Some(0)
+    );
+    assert_eq!(policy(), "1");
+    // A pending version does not serve.
+    let (code, out, _) = run(&["publish", "--engine", engine_arg]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("version 2 is pending"), "{out}");
+    assert_eq!(policy(), "1");
+    assert_eq!(run(&["approve", "--version", "2"]).0, Some(0));
+    assert_eq!(policy(), "2");
+    // Rejecting the serving version rolls back.
+    assert_eq!(run(&["reject", "--version", "2"]).0, Some(0));
+    assert_eq!(policy(), "1");
+    // The only approved version cannot be rejected; unknown versions are named.
+    let (code, _, err) = run(&["reject", "--version", "1"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("only approved version"), "{err}");
+    let (code, _, err) = run(&["approve", "--version", "9"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no version 9"), "{err}");
+    let (code, out, _) = run(&["versions"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.lines().nth(1).unwrap().contains("approved")
+            && out.lines().nth(1).unwrap().contains("yes"),
+        "{out}"
+    );
+    assert!(out.lines().nth(2).unwrap().contains("rejected"), "{out}");
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo.join("bert4rec/2/recsys-version.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(meta["status"], "rejected");
+    assert_eq!(meta["history"].as_array().unwrap().len(), 3);
+    // No lock or staging leftovers.
+    let leftovers: Vec<_> = std::fs::read_dir(repo.join("bert4rec"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn concurrent_publishes_get_distinct_versions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("repo");
+    std::fs::create_dir_all(repo.join("m")).unwrap();
+    std::fs::write(
+        repo.join("m/config.pbtxt"),
+        "backend: \"recsys\"\nmax_batch_size: 8\n",
+    )
+    .unwrap();
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.pt", &engine);
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            recsys()
+                .args(["publish", "--approve", "--model", "m", "--repository"])
+                .arg(&repo)
+                .arg("--engine")
+                .arg(&engine)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let mut versions: Vec<u64> = std::fs::read_dir(repo.join("m"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+        .collect();
+    versions.sort();
+    assert_eq!(versions, vec![1, 2, 3, 4]);
+    let text = std::fs::read_to_string(repo.join("m/config.pbtxt")).unwrap();
+    assert!(text.contains("versions: [ 4 ]"), "{text}");
+}
