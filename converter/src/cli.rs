@@ -206,9 +206,17 @@ pub struct PredictArgs {
     /// Fail a line whose history holds ids unknown to the model, instead of dropping those ids.
     #[arg(long)]
     pub strict_ids: bool,
-    /// Threads for scoring each batch.
+    /// Worker threads scoring batches in parallel (output order is kept).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub threads: u32,
+    /// Process only shard I of N (records I, I+N, I+2N, ... counting non-blank lines from 0), so N
+    /// copies can run as parallel jobs (e.g. a Kubernetes Indexed Job) on the same input.
+    #[arg(long, value_name = "I/N")]
+    pub shard: Option<String>,
+    /// Continue an interrupted run: keep the complete lines already in --output (a partial last
+    /// line is cut), skip as many records, and append the rest.
+    #[arg(long)]
+    pub resume: bool,
 }
 
 #[derive(Args, Debug)]

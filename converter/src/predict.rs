@@ -99,16 +99,63 @@ fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
     })
 }
 
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct Counts {
     lines: u64,
     failed: u64,
     unknown_ids: u64,
 }
 
+impl Counts {
+    fn add(&mut self, other: Counts) {
+        self.lines += other.lines;
+        self.failed += other.failed;
+        self.unknown_ids += other.unknown_ids;
+    }
+}
+
+/// `I/N`: this job handles the lines whose 0-based record number is I modulo N.
+fn parse_shard(text: &str) -> Result<(u64, u64)> {
+    let bad = || {
+        CliError::Usage(format!(
+            "--shard must be I/N with 0 <= I < N, found {text:?}"
+        ))
+    };
+    let (i, n) = text.split_once('/').ok_or_else(bad)?;
+    let (i, n): (u64, u64) = (
+        i.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    );
+    if n == 0 || i >= n {
+        return Err(bad());
+    }
+    Ok((i, n))
+}
+
+/// For `--resume`: keeps the complete lines of an existing output (cutting a partial last line)
+/// and returns how many there are, so that many records are skipped.
+fn resume_point(path: &std::path::Path) -> Result<u64> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(CliError::io(format!("cannot read {}", path.display()))(e)),
+    };
+    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
+    if complete < bytes.len() {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(CliError::io(format!("cannot open {}", path.display())))?;
+        file.set_len(complete as u64).map_err(CliError::io(format!(
+            "cannot cut the partial last line of {}",
+            path.display()
+        )))?;
+    }
+    Ok(bytes[..complete].iter().filter(|&&b| b == b'\n').count() as u64)
+}
+
 pub fn run(args: &PredictArgs) -> Result<i32> {
-    let mut engine = Engine::load(&args.engine)?;
-    engine.set_threads(args.threads as usize);
+    let engine = Engine::load(&args.engine)?;
     let options = ServeOptions {
         default_k: args.k as usize,
         exclude_seen: !args.include_seen,
@@ -118,9 +165,24 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
             UnknownItemPolicy::Drop
         },
     };
+    let (shard, shards) = match &args.shard {
+        Some(text) => parse_shard(text)?,
+        None => (0, 1),
+    };
+    let to_stdout = args.output.as_os_str() == "-";
+    if args.resume && to_stdout {
+        return Err(CliError::Usage(
+            "--resume needs an output file, not standard output".into(),
+        ));
+    }
+    let skip = if args.resume {
+        resume_point(&args.output)?
+    } else {
+        0
+    };
     let stdin = args.input.as_os_str() == "-";
-    let (input, total): (Box<dyn Read>, Option<u64>) = if stdin {
-        (Box::new(std::io::stdin().lock()), None)
+    let (input, total): (Box<dyn Read + Send>, Option<u64>) = if stdin {
+        (Box::new(std::io::stdin()), None)
     } else {
         let file = std::fs::File::open(&args.input).map_err(CliError::io(format!(
             "cannot open input {}",
@@ -130,8 +192,19 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
         (Box::new(file), len)
     };
     let mut reader = BufReader::with_capacity(1 << 20, input);
-    let output: Box<dyn Write> = if args.output.as_os_str() == "-" {
-        Box::new(std::io::stdout().lock())
+    let output: Box<dyn Write + Send> = if to_stdout {
+        Box::new(std::io::stdout())
+    } else if args.resume {
+        Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&args.output)
+                .map_err(CliError::io(format!(
+                    "cannot open output {}",
+                    args.output.display()
+                )))?,
+        )
     } else {
         Box::new(
             std::fs::File::create(&args.output).map_err(CliError::io(format!(
@@ -145,103 +218,172 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
         Some(total) => progress::bytes(total),
         None => progress::spinner("scoring"),
     };
+    if skip > 0 {
+        eprintln!(
+            "predict: resuming after {skip} lines already in {}",
+            args.output.display()
+        );
+    }
 
+    // Pipeline: this thread reads and parses batches, `threads` workers score them, one writer
+    // puts them back in input order. Channels are bounded, so memory holds at most a few batches
+    // per worker whatever the input size.
+    let workers = args.threads.max(1) as usize;
     let started = Instant::now();
-    let mut counts = Counts::default();
-    let mut line_no = 0u64;
-    let mut buf = Vec::new();
-    let mut batch: Vec<Line> = Vec::new();
-    loop {
-        batch.clear();
-        let mut eof = false;
-        while batch.len() < args.batch_size as usize {
-            buf.clear();
-            let n = (&mut reader)
-                .take(MAX_LINE_BYTES as u64 + 1)
-                .read_until(b'\n', &mut buf)
-                .map_err(CliError::io(format!(
-                    "cannot read {}",
-                    args.input.display()
-                )))?;
-            if n == 0 {
-                eof = true;
-                break;
-            }
-            bar.inc(n as u64);
-            line_no += 1;
-            if buf.len() > MAX_LINE_BYTES && !buf.ends_with(b"\n") {
-                // Skip the rest of the oversized line without holding it.
-                let mut skipped = 0u64;
-                loop {
-                    let chunk = reader
-                        .fill_buf()
-                        .map_err(CliError::io("cannot read input"))?;
-                    if chunk.is_empty() {
-                        break;
-                    }
-                    let (used, done) = match chunk.iter().position(|&b| b == b'\n') {
-                        Some(p) => (p + 1, true),
-                        None => (chunk.len(), false),
-                    };
-                    reader.consume(used);
-                    skipped += used as u64;
-                    if done {
-                        break;
-                    }
+    let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<(u64, Vec<Line>)>(2 * workers);
+    let job_rx = std::sync::Mutex::new(job_rx);
+    let (done_tx, done_rx) = std::sync::mpsc::sync_channel::<(u64, Vec<u8>, Counts)>(2 * workers);
+    let outcome: Result<Counts> = std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let (job_rx, done_tx, engine, options) = (&job_rx, done_tx.clone(), &engine, &options);
+            scope.spawn(move || loop {
+                let job = job_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                let Ok((seq, batch)) = job else { break };
+                let mut out = Vec::with_capacity(batch.len() * 256);
+                let mut counts = Counts::default();
+                score_batch(engine, options, &batch, &mut out, &mut counts);
+                if done_tx.send((seq, out, counts)).is_err() {
+                    break;
                 }
-                bar.inc(skipped);
-                batch.push((
-                    line_no,
+            });
+        }
+        drop(done_tx);
+        let writer_thread = scope.spawn(move || -> Result<Counts> {
+            let mut pending = std::collections::BTreeMap::new();
+            let mut next = 0u64;
+            let mut counts = Counts::default();
+            for (seq, bytes, c) in done_rx {
+                pending.insert(seq, (bytes, c));
+                while let Some((bytes, c)) = pending.remove(&next) {
+                    writer
+                        .write_all(&bytes)
+                        .map_err(CliError::io("cannot write output"))?;
+                    counts.add(c);
+                    next += 1;
+                }
+            }
+            writer
+                .flush()
+                .map_err(CliError::io("cannot write output"))?;
+            Ok(counts)
+        });
+
+        let mut record = 0u64; // non-blank input lines seen
+        let mut line_no = 0u64;
+        let mut seq = 0u64;
+        let mut buf = Vec::new();
+        let mut read_error = None;
+        'read: loop {
+            let mut batch: Vec<Line> = Vec::with_capacity(args.batch_size as usize);
+            while batch.len() < args.batch_size as usize {
+                buf.clear();
+                let n = match (&mut reader)
+                    .take(MAX_LINE_BYTES as u64 + 1)
+                    .read_until(b'\n', &mut buf)
+                {
+                    Ok(n) => n,
+                    Err(e) => {
+                        read_error = Some(CliError::io(format!(
+                            "cannot read {}",
+                            args.input.display()
+                        ))(e));
+                        break 'read;
+                    }
+                };
+                if n == 0 {
+                    if !batch.is_empty() {
+                        let _ = job_tx.send((seq, batch));
+                    }
+                    break 'read;
+                }
+                bar.inc(n as u64);
+                line_no += 1;
+                let oversized = buf.len() > MAX_LINE_BYTES && !buf.ends_with(b"\n");
+                if oversized {
+                    bar.inc(skip_rest_of_line(&mut reader));
+                }
+                let blank = !oversized && buf.iter().all(|b| b.is_ascii_whitespace());
+                if blank {
+                    continue; // blank lines carry no request and produce no output
+                }
+                let mine = record % shards == shard;
+                record += 1;
+                if !mine {
+                    continue;
+                }
+                let position = (record - 1) / shards; // index among this shard's records
+                if position < skip {
+                    continue;
+                }
+                let parsed = if oversized {
                     Err((
                         format!("line longer than {MAX_LINE_BYTES} bytes"),
                         Map::new(),
-                    )),
-                ));
-                continue;
+                    ))
+                } else {
+                    match std::str::from_utf8(&buf) {
+                        Ok(text) => parse_line(text.trim()),
+                        Err(_) => Err(("the line is not UTF-8".into(), Map::new())),
+                    }
+                };
+                batch.push((line_no, parsed));
             }
-            let text = match std::str::from_utf8(&buf) {
-                Ok(t) => t.trim(),
-                Err(_) => {
-                    batch.push((line_no, Err(("the line is not UTF-8".into(), Map::new()))));
-                    continue;
-                }
-            };
-            if text.is_empty() {
-                continue; // blank lines carry no request
+            if job_tx.send((seq, batch)).is_err() {
+                break;
             }
-            batch.push((line_no, parse_line(text)));
+            seq += 1;
         }
-        score_batch(&engine, &options, &batch, &mut writer, &mut counts)?;
-        if eof {
-            break;
+        drop(job_tx);
+        let written = writer_thread.join().expect("writer thread panicked");
+        match read_error {
+            Some(e) => Err(e),
+            None => written,
         }
-    }
-    writer.flush().map_err(CliError::io(format!(
-        "cannot write {}",
-        args.output.display()
-    )))?;
+    });
+    let counts = outcome?;
     bar.finish_and_clear();
 
     let secs = started.elapsed().as_secs_f64();
     eprintln!(
-        "predict: {} lines, {} ok, {} failed, {} unknown history ids dropped, {:.2} s ({:.0} lines/s)",
+        "predict: {} lines, {} ok, {} failed, {} unknown history ids dropped, {:.2} s ({:.0} lines/s){}",
         counts.lines,
         counts.lines - counts.failed,
         counts.failed,
         counts.unknown_ids,
         secs,
-        counts.lines as f64 / secs.max(1e-9)
+        counts.lines as f64 / secs.max(1e-9),
+        if shards > 1 { format!(", shard {shard}/{shards}") } else { String::new() }
     );
     Ok(if counts.failed > 0 { 3 } else { 0 })
+}
+
+/// Skips the rest of an oversized line without holding it; returns the bytes skipped.
+fn skip_rest_of_line(reader: &mut impl BufRead) -> u64 {
+    let mut skipped = 0u64;
+    while let Ok(chunk) = reader.fill_buf() {
+        if chunk.is_empty() {
+            break;
+        }
+        let (used, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(p) => (p + 1, true),
+            None => (chunk.len(), false),
+        };
+        reader.consume(used);
+        skipped += used as u64;
+        if done {
+            break;
+        }
+    }
+    skipped
 }
 
 fn score_batch(
     engine: &Engine,
     options: &ServeOptions,
     batch: &[Line],
-    writer: &mut impl Write,
+    writer: &mut Vec<u8>,
     counts: &mut Counts,
-) -> Result<()> {
+) {
     // Borrowed string views must outlive the requests that point at them.
     let str_views: Vec<(Vec<&str>, Vec<&str>)> = batch
         .iter()
@@ -328,15 +470,10 @@ fn score_batch(
         if record.contains_key("error") {
             counts.failed += 1;
         }
-        serde_json::to_writer(&mut *writer, &Value::Object(record)).map_err(|e| CliError::Io {
-            context: "cannot write output".into(),
-            source: e.into(),
-        })?;
-        writer
-            .write_all(b"\n")
-            .map_err(CliError::io("cannot write output"))?;
+        // Serialising a JSON value into memory cannot fail.
+        serde_json::to_writer(&mut *writer, &Value::Object(record)).expect("JSON into memory");
+        writer.push(b'\n');
     }
-    Ok(())
 }
 
 /// The record that takes a failed line's place: the error, the line number, and the caller's own

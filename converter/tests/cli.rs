@@ -554,3 +554,84 @@ fn concurrent_publishes_get_distinct_versions() {
     let text = std::fs::read_to_string(repo.join("m/config.pbtxt")).unwrap();
     assert!(text.contains("versions: [ 4 ]"), "{text}");
 }
+
+#[test]
+fn predict_threads_shards_and_resume_reproduce_the_plain_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.pt", &engine);
+    let input: String = std::fs::read_to_string(fixtures().join("test_set.tsv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .take(200)
+        .enumerate()
+        .map(|(i, l)| {
+            let ids: Vec<&str> = l.split('\t').nth(2).unwrap().split(' ').collect();
+            let blank = if i == 50 { "\n" } else { "" }; // a blank line must not shift anything
+            format!(
+                "{blank}{{\"user_id\": {i}, \"item_ids\": [{}]}}\n",
+                ids.join(", ")
+            )
+        })
+        .collect();
+    let input_path = tmp.path().join("in.jsonl");
+    std::fs::write(&input_path, input).unwrap();
+    let predict = |out: &Path, extra: &[&str]| {
+        let status = recsys()
+            .args(["predict", "--k", "5", "--batch-size", "7", "--engine"])
+            .arg(&engine)
+            .arg("--input")
+            .arg(&input_path)
+            .arg("--output")
+            .arg(out)
+            .args(extra)
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        std::fs::read_to_string(out).unwrap()
+    };
+    let plain = predict(&tmp.path().join("plain.jsonl"), &[]);
+    let lines: Vec<&str> = plain.lines().collect();
+    assert_eq!(lines.len(), 200);
+
+    // Worker threads keep the input order.
+    assert_eq!(
+        predict(&tmp.path().join("threads.jsonl"), &["--threads", "3"]),
+        plain
+    );
+
+    // Three shards cover every record exactly once.
+    let mut from_shards = vec![String::new(); 200];
+    for shard in 0..3 {
+        let out = predict(
+            &tmp.path().join(format!("s{shard}.jsonl")),
+            &["--shard", &format!("{shard}/3")],
+        );
+        for (j, line) in out.lines().enumerate() {
+            from_shards[shard + 3 * j] = line.to_string();
+        }
+    }
+    assert_eq!(from_shards, lines);
+
+    // Resume after an interruption that left 60 lines and half of the 61st.
+    let resumed = tmp.path().join("resumed.jsonl");
+    let partial: String = lines[..60]
+        .iter()
+        .map(|l| format!("{l}\n"))
+        .collect::<String>()
+        + &lines[60][..20];
+    std::fs::write(&resumed, partial).unwrap();
+    assert_eq!(predict(&resumed, &["--resume", "--threads", "2"]), plain);
+
+    let out = recsys()
+        .args(["predict", "--shard", "3/3", "--output", "-", "--input"])
+        .arg(&input_path)
+        .arg("--engine")
+        .arg(&engine)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--shard must be I/N"));
+}

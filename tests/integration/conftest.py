@@ -18,7 +18,7 @@ from triton_harness import ROOT, TritonServer  # noqa: E402
 FIXTURES = ROOT / "tests" / "fixtures"
 
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
-GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2"]
+GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -65,7 +65,8 @@ def convert(recsys_bin: Path, kind: str, model_dir: str, checkpoint: str, out: P
 
 
 def contract_config(name: str, *, id_type: str = "TYPE_INT64", params: dict | None = None,
-                    kind: str = "KIND_CPU", count: int = 1, score_type: str = "TYPE_FP32") -> str:
+                    kind: str = "KIND_CPU", count: int = 1, score_type: str = "TYPE_FP32",
+                    queue_delay_us: int = 100) -> str:
     """config.pbtxt following the serving contract of design.md section 2."""
     params = {"top_k": "10", **(params or {})}
     param_text = ",\n  ".join(
@@ -83,7 +84,7 @@ output [
   {{ name: "TOP_ITEM_IDS" data_type: {id_type} dims: [ -1 ] }},
   {{ name: "TOP_SCORES" data_type: {score_type} dims: [ -1 ] }}
 ]
-dynamic_batching {{ max_queue_delay_microseconds: 100 }}
+dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}
 instance_group [ {{ kind: {kind} count: {count} }} ]
 parameters [
   {param_text}
@@ -120,6 +121,8 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     model("bert4rec_strict", contract_config("bert4rec_strict", params={"unknown_item_policy": "error"}), engines / "bert4rec")
     model("minimal", 'backend: "recsys"\nmax_batch_size: 16\n', engines / "bert4rec")
     model("bert4rec_x2", contract_config("bert4rec_x2", count=2), engines / "bert4rec")
+    # A 20 ms queue delay: requests sent together are certain to be batched, however fast the engine.
+    model("bert4rec_batching", contract_config("bert4rec_batching", queue_delay_us=20000), engines / "bert4rec")
 
     # Models that must fail to load, each for one reason.
     model("missing_engine", contract_config("missing_engine"), None)

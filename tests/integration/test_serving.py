@@ -85,7 +85,7 @@ def test_concurrent_ragged_requests_are_batched_and_each_right(server, grpc, pre
     lengths = np.linspace(1, 200, 64).round().astype(int)
     histories = [[int(x) for x in rng.choice(pool, size=length)] for length in lengths]
     expected = predict("bert4rec", histories, 10)
-    before = grpc.get_inference_statistics("bert4rec", as_json=True)
+    before = grpc.get_inference_statistics("bert4rec_batching", as_json=True)
 
     results: dict[int, object] = {}
     done = threading.Event()
@@ -96,7 +96,7 @@ def test_concurrent_ragged_requests_are_batched_and_each_right(server, grpc, pre
             done.set()
 
     for i, h in enumerate(histories):
-        grpc.async_infer("bert4rec", make_inputs(grpcclient, h), callback=lambda result, error, i=i: callback(i, result, error))
+        grpc.async_infer("bert4rec_batching", make_inputs(grpcclient, h), callback=lambda result, error, i=i: callback(i, result, error))
     assert done.wait(60), f"only {len(results)} of {len(histories)} answers arrived"
     for i, (ids, scores) in enumerate(expected):
         r = results[i]
@@ -105,7 +105,7 @@ def test_concurrent_ragged_requests_are_batched_and_each_right(server, grpc, pre
         assert got_ids == ids, f"history {i} (length {len(histories[i])}) got another user's answer"
         np.testing.assert_array_equal(np.float32(got_scores), np.float32(scores))
 
-    after = grpc.get_inference_statistics("bert4rec", as_json=True)
+    after = grpc.get_inference_statistics("bert4rec_batching", as_json=True)
     def batches(stats):
         return {int(b["batch_size"]): int(b["compute_infer"].get("count", 0)) for b in stats["model_stats"][0].get("batch_stats", [])}
     grown = {size: n - batches(before).get(size, 0) for size, n in batches(after).items()}
