@@ -57,22 +57,17 @@ pub fn linear(x: &[f32], in_dim: usize, weight: &[f32], bias: Option<&[f32]>, ou
     }
 }
 
-/// LayerNorm over one row with biased variance. Two passes in f32 (mean, then the mean square of
-/// the centred values), so the tiny epsilon BERT4Rec uses (1e-12) never meets the cancellation of
-/// E[x^2] - E[x]^2; both loops vectorise.
+/// LayerNorm over one row with biased variance, statistics in f64: with f32 statistics a row whose
+/// mean is large against its spread (a case the property test found: two values near -245 that
+/// differ by 0.5) loses the mean's rounding error relative to the tiny variance; f64 keeps the
+/// 1e-12 epsilon and such rows exact. The cost is a few percent of BERT4Rec's encoder.
 pub fn layer_norm(row: &mut [f32], gamma: &[f32], beta: &[f32], eps: f64) {
-    let n = row.len() as f32;
-    let mean = sum_f32(row) / n;
-    let mut centred_sq = [0f32; 8];
-    for chunk in row.chunks(8) {
-        for (acc, &v) in centred_sq.iter_mut().zip(chunk) {
-            *acc += (v - mean) * (v - mean);
-        }
-    }
-    let var = centred_sq.iter().sum::<f32>() / n;
-    let inv = 1.0 / (var + eps as f32).sqrt();
+    let n = row.len() as f64;
+    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let inv = 1.0 / (var + eps).sqrt();
     for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
-        *v = (*v - mean) * inv * *g + *b;
+        *v = ((*v as f64 - mean) * inv) as f32 * *g + *b;
     }
 }
 
@@ -238,6 +233,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The case the property test once found against f32 statistics: a large mean, a tiny spread.
+    #[test]
+    fn layer_norm_keeps_a_large_mean_with_a_tiny_spread_exact() {
+        let mut row = [-54.906452f32 - 190.5969, -54.401516 - 190.5969];
+        layer_norm(&mut row, &[1.0, 1.0], &[0.0, 0.0], 1e-12);
+        assert!(
+            (row[0] + 1.0).abs() < 1e-5 && (row[1] - 1.0).abs() < 1e-5,
+            "{row:?}"
+        );
     }
 
     #[test]
