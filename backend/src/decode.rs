@@ -6,6 +6,30 @@ use crate::settings::{IdTensorType, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K};
 use recsys_engine::topk::Scored;
 use recsys_engine::{Engine, ExternalId, ExternalIds};
 
+/// Request limits, from the model's parameters (`max_history_length`, `max_k`, `max_exclude_ids`,
+/// `max_id_bytes`, `max_request_bytes`). The defaults protect the server from one request taking
+/// all its memory or time; a request beyond them gets INVALID_ARG naming the limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_history: usize,
+    pub max_k: usize,
+    pub max_exclude: usize,
+    pub max_id_bytes: usize,
+    pub max_request_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_history: 10_000,
+            max_k: 1_000,
+            max_exclude: 10_000,
+            max_id_bytes: 256,
+            max_request_bytes: 16 << 20,
+        }
+    }
+}
+
 /// Element types the backend distinguishes (the FFI layer maps Triton's enum onto these).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
@@ -105,7 +129,12 @@ fn rows_and_width(t: &InputTensor, batched: bool) -> Result<(usize, usize)> {
 }
 
 /// Splits BYTES tensor data into its elements (4-byte little-endian length, then the bytes).
-pub fn split_bytes_elements(name: &str, data: &[u8], expected: usize) -> Result<Vec<String>> {
+pub fn split_bytes_elements(
+    name: &str,
+    data: &[u8],
+    expected: usize,
+    max_len: usize,
+) -> Result<Vec<String>> {
     let mut out = Vec::with_capacity(expected.min(data.len() / 4));
     let mut rest = data;
     for i in 0..expected {
@@ -115,6 +144,11 @@ pub fn split_bytes_elements(name: &str, data: &[u8], expected: usize) -> Result<
             )));
         };
         let len = u32::from_le_bytes(*len) as usize;
+        if len > max_len {
+            return Err(invalid(format!(
+                "{name}: element {i} is {len} bytes, more than max_id_bytes {max_len}"
+            )));
+        }
         if len > tail.len() {
             return Err(invalid(format!(
                 "{name}: element {i} claims {len} bytes but only {} remain",
@@ -136,8 +170,20 @@ pub fn split_bytes_elements(name: &str, data: &[u8], expected: usize) -> Result<
 }
 
 /// The rows of an id tensor (ITEM_IDS or EXCLUDE_ITEM_IDS).
-fn id_rows(t: &InputTensor, batched: bool) -> Result<Vec<OwnedIds>> {
+fn id_rows(
+    t: &InputTensor,
+    batched: bool,
+    max_width: usize,
+    limit_name: &str,
+    limits: &Limits,
+) -> Result<Vec<OwnedIds>> {
     let (rows, width) = rows_and_width(t, batched)?;
+    if width > max_width {
+        return Err(invalid(format!(
+            "{} holds {width} ids per history, more than {limit_name} {max_width}",
+            t.name
+        )));
+    }
     let count = rows
         .checked_mul(width)
         .ok_or_else(|| invalid(format!("{} shape {:?} is too large", t.name, t.shape)))?;
@@ -162,7 +208,8 @@ fn id_rows(t: &InputTensor, batched: bool) -> Result<Vec<OwnedIds>> {
                 .collect())
         }
         DType::Bytes => {
-            let mut values = split_bytes_elements(&t.name, &t.data, count)?.into_iter();
+            let mut values =
+                split_bytes_elements(&t.name, &t.data, count, limits.max_id_bytes)?.into_iter();
             Ok((0..rows)
                 .map(|_| OwnedIds::Str(values.by_ref().take(width).collect()))
                 .collect())
@@ -179,7 +226,14 @@ fn id_rows(t: &InputTensor, batched: bool) -> Result<Vec<OwnedIds>> {
 }
 
 /// Decodes one request's inputs.
-pub fn decode(inputs: &[InputTensor], batched: bool) -> Result<DecodedRequest> {
+pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<DecodedRequest> {
+    let total: usize = inputs.iter().map(|t| t.data.len()).sum();
+    if total > limits.max_request_bytes {
+        return Err(invalid(format!(
+            "the request's inputs hold {total} bytes, more than max_request_bytes {}",
+            limits.max_request_bytes
+        )));
+    }
     for t in inputs {
         if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE].contains(&t.name.as_str()) {
             return Err(invalid(format!("unexpected input {:?}", t.name)));
@@ -188,7 +242,13 @@ pub fn decode(inputs: &[InputTensor], batched: bool) -> Result<DecodedRequest> {
     let find = |name: &str| inputs.iter().find(|t| t.name == name);
     let items = find(INPUT_ITEM_IDS)
         .ok_or_else(|| invalid(format!("the request has no {INPUT_ITEM_IDS} input")))?;
-    let histories = id_rows(items, batched)?;
+    let histories = id_rows(
+        items,
+        batched,
+        limits.max_history,
+        "max_history_length",
+        limits,
+    )?;
     let rows = histories.len();
 
     let ks: Vec<Option<i64>> = match find(INPUT_K) {
@@ -217,13 +277,19 @@ pub fn decode(inputs: &[InputTensor], batched: bool) -> Result<DecodedRequest> {
                     "{INPUT_K} must be at least 1, found {bad}"
                 )));
             }
+            if let Some(big) = values.iter().find(|&&k| k as usize > limits.max_k) {
+                return Err(invalid(format!(
+                    "{INPUT_K} = {big} is more than max_k {}",
+                    limits.max_k
+                )));
+            }
             values.into_iter().map(|k| Some(k as i64)).collect()
         }
     };
     let excludes: Vec<Option<OwnedIds>> = match find(INPUT_EXCLUDE) {
         None => vec![None; rows],
         Some(t) => {
-            let lists = id_rows(t, batched)?;
+            let lists = id_rows(t, batched, limits.max_exclude, "max_exclude_ids", limits)?;
             if lists.len() != rows {
                 return Err(invalid(format!(
                     "{INPUT_EXCLUDE} has {} rows, {INPUT_ITEM_IDS} has {rows}",
@@ -342,7 +408,7 @@ mod tests {
             },
             int_tensor(INPUT_EXCLUDE, vec![2, 1], &[9, 8]),
         ];
-        let d = decode(&inputs, true).unwrap();
+        let d = decode(&inputs, true, &Limits::default()).unwrap();
         assert_eq!(d.rows.len(), 2);
         assert_eq!(d.rows[1].history, OwnedIds::Int(vec![4, 5, 6]));
         assert_eq!(d.rows[1].k, Some(7));
@@ -351,7 +417,12 @@ mod tests {
 
     #[test]
     fn empty_history_is_a_row_with_no_ids() {
-        let d = decode(&[int_tensor(INPUT_ITEM_IDS, vec![1, 0], &[])], true).unwrap();
+        let d = decode(
+            &[int_tensor(INPUT_ITEM_IDS, vec![1, 0], &[])],
+            true,
+            &Limits::default(),
+        )
+        .unwrap();
         assert!(d.rows[0].history.is_empty());
     }
 
@@ -363,10 +434,76 @@ mod tests {
             shape: vec![1, 2],
             data: bytes_of(&["sku-1", "é"]),
         };
-        let d = decode(&[t], true).unwrap();
+        let d = decode(&[t], true, &Limits::default()).unwrap();
         assert_eq!(
             d.rows[0].history,
             OwnedIds::Str(vec!["sku-1".into(), "é".into()])
+        );
+    }
+
+    #[test]
+    fn limits_are_enforced_and_named() {
+        let limits = Limits {
+            max_history: 3,
+            max_k: 5,
+            max_exclude: 2,
+            max_id_bytes: 4,
+            max_request_bytes: 1000,
+        };
+        let too_long = decode(
+            &[int_tensor(INPUT_ITEM_IDS, vec![1, 4], &[1, 2, 3, 4])],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(
+            too_long
+                .to_string()
+                .contains("more than max_history_length 3"),
+            "{too_long}"
+        );
+        let k = InputTensor {
+            name: INPUT_K.into(),
+            dtype: DType::Int32,
+            shape: vec![1, 1],
+            data: 6i32.to_le_bytes().to_vec(),
+        };
+        let big_k = decode(
+            &[int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]), k],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(big_k.to_string().contains("more than max_k 5"), "{big_k}");
+        let excl = decode(
+            &[
+                int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
+                int_tensor(INPUT_EXCLUDE, vec![1, 3], &[1, 2, 3]),
+            ],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(excl.to_string().contains("max_exclude_ids 2"), "{excl}");
+        let long_id = InputTensor {
+            name: INPUT_ITEM_IDS.into(),
+            dtype: DType::Bytes,
+            shape: vec![1, 1],
+            data: bytes_of(&["sku-12345"]),
+        };
+        assert!(decode(&[long_id], true, &limits)
+            .unwrap_err()
+            .to_string()
+            .contains("max_id_bytes 4"));
+        let huge = decode(
+            &[int_tensor(INPUT_ITEM_IDS, vec![1, 200], &[7; 200])],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(
+            huge.to_string().contains("max_request_bytes 1000"),
+            "{huge}"
         );
     }
 
@@ -450,7 +587,7 @@ mod tests {
             ),
         ];
         for (inputs, needle) in cases {
-            let err = decode(&inputs, true).unwrap_err();
+            let err = decode(&inputs, true, &Limits::default()).unwrap_err();
             assert!(err.to_string().contains(needle), "{needle}: {err}");
             assert_eq!(err.code(), crate::error::ErrorCode::InvalidArg);
         }

@@ -308,8 +308,9 @@ pub(crate) fn execute(
         let decoded: Vec<Result<DecodedRequest>> = requests
             .iter()
             .map(|r| {
-                r.inputs()
-                    .and_then(|inputs| decode::decode(&inputs, state.batched))
+                r.inputs().and_then(|inputs| {
+                    decode::decode(&inputs, state.batched, &state.settings.limits)
+                })
             })
             .collect();
         #[cfg(feature = "panic-trigger")]

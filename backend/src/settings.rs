@@ -25,6 +25,7 @@ pub enum IdTensorType {
 #[derive(Clone, Debug)]
 pub struct ModelSettings {
     pub default_k: usize,
+    pub limits: crate::decode::Limits,
     /// Scoring threads per instance (instances x threads should not exceed the cores).
     pub threads: usize,
     pub exclude_seen: bool,
@@ -89,7 +90,30 @@ fn id_tensor_type(tensor: &Value, what: &str) -> Result<IdTensorType> {
     }
 }
 
-const KNOWN_PARAMETERS: &[&str] = &["top_k", "exclude_seen", "unknown_item_policy", "threads"];
+const KNOWN_PARAMETERS: &[&str] = &[
+    "top_k",
+    "exclude_seen",
+    "unknown_item_policy",
+    "threads",
+    "max_history_length",
+    "max_k",
+    "max_exclude_ids",
+    "max_id_bytes",
+    "max_request_bytes",
+];
+
+/// A positive integer parameter, or its default.
+fn limit(config: &Value, key: &str, default: usize) -> Result<usize> {
+    match parameter(config, key) {
+        None => Ok(default),
+        Some(text) => match text.trim().parse::<usize>() {
+            Ok(v) if v >= 1 => Ok(v),
+            _ => Err(BackendError::InvalidConfig(format!(
+                "parameter {key} must be a positive integer, found {text:?}"
+            ))),
+        },
+    }
+}
 
 /// Reads and checks the configuration against the loaded engine.
 pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
@@ -125,6 +149,20 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
             }
         },
     };
+    let defaults = crate::decode::Limits::default();
+    let limits = crate::decode::Limits {
+        max_history: limit(config, "max_history_length", defaults.max_history)?,
+        max_k: limit(config, "max_k", defaults.max_k)?,
+        max_exclude: limit(config, "max_exclude_ids", defaults.max_exclude)?,
+        max_id_bytes: limit(config, "max_id_bytes", defaults.max_id_bytes)?,
+        max_request_bytes: limit(config, "max_request_bytes", defaults.max_request_bytes)?,
+    };
+    if default_k > limits.max_k {
+        return Err(BackendError::InvalidConfig(format!(
+            "parameter top_k = {default_k} is more than max_k = {}",
+            limits.max_k
+        )));
+    }
     let exclude_seen = match parameter(config, "exclude_seen").map(str::trim) {
         None | Some("true") => true,
         Some("false") => false,
@@ -211,6 +249,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     }
     Ok(ModelSettings {
         default_k,
+        limits,
         threads,
         exclude_seen,
         unknown_items,
@@ -343,6 +382,8 @@ mod tests {
             ),
             ("topk", "10", "unknown parameter \"topk\""),
             ("threads", "0", "threads must be an integer from 1 to 256"),
+            ("max_k", "x", "max_k must be a positive integer"),
+            ("top_k", "5000", "more than max_k"),
         ] {
             let mut c = config.clone();
             c["parameters"][key] = json!({"string_value": value});

@@ -151,6 +151,9 @@ def test_bad_requests_get_clear_errors_and_the_server_stays_ready(protocol, serv
     )
     # unknown ids under unknown_item_policy=error
     expect_error(lambda: client.infer("bert4rec_strict", make_inputs(module, [10011403, 123])), invalid, "unknown")
+    # beyond the default limits (max_k 1000, max_history_length 10000)
+    expect_error(lambda: client.infer("bert4rec", make_inputs(module, [10011403], k=5000)), invalid, "more than max_k 1000")
+    expect_error(lambda: client.infer("bert4rec", make_inputs(module, [10011403] * 10_001)), invalid, "max_history_length 10000")
     assert server.is_ready()
     ids, _ = top(client.infer("bert4rec", make_inputs(module, [10011403])))
     assert len(ids) == 10
