@@ -68,6 +68,19 @@ def test_answers_equal_pytorch_golden_and_the_engine(model, model_dir, protocol,
         assert result.get_response()["parameters"]["unknown_item_count"] == len(case["unknown_ext"]) if protocol == "http" else True
 
 
+def test_an_int8_engine_serves_the_engines_answers_close_to_fp32(http, predict):
+    cases = golden_cases("multivae")[:16]
+    offline = predict("vaecf_int8", [c["history_ext"] for c in cases], 10)
+    overlap = []
+    for case, (engine_ids, engine_scores) in zip(cases, offline):
+        ids, scores = top(http.infer("vaecf_int8", make_inputs(httpclient, case["history_ext"])))
+        assert ids == engine_ids
+        np.testing.assert_array_equal(np.float32(scores), np.float32(engine_scores))
+        fp32 = [t["external"] for t in case["topk"][:10]]
+        overlap.append(len(set(ids) & set(fp32)) / 10)
+    assert np.mean(overlap) >= 0.9, overlap
+
+
 def test_default_k_exclusions_and_string_catalogue(http):
     ids, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403, 10011207])))
     assert len(ids) == 10 and 10011403 not in ids and 10011207 not in ids
