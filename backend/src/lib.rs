@@ -11,6 +11,8 @@ pub mod decode;
 pub mod error;
 pub mod serve;
 pub mod settings;
+#[cfg(test)]
+mod test_support;
 
 #[cfg(not(test))]
 mod lifecycle;

@@ -117,23 +117,7 @@ mod tests {
     use crate::decode::{OwnedIds, RowRequest};
 
     fn engine() -> (Engine, tempfile::TempDir) {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/multivae");
-        let config: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-                .unwrap();
-        let tmp = tempfile::tempdir().unwrap();
-        let engine = recsys_engine::convert(&recsys_engine::ConvertRequest {
-            kind: recsys_engine::ModelKind::Vaecf,
-            checkpoint: &dir.join("model.safetensors"),
-            config: Some(&config),
-            item_map: &dir.join("item_id_map.tsv"),
-            out: &tmp.path().join("e"),
-            precision: recsys_engine::engine_dir::Precision::Fp32,
-            calibration: None,
-        })
-        .unwrap();
-        (engine, tmp)
+        crate::test_support::fixture_engine("multivae", recsys_engine::ModelKind::Vaecf)
     }
 
     fn row(ids: &[i64], k: Option<i64>) -> RowRequest {

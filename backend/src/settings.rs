@@ -328,23 +328,7 @@ mod tests {
     use super::*;
 
     fn engine() -> (Engine, tempfile::TempDir) {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/bert4rec");
-        let config: Map<String, Value> =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-                .unwrap();
-        let tmp = tempfile::tempdir().unwrap();
-        let engine = recsys_engine::convert(&recsys_engine::ConvertRequest {
-            kind: recsys_engine::ModelKind::Bert4rec,
-            checkpoint: &dir.join("model.safetensors"),
-            config: Some(&config),
-            item_map: &dir.join("item_id_map.tsv"),
-            out: &tmp.path().join("e"),
-            precision: recsys_engine::engine_dir::Precision::Fp32,
-            calibration: None,
-        })
-        .unwrap();
-        (engine, tmp)
+        crate::test_support::fixture_engine("bert4rec", recsys_engine::ModelKind::Bert4rec)
     }
 
     fn minimal() -> Value {

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Epilogue, Isa, KernelTable, PanelF16, PanelF32, PanelI8};
+use super::{Epilogue, Isa, KernelTable};
 
 /// Loads 8 weights of the panel element range starting at `offset` as f32.
 trait Load8: Copy {
@@ -18,6 +18,7 @@ trait Load8: Copy {
 }
 
 impl Load8 for f32 {
+    // Safety: as the trait requires (8 readable elements at the offset, AVX2 present).
     #[inline(always)]
     unsafe fn load8(ptr: *const f32, offset: usize) -> __m256 {
         _mm256_loadu_ps(ptr.add(offset))
@@ -25,6 +26,7 @@ impl Load8 for f32 {
 }
 
 impl Load8 for u16 {
+    // Safety: as the trait requires (8 readable halves at the offset, F16C present).
     #[inline(always)]
     unsafe fn load8(ptr: *const u16, offset: usize) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(ptr.add(offset) as *const __m128i))
@@ -193,35 +195,7 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     }
 }
 
-macro_rules! table_row {
-    ($kernel:ident, $ty:ty, $r:literal) => {
-        [
-            $kernel::<$r, 1> as $ty,
-            $kernel::<$r, 2> as $ty,
-            $kernel::<$r, 4> as $ty,
-            $kernel::<$r, 8> as $ty,
-        ]
-    };
-}
-
-pub(super) static TABLE: KernelTable = KernelTable {
-    isa: Isa::Avx2,
-    f32: [
-        table_row!(f32_k, PanelF32, 1),
-        table_row!(f32_k, PanelF32, 2),
-        table_row!(f32_k, PanelF32, 4),
-    ],
-    f16: [
-        table_row!(f16_k, PanelF16, 1),
-        table_row!(f16_k, PanelF16, 2),
-        table_row!(f16_k, PanelF16, 4),
-    ],
-    i8: [
-        table_row!(i8_k, PanelI8, 1),
-        table_row!(i8_k, PanelI8, 2),
-        table_row!(i8_k, PanelI8, 4),
-    ],
-};
+pub(super) static TABLE: KernelTable = kernel_table!(Isa::Avx2, f32_k, f16_k, i8_k);
 
 /// FLOPs per second of one core running independent 8-wide FMA chains: the compute ceiling the
 /// benchmarks compare against. Runs `iterations` x 10 FMAs per chain.
@@ -239,6 +213,8 @@ pub fn fma_peak_flops(iterations: u64) -> f64 {
     (iterations * 10 * 8 * 2) as f64 / seconds
 }
 
+/// # Safety
+/// The CPU must support AVX2 and FMA (checked by `fma_peak_flops`). No memory is touched but locals.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn fma_chains(iterations: u64) -> (f64, f32) {
     let mut acc = [_mm256_set1_ps(0.0); 10];

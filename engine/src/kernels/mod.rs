@@ -11,6 +11,34 @@ pub mod cpu;
 pub mod fused;
 pub mod packed;
 
+/// Builds a [`KernelTable`] from three generic micro-kernels `kernel::<ROWS, PANELS>`, one per
+/// precision, instantiated for rows {1, 2, 4} x panels {1, 2, 4, 8}.
+macro_rules! kernel_table {
+    ($isa:expr, $f32:ident, $f16:ident, $i8:ident) => {
+        $crate::kernels::KernelTable {
+            isa: $isa,
+            f32: kernel_table!(@rows $f32, $crate::kernels::PanelF32),
+            f16: kernel_table!(@rows $f16, $crate::kernels::PanelF16),
+            i8: kernel_table!(@rows $i8, $crate::kernels::PanelI8),
+        }
+    };
+    (@rows $kernel:ident, $ty:ty) => {
+        [
+            kernel_table!(@panels $kernel, $ty, 1),
+            kernel_table!(@panels $kernel, $ty, 2),
+            kernel_table!(@panels $kernel, $ty, 4),
+        ]
+    };
+    (@panels $kernel:ident, $ty:ty, $r:literal) => {
+        [
+            $kernel::<$r, 1> as $ty,
+            $kernel::<$r, 2> as $ty,
+            $kernel::<$r, 4> as $ty,
+            $kernel::<$r, 8> as $ty,
+        ]
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod scalar;

@@ -1,7 +1,7 @@
 //! Portable micro-kernels: plain loops, one multiply and one add per element, in the same
 //! accumulation order as the SIMD versions (over d, increasing).
 
-use super::{Epilogue, KernelTable, PanelF16, PanelF32, PanelI8};
+use super::{Epilogue, KernelTable};
 use crate::kernels::Isa;
 
 /// Generic body: `load(panel, i)` gives the weight at element `i` of the panel group as f32.
@@ -113,32 +113,4 @@ fn i8_k<const R: usize, const P: usize>(
     }
 }
 
-macro_rules! table_row {
-    ($kernel:ident, $ty:ty, $r:literal) => {
-        [
-            $kernel::<$r, 1> as $ty,
-            $kernel::<$r, 2> as $ty,
-            $kernel::<$r, 4> as $ty,
-            $kernel::<$r, 8> as $ty,
-        ]
-    };
-}
-
-pub(super) static TABLE: KernelTable = KernelTable {
-    isa: Isa::Scalar,
-    f32: [
-        table_row!(f32_k, PanelF32, 1),
-        table_row!(f32_k, PanelF32, 2),
-        table_row!(f32_k, PanelF32, 4),
-    ],
-    f16: [
-        table_row!(f16_k, PanelF16, 1),
-        table_row!(f16_k, PanelF16, 2),
-        table_row!(f16_k, PanelF16, 4),
-    ],
-    i8: [
-        table_row!(i8_k, PanelI8, 1),
-        table_row!(i8_k, PanelI8, 2),
-        table_row!(i8_k, PanelI8, 4),
-    ],
-};
+pub(super) static TABLE: KernelTable = kernel_table!(Isa::Scalar, f32_k, f16_k, i8_k);
