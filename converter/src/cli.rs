@@ -37,6 +37,56 @@ pub enum Command {
     Reject(StatusArgs),
     /// List a model's versions with their status, precision, metrics and creation time.
     Versions(VersionsArgs),
+    /// Convert at every precision, measure quality against fp32 and latency, recommend one.
+    Sweep(SweepArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Writes DIR/report.md, DIR/report.json, DIR/pareto.svg and the engines (DIR/engines/<variant>). \
+Quality: NDCG/Recall@10/20/100 and MRR on the test set, deltas to fp32, top-10/100 overlap with fp32 (Jaccard, \
+share of identical top-10), |score error|. Cost: weights size, resident memory, p50/p99 latency and throughput \
+per batch size. The recommendation is the fastest variant (p50 at the first --batch) whose NDCG@10 loss stays \
+within --budget-ndcg10, with the command that converts it."
+)]
+pub struct SweepArgs {
+    #[arg(long, value_enum)]
+    pub kind: Kind,
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[arg(long)]
+    pub item_map: PathBuf,
+    /// Leave-one-out test file (as for `recsys eval`).
+    #[arg(long)]
+    pub test: PathBuf,
+    /// Calibration histories (predict JSONL), needed for int8-w8a8.
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    /// Variants, fp32 first: fp32, fp16, int8-wo, int8-w8a8.
+    #[arg(long, default_value = "fp32,fp16,int8-wo,int8-w8a8")]
+    pub precisions: String,
+    /// Calibration methods for int8-w8a8.
+    #[arg(long, default_value = "minmax,percentile,entropy")]
+    pub calibration_methods: String,
+    /// Batch sizes to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub batch: Vec<usize>,
+    /// Largest NDCG@10 loss relative to fp32 the recommendation may have.
+    #[arg(long, default_value = "1%")]
+    pub budget_ndcg10: String,
+    /// Users compared with fp32 for overlap and score error.
+    #[arg(long, default_value_t = 500)]
+    pub compare_users: usize,
+    /// Seconds of timing per variant and batch size.
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+    /// Scoring threads.
+    #[arg(long, default_value_t = 1)]
+    pub threads: u32,
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Args, Debug)]

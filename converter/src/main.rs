@@ -8,6 +8,7 @@ mod eval;
 mod predict;
 mod progress;
 mod registry;
+mod sweep;
 mod versions;
 
 use clap::Parser;
@@ -22,6 +23,7 @@ fn main() {
         cli::Command::Approve(args) => versions::set(&args, registry::Status::Approved),
         cli::Command::Reject(args) => versions::set(&args, registry::Status::Rejected),
         cli::Command::Versions(args) => versions::list(&args),
+        cli::Command::Sweep(args) => sweep::run(&args),
     };
     match code {
         Ok(code) => std::process::exit(code),

@@ -635,3 +635,105 @@ fn predict_threads_shards_and_resume_reproduce_the_plain_run() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--shard must be I/N"));
 }
+
+#[test]
+fn sweep_reports_quality_latency_and_a_recommendation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("multivae");
+    let out = tmp.path().join("sweep");
+    let run = recsys()
+        .args([
+            "sweep",
+            "--kind",
+            "vaecf",
+            "--precisions",
+            "fp32,fp16,int8-wo",
+            "--batch",
+            "1,8",
+        ])
+        .args([
+            "--seconds",
+            "0.05",
+            "--compare-users",
+            "50",
+            "--budget-ndcg10",
+            "1%",
+            "--checkpoint",
+        ])
+        .arg(dir.join("model.safetensors"))
+        .arg("--config")
+        .arg(dir.join("config.json"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--test")
+        .arg(fixtures().join("test_set.tsv"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let variants = report["variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 3);
+    // The fp32 row is the engine's evaluation: PyTorch's float64 metrics.
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("metrics.json")).unwrap()).unwrap();
+    for key in ["ndcg@10", "recall@10", "ndcg@100", "mrr"] {
+        let (got, want) = (
+            variants[0]["metrics"][key].as_f64().unwrap(),
+            expected["test_float64"][key].as_f64().unwrap(),
+        );
+        assert!((got - want).abs() <= 1e-6, "{key}: {got} vs {want}");
+    }
+    assert_eq!(variants[0]["top10_jaccard"], 1.0);
+    for v in variants {
+        assert_eq!(v["latency"].as_array().unwrap().len(), 2);
+        assert!(v["latency"][0]["p50_ms"].as_f64().unwrap() > 0.0);
+        assert!(v["weights_bytes"].as_u64().unwrap() > 0);
+    }
+    assert!(
+        variants[2]["weights_bytes"].as_u64().unwrap() * 3
+            < variants[0]["weights_bytes"].as_u64().unwrap()
+    );
+    let recommended = report["recommendation"]["variant"].as_str().unwrap();
+    let row = variants
+        .iter()
+        .find(|v| v["variant"] == recommended)
+        .unwrap();
+    assert!(row["ndcg10_relative_loss"].as_f64().unwrap() <= 0.01);
+    assert!(report["recommendation"]["command"]
+        .as_str()
+        .unwrap()
+        .starts_with("recsys convert --kind vaecf"));
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("**Recommendation**") && md.contains("| int8-wo |"));
+    let svg = std::fs::read_to_string(out.join("pareto.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("int8-wo"));
+
+    // A variant list that does not start at fp32 is refused.
+    let bad = recsys()
+        .args([
+            "sweep",
+            "--kind",
+            "vaecf",
+            "--precisions",
+            "fp16",
+            "--checkpoint",
+        ])
+        .arg(dir.join("model.safetensors"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--test")
+        .arg(fixtures().join("test_set.tsv"))
+        .arg("--out")
+        .arg(tmp.path().join("x"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("must start with fp32"));
+}

@@ -157,6 +157,21 @@ impl Engine {
         })
     }
 
+    /// Bytes the engine holds: the weights file (memory-mapped and read at load, so resident) plus
+    /// the packed copies the kernels read (dense layers and output layer).
+    pub fn memory_bytes(&self) -> usize {
+        let mapped = self
+            .manifest
+            .files
+            .values()
+            .map(|f| f.bytes as usize)
+            .sum::<usize>();
+        mapped
+            + self.model.packed_bytes()
+            + self.scorer.packed.weight_bytes()
+            + 4 * self.scorer.packed.bias.len()
+    }
+
     /// Threads for scoring one batch (at least 1).
     pub fn set_threads(&mut self, threads: usize) {
         self.scorer.threads = threads.max(1);

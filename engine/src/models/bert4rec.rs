@@ -177,6 +177,23 @@ impl Bert4Rec {
         &self.config
     }
 
+    pub(crate) fn packed_bytes(&self) -> usize {
+        let layer = |l: &TransformerLayer| {
+            [
+                &l.query,
+                &l.key,
+                &l.value,
+                &l.attn_out,
+                &l.ffn_in,
+                &l.ffn_out,
+            ]
+            .iter()
+            .map(|d| d.0.packed_bytes())
+            .sum::<usize>()
+        };
+        self.layers.iter().map(layer).sum::<usize>() + self.head_dense.0.packed_bytes()
+    }
+
     pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
         self.kernels = kernels;
     }

@@ -50,6 +50,11 @@ impl DenseLayer {
         }
     }
 
+    /// Bytes of the packed weights this layer holds in memory.
+    pub fn packed_bytes(&self) -> usize {
+        self.packed.weight_bytes() + 4 * self.packed.bias.len()
+    }
+
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         crate::kernels::fused::linear(kernels, &self.packed, x)
     }
@@ -131,6 +136,14 @@ impl Model {
         match self {
             Model::Bert4rec(m) => m.set_kernels(kernels),
             Model::Vaecf(m) => m.set_kernels(kernels),
+        }
+    }
+
+    /// Bytes of the packed copies of the dense layers (held in memory next to the mapped file).
+    pub fn packed_bytes(&self) -> usize {
+        match self {
+            Model::Bert4rec(m) => m.packed_bytes(),
+            Model::Vaecf(m) => m.packed_bytes(),
         }
     }
 

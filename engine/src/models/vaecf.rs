@@ -143,6 +143,14 @@ impl VaeCf {
         &self.config
     }
 
+    pub(crate) fn packed_bytes(&self) -> usize {
+        self.encoder_rest
+            .iter()
+            .chain(&self.decoder_hidden)
+            .map(DenseLayer::packed_bytes)
+            .sum()
+    }
+
     pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
         self.kernels = kernels;
     }

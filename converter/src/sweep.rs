@@ -1,0 +1,495 @@
+//! `recsys sweep`: convert a checkpoint at every precision, evaluate ranking quality, compare with
+//! fp32, time each engine, and recommend the fastest variant within a quality budget.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::cli::SweepArgs;
+use crate::error::{CliError, Result};
+use crate::progress;
+use recsys_engine::calibration::{read_histories, CalibrationMethod};
+use recsys_engine::engine_dir::Precision;
+use recsys_engine::metrics::{evaluate, read_test_set, TestCase};
+use recsys_engine::{ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind};
+
+/// One precision variant to build.
+#[derive(Clone, Debug)]
+struct Variant {
+    name: String,
+    precision: Precision,
+    method: Option<CalibrationMethod>,
+    /// The `recsys convert` flags that build it.
+    flags: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Latency {
+    batch: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    histories_per_s: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Row {
+    variant: String,
+    convert_flags: String,
+    metrics: std::collections::BTreeMap<String, f64>,
+    ndcg10_delta: f64,
+    ndcg10_relative_loss: f64,
+    recall10_delta: f64,
+    top10_jaccard: f64,
+    top100_jaccard: f64,
+    identical_top10: f64,
+    max_abs_score_error: f64,
+    mean_abs_score_error: f64,
+    weights_bytes: u64,
+    /// Mapped weights file plus the packed copies the kernels read.
+    resident_bytes: u64,
+    latency: Vec<Latency>,
+}
+
+fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
+    let mut out = Vec::new();
+    for name in args.precisions.split(',').map(str::trim) {
+        match name {
+            "fp32" => out.push(Variant {
+                name: "fp32".into(),
+                precision: Precision::Fp32,
+                method: None,
+                flags: "--precision fp32".into(),
+            }),
+            "fp16" => out.push(Variant {
+                name: "fp16".into(),
+                precision: Precision::Fp16,
+                method: None,
+                flags: "--precision fp16".into(),
+            }),
+            "int8-wo" => out.push(Variant {
+                name: "int8-wo".into(),
+                precision: Precision::Int8,
+                method: None,
+                flags: "--precision int8 --int8-mode weight-only".into(),
+            }),
+            "int8-w8a8" => {
+                if args.calibration.is_none() {
+                    return Err(CliError::Usage("int8-w8a8 needs --calibration FILE".into()));
+                }
+                for method in args.calibration_methods.split(',').map(str::trim) {
+                    let m = CalibrationMethod::parse(method, 99.99).map_err(CliError::Usage)?;
+                    out.push(Variant {
+                        name: format!("int8-w8a8-{method}"),
+                        precision: Precision::Int8,
+                        method: Some(m),
+                        flags: format!("--precision int8 --int8-mode w8a8 --calibration CAL --calibration-method {method}"),
+                    });
+                }
+            }
+            other => {
+                return Err(CliError::Usage(format!(
+                    "unknown precision {other:?} in --precisions (fp32, fp16, int8-wo, int8-w8a8)"
+                )))
+            }
+        }
+    }
+    if out.first().map(|v| v.precision) != Some(Precision::Fp32) {
+        return Err(CliError::Usage(
+            "--precisions must start with fp32, the reference of every comparison".into(),
+        ));
+    }
+    Ok(out)
+}
+
+fn histories(engine: &Engine, cases: &[TestCase]) -> Vec<Vec<u32>> {
+    cases
+        .iter()
+        .map(|c| {
+            let ids: Vec<&str> = c.history.iter().map(String::as_str).collect();
+            engine.ids.map(ExternalIds::Str(&ids)).indices
+        })
+        .collect()
+}
+
+fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
+    let request = InternalRequest {
+        history: history.to_vec(),
+        exclude: Vec::new(),
+        k,
+        exclude_seen: true,
+    };
+    engine.recommend_internal(&[request])[0]
+        .0
+        .iter()
+        .map(|s| s.index)
+        .collect()
+}
+
+fn jaccard(a: &[u32], b: &[u32]) -> f64 {
+    let inter = a.iter().filter(|x| b.contains(x)).count();
+    inter as f64 / (a.len() + b.len() - inter).max(1) as f64
+}
+
+fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: f64) -> Latency {
+    let make = |start: usize| -> Vec<InternalRequest> {
+        (0..batch)
+            .map(|i| InternalRequest {
+                history: histories[(start + i) % histories.len()].clone(),
+                exclude: Vec::new(),
+                k: 10,
+                exclude_seen: true,
+            })
+            .collect()
+    };
+    engine.recommend_internal(&make(0)); // warm-up
+    let mut times = Vec::new();
+    let started = Instant::now();
+    let mut next = 0;
+    while times.len() < 5 || (started.elapsed().as_secs_f64() < seconds && times.len() < 2000) {
+        let requests = make(next);
+        next += batch;
+        let t = Instant::now();
+        std::hint::black_box(engine.recommend_internal(&requests));
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    let p = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize] * 1000.0;
+    Latency {
+        batch,
+        p50_ms: p(0.5),
+        p99_ms: p(0.99),
+        histories_per_s: batch as f64 * times.len() as f64 / times.iter().sum::<f64>(),
+    }
+}
+
+pub fn run(args: &SweepArgs) -> Result<i32> {
+    let variants = parse_variants(args)?;
+    let kind = match args.kind {
+        crate::cli::Kind::Bert4rec => ModelKind::Bert4rec,
+        crate::cli::Kind::Vaecf => ModelKind::Vaecf,
+    };
+    let budget = args
+        .budget_ndcg10
+        .trim_end_matches('%')
+        .parse::<f64>()
+        .map_err(|_| {
+            CliError::Usage(format!(
+                "--budget-ndcg10 must be a percentage like 1%, found {:?}",
+                args.budget_ndcg10
+            ))
+        })?
+        / 100.0;
+    let config = match &args.config {
+        None => None,
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(CliError::io(format!("cannot read {}", path.display())))?;
+            match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(serde_json::Value::Object(map)) => Some(map),
+                _ => {
+                    return Err(CliError::Usage(format!(
+                        "{} is not a JSON object",
+                        path.display()
+                    )))
+                }
+            }
+        }
+    };
+    let calibration = args
+        .calibration
+        .as_ref()
+        .map(|p| read_histories(p))
+        .transpose()?;
+    let cases = read_test_set(&args.test)?;
+    let batches: Vec<usize> = args.batch.clone();
+    std::fs::create_dir_all(args.out.join("engines")).map_err(CliError::io(format!(
+        "cannot create {}",
+        args.out.display()
+    )))?;
+
+    let bar = progress::counter(variants.len() as u64, "variants");
+    let mut rows: Vec<Row> = Vec::new();
+    let mut reference: Option<(Engine, Vec<Vec<u32>>)> = None;
+    for variant in &variants {
+        bar.set_message(variant.name.clone());
+        let dir = args.out.join("engines").join(&variant.name);
+        let mut engine = recsys_engine::convert(&ConvertRequest {
+            kind,
+            checkpoint: &args.checkpoint,
+            config: config.as_ref(),
+            item_map: &args.item_map,
+            out: &dir,
+            precision: variant.precision,
+            calibration: variant.method.map(|m| {
+                (
+                    calibration.as_deref().expect("checked in parse_variants"),
+                    m,
+                )
+            }),
+        })?;
+        engine.set_threads(args.threads as usize);
+        let resident = engine.memory_bytes() as u64;
+        let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
+        let hist = histories(&engine, &cases);
+        let (mut j10, mut j100, mut same, mut max_err, mut sum_err, mut n_err) =
+            (0.0, 0.0, 0usize, 0f64, 0f64, 0usize);
+        let compare_users = hist.len().min(args.compare_users);
+        if let Some((fp32, _)) = &reference {
+            for h in hist.iter().take(compare_users) {
+                let (a, b) = (top(fp32, h, 10), top(&engine, h, 10));
+                j10 += jaccard(&a, &b);
+                same += usize::from(a == b);
+                j100 += jaccard(&top(fp32, h, 100), &top(&engine, h, 100));
+                let (sa, sb) = (fp32.score_all(&[h]), engine.score_all(&[h]));
+                for (x, y) in sa.iter().zip(&sb).skip(1) {
+                    let e = (x - y).abs() as f64;
+                    max_err = max_err.max(e);
+                    sum_err += e;
+                    n_err += 1;
+                }
+            }
+        } else {
+            (j10, j100, same) = (compare_users as f64, compare_users as f64, compare_users);
+        }
+        let latency: Vec<Latency> = batches
+            .iter()
+            .map(|&b| time_batches(&engine, &hist, b, args.seconds))
+            .collect();
+        let base = rows
+            .first()
+            .map(|r| r.metrics.clone())
+            .unwrap_or_else(|| report.metrics.clone());
+        let ndcg = report.metrics["ndcg@10"];
+        rows.push(Row {
+            variant: variant.name.clone(),
+            convert_flags: variant.flags.clone(),
+            ndcg10_delta: ndcg - base["ndcg@10"],
+            ndcg10_relative_loss: (base["ndcg@10"] - ndcg) / base["ndcg@10"].max(1e-12),
+            recall10_delta: report.metrics["recall@10"] - base["recall@10"],
+            metrics: report.metrics.clone(),
+            top10_jaccard: j10 / compare_users.max(1) as f64,
+            top100_jaccard: j100 / compare_users.max(1) as f64,
+            identical_top10: same as f64 / compare_users.max(1) as f64,
+            max_abs_score_error: max_err,
+            mean_abs_score_error: if n_err > 0 {
+                sum_err / n_err as f64
+            } else {
+                0.0
+            },
+            weights_bytes: engine.manifest.files["weights.safetensors"].bytes,
+            resident_bytes: resident,
+            latency,
+        });
+        if reference.is_none() {
+            reference = Some((engine, hist));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    // Fastest (p50 at the first batch size) within the budget.
+    let within: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.ndcg10_relative_loss <= budget)
+        .collect();
+    let best = within
+        .iter()
+        .min_by(|a, b| {
+            a.latency[0]
+                .p50_ms
+                .partial_cmp(&b.latency[0].p50_ms)
+                .expect("finite")
+        })
+        .expect("fp32 is always within the budget");
+    let command = format!(
+        "recsys convert --kind {} --checkpoint {} {} --item-map {} --out ENGINE_DIR {}",
+        kind,
+        args.checkpoint.display(),
+        args.config
+            .as_ref()
+            .map(|c| format!("--config {}", c.display()))
+            .unwrap_or_default(),
+        args.item_map.display(),
+        best.convert_flags.replace(
+            "CAL",
+            &args
+                .calibration
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        ),
+    );
+    let json = serde_json::json!({
+        "model": kind.to_string(),
+        "checkpoint": args.checkpoint.display().to_string(),
+        "test": args.test.display().to_string(),
+        "budget_ndcg10_relative_loss": budget,
+        "variants": rows,
+        "recommendation": {"variant": best.variant, "command": command},
+    });
+    std::fs::write(
+        args.out.join("report.json"),
+        serde_json::to_string_pretty(&json).expect("serialises") + "\n",
+    )
+    .map_err(CliError::io("cannot write report.json"))?;
+    let md = markdown(kind, args, &rows, best, &command, budget);
+    std::fs::write(args.out.join("report.md"), &md)
+        .map_err(CliError::io("cannot write report.md"))?;
+    std::fs::write(args.out.join("pareto.svg"), pareto_svg(&rows, budget))
+        .map_err(CliError::io("cannot write pareto.svg"))?;
+    println!("{md}");
+    println!(
+        "wrote {}/report.md, report.json and pareto.svg",
+        args.out.display()
+    );
+    Ok(0)
+}
+
+fn markdown(
+    kind: ModelKind,
+    args: &SweepArgs,
+    rows: &[Row],
+    best: &Row,
+    command: &str,
+    budget: f64,
+) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "# Precision sweep: {kind} ({})\n",
+        args.checkpoint.display()
+    );
+    let _ = writeln!(
+        s,
+        "Test set {} ({} users, leave-one-out, full ranking); quality compared with fp32 on the first {} users; latency of `recommend` (top-10) in-process, {} thread(s), median of repeated batches after warm-up. Resident = mapped weights file + the packed copies the kernels read.\n",
+        args.test.display(),
+        rows[0].metrics["n_users"],
+        args.compare_users,
+        args.threads
+    );
+    let _ = writeln!(s, "| variant | NDCG@10 | Δ NDCG@10 | NDCG@20 | NDCG@100 | Recall@10 | Recall@20 | Recall@100 | MRR | top-10 Jaccard | top-100 Jaccard | identical top-10 | max abs Δscore | mean abs Δscore | weights file MiB | resident MiB |");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for r in rows {
+        let m = &r.metrics;
+        let _ = writeln!(
+            s,
+            "| {} | {:.4} | {:+.2} % | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} | {:.3} | {:.3} | {:.1} % | {:.2e} | {:.2e} | {:.2} | {:.1} |",
+            r.variant,
+            m["ndcg@10"],
+            if r.ndcg10_relative_loss.abs() < 5e-5 { 0.0 } else { -100.0 * r.ndcg10_relative_loss },
+            m["ndcg@20"],
+            m["ndcg@100"],
+            m["recall@10"],
+            m["recall@20"],
+            m["recall@100"],
+            m["mrr"],
+            r.top10_jaccard,
+            r.top100_jaccard,
+            100.0 * r.identical_top10,
+            r.max_abs_score_error,
+            r.mean_abs_score_error,
+            r.weights_bytes as f64 / (1 << 20) as f64,
+            r.resident_bytes as f64 / (1 << 20) as f64
+        );
+    }
+    let _ = writeln!(s, "\n| variant | batch | p50 ms | p99 ms | histories/s |");
+    let _ = writeln!(s, "|---|---|---|---|---|");
+    for r in rows {
+        for l in &r.latency {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.3} | {:.3} | {:.0} |",
+                r.variant, l.batch, l.p50_ms, l.p99_ms, l.histories_per_s
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\n**Recommendation**: `{}`: the fastest variant at batch {} whose NDCG@10 loss stays within {:.2} % of fp32.\n\n```sh\n{}\n```",
+        best.variant,
+        best.latency[0].batch,
+        100.0 * budget,
+        command
+    );
+    s
+}
+
+/// Latency (p50 at the first batch size) against NDCG@10 loss, the Pareto front joined.
+fn pareto_svg(rows: &[Row], budget: f64) -> String {
+    let (w, h, m) = (640.0, 420.0, 60.0);
+    let xs: Vec<f64> = rows.iter().map(|r| r.latency[0].p50_ms).collect();
+    let ys: Vec<f64> = rows
+        .iter()
+        .map(|r| 100.0 * r.ndcg10_relative_loss)
+        .collect();
+    let (xmax, ymin, ymax) = (
+        xs.iter().cloned().fold(0.0, f64::max) * 1.15,
+        ys.iter().cloned().fold(0.0, f64::min).min(0.0) - 0.1,
+        ys.iter().cloned().fold(100.0 * budget, f64::max) + 0.1,
+    );
+    let px = |x: f64| m + x / xmax * (w - 2.0 * m);
+    let py = |y: f64| h - m - (y - ymin) / (ymax - ymin) * (h - 2.0 * m);
+    // Pareto front: no other variant is both faster and better.
+    let mut front: Vec<usize> = (0..rows.len())
+        .filter(|&i| {
+            !(0..rows.len()).any(|j| {
+                j != i && xs[j] <= xs[i] && ys[j] <= ys[i] && (xs[j] < xs[i] || ys[j] < ys[i])
+            })
+        })
+        .collect();
+    front.sort_by(|&a, &b| xs[a].partial_cmp(&xs[b]).expect("finite"));
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+        h - m,
+        w - m,
+        h - m
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>",
+        h - m
+    );
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">latency p50 at batch {} (ms)</text>",
+        w / 2.0,
+        h - 20.0,
+        rows[0].latency[0].batch
+    );
+    let _ = writeln!(s, "<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">NDCG@10 loss vs fp32 (%)</text>", h / 2.0, h / 2.0);
+    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{0}\" x2=\"{1}\" y2=\"{0}\" stroke=\"#c33\" stroke-dasharray=\"4 4\"/><text x=\"{2}\" y=\"{3}\" fill=\"#c33\">budget {4:.2} %</text>", py(100.0 * budget), w - m, w - m - 90.0, py(100.0 * budget) - 4.0, 100.0 * budget);
+    let _ = writeln!(s, "<text x=\"{m}\" y=\"{}\" text-anchor=\"middle\">0</text><text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{:.3}</text>", h - m + 15.0, w - m, h - m + 15.0, xmax);
+    let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.2}</text><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.2}</text>", m - 4.0, py(ymin) + 4.0, ymin, m - 4.0, py(ymax) + 4.0, ymax);
+    let points: Vec<String> = front
+        .iter()
+        .map(|&i| format!("{:.1},{:.1}", px(xs[i]), py(ys[i])))
+        .collect();
+    let _ = writeln!(
+        s,
+        "<polyline points=\"{}\" fill=\"none\" stroke=\"#36c\" stroke-width=\"2\"/>",
+        points.join(" ")
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let on_front = front.contains(&i);
+        let _ = writeln!(
+            s,
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"5\" fill=\"{}\"/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            px(xs[i]),
+            py(ys[i]),
+            if on_front { "#36c" } else { "#999" },
+            px(xs[i]) + 8.0,
+            py(ys[i]) - 6.0 - 12.0 * (i % 2) as f64,
+            r.variant
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
