@@ -486,7 +486,7 @@ fn pareto_svg(rows: &[Row], budget: f64) -> String {
             py(ys[i]),
             if on_front { "#36c" } else { "#999" },
             px(xs[i]) + 8.0,
-            py(ys[i]) - 6.0 - 12.0 * (i % 2) as f64,
+            py(ys[i]) - 6.0 - 13.0 * (i % 4) as f64,
             r.variant
         );
     }
