@@ -169,17 +169,25 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         crate::cli::Kind::Bert4rec => ModelKind::Bert4rec,
         crate::cli::Kind::Vaecf => ModelKind::Vaecf,
     };
+    // A budget below zero would exclude even fp32, leaving nothing to recommend.
     let budget = args
         .budget_ndcg10
         .trim_end_matches('%')
         .parse::<f64>()
-        .map_err(|_| {
+        .ok()
+        .filter(|b| b.is_finite() && *b >= 0.0)
+        .ok_or_else(|| {
             CliError::Usage(format!(
-                "--budget-ndcg10 must be a percentage like 1%, found {:?}",
+                "--budget-ndcg10 must be a non-negative percentage like 1%, found {:?}",
                 args.budget_ndcg10
             ))
         })?
         / 100.0;
+    if args.batch.is_empty() || args.batch.contains(&0) {
+        return Err(CliError::Usage(
+            "--batch needs batch sizes of at least 1".into(),
+        ));
+    }
     let config = match &args.config {
         None => None,
         Some(path) => {

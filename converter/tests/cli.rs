@@ -736,4 +736,27 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("must start with fp32"));
+
+    // A negative budget is refused rather than leaving nothing to recommend.
+    let bad = recsys()
+        .args([
+            "sweep",
+            "--kind",
+            "vaecf",
+            "--precisions",
+            "fp32",
+            "--budget-ndcg10=-1%",
+            "--checkpoint",
+        ])
+        .arg(dir.join("model.safetensors"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--test")
+        .arg(fixtures().join("test_set.tsv"))
+        .arg("--out")
+        .arg(tmp.path().join("y"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("non-negative percentage"));
 }
