@@ -39,6 +39,65 @@ pub enum Command {
     Versions(VersionsArgs),
     /// Convert at every precision, measure quality against fp32 and latency, recommend one.
     Sweep(SweepArgs),
+    /// Export an engine as an ONNX graph (fp32, fp16, int8 as explicit Q/DQ) for ONNX Runtime and
+    /// TensorRT, optionally as a Triton onnxruntime model.
+    ExportOnnx(ExportOnnxArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "The graph computes what the engine computes, at the engine's precision: fp32 weights as \
+float; fp16 weights as FLOAT16 cast to float; int8 weights with the engine's per-row scales through \
+DequantizeLinear, and for a W8A8 engine a QuantizeLinear/DequantizeLinear pair with the calibrated scale in \
+front of the output layer (the explicit Q/DQ form TensorRT 10 builds int8 engines from). Opset 17.\n\n\
+Inputs (int64, internal item indices; the engine's item_ids.tsv maps external ids):\n  \
+BERT4Rec: item_seq [batch, L] = the last L-1 history items oldest first, then the MASK index N+1, \
+right-padded with 0.\n  VAE-CF: items [batch, T] = the history, right-padded with 0.\n  \
+Both: exclude_ids [batch, E] = items to leave out (usually the history), right-padded with 0.\n\
+Outputs: topk_scores [batch, k] float and topk_items [batch, k] int64 (--k), or scores [batch, N+1] \
+(--all-scores).\n\n\
+TensorRT route (TensorRT is not bundled): trtexec --onnx=model.onnx --saveEngine=model.plan \
+--minShapes=... --optShapes=... --maxShapes=... (add --int8 for Q/DQ graphs, --fp16 for fp16), then serve \
+model.plan with platform \"tensorrt_plan\"; see README.md."
+)]
+pub struct ExportOnnxArgs {
+    /// Engine directory written by `recsys convert`.
+    #[arg(long)]
+    pub engine: PathBuf,
+    /// Write the ONNX model here (weights above 1 GiB go to FILE.data beside it).
+    #[arg(
+        long,
+        required_unless_present = "model_repository",
+        conflicts_with = "model_repository"
+    )]
+    pub out: Option<PathBuf>,
+    /// Write a Triton model instead: DIR/NAME/VERSION/model.onnx, DIR/NAME/config.pbtxt (onnxruntime
+    /// backend) and DIR/NAME/item_ids.tsv.
+    #[arg(long, value_name = "DIR")]
+    pub model_repository: Option<PathBuf>,
+    /// Model name in the repository (default: the engine kind and precision, e.g. bert4rec_onnx_fp32).
+    #[arg(long, requires = "model_repository")]
+    pub model_name: Option<String>,
+    #[arg(long, default_value_t = 1, requires = "model_repository")]
+    pub version: u64,
+    /// max_batch_size of the Triton config.
+    #[arg(long, default_value_t = 64, requires = "model_repository")]
+    pub max_batch_size: usize,
+    /// Triton instances on the GPU (onnxruntime's CUDA execution provider) instead of the CPU.
+    #[arg(long, requires = "model_repository")]
+    pub gpu: bool,
+    /// Items the graph returns per history.
+    #[arg(long, default_value_t = 100)]
+    pub k: usize,
+    /// Return every item's score ([batch, N+1]) instead of the top-k.
+    #[arg(long, conflicts_with = "k")]
+    pub all_scores: bool,
+    /// Put the weights in a side file (FILE.data) even when the model is small.
+    #[arg(long)]
+    pub external_data: bool,
+    /// Replace an existing version directory.
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Args, Debug)]

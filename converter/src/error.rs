@@ -5,6 +5,9 @@ pub enum CliError {
     #[error(transparent)]
     Engine(#[from] recsys_engine::EngineError),
 
+    #[error(transparent)]
+    Onnx(#[from] recsys_onnx::OnnxError),
+
     #[error("{context}: {source}")]
     Io {
         context: String,

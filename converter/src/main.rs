@@ -5,6 +5,7 @@ mod cli;
 mod convert;
 mod error;
 mod eval;
+mod export_onnx;
 mod predict;
 mod progress;
 mod registry;
@@ -24,6 +25,7 @@ fn main() {
         cli::Command::Reject(args) => versions::set(&args, registry::Status::Rejected),
         cli::Command::Versions(args) => versions::list(&args),
         cli::Command::Sweep(args) => sweep::run(&args),
+        cli::Command::ExportOnnx(args) => export_onnx::run(&args),
     };
     match code {
         Ok(code) => std::process::exit(code),

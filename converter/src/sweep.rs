@@ -344,11 +344,13 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
     let md = markdown(kind, args, &rows, best, &command, budget);
     std::fs::write(args.out.join("report.md"), &md)
         .map_err(CliError::io("cannot write report.md"))?;
-    std::fs::write(args.out.join("pareto.svg"), pareto_svg(&rows, budget))
+    let svg = pareto_svg(&rows, budget);
+    std::fs::write(args.out.join("pareto.svg"), &svg)
         .map_err(CliError::io("cannot write pareto.svg"))?;
+    write_png(&svg, &args.out.join("pareto.png"))?;
     println!("{md}");
     println!(
-        "wrote {}/report.md, report.json and pareto.svg",
+        "wrote {}/report.md, report.json, pareto.svg and pareto.png",
         args.out.display()
     );
     Ok(0)
@@ -427,8 +429,54 @@ fn markdown(
 }
 
 /// Latency (p50 at the first batch size) against NDCG@10 loss, the Pareto front joined.
+/// Rasterises the plot at twice its SVG size. Labels need a system font; without one the PNG is
+/// still written (points and lines only) and a warning says so.
+fn write_png(svg: &str, path: &std::path::Path) -> Result<()> {
+    use resvg::{tiny_skia, usvg};
+    let mut options = usvg::Options::default();
+    let fonts = options.fontdb_mut();
+    fonts.load_system_fonts();
+    // "sans-serif" maps to Arial unless told otherwise; use whatever sans face this machine has.
+    let family = {
+        let families: Vec<String> = fonts
+            .faces()
+            .flat_map(|f| f.families.iter().map(|(name, _)| name.clone()))
+            .collect();
+        families
+            .iter()
+            .find(|f| f.contains("Sans") && !f.contains("Mono"))
+            .or(families.first())
+            .cloned()
+    };
+    if let Some(family) = family {
+        fonts.set_sans_serif_family(family);
+    }
+    if options.fontdb.is_empty() {
+        eprintln!(
+            "warning: no system fonts found; {} has no text labels (pareto.svg does)",
+            path.display()
+        );
+    }
+    let tree = usvg::Tree::from_str(svg, &options).map_err(|e| {
+        CliError::Usage(format!("internal error: the plot SVG does not parse: {e}"))
+    })?;
+    let size = tree.size().to_int_size();
+    let mut pixmap = tiny_skia::Pixmap::new(2 * size.width(), 2 * size.height())
+        .ok_or_else(|| CliError::Usage("internal error: empty plot".into()))?;
+    resvg::render(
+        &tree,
+        tiny_skia::Transform::from_scale(2.0, 2.0),
+        &mut pixmap.as_mut(),
+    );
+    let png = pixmap
+        .encode_png()
+        .map_err(|e| CliError::Usage(format!("cannot encode {}: {e}", path.display())))?;
+    std::fs::write(path, png).map_err(CliError::io(format!("cannot write {}", path.display())))
+}
+
 fn pareto_svg(rows: &[Row], budget: f64) -> String {
-    let (w, h, m) = (640.0, 420.0, 60.0);
+    // `right` leaves room for the labels of the slowest variants.
+    let (w, h, m, right) = (780.0, 420.0, 60.0, 200.0);
     let xs: Vec<f64> = rows.iter().map(|r| r.latency[0].p50_ms).collect();
     let ys: Vec<f64> = rows
         .iter()
@@ -439,7 +487,7 @@ fn pareto_svg(rows: &[Row], budget: f64) -> String {
         ys.iter().cloned().fold(0.0, f64::min).min(0.0) - 0.1,
         ys.iter().cloned().fold(100.0 * budget, f64::max) + 0.1,
     );
-    let px = |x: f64| m + x / xmax * (w - 2.0 * m);
+    let px = |x: f64| m + x / xmax * (w - m - right);
     let py = |y: f64| h - m - (y - ymin) / (ymax - ymin) * (h - 2.0 * m);
     // Pareto front: no other variant is both faster and better.
     let mut front: Vec<usize> = (0..rows.len())
@@ -457,7 +505,7 @@ fn pareto_svg(rows: &[Row], budget: f64) -> String {
         s,
         "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
         h - m,
-        w - m,
+        w - right,
         h - m
     );
     let _ = writeln!(
@@ -473,8 +521,8 @@ fn pareto_svg(rows: &[Row], budget: f64) -> String {
         rows[0].latency[0].batch
     );
     let _ = writeln!(s, "<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">NDCG@10 loss vs fp32 (%)</text>", h / 2.0, h / 2.0);
-    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{0}\" x2=\"{1}\" y2=\"{0}\" stroke=\"#c33\" stroke-dasharray=\"4 4\"/><text x=\"{2}\" y=\"{3}\" fill=\"#c33\">budget {4:.2} %</text>", py(100.0 * budget), w - m, w - m - 90.0, py(100.0 * budget) - 4.0, 100.0 * budget);
-    let _ = writeln!(s, "<text x=\"{m}\" y=\"{}\" text-anchor=\"middle\">0</text><text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{:.3}</text>", h - m + 15.0, w - m, h - m + 15.0, xmax);
+    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{0}\" x2=\"{1}\" y2=\"{0}\" stroke=\"#c33\" stroke-dasharray=\"4 4\"/><text x=\"{2}\" y=\"{3}\" fill=\"#c33\">budget {4:.2} %</text>", py(100.0 * budget), w - right, w - right - 90.0, py(100.0 * budget) - 4.0, 100.0 * budget);
+    let _ = writeln!(s, "<text x=\"{m}\" y=\"{}\" text-anchor=\"middle\">0</text><text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{:.3}</text>", h - m + 15.0, w - right, h - m + 15.0, xmax);
     let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.2}</text><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.2}</text>", m - 4.0, py(ymin) + 4.0, ymin, m - 4.0, py(ymax) + 4.0, ymax);
     let points: Vec<String> = front
         .iter()
@@ -487,14 +535,15 @@ fn pareto_svg(rows: &[Row], budget: f64) -> String {
     );
     for (i, r) in rows.iter().enumerate() {
         let on_front = front.contains(&i);
+        let (x, y) = (px(xs[i]), py(ys[i]));
+        // Variants often sit on top of each other: stagger the labels and tie each to its point.
+        let (lx, ly) = (x + 14.0, y - 6.0 - 14.0 * (i % 4) as f64);
         let _ = writeln!(
             s,
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"5\" fill=\"{}\"/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
-            px(xs[i]),
-            py(ys[i]),
+            "<line x1=\"{x:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"#bbb\"/><circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"5\" fill=\"{}\"/><text x=\"{lx:.1}\" y=\"{ly:.1}\">{}</text>",
+            lx - 2.0,
+            ly - 4.0,
             if on_front { "#36c" } else { "#999" },
-            px(xs[i]) + 8.0,
-            py(ys[i]) - 6.0 - 13.0 * (i % 4) as f64,
             r.variant
         );
     }

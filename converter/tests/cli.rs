@@ -714,6 +714,8 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
     assert!(md.contains("**Recommendation**") && md.contains("| int8-wo |"));
     let svg = std::fs::read_to_string(out.join("pareto.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("int8-wo"));
+    let png = std::fs::read(out.join("pareto.png")).unwrap();
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000);
 
     // A variant list that does not start at fp32 is refused.
     let bad = recsys()

@@ -14,6 +14,16 @@ pub enum ModelKind {
     Vaecf,
 }
 
+impl ModelKind {
+    /// The name the command line and manifests use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::Bert4rec => "bert4rec",
+            ModelKind::Vaecf => "vaecf",
+        }
+    }
+}
+
 impl std::str::FromStr for ModelKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

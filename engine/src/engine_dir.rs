@@ -215,6 +215,8 @@ pub struct LoadedDir {
     pub manifest: Manifest,
     pub model: Model,
     pub ids: IdMap,
+    /// The stored tensors by name (exporters read them; the engine itself keeps only `model`).
+    pub weights: crate::weights::Weights,
 }
 
 pub fn load(dir: &Path) -> Result<LoadedDir> {
@@ -327,6 +329,7 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
         manifest,
         model,
         ids,
+        weights,
     })
 }
 

@@ -36,11 +36,12 @@ pub struct VaeCf {
     kernels: &'static KernelTable,
 }
 
-/// `(state-dict name prefix, [out, in])` of every Linear layer, encoder then decoder.
 /// A Linear layer's state-dict prefix and `[out, in]` shape.
-type LayerShape = (String, [usize; 2]);
+pub type LayerShape = (String, [usize; 2]);
 
-fn layer_shapes(c: &VaeCfConfig) -> (Vec<LayerShape>, Vec<LayerShape>) {
+/// Every Linear layer as `(prefix, [out, in])`: the encoder's (its last one yields mu and logvar),
+/// then the decoder's (its last one is the output layer).
+pub fn layer_shapes(c: &VaeCfConfig) -> (Vec<LayerShape>, Vec<LayerShape>) {
     let mut enc_dims = vec![c.n_items + 1];
     enc_dims.extend(&c.hidden_sizes);
     enc_dims.push(2 * c.latent_size);

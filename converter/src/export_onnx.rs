@@ -1,0 +1,94 @@
+//! `recsys export-onnx`: the engine as an ONNX graph, or as a Triton onnxruntime model.
+
+use recsys_onnx::{ExportOptions, ExportSummary, GraphOutput, RepositoryModel};
+
+use crate::cli::ExportOnnxArgs;
+use crate::error::Result;
+
+pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
+    let options = ExportOptions {
+        output: if args.all_scores {
+            GraphOutput::Scores
+        } else {
+            GraphOutput::TopK(args.k)
+        },
+        external_data: args.external_data,
+    };
+    let summary = match (&args.out, &args.model_repository) {
+        (_, Some(repository)) => {
+            let manifest = recsys_engine::engine_dir::load(&args.engine)?.manifest;
+            let default_name = format!(
+                "{}_onnx_{}",
+                manifest.model.kind().as_str(),
+                format!("{:?}", manifest.precision).to_lowercase()
+            );
+            let target = RepositoryModel {
+                repository: repository.clone(),
+                name: args.model_name.clone().unwrap_or(default_name),
+                version: args.version,
+                max_batch_size: args.max_batch_size,
+                gpu: args.gpu,
+                force: args.force,
+            };
+            let summary = recsys_onnx::write_model_repository(&args.engine, &target, &options)?;
+            println!(
+                "wrote Triton model {} (onnxruntime backend, {}) in {}",
+                target.name,
+                if target.gpu { "KIND_GPU" } else { "KIND_CPU" },
+                repository.display()
+            );
+            summary
+        }
+        (Some(out), None) => {
+            if out.exists() && !args.force {
+                return Err(crate::error::CliError::Usage(format!(
+                    "{} already exists; pass --force to replace it",
+                    out.display()
+                )));
+            }
+            recsys_onnx::export(&args.engine, out, &options)?
+        }
+        (None, None) => unreachable!("clap requires --out or --model-repository"),
+    };
+    report(&summary);
+    Ok(0)
+}
+
+fn report(s: &ExportSummary) {
+    let mode = s
+        .int8_mode
+        .as_deref()
+        .map(|m| format!(" ({m})"))
+        .unwrap_or_default();
+    println!(
+        "wrote {} ({:.1} MB): {} at {}{mode}, opset {}, {} nodes, {} QuantizeLinear, {} DequantizeLinear",
+        s.path.display(),
+        s.bytes as f64 / 1e6,
+        s.model.kind().as_str(),
+        format!("{:?}", s.precision).to_lowercase(),
+        recsys_onnx::OPSET,
+        s.nodes,
+        s.quantize_nodes,
+        s.dequantize_nodes
+    );
+    if let Some(data) = &s.external_data {
+        println!("weights in {}", data.display());
+    }
+    let fmt = |list: &[recsys_onnx::TensorSpec]| {
+        list.iter()
+            .map(|t| {
+                let dims: Vec<String> = std::iter::once("batch".to_string())
+                    .chain(
+                        t.dims
+                            .iter()
+                            .map(|v| v.map_or("?".into(), |v| v.to_string())),
+                    )
+                    .collect();
+                format!("{} {} [{}]", t.name, t.dtype, dims.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    println!("inputs: {}", fmt(&s.inputs));
+    println!("outputs: {}", fmt(&s.outputs));
+}

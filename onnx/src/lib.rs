@@ -1,0 +1,394 @@
+//! Exports a recsys engine directory as a self-contained ONNX model (opset 17) that computes what
+//! the engine computes, at the engine's precision:
+//!
+//! - fp32: float initializers;
+//! - fp16: FLOAT16 initializers cast to float (the engine stores fp16 and computes in fp32);
+//! - int8: the engine's int8 bytes and per-row scales through `DequantizeLinear`; a W8A8 engine's
+//!   static activation scale becomes a `QuantizeLinear`/`DequantizeLinear` pair in front of the
+//!   output layer. That explicit Q/DQ form is what TensorRT 10 builds int8 engines from.
+//!
+//! Inputs are internal item indices (the engine's `item_ids.tsv` maps them), plus `exclude_ids`,
+//! indices whose scores are set to -inf (pad with 0, which is always excluded). Outputs are the
+//! top-k (`topk_scores`, `topk_items`) or every item's score (`scores`).
+
+mod graph;
+mod models;
+mod repository;
+
+use std::path::{Path, PathBuf};
+
+use onnx_protobuf as pb;
+use pb::tensor_proto::DataType;
+use protobuf::{Message, MessageField};
+use recsys_engine::config::ModelConfig;
+use recsys_engine::engine_dir::{self, Precision};
+
+use graph::{value_info, Attr, GraphBuilder};
+pub use repository::{write_model_repository, RepositoryModel};
+
+pub const OPSET: i64 = 17;
+/// IR version 8 is the one that goes with opset 17.
+pub const IR_VERSION: i64 = 8;
+/// Above this many initializer bytes the weights go to a `<file>.data` side file (protobuf messages
+/// cannot exceed 2 GiB).
+pub const EXTERNAL_DATA_THRESHOLD: usize = 1 << 30;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OnnxError {
+    #[error(transparent)]
+    Engine(#[from] recsys_engine::EngineError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = OnnxError> = std::result::Result<T, E>;
+
+impl OnnxError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> OnnxError {
+        OnnxError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// What the graph returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphOutput {
+    /// `topk_scores` `[batch, k]` (float) and `topk_items` `[batch, k]` (int64 internal indices).
+    TopK(usize),
+    /// `scores` `[batch, N+1]`: every item's score, excluded ones -inf.
+    Scores,
+}
+
+#[derive(Clone, Debug)]
+pub struct ExportOptions {
+    pub output: GraphOutput,
+    /// Force weights into a side file even below [`EXTERNAL_DATA_THRESHOLD`].
+    pub external_data: bool,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            output: GraphOutput::TopK(100),
+            external_data: false,
+        }
+    }
+}
+
+/// What was written, for the command's report and the Triton config.
+#[derive(Clone, Debug)]
+pub struct ExportSummary {
+    pub path: PathBuf,
+    /// The weights side file, when one was written.
+    pub external_data: Option<PathBuf>,
+    pub bytes: u64,
+    pub model: ModelConfig,
+    pub precision: Precision,
+    /// "weight-only" or "w8a8" for int8 engines.
+    pub int8_mode: Option<String>,
+    pub output: GraphOutput,
+    pub nodes: usize,
+    pub quantize_nodes: usize,
+    pub dequantize_nodes: usize,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+}
+
+/// A graph input or output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    /// "int64" or "float".
+    pub dtype: &'static str,
+    /// Dims after the batch dim; `None` = dynamic.
+    pub dims: Vec<Option<usize>>,
+}
+
+fn type_name(dtype: DataType) -> &'static str {
+    if dtype == DataType::INT64 {
+        "int64"
+    } else {
+        "float"
+    }
+}
+
+/// The W8A8 activation scale of an engine's output layer, if it has one.
+fn activation_scale(manifest: &engine_dir::Manifest) -> Result<(Option<String>, Option<f32>)> {
+    if manifest.precision != Precision::Int8 {
+        return Ok((None, None));
+    }
+    let layer = manifest
+        .quantization
+        .as_ref()
+        .and_then(|q| q.get("output_layer"))
+        .cloned()
+        .unwrap_or_default();
+    match layer.get("mode").and_then(|m| m.as_str()) {
+        Some("w8a8") => {
+            let scale = layer
+                .get("activation_scale")
+                .and_then(|s| s.as_f64())
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| {
+                    OnnxError::Invalid(
+                        "w8a8 engine without a valid output_layer.activation_scale in its manifest"
+                            .into(),
+                    )
+                })?;
+            Ok((Some("w8a8".into()), Some(scale as f32)))
+        }
+        _ => Ok((Some("weight-only".into()), None)),
+    }
+}
+
+/// Builds the ONNX model of the engine in `engine`; returns it with its summary (path unset).
+pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, ExportSummary)> {
+    let loaded = engine_dir::load(engine)?;
+    let manifest = &loaded.manifest;
+    let (int8_mode, act_scale) = activation_scale(manifest)?;
+    let mut g = GraphBuilder::default();
+    let model = match &manifest.model {
+        ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights, act_scale)?,
+        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, act_scale)?,
+    };
+    let n_outputs = model.n_outputs;
+    if let GraphOutput::TopK(k) = options.output {
+        if k == 0 || k >= n_outputs {
+            return Err(OnnxError::Invalid(format!(
+                "k = {k} is out of range: the model scores {} items, so k must be 1..={}",
+                n_outputs - 1,
+                n_outputs - 1
+            )));
+        }
+    }
+
+    // Caller exclusions: scatter -inf into the listed columns.
+    let exclude = "exclude_ids";
+    let minus_inf = g.filled_like(exclude, f32::NEG_INFINITY);
+    let scores = g.op(
+        "ScatterElements",
+        &[&model.logits, exclude, &minus_inf],
+        vec![("axis", Attr::Int(1))],
+    );
+    let mut inputs = model.inputs;
+    inputs.push(value_info(
+        exclude,
+        DataType::INT64,
+        &[None, None],
+        &["batch", "exclude_slots"],
+        "internal item indices to leave out of the answer (typically the history), right-padded with 0",
+    ));
+    let outputs = match options.output {
+        GraphOutput::TopK(k) => {
+            let kk = g.init_i64("k", &[k as i64]);
+            g.node_with_outputs(
+                "TopK",
+                &[&scores, &kk],
+                &["topk_scores", "topk_items"],
+                vec![
+                    ("axis", Attr::Int(1)),
+                    ("largest", Attr::Int(1)),
+                    ("sorted", Attr::Int(1)),
+                ],
+            );
+            vec![
+                ("topk_scores", DataType::FLOAT, vec![Some(k)]),
+                ("topk_items", DataType::INT64, vec![Some(k)]),
+            ]
+        }
+        GraphOutput::Scores => {
+            g.node_with_outputs("Identity", &[&scores], &["scores"], vec![]);
+            vec![("scores", DataType::FLOAT, vec![Some(n_outputs)])]
+        }
+    };
+    let describe = |dims: &[Option<usize>]| {
+        let mut all = vec![None];
+        all.extend_from_slice(dims);
+        all
+    };
+    let graph_outputs = outputs
+        .iter()
+        .map(|(name, dtype, dims)| value_info(name, *dtype, &describe(dims), &["batch"], ""))
+        .collect();
+    let input_summary = inputs
+        .iter()
+        .map(|vi| {
+            let t = vi.type_.tensor_type();
+            let dims = t.shape.dim[1..]
+                .iter()
+                .map(|d| match d.value {
+                    Some(pb::tensor_shape_proto::dimension::Value::DimValue(v)) => Some(v as usize),
+                    _ => None,
+                })
+                .collect();
+            TensorSpec {
+                name: vi.name.clone(),
+                dtype: if t.elem_type == DataType::INT64 as i32 {
+                    "int64"
+                } else {
+                    "float"
+                },
+                dims,
+            }
+        })
+        .collect();
+    let outputs = outputs
+        .into_iter()
+        .map(|(name, dtype, dims)| TensorSpec {
+            name: name.to_string(),
+            dtype: type_name(dtype),
+            dims,
+        })
+        .collect();
+
+    let kind = match &manifest.model {
+        ModelConfig::Bert4rec(_) => "bert4rec",
+        ModelConfig::Vaecf(_) => "vaecf",
+    };
+    let precision = match manifest.precision {
+        Precision::Fp32 => "fp32",
+        Precision::Fp16 => "fp16",
+        Precision::Int8 => "int8",
+    };
+    let mut metadata = vec![
+        ("recsys.kind", kind.to_string()),
+        ("recsys.precision", precision.to_string()),
+        ("recsys.n_items", (n_outputs - 1).to_string()),
+        ("recsys.source_sha256", manifest.source.sha256.clone()),
+        (
+            "recsys.item_ids",
+            "internal index -> external id: the engine's item_ids.tsv".to_string(),
+        ),
+    ];
+    if let Some(mode) = &int8_mode {
+        metadata.push(("recsys.int8_mode", mode.clone()));
+    }
+    if let ModelConfig::Bert4rec(c) = &manifest.model {
+        metadata.push(("recsys.mask_index", (c.n_items + 1).to_string()));
+        metadata.push(("recsys.max_len", c.max_len.to_string()));
+    }
+    let summary = ExportSummary {
+        path: PathBuf::new(),
+        external_data: None,
+        bytes: 0,
+        model: manifest.model.clone(),
+        precision: manifest.precision,
+        int8_mode,
+        output: options.output,
+        nodes: g.nodes.len(),
+        quantize_nodes: g.quantize_nodes,
+        dequantize_nodes: g.dequantize_nodes,
+        inputs: input_summary,
+        outputs,
+    };
+    let proto = pb::ModelProto {
+        ir_version: IR_VERSION,
+        opset_import: vec![pb::OperatorSetIdProto {
+            domain: String::new(),
+            version: OPSET,
+            ..Default::default()
+        }],
+        producer_name: "recsys".into(),
+        producer_version: env!("CARGO_PKG_VERSION").into(),
+        doc_string: format!(
+            "{kind} exported by recsys from an engine at {precision}; inputs are internal item \
+             indices (see the engine's item_ids.tsv)"
+        ),
+        graph: MessageField::some(pb::GraphProto {
+            name: format!("recsys_{kind}_{precision}"),
+            node: std::mem::take(&mut g.nodes),
+            initializer: std::mem::take(&mut g.initializers),
+            input: inputs,
+            output: graph_outputs,
+            ..Default::default()
+        }),
+        metadata_props: metadata
+            .into_iter()
+            .map(|(key, value)| pb::StringStringEntryProto {
+                key: key.into(),
+                value,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    Ok((proto, summary))
+}
+
+/// Exports the engine in `engine` to `out` (written atomically); large weights go to `out.data`.
+pub fn export(engine: &Path, out: &Path, options: &ExportOptions) -> Result<ExportSummary> {
+    let (mut proto, mut summary) = build(engine, options)?;
+    let graph = proto.graph.as_mut().expect("built with a graph");
+    let weight_bytes: usize = graph.initializer.iter().map(|t| t.raw_data.len()).sum();
+    let data_path = if options.external_data || weight_bytes > EXTERNAL_DATA_THRESHOLD {
+        let file_name = format!(
+            "{}.data",
+            out.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model.onnx".into())
+        );
+        let path = out.with_file_name(&file_name);
+        let mut blob = Vec::with_capacity(weight_bytes);
+        for t in graph
+            .initializer
+            .iter_mut()
+            .filter(|t| t.raw_data.len() >= 1024)
+        {
+            // Offsets aligned to 64 bytes, so a reader can map the file and view tensors in place.
+            blob.resize(blob.len().next_multiple_of(64), 0);
+            let offset = blob.len();
+            blob.extend_from_slice(&t.raw_data);
+            t.external_data = [
+                ("location", file_name.clone()),
+                ("offset", offset.to_string()),
+                ("length", t.raw_data.len().to_string()),
+            ]
+            .into_iter()
+            .map(|(key, value)| pb::StringStringEntryProto {
+                key: key.into(),
+                value,
+                ..Default::default()
+            })
+            .collect();
+            t.data_location =
+                protobuf::EnumOrUnknown::new(pb::tensor_proto::DataLocation::EXTERNAL);
+            t.raw_data = Vec::new();
+        }
+        write_atomically(&path, &blob)?;
+        Some(path)
+    } else {
+        None
+    };
+    let bytes = proto
+        .write_to_bytes()
+        .map_err(|e| OnnxError::Invalid(format!("cannot serialise the ONNX model: {e}")))?;
+    write_atomically(out, &bytes)?;
+    summary.path = out.to_path_buf();
+    summary.bytes = bytes.len() as u64
+        + data_path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map_or(0, |m| m.len());
+    summary.external_data = data_path;
+    Ok(summary)
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| OnnxError::io(format!("cannot create {}", parent.display()), e))?;
+    }
+    let tmp = PathBuf::from(format!("{}.partial", path.display()));
+    std::fs::write(&tmp, bytes)
+        .map_err(|e| OnnxError::io(format!("cannot write {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| OnnxError::io(format!("cannot rename {} into place", tmp.display()), e))
+}

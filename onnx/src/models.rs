@@ -1,0 +1,293 @@
+//! The two recommenders as ONNX graphs, computing what the engine computes (same weights at the
+//! same precision). Both end in a `[batch, N+1]` logits tensor whose PAD column is -inf (folded
+//! into the output bias), so the shared tail only applies the caller's exclusions and top-k.
+
+use onnx_protobuf as pb;
+use pb::tensor_proto::DataType;
+use recsys_engine::config::{Bert4RecConfig, VaeCfConfig};
+use recsys_engine::models::vaecf::{layer_shapes, FIRST_LAYER_BY_ITEM};
+use recsys_engine::weights::Weights;
+
+use crate::graph::{value_info, Attr, GraphBuilder};
+use crate::Result;
+
+/// Inputs, the logits tensor's name, and notes for the model's doc string.
+pub(crate) struct ModelGraph {
+    pub inputs: Vec<pb::ValueInfoProto>,
+    pub logits: String,
+    pub n_outputs: usize,
+}
+
+/// The output bias with PAD (index 0) at -inf, so index 0 is never recommended.
+fn output_bias(g: &mut GraphBuilder, weights: &Weights, name: &str, n: usize) -> Result<String> {
+    let mut bias = weights.tensor(name, &[n])?.as_slice().to_vec();
+    bias[0] = f32::NEG_INFINITY;
+    Ok(g.init_f32(&format!("{name}_pad_excluded"), &[n], &bias))
+}
+
+/// `h @ W^T + b` for the output layer; with a W8A8 activation scale, `h` gets a static Q/DQ pair
+/// first (the int8 x int8 product TensorRT can then build).
+fn output_layer(
+    g: &mut GraphBuilder,
+    h: &str,
+    weight: &str,
+    bias: &str,
+    activation_scale: Option<f32>,
+) -> String {
+    let h = match activation_scale {
+        Some(scale) => g.fake_quantize(h, "output_input", scale),
+        None => h.to_string(),
+    };
+    g.op("Gemm", &[&h, weight, bias], vec![("transB", Attr::Int(1))])
+}
+
+pub(crate) fn bert4rec(
+    g: &mut GraphBuilder,
+    c: &Bert4RecConfig,
+    w: &Weights,
+    activation_scale: Option<f32>,
+) -> Result<ModelGraph> {
+    let (h, inner, n, l) = (c.hidden_size, c.inner_size, c.n_items, c.max_len);
+    let heads = c.n_heads;
+    let head_dim = h / heads;
+    let eps = c.layer_norm_eps;
+    let seq = "item_seq";
+
+    let table = w.matrix("item_embedding.weight", [n + 2, h])?;
+    let table = g.weight("item_embedding.weight", &table);
+    let tokens = g.op("Gather", &[&table, seq], vec![("axis", Attr::Int(0))]);
+    let pos = w.tensor("position_embedding.weight", &[l, h])?;
+    let pos = g.init_f32("position_embedding.weight", &[l, h], pos.as_slice());
+    let x = g.op("Add", &[&tokens, &pos], vec![]);
+    let ln = |g: &mut GraphBuilder, x: &str, prefix: &str| -> Result<String> {
+        let gamma = w.tensor(&format!("{prefix}.weight"), &[h])?;
+        let beta = w.tensor(&format!("{prefix}.bias"), &[h])?;
+        Ok(g.layer_norm(x, prefix, &gamma, &beta, eps))
+    };
+    let mut x = ln(g, &x, "LayerNorm")?;
+
+    // RecBole's additive key mask: -10000 on PAD keys, [B, 1, 1, L].
+    let zero = g.scalar_i64("pad_index", 0);
+    let is_pad = g.op("Equal", &[seq, &zero], vec![]);
+    let is_pad = g.op(
+        "Cast",
+        &[&is_pad],
+        vec![("to", Attr::Int(DataType::FLOAT as i64))],
+    );
+    let minus = g.scalar_f32("mask_value", -10000.0);
+    let key_mask = g.op("Mul", &[&is_pad, &minus], vec![]);
+    let axes12 = g.init_i64("axes", &[1, 2]);
+    let key_mask = g.op("Unsqueeze", &[&key_mask, &axes12], vec![]);
+
+    // One-hot of the MASK slot, [B, 1, L]: selects the row the answer is read from.
+    let mask_index = g.scalar_i64("mask_index", n as i64 + 1);
+    let at_mask = g.op("Equal", &[seq, &mask_index], vec![]);
+    let at_mask = g.op(
+        "Cast",
+        &[&at_mask],
+        vec![("to", Attr::Int(DataType::FLOAT as i64))],
+    );
+    let axes1 = g.init_i64("axes", &[1]);
+    let select_mask = g.op("Unsqueeze", &[&at_mask, &axes1], vec![]);
+
+    let split_heads = g.init_i64("split_heads", &[0, 0, heads as i64, head_dim as i64]);
+    let merge_heads = g.init_i64("merge_heads", &[0, 0, h as i64]);
+    let sqrt_d = g.scalar_f32("sqrt_head_dim", (head_dim as f32).sqrt());
+
+    let dense =
+        |g: &mut GraphBuilder, x: &str, prefix: &str, out: usize, inp: usize| -> Result<String> {
+            let weight = w.matrix(&format!("{prefix}.weight"), [out, inp])?;
+            let bias = w.tensor(&format!("{prefix}.bias"), &[out])?;
+            Ok(g.linear(x, prefix, &weight, &bias))
+        };
+
+    for layer in 0..c.n_layers {
+        let p = format!("trm_encoder.layer.{layer}");
+        let a = format!("{p}.multi_head_attention");
+        // Only the MASK row is read after the last layer, so its queries, attention output and
+        // feed-forward run for that row alone (as in the engine); keys and values see every slot.
+        let x_q = if layer + 1 == c.n_layers {
+            g.op("MatMul", &[&select_mask, &x], vec![])
+        } else {
+            x.clone()
+        };
+        let q = dense(g, &x_q, &format!("{a}.query"), h, h)?;
+        let k = dense(g, &x, &format!("{a}.key"), h, h)?;
+        let v = dense(g, &x, &format!("{a}.value"), h, h)?;
+        let q = g.op("Reshape", &[&q, &split_heads], vec![]);
+        let q = g.op(
+            "Transpose",
+            &[&q],
+            vec![("perm", Attr::Ints(vec![0, 2, 1, 3]))],
+        );
+        let k = g.op("Reshape", &[&k, &split_heads], vec![]);
+        let k = g.op(
+            "Transpose",
+            &[&k],
+            vec![("perm", Attr::Ints(vec![0, 2, 3, 1]))],
+        );
+        let v = g.op("Reshape", &[&v, &split_heads], vec![]);
+        let v = g.op(
+            "Transpose",
+            &[&v],
+            vec![("perm", Attr::Ints(vec![0, 2, 1, 3]))],
+        );
+        let scores = g.op("MatMul", &[&q, &k], vec![]);
+        let scores = g.op("Div", &[&scores, &sqrt_d], vec![]);
+        let scores = g.op("Add", &[&scores, &key_mask], vec![]);
+        let probs = g.op("Softmax", &[&scores], vec![("axis", Attr::Int(-1))]);
+        let ctx = g.op("MatMul", &[&probs, &v], vec![]);
+        let ctx = g.op(
+            "Transpose",
+            &[&ctx],
+            vec![("perm", Attr::Ints(vec![0, 2, 1, 3]))],
+        );
+        let ctx = g.op("Reshape", &[&ctx, &merge_heads], vec![]);
+        let attended = dense(g, &ctx, &format!("{a}.dense"), h, h)?;
+        let attended = g.op("Add", &[&attended, &x_q], vec![]);
+        let attended = ln(g, &attended, &format!("{a}.LayerNorm"))?;
+        let f = format!("{p}.feed_forward");
+        let hidden = dense(g, &attended, &format!("{f}.dense_1"), inner, h)?;
+        let hidden = g.gelu(&hidden);
+        let out = dense(g, &hidden, &format!("{f}.dense_2"), h, inner)?;
+        let out = g.op("Add", &[&out, &attended], vec![]);
+        x = ln(g, &out, &format!("{f}.LayerNorm"))?;
+    }
+    if c.n_layers == 0 {
+        x = g.op("MatMul", &[&select_mask, &x], vec![]);
+    }
+    let flat = g.init_i64("rows", &[-1, h as i64]);
+    let head = g.op("Reshape", &[&x, &flat], vec![]);
+    let head = dense(g, &head, "output_ffn", h, h)?;
+    let head = g.gelu(&head);
+    let head = ln(g, &head, "output_ln")?;
+
+    // Tied output layer: rows 0..=N of the item table (the MASK row has no output).
+    let starts = g.init_i64("starts", &[0]);
+    let ends = g.init_i64("ends", &[n as i64 + 1]);
+    let axes0 = g.init_i64("axes", &[0]);
+    let out_w = g.op("Slice", &[&table, &starts, &ends, &axes0], vec![]);
+    let bias = output_bias(g, w, "output_bias", n + 1)?;
+    let logits = output_layer(g, &head, &out_w, &bias, activation_scale);
+
+    let inputs = vec![value_info(
+        seq,
+        DataType::INT64,
+        &[None, Some(l)],
+        &["batch"],
+        &format!(
+            "internal item indices (1..={n}): the history's last {} items oldest first, then the \
+             MASK index {}, right-padded with 0 to {l} slots",
+            l - 1,
+            n + 1
+        ),
+    )];
+    Ok(ModelGraph {
+        inputs,
+        logits,
+        n_outputs: n + 1,
+    })
+}
+
+pub(crate) fn vaecf(
+    g: &mut GraphBuilder,
+    c: &VaeCfConfig,
+    w: &Weights,
+    activation_scale: Option<f32>,
+) -> Result<ModelGraph> {
+    let n = c.n_items;
+    let items = "items";
+    let (encoder, decoder) = layer_shapes(c);
+
+    // Binary multi-hot [B, N+1] from the padded index list; PAD (column 0) is not an input.
+    let shape = g.op("Shape", &[items], vec![]);
+    let (s0, s1, a0) = (
+        g.init_i64("starts", &[0]),
+        g.init_i64("ends", &[1]),
+        g.init_i64("axes", &[0]),
+    );
+    let batch = g.op("Slice", &[&shape, &s0, &s1, &a0], vec![]);
+    let width = g.init_i64("width", &[n as i64 + 1]);
+    let dense_shape = g.op("Concat", &[&batch, &width], vec![("axis", Attr::Int(0))]);
+    let zero = crate::graph::tensor_proto("", DataType::FLOAT, &[1], 0f32.to_le_bytes().to_vec());
+    let zeros = g.op(
+        "ConstantOfShape",
+        &[&dense_shape],
+        vec![("value", Attr::Tensor(Box::new(zero)))],
+    );
+    let ones = g.filled_like(items, 1.0);
+    let multihot = g.op(
+        "ScatterElements",
+        &[&zeros, items, &ones],
+        vec![("axis", Attr::Int(1))],
+    );
+    let mut keep = vec![1f32; n + 1];
+    keep[0] = 0.0;
+    let keep = g.init_f32("not_pad", &[n + 1], &keep);
+    let multihot = g.op("Mul", &[&multihot, &keep], vec![]);
+    // F.normalize: x / max(||x||_2, 1e-12).
+    let norm = g.op(
+        "ReduceL2",
+        &[&multihot],
+        vec![("axes", Attr::Ints(vec![1])), ("keepdims", Attr::Int(1))],
+    );
+    let floor = g.scalar_f32("norm_floor", 1e-12);
+    let norm = g.op("Max", &[&norm, &floor], vec![]);
+    let x = g.op("Div", &[&multihot, &norm], vec![]);
+
+    // The first layer is stored by item ([N+1, hidden_0]) = W^T, so no transpose.
+    let (first_prefix, first_shape) = &encoder[0];
+    let first = w.matrix(FIRST_LAYER_BY_ITEM, [first_shape[1], first_shape[0]])?;
+    let first = g.weight(FIRST_LAYER_BY_ITEM, &first);
+    let first_bias = w.tensor(&format!("{first_prefix}.bias"), &first_shape[..1])?;
+    let first_bias = g.init_f32(
+        &format!("{first_prefix}.bias"),
+        &first_shape[..1],
+        first_bias.as_slice(),
+    );
+    let x = g.op("MatMul", &[&x, &first], vec![]);
+    let x = g.op("Add", &[&x, &first_bias], vec![]);
+    let mut x = g.op("Tanh", &[&x], vec![]);
+
+    let n_rest = encoder.len() - 1;
+    for (i, (prefix, shape)) in encoder[1..].iter().enumerate() {
+        let mut weight = w.matrix(&format!("{prefix}.weight"), *shape)?;
+        let mut bias = w.tensor(&format!("{prefix}.bias"), &shape[..1])?;
+        if i + 1 == n_rest {
+            // mu is the first half of the last encoder layer; logvar is unused at inference.
+            weight = weight.slice_rows(0, c.latent_size);
+            bias = bias.rows(0, c.latent_size);
+        }
+        x = g.linear(&x, prefix, &weight, &bias);
+        if i + 1 < n_rest {
+            x = g.op("Tanh", &[&x], vec![]);
+        }
+    }
+    let (out_prefix, out_shape) = decoder.last().expect("decoder has an output layer");
+    for (prefix, shape) in &decoder[..decoder.len() - 1] {
+        let weight = w.matrix(&format!("{prefix}.weight"), *shape)?;
+        let bias = w.tensor(&format!("{prefix}.bias"), &shape[..1])?;
+        x = g.linear(&x, prefix, &weight, &bias);
+        x = g.op("Tanh", &[&x], vec![]);
+    }
+    let out_w = w.matrix(&format!("{out_prefix}.weight"), *out_shape)?;
+    let out_w = g.weight(&format!("{out_prefix}.weight"), &out_w);
+    let bias = output_bias(g, w, &format!("{out_prefix}.bias"), n + 1)?;
+    let logits = output_layer(g, &x, &out_w, &bias, activation_scale);
+
+    let inputs = vec![value_info(
+        items,
+        DataType::INT64,
+        &[None, None],
+        &["batch", "history_slots"],
+        &format!(
+            "internal item indices (1..={n}) of the history, any order, right-padded with 0; \
+             duplicates count once"
+        ),
+    )];
+    Ok(ModelGraph {
+        inputs,
+        logits,
+        n_outputs: n + 1,
+    })
+}

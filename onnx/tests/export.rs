@@ -1,0 +1,250 @@
+//! The exporter on the fixture models: graph structure per precision, the Q/DQ it emits, the
+//! external-data layout and its refusals. Numerical agreement is checked in onnxruntime by
+//! tests/integration/test_onnx_export.py.
+
+use std::path::{Path, PathBuf};
+
+use onnx_protobuf::{tensor_proto::DataType, Message, ModelProto};
+use recsys_engine::calibration::CalibrationMethod;
+use recsys_engine::engine_dir::Precision;
+use recsys_engine::{ConvertRequest, ModelKind};
+use recsys_onnx::{ExportOptions, GraphOutput, OnnxError, RepositoryModel};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+fn calibration_histories() -> Vec<Vec<String>> {
+    std::fs::read_to_string(fixtures().join("test_set.tsv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .take(200)
+        .map(|l| {
+            l.split('\t')
+                .nth(2)
+                .unwrap()
+                .split(' ')
+                .map(String::from)
+                .collect()
+        })
+        .collect()
+}
+
+fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> PathBuf {
+    let sub = if kind == ModelKind::Bert4rec {
+        "bert4rec"
+    } else {
+        "multivae"
+    };
+    let src = fixtures().join(sub);
+    let config: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let out = dir.join(format!("{sub}_{precision:?}_{w8a8}"));
+    let histories = calibration_histories();
+    recsys_engine::convert(&ConvertRequest {
+        kind,
+        checkpoint: &src.join("model.safetensors"),
+        config: Some(&config),
+        item_map: &src.join("item_id_map.tsv"),
+        out: &out,
+        precision,
+        calibration: w8a8.then_some((histories.as_slice(), CalibrationMethod::MinMax)),
+    })
+    .unwrap();
+    out
+}
+
+fn ops(model: &ModelProto) -> Vec<&str> {
+    model
+        .graph
+        .node
+        .iter()
+        .map(|n| n.op_type.as_str())
+        .collect()
+}
+
+fn count(model: &ModelProto, op: &str) -> usize {
+    ops(model).iter().filter(|o| **o == op).count()
+}
+
+#[test]
+fn each_precision_is_expressed_in_the_graph() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+        // BERT4Rec: item table + 2 layers x 6 dense + head dense; Mult-VAE: 2 encoder + 2 decoder.
+        let quantized = if kind == ModelKind::Bert4rec { 14 } else { 4 };
+        for (precision, w8a8) in [
+            (Precision::Fp32, false),
+            (Precision::Fp16, false),
+            (Precision::Int8, false),
+            (Precision::Int8, true),
+        ] {
+            let dir = engine(tmp.path(), kind, precision, w8a8);
+            let (model, summary) = recsys_onnx::build(&dir, &ExportOptions::default()).unwrap();
+            let types: Vec<i32> = model
+                .graph
+                .initializer
+                .iter()
+                .map(|t| t.data_type)
+                .collect();
+            let has = |t: DataType| types.contains(&(t as i32));
+            let label = format!("{kind:?} {precision:?} w8a8={w8a8}");
+            assert_eq!(model.opset_import[0].version, 17, "{label}");
+            match precision {
+                Precision::Fp32 => {
+                    assert!(!has(DataType::FLOAT16) && !has(DataType::INT8), "{label}");
+                    assert_eq!(count(&model, "DequantizeLinear"), 0, "{label}");
+                }
+                Precision::Fp16 => {
+                    let fp16 = types
+                        .iter()
+                        .filter(|&&t| t == DataType::FLOAT16 as i32)
+                        .count();
+                    assert_eq!(fp16, quantized, "{label}");
+                    assert_eq!(count(&model, "DequantizeLinear"), 0, "{label}");
+                }
+                Precision::Int8 => {
+                    let act = usize::from(w8a8);
+                    assert_eq!(count(&model, "QuantizeLinear"), act, "{label}");
+                    assert_eq!(
+                        count(&model, "DequantizeLinear"),
+                        quantized + act,
+                        "{label}"
+                    );
+                    assert_eq!(summary.quantize_nodes, act);
+                    assert_eq!(
+                        summary.int8_mode.as_deref(),
+                        Some(if w8a8 { "w8a8" } else { "weight-only" })
+                    );
+                }
+            }
+            assert_eq!(
+                summary
+                    .outputs
+                    .iter()
+                    .map(|o| o.name.as_str())
+                    .collect::<Vec<_>>(),
+                ["topk_scores", "topk_items"],
+                "{label}"
+            );
+        }
+    }
+}
+
+#[test]
+fn int8_weights_are_the_engines_bytes_and_scales() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = engine(tmp.path(), ModelKind::Vaecf, Precision::Int8, false);
+    let loaded = recsys_engine::engine_dir::load(&dir).unwrap();
+    let (model, _) = recsys_onnx::build(&dir, &ExportOptions::default()).unwrap();
+    let find = |name: &str| {
+        model
+            .graph
+            .initializer
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap()
+    };
+    let raw = &loaded.weights.raw["decoder.2.weight"];
+    assert_eq!(find("decoder.2.weight_int8").raw_data, raw.bytes);
+    let scales = loaded.weights.f32["decoder.2.weight.scale"]
+        .as_slice()
+        .to_vec();
+    let exported: Vec<f32> = find("decoder.2.weight_scale")
+        .raw_data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(exported, scales);
+}
+
+#[test]
+fn k_outside_the_catalogue_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = engine(tmp.path(), ModelKind::Vaecf, Precision::Fp32, false);
+    for k in [0, 2001, 10_000] {
+        let options = ExportOptions {
+            output: GraphOutput::TopK(k),
+            external_data: false,
+        };
+        match recsys_onnx::build(&dir, &options) {
+            Err(OnnxError::Invalid(msg)) => assert!(msg.contains("1..=2000"), "{msg}"),
+            other => panic!("k = {k}: expected a refusal, got {:?}", other.map(|_| ())),
+        }
+    }
+    let ok = ExportOptions {
+        output: GraphOutput::TopK(2000),
+        external_data: false,
+    };
+    assert!(recsys_onnx::build(&dir, &ok).is_ok());
+}
+
+#[test]
+fn external_data_is_aligned_and_complete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = engine(tmp.path(), ModelKind::Bert4rec, Precision::Fp32, false);
+    let out = tmp.path().join("m.onnx");
+    let options = ExportOptions {
+        external_data: true,
+        ..Default::default()
+    };
+    let summary = recsys_onnx::export(&dir, &out, &options).unwrap();
+    let data = std::fs::read(summary.external_data.as_ref().unwrap()).unwrap();
+    let model = ModelProto::parse_from_bytes(&std::fs::read(&out).unwrap()).unwrap();
+    let mut external = 0;
+    for t in &model.graph.initializer {
+        if t.external_data.is_empty() {
+            assert!(t.raw_data.len() < 1024, "{} stayed inline", t.name);
+            continue;
+        }
+        external += 1;
+        let get = |k: &str| {
+            t.external_data
+                .iter()
+                .find(|e| e.key == k)
+                .unwrap()
+                .value
+                .clone()
+        };
+        assert_eq!(get("location"), "m.onnx.data");
+        let (offset, length): (usize, usize) = (
+            get("offset").parse().unwrap(),
+            get("length").parse().unwrap(),
+        );
+        assert_eq!(offset % 64, 0);
+        assert!(offset + length <= data.len());
+    }
+    assert!(external >= 10);
+}
+
+#[test]
+fn repository_names_and_versions_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = engine(tmp.path(), ModelKind::Vaecf, Precision::Fp32, false);
+    let target = |name: &str, version: u64| RepositoryModel {
+        repository: tmp.path().join("repo"),
+        name: name.into(),
+        version,
+        max_batch_size: 8,
+        gpu: true,
+        force: false,
+    };
+    let options = ExportOptions::default();
+    for bad in ["", "../x", ".hidden", "a/b"] {
+        assert!(
+            recsys_onnx::write_model_repository(&dir, &target(bad, 1), &options).is_err(),
+            "{bad}"
+        );
+    }
+    assert!(recsys_onnx::write_model_repository(&dir, &target("m", 0), &options).is_err());
+    recsys_onnx::write_model_repository(&dir, &target("m", 2), &options).unwrap();
+    let config = std::fs::read_to_string(tmp.path().join("repo/m/config.pbtxt")).unwrap();
+    assert!(
+        config.contains("kind: KIND_GPU") && config.contains("max_batch_size: 8"),
+        "{config}"
+    );
+    assert!(tmp.path().join("repo/m/2/model.onnx").is_file());
+    let again = recsys_onnx::write_model_repository(&dir, &target("m", 2), &options);
+    assert!(matches!(again, Err(OnnxError::Invalid(m)) if m.contains("--force")));
+}

@@ -1,0 +1,254 @@
+"""`recsys export-onnx` checked in onnxruntime: every exported graph is valid ONNX (onnx.checker, full
+check), the fp32 graphs reproduce PyTorch's golden logits, and each precision's top-k is compared with
+the engine it was exported from (`recsys predict` on the same users): fp32 must agree to a named
+tolerance; fp16 and int8 are numerically different graphs of the same quantized weights (the engine
+quantizes dense-layer activations per request; the graph keeps them float), so their top-k overlap
+with the engine is measured, reported and held to a floor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from conftest import FIXTURES
+
+# ORT and PyTorch, both f32, on the same weights: only summation order differs.
+LOGIT_ABS_TOL = 5e-5
+# ORT against the engine on the top-k scores at fp32.
+TOPK_SCORE_ABS_TOL = 1e-4
+K = 100
+USERS = 500
+# Mean top-10 overlap between graph and engine below which the export is wrong, not just rounded.
+MIN_TOP10_OVERLAP = {"fp16": 0.99, "int8-wo": 0.98, "int8-w8a8": 0.98}
+
+MODELS = {
+    "bert4rec": ("bert4rec", "bert4rec", "model.safetensors"),
+    "vaecf": ("vaecf", "multivae", "model.safetensors"),
+}
+PRECISIONS = {
+    "fp32": ["--precision", "fp32"],
+    "fp16": ["--precision", "fp16"],
+    "int8-wo": ["--precision", "int8"],
+    "int8-w8a8": ["--precision", "int8", "--int8-mode", "w8a8", "--calibration", "CAL"],
+}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    dtypes = {"F32": np.float32, "F64": np.float64, "I64": np.int64}
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        s, e = meta["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + s : 8 + n + e], dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+    return out
+
+
+def item_index(engine: Path) -> dict[int, int]:
+    lines = (engine / "item_ids.tsv").read_text().splitlines()
+    rows = [line.split("\t") for line in lines if line and not line.startswith("#")]
+    start = 1 if not rows[0][0].isdigit() else 0
+    return {int(ext): int(idx) for idx, ext in rows[start:]}
+
+
+@pytest.fixture(scope="module")
+def users(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    rows = [line.split("\t") for line in (FIXTURES / "test_set.tsv").read_text().splitlines()[1:]]
+    histories = [[int(x) for x in r[2].split()] for r in rows[:USERS]]
+    path = tmp_path_factory.mktemp("onnx_users") / "users.jsonl"
+    path.write_text("".join(json.dumps({"user_id": i, "item_ids": h}) + "\n" for i, h in enumerate(histories)))
+    return path, histories
+
+
+@pytest.fixture(scope="module")
+def exports(recsys_bin, tmp_path_factory):
+    """Engines and their ONNX exports, built once: {(model, precision): (engine, onnx_file, stdout)}."""
+    root = tmp_path_factory.mktemp("onnx_exports")
+    cal = Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl"
+    out = {}
+    for model, (kind, fixture_dir, ckpt) in MODELS.items():
+        for precision, flags in PRECISIONS.items():
+            engine = root / f"{model}_{precision}"
+            src = FIXTURES / fixture_dir
+            subprocess.run(
+                [str(recsys_bin), "convert", "--kind", kind, "--checkpoint", str(src / ckpt),
+                 "--config", str(src / "config.json"), "--item-map", str(src / "item_id_map.tsv"),
+                 "--out", str(engine)] + [str(cal) if f == "CAL" else f for f in flags],
+                check=True, capture_output=True, text=True)
+            onnx_file = root / f"{model}_{precision}.onnx"
+            run = subprocess.run(
+                [str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(onnx_file), "--k", str(K)],
+                check=True, capture_output=True, text=True)
+            out[(model, precision)] = (engine, onnx_file, run.stdout)
+    return out
+
+
+def graph_inputs(model: str, engine: Path, histories: list[list[int]]) -> dict[str, np.ndarray]:
+    """The graph's inputs for a batch of histories in external ids, built as its doc string says."""
+    index = item_index(engine)
+    mapped = [[index[x] for x in h if x in index] for h in histories]
+    width = max(len(h) for h in mapped)
+    exclude = np.zeros((len(mapped), width), dtype=np.int64)
+    for i, h in enumerate(mapped):
+        exclude[i, : len(h)] = h
+    if model == "bert4rec":
+        manifest = json.loads((engine / "manifest.json").read_text())["model"]
+        length, mask = manifest["max_len"], manifest["n_items"] + 1
+        seq = np.zeros((len(mapped), length), dtype=np.int64)
+        for i, h in enumerate(mapped):
+            tail = h[-(length - 1):]
+            seq[i, : len(tail)] = tail
+            seq[i, len(tail)] = mask
+        return {"item_seq": seq, "exclude_ids": exclude}
+    return {"items": exclude.copy(), "exclude_ids": exclude}
+
+
+def run_graph(onnx_file: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    sess = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def engine_topk(recsys_bin: Path, engine: Path, users_file: Path, tmp_path: Path) -> list[dict]:
+    out = tmp_path / f"{engine.name}.jsonl"
+    subprocess.run([str(recsys_bin), "predict", "--engine", str(engine), "--input", str(users_file),
+                    "--output", str(out), "--k", str(K)], check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_export_is_valid_onnx_with_the_documented_interface(exports, model, precision):
+    engine, onnx_file, stdout = exports[(model, precision)]
+    proto = onnx.load(str(onnx_file))
+    onnx.checker.check_model(proto, full_check=True)
+    assert proto.opset_import[0].version >= 17
+    names = [i.name for i in proto.graph.input]
+    assert names == (["item_seq", "exclude_ids"] if model == "bert4rec" else ["items", "exclude_ids"])
+    assert [o.name for o in proto.graph.output] == ["topk_scores", "topk_items"]
+    ops = [n.op_type for n in proto.graph.node]
+    init_types = {t.data_type for t in proto.graph.initializer}
+    if precision == "fp32":
+        assert "DequantizeLinear" not in ops and onnx.TensorProto.FLOAT16 not in init_types
+    if precision == "fp16":
+        assert onnx.TensorProto.FLOAT16 in init_types and "DequantizeLinear" not in ops
+    if precision.startswith("int8"):
+        assert onnx.TensorProto.INT8 in init_types
+        # Every quantized weight is dequantized with per-row scales (axis 0).
+        dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
+        weight_dq = [n for n in dq if n.input[0].endswith("_int8")]
+        assert weight_dq and all(a.i == 0 for n in weight_dq for a in n.attribute if a.name == "axis")
+        quantize = ops.count("QuantizeLinear")
+        assert quantize == (1 if precision == "int8-w8a8" else 0), "W8A8 has exactly one activation Q/DQ pair"
+    metadata = {p.key: p.value for p in proto.metadata_props}
+    assert metadata["recsys.kind"] == model
+    assert f"opset 17" in stdout
+
+
+@pytest.mark.parametrize("model,fixture_dir", [("bert4rec", "bert4rec"), ("vaecf", "multivae")])
+def test_fp32_scores_match_pytorch(recsys_bin, exports, tmp_path, model, fixture_dir):
+    engine, _, _ = exports[(model, "fp32")]
+    all_scores = tmp_path / "scores.onnx"
+    subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(all_scores), "--all-scores"],
+                   check=True, capture_output=True)
+    golden = read_safetensors(FIXTURES / fixture_dir / "golden.safetensors")
+    if model == "bert4rec":
+        feeds = {"item_seq": golden["input_ids"]}
+    else:
+        multihot = golden["input_multihot_f32"]
+        width = int(multihot.sum(1).max())
+        items = np.zeros((len(multihot), width), dtype=np.int64)
+        for i, row in enumerate(multihot):
+            idx = np.nonzero(row)[0]
+            items[i, : len(idx)] = idx
+        feeds = {"items": items}
+    feeds["exclude_ids"] = np.zeros((len(feeds[next(iter(feeds))]), 1), dtype=np.int64)
+    (scores,) = run_graph(all_scores, feeds)
+    assert np.all(np.isneginf(scores[:, 0])), "PAD is never a candidate"
+    diff = np.abs(scores[:, 1:] - golden["logits_f32"][:, 1:]).max()
+    print(f"{model}: max |ONNX fp32 - PyTorch f32| over {len(scores)} golden cases = {diff:.2e}")
+    assert diff <= LOGIT_ABS_TOL
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_topk_agrees_with_the_engine(recsys_bin, exports, users, tmp_path, model, precision):
+    engine, onnx_file, _ = exports[(model, precision)]
+    users_file, histories = users
+    ours = engine_topk(recsys_bin, engine, users_file, tmp_path)
+    feeds = graph_inputs(model, engine, histories)
+    scores, items = run_graph(onnx_file, feeds)
+    ext = {idx: e for e, idx in item_index(engine).items()}
+    overlap10, overlap100, identical10, max_score_diff = [], [], 0, 0.0
+    for i, rec in enumerate(ours):
+        graph_ids = [ext[int(j)] for j in items[i]]
+        assert not set(graph_ids) & set(histories[i]), "history items are excluded"
+        overlap10.append(len(set(graph_ids[:10]) & set(rec["item_ids"][:10])) / 10)
+        overlap100.append(len(set(graph_ids) & set(rec["item_ids"])) / K)
+        identical10 += graph_ids[:10] == rec["item_ids"][:10]
+        max_score_diff = max(max_score_diff, float(np.abs(scores[i] - np.asarray(rec["scores"])).max()))
+    line = (f"{model} {precision}: top-10 overlap {np.mean(overlap10):.4f}, top-100 overlap {np.mean(overlap100):.4f}, "
+            f"identical top-10 {identical10}/{len(ours)}, max |score diff| at rank r {max_score_diff:.2e}")
+    print(line)
+    if precision == "fp32":
+        assert max_score_diff <= TOPK_SCORE_ABS_TOL, line
+        # Ranks may swap only between scores closer than the tolerance.
+        for i, rec in enumerate(ours):
+            graph_ids = [ext[int(j)] for j in items[i]]
+            for r, (a, b) in enumerate(zip(graph_ids, rec["item_ids"])):
+                if a != b:
+                    assert abs(rec["scores"][r] - float(scores[i][r])) <= TOPK_SCORE_ABS_TOL
+                    assert abs(rec["scores"][r] - rec["scores"][min(r + 1, K - 1)]) <= 2 * TOPK_SCORE_ABS_TOL \
+                        or abs(rec["scores"][r] - rec["scores"][max(r - 1, 0)]) <= 2 * TOPK_SCORE_ABS_TOL, line
+    else:
+        assert np.mean(overlap10) >= MIN_TOP10_OVERLAP[precision], line
+
+
+def test_model_repository_for_the_onnxruntime_backend(recsys_bin, exports, tmp_path):
+    engine, _, _ = exports[("bert4rec", "int8-w8a8")]
+    repo = tmp_path / "repo"
+    cmd = [str(recsys_bin), "export-onnx", "--engine", str(engine), "--model-repository", str(repo),
+           "--model-name", "b4r_onnx", "--max-batch-size", "32"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    config = (repo / "b4r_onnx" / "config.pbtxt").read_text()
+    assert 'backend: "onnxruntime"' in config and "max_batch_size: 32" in config
+    assert '{ name: "item_seq" data_type: TYPE_INT64 dims: [ 50 ] }' in config
+    assert '{ name: "topk_items" data_type: TYPE_INT64 dims: [ 100 ] }' in config
+    assert (repo / "b4r_onnx" / "1" / "model.onnx").is_file()
+    assert (repo / "b4r_onnx" / "item_ids.tsv").read_text() == (engine / "item_ids.tsv").read_text()
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode != 0 and "already exists; pass --force" in again.stderr
+    subprocess.run(cmd + ["--force"], check=True, capture_output=True)
+    bad = subprocess.run(cmd[:-4] + ["--model-name", "../escape"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "must be letters" in bad.stderr
+
+
+def test_bad_k_is_refused_with_the_valid_range(recsys_bin, exports, tmp_path):
+    engine, _, _ = exports[("vaecf", "fp32")]
+    run = subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(tmp_path / "x.onnx"),
+                          "--k", "5000"], capture_output=True, text=True)
+    assert run.returncode == 1 and "k = 5000 is out of range" in run.stderr and "1..=2000" in run.stderr
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_external_data_side_file_loads_in_onnxruntime(recsys_bin, exports, users, tmp_path):
+    engine, onnx_file, _ = exports[("vaecf", "fp32")]
+    split = tmp_path / "split.onnx"
+    subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(split), "--external-data",
+                    "--k", str(K)], check=True, capture_output=True)
+    assert (tmp_path / "split.onnx.data").stat().st_size > 0.9 * onnx_file.stat().st_size
+    assert split.stat().st_size < 0.1 * onnx_file.stat().st_size
+    feeds = graph_inputs("vaecf", engine, users[1][:16])
+    a = run_graph(onnx_file, feeds)
+    b = run_graph(split, feeds)
+    assert np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0])
