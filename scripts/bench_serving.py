@@ -38,7 +38,8 @@ def input_data(path: Path, users: int = 256) -> None:
     path.write_text(json.dumps({"data": data}))
 
 
-def perf_analyzer(server: TritonServer, model: str, protocol: str, concurrency: int, data: Path, out: Path) -> dict:
+def perf_analyzer(server: TritonServer, model: str, protocol: str, concurrency: int, data: Path, out: Path,
+                  window_ms: int = 2000, stability_pct: int = 20) -> dict:
     url = server.http_url if protocol == "http" else server.grpc_url
     cmd = [
         str(ROOT / ".venv" / "bin" / "perf_analyzer"),
@@ -46,7 +47,7 @@ def perf_analyzer(server: TritonServer, model: str, protocol: str, concurrency: 
         "--concurrency-range", f"{concurrency}:{concurrency}",
         "--input-data", str(data),
         # design.md section 6: on 2 shared cores, 2 s windows, 20 % stability, at most 8 trials.
-        "-p", "2000", "-s", "20", "--max-trials", "8",
+        "-p", str(window_ms), "-s", str(stability_pct), "--max-trials", "8",
         "--percentile", "99",
         "-f", str(out),
     ]

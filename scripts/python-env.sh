@@ -3,12 +3,13 @@
 #   nvidia-pytriton 0.7.0  -> bundles tritonserver 2.51.0 (container release 24.10)
 #   tritonclient 2.51.0    -> the HTTP/gRPC client and the perf_analyzer binary
 # plus numpy and pytest for the integration tests, and onnx/onnxruntime/threadpoolctl for the
-# kernel benchmarks against their peers (numpy stays < 2: tritonclient 2.51 requires it). Idempotent: a complete venv is left as is.
+# kernel benchmarks against their peers (numpy stays < 2: tritonclient 2.51 requires it), and what
+# perf_analyzer needs to start. Idempotent: a complete venv is left as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
-STAMP="$VENV/.recsys-python-env-v2"
+STAMP="$VENV/.recsys-python-env-v3"
 if [[ -f "$STAMP" ]]; then
   exit 0
 fi
@@ -24,5 +25,15 @@ echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a 
   "nvidia-pytriton==0.7.0" \
   "tritonclient[http,grpc]==2.51.0" \
   "numpy<2" "pytest>=7" "requests" \
-  "onnx==1.17.0" "onnxruntime==1.20.1" "threadpoolctl==3.8.0"
+  "onnx==1.17.0" "onnxruntime==1.20.1" "threadpoolctl==3.8.0" \
+  "nvidia-cuda-runtime-cu12==12.*"
+# perf_analyzer (in the tritonclient wheel; the soak test and the benchmarks drive it) links
+# libb64.so.0d from Debian and libcudart.so.12 (the wheel above) even without a GPU.
+if ! ldconfig -p | grep -q libb64.so.0d; then
+  if [[ $(id -u) -eq 0 ]]; then
+    apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null
+  else
+    echo "warning: perf_analyzer needs libb64.so.0d: sudo apt-get install libb64-0d" >&2
+  fi
+fi
 touch "$STAMP"

@@ -5,7 +5,7 @@
 //! Layers: `settings` (model config), `decode` (tensors <-> engine requests) and `serve` (batching)
 //! are pure Rust and unit-tested; `triton` (RAII wrappers), `metrics`, `lifecycle` and the exports
 //! below touch the C API and are tested through the real server (the Triton symbols only resolve
-//! inside it, so they are left out of unit-test builds).
+//! inside it, so they are left out of unit-test and fuzzing builds).
 
 pub mod decode;
 pub mod error;
@@ -14,14 +14,14 @@ pub mod settings;
 #[cfg(test)]
 mod test_support;
 
-#[cfg(not(test))]
+#[cfg(not(any(test, fuzzing)))]
 mod lifecycle;
-#[cfg(not(test))]
+#[cfg(not(any(test, fuzzing)))]
 mod metrics;
-#[cfg(not(test))]
+#[cfg(not(any(test, fuzzing)))]
 mod triton;
 
-#[cfg(not(test))]
+#[cfg(not(any(test, fuzzing)))]
 mod exports {
     //! The entry points Triton looks up. Each is one call into `guard`, which catches panics and
     //! turns errors into `TRITONSERVER_Error`s, so nothing unwinds into the server.

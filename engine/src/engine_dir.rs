@@ -239,26 +239,7 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
             EngineError::io(format!("cannot read {}", manifest_path.display()), e)
         }
     })?;
-    // Check the format before the full schema so an engine from a newer recsys gets the right message.
-    let header: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| bad(format!("{MANIFEST_FILE} is not valid JSON: {e}")))?;
-    if header.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
-        return Err(bad(format!(
-            "{MANIFEST_FILE} is not a {FORMAT_NAME} manifest"
-        )));
-    }
-    match header.get("format_version").and_then(|v| v.as_u64()) {
-        Some(v) if v == FORMAT_VERSION as u64 => {}
-        Some(v) => {
-            return Err(bad(format!(
-                "format version {v} is not supported by this recsys (it reads version {FORMAT_VERSION}); \
-                 re-convert the model with this version"
-            )))
-        }
-        None => return Err(bad(format!("{MANIFEST_FILE} has no format_version"))),
-    }
-    let manifest: Manifest = serde_json::from_value(header)
-        .map_err(|e| bad(format!("{MANIFEST_FILE} is malformed: {e}")))?;
+    let manifest = parse_manifest(dir, &text)?;
 
     for required in [WEIGHTS_FILE, ITEM_IDS_FILE] {
         if !manifest.files.contains_key(required) {
@@ -292,13 +273,60 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
         .map_err(|e| EngineError::io(format!("cannot map {}", weights_path.display()), e))?;
     verify(&weights_path, &map, &manifest.files[WEIGHTS_FILE].sha256)?;
     let storage = Storage::mapped(map);
-    let (tensors, raw_tensors) =
-        tensor_map(&storage).map_err(|reason| bad(format!("{WEIGHTS_FILE}: {reason}")))?;
 
     let ids_path = dir.join(ITEM_IDS_FILE);
     let ids_bytes = std::fs::read(&ids_path)
         .map_err(|e| EngineError::io(format!("cannot read {}", ids_path.display()), e))?;
     verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
+    from_parts(dir, manifest, storage, ids_bytes)
+}
+
+/// Parses and checks a manifest's text (format name and version first, so an engine from a newer
+/// recsys gets a message saying so rather than a schema error).
+pub fn parse_manifest(dir: &Path, text: &str) -> Result<Manifest> {
+    let bad = |reason: String| EngineError::EngineDir {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    let header: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| bad(format!("{MANIFEST_FILE} is not valid JSON: {e}")))?;
+    if header.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
+        return Err(bad(format!(
+            "{MANIFEST_FILE} is not a {FORMAT_NAME} manifest"
+        )));
+    }
+    match header.get("format_version").and_then(|v| v.as_u64()) {
+        Some(v) if v == FORMAT_VERSION as u64 => {}
+        Some(v) => {
+            return Err(bad(format!(
+                "format version {v} is not supported by this recsys (it reads version {FORMAT_VERSION}); \
+                 re-convert the model with this version"
+            )))
+        }
+        None => return Err(bad(format!("{MANIFEST_FILE} has no format_version"))),
+    }
+    let manifest: Manifest = serde_json::from_value(header)
+        .map_err(|e| bad(format!("{MANIFEST_FILE} is malformed: {e}")))?;
+
+    Ok(manifest)
+}
+
+/// The part of [`load`] after the files are read and their checksums verified: parses the weights
+/// and the id map and checks them against the manifest. Exposed so the parsers can be fuzzed
+/// without forging checksums.
+pub fn from_parts(
+    dir: &Path,
+    manifest: Manifest,
+    storage: Storage,
+    ids_bytes: Vec<u8>,
+) -> Result<LoadedDir> {
+    let bad = |reason: String| EngineError::EngineDir {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    let (tensors, raw_tensors) =
+        tensor_map(&storage).map_err(|reason| bad(format!("{WEIGHTS_FILE}: {reason}")))?;
+    let ids_path = dir.join(ITEM_IDS_FILE);
     let ids_text =
         String::from_utf8(ids_bytes).map_err(|_| bad(format!("{ITEM_IDS_FILE} is not UTF-8")))?;
     let ids = IdMap::parse_tsv(&ids_text).map_err(|reason| EngineError::IdMap {

@@ -13,6 +13,11 @@ enum Backing {
     /// A read-only mapping of a whole file; tensors index into it by element range.
     Mapped(memmap2::Mmap),
     Owned(Vec<f32>),
+    /// Arbitrary bytes copied into f32-aligned memory; `len` is the byte length.
+    Bytes {
+        words: Vec<f32>,
+        len: usize,
+    },
 }
 
 /// Shared, immutable f32 storage.
@@ -28,6 +33,18 @@ impl Storage {
         }
     }
 
+    /// A copy of `bytes` (a weights file read into memory), aligned for f32 views.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        let mut words = vec![0f32; bytes.len().div_ceil(4)];
+        bytemuck::cast_slice_mut::<f32, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        Storage {
+            backing: Arc::new(Backing::Bytes {
+                words,
+                len: bytes.len(),
+            }),
+        }
+    }
+
     pub(crate) fn mapped(map: memmap2::Mmap) -> Self {
         Storage {
             backing: Arc::new(Backing::Mapped(map)),
@@ -38,6 +55,7 @@ impl Storage {
         match &*self.backing {
             Backing::Mapped(map) => map,
             Backing::Owned(values) => bytemuck::cast_slice(values),
+            Backing::Bytes { words, len } => &bytemuck::cast_slice(words)[..*len],
         }
     }
 }

@@ -82,9 +82,14 @@ impl Checkpoint {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
-        let sha256 = hex::encode(Sha256::digest(&bytes));
+        Checkpoint::from_bytes(path, &bytes)
+    }
+
+    /// Parses checkpoint bytes (`path` only names the file in messages). Nothing in them is run.
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
+        let sha256 = hex::encode(Sha256::digest(bytes));
         if bytes.starts_with(b"PK\x03\x04") {
-            let (format, tensors, embedded_config) = torch_zip::read(path, &bytes)?;
+            let (format, tensors, embedded_config) = torch_zip::read(path, bytes)?;
             Ok(Checkpoint {
                 format,
                 tensors,
@@ -94,7 +99,7 @@ impl Checkpoint {
         } else if bytes.len() >= 9 && bytes[8] == b'{' {
             Ok(Checkpoint {
                 format: CheckpointFormat::Safetensors,
-                tensors: read_safetensors(path, &bytes)?,
+                tensors: read_safetensors(path, bytes)?,
                 embedded_config: None,
                 sha256,
             })

@@ -1,0 +1,3 @@
+//! The parts of the `recsys` command line that other code (the fuzz targets) reuses.
+
+pub mod jsonl;
