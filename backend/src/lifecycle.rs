@@ -79,7 +79,14 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
         )));
     }
     let engine_dir = PathBuf::from(&location).join(version.to_string());
-    let engine = Engine::load(&engine_dir).map_err(|source| {
+    let mut config = crate::triton::model_config(model)?;
+    let max_engine_bytes = settings::max_engine_bytes(&config).map_err(|e| {
+        BackendError::InvalidConfig(format!(
+            "model '{name}' version {version}: {}",
+            e.full_message()
+        ))
+    })?;
+    let engine = Engine::load_limited(&engine_dir, max_engine_bytes).map_err(|source| {
         let hint = match source {
             recsys_engine::EngineError::NotFound { .. } => format!(
                 " (write the engine there with `recsys convert --out {}`)",
@@ -96,7 +103,6 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
         }
     })?;
 
-    let mut config = crate::triton::model_config(model)?;
     let mut auto_complete = false;
     // SAFETY: valid out-pointer; `model` is live.
     unsafe {
@@ -175,6 +181,52 @@ pub(crate) struct InstanceState {
     settings: ModelSettings,
     metrics: Option<Arc<ModelMetrics>>,
     batched: bool,
+    /// The output layer on this instance's GPU (KIND_GPU); `None` scores on the CPU.
+    device: Option<Arc<dyn recsys_engine::OutputScorer>>,
+}
+
+/// The output layer on GPU `device` for a KIND_GPU instance: the single place the CPU or CUDA path is
+/// chosen. The encoder keeps running on the CPU.
+#[cfg(feature = "cuda")]
+fn gpu_output_layer(
+    name: &str,
+    device: i32,
+    model: &ModelState,
+) -> Result<Option<Arc<dyn recsys_engine::OutputScorer>>> {
+    if model.settings.limits.max_k > recsys_gpu::MAX_K {
+        return Err(BackendError::InvalidConfig(format!(
+            "instance {name}: max_k {} is more than the GPU path serves ({})",
+            model.settings.limits.max_k,
+            recsys_gpu::MAX_K
+        )));
+    }
+    let output = model.engine.model.output();
+    let layer =
+        recsys_gpu::cuda::GpuOutputLayer::new(device as usize, &output.weight, &output.bias)
+            .map_err(|e| {
+                BackendError::Unsupported(format!("instance {name}: KIND_GPU device {device}: {e}"))
+            })?;
+    log(
+        LogLevel::Info,
+        &format!(
+            "recsys: instance {name}: output layer on {} (fused score + top-k CUDA kernels)",
+            layer.device
+        ),
+    );
+    Ok(Some(Arc::new(layer)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_output_layer(
+    name: &str,
+    device: i32,
+    _model: &ModelState,
+) -> Result<Option<Arc<dyn recsys_engine::OutputScorer>>> {
+    Err(BackendError::Unsupported(format!(
+        "instance {name}: KIND_GPU (device {device}) needs a recsys backend built with CUDA support \
+         (cargo build --features cuda, as docker/Dockerfile does); this build runs on the CPU only, so use \
+         instance_group [ {{ kind: KIND_CPU }} ]"
+    )))
 }
 
 pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstance) -> Result<()> {
@@ -188,12 +240,6 @@ pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstanc
     }
     // SAFETY: owned by Triton for the instance's lifetime.
     let name = unsafe { borrowed_str(name) };
-    if kind == sys::TRITONSERVER_INSTANCEGROUPKIND_GPU {
-        return Err(BackendError::Unsupported(format!(
-            "instance {name}: KIND_GPU (device {device}) is not available in this build of the recsys backend, \
-             which runs on the CPU only; use instance_group [ {{ kind: KIND_CPU }} ]"
-        )));
-    }
     let mut raw = ptr::null_mut();
     // SAFETY: the model outlives its instances; its state is the ModelState set at initialisation.
     unsafe { ffi_call!(TRITONBACKEND_ModelState(model, &mut raw))? };
@@ -204,7 +250,13 @@ pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstanc
     }
     // SAFETY: see above; only shared access is taken, and ModelFinalize runs after every instance's.
     let model_state = unsafe { &*(raw as *const ModelState) };
+    let device = if kind == sys::TRITONSERVER_INSTANCEGROUPKIND_GPU {
+        gpu_output_layer(&name, device, model_state)?
+    } else {
+        None
+    };
     let state = Box::new(InstanceState {
+        device,
         name,
         engine: Arc::clone(&model_state.engine),
         settings: model_state.settings.clone(),
@@ -324,7 +376,12 @@ pub(crate) fn execute(
             .map(|d| d.as_ref().map_or(1, |d| d.rows.len() as u64))
             .sum();
         let compute_start = now_ns();
-        let (answers, summary) = serve::serve(&state.engine, &state.settings.options(), decoded);
+        let (answers, summary) = serve::serve(
+            &state.engine,
+            &state.settings.options(),
+            decoded,
+            state.device.as_deref(),
+        );
         let compute_end = now_ns();
         (answers, summary, batch_size, compute_start, compute_end)
     }));

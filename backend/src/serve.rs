@@ -27,6 +27,7 @@ pub fn serve(
     engine: &Engine,
     options: &ServeOptions,
     requests: Vec<Result<DecodedRequest>>,
+    device: Option<&dyn recsys_engine::OutputScorer>,
 ) -> (Vec<Result<Answer>>, BatchSummary) {
     let mut prepared = Vec::new();
     // For each request: where its rows start in `prepared` and how many, or its error.
@@ -87,7 +88,13 @@ pub fn serve(
         }
     }
 
-    let mut answers = engine.recommend_internal(&prepared).into_iter();
+    let (mut answers, device_error) = match device {
+        None => (engine.recommend_internal(&prepared).into_iter(), None),
+        Some(device) => match engine.recommend_internal_on(&prepared, device) {
+            Ok(answers) => (answers.into_iter(), None),
+            Err(e) => (Vec::new().into_iter(), Some(e.to_string())),
+        },
+    };
     let summary = BatchSummary {
         engine_rows: prepared.len(),
     };
@@ -95,6 +102,9 @@ pub fn serve(
         .into_iter()
         .map(|entry| {
             let (_, count, unknown_ids) = entry?;
+            if let Some(message) = &device_error {
+                return Err(BackendError::Internal(message.clone()));
+            }
             let mut rows = Vec::with_capacity(count);
             let mut truncated = 0;
             for (items, note) in answers.by_ref().take(count) {
@@ -147,7 +157,7 @@ mod tests {
                 rows: vec![row(&[10011403], Some(2)), row(&[], Some(4))],
             }),
         ];
-        let (answers, summary) = serve(&engine, &options, requests);
+        let (answers, summary) = serve(&engine, &options, requests, None);
         assert_eq!(summary.engine_rows, 3);
         let first = answers[0].as_ref().unwrap();
         assert_eq!(first.rows[0].len(), 3);
@@ -171,7 +181,112 @@ mod tests {
             vec![Ok(DecodedRequest {
                 rows: vec![row(&[10011403, 10011207], Some(3))],
             })],
+            None,
         );
         assert_eq!(alone[0].as_ref().unwrap(), first);
+    }
+
+    /// The output layer computed the slow way (f64 dot products over every item), standing in for
+    /// a device: what the GPU path must also return.
+    struct ReferenceDevice<'a>(&'a Engine);
+
+    impl recsys_engine::OutputScorer for ReferenceDevice<'_> {
+        fn top_k(
+            &self,
+            hidden: &[f32],
+            ks: &[usize],
+            excluded: &[&[u32]],
+        ) -> std::result::Result<Vec<Vec<recsys_engine::topk::Scored>>, String> {
+            let out = self.0.model.output();
+            let d = out.input_size();
+            Ok(ks
+                .iter()
+                .enumerate()
+                .map(|(r, &k)| {
+                    let h = &hidden[r * d..(r + 1) * d];
+                    let mut scored: Vec<recsys_engine::topk::Scored> = (1..out.n_outputs())
+                        .filter(|i| !excluded[r].contains(&(*i as u32)))
+                        .map(|i| {
+                            let mut w = vec![0f32; d];
+                            out.weight.add_row_into(i, &mut w);
+                            let dot: f64 =
+                                w.iter().zip(h).map(|(a, b)| *a as f64 * *b as f64).sum();
+                            recsys_engine::topk::Scored {
+                                index: i as u32,
+                                score: (dot + out.bias.as_slice()[i] as f64) as f32,
+                            }
+                        })
+                        .collect();
+                    scored.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
+                    scored.truncate(k);
+                    scored
+                })
+                .collect())
+        }
+    }
+
+    struct BrokenDevice;
+
+    impl recsys_engine::OutputScorer for BrokenDevice {
+        fn top_k(
+            &self,
+            _: &[f32],
+            _: &[usize],
+            _: &[&[u32]],
+        ) -> std::result::Result<Vec<Vec<recsys_engine::topk::Scored>>, String> {
+            Err("the device fell off the bus".into())
+        }
+    }
+
+    #[test]
+    fn a_device_output_layer_answers_like_the_cpu_kernels() {
+        let (engine, _tmp) = engine();
+        let options = ServeOptions::default();
+        let requests = || {
+            vec![
+                Ok(DecodedRequest {
+                    rows: vec![
+                        row(&[10011403, 10011207], Some(5)),
+                        row(&[10011739], Some(20)),
+                    ],
+                }),
+                Ok(DecodedRequest {
+                    rows: vec![row(&[10011788, 10011403], None)],
+                }),
+            ]
+        };
+        let (cpu, _) = serve(&engine, &options, requests(), None);
+        let device = ReferenceDevice(&engine);
+        let (dev, _) = serve(&engine, &options, requests(), Some(&device));
+        for (a, b) in cpu.iter().zip(&dev) {
+            let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+            for (ra, rb) in a.rows.iter().zip(&b.rows) {
+                assert_eq!(ra.len(), rb.len());
+                for (x, y) in ra.iter().zip(rb) {
+                    assert_eq!(x.index, y.index);
+                    assert!((x.score - y.score).abs() < 1e-4, "{x:?} vs {y:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_failing_device_fails_its_batch_with_the_reason_and_keeps_request_errors() {
+        let (engine, _tmp) = engine();
+        let options = ServeOptions::default();
+        let requests = vec![
+            Ok(DecodedRequest {
+                rows: vec![row(&[10011403], Some(5))],
+            }),
+            Err(BackendError::InvalidInput("broken".into())),
+        ];
+        let (answers, _) = serve(&engine, &options, requests, Some(&BrokenDevice));
+        let first = answers[0].as_ref().unwrap_err().to_string();
+        assert!(first.contains("the device fell off the bus"), "{first}");
+        assert!(answers[1]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("broken"));
     }
 }

@@ -100,7 +100,15 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "max_exclude_ids",
     "max_id_bytes",
     "max_request_bytes",
+    "max_engine_bytes",
 ];
+
+/// The `max_engine_bytes` parameter: the largest engine (all its files) the model may load; read
+/// before the engine, so an oversized one is refused without being read.
+pub fn max_engine_bytes(config: &Value) -> Result<u64> {
+    let default = recsys_engine::engine_dir::DEFAULT_MAX_ENGINE_BYTES as usize;
+    Ok(limit(config, "max_engine_bytes", default)? as u64)
+}
 
 /// A positive integer parameter, or its default.
 fn limit(config: &Value, key: &str, default: usize) -> Result<usize> {
@@ -374,6 +382,23 @@ mod tests {
             let err = parse(&c, &engine).unwrap_err().to_string();
             assert!(err.contains(needle), "{key}={value}: {err}");
         }
+    }
+
+    #[test]
+    fn max_engine_bytes_is_read_before_the_engine() {
+        let mut config = minimal();
+        assert_eq!(
+            max_engine_bytes(&config).unwrap(),
+            recsys_engine::engine_dir::DEFAULT_MAX_ENGINE_BYTES
+        );
+        config["parameters"] = json!({"max_engine_bytes": {"string_value": "1048576"}});
+        assert_eq!(max_engine_bytes(&config).unwrap(), 1 << 20);
+        config["parameters"]["max_engine_bytes"] = json!({"string_value": "-1"});
+        let err = max_engine_bytes(&config).unwrap_err().to_string();
+        assert!(
+            err.contains("max_engine_bytes must be a positive integer"),
+            "{err}"
+        );
     }
 
     #[test]

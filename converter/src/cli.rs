@@ -278,6 +278,9 @@ pub struct ConvertArgs {
     /// Percentile for --calibration-method percentile.
     #[arg(long, default_value_t = 99.99)]
     pub calibration_percentile: f64,
+    /// Refuse checkpoints larger than this many bytes (they are read into memory whole).
+    #[arg(long, default_value_t = recsys_engine::import::DEFAULT_MAX_CHECKPOINT_BYTES)]
+    pub max_checkpoint_bytes: u64,
     /// Replace the output directory if it already exists.
     #[arg(long)]
     pub force: bool,

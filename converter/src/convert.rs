@@ -74,19 +74,22 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             (None, false) => None,
         };
     let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
-    let engine = recsys_engine::convert(&ConvertRequest {
-        kind,
-        checkpoint: &args.checkpoint,
-        config: config.as_ref(),
-        item_map: &args.item_map,
-        out: &args.out,
-        precision: match (args.precision, args.int8_mode) {
-            (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
-            (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
-            (Precision::Int8, _) => recsys_engine::engine_dir::Precision::Int8,
+    let engine = recsys_engine::convert_limited(
+        &ConvertRequest {
+            kind,
+            checkpoint: &args.checkpoint,
+            config: config.as_ref(),
+            item_map: &args.item_map,
+            out: &args.out,
+            precision: match (args.precision, args.int8_mode) {
+                (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
+                (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
+                (Precision::Int8, _) => recsys_engine::engine_dir::Precision::Int8,
+            },
+            calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
         },
-        calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
-    });
+        args.max_checkpoint_bytes,
+    );
     bar.finish_and_clear();
     let engine = engine?;
     let m = &engine.manifest;

@@ -96,6 +96,19 @@ pub struct Scorer {
     pub threads: usize,
 }
 
+/// A device that runs the output layer's score + top-k in place of the CPU kernels (the CUDA path).
+/// The serving layer picks one per model instance; the encoder stays on the engine.
+pub trait OutputScorer: Send + Sync {
+    /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
+    /// (PAD) nor any of `excluded[row]`.
+    fn top_k(
+        &self,
+        hidden: &[f32],
+        ks: &[usize],
+        excluded: &[&[u32]],
+    ) -> std::result::Result<Vec<Vec<Scored>>, String>;
+}
+
 /// A loaded model with its id map.
 pub struct Engine {
     pub manifest: Manifest,
@@ -142,7 +155,12 @@ impl Engine {
     /// Loads and verifies an engine directory; the kernels are the best this CPU runs (or
     /// `RECSYS_FORCE_ISA`), with one scoring thread.
     pub fn load(dir: &Path) -> Result<Engine> {
-        let loaded = engine_dir::load(dir)?;
+        Engine::load_limited(dir, engine_dir::DEFAULT_MAX_ENGINE_BYTES)
+    }
+
+    /// [`Engine::load`] refusing engines whose files hold more than `max_engine_bytes`.
+    pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<Engine> {
+        let loaded = engine_dir::load_limited(dir, max_engine_bytes)?;
         let packed = packed_output(&loaded)?;
         Ok(Engine {
             manifest: loaded.manifest,
@@ -311,6 +329,35 @@ impl Engine {
         top.into_iter().zip(notes).collect()
     }
 
+    /// [`Engine::recommend_internal`] with the output layer on `device` (the encoder runs here).
+    pub fn recommend_internal_on(
+        &self,
+        batch: &[InternalRequest],
+        device: &dyn OutputScorer,
+    ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
+        let (hidden, notes) = self.model.encode(&histories);
+        let excluded: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|request| {
+                let mut list = request.exclude.clone();
+                if request.exclude_seen {
+                    list.extend_from_slice(&request.history);
+                }
+                list
+            })
+            .collect();
+        let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+        let ks: Vec<usize> = batch.iter().map(|r| r.k).collect();
+        let top = device
+            .top_k(&hidden, &ks, &refs)
+            .map_err(EngineError::Device)?;
+        Ok(top.into_iter().zip(notes).collect())
+    }
+
     /// External id of an internal index.
     pub fn external_id(&self, index: u32) -> ExternalId {
         self.ids.external(index)
@@ -333,7 +380,12 @@ pub struct ConvertRequest<'a> {
 
 /// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
 pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
-    let ckpt = Checkpoint::load(request.checkpoint)?;
+    convert_limited(request, crate::import::DEFAULT_MAX_CHECKPOINT_BYTES)
+}
+
+/// [`convert`] refusing checkpoints larger than `max_checkpoint_bytes`.
+pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) -> Result<Engine> {
+    let ckpt = Checkpoint::load_limited(request.checkpoint, max_checkpoint_bytes)?;
     let json = match (request.config, &ckpt.embedded_config) {
         (Some(json), _) => json.clone(),
         (None, Some(embedded)) => embedded.clone(),

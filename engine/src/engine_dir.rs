@@ -219,7 +219,19 @@ pub struct LoadedDir {
     pub weights: crate::weights::Weights,
 }
 
+/// Largest engine (all files of the manifest together) loaded by default: 64 GiB.
+pub const DEFAULT_MAX_ENGINE_BYTES: u64 = 64 << 30;
+/// A manifest is a few KiB; anything over this is not one.
+const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+
+/// Loads and verifies an engine directory (at most [`DEFAULT_MAX_ENGINE_BYTES`]).
 pub fn load(dir: &Path) -> Result<LoadedDir> {
+    load_limited(dir, DEFAULT_MAX_ENGINE_BYTES)
+}
+
+/// [`load`] with an explicit limit on the engine's total file size, checked before reading. Files
+/// must live inside the directory: a symlink that resolves outside it is refused.
+pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<LoadedDir> {
     let bad = |reason: String| EngineError::EngineDir {
         path: dir.to_path_buf(),
         reason,
@@ -230,6 +242,18 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
         });
     }
     let manifest_path = dir.join(MANIFEST_FILE);
+    let canonical_dir = dir
+        .canonicalize()
+        .map_err(|e| EngineError::io(format!("cannot resolve {}", dir.display()), e))?;
+    confined(&canonical_dir, &manifest_path).map_err(bad)?;
+    if let Ok(meta) = std::fs::metadata(&manifest_path) {
+        if meta.len() > MAX_MANIFEST_BYTES {
+            return Err(bad(format!(
+                "{MANIFEST_FILE} is {} bytes; a manifest is never over {MAX_MANIFEST_BYTES}",
+                meta.len()
+            )));
+        }
+    }
     let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             EngineError::NotFound {
@@ -246,6 +270,13 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
             return Err(bad(format!("the manifest does not list {required}")));
         }
     }
+    let total: u64 = manifest.files.values().map(|f| f.bytes).sum();
+    if total > max_engine_bytes {
+        return Err(bad(format!(
+            "the engine's files hold {total} bytes, more than the limit of {max_engine_bytes} \
+             (the model parameter max_engine_bytes raises it)"
+        )));
+    }
     for (file, entry) in &manifest.files {
         if file.contains(['/', '\\']) || file.starts_with('.') {
             return Err(bad(format!(
@@ -253,6 +284,7 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
             )));
         }
         let path = dir.join(file);
+        confined(&canonical_dir, &path).map_err(bad)?;
         let meta =
             std::fs::metadata(&path).map_err(|_| EngineError::NotFound { path: path.clone() })?;
         if meta.len() != entry.bytes {
@@ -359,6 +391,28 @@ pub fn from_parts(
         ids,
         weights,
     })
+}
+
+/// Refuses a file that is a symlink resolving outside the engine directory (`dir` is canonical).
+/// A missing file passes here; reading it reports that.
+fn confined(dir: &Path, path: &Path) -> std::result::Result<(), String> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            let target = path
+                .canonicalize()
+                .map_err(|e| format!("{} is a dangling symlink ({e})", path.display()))?;
+            if target.starts_with(dir) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} is a symlink to {}, outside the engine directory",
+                    path.display(),
+                    target.display()
+                ))
+            }
+        }
+        _ => Ok(()),
+    }
 }
 
 fn verify(path: &Path, bytes: &[u8], expected: &str) -> Result<()> {

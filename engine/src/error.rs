@@ -60,6 +60,10 @@ pub enum EngineError {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
 
+    /// The device running the output layer (the GPU path) failed.
+    #[error("output-layer device: {0}")]
+    Device(String),
+
     #[error("invalid test file {}: line {line}: {reason}", path.display())]
     TestSet {
         path: PathBuf,

@@ -20,8 +20,8 @@ pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use engine::{
-    convert, ConvertRequest, Engine, InternalRequest, Recommendation, Request, ServeOptions,
-    UnknownItemPolicy,
+    convert, convert_limited, ConvertRequest, Engine, InternalRequest, OutputScorer,
+    Recommendation, Request, ServeOptions, UnknownItemPolicy,
 };
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};

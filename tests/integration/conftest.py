@@ -27,6 +27,7 @@ BROKEN_MODELS = [
     "bad_parameter",
     "contradicting",
     "gpu_instance",
+    "engine_too_big",
 ]
 
 
@@ -145,6 +146,8 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     # A string catalogue cannot answer with INT64 ids.
     model("contradicting", contract_config("contradicting"), engines / "bert4rec_str")
     model("gpu_instance", contract_config("gpu_instance", kind="KIND_GPU"), engines / "bert4rec")
+    model("engine_too_big", contract_config("engine_too_big", params={"max_engine_bytes": "4096"}),
+          engines / "bert4rec")
     return repo
 
 

@@ -75,10 +75,32 @@ pub struct Checkpoint {
     pub sha256: String,
 }
 
+/// Largest checkpoint file read by default (it is read into memory whole): 16 GiB.
+pub const DEFAULT_MAX_CHECKPOINT_BYTES: u64 = 16 << 30;
+
 impl Checkpoint {
-    /// Reads a checkpoint, choosing the reader from the file's magic bytes rather than its name.
+    /// Reads a checkpoint, choosing the reader from the file's magic bytes rather than its name;
+    /// files over [`DEFAULT_MAX_CHECKPOINT_BYTES`] are refused.
     pub fn load(path: &Path) -> Result<Checkpoint> {
+        Checkpoint::load_limited(path, DEFAULT_MAX_CHECKPOINT_BYTES)
+    }
+
+    /// [`Checkpoint::load`] with an explicit size limit, checked before anything is read.
+    pub fn load_limited(path: &Path, max_bytes: u64) -> Result<Checkpoint> {
         let mut file = EngineError::open(path)?;
+        let size = file
+            .metadata()
+            .map_err(|e| EngineError::io(format!("cannot stat {}", path.display()), e))?
+            .len();
+        if size > max_bytes {
+            return Err(EngineError::checkpoint(
+                path,
+                format!(
+                    "the file is {size} bytes, more than the limit of {max_bytes} \
+                     (raise it with --max-checkpoint-bytes if the file is trusted)"
+                ),
+            ));
+        }
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;

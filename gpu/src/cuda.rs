@@ -1,0 +1,351 @@
+//! Host side of the CUDA kernels: NVRTC compilation (cached per source hash, architecture and
+//! options), the output layer's weights on the device, and typed launches of the fused score +
+//! top-k kernels on one stream per scorer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use recsys_engine::tensor::Tensor;
+use recsys_engine::weights::Matrix;
+
+use crate::{cache_key, compile_options, merge_plan, GpuError, Result, MAX_K, THREADS, TILE};
+
+fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Cuda {
+        what,
+        message: e.to_string(),
+    }
+}
+
+/// Whether the CUDA driver library can be opened (cudarc panics on first use otherwise).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library by its usual names; no CUDA call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether NVRTC can be opened.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen libnvrtc by its usual names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// PTX of the kernels for `arch` ("sm_90"), compiled once per process and cache key.
+pub fn compile(arch: &str) -> Result<String> {
+    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    let key = cache_key(arch);
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(ptx) = cache.lock().expect("cache lock").get(&key) {
+        return Ok(ptx.clone());
+    }
+    if !nvrtc_present() {
+        return Err(GpuError::Unavailable(
+            "libnvrtc.so.12 not found (install the CUDA toolkit's NVRTC or PyPI nvidia-cuda-nvrtc-cu12 \
+             and put its lib directory on LD_LIBRARY_PATH)"
+                .into(),
+        ));
+    }
+    let opts = CompileOptions {
+        options: compile_options(arch),
+        name: Some("fused_topk.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::SOURCE, opts).map_err(|e| {
+        GpuError::Compile {
+            arch: arch.into(),
+            log: match e {
+                CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                other => format!("{other:?}"),
+            },
+        }
+    })?;
+    let text = ptx.to_src();
+    cache.lock().expect("cache lock").insert(key, text.clone());
+    Ok(text)
+}
+
+/// The output layer's weights as the kernels read them.
+enum DeviceWeights {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<u16>),
+    I8 {
+        q: CudaSlice<i8>,
+        scales: CudaSlice<f32>,
+    },
+}
+
+/// Fused score + top-k of one output layer on one GPU, with its own stream.
+pub struct GpuOutputLayer {
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    score: CudaFunction,
+    merge: CudaFunction,
+    weights: DeviceWeights,
+    bias: CudaSlice<f32>,
+    n_items: usize,
+    dim: usize,
+    /// "NVIDIA H200 (sm_90)", for logs.
+    pub device: String,
+}
+
+/// One row's answer: (internal index, score), best first; fewer than k when fewer items qualify.
+pub type Ranked = Vec<(u32, f32)>;
+
+impl GpuOutputLayer {
+    /// Uploads `weight` (`[n_items, dim]`, any precision) and `bias` to device `ordinal` and compiles
+    /// the kernels for its architecture.
+    pub fn new(ordinal: usize, weight: &Matrix, bias: &Tensor) -> Result<GpuOutputLayer> {
+        if !driver_present() {
+            return Err(GpuError::Unavailable(
+                "the CUDA driver (libcuda.so.1) is not installed or not visible to this process"
+                    .into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            GpuError::Unavailable(format!("cannot open CUDA device {ordinal}: {e}"))
+        })?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("querying the compute capability"))?;
+        if major < 7 {
+            return Err(GpuError::Unavailable(format!(
+                "device {ordinal} has compute capability {major}.{minor}; recsys needs 7.0 or newer"
+            )));
+        }
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let ptx = compile(&arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(cuda_err("loading the compiled module"))?;
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let (n_items, dim) = (weight.rows(), weight.cols());
+        let (weights, score_name) = match weight {
+            Matrix::F32(t) => (
+                DeviceWeights::F32(
+                    stream
+                        .memcpy_stod(t.as_slice())
+                        .map_err(cuda_err("uploading weights"))?,
+                ),
+                "score_tile_topk_f32",
+            ),
+            Matrix::F16 { bits, start, .. } => (
+                DeviceWeights::F16(
+                    stream
+                        .memcpy_stod(&bits[start * dim..(start + n_items) * dim])
+                        .map_err(cuda_err("uploading weights"))?,
+                ),
+                "score_tile_topk_f16",
+            ),
+            Matrix::I8 {
+                q, scales, start, ..
+            } => (
+                DeviceWeights::I8 {
+                    q: stream
+                        .memcpy_stod(&q[start * dim..(start + n_items) * dim])
+                        .map_err(cuda_err("uploading weights"))?,
+                    scales: stream
+                        .memcpy_stod(&scales[*start..start + n_items])
+                        .map_err(cuda_err("uploading scales"))?,
+                },
+                "score_tile_topk_i8",
+            ),
+        };
+        let bias = stream
+            .memcpy_stod(bias.as_slice())
+            .map_err(cuda_err("uploading the bias"))?;
+        let score = module
+            .load_function(score_name)
+            .map_err(cuda_err("finding the scoring kernel"))?;
+        let merge = module
+            .load_function("merge_topk")
+            .map_err(cuda_err("finding the merge kernel"))?;
+        Ok(GpuOutputLayer {
+            stream,
+            _module: module,
+            score,
+            merge,
+            weights,
+            bias,
+            n_items,
+            dim,
+            device: format!("{name} ({arch})"),
+        })
+    }
+
+    /// Top-`k` items for each of `rows` hidden vectors (`hidden` is `[rows, dim]`), leaving out
+    /// index 0 (PAD) and each row's `exclude` list.
+    pub fn topk(&self, hidden: &[f32], k: usize, exclude: &[&[u32]]) -> Result<Vec<Ranked>> {
+        let rows = exclude.len();
+        if hidden.len() != rows * self.dim {
+            return Err(GpuError::Invalid(format!(
+                "{} hidden values for {rows} rows of width {}",
+                hidden.len(),
+                self.dim
+            )));
+        }
+        if k == 0 || k > MAX_K {
+            return Err(GpuError::Invalid(format!(
+                "k = {k}: the GPU path serves 1..={MAX_K}"
+            )));
+        }
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        // Exclusions as CSR with each row sorted, so the kernel can binary-search them.
+        let mut offsets = Vec::with_capacity(rows + 1);
+        let mut ids = Vec::new();
+        offsets.push(0u32);
+        for list in exclude {
+            let mut sorted = list.to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            ids.extend(sorted);
+            offsets.push(ids.len() as u32);
+        }
+        if ids.is_empty() {
+            ids.push(u32::MAX); // cudarc refuses zero-length allocations
+        }
+        let s = &self.stream;
+        // Inputs staged through page-locked memory so the copies are true async DMA.
+        let hidden_dev = self.upload_pinned(hidden)?;
+        let offsets_dev = s
+            .memcpy_stod(&offsets)
+            .map_err(cuda_err("uploading exclusions"))?;
+        let ids_dev = s
+            .memcpy_stod(&ids)
+            .map_err(cuda_err("uploading exclusions"))?;
+
+        let keep = crate::keep_per_tile(k);
+        let tiles = self.n_items.div_ceil(TILE);
+        let plan = merge_plan(self.n_items, k);
+        let mut scores = s
+            .alloc_zeros::<f32>(rows * plan[0])
+            .map_err(cuda_err("allocating candidates"))?;
+        let mut index = s
+            .alloc_zeros::<u32>(rows * plan[0])
+            .map_err(cuda_err("allocating candidates"))?;
+        let (n, d, kp) = (self.n_items as u32, self.dim as u32, keep as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, rows as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: (4 * self.dim) as u32,
+        };
+        let mut launch = s.launch_builder(&self.score);
+        launch.arg(&hidden_dev);
+        match &self.weights {
+            DeviceWeights::F32(w) => {
+                launch.arg(w);
+            }
+            DeviceWeights::F16(w) => {
+                launch.arg(w);
+            }
+            DeviceWeights::I8 { q, scales } => {
+                launch.arg(q).arg(scales);
+            }
+        }
+        launch
+            .arg(&self.bias)
+            .arg(&offsets_dev)
+            .arg(&ids_dev)
+            .arg(&n)
+            .arg(&d)
+            .arg(&kp)
+            .arg(&mut scores)
+            .arg(&mut index);
+        // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
+        // const W* weights, [const float* row_scales,] const float* bias, const u32* exclude_offsets,
+        // const u32* exclude_ids, u32 n_items, u32 dim, u32 keep, float* out_scores, u32* out_index)
+        // in kernels/fused_topk.cu; hidden is rows x dim, weights n_items x dim (+ n_items scales),
+        // exclusions rows + 1 offsets into ids, outputs rows x tiles x keep = rows x plan[0]; the
+        // dynamic shared memory holds one hidden row.
+        unsafe { launch.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
+
+        for window in plan.windows(2) {
+            let (count, next) = (window[0] as u32, window[1]);
+            let mut next_scores = s
+                .alloc_zeros::<f32>(rows * next)
+                .map_err(cuda_err("allocating candidates"))?;
+            let mut next_index = s
+                .alloc_zeros::<u32>(rows * next)
+                .map_err(cuda_err("allocating candidates"))?;
+            let cfg = LaunchConfig {
+                grid_dim: ((count as usize).div_ceil(TILE) as u32, rows as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = s.launch_builder(&self.merge);
+            launch
+                .arg(&scores)
+                .arg(&index)
+                .arg(&count)
+                .arg(&kp)
+                .arg(&mut next_scores)
+                .arg(&mut next_index);
+            // SAFETY: matches merge_topk(const float* in_scores, const u32* in_index, u32 count,
+            // u32 keep, float* out_scores, u32* out_index): inputs rows x count, outputs rows x
+            // blocks x keep = rows x next.
+            unsafe { launch.launch(cfg) }.map_err(cuda_err("launching the merge kernel"))?;
+            scores = next_scores;
+            index = next_index;
+        }
+        let top_scores = s
+            .memcpy_dtov(&scores)
+            .map_err(cuda_err("downloading results"))?;
+        let top_index = s
+            .memcpy_dtov(&index)
+            .map_err(cuda_err("downloading results"))?;
+        let width = *plan.last().expect("plan is never empty");
+        Ok((0..rows)
+            .map(|r| {
+                top_index[r * width..(r + 1) * width]
+                    .iter()
+                    .zip(&top_scores[r * width..(r + 1) * width])
+                    .take(k)
+                    .filter(|(i, s)| **i != u32::MAX && s.is_finite())
+                    .map(|(i, s)| (*i, *s))
+                    .collect()
+            })
+            .collect())
+    }
+
+    fn upload_pinned(&self, values: &[f32]) -> Result<CudaSlice<f32>> {
+        let ctx = self.stream.context();
+        // SAFETY: the pinned buffer is fully written right below before any read.
+        let mut pinned = unsafe { ctx.alloc_pinned::<f32>(values.len()) }
+            .map_err(cuda_err("allocating page-locked memory"))?;
+        pinned
+            .as_mut_slice()
+            .map_err(cuda_err("mapping page-locked memory"))?
+            .copy_from_slice(values);
+        self.stream
+            .memcpy_stod(&pinned)
+            .map_err(cuda_err("uploading hidden vectors"))
+    }
+}
+
+impl recsys_engine::OutputScorer for GpuOutputLayer {
+    fn top_k(
+        &self,
+        hidden: &[f32],
+        ks: &[usize],
+        excluded: &[&[u32]],
+    ) -> std::result::Result<Vec<Vec<recsys_engine::topk::Scored>>, String> {
+        // One launch for the batch at its largest k; each row is cut to its own k.
+        let k = ks.iter().copied().max().unwrap_or(1).max(1);
+        let ranked = self.topk(hidden, k, excluded).map_err(|e| e.to_string())?;
+        Ok(ranked
+            .into_iter()
+            .zip(ks)
+            .map(|(row, &k)| {
+                row.into_iter()
+                    .take(k)
+                    .map(|(index, score)| recsys_engine::topk::Scored { index, score })
+                    .collect()
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,93 @@
+//! Every kernel compiles with NVRTC for each checked architecture, and ptxas (run on the PTX, as
+//! the driver would) reports no register spills. Needs no GPU: NVRTC and ptxas come from PyPI
+//! (`nvidia-cuda-nvrtc-cu12`, `nvidia-cuda-nvcc-cu12`), installed by scripts/python-env.sh;
+//! scripts/test.sh runs this with `--features cuda` and both on the paths.
+#![cfg(feature = "cuda")]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use recsys_gpu::{cuda, CHECKED_ARCHS, KERNELS};
+
+fn ptxas() -> PathBuf {
+    if let Ok(p) = std::env::var("RECSYS_PTXAS") {
+        return PathBuf::from(p);
+    }
+    PathBuf::from("ptxas")
+}
+
+/// (function, registers, spill store bytes, spill load bytes) from `ptxas -v` output.
+fn resources(log: &str) -> Vec<(String, u32, u32, u32)> {
+    let mut out = Vec::new();
+    let mut current: Option<String> = None;
+    let mut spills = (0, 0);
+    for line in log.lines() {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            current = Some(rest.trim().to_string());
+        } else if line.contains("spill stores") {
+            let num = |key: &str| {
+                line.split(',')
+                    .find(|p| p.contains(key))
+                    .and_then(|p| p.split_whitespace().next()?.parse().ok())
+                    .unwrap_or(u32::MAX)
+            };
+            spills = (num("spill stores"), num("spill loads"));
+        } else if let Some(rest) = line.split("Used ").nth(1) {
+            let regs = rest
+                .split_whitespace()
+                .next()
+                .and_then(|r| r.parse().ok())
+                .unwrap_or(0);
+            if let Some(name) = current.take() {
+                out.push((name, regs, spills.0, spills.1));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn kernels_compile_for_every_checked_arch_without_spills() {
+    assert!(
+        cuda::nvrtc_present(),
+        "libnvrtc.so.12 is not on the library path: scripts/test.sh sets it from the venv's \
+         nvidia-cuda-nvrtc-cu12"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    for arch in CHECKED_ARCHS {
+        let ptx = cuda::compile(arch).unwrap_or_else(|e| panic!("{e}"));
+        for k in KERNELS {
+            assert!(
+                ptx.contains(&format!(".entry {k}(")),
+                "{arch}: {k} missing from the PTX"
+            );
+        }
+        let path = dir.path().join(format!("{arch}.ptx"));
+        std::fs::write(&path, &ptx).unwrap();
+        let run = Command::new(ptxas())
+            .args(["-v", &format!("--gpu-name={arch}"), "-o"])
+            .arg(dir.path().join(format!("{arch}.cubin")))
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run ptxas ({e}); set RECSYS_PTXAS or put it on PATH")
+            });
+        let log = String::from_utf8_lossy(&run.stderr).into_owned()
+            + &String::from_utf8_lossy(&run.stdout);
+        assert!(run.status.success(), "{arch}: ptxas failed:\n{log}");
+        let found = resources(&log);
+        assert_eq!(
+            found.len(),
+            KERNELS.len(),
+            "{arch}: ptxas reported {found:?}\n{log}"
+        );
+        for (name, regs, stores, loads) in &found {
+            println!("{arch} {name}: {regs} registers, {stores} bytes spill stores, {loads} bytes spill loads");
+            assert_eq!(
+                (*stores, *loads),
+                (0, 0),
+                "{arch}: {name} spills registers\n{log}"
+            );
+        }
+    }
+}

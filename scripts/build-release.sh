@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The release build of what gets deployed: the Triton backend and the CLI. `--cuda` adds the GPU path
+# (KIND_GPU instances; CUDA is loaded at run time, so the build needs no CUDA toolkit). Used by CI
+# (scripts/test.sh) and by docker/Dockerfile, so the image is built exactly as CI builds.
+#   scripts/build-release.sh [--cuda] [--target-dir DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+features=()
+args=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --cuda) features=(--features recsys-backend/cuda); shift ;;
+    --target-dir) args+=(--target-dir "$2"); shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+cargo build --release --locked -p recsys-backend -p recsys-converter "${features[@]}" "${args[@]}"
