@@ -1,6 +1,6 @@
 """Offline batch scoring: `recsys predict` against a Python loop over ONNX Runtime on the same
-model (the graphs of scripts/bench_models.py, built from the same trained weights), same JSONL
-input, same output content (top-10 ids and scores per line), 2 threads each.
+exported model (`recsys export-onnx --k 10` of the same engine), same JSONL input, same output
+content (top-10 ids and scores per line), 2 threads each.
 
     scripts/bench-predict.sh [--lines 20000] [--out FILE.md]
 """
@@ -21,35 +21,32 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import FIX, RECSYS, K, bert4rec_session, read_safetensors, vaecf_session  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+
+from bench_models import FIX, RECSYS, K  # noqa: E402
 
 
-def python_loop(model: str, sess, src: Path, dst: Path, ext_to_int: dict, int_to_ext: list, n: int, cfg: dict, batch: int) -> None:
-    """What a team would write: read lines, build the model's inputs, run ORT, write JSON lines."""
+def python_loop(model: str, sess, src: Path, dst: Path, ext_to_int: dict, int_to_ext: list, n: int, max_len: int,
+                batch: int) -> None:
+    """What a team would write around the exported graph: read lines, map ids, pad, run ORT, write JSON lines."""
     with open(src) as f, open(dst, "w") as out:
         lines = []
 
         def flush():
             histories = [[ext_to_int[x] for x in json.loads(l)["item_ids"] if x in ext_to_int] for l in lines]
-            excl = np.zeros((len(histories), n + 1), dtype=np.float32)
-            excl[:, 0] = -np.inf
+            width = max(1, max(len(h) for h in histories))
+            exclude = np.zeros((len(histories), width), dtype=np.int64)
+            for i, h in enumerate(histories):
+                exclude[i, : len(h)] = h
             if model == "bert4rec":
-                L = cfg["max_seq_length"]
-                seq = np.zeros((len(histories), L), dtype=np.int64)
-                onehot = np.zeros((len(histories), L), dtype=np.float32)
+                seq = np.zeros((len(histories), max_len), dtype=np.int64)
                 for i, h in enumerate(histories):
-                    ids = h[-(L - 1):]
+                    ids = h[-(max_len - 1):]
                     seq[i, : len(ids)] = ids
                     seq[i, len(ids)] = n + 1
-                    onehot[i, len(ids)] = 1.0
-                    excl[i, h] = -np.inf
-                feeds = {"item_seq": seq, "mask_onehot": onehot, "exclude": excl}
+                feeds = {"item_seq": seq, "exclude_ids": exclude}
             else:
-                x = np.zeros((len(histories), n + 1), dtype=np.float32)
-                for i, h in enumerate(histories):
-                    x[i, h] = 1.0
-                    excl[i, h] = -np.inf
-                feeds = {"multihot": x, "exclude": excl}
+                feeds = {"items": exclude, "exclude_ids": exclude}
             values, indices = sess.run(None, feeds)
             for v, ix in zip(values, indices):
                 out.write(json.dumps({"item_ids": [int_to_ext[i] for i in ix], "scores": [float(s) for s in v]}) + "\n")
@@ -79,8 +76,6 @@ def main() -> None:
                 t = test[i % len(test)]
                 f.write(json.dumps({"user_id": i, "item_ids": [int(x) for x in t[2].split()]}) + "\n")
         for model, fixture in [("bert4rec", "bert4rec"), ("vaecf", "multivae")]:
-            cfg = json.loads((FIX / fixture / "config.json").read_text())
-            w = read_safetensors(FIX / fixture / "model.safetensors")
             engine = tmp / model
             subprocess.run([str(RECSYS), "convert", "--kind", model, "--checkpoint", str(FIX / fixture / "model.safetensors"),
                             "--config", str(FIX / fixture / "config.json"), "--item-map", str(FIX / fixture / "item_id_map.tsv"),
@@ -95,9 +90,15 @@ def main() -> None:
             for i, e in mapping:
                 int_to_ext[int(i)] = int(e)
             n = len(mapping)
-            sess = bert4rec_session(w, cfg, args.threads) if model == "bert4rec" else vaecf_session(w, n + 1, 200, args.threads)
+            onnx_file = tmp / f"{model}.onnx"
+            subprocess.run([str(RECSYS), "export-onnx", "--engine", str(engine), "--out", str(onnx_file), "--k", str(K)],
+                           check=True, capture_output=True)
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
+            sess = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
+            max_len = int(sess.get_modelmeta().custom_metadata_map.get("recsys.max_len", "0"))
             start = time.perf_counter()
-            python_loop(model, sess, src, tmp / "theirs.jsonl", ext_to_int, int_to_ext, n, cfg, 256)
+            python_loop(model, sess, src, tmp / "theirs.jsonl", ext_to_int, int_to_ext, n, max_len, 256)
             theirs = time.perf_counter() - start
             a = [json.loads(l)["item_ids"] for l in open(tmp / "ours.jsonl")]
             b = [json.loads(l)["item_ids"] for l in open(tmp / "theirs.jsonl")]
