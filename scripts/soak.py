@@ -276,12 +276,10 @@ def main() -> int:
                     _, what = steps.pop(0)
                     events.append(f"{now:.0f} s: {what}")
                     try:
-                        if what.startswith("reload vaecf"):
-                            subprocess.run([sys.executable, "-c", f"import tritonclient.http as h; h.InferenceServerClient('{server.http_url}').load_model('vaecf')"],
-                                           check=True, timeout=120)
-                        elif what.startswith("reload bert4rec"):
-                            subprocess.run([sys.executable, "-c", f"import tritonclient.http as h; h.InferenceServerClient('{server.http_url}').load_model('bert4rec')"],
-                                           check=True, timeout=120)
+                        if what.startswith("reload"):
+                            import tritonclient.http as httpclient  # noqa: PLC0415
+
+                            httpclient.InferenceServerClient(server.http_url, network_timeout=120).load_model(what.split()[1])
                         elif what.startswith("publish v2"):
                             registry("publish", "--approve", "--engine", str(tmp / "bert4rec-int8"), "--server", url)
                             v = serving_version(server.http_url, VERSIONED)

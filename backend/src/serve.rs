@@ -88,12 +88,10 @@ pub fn serve(
         }
     }
 
-    let (mut answers, device_error) = match device {
-        None => (engine.recommend_internal(&prepared).into_iter(), None),
-        Some(device) => match engine.recommend_internal_on(&prepared, device) {
-            Ok(answers) => (answers.into_iter(), None),
-            Err(e) => (Vec::new().into_iter(), Some(e.to_string())),
-        },
+    let device: &dyn recsys_engine::OutputScorer = device.unwrap_or(&engine.scorer);
+    let (mut answers, device_error) = match engine.recommend_internal_on(&prepared, device) {
+        Ok(answers) => (answers.into_iter(), None),
+        Err(e) => (Vec::new().into_iter(), Some(e.to_string())),
     };
     let summary = BatchSummary {
         engine_rows: prepared.len(),
@@ -195,8 +193,8 @@ mod tests {
             &self,
             hidden: &[f32],
             ks: &[usize],
-            excluded: &[&[u32]],
-        ) -> std::result::Result<Vec<Vec<recsys_engine::topk::Scored>>, String> {
+            excluded: Vec<Vec<u32>>,
+        ) -> std::result::Result<recsys_engine::RankedRows, String> {
             let out = self.0.model.output();
             let d = out.input_size();
             Ok(ks
@@ -232,8 +230,8 @@ mod tests {
             &self,
             _: &[f32],
             _: &[usize],
-            _: &[&[u32]],
-        ) -> std::result::Result<Vec<Vec<recsys_engine::topk::Scored>>, String> {
+            _: Vec<Vec<u32>>,
+        ) -> std::result::Result<recsys_engine::RankedRows, String> {
             Err("the device fell off the bus".into())
         }
     }

@@ -96,17 +96,49 @@ pub struct Scorer {
     pub threads: usize,
 }
 
-/// A device that runs the output layer's score + top-k in place of the CPU kernels (the CUDA path).
-/// The serving layer picks one per model instance; the encoder stays on the engine.
+/// Each row's best items, best first.
+pub type RankedRows = Vec<Vec<Scored>>;
+
+/// What runs the output layer's score + top-k: the CPU kernels ([`Scorer`]) or a device (the CUDA
+/// path). The serving layer picks one per model instance; the encoder always runs on the engine.
 pub trait OutputScorer: Send + Sync {
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
-    /// (PAD) nor any of `excluded[row]`.
+    /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
     fn top_k(
         &self,
         hidden: &[f32],
         ks: &[usize],
-        excluded: &[&[u32]],
-    ) -> std::result::Result<Vec<Vec<Scored>>, String>;
+        excluded: Vec<Vec<u32>>,
+    ) -> std::result::Result<RankedRows, String>;
+}
+
+impl OutputScorer for Scorer {
+    fn top_k(
+        &self,
+        hidden: &[f32],
+        ks: &[usize],
+        excluded: Vec<Vec<u32>>,
+    ) -> std::result::Result<RankedRows, String> {
+        let exclusions: Vec<Exclusions> = excluded
+            .into_iter()
+            .map(|mut list| {
+                list.push(0); // PAD is never an item
+                Exclusions::new(list)
+            })
+            .collect();
+        let queries: Vec<RowQuery<'_>> = ks
+            .iter()
+            .zip(&exclusions)
+            .map(|(&k, excluded)| RowQuery { k, excluded })
+            .collect();
+        Ok(fused::top_k(
+            self.kernels,
+            &self.packed,
+            hidden,
+            &queries,
+            self.threads,
+        ))
+    }
 }
 
 /// A loaded model with its id map.
@@ -123,32 +155,17 @@ pub struct Engine {
 fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
     let out = loaded.model.output();
     let packed = out.weight.pack(out.bias.as_slice());
-    let layer = loaded
-        .manifest
-        .quantization
-        .as_ref()
-        .map(|q| &q["output_layer"]);
-    Ok(match layer.and_then(|l| l["mode"].as_str()) {
-        Some("w8a8") => {
-            let scale = layer
-                .and_then(|l| l["activation_scale"].as_f64())
-                .filter(|s| s.is_finite() && *s >= 0.0)
-                .ok_or_else(|| EngineError::EngineDir {
-                    path: loaded.path.clone(),
-                    reason:
-                        "w8a8 engine without a valid output_layer.activation_scale in the manifest"
-                            .into(),
-                })?;
-            if !matches!(out.weight, crate::weights::Matrix::I8 { .. }) {
-                return Err(EngineError::EngineDir {
-                    path: loaded.path.clone(),
-                    reason: "w8a8 engine whose output layer is not int8".into(),
-                });
-            }
-            packed.with_static_activation_scale(scale as f32)
+    let bad = |reason: String| EngineError::EngineDir {
+        path: loaded.path.clone(),
+        reason,
+    };
+    match loaded.manifest.output_activation_scale().map_err(bad)? {
+        None => Ok(packed),
+        Some(_) if !matches!(out.weight, crate::weights::Matrix::I8 { .. }) => {
+            Err(bad("w8a8 engine whose output layer is not int8".into()))
         }
-        _ => packed,
-    })
+        Some(scale) => Ok(packed.with_static_activation_scale(scale)),
+    }
 }
 
 impl Engine {
@@ -291,45 +308,14 @@ impl Engine {
             .collect()
     }
 
-    /// Top-k over internal indices for a batch of prepared requests.
+    /// Top-k over internal indices for a batch of prepared requests, on the CPU kernels.
     pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<(Vec<Scored>, HistoryNote)> {
-        if batch.is_empty() {
-            return Vec::new();
-        }
-        let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
-        let (hidden, notes) = self.model.encode(&histories);
-        let exclusions: Vec<Exclusions> = batch
-            .iter()
-            .map(|request| {
-                let mut excluded =
-                    Vec::with_capacity(1 + request.history.len() + request.exclude.len());
-                excluded.push(0); // PAD is never an item
-                if request.exclude_seen {
-                    excluded.extend_from_slice(&request.history);
-                }
-                excluded.extend_from_slice(&request.exclude);
-                Exclusions::new(excluded)
-            })
-            .collect();
-        let queries: Vec<RowQuery<'_>> = batch
-            .iter()
-            .zip(&exclusions)
-            .map(|(request, excluded)| RowQuery {
-                k: request.k,
-                excluded,
-            })
-            .collect();
-        let top = fused::top_k(
-            self.scorer.kernels,
-            &self.scorer.packed,
-            &hidden,
-            &queries,
-            self.scorer.threads,
-        );
-        top.into_iter().zip(notes).collect()
+        self.recommend_internal_on(batch, &self.scorer)
+            .expect("the CPU kernels never fail")
     }
 
-    /// [`Engine::recommend_internal`] with the output layer on `device` (the encoder runs here).
+    /// Top-k over internal indices for a batch of prepared requests, the output layer on `device`
+    /// (the engine's own [`Scorer`] or a GPU); the encoder runs here.
     pub fn recommend_internal_on(
         &self,
         batch: &[InternalRequest],
@@ -343,17 +329,20 @@ impl Engine {
         let excluded: Vec<Vec<u32>> = batch
             .iter()
             .map(|request| {
-                let mut list = request.exclude.clone();
-                if request.exclude_seen {
-                    list.extend_from_slice(&request.history);
-                }
+                let seen = if request.exclude_seen {
+                    request.history.as_slice()
+                } else {
+                    &[]
+                };
+                let mut list = Vec::with_capacity(1 + seen.len() + request.exclude.len());
+                list.extend_from_slice(seen);
+                list.extend_from_slice(&request.exclude);
                 list
             })
             .collect();
-        let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
         let ks: Vec<usize> = batch.iter().map(|r| r.k).collect();
         let top = device
-            .top_k(&hidden, &ks, &refs)
+            .top_k(&hidden, &ks, excluded)
             .map_err(EngineError::Device)?;
         Ok(top.into_iter().zip(notes).collect())
     }

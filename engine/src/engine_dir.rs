@@ -91,6 +91,24 @@ pub struct Manifest {
     pub created_at: String,
 }
 
+impl Manifest {
+    /// The output layer's calibrated static activation scale of a W8A8 engine; `None` for every
+    /// other scheme. A W8A8 manifest without a finite, non-negative scale is malformed.
+    pub fn output_activation_scale(&self) -> std::result::Result<Option<f32>, String> {
+        let layer = self.quantization.as_ref().map(|q| &q["output_layer"]);
+        if layer.and_then(|l| l["mode"].as_str()) != Some("w8a8") {
+            return Ok(None);
+        }
+        layer
+            .and_then(|l| l["activation_scale"].as_f64())
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(|s| Some(s as f32))
+            .ok_or_else(|| {
+                "w8a8 engine without a valid output_layer.activation_scale in the manifest".into()
+            })
+    }
+}
+
 /// Everything needed to write an engine directory.
 pub struct EngineParts<'a> {
     pub config: &'a ModelConfig,

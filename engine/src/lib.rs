@@ -20,7 +20,7 @@ pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use engine::{
-    convert, convert_limited, ConvertRequest, Engine, InternalRequest, OutputScorer,
+    convert, convert_limited, ConvertRequest, Engine, InternalRequest, OutputScorer, RankedRows,
     Recommendation, Request, ServeOptions, UnknownItemPolicy,
 };
 pub use error::{EngineError, Result};

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use recsys_engine::tensor::Tensor;
@@ -38,7 +39,11 @@ pub fn compile(arch: &str) -> Result<String> {
     static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
     let key = cache_key(arch);
     let cache = CACHE.get_or_init(Default::default);
-    if let Some(ptx) = cache.lock().expect("cache lock").get(&key) {
+    if let Some(ptx) = cache
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&key)
+    {
         return Ok(ptx.clone());
     }
     if !nvrtc_present() {
@@ -63,7 +68,10 @@ pub fn compile(arch: &str) -> Result<String> {
         }
     })?;
     let text = ptx.to_src();
-    cache.lock().expect("cache lock").insert(key, text.clone());
+    cache
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(key, text.clone());
     Ok(text)
 }
 
@@ -87,6 +95,9 @@ pub struct GpuOutputLayer {
     bias: CudaSlice<f32>,
     n_items: usize,
     dim: usize,
+    /// Page-locked staging for the hidden vectors, kept between batches (allocating page-locked
+    /// memory costs far more than the copy) and grown to the largest batch seen.
+    staging: Mutex<Option<PinnedHostSlice<f32>>>,
     /// "NVIDIA H200 (sm_90)", for logs.
     pub device: String,
 }
@@ -172,6 +183,7 @@ impl GpuOutputLayer {
             bias,
             n_items,
             dim,
+            staging: Mutex::new(None),
             device: format!("{name} ({arch})"),
         })
     }
@@ -210,8 +222,13 @@ impl GpuOutputLayer {
             ids.push(u32::MAX); // cudarc refuses zero-length allocations
         }
         let s = &self.stream;
-        // Inputs staged through page-locked memory so the copies are true async DMA.
-        let hidden_dev = self.upload_pinned(hidden)?;
+        // Inputs staged through page-locked memory so the copies are true async DMA; the lock is
+        // held to the end, when the downloads have synchronised the stream.
+        let mut staging = self
+            .staging
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let hidden_dev = self.upload_pinned(&mut staging, hidden)?;
         let offsets_dev = s
             .memcpy_stod(&offsets)
             .map_err(cuda_err("uploading exclusions"))?;
@@ -312,18 +329,36 @@ impl GpuOutputLayer {
             .collect())
     }
 
-    fn upload_pinned(&self, values: &[f32]) -> Result<CudaSlice<f32>> {
-        let ctx = self.stream.context();
-        // SAFETY: the pinned buffer is fully written right below before any read.
-        let mut pinned = unsafe { ctx.alloc_pinned::<f32>(values.len()) }
-            .map_err(cuda_err("allocating page-locked memory"))?;
-        pinned
+    /// Copies `values` into the staging buffer and from there to the device. The caller holds the
+    /// staging lock until the stream has finished with the copy (its results are downloaded).
+    fn upload_pinned(
+        &self,
+        staging: &mut Option<PinnedHostSlice<f32>>,
+        values: &[f32],
+    ) -> Result<CudaSlice<f32>> {
+        let pinned = match staging {
+            Some(p) if p.len() >= values.len() => p,
+            _ => {
+                // SAFETY: the new buffer is written below (up to values.len()) before any read,
+                // and only that prefix is ever copied.
+                let fresh = unsafe { self.stream.context().alloc_pinned::<f32>(values.len()) }
+                    .map_err(cuda_err("allocating page-locked memory"))?;
+                staging.insert(fresh)
+            }
+        };
+        // as_mut_slice waits for any copy still reading the buffer.
+        let host = pinned
             .as_mut_slice()
-            .map_err(cuda_err("mapping page-locked memory"))?
-            .copy_from_slice(values);
+            .map_err(cuda_err("mapping page-locked memory"))?;
+        host[..values.len()].copy_from_slice(values);
+        let mut dev = self
+            .stream
+            .alloc_zeros::<f32>(values.len())
+            .map_err(cuda_err("allocating hidden vectors"))?;
         self.stream
-            .memcpy_stod(&pinned)
-            .map_err(cuda_err("uploading hidden vectors"))
+            .memcpy_htod(&host[..values.len()], &mut dev)
+            .map_err(cuda_err("uploading hidden vectors"))?;
+        Ok(dev)
     }
 }
 
@@ -332,11 +367,12 @@ impl recsys_engine::OutputScorer for GpuOutputLayer {
         &self,
         hidden: &[f32],
         ks: &[usize],
-        excluded: &[&[u32]],
-    ) -> std::result::Result<Vec<Vec<recsys_engine::topk::Scored>>, String> {
+        excluded: Vec<Vec<u32>>,
+    ) -> std::result::Result<recsys_engine::RankedRows, String> {
         // One launch for the batch at its largest k; each row is cut to its own k.
         let k = ks.iter().copied().max().unwrap_or(1).max(1);
-        let ranked = self.topk(hidden, k, excluded).map_err(|e| e.to_string())?;
+        let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+        let ranked = self.topk(hidden, k, &refs).map_err(|e| e.to_string())?;
         Ok(ranked
             .into_iter()
             .zip(ks)

@@ -120,32 +120,21 @@ fn type_name(dtype: DataType) -> &'static str {
     }
 }
 
-/// The W8A8 activation scale of an engine's output layer, if it has one.
+/// The int8 mode ("weight-only" or "w8a8") and, for W8A8, the output layer's activation scale.
 fn activation_scale(manifest: &engine_dir::Manifest) -> Result<(Option<String>, Option<f32>)> {
     if manifest.precision != Precision::Int8 {
         return Ok((None, None));
     }
-    let layer = manifest
-        .quantization
-        .as_ref()
-        .and_then(|q| q.get("output_layer"))
-        .cloned()
-        .unwrap_or_default();
-    match layer.get("mode").and_then(|m| m.as_str()) {
-        Some("w8a8") => {
-            let scale = layer
-                .get("activation_scale")
-                .and_then(|s| s.as_f64())
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .ok_or_else(|| {
-                    OnnxError::Invalid(
-                        "w8a8 engine without a valid output_layer.activation_scale in its manifest"
-                            .into(),
-                    )
-                })?;
-            Ok((Some("w8a8".into()), Some(scale as f32)))
-        }
-        _ => Ok((Some("weight-only".into()), None)),
+    match manifest
+        .output_activation_scale()
+        .map_err(OnnxError::Invalid)?
+    {
+        // QuantizeLinear divides by the scale.
+        Some(scale) if scale > 0.0 => Ok((Some("w8a8".into()), Some(scale))),
+        Some(_) => Err(OnnxError::Invalid(
+            "w8a8 engine with a zero activation scale cannot be expressed as QuantizeLinear".into(),
+        )),
+        None => Ok((Some("weight-only".into()), None)),
     }
 }
 
