@@ -1,31 +1,39 @@
 // Fused output-layer scoring + top-k for recsys, compiled at model load by NVRTC.
 //
-// Stage 1 (score_tile_topk_*): block (tile, row) scores TILE items of the catalogue for one hidden
-// vector (one warp per item at a time: the lanes split the hidden dimension, so every weight row is
-// read with coalesced loads and exactly once per row of the batch), applies bias and exclusions,
-// and keeps the tile's best `keep` candidates, sorted, in shared memory; only those leave the chip.
+// Stage 1 (score_tile_topk_*): block (tile, group) scores TILE items of the catalogue for a group of
+// up to MAX_ROWS rows of the batch (one thread per item, so each weight row is read once per group
+// rather than once per row), applies bias and exclusions, and keeps each row's best `keep` tile
+// candidates, sorted; only those leave the chip.
 // Stage 2 (merge_topk): blocks of TILE candidates are sorted and cut to `keep` until one block
 // remains. Order: higher score first, ties to the lower item index (the engine's rule); excluded
 // items and padding carry -inf and index 0xFFFFFFFF and sort last.
 //
-// Weights are row-major [n_items, dim]: f32, f16 bits (u16) or int8 with one f32 scale per row.
+// Weights are row-major [n_items, dim]: f32, f16 bits (u16) or int8 with one f32 scale per row
+// (applied to the finished dot product, as the CPU engine does).
 // Exclusions are CSR per batch row (offsets [rows + 1], sorted item indices).
-// No headers: fp16 conversion is one PTX instruction, so NVRTC needs no include path.
+// No headers: fp16 conversion is one PTX instruction, so NVRTC needs no include path. The same
+// source also compiles as host C++ in front of gpu/emulator/cuda_emulation.hpp, which runs the
+// kernels on the CPU for the tests of machines without a GPU (RECSYS_CUDA_EMULATION).
 
 #define TILE 2048
 #define THREADS 256
-#define WARPS (THREADS / 32)
+#define MAX_ROWS 4
 #define NONE_INDEX 0xFFFFFFFFu
 #define NEG_INF __int_as_float(0xff800000)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+#ifdef RECSYS_CUDA_EMULATION
+__device__ __forceinline__ float half_bits_to_float(u16 bits) { return emu::half_bits_to_float(bits); }
+#else
+#define RECSYS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 __device__ __forceinline__ float half_bits_to_float(u16 bits) {
     float out;
     asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(bits));
     return out;
 }
+#endif
 
 // True when (sa, ia) ranks before (sb, ib).
 __device__ __forceinline__ bool ranks_before(float sa, u32 ia, float sb, u32 ib) {
@@ -63,59 +71,77 @@ __device__ void sort_tile(float* scores, u32* index) {
     }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xFFFFFFFFu, v, offset);
-    return v;
-}
-
 // The body shared by the three weight types; WEIGHT(item, col) reads one weight as float.
+// Block (tile, group) scores TILE items for up to MAX_ROWS rows of the batch, so each weight row
+// is read once per group of rows instead of once per row: one thread per item, the group's hidden
+// vectors in shared memory (read as broadcasts). Then, one row at a time, the tile's scores are
+// sorted in place and the best `keep` leave the chip.
 #define SCORE_TILE_BODY(WEIGHT)                                                                   \
-    extern __shared__ float hidden_row[];                                                         \
-    __shared__ float tile_scores[TILE];                                                           \
+    RECSYS_DYNAMIC_SHARED(float, group_hidden);                                                   \
+    __shared__ float tile_scores[MAX_ROWS * TILE];                                                \
     __shared__ u32 tile_index[TILE];                                                              \
-    const u32 row = blockIdx.y;                                                                   \
+    const u32 row0 = blockIdx.y * rows_per_block;                                                 \
+    const u32 rows = min(rows_per_block, batch - row0);                                           \
     const u32 tile_start = blockIdx.x * TILE;                                                     \
-    for (u32 c = threadIdx.x; c < dim; c += THREADS) hidden_row[c] = hidden[(size_t)row * dim + c]; \
+    for (u32 i = threadIdx.x; i < rows * dim; i += THREADS)                                       \
+        group_hidden[i] = hidden[(size_t)row0 * dim + i];                                         \
     __syncthreads();                                                                              \
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                                   \
-    const u32 ex_begin = exclude_offsets[row], ex_end = exclude_offsets[row + 1];                 \
-    for (u32 t = warp; t < TILE; t += WARPS) {                                                    \
-        u32 item = tile_start + t;                                                                \
-        float acc = 0.0f;                                                                         \
+    for (u32 t = threadIdx.x; t < TILE; t += THREADS) {                                           \
+        const u32 item = tile_start + t;                                                          \
+        float acc[MAX_ROWS];                                                                      \
+        _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;                      \
         if (item < n_items) {                                                                     \
-            for (u32 c = lane; c < dim; c += 32) acc += hidden_row[c] * (WEIGHT(item, c));        \
+            for (u32 c = 0; c < dim; ++c) {                                                       \
+                const float w = WEIGHT(item, c);                                                  \
+                _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                              \
+                    if (r < rows) acc[r] += group_hidden[r * dim + c] * w;                        \
+            }                                                                                     \
         }                                                                                         \
-        acc = warp_sum(acc);                                                                      \
-        if (lane == 0) {                                                                          \
-            bool keep = item < n_items && item != 0 && !is_excluded(exclude_ids, ex_begin, ex_end, item); \
-            tile_scores[t] = keep ? acc + bias[item] : NEG_INF;                                 \
-            tile_index[t] = keep ? item : NONE_INDEX;                                             \
+        _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) {                                    \
+            if (r < rows) {                                                                       \
+                const u32 row = row0 + r;                                                         \
+                const bool keep_item = item < n_items && item != 0 &&                             \
+                    !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item); \
+                tile_scores[r * TILE + t] = keep_item ? FINISH(acc[r], item) + bias[item] : NEG_INF; \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    __syncthreads();                                                                              \
-    sort_tile(tile_scores, tile_index);                                                           \
-    const size_t out = ((size_t)row * gridDim.x + blockIdx.x) * keep;                             \
-    for (u32 i = threadIdx.x; i < keep; i += THREADS) {                                           \
-        out_scores[out + i] = tile_scores[i];                                                     \
-        out_index[out + i] = tile_index[i];                                                       \
+    for (u32 r = 0; r < rows; ++r) {                                                              \
+        float* row_scores = tile_scores + r * TILE;                                               \
+        for (u32 t = threadIdx.x; t < TILE; t += THREADS)                                         \
+            tile_index[t] = row_scores[t] == NEG_INF ? NONE_INDEX : tile_start + t;               \
+        __syncthreads();                                                                          \
+        sort_tile(row_scores, tile_index);                                                        \
+        const size_t out = ((size_t)(row0 + r) * gridDim.x + blockIdx.x) * keep;                  \
+        for (u32 i = threadIdx.x; i < keep; i += THREADS) {                                       \
+            out_scores[out + i] = row_scores[i];                                                  \
+            out_index[out + i] = tile_index[i];                                                   \
+        }                                                                                         \
+        __syncthreads();                                                                          \
     }
 
 extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f32(
     const float* __restrict__ hidden, const float* __restrict__ weights, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
-    u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores, u32* __restrict__ out_index) {
+    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
+    u32* __restrict__ out_index) {
+#define FINISH(acc, item) (acc)
 #define W_F32(item, c) weights[(size_t)(item) * dim + (c)]
     SCORE_TILE_BODY(W_F32)
 #undef W_F32
+#undef FINISH
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f16(
     const float* __restrict__ hidden, const u16* __restrict__ weights, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
-    u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores, u32* __restrict__ out_index) {
+    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
+    u32* __restrict__ out_index) {
+#define FINISH(acc, item) (acc)
 #define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * dim + (c)])
     SCORE_TILE_BODY(W_F16)
 #undef W_F16
+#undef FINISH
 }
 
 // int8: the row's scale is applied once to the dot product (sum_c h_c q_c) * s, as the engine does.
@@ -123,10 +149,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_i8(
     const float* __restrict__ hidden, const signed char* __restrict__ weights,
     const float* __restrict__ row_scales, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
-    u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores, u32* __restrict__ out_index) {
-#define W_I8(item, c) ((float)weights[(size_t)(item) * dim + (c)] * row_scales[item])
+    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
+    u32* __restrict__ out_index) {
+#define FINISH(acc, item) ((acc) * row_scales[item])
+#define W_I8(item, c) ((float)weights[(size_t)(item) * dim + (c)])
     SCORE_TILE_BODY(W_I8)
 #undef W_I8
+#undef FINISH
 }
 
 // One merge pass: block (chunk, row) sorts TILE of the row's `count` candidates (padding -inf) and

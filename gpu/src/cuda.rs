@@ -13,7 +13,10 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 
-use crate::{cache_key, compile_options, merge_plan, GpuError, Result, MAX_K, THREADS, TILE};
+use crate::{
+    cache_key, compile_options, exclusion_csr, merge_plan, ranked_rows, stage1_launch, GpuError,
+    Result, THREADS, TILE,
+};
 
 fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
     move |e| GpuError::Cuda {
@@ -102,8 +105,7 @@ pub struct GpuOutputLayer {
     pub device: String,
 }
 
-/// One row's answer: (internal index, score), best first; fewer than k when fewer items qualify.
-pub type Ranked = Vec<(u32, f32)>;
+pub use crate::Ranked;
 
 impl GpuOutputLayer {
     /// Uploads `weight` (`[n_items, dim]`, any precision) and `bias` to device `ordinal` and compiles
@@ -124,6 +126,13 @@ impl GpuOutputLayer {
         if major < 7 {
             return Err(GpuError::Unavailable(format!(
                 "device {ordinal} has compute capability {major}.{minor}; recsys needs 7.0 or newer"
+            )));
+        }
+        if weight.cols() == 0 || weight.cols() > crate::MAX_DIM {
+            return Err(GpuError::Invalid(format!(
+                "hidden size {}: the GPU kernels take 1..={}",
+                weight.cols(),
+                crate::MAX_DIM
             )));
         }
         let arch = format!("sm_{major}{minor}");
@@ -199,25 +208,11 @@ impl GpuOutputLayer {
                 self.dim
             )));
         }
-        if k == 0 || k > MAX_K {
-            return Err(GpuError::Invalid(format!(
-                "k = {k}: the GPU path serves 1..={MAX_K}"
-            )));
-        }
         if rows == 0 {
             return Ok(Vec::new());
         }
-        // Exclusions as CSR with each row sorted, so the kernel can binary-search them.
-        let mut offsets = Vec::with_capacity(rows + 1);
-        let mut ids = Vec::new();
-        offsets.push(0u32);
-        for list in exclude {
-            let mut sorted = list.to_vec();
-            sorted.sort_unstable();
-            sorted.dedup();
-            ids.extend(sorted);
-            offsets.push(ids.len() as u32);
-        }
+        let stage1 = stage1_launch(self.n_items, self.dim, rows, k)?;
+        let (offsets, mut ids) = exclusion_csr(exclude);
         if ids.is_empty() {
             ids.push(u32::MAX); // cudarc refuses zero-length allocations
         }
@@ -236,8 +231,6 @@ impl GpuOutputLayer {
             .memcpy_stod(&ids)
             .map_err(cuda_err("uploading exclusions"))?;
 
-        let keep = crate::keep_per_tile(k);
-        let tiles = self.n_items.div_ceil(TILE);
         let plan = merge_plan(self.n_items, k);
         let mut scores = s
             .alloc_zeros::<f32>(rows * plan[0])
@@ -245,11 +238,12 @@ impl GpuOutputLayer {
         let mut index = s
             .alloc_zeros::<u32>(rows * plan[0])
             .map_err(cuda_err("allocating candidates"))?;
-        let (n, d, kp) = (self.n_items as u32, self.dim as u32, keep as u32);
+        let (n, d, kp) = (self.n_items as u32, self.dim as u32, stage1.keep);
+        let batch = rows as u32;
         let cfg = LaunchConfig {
-            grid_dim: (tiles as u32, rows as u32, 1),
+            grid_dim: (stage1.tiles, stage1.groups, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: (4 * self.dim) as u32,
+            shared_mem_bytes: stage1.shared_bytes,
         };
         let mut launch = s.launch_builder(&self.score);
         launch.arg(&hidden_dev);
@@ -268,6 +262,8 @@ impl GpuOutputLayer {
             .arg(&self.bias)
             .arg(&offsets_dev)
             .arg(&ids_dev)
+            .arg(&batch)
+            .arg(&stage1.rows_per_block)
             .arg(&n)
             .arg(&d)
             .arg(&kp)
@@ -275,10 +271,11 @@ impl GpuOutputLayer {
             .arg(&mut index);
         // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
         // const W* weights, [const float* row_scales,] const float* bias, const u32* exclude_offsets,
-        // const u32* exclude_ids, u32 n_items, u32 dim, u32 keep, float* out_scores, u32* out_index)
-        // in kernels/fused_topk.cu; hidden is rows x dim, weights n_items x dim (+ n_items scales),
-        // exclusions rows + 1 offsets into ids, outputs rows x tiles x keep = rows x plan[0]; the
-        // dynamic shared memory holds one hidden row.
+        // const u32* exclude_ids, u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep,
+        // float* out_scores, u32* out_index) in kernels/fused_topk.cu; hidden is batch x dim,
+        // weights n_items x dim (+ n_items scales), exclusions batch + 1 offsets into ids, outputs
+        // batch x tiles x keep = batch x plan[0]; the grid's groups x rows_per_block covers the
+        // batch, and the dynamic shared memory holds one group's hidden rows.
         unsafe { launch.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
 
         for window in plan.windows(2) {
@@ -315,18 +312,7 @@ impl GpuOutputLayer {
         let top_index = s
             .memcpy_dtov(&index)
             .map_err(cuda_err("downloading results"))?;
-        let width = *plan.last().expect("plan is never empty");
-        Ok((0..rows)
-            .map(|r| {
-                top_index[r * width..(r + 1) * width]
-                    .iter()
-                    .zip(&top_scores[r * width..(r + 1) * width])
-                    .take(k)
-                    .filter(|(i, s)| **i != u32::MAX && s.is_finite())
-                    .map(|(i, s)| (*i, *s))
-                    .collect()
-            })
-            .collect())
+        Ok(ranked_rows(&top_scores, &top_index, &plan, rows, k))
     }
 
     /// Copies `values` into the staging buffer and from there to the device. The caller holds the

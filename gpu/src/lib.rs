@@ -23,6 +23,18 @@ pub const KERNELS: &[&str] = &[
 pub const TILE: usize = 2048;
 /// Threads per block (`THREADS` in the source).
 pub const THREADS: u32 = 256;
+/// Most batch rows one stage-1 block scores against its tile (`MAX_ROWS` in the source).
+pub const MAX_ROWS: usize = 4;
+/// Dynamic shared memory a stage-1 block may use for its group's hidden vectors: with the static
+/// 40 KiB of scores and indices, a block stays within the 48 KiB every architecture grants without
+/// opting in.
+pub const MAX_GROUP_HIDDEN_BYTES: usize = 8 * 1024;
+/// Widest hidden vector the kernels take (one row must fit the group's shared memory).
+pub const MAX_DIM: usize = MAX_GROUP_HIDDEN_BYTES / 4;
+
+// A stage-1 block's shared memory: scores (MAX_ROWS x TILE f32), indices (TILE u32) and the
+// group's hidden rows must fit the 48 KiB granted without an opt-in attribute.
+const _: () = assert!((MAX_ROWS * TILE + TILE) * 4 + MAX_GROUP_HIDDEN_BYTES <= 48 * 1024);
 /// Largest k the kernels serve (a tile keeps at most `TILE` candidates; 1024 leaves merges room to
 /// halve the candidate count every pass).
 pub const MAX_K: usize = 1024;
@@ -67,6 +79,86 @@ pub fn merge_plan(n_items: usize, k: usize) -> Vec<usize> {
         plan.push(blocks * keep);
     }
     plan
+}
+
+/// How stage 1 is launched for one batch: grid `(tiles, groups)` of `THREADS` threads, each block
+/// scoring one tile for `rows_per_block` rows and keeping `keep` candidates per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stage1Launch {
+    pub tiles: u32,
+    pub groups: u32,
+    pub rows_per_block: u32,
+    pub keep: u32,
+    pub shared_bytes: u32,
+}
+
+/// The stage-1 launch for `rows` hidden vectors of width `dim` against `n_items` items at `k`.
+pub fn stage1_launch(n_items: usize, dim: usize, rows: usize, k: usize) -> Result<Stage1Launch> {
+    if dim == 0 || dim > MAX_DIM {
+        return Err(GpuError::Invalid(format!(
+            "hidden size {dim}: the GPU kernels take 1..={MAX_DIM}"
+        )));
+    }
+    if k == 0 || k > MAX_K {
+        return Err(GpuError::Invalid(format!(
+            "k = {k}: the GPU path serves 1..={MAX_K}"
+        )));
+    }
+    if rows == 0 || n_items == 0 || n_items > u32::MAX as usize / 2 {
+        return Err(GpuError::Invalid(format!(
+            "{rows} rows against {n_items} items: nothing to score or too many items"
+        )));
+    }
+    let rows_per_block = MAX_ROWS.min(MAX_GROUP_HIDDEN_BYTES / (4 * dim)).max(1);
+    Ok(Stage1Launch {
+        tiles: n_items.div_ceil(TILE) as u32,
+        groups: rows.div_ceil(rows_per_block) as u32,
+        rows_per_block: rows_per_block as u32,
+        keep: keep_per_tile(k) as u32,
+        shared_bytes: (4 * dim * rows_per_block) as u32,
+    })
+}
+
+/// Each row's exclusions as CSR (`offsets[rows + 1]` into `ids`), every row sorted and without
+/// duplicates, so the kernels can binary-search them.
+pub fn exclusion_csr(exclude: &[&[u32]]) -> (Vec<u32>, Vec<u32>) {
+    let mut offsets = Vec::with_capacity(exclude.len() + 1);
+    let mut ids = Vec::new();
+    offsets.push(0u32);
+    for list in exclude {
+        let mut sorted = list.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        ids.extend(sorted);
+        offsets.push(ids.len() as u32);
+    }
+    (offsets, ids)
+}
+
+/// One row's answer: (internal index, score), best first; fewer than k when fewer items qualify.
+pub type Ranked = Vec<(u32, f32)>;
+
+/// The rows' answers from the last merge pass's output (`rows x plan.last()` candidates, sorted
+/// within each row), dropping the padding that stands for excluded or missing items.
+pub fn ranked_rows(
+    scores: &[f32],
+    index: &[u32],
+    plan: &[usize],
+    rows: usize,
+    k: usize,
+) -> Vec<Ranked> {
+    let width = *plan.last().expect("plan is never empty");
+    (0..rows)
+        .map(|r| {
+            index[r * width..(r + 1) * width]
+                .iter()
+                .zip(&scores[r * width..(r + 1) * width])
+                .take(k)
+                .filter(|(i, s)| **i != u32::MAX && s.is_finite())
+                .map(|(i, s)| (*i, *s))
+                .collect()
+        })
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +207,34 @@ mod tests {
         }
         assert_eq!(merge_plan(1_000_000, 100), vec![48_900, 2_400, 200, 100]);
         assert_eq!(merge_plan(2000, 10), vec![10]);
+    }
+
+    #[test]
+    fn stage1_groups_rows_within_the_shared_memory_budget() {
+        let l = stage1_launch(1_000_000, 64, 64, 100).unwrap();
+        assert_eq!(
+            (l.tiles, l.groups, l.rows_per_block, l.keep),
+            (489, 16, 4, 100)
+        );
+        assert_eq!(l.shared_bytes, 1024);
+        let wide = stage1_launch(5000, 1024, 7, 10).unwrap();
+        assert_eq!((wide.rows_per_block, wide.groups), (2, 4));
+        let widest = stage1_launch(5000, MAX_DIM, 3, 10).unwrap();
+        assert_eq!(widest.rows_per_block, 1);
+        assert!(widest.shared_bytes as usize <= MAX_GROUP_HIDDEN_BYTES);
+        for bad in [
+            stage1_launch(5000, MAX_DIM + 1, 1, 10),
+            stage1_launch(5000, 64, 1, MAX_K + 1),
+            stage1_launch(5000, 64, 1, 0),
+            stage1_launch(5000, 64, 0, 10),
+        ] {
+            assert!(matches!(bad, Err(GpuError::Invalid(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_shared_memory_budget_matches_the_source() {
+        assert!(SOURCE.contains(&format!("#define MAX_ROWS {MAX_ROWS}")));
     }
 
     #[test]

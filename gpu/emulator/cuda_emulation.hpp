@@ -1,0 +1,318 @@
+// Runs recsys' CUDA kernels on the CPU, so their logic is tested where no GPU exists (CI and every
+// developer machine). The kernel source is compiled unchanged by a host C++ compiler with this
+// header in front: each CUDA thread of a block becomes a fiber (ucontext) on one OS thread, blocks
+// run one after another, `__syncthreads()` and the warp primitives are scheduling points.
+//
+// All emulation state is per OS thread: launches from several threads run independently.
+//
+// What it checks: indexing, the selection and merge logic, bounds handling, that every thread of a
+// block reaches each `__syncthreads()` (a barrier some threads skip is reported as divergence) and
+// that every lane of a warp joins each full-mask warp primitive. What it cannot check: timing,
+// memory-model races between unsynchronised threads (fibers only switch at barriers, so such a race
+// never shows), and anything about the real hardware. The GPU test suite covers those on a GPU.
+#pragma once
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct uint3 {
+    unsigned x, y, z;
+};
+
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace emu {
+
+enum class Wait { Running, Block, Warp, Done };
+
+struct Fiber {
+    ucontext_t context;
+    std::unique_ptr<char[]> stack;
+    uint3 thread;
+    unsigned linear = 0;
+    Wait wait = Wait::Running;
+    // __syncthreads() calls so far: every thread of a block must be at the same one.
+    unsigned long block_barriers = 0;
+};
+
+// Fiber stacks: kernels keep small arrays in registers/local memory, never deep recursion.
+constexpr size_t kStackBytes = 64 * 1024;
+
+struct BlockRun {
+    std::vector<Fiber> fibers;
+    ucontext_t scheduler;
+    Fiber* current = nullptr;
+    std::vector<uint64_t> warp_slots;
+    std::function<void()> body;
+};
+
+inline thread_local BlockRun* active = nullptr;
+inline thread_local uint3 block_index;
+inline thread_local dim3 block_dim;
+inline thread_local dim3 grid_dim;
+inline thread_local std::vector<unsigned char> dynamic_shared;
+inline thread_local std::string failure;
+
+inline void fiber_entry() {
+    active->body();
+    active->current->wait = Wait::Done;
+    swapcontext(&active->current->context, &active->scheduler);
+}
+
+inline void park(Wait why) {
+    Fiber* self = active->current;
+    self->wait = why;
+    swapcontext(&self->context, &active->scheduler);
+}
+
+// Releases the threads parked at a barrier that all live threads of its scope have reached.
+// Warps first (a warp primitive completes within its warp); the block barrier only once every
+// thread waits at it, at the same __syncthreads() call. Returns nullptr when threads moved, or why
+// nothing can move: the barrier is divergent, which CUDA leaves undefined.
+inline const char* release(BlockRun& run) {
+    bool any = false;
+    const size_t n = run.fibers.size();
+    for (size_t warp_start = 0; warp_start < n; warp_start += 32) {
+        size_t end = warp_start + 32 < n ? warp_start + 32 : n;
+        bool all_warp = true, some_warp = false;
+        for (size_t i = warp_start; i < end; ++i) {
+            Wait w = run.fibers[i].wait;
+            if (w == Wait::Warp) some_warp = true;
+            else if (w != Wait::Done) all_warp = false;
+        }
+        if (some_warp && all_warp) {
+            for (size_t i = warp_start; i < end; ++i)
+                if (run.fibers[i].wait == Wait::Warp) run.fibers[i].wait = Wait::Running;
+            any = true;
+        }
+    }
+    if (any) return nullptr;
+    bool all_block = true, some_block = false, some_done = false, same_call = true;
+    for (auto& f : run.fibers) {
+        if (f.wait == Wait::Block) {
+            some_block = true;
+            same_call = same_call && f.block_barriers == run.fibers[0].block_barriers;
+        } else if (f.wait == Wait::Done) {
+            some_done = true;
+        } else {
+            all_block = false;
+        }
+    }
+    if (!some_block || !all_block)
+        return "divergent barrier (some threads wait at __syncthreads, others at a warp primitive)";
+    if (some_done) return "divergent barrier (threads exited while others wait at __syncthreads)";
+    if (!same_call) return "divergent barrier (threads wait at different __syncthreads calls)";
+    for (auto& f : run.fibers) f.wait = Wait::Running;
+    return nullptr;
+}
+
+// Runs one block to completion; false (with `failure` set) on a divergent barrier.
+inline bool run_block(const std::function<void()>& body, const char* kernel) {
+    BlockRun run;
+    const unsigned threads = block_dim.x * block_dim.y * block_dim.z;
+    run.fibers.resize(threads);
+    run.warp_slots.assign((threads + 31) / 32 * 32, 0);
+    run.body = body;
+    active = &run;
+    for (unsigned t = 0; t < threads; ++t) {
+        Fiber& f = run.fibers[t];
+        f.linear = t;
+        f.thread = {t % block_dim.x, (t / block_dim.x) % block_dim.y, t / (block_dim.x * block_dim.y)};
+        f.stack.reset(new char[kStackBytes]);
+        getcontext(&f.context);
+        f.context.uc_stack.ss_sp = f.stack.get();
+        f.context.uc_stack.ss_size = kStackBytes;
+        f.context.uc_link = nullptr;
+        makecontext(&f.context, fiber_entry, 0);
+    }
+    for (;;) {
+        for (auto& f : run.fibers) {
+            if (f.wait != Wait::Running) continue;
+            run.current = &f;
+            swapcontext(&run.scheduler, &f.context);
+        }
+        bool done = true;
+        for (auto& f : run.fibers) done = done && f.wait == Wait::Done;
+        if (done) break;
+        if (const char* why = release(run)) {
+            char msg[320];
+            snprintf(msg, sizeof msg, "%s, block (%u, %u, %u): %s", kernel, block_index.x,
+                     block_index.y, block_index.z, why);
+            failure = msg;
+            active = nullptr;
+            return false;  // the parked fibers are abandoned with their stacks
+        }
+    }
+    active = nullptr;
+    return true;
+}
+
+// Launches `kernel` over the grid; 0 on success, 1 with `failure` set otherwise.
+template <class Kernel>
+int launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Kernel kernel) {
+    failure.clear();
+    if (block.x * block.y * block.z == 0 || block.x * block.y * block.z > 1024) {
+        failure = std::string(name) + ": invalid block size";
+        return 1;
+    }
+    grid_dim = grid;
+    block_dim = block;
+    dynamic_shared.assign(shared_bytes, 0xA5);  // poisoned, as real shared memory is undefined
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                block_index = {x, y, z};
+                if (!run_block(kernel, name)) return 1;
+            }
+    return 0;
+}
+
+inline unsigned lane() { return active->current->linear & 31; }
+
+inline void check_full_mask(unsigned mask, const char* what) {
+    if (mask != 0xFFFFFFFFu) {
+        fprintf(stderr, "%s with a partial mask is not emulated\n", what);
+        abort();
+    }
+}
+
+template <class T>
+T shuffle_from(unsigned mask, T value, unsigned source_lane, bool in_range) {
+    check_full_mask(mask, "a warp shuffle");
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    unsigned self = active->current->linear;
+    unsigned base = self & ~31u;
+    uint64_t bits = 0;
+    memcpy(&bits, &value, sizeof(T));
+    active->warp_slots[self] = bits;
+    park(Wait::Warp);
+    T out = value;
+    if (in_range) memcpy(&out, &active->warp_slots[base + source_lane], sizeof(T));
+    park(Wait::Warp);  // nobody overwrites a slot before every lane has read
+    return out;
+}
+
+inline float half_bits_to_float(unsigned short h) {
+    unsigned sign = (h >> 15) & 1, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float magnitude;
+    if (exponent == 0) magnitude = std::ldexp((float)mantissa, -24);
+    else if (exponent == 31) magnitude = mantissa ? NAN : INFINITY;
+    else magnitude = std::ldexp((float)(mantissa | 1024), (int)exponent - 25);
+    return sign ? -magnitude : magnitude;
+}
+
+}  // namespace emu
+
+#define RECSYS_CUDA_EMULATION 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// Per OS thread, so launches from concurrent test threads never share a block's memory.
+#define __shared__ static thread_local
+#define threadIdx (emu::active->current->thread)
+#define blockIdx (emu::block_index)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+#define RECSYS_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::dynamic_shared.data())
+
+inline void __syncthreads() {
+    emu::active->current->block_barriers += 1;
+    emu::park(emu::Wait::Block);
+}
+inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
+    emu::check_full_mask(mask, "__syncwarp");
+    emu::park(emu::Wait::Warp);
+}
+
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    unsigned lane = emu::lane();
+    unsigned segment = lane & ~(unsigned)(width - 1);
+    return emu::shuffle_from(mask, v, segment + ((unsigned)src & (unsigned)(width - 1)), true);
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    unsigned lane = emu::lane();
+    unsigned in_segment = (lane & (unsigned)(width - 1)) + delta;
+    return emu::shuffle_from(mask, v, lane + delta, in_segment < (unsigned)width);
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    unsigned lane = emu::lane();
+    bool in_range = (lane & (unsigned)(width - 1)) >= delta;
+    return emu::shuffle_from(mask, v, in_range ? lane - delta : lane, in_range);
+}
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    unsigned lane = emu::lane();
+    unsigned src = lane ^ (unsigned)lane_mask;
+    bool in_range = (src & ~(unsigned)(width - 1)) == (lane & ~(unsigned)(width - 1));
+    return emu::shuffle_from(mask, v, src, in_range);
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+    emu::check_full_mask(mask, "__ballot_sync");
+    unsigned self = emu::active->current->linear, base = self & ~31u;
+    emu::active->warp_slots[self] = predicate ? 1 : 0;
+    emu::park(emu::Wait::Warp);
+    unsigned bits = 0;
+    for (unsigned l = 0; l < 32 && base + l < emu::active->fibers.size(); ++l)
+        if (emu::active->fibers[base + l].wait != emu::Wait::Done && emu::active->warp_slots[base + l])
+            bits |= 1u << l;
+    emu::park(emu::Wait::Warp);
+    return bits;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
+
+// Fibers switch only at barriers, so a read-modify-write is already indivisible.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+inline int atomicAdd(int* p, int v) {
+    int old = *p;
+    *p = old + v;
+    return old;
+}
+
+inline float __int_as_float(int v) {
+    float f;
+    memcpy(&f, &v, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int v;
+    memcpy(&v, &f, 4);
+    return v;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    memcpy(&v, &f, 4);
+    return v;
+}
+inline float __uint_as_float(unsigned v) {
+    float f;
+    memcpy(&f, &v, 4);
+    return f;
+}
+template <class T>
+T __ldg(const T* p) {
+    return *p;
+}
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }

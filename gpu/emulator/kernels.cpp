@@ -1,0 +1,70 @@
+// The kernels of ../kernels/fused_topk.cu, compiled for the host with the CUDA emulation and
+// exported with C linkage for the emulated tests (gpu/tests/emulated_kernels.rs). Each entry point
+// takes the launch geometry and then exactly the kernel's parameters; 0 means success, otherwise
+// recsys_emu_failure() says what went wrong.
+#include "cuda_emulation.hpp"
+
+#include "../kernels/fused_topk.cu"
+
+extern "C" {
+
+const char* recsys_emu_failure() { return emu::failure.c_str(); }
+
+#define STAGE1_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                               \
+    int recsys_emu_##NAME(unsigned grid_x, unsigned grid_y, unsigned shared_bytes,                   \
+                          const float* hidden, WEIGHT_PARAMS, const float* bias,                     \
+                          const u32* exclude_offsets, const u32* exclude_ids, u32 batch,             \
+                          u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* out_scores,     \
+                          u32* out_index) {                                                          \
+        return emu::launch(#NAME, dim3(grid_x, grid_y), dim3(THREADS), shared_bytes, [=] {          \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, rows_per_block,     \
+                 n_items, dim, keep, out_scores, out_index);                                         \
+        });                                                                                          \
+    }
+
+#define COMMA ,
+STAGE1_ENTRY(score_tile_topk_f32, const float* weights, weights)
+STAGE1_ENTRY(score_tile_topk_f16, const u16* weights, weights)
+STAGE1_ENTRY(score_tile_topk_i8, const signed char* weights COMMA const float* row_scales,
+             weights COMMA row_scales)
+
+int recsys_emu_merge_topk(unsigned grid_x, unsigned grid_y, const float* in_scores,
+                          const u32* in_index, u32 count, u32 keep, float* out_scores,
+                          u32* out_index) {
+    return emu::launch("merge_topk", dim3(grid_x, grid_y), dim3(THREADS), 0, [=] {
+        merge_topk(in_scores, in_index, count, keep, out_scores, out_index);
+    });
+}
+
+}  // extern "C"
+
+// Probes of the emulation itself, so its tests can show that it models what the kernels rely on.
+namespace probes {
+
+// Every lane ends with the sum over its warp of (lane + 1), through __shfl_down_sync + __shfl_sync.
+__global__ void warp_sums(u32* out) {
+    u32 v = threadIdx.x % 32 + 1;
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xFFFFFFFFu, v, offset);
+    out[threadIdx.x] = __shfl_sync(0xFFFFFFFFu, v, 0);
+}
+
+// Half the block skips a barrier: undefined on a GPU, reported by the emulation.
+__global__ void divergent_barrier(u32* out) {
+    if (threadIdx.x < 64) __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+}  // namespace probes
+
+extern "C" {
+
+int recsys_emu_probe_warp_sums(u32* out /* 64 values */) {
+    return emu::launch("warp_sums", dim3(1), dim3(64), 0, [=] { probes::warp_sums(out); });
+}
+
+int recsys_emu_probe_divergent_barrier(u32* out /* 128 values */) {
+    return emu::launch("divergent_barrier", dim3(1), dim3(128), 0,
+                       [=] { probes::divergent_barrier(out); });
+}
+
+}  // extern "C"
