@@ -181,18 +181,19 @@ pub(crate) struct InstanceState {
     settings: ModelSettings,
     metrics: Option<Arc<ModelMetrics>>,
     batched: bool,
-    /// The output layer on this instance's GPU (KIND_GPU); `None` scores on the CPU.
-    device: Option<Arc<dyn recsys_engine::OutputScorer>>,
+    /// The whole model on this instance's GPU (KIND_GPU); `None` runs it on the CPU.
+    device: Option<Arc<dyn recsys_engine::BatchRecommender>>,
 }
 
-/// The output layer on GPU `device` for a KIND_GPU instance: the single place the CPU or CUDA path is
-/// chosen. The encoder keeps running on the CPU.
+/// The model on GPU `device` for a KIND_GPU instance: the single place the CPU or CUDA path is
+/// chosen. Encoder and fused score + top-k run on the device; requests are prepared (id mapping,
+/// truncation, exclusions) on the CPU as for every instance.
 #[cfg(feature = "cuda")]
-fn gpu_output_layer(
+fn gpu_model(
     name: &str,
     device: i32,
     model: &ModelState,
-) -> Result<Option<Arc<dyn recsys_engine::OutputScorer>>> {
+) -> Result<Option<Arc<dyn recsys_engine::BatchRecommender>>> {
     if model.settings.limits.max_k > recsys_gpu::MAX_K {
         return Err(BackendError::InvalidConfig(format!(
             "instance {name}: max_k {} is more than the GPU path serves ({})",
@@ -200,28 +201,26 @@ fn gpu_output_layer(
             recsys_gpu::MAX_K
         )));
     }
-    let output = model.engine.model.output();
-    let layer =
-        recsys_gpu::cuda::GpuOutputLayer::new(device as usize, &output.weight, &output.bias)
-            .map_err(|e| {
-                BackendError::Unsupported(format!("instance {name}: KIND_GPU device {device}: {e}"))
-            })?;
+    let on_device =
+        recsys_gpu::cuda::GpuModel::new(device as usize, &model.engine).map_err(|e| {
+            BackendError::Unsupported(format!("instance {name}: KIND_GPU device {device}: {e}"))
+        })?;
     log(
         LogLevel::Info,
         &format!(
-            "recsys: instance {name}: output layer on {} (fused score + top-k CUDA kernels)",
-            layer.device
+            "recsys: instance {name}: whole model on {} (CUDA encoder and fused score + top-k)",
+            on_device.device_name()
         ),
     );
-    Ok(Some(Arc::new(layer)))
+    Ok(Some(Arc::new(on_device)))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_output_layer(
+fn gpu_model(
     name: &str,
     device: i32,
     _model: &ModelState,
-) -> Result<Option<Arc<dyn recsys_engine::OutputScorer>>> {
+) -> Result<Option<Arc<dyn recsys_engine::BatchRecommender>>> {
     Err(BackendError::Unsupported(format!(
         "instance {name}: KIND_GPU (device {device}) needs a recsys backend built with CUDA support \
          (cargo build --features cuda, as docker/Dockerfile does); this build runs on the CPU only, so use \
@@ -251,7 +250,7 @@ pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstanc
     // SAFETY: see above; only shared access is taken, and ModelFinalize runs after every instance's.
     let model_state = unsafe { &*(raw as *const ModelState) };
     let device = if kind == sys::TRITONSERVER_INSTANCEGROUPKIND_GPU {
-        gpu_output_layer(&name, device, model_state)?
+        gpu_model(&name, device, model_state)?
     } else {
         None
     };
@@ -380,7 +379,10 @@ pub(crate) fn execute(
             &state.engine,
             &state.settings.options(),
             decoded,
-            state.device.as_deref(),
+            match state.device.as_deref() {
+                Some(device) => device,
+                None => &*state.engine,
+            },
         );
         let compute_end = now_ns();
         (answers, summary, batch_size, compute_start, compute_end)

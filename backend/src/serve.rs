@@ -27,7 +27,7 @@ pub fn serve(
     engine: &Engine,
     options: &ServeOptions,
     requests: Vec<Result<DecodedRequest>>,
-    device: Option<&dyn recsys_engine::OutputScorer>,
+    recommender: &dyn recsys_engine::BatchRecommender,
 ) -> (Vec<Result<Answer>>, BatchSummary) {
     let mut prepared = Vec::new();
     // For each request: where its rows start in `prepared` and how many, or its error.
@@ -88,8 +88,7 @@ pub fn serve(
         }
     }
 
-    let device: &dyn recsys_engine::OutputScorer = device.unwrap_or(&engine.scorer);
-    let (mut answers, device_error) = match engine.recommend_internal_on(&prepared, device) {
+    let (mut answers, device_error) = match recommender.recommend_batch(&prepared) {
         Ok(answers) => (answers.into_iter(), None),
         Err(e) => (Vec::new().into_iter(), Some(e.to_string())),
     };
@@ -155,7 +154,7 @@ mod tests {
                 rows: vec![row(&[10011403], Some(2)), row(&[], Some(4))],
             }),
         ];
-        let (answers, summary) = serve(&engine, &options, requests, None);
+        let (answers, summary) = serve(&engine, &options, requests, &engine);
         assert_eq!(summary.engine_rows, 3);
         let first = answers[0].as_ref().unwrap();
         assert_eq!(first.rows[0].len(), 3);
@@ -179,7 +178,7 @@ mod tests {
             vec![Ok(DecodedRequest {
                 rows: vec![row(&[10011403, 10011207], Some(3))],
             })],
-            None,
+            &engine,
         );
         assert_eq!(alone[0].as_ref().unwrap(), first);
     }
@@ -253,9 +252,14 @@ mod tests {
                 }),
             ]
         };
-        let (cpu, _) = serve(&engine, &options, requests(), None);
+        let (cpu, _) = serve(&engine, &options, requests(), &engine);
         let device = ReferenceDevice(&engine);
-        let (dev, _) = serve(&engine, &options, requests(), Some(&device));
+        let (dev, _) = serve(
+            &engine,
+            &options,
+            requests(),
+            &recsys_engine::WithOutputScorer(&engine, &device),
+        );
         for (a, b) in cpu.iter().zip(&dev) {
             let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
             for (ra, rb) in a.rows.iter().zip(&b.rows) {
@@ -278,7 +282,12 @@ mod tests {
             }),
             Err(BackendError::InvalidInput("broken".into())),
         ];
-        let (answers, _) = serve(&engine, &options, requests, Some(&BrokenDevice));
+        let (answers, _) = serve(
+            &engine,
+            &options,
+            requests,
+            &recsys_engine::WithOutputScorer(&engine, &BrokenDevice),
+        );
         let first = answers[0].as_ref().unwrap_err().to_string();
         assert!(first.contains("the device fell off the bus"), "{first}");
         assert!(answers[1]

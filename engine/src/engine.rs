@@ -112,6 +112,50 @@ pub trait OutputScorer: Send + Sync {
     ) -> std::result::Result<RankedRows, String>;
 }
 
+/// What answers a batch of prepared requests: the engine itself (encoder and output layer on the
+/// CPU), the engine's encoder followed by another output layer ([`WithOutputScorer`]), or a device
+/// that runs the whole model (the CUDA path). The serving layer picks one per model instance.
+pub trait BatchRecommender: Send + Sync {
+    /// Each request's best items, best first, with what the model noted about its history.
+    fn recommend_batch(&self, batch: &[InternalRequest])
+        -> Result<Vec<(Vec<Scored>, HistoryNote)>>;
+}
+
+impl BatchRecommender for Engine {
+    fn recommend_batch(
+        &self,
+        batch: &[InternalRequest],
+    ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
+        self.recommend_internal_on(batch, &self.scorer)
+    }
+}
+
+/// The engine's encoder on the CPU, then `1`'s output layer.
+pub struct WithOutputScorer<'a>(pub &'a Engine, pub &'a dyn OutputScorer);
+
+impl BatchRecommender for WithOutputScorer<'_> {
+    fn recommend_batch(
+        &self,
+        batch: &[InternalRequest],
+    ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
+        self.0.recommend_internal_on(batch, self.1)
+    }
+}
+
+/// The items each request leaves out: its history when `exclude_seen`, then its own list
+/// (unsorted, may repeat; PAD is left out by every scorer).
+pub fn excluded_items(request: &InternalRequest) -> Vec<u32> {
+    let seen = if request.exclude_seen {
+        request.history.as_slice()
+    } else {
+        &[]
+    };
+    let mut list = Vec::with_capacity(1 + seen.len() + request.exclude.len());
+    list.extend_from_slice(seen);
+    list.extend_from_slice(&request.exclude);
+    list
+}
+
 impl OutputScorer for Scorer {
     fn top_k(
         &self,
@@ -326,20 +370,7 @@ impl Engine {
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.model.encode(&histories);
-        let excluded: Vec<Vec<u32>> = batch
-            .iter()
-            .map(|request| {
-                let seen = if request.exclude_seen {
-                    request.history.as_slice()
-                } else {
-                    &[]
-                };
-                let mut list = Vec::with_capacity(1 + seen.len() + request.exclude.len());
-                list.extend_from_slice(seen);
-                list.extend_from_slice(&request.exclude);
-                list
-            })
-            .collect();
+        let excluded: Vec<Vec<u32>> = batch.iter().map(excluded_items).collect();
         let ks: Vec<usize> = batch.iter().map(|r| r.k).collect();
         let top = device
             .top_k(&hidden, &ks, excluded)

@@ -20,8 +20,9 @@ pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use engine::{
-    convert, convert_limited, ConvertRequest, Engine, InternalRequest, OutputScorer, RankedRows,
-    Recommendation, Request, ServeOptions, UnknownItemPolicy,
+    convert, convert_limited, excluded_items, BatchRecommender, ConvertRequest, Engine,
+    InternalRequest, OutputScorer, RankedRows, Recommendation, Request, ServeOptions,
+    UnknownItemPolicy, WithOutputScorer,
 };
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};

@@ -1,6 +1,6 @@
 // Runs recsys' CUDA kernels on the CPU, so their logic is tested where no GPU exists (CI and every
 // developer machine). The kernel source is compiled unchanged by a host C++ compiler with this
-// header in front: each CUDA thread of a block becomes a fiber (ucontext) on one OS thread, blocks
+// header in front: each CUDA thread of a block becomes a fiber on one OS thread, blocks
 // run one after another, `__syncthreads()` and the warp primitives are scheduling points.
 //
 // All emulation state is per OS thread: launches from several threads run independently.
@@ -37,8 +37,41 @@ namespace emu {
 
 enum class Wait { Running, Block, Warp, Done };
 
+// Switching fibers: on x86-64 a six-register switch (swapcontext also saves the signal mask, a
+// system call per switch, which made the emulation several times slower); elsewhere ucontext.
+#if defined(__x86_64__)
+#define RECSYS_EMU_FAST_SWITCH 1
+extern "C" void recsys_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl recsys_emu_switch
+    .type recsys_emu_switch, @function
+recsys_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size recsys_emu_switch, .-recsys_emu_switch
+)");
+#endif
+
 struct Fiber {
+#ifdef RECSYS_EMU_FAST_SWITCH
+    void* sp = nullptr;
+#else
     ucontext_t context;
+#endif
     std::unique_ptr<char[]> stack;
     uint3 thread;
     unsigned linear = 0;
@@ -52,7 +85,11 @@ constexpr size_t kStackBytes = 64 * 1024;
 
 struct BlockRun {
     std::vector<Fiber> fibers;
+#ifdef RECSYS_EMU_FAST_SWITCH
+    void* scheduler_sp = nullptr;
+#else
     ucontext_t scheduler;
+#endif
     Fiber* current = nullptr;
     std::vector<uint64_t> warp_slots;
     std::function<void()> body;
@@ -65,16 +102,55 @@ inline thread_local dim3 grid_dim;
 inline thread_local std::vector<unsigned char> dynamic_shared;
 inline thread_local std::string failure;
 
+// From the running fiber back to the block's scheduler.
+inline void to_scheduler(Fiber* self) {
+#ifdef RECSYS_EMU_FAST_SWITCH
+    recsys_emu_switch(&self->sp, active->scheduler_sp);
+#else
+    swapcontext(&self->context, &active->scheduler);
+#endif
+}
+
+// From the scheduler into fiber `f`, until it parks or finishes.
+inline void resume(BlockRun& run, Fiber& f) {
+    run.current = &f;
+#ifdef RECSYS_EMU_FAST_SWITCH
+    recsys_emu_switch(&run.scheduler_sp, f.sp);
+#else
+    swapcontext(&run.scheduler, &f.context);
+#endif
+}
+
 inline void fiber_entry() {
     active->body();
     active->current->wait = Wait::Done;
-    swapcontext(&active->current->context, &active->scheduler);
+    to_scheduler(active->current);  // never resumed
 }
 
 inline void park(Wait why) {
     Fiber* self = active->current;
     self->wait = why;
-    swapcontext(&self->context, &active->scheduler);
+    to_scheduler(self);
+}
+
+// Prepares `f` to start in fiber_entry on its own stack.
+inline void start_fiber(Fiber& f) {
+#ifdef RECSYS_EMU_FAST_SWITCH
+    // The first switch pops six zero registers, then `ret`s into fiber_entry with the stack
+    // aligned as after a call (the return-address slot is 16-byte aligned).
+    uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack.get()) + kStackBytes) & ~uintptr_t(15);
+    void** slot = reinterpret_cast<void**>(top - 16);
+    slot[1] = nullptr;  // fiber_entry's own return address: it never returns
+    slot[0] = reinterpret_cast<void*>(&fiber_entry);
+    for (int r = 1; r <= 6; ++r) slot[-r] = nullptr;
+    f.sp = slot - 6;
+#else
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, fiber_entry, 0);
+#endif
 }
 
 // Releases the threads parked at a barrier that all live threads of its scope have reached.
@@ -131,17 +207,11 @@ inline bool run_block(const std::function<void()>& body, const char* kernel) {
         f.linear = t;
         f.thread = {t % block_dim.x, (t / block_dim.x) % block_dim.y, t / (block_dim.x * block_dim.y)};
         f.stack.reset(new char[kStackBytes]);
-        getcontext(&f.context);
-        f.context.uc_stack.ss_sp = f.stack.get();
-        f.context.uc_stack.ss_size = kStackBytes;
-        f.context.uc_link = nullptr;
-        makecontext(&f.context, fiber_entry, 0);
+        start_fiber(f);
     }
     for (;;) {
         for (auto& f : run.fibers) {
-            if (f.wait != Wait::Running) continue;
-            run.current = &f;
-            swapcontext(&run.scheduler, &f.context);
+            if (f.wait == Wait::Running) resume(run, f);
         }
         bool done = true;
         for (auto& f : run.fibers) done = done && f.wait == Wait::Done;

@@ -1,10 +1,11 @@
-// The kernels of ../kernels/fused_topk.cu, compiled for the host with the CUDA emulation and
-// exported with C linkage for the emulated tests (gpu/tests/emulated_kernels.rs). Each entry point
+// The kernels of ../kernels/*.cu, compiled for the host with the CUDA emulation and exported with
+// C linkage for the emulated tests (gpu/tests/emulated/mod.rs is the caller). Each entry point
 // takes the launch geometry and then exactly the kernel's parameters; 0 means success, otherwise
 // recsys_emu_failure() says what went wrong.
 #include "cuda_emulation.hpp"
 
 #include "../kernels/fused_topk.cu"
+#include "../kernels/encoders.cu"
 
 extern "C" {
 
@@ -25,8 +26,9 @@ const char* recsys_emu_failure() { return emu::failure.c_str(); }
 #define COMMA ,
 STAGE1_ENTRY(score_tile_topk_f32, const float* weights, weights)
 STAGE1_ENTRY(score_tile_topk_f16, const u16* weights, weights)
-STAGE1_ENTRY(score_tile_topk_i8, const signed char* weights COMMA const float* row_scales,
-             weights COMMA row_scales)
+STAGE1_ENTRY(score_tile_topk_i8,
+             const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+             weights COMMA row_scales COMMA activation_scale)
 
 int recsys_emu_merge_topk(unsigned grid_x, unsigned grid_y, const float* in_scores,
                           const u32* in_index, u32 count, u32 keep, float* out_scores,
@@ -34,6 +36,56 @@ int recsys_emu_merge_topk(unsigned grid_x, unsigned grid_y, const float* in_scor
     return emu::launch("merge_topk", dim3(grid_x, grid_y), dim3(THREADS), 0, [=] {
         merge_topk(in_scores, in_index, count, keep, out_scores, out_index);
     });
+}
+
+int recsys_emu_linear_f32(unsigned grid_x, unsigned grid_y, const float* x, const float* w,
+                          const float* bias, float* y, u32 m, u32 n, u32 k, u32 activation) {
+    return emu::launch("linear_f32", dim3(grid_x, grid_y), dim3(ENC_THREADS), 0,
+                       [=] { linear_f32(x, w, bias, y, m, n, k, activation); });
+}
+
+int recsys_emu_add_layer_norm(unsigned rows, const float* x, const float* residual,
+                              const float* gamma, const float* beta, float* y, u32 width,
+                              double eps) {
+    return emu::launch("add_layer_norm", dim3(rows), dim3(ENC_THREADS), 0,
+                       [=] { add_layer_norm(x, residual, gamma, beta, y, width, eps); });
+}
+
+#define TABLE_ENTRIES(PREFIX, TAIL_PARAMS, TAIL_ARGS)                                              \
+    int recsys_emu_##PREFIX##_f32(unsigned blocks, const float* table, TAIL_PARAMS) {              \
+        return emu::launch(#PREFIX "_f32", dim3(blocks), dim3(ENC_THREADS), 0,                     \
+                           [=] { PREFIX##_f32(table, TAIL_ARGS); });                               \
+    }                                                                                              \
+    int recsys_emu_##PREFIX##_f16(unsigned blocks, const u16* table, TAIL_PARAMS) {                \
+        return emu::launch(#PREFIX "_f16", dim3(blocks), dim3(ENC_THREADS), 0,                     \
+                           [=] { PREFIX##_f16(table, TAIL_ARGS); });                               \
+    }                                                                                              \
+    int recsys_emu_##PREFIX##_i8(unsigned blocks, const signed char* table,                        \
+                                 const float* row_scales, TAIL_PARAMS) {                           \
+        return emu::launch(#PREFIX "_i8", dim3(blocks), dim3(ENC_THREADS), 0,                      \
+                           [=] { PREFIX##_i8(table, row_scales, TAIL_ARGS); });                    \
+    }
+
+TABLE_ENTRIES(embed_tokens,
+              const u32* items COMMA const u32* positions COMMA const float* position_table
+                  COMMA float* x COMMA u32 width,
+              items COMMA positions COMMA position_table COMMA x COMMA width)
+TABLE_ENTRIES(embedding_bag,
+              const u32* items COMMA const u32* offsets COMMA const float* bias COMMA float* y
+                  COMMA u32 width,
+              items COMMA offsets COMMA bias COMMA y COMMA width)
+
+int recsys_emu_attention(unsigned sequences, unsigned heads, const float* q, const float* k,
+                         const float* v, const u32* seq_offsets, float* out, u32 head_dim,
+                         u32 width) {
+    return emu::launch("attention", dim3(sequences, heads), dim3(ENC_THREADS), 0,
+                       [=] { attention(q, k, v, seq_offsets, out, head_dim, width); });
+}
+
+int recsys_emu_gather_rows(unsigned count, const float* src, const u32* rows, float* dst,
+                           u32 width) {
+    return emu::launch("gather_rows", dim3(count), dim3(ENC_THREADS), 0,
+                       [=] { gather_rows(src, rows, dst, width); });
 }
 
 }  // extern "C"

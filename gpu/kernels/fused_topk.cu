@@ -84,7 +84,7 @@ __device__ void sort_tile(float* scores, u32* index) {
     const u32 rows = min(rows_per_block, batch - row0);                                           \
     const u32 tile_start = blockIdx.x * TILE;                                                     \
     for (u32 i = threadIdx.x; i < rows * dim; i += THREADS)                                       \
-        group_hidden[i] = hidden[(size_t)row0 * dim + i];                                         \
+        group_hidden[i] = LOAD_HIDDEN(hidden[(size_t)row0 * dim + i]);                            \
     __syncthreads();                                                                              \
     for (u32 t = threadIdx.x; t < TILE; t += THREADS) {                                           \
         const u32 item = tile_start + t;                                                          \
@@ -126,10 +126,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f32(
     u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
     u32* __restrict__ out_index) {
 #define FINISH(acc, item) (acc)
+#define LOAD_HIDDEN(h) (h)
 #define W_F32(item, c) weights[(size_t)(item) * dim + (c)]
     SCORE_TILE_BODY(W_F32)
 #undef W_F32
 #undef FINISH
+#undef LOAD_HIDDEN
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f16(
@@ -138,24 +140,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f16(
     u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
     u32* __restrict__ out_index) {
 #define FINISH(acc, item) (acc)
+#define LOAD_HIDDEN(h) (h)
 #define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * dim + (c)])
     SCORE_TILE_BODY(W_F16)
 #undef W_F16
 #undef FINISH
+#undef LOAD_HIDDEN
+}
+
+// W8A8 engines quantize the hidden vector to int8 levels with their calibrated static scale before
+// the int8 dot product, as the CPU engine does: round half away from zero, clamp to +-127.
+__device__ __forceinline__ float quantize_activation(float h, float scale) {
+    return fminf(fmaxf(roundf(h * (1.0f / scale)), -127.0f), 127.0f) * scale;
 }
 
 // int8: the row's scale is applied once to the dot product (sum_c h_c q_c) * s, as the engine does.
 extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_i8(
     const float* __restrict__ hidden, const signed char* __restrict__ weights,
-    const float* __restrict__ row_scales, const float* __restrict__ bias,
+    const float* __restrict__ row_scales, float activation_scale, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
     u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
     u32* __restrict__ out_index) {
 #define FINISH(acc, item) ((acc) * row_scales[item])
+#define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
 #define W_I8(item, c) ((float)weights[(size_t)(item) * dim + (c)])
     SCORE_TILE_BODY(W_I8)
 #undef W_I8
 #undef FINISH
+#undef LOAD_HIDDEN
 }
 
 // One merge pass: block (chunk, row) sorts TILE of the row's `count` candidates (padding -inf) and

@@ -1,21 +1,27 @@
 //! Host side of the CUDA kernels: NVRTC compilation (cached per source hash, architecture and
-//! options), the output layer's weights on the device, and typed launches of the fused score +
-//! top-k kernels on one stream per scorer.
+//! options), [`CudaDevice`] (one context and stream, the typed launch of every kernel), and the two
+//! things the rest of recsys uses: [`GpuModel`] (a whole engine on a GPU, what KIND_GPU instances
+//! serve) and [`GpuOutputLayer`] (the output layer alone, for benchmarks).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
     PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use recsys_engine::engine::InternalRequest;
+use recsys_engine::models::HistoryNote;
 use recsys_engine::tensor::Tensor;
+use recsys_engine::topk::Scored;
 use recsys_engine::weights::Matrix;
+use recsys_engine::Engine;
 
+use crate::device::{Activation, Device, DeviceMatrix};
+use crate::model::{DeviceModel, DeviceOutputLayer};
 use crate::{
-    cache_key, compile_options, exclusion_csr, merge_plan, ranked_rows, stage1_launch, GpuError,
-    Result, THREADS, TILE,
+    cache_key, compile_options, GpuError, Ranked, Result, Stage1Launch, MODULES, THREADS, TILE,
 };
 
 fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
@@ -37,10 +43,10 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// PTX of the kernels for `arch` ("sm_90"), compiled once per process and cache key.
-pub fn compile(arch: &str) -> Result<String> {
+/// PTX of one kernel source for `arch` ("sm_90"), compiled once per process and cache key.
+pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<String> {
     static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
-    let key = cache_key(arch);
+    let key = format!("{name}-{}", cache_key(source, arch));
     let cache = CACHE.get_or_init(Default::default);
     if let Some(ptx) = cache
         .lock()
@@ -58,18 +64,17 @@ pub fn compile(arch: &str) -> Result<String> {
     }
     let opts = CompileOptions {
         options: compile_options(arch),
-        name: Some("fused_topk.cu".into()),
+        name: Some(name.into()),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::SOURCE, opts).map_err(|e| {
-        GpuError::Compile {
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| GpuError::Compile {
             arch: arch.into(),
             log: match e {
                 CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
                 other => format!("{other:?}"),
             },
-        }
-    })?;
+        })?;
     let text = ptx.to_src();
     cache
         .lock()
@@ -78,39 +83,28 @@ pub fn compile(arch: &str) -> Result<String> {
     Ok(text)
 }
 
-/// The output layer's weights as the kernels read them.
-enum DeviceWeights {
-    F32(CudaSlice<f32>),
-    F16(CudaSlice<u16>),
-    I8 {
-        q: CudaSlice<i8>,
-        scales: CudaSlice<f32>,
-    },
+/// PTX of every module ([`MODULES`]) for `arch`, in that order.
+pub fn compile(arch: &str) -> Result<Vec<String>> {
+    MODULES
+        .iter()
+        .map(|(name, source, _)| compile_source(name, source, arch))
+        .collect()
 }
 
-/// Fused score + top-k of one output layer on one GPU, with its own stream.
-pub struct GpuOutputLayer {
+/// One GPU: its context, one stream (every launch and copy of the device runs on it, in order)
+/// and the compiled kernels.
+pub struct CudaDevice {
     stream: Arc<CudaStream>,
-    _module: Arc<CudaModule>,
-    score: CudaFunction,
-    merge: CudaFunction,
-    weights: DeviceWeights,
-    bias: CudaSlice<f32>,
-    n_items: usize,
-    dim: usize,
-    /// Page-locked staging for the hidden vectors, kept between batches (allocating page-locked
-    /// memory costs far more than the copy) and grown to the largest batch seen.
-    staging: Mutex<Option<PinnedHostSlice<f32>>>,
+    _modules: Vec<Arc<CudaModule>>,
+    functions: HashMap<&'static str, CudaFunction>,
     /// "NVIDIA H200 (sm_90)", for logs.
-    pub device: String,
+    pub name: String,
 }
 
-pub use crate::Ranked;
-
-impl GpuOutputLayer {
-    /// Uploads `weight` (`[n_items, dim]`, any precision) and `bias` to device `ordinal` and compiles
-    /// the kernels for its architecture.
-    pub fn new(ordinal: usize, weight: &Matrix, bias: &Tensor) -> Result<GpuOutputLayer> {
+impl CudaDevice {
+    /// Opens device `ordinal`, compiles (or takes from the cache) every kernel for its
+    /// architecture and creates the stream.
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
         if !driver_present() {
             return Err(GpuError::Unavailable(
                 "the CUDA driver (libcuda.so.1) is not installed or not visible to this process"
@@ -128,246 +122,431 @@ impl GpuOutputLayer {
                 "device {ordinal} has compute capability {major}.{minor}; recsys needs 7.0 or newer"
             )));
         }
-        if weight.cols() == 0 || weight.cols() > crate::MAX_DIM {
-            return Err(GpuError::Invalid(format!(
-                "hidden size {}: the GPU kernels take 1..={}",
-                weight.cols(),
-                crate::MAX_DIM
-            )));
-        }
         let arch = format!("sm_{major}{minor}");
-        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let ptx = compile(&arch)?;
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(cuda_err("loading the compiled module"))?;
+        let gpu = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let mut modules = Vec::new();
+        let mut functions = HashMap::new();
+        for ((file, source, kernels), _) in MODULES.iter().zip(0..) {
+            let ptx = compile_source(file, source, &arch)?;
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(cuda_err("loading a compiled module"))?;
+            for &kernel in *kernels {
+                let function = module
+                    .load_function(kernel)
+                    .map_err(cuda_err("finding a kernel"))?;
+                functions.insert(kernel, function);
+            }
+            modules.push(module);
+        }
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
-        let (n_items, dim) = (weight.rows(), weight.cols());
-        let (weights, score_name) = match weight {
-            Matrix::F32(t) => (
-                DeviceWeights::F32(
-                    stream
-                        .memcpy_stod(t.as_slice())
-                        .map_err(cuda_err("uploading weights"))?,
-                ),
-                "score_tile_topk_f32",
-            ),
-            Matrix::F16 { bits, start, .. } => (
-                DeviceWeights::F16(
-                    stream
-                        .memcpy_stod(&bits[start * dim..(start + n_items) * dim])
-                        .map_err(cuda_err("uploading weights"))?,
-                ),
-                "score_tile_topk_f16",
-            ),
-            Matrix::I8 {
-                q, scales, start, ..
-            } => (
-                DeviceWeights::I8 {
-                    q: stream
-                        .memcpy_stod(&q[start * dim..(start + n_items) * dim])
-                        .map_err(cuda_err("uploading weights"))?,
-                    scales: stream
-                        .memcpy_stod(&scales[*start..start + n_items])
-                        .map_err(cuda_err("uploading scales"))?,
-                },
-                "score_tile_topk_i8",
-            ),
-        };
-        let bias = stream
-            .memcpy_stod(bias.as_slice())
-            .map_err(cuda_err("uploading the bias"))?;
-        let score = module
-            .load_function(score_name)
-            .map_err(cuda_err("finding the scoring kernel"))?;
-        let merge = module
-            .load_function("merge_topk")
-            .map_err(cuda_err("finding the merge kernel"))?;
-        Ok(GpuOutputLayer {
+        Ok(CudaDevice {
             stream,
-            _module: module,
-            score,
-            merge,
-            weights,
-            bias,
-            n_items,
-            dim,
-            staging: Mutex::new(None),
-            device: format!("{name} ({arch})"),
+            _modules: modules,
+            functions,
+            name: format!("{gpu} ({arch})"),
         })
     }
 
-    /// Top-`k` items for each of `rows` hidden vectors (`hidden` is `[rows, dim]`), leaving out
-    /// index 0 (PAD) and each row's `exclude` list.
-    pub fn topk(&self, hidden: &[f32], k: usize, exclude: &[&[u32]]) -> Result<Vec<Ranked>> {
-        let rows = exclude.len();
-        if hidden.len() != rows * self.dim {
-            return Err(GpuError::Invalid(format!(
-                "{} hidden values for {rows} rows of width {}",
-                hidden.len(),
-                self.dim
-            )));
-        }
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let stage1 = stage1_launch(self.n_items, self.dim, rows, k)?;
-        let (offsets, mut ids) = exclusion_csr(exclude);
-        if ids.is_empty() {
-            ids.push(u32::MAX); // cudarc refuses zero-length allocations
-        }
-        let s = &self.stream;
-        // Inputs staged through page-locked memory so the copies are true async DMA; the lock is
-        // held to the end, when the downloads have synchronised the stream.
-        let mut staging = self
-            .staging
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let hidden_dev = self.upload_pinned(&mut staging, hidden)?;
-        let offsets_dev = s
-            .memcpy_stod(&offsets)
-            .map_err(cuda_err("uploading exclusions"))?;
-        let ids_dev = s
-            .memcpy_stod(&ids)
-            .map_err(cuda_err("uploading exclusions"))?;
-
-        let plan = merge_plan(self.n_items, k);
-        let mut scores = s
-            .alloc_zeros::<f32>(rows * plan[0])
-            .map_err(cuda_err("allocating candidates"))?;
-        let mut index = s
-            .alloc_zeros::<u32>(rows * plan[0])
-            .map_err(cuda_err("allocating candidates"))?;
-        let (n, d, kp) = (self.n_items as u32, self.dim as u32, stage1.keep);
-        let batch = rows as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (stage1.tiles, stage1.groups, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: stage1.shared_bytes,
-        };
-        let mut launch = s.launch_builder(&self.score);
-        launch.arg(&hidden_dev);
-        match &self.weights {
-            DeviceWeights::F32(w) => {
-                launch.arg(w);
-            }
-            DeviceWeights::F16(w) => {
-                launch.arg(w);
-            }
-            DeviceWeights::I8 { q, scales } => {
-                launch.arg(q).arg(scales);
-            }
-        }
-        launch
-            .arg(&self.bias)
-            .arg(&offsets_dev)
-            .arg(&ids_dev)
-            .arg(&batch)
-            .arg(&stage1.rows_per_block)
-            .arg(&n)
-            .arg(&d)
-            .arg(&kp)
-            .arg(&mut scores)
-            .arg(&mut index);
-        // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
-        // const W* weights, [const float* row_scales,] const float* bias, const u32* exclude_offsets,
-        // const u32* exclude_ids, u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep,
-        // float* out_scores, u32* out_index) in kernels/fused_topk.cu; hidden is batch x dim,
-        // weights n_items x dim (+ n_items scales), exclusions batch + 1 offsets into ids, outputs
-        // batch x tiles x keep = batch x plan[0]; the grid's groups x rows_per_block covers the
-        // batch, and the dynamic shared memory holds one group's hidden rows.
-        unsafe { launch.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
-
-        for window in plan.windows(2) {
-            let (count, next) = (window[0] as u32, window[1]);
-            let mut next_scores = s
-                .alloc_zeros::<f32>(rows * next)
-                .map_err(cuda_err("allocating candidates"))?;
-            let mut next_index = s
-                .alloc_zeros::<u32>(rows * next)
-                .map_err(cuda_err("allocating candidates"))?;
-            let cfg = LaunchConfig {
-                grid_dim: ((count as usize).div_ceil(TILE) as u32, rows as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = s.launch_builder(&self.merge);
-            launch
-                .arg(&scores)
-                .arg(&index)
-                .arg(&count)
-                .arg(&kp)
-                .arg(&mut next_scores)
-                .arg(&mut next_index);
-            // SAFETY: matches merge_topk(const float* in_scores, const u32* in_index, u32 count,
-            // u32 keep, float* out_scores, u32* out_index): inputs rows x count, outputs rows x
-            // blocks x keep = rows x next.
-            unsafe { launch.launch(cfg) }.map_err(cuda_err("launching the merge kernel"))?;
-            scores = next_scores;
-            index = next_index;
-        }
-        let top_scores = s
-            .memcpy_dtov(&scores)
-            .map_err(cuda_err("downloading results"))?;
-        let top_index = s
-            .memcpy_dtov(&index)
-            .map_err(cuda_err("downloading results"))?;
-        Ok(ranked_rows(&top_scores, &top_index, &plan, rows, k))
+    fn function(&self, name: &'static str) -> &CudaFunction {
+        &self.functions[name] // every name in MODULES was loaded by `new`
     }
 
-    /// Copies `values` into the staging buffer and from there to the device. The caller holds the
-    /// staging lock until the stream has finished with the copy (its results are downloaded).
-    fn upload_pinned(
+    fn upload<T: DeviceRepr + Copy>(
         &self,
-        staging: &mut Option<PinnedHostSlice<f32>>,
-        values: &[f32],
-    ) -> Result<CudaSlice<f32>> {
-        let pinned = match staging {
-            Some(p) if p.len() >= values.len() => p,
-            _ => {
-                // SAFETY: the new buffer is written below (up to values.len()) before any read,
-                // and only that prefix is ever copied.
-                let fresh = unsafe { self.stream.context().alloc_pinned::<f32>(values.len()) }
-                    .map_err(cuda_err("allocating page-locked memory"))?;
-                staging.insert(fresh)
-            }
+        values: &[T],
+        what: &'static str,
+    ) -> Result<CudaSlice<T>> {
+        // cudarc refuses zero-length buffers; a kernel never reads past the lengths it is given.
+        let values = if values.is_empty() {
+            // SAFETY: T is a plain device value type (DeviceRepr); all-zero bytes are one of its
+            // values for the integer and float types used here, and the element is never read.
+            &[unsafe { std::mem::zeroed::<T>() }][..]
+        } else {
+            values
         };
-        // as_mut_slice waits for any copy still reading the buffer.
-        let host = pinned
-            .as_mut_slice()
-            .map_err(cuda_err("mapping page-locked memory"))?;
-        host[..values.len()].copy_from_slice(values);
-        let mut dev = self
-            .stream
-            .alloc_zeros::<f32>(values.len())
-            .map_err(cuda_err("allocating hidden vectors"))?;
-        self.stream
-            .memcpy_htod(&host[..values.len()], &mut dev)
-            .map_err(cuda_err("uploading hidden vectors"))?;
-        Ok(dev)
+        self.stream.memcpy_stod(values).map_err(cuda_err(what))
+    }
+
+    fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: the buffer is an output that the next kernel writes in full before anything
+        // reads it (the emulated tests check that every output slot is written).
+        unsafe { self.stream.alloc::<T>(len.max(1)) }
+            .map_err(cuda_err("allocating a device buffer"))
+    }
+
+    fn grid(blocks_x: u32, blocks_y: u32, threads: u32, shared: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks_x.max(1), blocks_y.max(1), 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shared,
+        }
     }
 }
 
-impl recsys_engine::OutputScorer for GpuOutputLayer {
-    fn top_k(
+/// Threads per block of the encoder kernels (`ENC_THREADS` in kernels/encoders.cu).
+const ENC_THREADS: u32 = 256;
+/// Tile of the dense-layer kernel (`LINEAR_TILE`).
+const LINEAR_TILE: u32 = 16;
+
+impl Device for CudaDevice {
+    type F32 = CudaSlice<f32>;
+    type U32 = CudaSlice<u32>;
+    type U16 = CudaSlice<u16>;
+    type I8 = CudaSlice<i8>;
+
+    fn upload_f32(&self, values: &[f32]) -> Result<Self::F32> {
+        self.upload(values, "uploading f32 values")
+    }
+    fn upload_u32(&self, values: &[u32]) -> Result<Self::U32> {
+        self.upload(values, "uploading u32 values")
+    }
+    fn upload_u16(&self, values: &[u16]) -> Result<Self::U16> {
+        self.upload(values, "uploading fp16 weights")
+    }
+    fn upload_i8(&self, values: &[i8]) -> Result<Self::I8> {
+        self.upload(values, "uploading int8 weights")
+    }
+    fn alloc_f32(&self, len: usize) -> Result<Self::F32> {
+        self.alloc(len)
+    }
+    fn alloc_u32(&self, len: usize) -> Result<Self::U32> {
+        self.alloc(len)
+    }
+    fn download_f32(&self, buffer: &Self::F32) -> Result<Vec<f32>> {
+        self.stream
+            .memcpy_dtov(buffer)
+            .map_err(cuda_err("downloading results"))
+    }
+    fn download_u32(&self, buffer: &Self::U32) -> Result<Vec<u32>> {
+        self.stream
+            .memcpy_dtov(buffer)
+            .map_err(cuda_err("downloading results"))
+    }
+
+    fn score_tile_topk(
         &self,
-        hidden: &[f32],
-        ks: &[usize],
-        excluded: Vec<Vec<u32>>,
-    ) -> std::result::Result<recsys_engine::RankedRows, String> {
-        // One launch for the batch at its largest k; each row is cut to its own k.
-        let k = ks.iter().copied().max().unwrap_or(1).max(1);
-        let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
-        let ranked = self.topk(hidden, k, &refs).map_err(|e| e.to_string())?;
-        Ok(ranked
-            .into_iter()
-            .zip(ks)
-            .map(|(row, &k)| {
-                row.into_iter()
-                    .take(k)
-                    .map(|(index, score)| recsys_engine::topk::Scored { index, score })
-                    .collect()
-            })
-            .collect())
+        launch: &Stage1Launch,
+        hidden: &Self::F32,
+        weights: &DeviceMatrix<Self>,
+        activation_scale: f32,
+        bias: &Self::F32,
+        exclude_offsets: &Self::U32,
+        exclude_ids: &Self::U32,
+        batch: u32,
+        n_items: u32,
+        dim: u32,
+        out_scores: &mut Self::F32,
+        out_index: &mut Self::U32,
+    ) -> Result<()> {
+        let name = match weights {
+            DeviceMatrix::F32(_) => "score_tile_topk_f32",
+            DeviceMatrix::F16(_) => "score_tile_topk_f16",
+            DeviceMatrix::I8 { .. } => "score_tile_topk_i8",
+        };
+        let mut b = self.stream.launch_builder(self.function(name));
+        b.arg(hidden);
+        match weights {
+            DeviceMatrix::F32(w) => {
+                b.arg(w);
+            }
+            DeviceMatrix::F16(w) => {
+                b.arg(w);
+            }
+            DeviceMatrix::I8 { q, scales } => {
+                b.arg(q).arg(scales).arg(&activation_scale);
+            }
+        }
+        b.arg(bias)
+            .arg(exclude_offsets)
+            .arg(exclude_ids)
+            .arg(&batch)
+            .arg(&launch.rows_per_block)
+            .arg(&n_items)
+            .arg(&dim)
+            .arg(&launch.keep)
+            .arg(out_scores)
+            .arg(out_index);
+        let cfg = Self::grid(launch.tiles, launch.groups, THREADS, launch.shared_bytes);
+        // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
+        // const W* weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 rows_per_block,
+        // u32 n_items, u32 dim, u32 keep, float* out_scores, u32* out_index) in
+        // kernels/fused_topk.cu; DeviceOutputLayer::top_k sizes hidden batch x dim, exclusions
+        // batch + 1 offsets, outputs batch x tiles x keep, and the launch plan's groups x
+        // rows_per_block cover the batch with shared_bytes holding one group's hidden rows.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
+        Ok(())
+    }
+
+    fn merge_topk(
+        &self,
+        rows: u32,
+        in_scores: &Self::F32,
+        in_index: &Self::U32,
+        count: u32,
+        keep: u32,
+        out_scores: &mut Self::F32,
+        out_index: &mut Self::U32,
+    ) -> Result<()> {
+        let mut b = self.stream.launch_builder(self.function("merge_topk"));
+        b.arg(in_scores)
+            .arg(in_index)
+            .arg(&count)
+            .arg(&keep)
+            .arg(out_scores)
+            .arg(out_index);
+        let blocks = (count as usize).div_ceil(TILE) as u32;
+        // SAFETY: matches merge_topk(const float* in_scores, const u32* in_index, u32 count,
+        // u32 keep, float* out_scores, u32* out_index): inputs rows x count, outputs rows x
+        // blocks x keep, as merge_plan sizes them.
+        unsafe { b.launch(Self::grid(blocks, rows, THREADS, 0)) }
+            .map_err(cuda_err("launching the merge kernel"))?;
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: &Self::F32,
+        weight: &Self::F32,
+        bias: &Self::F32,
+        y: &mut Self::F32,
+        m: u32,
+        n: u32,
+        k: u32,
+        activation: Activation,
+    ) -> Result<()> {
+        let act = activation as u32;
+        let mut b = self.stream.launch_builder(self.function("linear_f32"));
+        b.arg(x)
+            .arg(weight)
+            .arg(bias)
+            .arg(y)
+            .arg(&m)
+            .arg(&n)
+            .arg(&k)
+            .arg(&act);
+        let cfg = Self::grid(
+            n.div_ceil(LINEAR_TILE),
+            m.div_ceil(LINEAR_TILE),
+            ENC_THREADS,
+            0,
+        );
+        // SAFETY: matches linear_f32(const float* x, const float* w, const float* bias, float* y,
+        // u32 m, u32 n, u32 k, u32 activation): x m x k, w n x k, bias n, y m x n (DeviceDense).
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching a dense layer"))?;
+        Ok(())
+    }
+
+    fn add_layer_norm(
+        &self,
+        x: &Self::F32,
+        residual: Option<&Self::F32>,
+        gamma: &Self::F32,
+        beta: &Self::F32,
+        y: &mut Self::F32,
+        rows: u32,
+        width: u32,
+        eps: f64,
+    ) -> Result<()> {
+        let null: u64 = 0;
+        let mut b = self.stream.launch_builder(self.function("add_layer_norm"));
+        b.arg(x);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        b.arg(gamma).arg(beta).arg(y).arg(&width).arg(&eps);
+        // SAFETY: matches add_layer_norm(const float* x, const float* residual (may be null),
+        // const float* gamma, const float* beta, float* y, u32 width, double eps): x, residual
+        // and y rows x width, gamma and beta width; a null residual is a zero device pointer.
+        unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching a layer norm"))?;
+        Ok(())
+    }
+
+    fn embed_tokens(
+        &self,
+        table: &DeviceMatrix<Self>,
+        items: &Self::U32,
+        positions: &Self::U32,
+        position_table: &Self::F32,
+        x: &mut Self::F32,
+        tokens: u32,
+        width: u32,
+    ) -> Result<()> {
+        let name = match table {
+            DeviceMatrix::F32(_) => "embed_tokens_f32",
+            DeviceMatrix::F16(_) => "embed_tokens_f16",
+            DeviceMatrix::I8 { .. } => "embed_tokens_i8",
+        };
+        let mut b = self.stream.launch_builder(self.function(name));
+        match table {
+            DeviceMatrix::F32(t) => b.arg(t),
+            DeviceMatrix::F16(t) => b.arg(t),
+            DeviceMatrix::I8 { q, scales } => b.arg(q).arg(scales),
+        };
+        b.arg(items)
+            .arg(positions)
+            .arg(position_table)
+            .arg(x)
+            .arg(&width);
+        // SAFETY: matches embed_tokens_{f32,f16,i8}(const T* table, [const float* row_scales,]
+        // const u32* items, const u32* positions, const float* position_table, float* x,
+        // u32 width): items and positions hold `tokens` valid rows of the tables, x is
+        // tokens x width.
+        unsafe { b.launch(Self::grid(tokens, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching the embedding"))?;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Self::F32,
+        k: &Self::F32,
+        v: &Self::F32,
+        seq_offsets: &Self::U32,
+        out: &mut Self::F32,
+        sequences: u32,
+        heads: u32,
+        head_dim: u32,
+    ) -> Result<()> {
+        let width = heads * head_dim;
+        let mut b = self.stream.launch_builder(self.function("attention"));
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(seq_offsets)
+            .arg(out)
+            .arg(&head_dim)
+            .arg(&width);
+        // SAFETY: matches attention(const float* q, const float* k, const float* v,
+        // const u32* seq_offsets, float* out, u32 head_dim, u32 width): q, k, v and out are
+        // tokens x width, seq_offsets sequences + 1 ascending token offsets; head_dim <= 64.
+        unsafe { b.launch(Self::grid(sequences, heads, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching attention"))?;
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        src: &Self::F32,
+        rows: &Self::U32,
+        dst: &mut Self::F32,
+        count: u32,
+        width: u32,
+    ) -> Result<()> {
+        let mut b = self.stream.launch_builder(self.function("gather_rows"));
+        b.arg(src).arg(rows).arg(dst).arg(&width);
+        // SAFETY: matches gather_rows(const float* src, const u32* rows, float* dst, u32 width):
+        // rows holds `count` valid row numbers of src, dst is count x width.
+        unsafe { b.launch(Self::grid(count, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching a row gather"))?;
+        Ok(())
+    }
+
+    fn embedding_bag(
+        &self,
+        table: &DeviceMatrix<Self>,
+        items: &Self::U32,
+        offsets: &Self::U32,
+        bias: &Self::F32,
+        y: &mut Self::F32,
+        rows: u32,
+        width: u32,
+    ) -> Result<()> {
+        let name = match table {
+            DeviceMatrix::F32(_) => "embedding_bag_f32",
+            DeviceMatrix::F16(_) => "embedding_bag_f16",
+            DeviceMatrix::I8 { .. } => "embedding_bag_i8",
+        };
+        let mut b = self.stream.launch_builder(self.function(name));
+        match table {
+            DeviceMatrix::F32(t) => b.arg(t),
+            DeviceMatrix::F16(t) => b.arg(t),
+            DeviceMatrix::I8 { q, scales } => b.arg(q).arg(scales),
+        };
+        b.arg(items).arg(offsets).arg(bias).arg(y).arg(&width);
+        // SAFETY: matches embedding_bag_{f32,f16,i8}(const T* table, [const float* row_scales,]
+        // const u32* items, const u32* offsets, const float* bias, float* y, u32 width): offsets
+        // holds rows + 1 offsets into items (valid table rows), y is rows x width.
+        unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching the first layer"))?;
+        Ok(())
+    }
+}
+
+/// A whole engine on one GPU: what a KIND_GPU instance serves. Batches are serialised on the
+/// device's one stream (Triton runs one batch at a time per instance anyway).
+pub struct GpuModel {
+    inner: Mutex<DeviceModel<CudaDevice>>,
+    name: String,
+}
+
+impl GpuModel {
+    pub fn new(ordinal: usize, engine: &Arc<Engine>) -> Result<GpuModel> {
+        let device = CudaDevice::new(ordinal)?;
+        let name = device.name.clone();
+        Ok(GpuModel {
+            inner: Mutex::new(DeviceModel::new(device, Arc::clone(engine))?),
+            name,
+        })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl recsys_engine::BatchRecommender for GpuModel {
+    fn recommend_batch(
+        &self,
+        batch: &[InternalRequest],
+    ) -> recsys_engine::Result<Vec<(Vec<Scored>, HistoryNote)>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .recommend(batch)
+            .map_err(|e| recsys_engine::EngineError::Device(e.to_string()))
+    }
+}
+
+/// The output layer alone on one GPU (the benchmark of the fused kernel against torch).
+pub struct GpuOutputLayer {
+    device: Mutex<CudaDevice>,
+    layer: DeviceOutputLayer<CudaDevice>,
+    /// "NVIDIA H200 (sm_90)", for logs.
+    pub device_name: String,
+}
+
+impl GpuOutputLayer {
+    /// Uploads `weight` (`[n_items, dim]`, any precision) and `bias` to device `ordinal`.
+    pub fn new(ordinal: usize, weight: &Matrix, bias: &Tensor) -> Result<GpuOutputLayer> {
+        let device = CudaDevice::new(ordinal)?;
+        let layer = DeviceOutputLayer::new(&device, weight, bias, None)?;
+        Ok(GpuOutputLayer {
+            device_name: device.name.clone(),
+            device: Mutex::new(device),
+            layer,
+        })
+    }
+
+    /// Top-`k` items for each of `rows` hidden vectors (`hidden` is `[rows, dim]`, on the host),
+    /// leaving out index 0 (PAD) and each row's `exclude` list.
+    pub fn topk(&self, hidden: &[f32], k: usize, exclude: &[&[u32]]) -> Result<Vec<Ranked>> {
+        if hidden.len() != exclude.len() * self.layer.dim {
+            return Err(GpuError::Invalid(format!(
+                "{} hidden values for {} rows of width {}",
+                hidden.len(),
+                exclude.len(),
+                self.layer.dim
+            )));
+        }
+        let device = self
+            .device
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let hidden = device.upload_f32(hidden)?;
+        self.layer.top_k(&device, &hidden, k, exclude)
     }
 }

@@ -5,18 +5,43 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
+pub mod model;
 
 use sha2::{Digest, Sha256};
 
-/// The CUDA C++ source of every kernel.
+/// The CUDA C++ source of the fused score + top-k kernels.
 pub const SOURCE: &str = include_str!("../kernels/fused_topk.cu");
+/// The CUDA C++ source of the encoder kernels.
+pub const ENCODER_SOURCE: &str = include_str!("../kernels/encoders.cu");
 
-/// Kernels the host launches, by their `extern "C"` names.
+/// The kernel sources, each compiled into its own module: (file name, source, kernels launched
+/// from it by their `extern "C"` names).
+pub const MODULES: &[(&str, &str, &[&str])] = &[
+    ("fused_topk.cu", SOURCE, KERNELS),
+    ("encoders.cu", ENCODER_SOURCE, ENCODER_KERNELS),
+];
+
+/// Fused score + top-k kernels the host launches.
 pub const KERNELS: &[&str] = &[
     "score_tile_topk_f32",
     "score_tile_topk_f16",
     "score_tile_topk_i8",
     "merge_topk",
+];
+
+/// Encoder kernels the host launches.
+pub const ENCODER_KERNELS: &[&str] = &[
+    "linear_f32",
+    "add_layer_norm",
+    "embed_tokens_f32",
+    "embed_tokens_f16",
+    "embed_tokens_i8",
+    "attention",
+    "gather_rows",
+    "embedding_bag_f32",
+    "embedding_bag_f16",
+    "embedding_bag_i8",
 ];
 
 /// Items per stage-1 block and candidates per merge block (`TILE` in the source).
@@ -52,9 +77,9 @@ pub fn compile_options(arch: &str) -> Vec<String> {
 }
 
 /// Cache key of a compiled module: the source's hash, the architecture and the options.
-pub fn cache_key(arch: &str) -> String {
+pub fn cache_key(source: &str, arch: &str) -> String {
     let mut h = Sha256::new();
-    h.update(SOURCE.as_bytes());
+    h.update(source.as_bytes());
     for o in compile_options(arch) {
         h.update(b"\0");
         h.update(o.as_bytes());
@@ -182,11 +207,13 @@ mod tests {
 
     #[test]
     fn every_launched_kernel_is_in_the_source() {
-        for k in KERNELS {
-            assert!(
-                SOURCE.contains(&format!("void __launch_bounds__(THREADS) {k}(")),
-                "{k}"
-            );
+        for (name, source, kernels) in MODULES {
+            for k in *kernels {
+                assert!(
+                    source.contains(&format!(" {k}(\n")),
+                    "{k} not defined in {name}"
+                );
+            }
         }
         assert!(SOURCE.contains(&format!("#define TILE {TILE}")));
         assert!(SOURCE.contains(&format!("#define THREADS {THREADS}")));
@@ -239,7 +266,11 @@ mod tests {
 
     #[test]
     fn cache_keys_differ_by_arch() {
-        assert_ne!(cache_key("sm_80"), cache_key("sm_90"));
-        assert_eq!(cache_key("sm_90"), cache_key("sm_90"));
+        assert_ne!(cache_key(SOURCE, "sm_80"), cache_key(SOURCE, "sm_90"));
+        assert_eq!(cache_key(SOURCE, "sm_90"), cache_key(SOURCE, "sm_90"));
+        assert_ne!(
+            cache_key(SOURCE, "sm_90"),
+            cache_key(ENCODER_SOURCE, "sm_90")
+        );
     }
 }

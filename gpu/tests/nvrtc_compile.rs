@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use recsys_gpu::{cuda, CHECKED_ARCHS, KERNELS};
+use recsys_gpu::{cuda, CHECKED_ARCHS, MODULES};
 
 fn ptxas() -> PathBuf {
     if let Ok(p) = std::env::var("RECSYS_PTXAS") {
@@ -55,39 +55,41 @@ fn kernels_compile_for_every_checked_arch_without_spills() {
     );
     let dir = tempfile::tempdir().unwrap();
     for arch in CHECKED_ARCHS {
-        let ptx = cuda::compile(arch).unwrap_or_else(|e| panic!("{e}"));
-        for k in KERNELS {
-            assert!(
-                ptx.contains(&format!(".entry {k}(")),
-                "{arch}: {k} missing from the PTX"
-            );
-        }
-        let path = dir.path().join(format!("{arch}.ptx"));
-        std::fs::write(&path, &ptx).unwrap();
-        let run = Command::new(ptxas())
-            .args(["-v", &format!("--gpu-name={arch}"), "-o"])
-            .arg(dir.path().join(format!("{arch}.cubin")))
-            .arg(&path)
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("cannot run ptxas ({e}); set RECSYS_PTXAS or put it on PATH")
-            });
-        let log = String::from_utf8_lossy(&run.stderr).into_owned()
-            + &String::from_utf8_lossy(&run.stdout);
-        assert!(run.status.success(), "{arch}: ptxas failed:\n{log}");
-        let found = resources(&log);
-        assert_eq!(
-            found.len(),
-            KERNELS.len(),
-            "{arch}: ptxas reported {found:?}\n{log}"
-        );
-        for (name, regs, stores, loads) in &found {
-            println!("{arch} {name}: {regs} registers, {stores} bytes spill stores, {loads} bytes spill loads");
+        let ptxs = cuda::compile(arch).unwrap_or_else(|e| panic!("{e}"));
+        for ((file, _, kernels), ptx) in MODULES.iter().zip(&ptxs) {
+            for k in *kernels {
+                assert!(
+                    ptx.contains(&format!(".entry {k}(")),
+                    "{arch}: {k} missing from the PTX of {file}"
+                );
+            }
+            let path = dir.path().join(format!("{arch}-{file}.ptx"));
+            std::fs::write(&path, ptx).unwrap();
+            let run = Command::new(ptxas())
+                .args(["-v", &format!("--gpu-name={arch}"), "-o"])
+                .arg(dir.path().join(format!("{arch}-{file}.cubin")))
+                .arg(&path)
+                .output()
+                .unwrap_or_else(|e| {
+                    panic!("cannot run ptxas ({e}); set RECSYS_PTXAS or put it on PATH")
+                });
+            let log = String::from_utf8_lossy(&run.stderr).into_owned()
+                + &String::from_utf8_lossy(&run.stdout);
+            assert!(run.status.success(), "{arch} {file}: ptxas failed:\n{log}");
+            let found = resources(&log);
             assert_eq!(
-                (*stores, *loads),
-                (0, 0),
-                "{arch}: {name} spills registers\n{log}"
+                found.len(),
+                kernels.len(),
+                "{arch} {file}: ptxas reported {found:?}\n{log}"
             );
+            for (name, regs, stores, loads) in &found {
+                println!("{arch} {name}: {regs} registers, {stores} bytes spill stores, {loads} bytes spill loads");
+                assert_eq!(
+                    (*stores, *loads),
+                    (0, 0),
+                    "{arch}: {name} spills registers\n{log}"
+                );
+            }
         }
     }
 }

@@ -198,6 +198,38 @@ impl Bert4Rec {
         self.kernels = kernels;
     }
 
+    /// The layers by role, for a device that runs the whole model.
+    pub fn view(&self) -> super::Bert4RecView<'_> {
+        fn norm(n: &LayerNorm) -> super::NormView<'_> {
+            super::NormView {
+                gamma: &n.gamma,
+                beta: &n.beta,
+            }
+        }
+        super::Bert4RecView {
+            model: self,
+            item_embedding: &self.item_embedding,
+            position_embedding: &self.position_embedding,
+            embedding_norm: norm(&self.embedding_ln),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| super::TransformerLayerView {
+                    query: &l.query.0,
+                    key: &l.key.0,
+                    value: &l.value.0,
+                    attn_out: &l.attn_out.0,
+                    attn_norm: norm(&l.attn_ln),
+                    ffn_in: &l.ffn_in.0,
+                    ffn_out: &l.ffn_out.0,
+                    ffn_norm: norm(&l.ffn_ln),
+                })
+                .collect(),
+            head_dense: &self.head_dense.0,
+            head_norm: norm(&self.head_ln),
+        }
+    }
+
     fn mask_index(&self) -> u32 {
         self.config.n_items as u32 + 1
     }

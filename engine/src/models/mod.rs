@@ -40,6 +40,9 @@ impl OutputLayer {
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
     packed: crate::kernels::packed::PackedOutput,
+    /// The layer as stored (shares the engine's storage), for devices that pack it their own way.
+    weight: Matrix,
+    bias: Tensor,
 }
 
 impl DenseLayer {
@@ -47,7 +50,18 @@ impl DenseLayer {
     pub fn new(weight: &Matrix, bias: &Tensor) -> DenseLayer {
         DenseLayer {
             packed: weight.pack(bias.as_slice()),
+            weight: weight.clone(),
+            bias: bias.clone(),
         }
+    }
+
+    /// The weight as stored, `[out, in]`.
+    pub fn weight(&self) -> &Matrix {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
     }
 
     /// Bytes of the packed weights this layer holds in memory.
@@ -58,6 +72,57 @@ impl DenseLayer {
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         crate::kernels::fused::linear(kernels, &self.packed, x)
     }
+}
+
+/// A LayerNorm's affine parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct NormView<'a> {
+    pub gamma: &'a Tensor,
+    pub beta: &'a Tensor,
+}
+
+/// One post-LN transformer layer of BERT4Rec.
+#[derive(Clone, Copy, Debug)]
+pub struct TransformerLayerView<'a> {
+    pub query: &'a DenseLayer,
+    pub key: &'a DenseLayer,
+    pub value: &'a DenseLayer,
+    pub attn_out: &'a DenseLayer,
+    pub attn_norm: NormView<'a>,
+    pub ffn_in: &'a DenseLayer,
+    pub ffn_out: &'a DenseLayer,
+    pub ffn_norm: NormView<'a>,
+}
+
+/// Every tensor BERT4Rec runs with, by role; [`Bert4Rec::model_input`] gives its tokens.
+#[derive(Clone, Debug)]
+pub struct Bert4RecView<'a> {
+    pub model: &'a Bert4Rec,
+    pub item_embedding: &'a Matrix,
+    pub position_embedding: &'a Tensor,
+    pub embedding_norm: NormView<'a>,
+    pub layers: Vec<TransformerLayerView<'a>>,
+    pub head_dense: &'a DenseLayer,
+    pub head_norm: NormView<'a>,
+}
+
+/// Every tensor Mult-VAE runs with, by role; [`VaeCf::model_input`] gives its items.
+#[derive(Clone, Debug)]
+pub struct VaeCfView<'a> {
+    pub model: &'a VaeCf,
+    /// The first layer by item, `[N+1, hidden_0]`, followed by tanh.
+    pub first_by_item: &'a Matrix,
+    pub first_bias: &'a Tensor,
+    /// The encoder's remaining layers (tanh after each but the last, which yields mu), then the
+    /// decoder's hidden layers (tanh after each).
+    pub encoder_rest: &'a [DenseLayer],
+    pub decoder_hidden: &'a [DenseLayer],
+}
+
+#[derive(Clone, Debug)]
+pub enum ModelView<'a> {
+    Bert4rec(Bert4RecView<'a>),
+    Vaecf(VaeCfView<'a>),
 }
 
 /// The tensors an engine stores, by name, in the layout the model computes with.
@@ -144,6 +209,14 @@ impl Model {
         match self {
             Model::Bert4rec(m) => m.packed_bytes(),
             Model::Vaecf(m) => m.packed_bytes(),
+        }
+    }
+
+    /// The model's layers by role, for a device that runs the whole model (the GPU path).
+    pub fn view(&self) -> ModelView<'_> {
+        match self {
+            Model::Bert4rec(m) => ModelView::Bert4rec(m.view()),
+            Model::Vaecf(m) => ModelView::Vaecf(m.view()),
         }
     }
 

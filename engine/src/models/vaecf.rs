@@ -156,22 +156,38 @@ impl VaeCf {
         self.kernels = kernels;
     }
 
+    /// The layers by role, for a device that runs the whole model.
+    pub fn view(&self) -> super::VaeCfView<'_> {
+        super::VaeCfView {
+            model: self,
+            first_by_item: &self.first_by_item,
+            first_bias: &self.first_bias,
+            encoder_rest: &self.encoder_rest,
+            decoder_hidden: &self.decoder_hidden,
+        }
+    }
+
+    /// The model's input for one history: its distinct items, sorted (the binary multi-hot:
+    /// duplicates collapse; PAD (0) and indices past the catalogue are never inputs).
+    pub fn model_input_into(&self, history: &[u32], items: &mut Vec<u32>) {
+        items.clear();
+        items.extend(
+            history
+                .iter()
+                .copied()
+                .filter(|&i| i != 0 && (i as usize) <= self.config.n_items),
+        );
+        items.sort_unstable();
+        items.dedup();
+    }
+
     /// Decoder activations before the output layer, `[B, hidden_0]`.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let width = self.first_bias.len();
         let mut x = Vec::with_capacity(histories.len() * width);
         let mut items = Vec::new();
         for history in histories {
-            // Binary multi-hot: duplicates collapse; PAD (0) is never an input.
-            items.clear();
-            items.extend(
-                history
-                    .iter()
-                    .copied()
-                    .filter(|&i| i != 0 && (i as usize) <= self.config.n_items),
-            );
-            items.sort_unstable();
-            items.dedup();
+            self.model_input_into(history, &mut items);
             let mut acc = vec![0f32; width];
             for &i in &items {
                 self.first_by_item.add_row_into(i as usize, &mut acc);

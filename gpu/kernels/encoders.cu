@@ -1,0 +1,204 @@
+// The encoders of recsys' models on the GPU (BERT4Rec's transformer, Mult-VAE's MLP), so a KIND_GPU
+// instance runs the whole model on the device and only ids and top-k results cross the bus.
+// Compiled at model load by NVRTC next to fused_topk.cu (and, like it, as host C++ for the emulated
+// tests). All arithmetic is f32 with the CPU engine's formulas; LayerNorm statistics in f64 as on
+// the CPU, because a row's mean can dwarf its variance.
+//
+// Weights arrive as the engine stores them: dense layers dequantised to f32 at load (they are
+// small), the item tables (BERT4Rec's embedding, Mult-VAE's first layer by item) at their own
+// precision, since they grow with the catalogue.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define ENC_THREADS 256
+// Square tile of the dense-layer kernel (ENC_THREADS = LINEAR_TILE^2 threads).
+#define LINEAR_TILE 16
+// Widest attention head (two values per lane of a warp).
+#define MAX_HEAD_DIM 64
+
+#define ACTIVATION_NONE 0
+#define ACTIVATION_GELU 1
+#define ACTIVATION_TANH 2
+
+#ifdef RECSYS_CUDA_EMULATION
+__device__ __forceinline__ float enc_half_to_float(u16 bits) { return emu::half_bits_to_float(bits); }
+#else
+__device__ __forceinline__ float enc_half_to_float(u16 bits) {
+    float out;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(bits));
+    return out;
+}
+#endif
+
+__device__ __forceinline__ float activate(float v, u32 activation) {
+    if (activation == ACTIVATION_GELU) return v * 0.5f * (1.0f + erff(v * 0.70710678118654752f));
+    if (activation == ACTIVATION_TANH) return tanhf(v);
+    return v;
+}
+
+// y[m, n] = act(x[m, k] @ w[n, k]^T + bias[n]) (PyTorch's Linear layout). Block (n tile, m tile)
+// of LINEAR_TILE x LINEAR_TILE threads; both operands staged through shared memory tile by tile.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) linear_f32(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+    float* __restrict__ y, u32 m, u32 n, u32 k, u32 activation) {
+    __shared__ float x_tile[LINEAR_TILE][LINEAR_TILE + 1];
+    __shared__ float w_tile[LINEAR_TILE][LINEAR_TILE + 1];
+    const u32 tx = threadIdx.x % LINEAR_TILE, ty = threadIdx.x / LINEAR_TILE;
+    const u32 row = blockIdx.y * LINEAR_TILE + ty;  // of x and y
+    const u32 col = blockIdx.x * LINEAR_TILE + tx;  // of y (a row of w)
+    const u32 w_row = blockIdx.x * LINEAR_TILE + ty;  // the w row this thread stages
+    float acc = 0.0f;
+    for (u32 k0 = 0; k0 < k; k0 += LINEAR_TILE) {
+        x_tile[ty][tx] = (row < m && k0 + tx < k) ? x[(size_t)row * k + k0 + tx] : 0.0f;
+        w_tile[ty][tx] = (w_row < n && k0 + tx < k) ? w[(size_t)w_row * k + k0 + tx] : 0.0f;
+        __syncthreads();
+        for (u32 j = 0; j < LINEAR_TILE; ++j) acc += x_tile[ty][j] * w_tile[tx][j];
+        __syncthreads();
+    }
+    if (row < m && col < n) y[(size_t)row * n + col] = activate(acc + bias[col], activation);
+}
+
+// y[r] = LayerNorm(x[r] + residual[r]) * gamma + beta, one block per row (residual may be null).
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) add_layer_norm(
+    const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ gamma,
+    const float* __restrict__ beta, float* __restrict__ y, u32 width, double eps) {
+    __shared__ double partial[ENC_THREADS];
+    const size_t base = (size_t)blockIdx.x * width;
+    double sum = 0.0;
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) {
+        float v = x[base + c] + (residual ? residual[base + c] : 0.0f);
+        y[base + c] = v;
+        sum += v;
+    }
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    for (u32 s = ENC_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+        __syncthreads();
+    }
+    const double mean = partial[0] / width;
+    __syncthreads();
+    double squares = 0.0;
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) {
+        double d = (double)y[base + c] - mean;
+        squares += d * d;
+    }
+    partial[threadIdx.x] = squares;
+    __syncthreads();
+    for (u32 s = ENC_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+        __syncthreads();
+    }
+    const double inv_std = 1.0 / sqrt(partial[0] / width + eps);
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS)
+        y[base + c] = (float)(((double)y[base + c] - mean) * inv_std) * gamma[c] + beta[c];
+}
+
+// BERT4Rec's input: x[t] = position_table[positions[t]] + item_row(items[t]), one block per token.
+#define EMBED_TOKENS_BODY(ITEM_VALUE)                                                              \
+    const u32 t = blockIdx.x;                                                                     \
+    const u32 item = items[t], position = positions[t];                                           \
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS)                                        \
+        x[(size_t)t * width + c] = position_table[(size_t)position * width + c] + (ITEM_VALUE);
+
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) embed_tokens_f32(
+    const float* __restrict__ table, const u32* __restrict__ items, const u32* __restrict__ positions,
+    const float* __restrict__ position_table, float* __restrict__ x, u32 width) {
+    EMBED_TOKENS_BODY(table[(size_t)item * width + c])
+}
+
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) embed_tokens_f16(
+    const u16* __restrict__ table, const u32* __restrict__ items, const u32* __restrict__ positions,
+    const float* __restrict__ position_table, float* __restrict__ x, u32 width) {
+    EMBED_TOKENS_BODY(enc_half_to_float(table[(size_t)item * width + c]))
+}
+
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) embed_tokens_i8(
+    const signed char* __restrict__ table, const float* __restrict__ row_scales,
+    const u32* __restrict__ items, const u32* __restrict__ positions,
+    const float* __restrict__ position_table, float* __restrict__ x, u32 width) {
+    EMBED_TOKENS_BODY((float)table[(size_t)item * width + c] * row_scales[item])
+}
+
+__device__ __forceinline__ float enc_warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+    return v;
+}
+
+// Bidirectional self-attention within each sequence: out = softmax(q k^T / sqrt(d)) v per head.
+// Block (sequence, head); each warp takes one query at a time, its lanes splitting the head's
+// dimensions (two each at most), and walks the sequence's keys with a running (online) softmax.
+// Rows are tokens of the stacked batch, [tokens, width] with width = heads * head_dim;
+// seq_offsets[s]..seq_offsets[s + 1] are sequence s's tokens.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) attention(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const u32* __restrict__ seq_offsets, float* __restrict__ out, u32 head_dim, u32 width) {
+    const u32 seq = blockIdx.x, head = blockIdx.y;
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u32 begin = seq_offsets[seq], end = seq_offsets[seq + 1];
+    const u32 c0 = head * head_dim + lane, c1 = c0 + 32;
+    const bool has0 = lane < head_dim, has1 = lane + 32 < head_dim;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    for (u32 query = begin + warp; query < end; query += ENC_THREADS / 32) {
+        const float q0 = has0 ? q[(size_t)query * width + c0] : 0.0f;
+        const float q1 = has1 ? q[(size_t)query * width + c1] : 0.0f;
+        float running_max = __int_as_float(0xff800000), denominator = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
+        for (u32 key = begin; key < end; ++key) {
+            float part = (has0 ? q0 * k[(size_t)key * width + c0] : 0.0f) +
+                         (has1 ? q1 * k[(size_t)key * width + c1] : 0.0f);
+            const float score = enc_warp_sum(part) * scale;
+            const float next_max = fmaxf(running_max, score);
+            const float rescale = expf(running_max - next_max);  // 0 on the first key
+            const float weight = expf(score - next_max);
+            denominator = denominator * rescale + weight;
+            acc0 = acc0 * rescale + (has0 ? weight * v[(size_t)key * width + c0] : 0.0f);
+            acc1 = acc1 * rescale + (has1 ? weight * v[(size_t)key * width + c1] : 0.0f);
+            running_max = next_max;
+        }
+        if (has0) out[(size_t)query * width + c0] = acc0 / denominator;
+        if (has1) out[(size_t)query * width + c1] = acc1 / denominator;
+    }
+}
+
+// dst[i] = src[rows[i]] (BERT4Rec's [MASK] rows), one block per row.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) gather_rows(
+    const float* __restrict__ src, const u32* __restrict__ rows, float* __restrict__ dst, u32 width) {
+    const size_t from = (size_t)rows[blockIdx.x] * width, to = (size_t)blockIdx.x * width;
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) dst[to + c] = src[from + c];
+}
+
+// Mult-VAE's first layer without the multi-hot input: y[r] = tanh(sum of the by-item rows of the
+// history's distinct items / sqrt(count) + bias), one block per history; items[offsets[r]..
+// offsets[r + 1]] are sorted and distinct, summed in that order (as the CPU does).
+#define EMBEDDING_BAG_BODY(ITEM_VALUE)                                                             \
+    const u32 r = blockIdx.x;                                                                     \
+    const u32 first = offsets[r], last = offsets[r + 1];                                          \
+    const float scale = 1.0f / fmaxf(sqrtf((float)(last - first)), 1e-12f);                      \
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) {                                      \
+        float acc = 0.0f;                                                                         \
+        for (u32 i = first; i < last; ++i) {                                                      \
+            const u32 item = items[i];                                                            \
+            acc += (ITEM_VALUE);                                                                  \
+        }                                                                                         \
+        y[(size_t)r * width + c] = tanhf(acc * scale + bias[c]);                                  \
+    }
+
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) embedding_bag_f32(
+    const float* __restrict__ table, const u32* __restrict__ items, const u32* __restrict__ offsets,
+    const float* __restrict__ bias, float* __restrict__ y, u32 width) {
+    EMBEDDING_BAG_BODY(table[(size_t)item * width + c])
+}
+
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) embedding_bag_f16(
+    const u16* __restrict__ table, const u32* __restrict__ items, const u32* __restrict__ offsets,
+    const float* __restrict__ bias, float* __restrict__ y, u32 width) {
+    EMBEDDING_BAG_BODY(enc_half_to_float(table[(size_t)item * width + c]))
+}
+
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) embedding_bag_i8(
+    const signed char* __restrict__ table, const float* __restrict__ row_scales,
+    const u32* __restrict__ items, const u32* __restrict__ offsets, const float* __restrict__ bias,
+    float* __restrict__ y, u32 width) {
+    EMBEDDING_BAG_BODY((float)table[(size_t)item * width + c] * row_scales[item])
+}

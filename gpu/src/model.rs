@@ -1,0 +1,504 @@
+//! A whole model on a [`Device`]: the weights uploaded once, then per batch the encoder
+//! (BERT4Rec's transformer or Mult-VAE's MLP) and the fused score + top-k, so only ids go in and
+//! only the top-k comes back. The sequencing mirrors the CPU engine's models line by line; the
+//! CPU engine stays the reference (tests compare the two on the trained fixtures).
+
+use recsys_engine::engine::InternalRequest;
+use std::sync::Arc;
+
+use recsys_engine::models::{
+    Bert4Rec, Bert4RecView, DenseLayer, HistoryNote, Model, ModelView, NormView, OutputLayer,
+    VaeCf, VaeCfView,
+};
+use recsys_engine::tensor::Tensor;
+use recsys_engine::topk::Scored;
+use recsys_engine::weights::Matrix;
+use recsys_engine::Engine;
+
+use crate::device::{Activation, Device, DeviceMatrix};
+use crate::{
+    exclusion_csr, merge_plan, ranked_rows, stage1_launch, GpuError, Ranked, Result, TILE,
+};
+
+/// Widest attention head the kernel takes (`MAX_HEAD_DIM` in kernels/encoders.cu).
+pub const MAX_HEAD_DIM: usize = 64;
+
+/// Uploads a matrix at its stored precision (the item tables, which grow with the catalogue).
+pub fn upload_matrix<D: Device>(device: &D, m: &Matrix) -> Result<DeviceMatrix<D>> {
+    let (rows, cols) = (m.rows(), m.cols());
+    Ok(match m {
+        Matrix::F32(t) => DeviceMatrix::F32(device.upload_f32(t.as_slice())?),
+        Matrix::F16 { bits, start, .. } => {
+            DeviceMatrix::F16(device.upload_u16(&bits[start * cols..(start + rows) * cols])?)
+        }
+        Matrix::I8 {
+            q, scales, start, ..
+        } => DeviceMatrix::I8 {
+            q: device.upload_i8(&q[start * cols..(start + rows) * cols])?,
+            scales: device.upload_f32(&scales[*start..start + rows])?,
+        },
+    })
+}
+
+/// A matrix's values as f32 (each row as the CPU engine reads it).
+pub fn dequantized(m: &Matrix) -> Vec<f32> {
+    let cols = m.cols();
+    let mut out = vec![0f32; m.rows() * cols];
+    for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+        m.add_row_into(r, row);
+    }
+    out
+}
+
+/// The output layer on a device, for the fused score + top-k.
+pub struct DeviceOutputLayer<D: Device> {
+    weights: DeviceMatrix<D>,
+    bias: D::F32,
+    /// W8A8 engines' static activation scale; 0 for the others.
+    activation_scale: f32,
+    pub n_items: usize,
+    pub dim: usize,
+}
+
+impl<D: Device> DeviceOutputLayer<D> {
+    pub fn new(
+        device: &D,
+        weight: &Matrix,
+        bias: &Tensor,
+        activation_scale: Option<f32>,
+    ) -> Result<Self> {
+        let (n_items, dim) = (weight.rows(), weight.cols());
+        if dim == 0 || dim > crate::MAX_DIM {
+            return Err(GpuError::Invalid(format!(
+                "hidden size {dim}: the GPU kernels take 1..={}",
+                crate::MAX_DIM
+            )));
+        }
+        if bias.len() != n_items {
+            return Err(GpuError::Invalid(format!(
+                "{} biases for {n_items} items",
+                bias.len()
+            )));
+        }
+        if activation_scale.is_some() && !matches!(weight, Matrix::I8 { .. }) {
+            return Err(GpuError::Invalid(
+                "a static activation scale needs int8 output weights".into(),
+            ));
+        }
+        Ok(DeviceOutputLayer {
+            weights: upload_matrix(device, weight)?,
+            bias: device.upload_f32(bias.as_slice())?,
+            activation_scale: activation_scale.unwrap_or(0.0),
+            n_items,
+            dim,
+        })
+    }
+
+    /// Top-`k` items for each of the `exclude.len()` hidden vectors in `hidden` (`[rows, dim]`,
+    /// already on the device), leaving out index 0 (PAD) and each row's `exclude` list.
+    pub fn top_k(
+        &self,
+        device: &D,
+        hidden: &D::F32,
+        k: usize,
+        exclude: &[&[u32]],
+    ) -> Result<Vec<Ranked>> {
+        let rows = exclude.len();
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let launch = stage1_launch(self.n_items, self.dim, rows, k)?;
+        let plan = merge_plan(self.n_items, k);
+        let (offsets, ids) = exclusion_csr(exclude);
+        let offsets = device.upload_u32(&offsets)?;
+        let ids = device.upload_u32(&ids)?;
+        let mut scores = device.alloc_f32(rows * plan[0])?;
+        let mut index = device.alloc_u32(rows * plan[0])?;
+        device.score_tile_topk(
+            &launch,
+            hidden,
+            &self.weights,
+            self.activation_scale,
+            &self.bias,
+            &offsets,
+            &ids,
+            rows as u32,
+            self.n_items as u32,
+            self.dim as u32,
+            &mut scores,
+            &mut index,
+        )?;
+        for window in plan.windows(2) {
+            let (count, next) = (window[0], window[1]);
+            debug_assert_eq!(next, count.div_ceil(TILE) * launch.keep as usize);
+            let mut next_scores = device.alloc_f32(rows * next)?;
+            let mut next_index = device.alloc_u32(rows * next)?;
+            device.merge_topk(
+                rows as u32,
+                &scores,
+                &index,
+                count as u32,
+                launch.keep,
+                &mut next_scores,
+                &mut next_index,
+            )?;
+            scores = next_scores;
+            index = next_index;
+        }
+        let scores = device.download_f32(&scores)?;
+        let index = device.download_u32(&index)?;
+        Ok(ranked_rows(&scores, &index, &plan, rows, k))
+    }
+}
+
+/// A dense layer in f32 (encoder layers are small; the CPU engine reads them dequantised too).
+struct DeviceDense<D: Device> {
+    weight: D::F32,
+    bias: D::F32,
+    out: u32,
+    inp: u32,
+}
+
+impl<D: Device> DeviceDense<D> {
+    fn new(device: &D, layer: &DenseLayer) -> Result<Self> {
+        let w = layer.weight();
+        Ok(DeviceDense {
+            weight: device.upload_f32(&dequantized(w))?,
+            bias: device.upload_f32(layer.bias().as_slice())?,
+            out: w.rows() as u32,
+            inp: w.cols() as u32,
+        })
+    }
+
+    fn forward(&self, device: &D, x: &D::F32, rows: u32, activation: Activation) -> Result<D::F32> {
+        let mut y = device.alloc_f32(rows as usize * self.out as usize)?;
+        device.linear(
+            x,
+            &self.weight,
+            &self.bias,
+            &mut y,
+            rows,
+            self.out,
+            self.inp,
+            activation,
+        )?;
+        Ok(y)
+    }
+}
+
+struct DeviceNorm<D: Device> {
+    gamma: D::F32,
+    beta: D::F32,
+}
+
+impl<D: Device> DeviceNorm<D> {
+    fn new(device: &D, norm: NormView<'_>) -> Result<Self> {
+        Ok(DeviceNorm {
+            gamma: device.upload_f32(norm.gamma.as_slice())?,
+            beta: device.upload_f32(norm.beta.as_slice())?,
+        })
+    }
+
+    /// `LayerNorm(x + residual)`.
+    fn apply(
+        &self,
+        device: &D,
+        x: &D::F32,
+        residual: Option<&D::F32>,
+        rows: u32,
+        width: u32,
+        eps: f64,
+    ) -> Result<D::F32> {
+        let mut y = device.alloc_f32(rows as usize * width as usize)?;
+        device.add_layer_norm(
+            x,
+            residual,
+            &self.gamma,
+            &self.beta,
+            &mut y,
+            rows,
+            width,
+            eps,
+        )?;
+        Ok(y)
+    }
+}
+
+struct DeviceTransformerLayer<D: Device> {
+    query: DeviceDense<D>,
+    key: DeviceDense<D>,
+    value: DeviceDense<D>,
+    attn_out: DeviceDense<D>,
+    attn_norm: DeviceNorm<D>,
+    ffn_in: DeviceDense<D>,
+    ffn_out: DeviceDense<D>,
+    ffn_norm: DeviceNorm<D>,
+}
+
+struct DeviceBert4Rec<D: Device> {
+    item_embedding: DeviceMatrix<D>,
+    position_embedding: D::F32,
+    embedding_norm: DeviceNorm<D>,
+    layers: Vec<DeviceTransformerLayer<D>>,
+    head_dense: DeviceDense<D>,
+    head_norm: DeviceNorm<D>,
+    hidden: u32,
+    heads: u32,
+    eps: f64,
+}
+
+struct DeviceVaeCf<D: Device> {
+    first_by_item: DeviceMatrix<D>,
+    first_bias: D::F32,
+    first_width: u32,
+    encoder_rest: Vec<DeviceDense<D>>,
+    decoder_hidden: Vec<DeviceDense<D>>,
+}
+
+enum DeviceEncoder<D: Device> {
+    Bert4rec(DeviceBert4Rec<D>),
+    Vaecf(DeviceVaeCf<D>),
+}
+
+/// A whole engine on a device.
+pub struct DeviceModel<D: Device> {
+    pub device: D,
+    engine: Arc<Engine>,
+    encoder: DeviceEncoder<D>,
+    output: DeviceOutputLayer<D>,
+}
+
+impl<D: Device> DeviceModel<D> {
+    /// Uploads every weight of `engine` to `device`. Refuses shapes the kernels do not take.
+    pub fn new(device: D, engine: Arc<Engine>) -> Result<Self> {
+        let encoder = match engine.model.view() {
+            ModelView::Bert4rec(view) => DeviceEncoder::Bert4rec(Self::bert4rec(&device, &view)?),
+            ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),
+        };
+        let OutputLayer { weight, bias } = engine.model.output();
+        let activation_scale = engine
+            .manifest
+            .output_activation_scale()
+            .map_err(GpuError::Invalid)?;
+        let output = DeviceOutputLayer::new(&device, weight, bias, activation_scale)?;
+        Ok(DeviceModel {
+            device,
+            engine,
+            encoder,
+            output,
+        })
+    }
+
+    fn bert4rec(device: &D, view: &Bert4RecView<'_>) -> Result<DeviceBert4Rec<D>> {
+        let config = view.model.config();
+        let head_dim = config.hidden_size / config.n_heads.max(1);
+        if head_dim == 0
+            || head_dim > MAX_HEAD_DIM
+            || head_dim * config.n_heads != config.hidden_size
+        {
+            return Err(GpuError::Invalid(format!(
+                "BERT4Rec with hidden size {} and {} heads: the GPU attention takes heads of 1..={MAX_HEAD_DIM}",
+                config.hidden_size, config.n_heads
+            )));
+        }
+        let dense = |l: &DenseLayer| DeviceDense::new(device, l);
+        let norm = |n: NormView<'_>| DeviceNorm::new(device, n);
+        Ok(DeviceBert4Rec {
+            item_embedding: upload_matrix(device, view.item_embedding)?,
+            position_embedding: device.upload_f32(view.position_embedding.as_slice())?,
+            embedding_norm: norm(view.embedding_norm)?,
+            layers: view
+                .layers
+                .iter()
+                .map(|l| {
+                    Ok(DeviceTransformerLayer {
+                        query: dense(l.query)?,
+                        key: dense(l.key)?,
+                        value: dense(l.value)?,
+                        attn_out: dense(l.attn_out)?,
+                        attn_norm: norm(l.attn_norm)?,
+                        ffn_in: dense(l.ffn_in)?,
+                        ffn_out: dense(l.ffn_out)?,
+                        ffn_norm: norm(l.ffn_norm)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            head_dense: dense(view.head_dense)?,
+            head_norm: norm(view.head_norm)?,
+            hidden: config.hidden_size as u32,
+            heads: config.n_heads as u32,
+            eps: config.layer_norm_eps,
+        })
+    }
+
+    fn vaecf(device: &D, view: &VaeCfView<'_>) -> Result<DeviceVaeCf<D>> {
+        Ok(DeviceVaeCf {
+            first_by_item: upload_matrix(device, view.first_by_item)?,
+            first_bias: device.upload_f32(view.first_bias.as_slice())?,
+            first_width: view.first_bias.len() as u32,
+            encoder_rest: view
+                .encoder_rest
+                .iter()
+                .map(|l| DeviceDense::new(device, l))
+                .collect::<Result<_>>()?,
+            decoder_hidden: view
+                .decoder_hidden
+                .iter()
+                .map(|l| DeviceDense::new(device, l))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// The hidden vectors `[B, d]` the output layer scores, left on the device.
+    pub fn encode(&self, histories: &[&[u32]]) -> Result<(D::F32, Vec<HistoryNote>)> {
+        match (&self.encoder, &self.engine.model) {
+            (DeviceEncoder::Bert4rec(m), Model::Bert4rec(model)) => {
+                self.encode_bert4rec(m, model, histories)
+            }
+            (DeviceEncoder::Vaecf(m), Model::Vaecf(model)) => {
+                self.encode_vaecf(m, model, histories)
+            }
+            _ => unreachable!("the device encoder is built from the engine's model"),
+        }
+    }
+
+    fn encode_bert4rec(
+        &self,
+        m: &DeviceBert4Rec<D>,
+        model: &Bert4Rec,
+        histories: &[&[u32]],
+    ) -> Result<(D::F32, Vec<HistoryNote>)> {
+        let d = &self.device;
+        let mut notes = Vec::with_capacity(histories.len());
+        let (mut items, mut positions) = (Vec::new(), Vec::new());
+        let mut seq_offsets = vec![0u32];
+        let mut mask_rows = Vec::with_capacity(histories.len());
+        for history in histories {
+            let (tokens, note) = model.model_input(history);
+            notes.push(note);
+            positions.extend(0..tokens.len() as u32);
+            items.extend(tokens);
+            seq_offsets.push(items.len() as u32);
+            mask_rows.push(items.len() as u32 - 1);
+        }
+        let (tokens, width) = (items.len() as u32, m.hidden);
+        let mut x = d.alloc_f32(items.len() * width as usize)?;
+        d.embed_tokens(
+            &m.item_embedding,
+            &d.upload_u32(&items)?,
+            &d.upload_u32(&positions)?,
+            &m.position_embedding,
+            &mut x,
+            tokens,
+            width,
+        )?;
+        let mut x = m.embedding_norm.apply(d, &x, None, tokens, width, m.eps)?;
+        let seq_offsets = d.upload_u32(&seq_offsets)?;
+        for layer in &m.layers {
+            let q = layer.query.forward(d, &x, tokens, Activation::None)?;
+            let k = layer.key.forward(d, &x, tokens, Activation::None)?;
+            let v = layer.value.forward(d, &x, tokens, Activation::None)?;
+            let mut context = d.alloc_f32(items.len() * width as usize)?;
+            d.attention(
+                &q,
+                &k,
+                &v,
+                &seq_offsets,
+                &mut context,
+                histories.len() as u32,
+                m.heads,
+                width / m.heads,
+            )?;
+            let projected = layer
+                .attn_out
+                .forward(d, &context, tokens, Activation::None)?;
+            let attended = layer
+                .attn_norm
+                .apply(d, &projected, Some(&x), tokens, width, m.eps)?;
+            let inner = layer
+                .ffn_in
+                .forward(d, &attended, tokens, Activation::Gelu)?;
+            let out = layer.ffn_out.forward(d, &inner, tokens, Activation::None)?;
+            x = layer
+                .ffn_norm
+                .apply(d, &out, Some(&attended), tokens, width, m.eps)?;
+        }
+        let rows = histories.len() as u32;
+        let mut masked = d.alloc_f32(histories.len() * width as usize)?;
+        d.gather_rows(&x, &d.upload_u32(&mask_rows)?, &mut masked, rows, width)?;
+        let head = m.head_dense.forward(d, &masked, rows, Activation::Gelu)?;
+        let hidden = m.head_norm.apply(d, &head, None, rows, width, m.eps)?;
+        Ok((hidden, notes))
+    }
+
+    fn encode_vaecf(
+        &self,
+        m: &DeviceVaeCf<D>,
+        model: &VaeCf,
+        histories: &[&[u32]],
+    ) -> Result<(D::F32, Vec<HistoryNote>)> {
+        let d = &self.device;
+        let (mut items, mut offsets, mut one) = (Vec::new(), vec![0u32], Vec::new());
+        for history in histories {
+            model.model_input_into(history, &mut one);
+            items.extend_from_slice(&one);
+            offsets.push(items.len() as u32);
+        }
+        let rows = histories.len() as u32;
+        let mut x = d.alloc_f32(histories.len() * m.first_width as usize)?;
+        d.embedding_bag(
+            &m.first_by_item,
+            &d.upload_u32(&items)?,
+            &d.upload_u32(&offsets)?,
+            &m.first_bias,
+            &mut x,
+            rows,
+            m.first_width,
+        )?;
+        let n_rest = m.encoder_rest.len();
+        for (i, layer) in m.encoder_rest.iter().enumerate() {
+            // tanh after every encoder layer but the one that yields mu.
+            let act = if i + 1 < n_rest {
+                Activation::Tanh
+            } else {
+                Activation::None
+            };
+            x = layer.forward(d, &x, rows, act)?;
+        }
+        for layer in &m.decoder_hidden {
+            x = layer.forward(d, &x, rows, Activation::Tanh)?;
+        }
+        Ok((x, vec![HistoryNote::default(); histories.len()]))
+    }
+
+    /// Each prepared request's top-k on the device: encoder, then fused score + top-k at the
+    /// batch's largest k, each row cut to its own.
+    pub fn recommend(&self, batch: &[InternalRequest]) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
+        let (hidden, notes) = self.encode(&histories)?;
+        let excluded: Vec<Vec<u32>> = batch.iter().map(recsys_engine::excluded_items).collect();
+        let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+        let k = batch.iter().map(|r| r.k).max().unwrap_or(1).max(1);
+        let ranked = self.output.top_k(&self.device, &hidden, k, &refs)?;
+        Ok(ranked
+            .into_iter()
+            .zip(batch)
+            .zip(notes)
+            .map(|((row, request), note)| {
+                let items = row
+                    .into_iter()
+                    .take(request.k)
+                    .map(|(index, score)| Scored { index, score })
+                    .collect();
+                (items, note)
+            })
+            .collect())
+    }
+}

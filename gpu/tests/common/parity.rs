@@ -1,0 +1,162 @@
+//! The device path against the CPU engine on the trained fixtures, for any [`Device`]: the
+//! emulated tests run it on the CPU build of the kernels, the GPU tests on a real device.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use recsys_engine::engine_dir::Precision;
+use recsys_engine::metrics::read_test_set;
+use recsys_engine::{convert, ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind};
+use recsys_gpu::device::Device;
+use recsys_gpu::model::DeviceModel;
+
+/// Largest |hidden vector difference| between the device encoder and the CPU engine's. Both run
+/// f32 with the same formulas but different summation orders, and the CPU's GELU and softmax use
+/// approximations accurate to ~1e-7; measured 2026-11-30 at most 3e-6 (see the test's output).
+const HIDDEN_ABS_TOL: f32 = 5e-5;
+/// The same for int8 engines, whose CPU dense layers quantize their inputs to int16 (measured at
+/// most 2.3e-4).
+const HIDDEN_ABS_TOL_INT8: f32 = 1e-3;
+/// Largest |score difference| of a top-k entry. fp32/fp16 inherit the hidden vectors' error
+/// through 64-600-wide dot products; int8 engines differ more because the CPU's int8 kernels
+/// quantize the hidden vector to int16 (weight-only) where the device multiplies in f32.
+const SCORE_ABS_TOL_FLOAT: f32 = 2e-4;
+const SCORE_ABS_TOL_INT8: f32 = 5e-3;
+
+pub fn fixtures() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures"))
+}
+
+pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
+    let model = fixtures().join(match kind {
+        ModelKind::Bert4rec => "bert4rec",
+        ModelKind::Vaecf => "multivae",
+    });
+    let config: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let w8a8 = matches!(precision, Precision::Int8) && dir.ends_with("w8a8");
+    let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    let calibration: Vec<Vec<String>> = cases.iter().take(64).map(|c| c.history.clone()).collect();
+    convert(&ConvertRequest {
+        kind,
+        checkpoint: &model.join("model.safetensors"),
+        config: Some(&config),
+        item_map: &model.join("item_id_map.tsv"),
+        out: dir,
+        precision,
+        calibration: w8a8.then_some((
+            &calibration[..],
+            recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
+        )),
+    })
+    .unwrap()
+}
+
+/// A ragged batch of fixture histories (with one empty and one over-long history), excluding
+/// what each has seen, asking for different k.
+pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
+    let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    let mut batch: Vec<InternalRequest> = cases
+        .iter()
+        .skip(100)
+        .take(users)
+        .enumerate()
+        .map(|(i, case)| {
+            let ids: Vec<&str> = case.history.iter().map(String::as_str).collect();
+            InternalRequest {
+                history: engine.ids.map(ExternalIds::Str(&ids)).indices,
+                exclude: vec![],
+                k: [10, 1, 100][i % 3],
+                exclude_seen: i % 4 != 3,
+            }
+        })
+        .collect();
+    batch.push(InternalRequest {
+        history: vec![],
+        exclude: vec![1, 2, 3],
+        k: 10,
+        exclude_seen: true,
+    });
+    let long: Vec<u32> = (1..=120).collect();
+    batch.push(InternalRequest {
+        history: long,
+        exclude: vec![],
+        k: 10,
+        exclude_seen: true,
+    });
+    batch
+}
+
+/// Converts the fixture of `kind` at `precision` (W8A8 when `sub` is "w8a8"), runs a ragged batch
+/// of `users` test histories on `device` and on the CPU engine, and asserts they agree.
+pub fn compare<D: Device>(
+    device: D,
+    kind: ModelKind,
+    precision: Precision,
+    sub: &str,
+    users: usize,
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join(sub);
+    let engine = Arc::new(engine(kind, precision, &dir));
+    let device = DeviceModel::new(device, Arc::clone(&engine)).unwrap();
+    let requests = batch(&engine, users);
+
+    let histories: Vec<&[u32]> = requests.iter().map(|r| r.history.as_slice()).collect();
+    let (cpu_hidden, cpu_notes) = engine.model.encode(&histories);
+    let (dev_hidden, dev_notes) = device.encode(&histories).unwrap();
+    let dev_hidden = device.device.download_f32(&dev_hidden).unwrap();
+    assert_eq!(cpu_notes, dev_notes);
+    let hidden_err = cpu_hidden
+        .iter()
+        .zip(&dev_hidden)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+
+    let cpu = engine.recommend_internal(&requests);
+    let dev = device.recommend(&requests).unwrap();
+    let tol = match precision {
+        Precision::Int8 => SCORE_ABS_TOL_INT8,
+        _ => SCORE_ABS_TOL_FLOAT,
+    };
+    let (mut score_err, mut same_ids, mut entries) = (0f32, 0usize, 0usize);
+    for (r, ((c, cn), (d, dn))) in cpu.iter().zip(&dev).enumerate() {
+        assert_eq!(cn, dn, "{sub} row {r}: notes");
+        assert_eq!(c.len(), d.len(), "{sub} row {r}: lengths");
+        for (pos, (x, y)) in c.iter().zip(d).enumerate() {
+            score_err = score_err.max((x.score - y.score).abs());
+            assert!(
+                (x.score - y.score).abs() <= tol,
+                "{sub} row {r} rank {pos}: {x:?} vs {y:?}"
+            );
+            entries += 1;
+            if x.index == y.index {
+                same_ids += 1;
+            } else {
+                // Only a near-tie may swap: the device's item must hold a CPU score this close.
+                let tie = c
+                    .iter()
+                    .any(|o| o.index == y.index && (o.score - x.score).abs() <= 2.0 * tol);
+                assert!(tie, "{sub} row {r} rank {pos}: {x:?} vs {y:?}");
+            }
+        }
+    }
+    println!(
+        "{sub}: {} histories, hidden max |diff| {hidden_err:.2e}, top-k max |score diff| \
+         {score_err:.2e}, same item at {same_ids}/{entries} ranks",
+        requests.len()
+    );
+    let hidden_tol = match precision {
+        Precision::Int8 => HIDDEN_ABS_TOL_INT8,
+        _ => HIDDEN_ABS_TOL,
+    };
+    assert!(hidden_err <= hidden_tol, "{sub}: hidden {hidden_err}");
+    // W8A8 rounds each hidden value to a level of its scale, so a 1e-4 difference can move a
+    // value to the next level and reorder near-ties; the others must agree almost everywhere.
+    let min_same = if sub == "w8a8" { 95 } else { 99 };
+    assert!(
+        same_ids * 100 >= entries * min_same,
+        "{sub}: {same_ids}/{entries}"
+    );
+}

@@ -1,0 +1,593 @@
+//! [`EmulatedDevice`]: the [`Device`] whose kernels are `kernels/*.cu` compiled as host C++ in
+//! front of `emulator/cuda_emulation.hpp` (every CUDA thread a fiber; barriers and warp
+//! primitives are scheduling points; divergent barriers are reported). Buffers are host vectors.
+//! Beyond what a GPU checks, every launch asserts that its buffers are as large as the kernel
+//! will index and that it wrote every slot of its output (outputs start poisoned).
+//!
+//! Needs a C++17 compiler (`c++`, or the one named by RECSYS_CXX).
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::ffi::{c_char, CStr};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use libloading::{Library, Symbol};
+use recsys_gpu::device::{Activation, Device, DeviceMatrix};
+use recsys_gpu::{Result, Stage1Launch, ENCODER_SOURCE, SOURCE, TILE};
+
+/// What an alloc'd f32 / u32 output holds until a kernel writes it.
+const POISON_U32: u32 = 0xDEAD_BEEF;
+
+/// The host build of the kernels, compiled once per test process.
+pub fn library() -> &'static Library {
+    static LIBRARY: OnceLock<Library> = OnceLock::new();
+    LIBRARY.get_or_init(|| {
+        // The sources the CUDA path compiles are the ones built here.
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        for (file, embedded) in [("fused_topk.cu", SOURCE), ("encoders.cu", ENCODER_SOURCE)] {
+            let on_disk = std::fs::read_to_string(root.join("kernels").join(file)).unwrap();
+            assert_eq!(
+                on_disk, embedded,
+                "{file} changed since this test was built"
+            );
+        }
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("recsys_cuda_emulation_{}.so", std::process::id()));
+        let cxx = std::env::var("RECSYS_CXX").unwrap_or_else(|_| "c++".into());
+        let run = Command::new(&cxx)
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-g",
+                "-Wall",
+                "-Werror",
+                "-Wno-unknown-pragmas",
+            ])
+            .args(["-fPIC", "-shared", "-o"])
+            .arg(&out)
+            .arg(root.join("emulator/kernels.cpp"))
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run the C++ compiler {cxx:?} ({e}); set RECSYS_CXX")
+            });
+        assert!(
+            run.status.success(),
+            "the kernels do not compile as host C++:\n{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        // SAFETY: the library is ours, built just above; its initialisers only set up C++ globals.
+        let library = unsafe { Library::new(&out) }.expect("loading the emulated kernels");
+        // Mapped now; the file itself is not needed and would pile up run after run.
+        let _ = std::fs::remove_file(&out);
+        library
+    })
+}
+
+pub fn symbol<T>(name: &str) -> Symbol<'static, T> {
+    // SAFETY: each name is looked up with the signature of its definition in emulator/kernels.cpp
+    // (the aliases below).
+    unsafe { library().get(name.as_bytes()) }
+        .unwrap_or_else(|e| panic!("symbol {name} of the emulated kernels: {e}"))
+}
+
+/// The message of this thread's last failed launch.
+pub fn last_failure() -> String {
+    let failure: Symbol<unsafe extern "C" fn() -> *const c_char> = symbol("recsys_emu_failure");
+    // SAFETY: a NUL-terminated string owned by the library, valid until this thread's next launch.
+    unsafe { CStr::from_ptr(failure()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+pub fn check(status: i32) {
+    if status != 0 {
+        panic!("emulated launch failed: {}", last_failure());
+    }
+}
+
+fn assert_len<T>(buffer: &[T], needed: usize, what: &str) {
+    assert!(
+        buffer.len() >= needed,
+        "{what}: buffer of {} for {needed} values",
+        buffer.len()
+    );
+}
+
+fn assert_written(out: &[f32], what: &str) {
+    assert!(
+        out.iter().all(|v| !v.is_nan()),
+        "{what} left output slots unwritten"
+    );
+}
+
+/// Runs the kernels on this thread, on host memory.
+pub struct EmulatedDevice;
+
+type P<T> = *const T;
+type M<T> = *mut T;
+/// embed_tokens_* / embedding_bag_* entry points: blocks, table, four buffers, width.
+type TableEntry<T> = unsafe extern "C" fn(u32, P<T>, P<u32>, P<u32>, P<f32>, M<f32>, u32) -> i32;
+/// The int8 variants, with the table's row scales.
+type TableEntryI8 =
+    unsafe extern "C" fn(u32, P<i8>, P<f32>, P<u32>, P<u32>, P<f32>, M<f32>, u32) -> i32;
+
+impl Device for EmulatedDevice {
+    type F32 = Vec<f32>;
+    type U32 = Vec<u32>;
+    type U16 = Vec<u16>;
+    type I8 = Vec<i8>;
+
+    fn upload_f32(&self, values: &[f32]) -> Result<Vec<f32>> {
+        Ok(values.to_vec())
+    }
+    fn upload_u32(&self, values: &[u32]) -> Result<Vec<u32>> {
+        Ok(values.to_vec())
+    }
+    fn upload_u16(&self, values: &[u16]) -> Result<Vec<u16>> {
+        Ok(values.to_vec())
+    }
+    fn upload_i8(&self, values: &[i8]) -> Result<Vec<i8>> {
+        Ok(values.to_vec())
+    }
+    fn alloc_f32(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![f32::NAN; len])
+    }
+    fn alloc_u32(&self, len: usize) -> Result<Vec<u32>> {
+        Ok(vec![POISON_U32; len])
+    }
+    fn download_f32(&self, buffer: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(buffer.clone())
+    }
+    fn download_u32(&self, buffer: &Vec<u32>) -> Result<Vec<u32>> {
+        Ok(buffer.clone())
+    }
+
+    fn score_tile_topk(
+        &self,
+        launch: &Stage1Launch,
+        hidden: &Vec<f32>,
+        weights: &DeviceMatrix<Self>,
+        activation_scale: f32,
+        bias: &Vec<f32>,
+        exclude_offsets: &Vec<u32>,
+        exclude_ids: &Vec<u32>,
+        batch: u32,
+        n_items: u32,
+        dim: u32,
+        out_scores: &mut Vec<f32>,
+        out_index: &mut Vec<u32>,
+    ) -> Result<()> {
+        let (b, n, d) = (batch as usize, n_items as usize, dim as usize);
+        assert_len(hidden, b * d, "hidden");
+        assert_len(bias, n, "bias");
+        assert_len(exclude_offsets, b + 1, "exclusion offsets");
+        assert_len(exclude_ids, exclude_offsets[b] as usize, "exclusions");
+        let out = b * launch.tiles as usize * launch.keep as usize;
+        assert_len(out_scores, out, "stage-1 scores");
+        assert_len(out_index, out, "stage-1 indices");
+        assert!(launch.groups * launch.rows_per_block >= batch);
+        let (gx, gy, sh) = (launch.tiles, launch.groups, launch.shared_bytes);
+        let (rpb, keep) = (launch.rows_per_block, launch.keep);
+        let (os, oi) = (out_scores.as_mut_ptr(), out_index.as_mut_ptr());
+        let (eo, ei) = (exclude_offsets.as_ptr(), exclude_ids.as_ptr());
+        // SAFETY (each arm): the arguments match the entry point's C signature in
+        // emulator/kernels.cpp, and every buffer was checked above to be as large as the kernel
+        // indexes it.
+        let status = match weights {
+            DeviceMatrix::F32(w) => unsafe {
+                assert_len(w, n * d, "weights");
+                type F = unsafe extern "C" fn(
+                    u32,
+                    u32,
+                    u32,
+                    P<f32>,
+                    P<f32>,
+                    P<f32>,
+                    P<u32>,
+                    P<u32>,
+                    u32,
+                    u32,
+                    u32,
+                    u32,
+                    u32,
+                    M<f32>,
+                    M<u32>,
+                ) -> i32;
+                symbol::<F>("recsys_emu_score_tile_topk_f32")(
+                    gx,
+                    gy,
+                    sh,
+                    hidden.as_ptr(),
+                    w.as_ptr(),
+                    bias.as_ptr(),
+                    eo,
+                    ei,
+                    batch,
+                    rpb,
+                    n_items,
+                    dim,
+                    keep,
+                    os,
+                    oi,
+                )
+            },
+            DeviceMatrix::F16(w) => unsafe {
+                assert_len(w, n * d, "weights");
+                type F = unsafe extern "C" fn(
+                    u32,
+                    u32,
+                    u32,
+                    P<f32>,
+                    P<u16>,
+                    P<f32>,
+                    P<u32>,
+                    P<u32>,
+                    u32,
+                    u32,
+                    u32,
+                    u32,
+                    u32,
+                    M<f32>,
+                    M<u32>,
+                ) -> i32;
+                symbol::<F>("recsys_emu_score_tile_topk_f16")(
+                    gx,
+                    gy,
+                    sh,
+                    hidden.as_ptr(),
+                    w.as_ptr(),
+                    bias.as_ptr(),
+                    eo,
+                    ei,
+                    batch,
+                    rpb,
+                    n_items,
+                    dim,
+                    keep,
+                    os,
+                    oi,
+                )
+            },
+            DeviceMatrix::I8 { q, scales } => unsafe {
+                assert_len(q, n * d, "weights");
+                assert_len(scales, n, "row scales");
+                type F = unsafe extern "C" fn(
+                    u32,
+                    u32,
+                    u32,
+                    P<f32>,
+                    P<i8>,
+                    P<f32>,
+                    f32,
+                    P<f32>,
+                    P<u32>,
+                    P<u32>,
+                    u32,
+                    u32,
+                    u32,
+                    u32,
+                    u32,
+                    M<f32>,
+                    M<u32>,
+                ) -> i32;
+                symbol::<F>("recsys_emu_score_tile_topk_i8")(
+                    gx,
+                    gy,
+                    sh,
+                    hidden.as_ptr(),
+                    q.as_ptr(),
+                    scales.as_ptr(),
+                    activation_scale,
+                    bias.as_ptr(),
+                    eo,
+                    ei,
+                    batch,
+                    rpb,
+                    n_items,
+                    dim,
+                    keep,
+                    os,
+                    oi,
+                )
+            },
+        };
+        check(status);
+        assert_written(&out_scores[..out], "stage 1");
+        assert!(
+            out_index[..out].iter().all(|&i| i != POISON_U32),
+            "stage 1 left indices unwritten"
+        );
+        Ok(())
+    }
+
+    fn merge_topk(
+        &self,
+        rows: u32,
+        in_scores: &Vec<f32>,
+        in_index: &Vec<u32>,
+        count: u32,
+        keep: u32,
+        out_scores: &mut Vec<f32>,
+        out_index: &mut Vec<u32>,
+    ) -> Result<()> {
+        let blocks = (count as usize).div_ceil(TILE);
+        let (r, c) = (rows as usize, count as usize);
+        assert_len(in_scores, r * c, "merge input");
+        assert_len(in_index, r * c, "merge input");
+        let out = r * blocks * keep as usize;
+        assert_len(out_scores, out, "merge output");
+        assert_len(out_index, out, "merge output");
+        type F = unsafe extern "C" fn(u32, u32, P<f32>, P<u32>, u32, u32, M<f32>, M<u32>) -> i32;
+        // SAFETY: the signature of recsys_emu_merge_topk; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_merge_topk")(
+                blocks as u32,
+                rows,
+                in_scores.as_ptr(),
+                in_index.as_ptr(),
+                count,
+                keep,
+                out_scores.as_mut_ptr(),
+                out_index.as_mut_ptr(),
+            )
+        });
+        assert_written(&out_scores[..out], "a merge pass");
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        bias: &Vec<f32>,
+        y: &mut Vec<f32>,
+        m: u32,
+        n: u32,
+        k: u32,
+        activation: Activation,
+    ) -> Result<()> {
+        let (mu, nu, ku) = (m as usize, n as usize, k as usize);
+        assert_len(x, mu * ku, "dense input");
+        assert_len(weight, nu * ku, "dense weight");
+        assert_len(bias, nu, "dense bias");
+        assert_len(y, mu * nu, "dense output");
+        type F = unsafe extern "C" fn(
+            u32,
+            u32,
+            P<f32>,
+            P<f32>,
+            P<f32>,
+            M<f32>,
+            u32,
+            u32,
+            u32,
+            u32,
+        ) -> i32;
+        // SAFETY: the signature of recsys_emu_linear_f32; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_linear_f32")(
+                n.div_ceil(16),
+                m.div_ceil(16),
+                x.as_ptr(),
+                weight.as_ptr(),
+                bias.as_ptr(),
+                y.as_mut_ptr(),
+                m,
+                n,
+                k,
+                activation as u32,
+            )
+        });
+        assert_written(&y[..mu * nu], "linear_f32");
+        Ok(())
+    }
+
+    fn add_layer_norm(
+        &self,
+        x: &Vec<f32>,
+        residual: Option<&Vec<f32>>,
+        gamma: &Vec<f32>,
+        beta: &Vec<f32>,
+        y: &mut Vec<f32>,
+        rows: u32,
+        width: u32,
+        eps: f64,
+    ) -> Result<()> {
+        let size = rows as usize * width as usize;
+        assert_len(x, size, "norm input");
+        if let Some(r) = residual {
+            assert_len(r, size, "residual");
+        }
+        assert_len(gamma, width as usize, "gamma");
+        assert_len(beta, width as usize, "beta");
+        assert_len(y, size, "norm output");
+        type F = unsafe extern "C" fn(u32, P<f32>, P<f32>, P<f32>, P<f32>, M<f32>, u32, f64) -> i32;
+        // SAFETY: the signature of recsys_emu_add_layer_norm; buffer sizes checked above; a
+        // missing residual is a null pointer, as the kernel expects.
+        check(unsafe {
+            symbol::<F>("recsys_emu_add_layer_norm")(
+                rows,
+                x.as_ptr(),
+                residual.map_or(std::ptr::null(), |r| r.as_ptr()),
+                gamma.as_ptr(),
+                beta.as_ptr(),
+                y.as_mut_ptr(),
+                width,
+                eps,
+            )
+        });
+        assert_written(&y[..size], "add_layer_norm");
+        Ok(())
+    }
+
+    fn embed_tokens(
+        &self,
+        table: &DeviceMatrix<Self>,
+        items: &Vec<u32>,
+        positions: &Vec<u32>,
+        position_table: &Vec<f32>,
+        x: &mut Vec<f32>,
+        tokens: u32,
+        width: u32,
+    ) -> Result<()> {
+        let (t, w) = (tokens as usize, width as usize);
+        assert_len(items, t, "token items");
+        assert_len(positions, t, "token positions");
+        let rows = items[..t].iter().max().map_or(0, |&m| m as usize + 1);
+        let positions_used = positions[..t].iter().max().map_or(0, |&m| m as usize + 1);
+        assert_len(position_table, positions_used * w, "position table");
+        assert_len(x, t * w, "embeddings");
+        let tail = (
+            items.as_ptr(),
+            positions.as_ptr(),
+            position_table.as_ptr(),
+            x.as_mut_ptr(),
+        );
+        type Tail = (P<u32>, P<u32>, P<f32>, M<f32>);
+        // SAFETY (each arm): the signatures of recsys_emu_embed_tokens_*; every token's row is
+        // checked to exist in the table.
+        let status = match table {
+            DeviceMatrix::F32(tab) => unsafe {
+                assert_len(tab, rows * w, "item table");
+                let f = symbol::<TableEntry<f32>>("recsys_emu_embed_tokens_f32");
+                let (a, b, c, d): Tail = tail;
+                f(tokens, tab.as_ptr(), a, b, c, d, width)
+            },
+            DeviceMatrix::F16(tab) => unsafe {
+                assert_len(tab, rows * w, "item table");
+                let f = symbol::<TableEntry<u16>>("recsys_emu_embed_tokens_f16");
+                let (a, b, c, d): Tail = tail;
+                f(tokens, tab.as_ptr(), a, b, c, d, width)
+            },
+            DeviceMatrix::I8 { q, scales } => unsafe {
+                assert_len(q, rows * w, "item table");
+                assert_len(scales, rows, "item scales");
+                let f = symbol::<TableEntryI8>("recsys_emu_embed_tokens_i8");
+                let (a, b, c, d): Tail = tail;
+                f(tokens, q.as_ptr(), scales.as_ptr(), a, b, c, d, width)
+            },
+        };
+        check(status);
+        assert_written(&x[..t * w], "embed_tokens");
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        seq_offsets: &Vec<u32>,
+        out: &mut Vec<f32>,
+        sequences: u32,
+        heads: u32,
+        head_dim: u32,
+    ) -> Result<()> {
+        let width = heads * head_dim;
+        assert_len(seq_offsets, sequences as usize + 1, "sequence offsets");
+        let tokens = seq_offsets[sequences as usize] as usize;
+        for buffer in [q, k, v] {
+            assert_len(buffer, tokens * width as usize, "q/k/v");
+        }
+        assert_len(out, tokens * width as usize, "attention output");
+        type F =
+            unsafe extern "C" fn(u32, u32, P<f32>, P<f32>, P<f32>, P<u32>, M<f32>, u32, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_attention; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_attention")(
+                sequences,
+                heads,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                seq_offsets.as_ptr(),
+                out.as_mut_ptr(),
+                head_dim,
+                width,
+            )
+        });
+        assert_written(&out[..tokens * width as usize], "attention");
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        src: &Vec<f32>,
+        rows: &Vec<u32>,
+        dst: &mut Vec<f32>,
+        count: u32,
+        width: u32,
+    ) -> Result<()> {
+        let (c, w) = (count as usize, width as usize);
+        assert_len(rows, c, "row numbers");
+        let needed = rows[..c].iter().max().map_or(0, |&m| m as usize + 1);
+        assert_len(src, needed * w, "gather source");
+        assert_len(dst, c * w, "gather output");
+        type F = unsafe extern "C" fn(u32, P<f32>, P<u32>, M<f32>, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_gather_rows; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_gather_rows")(
+                count,
+                src.as_ptr(),
+                rows.as_ptr(),
+                dst.as_mut_ptr(),
+                width,
+            )
+        });
+        assert_written(&dst[..c * w], "gather_rows");
+        Ok(())
+    }
+
+    fn embedding_bag(
+        &self,
+        table: &DeviceMatrix<Self>,
+        items: &Vec<u32>,
+        offsets: &Vec<u32>,
+        bias: &Vec<f32>,
+        y: &mut Vec<f32>,
+        rows: u32,
+        width: u32,
+    ) -> Result<()> {
+        let (r, w) = (rows as usize, width as usize);
+        assert_len(offsets, r + 1, "bag offsets");
+        let used = offsets[r] as usize;
+        assert_len(items, used, "bag items");
+        let table_rows = items[..used].iter().max().map_or(0, |&m| m as usize + 1);
+        assert_len(bias, w, "first-layer bias");
+        assert_len(y, r * w, "first-layer output");
+        let tail = (
+            items.as_ptr(),
+            offsets.as_ptr(),
+            bias.as_ptr(),
+            y.as_mut_ptr(),
+        );
+        type Tail = (P<u32>, P<u32>, P<f32>, M<f32>);
+        // SAFETY (each arm): the signatures of recsys_emu_embedding_bag_*; every item's row is
+        // checked to exist in the table.
+        let status = match table {
+            DeviceMatrix::F32(tab) => unsafe {
+                assert_len(tab, table_rows * w, "first-layer table");
+                let f = symbol::<TableEntry<f32>>("recsys_emu_embedding_bag_f32");
+                let (a, b, c, d): Tail = tail;
+                f(rows, tab.as_ptr(), a, b, c, d, width)
+            },
+            DeviceMatrix::F16(tab) => unsafe {
+                assert_len(tab, table_rows * w, "first-layer table");
+                let f = symbol::<TableEntry<u16>>("recsys_emu_embedding_bag_f16");
+                let (a, b, c, d): Tail = tail;
+                f(rows, tab.as_ptr(), a, b, c, d, width)
+            },
+            DeviceMatrix::I8 { q, scales } => unsafe {
+                assert_len(q, table_rows * w, "first-layer table");
+                assert_len(scales, table_rows, "first-layer scales");
+                let f = symbol::<TableEntryI8>("recsys_emu_embedding_bag_i8");
+                let (a, b, c, d): Tail = tail;
+                f(rows, q.as_ptr(), scales.as_ptr(), a, b, c, d, width)
+            },
+        };
+        check(status);
+        assert_written(&y[..r * w], "embedding_bag");
+        Ok(())
+    }
+}
