@@ -18,6 +18,11 @@
 #define TILE 2048
 #define THREADS 256
 #define MAX_ROWS 4
+#define WARPS (THREADS / 32)
+// Up to this k, a tile's candidates are chosen by warp-level selection; above it, by sorting.
+#define WARP_SELECT_MAX 32
+// Tile entries each lane holds during warp selection (a warp covers TILE / WARPS entries).
+#define PER_LANE (TILE / THREADS)
 #define NONE_INDEX 0xFFFFFFFFu
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -71,15 +76,108 @@ __device__ void sort_tile(float* scores, u32* index) {
     }
 }
 
+// The best (score, index) of the warp, in every lane: butterfly reduction over the lanes' own.
+__device__ __forceinline__ void warp_best(float& score, u32& index) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other_score = __shfl_xor_sync(0xFFFFFFFFu, score, offset);
+        const u32 other_index = __shfl_xor_sync(0xFFFFFFFFu, index, offset);
+        if (ranks_before(other_score, other_index, score, index)) {
+            score = other_score;
+            index = other_index;
+        }
+    }
+}
+
+// Takes the warp's `count` best of the PER_LANE entries each lane holds, best first: the warp
+// agrees on its best, the lane holding it drops it, `count` times. Lane 0 writes them to
+// out_scores/out_index[0..count). Indices are unique except NONE_INDEX (-inf padding), which is
+// never dropped and so repeats once the real entries run out.
+__device__ __forceinline__ void warp_take_best(float (&scores)[PER_LANE], u32 (&index)[PER_LANE],
+                                               u32 count, float* out_scores, u32* out_index) {
+    const u32 lane = threadIdx.x % 32;
+    for (u32 n = 0; n < count; ++n) {
+        float best = scores[0];
+        u32 best_index = index[0];
+        _Pragma("unroll") for (u32 j = 1; j < PER_LANE; ++j) {
+            if (ranks_before(scores[j], index[j], best, best_index)) {
+                best = scores[j];
+                best_index = index[j];
+            }
+        }
+        warp_best(best, best_index);
+        _Pragma("unroll") for (u32 j = 0; j < PER_LANE; ++j) {
+            if (best_index != NONE_INDEX && index[j] == best_index) {
+                scores[j] = NEG_INF;
+                index[j] = NONE_INDEX;
+            }
+        }
+        if (lane == 0) {
+            out_scores[n] = best;
+            out_index[n] = best_index;
+        }
+    }
+}
+
+// Shared scratch of the selection: the sort's index array, or the warps' candidates.
+union SelectScratch {
+    u32 index[TILE];
+    struct {
+        float scores[WARPS * WARP_SELECT_MAX];
+        u32 index[WARPS * WARP_SELECT_MAX];
+    } candidates;
+};
+
+// Writes the best `keep` of TILE entries in shared memory (scores; their indices are `index` or,
+// when it is null, tile_start + position, NONE_INDEX for -inf) to out_scores/out_index, best first.
+// keep <= WARP_SELECT_MAX: each warp selects its slice's best `keep` into shared memory, then
+// warp 0 selects the block's best from those (no sort, 2 barriers). Larger keep: bitonic sort of
+// the whole tile in place (so `scores` is reordered). Every thread of the block must call it.
+__device__ void select_tile(float* scores, const u32* index, u32 tile_start, u32 keep,
+                            SelectScratch& scratch, float* out_scores, u32* out_index) {
+    if (keep <= WARP_SELECT_MAX) {
+        const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        float mine[PER_LANE];
+        u32 ids[PER_LANE];
+        _Pragma("unroll") for (u32 j = 0; j < PER_LANE; ++j) {
+            const u32 pos = warp * (TILE / WARPS) + j * 32 + lane;
+            mine[j] = scores[pos];
+            ids[j] = index ? index[pos] : (mine[j] == NEG_INF ? NONE_INDEX : tile_start + pos);
+        }
+        warp_take_best(mine, ids, keep, scratch.candidates.scores + warp * WARP_SELECT_MAX,
+                       scratch.candidates.index + warp * WARP_SELECT_MAX);
+        __syncthreads();
+        if (warp == 0) {
+            _Pragma("unroll") for (u32 j = 0; j < PER_LANE; ++j) {
+                const u32 c = j * 32 + lane;  // WARPS * WARP_SELECT_MAX == THREADS slots
+                const bool valid = c % WARP_SELECT_MAX < keep;
+                mine[j] = valid ? scratch.candidates.scores[c] : NEG_INF;
+                ids[j] = valid ? scratch.candidates.index[c] : NONE_INDEX;
+            }
+            warp_take_best(mine, ids, keep, out_scores, out_index);
+        }
+        __syncthreads();
+        return;
+    }
+    for (u32 t = threadIdx.x; t < TILE; t += THREADS)
+        scratch.index[t] = index ? index[t] : (scores[t] == NEG_INF ? NONE_INDEX : tile_start + t);
+    __syncthreads();
+    sort_tile(scores, scratch.index);
+    for (u32 i = threadIdx.x; i < keep; i += THREADS) {
+        out_scores[i] = scores[i];
+        out_index[i] = scratch.index[i];
+    }
+    __syncthreads();
+}
+
 // The body shared by the three weight types; WEIGHT(item, col) reads one weight as float.
 // Block (tile, group) scores TILE items for up to MAX_ROWS rows of the batch, so each weight row
 // is read once per group of rows instead of once per row: one thread per item, the group's hidden
-// vectors in shared memory (read as broadcasts). Then, one row at a time, the tile's scores are
-// sorted in place and the best `keep` leave the chip.
+// vectors in shared memory (read as broadcasts). Then, one row at a time, the tile's best `keep`
+// are selected on chip (select_tile) and only they leave it.
 #define SCORE_TILE_BODY(WEIGHT)                                                                   \
     RECSYS_DYNAMIC_SHARED(float, group_hidden);                                                   \
     __shared__ float tile_scores[MAX_ROWS * TILE];                                                \
-    __shared__ u32 tile_index[TILE];                                                              \
+    __shared__ SelectScratch scratch;                                                             \
     const u32 row0 = blockIdx.y * rows_per_block;                                                 \
     const u32 rows = min(rows_per_block, batch - row0);                                           \
     const u32 tile_start = blockIdx.x * TILE;                                                     \
@@ -106,18 +204,11 @@ __device__ void sort_tile(float* scores, u32* index) {
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
+    __syncthreads();                                                                              \
     for (u32 r = 0; r < rows; ++r) {                                                              \
-        float* row_scores = tile_scores + r * TILE;                                               \
-        for (u32 t = threadIdx.x; t < TILE; t += THREADS)                                         \
-            tile_index[t] = row_scores[t] == NEG_INF ? NONE_INDEX : tile_start + t;               \
-        __syncthreads();                                                                          \
-        sort_tile(row_scores, tile_index);                                                        \
         const size_t out = ((size_t)(row0 + r) * gridDim.x + blockIdx.x) * keep;                  \
-        for (u32 i = threadIdx.x; i < keep; i += THREADS) {                                       \
-            out_scores[out + i] = row_scores[i];                                                  \
-            out_index[out + i] = tile_index[i];                                                   \
-        }                                                                                         \
-        __syncthreads();                                                                          \
+        select_tile(tile_scores + r * TILE, nullptr, tile_start, keep, scratch, out_scores + out,  \
+                    out_index + out);                                                             \
     }
 
 extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f32(
@@ -170,13 +261,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_i8(
 #undef LOAD_HIDDEN
 }
 
-// One merge pass: block (chunk, row) sorts TILE of the row's `count` candidates (padding -inf) and
-// writes its best `keep` to out[row][chunk].
+// One merge pass: block (chunk, row) selects the best `keep` of TILE of the row's `count`
+// candidates (padding -inf) and writes them to out[row][chunk].
 extern "C" __global__ void __launch_bounds__(THREADS) merge_topk(
     const float* __restrict__ in_scores, const u32* __restrict__ in_index, u32 count, u32 keep,
     float* __restrict__ out_scores, u32* __restrict__ out_index) {
     __shared__ float tile_scores[TILE];
     __shared__ u32 tile_index[TILE];
+    __shared__ SelectScratch scratch;
     const u32 row = blockIdx.y;
     const u32 start = blockIdx.x * TILE;
     for (u32 i = threadIdx.x; i < TILE; i += THREADS) {
@@ -186,10 +278,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) merge_topk(
         tile_index[i] = valid ? in_index[(size_t)row * count + src] : NONE_INDEX;
     }
     __syncthreads();
-    sort_tile(tile_scores, tile_index);
     const size_t out = ((size_t)row * gridDim.x + blockIdx.x) * keep;
-    for (u32 i = threadIdx.x; i < keep; i += THREADS) {
-        out_scores[out + i] = tile_scores[i];
-        out_index[out + i] = tile_index[i];
-    }
+    select_tile(tile_scores, tile_index, 0, keep, scratch, out_scores + out, out_index + out);
 }

@@ -126,6 +126,25 @@ fn small_catalogues_and_heavy_exclusions_return_what_qualifies() {
 }
 
 #[test]
+fn exact_ties_go_to_the_lower_index_in_both_selection_paths() {
+    // Zero weights: every score is its bias, drawn from four values, so most items tie exactly.
+    let mut rng = Rng(0x5EED_0007);
+    let n = 5000;
+    let w = Matrix::F32(Tensor::from_vec(vec![n, 8], vec![0.0; n * 8]));
+    let bias: Vec<f32> = (0..n).map(|_| (rng.next() % 4) as f32 * 0.25).collect();
+    let hidden: Vec<f32> = (0..2 * 8).map(|_| rng.uniform()).collect();
+    let excluded = exclusions(2, n, 30, &mut rng);
+    // k = 32 takes the warp path at its limit; k = 33 and 500 the sort.
+    for k in [1, 7, 32, 33, 500] {
+        let got = emulated_topk(&w, &bias, &hidden, k, &excluded);
+        for r in 0..2 {
+            let want = reference(&w, &bias, &hidden[r * 8..(r + 1) * 8], k, &excluded[r]);
+            assert_eq!(got[r], want, "k={k} row {r}");
+        }
+    }
+}
+
+#[test]
 fn w8a8_quantizes_the_hidden_vector_with_the_static_scale() {
     let mut rng = Rng(0x5EED_0006);
     let (n, d, scale) = (300usize, 32usize, 0.02f32);
