@@ -4,8 +4,11 @@
 #   1. builds recsys-gpu with the `cuda` feature;
 #   2. runs its whole test suite including the device tests (every kernel against an f64 reference on
 #      fresh random inputs: fp32/fp16/int8 weights, N at/around the tile size and 100,003, k = 1, 10,
-#      100, 1024, batch 1/7/64, random exclusions) and the NVRTC + ptxas spill check;
-#   3. times the fused kernel against torch.matmul + torch.topk on the same data (N = 1e6, d = 64,
+#      100, 1024, batch 1/7/64, random exclusions; both trained fixtures as whole models on the GPU
+#      against the CPU engine at fp32/fp16/int8/W8A8), the emulated tests and the NVRTC + ptxas
+#      spill check;
+#   3. times whole models on the GPU against the CPU engine (fixtures, batch 1 and 64, top-10), and
+#      the fused kernel against torch.matmul + torch.topk on the same data (N = 1e6, d = 64,
 #      k = 100, batch 1 and 64, fp32 and fp16) and prints achieved bandwidth against measured copy
 #      bandwidth. Copy the printed table into docs/BENCHMARKS.md with the date and GPU.
 #   scripts/gpu-check.sh [OUT_DIR]
@@ -23,5 +26,7 @@ echo "==> CUDA test suite (device tests included)"
 cargo test --release -p recsys-gpu --features cuda -- --include-ignored --nocapture 2>&1 | tee "$out/tests.log"
 echo "==> fused kernel timing"
 cargo run --release -q -p recsys-gpu --features cuda --example gpu_bench -- "$out" | tee "$out/fused.json"
+echo "==> whole models: GPU (encoder + fused top-k) against the CPU engine, same process"
+cargo run --release -q -p recsys-gpu --features cuda --example gpu_model_bench | tee "$out/models.json"
 echo "==> torch.matmul + torch.topk on the same data"
 python3 scripts/gpu_bench_torch.py "$out" | tee "$out/table.md"

@@ -16,6 +16,15 @@ count() {
 }
 
 ./scripts/python-env.sh
+# The CUDA emulation tests compile the kernel sources as host C++.
+if ! command -v "${RECSYS_CXX:-c++}" >/dev/null; then
+  if [[ $(id -u) -eq 0 ]]; then
+    apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+  else
+    echo "error: the CUDA emulation tests need a C++17 compiler: sudo apt-get install g++ (or set RECSYS_CXX)" >&2
+    exit 1
+  fi
+fi
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check

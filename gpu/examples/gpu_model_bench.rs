@@ -1,0 +1,105 @@
+//! Times whole models on the GPU (encoder and fused score + top-k, `DeviceModel` on CUDA) against
+//! the CPU engine in the same process, on the trained fixtures (fp32 and fp16 engines), for
+//! batches of 1 and 64 test histories with top-10 and the history excluded; checks that both
+//! return the same top-10. Prints one JSON object. Run by scripts/gpu-check.sh on a GPU machine.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use recsys_engine::engine_dir::Precision;
+use recsys_engine::metrics::read_test_set;
+use recsys_engine::{convert, ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind};
+use recsys_gpu::cuda::CudaDevice;
+use recsys_gpu::model::DeviceModel;
+
+fn median_ms(mut run: impl FnMut()) -> f64 {
+    for _ in 0..5 {
+        run();
+    }
+    let mut times: Vec<f64> = (0..30)
+        .map(|_| {
+            let t = Instant::now();
+            run();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn main() {
+    let fixtures = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures"));
+    let cases = read_test_set(&fixtures.join("test_set.tsv")).expect("fixture test set");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rows = Vec::new();
+    for (kind, name, dir) in [
+        (ModelKind::Bert4rec, "bert4rec", "bert4rec"),
+        (ModelKind::Vaecf, "vaecf", "multivae"),
+    ] {
+        let model = fixtures.join(dir);
+        let config: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap())
+                .unwrap();
+        for precision in [Precision::Fp32, Precision::Fp16] {
+            let out = tmp.path().join(format!("{name}-{precision:?}"));
+            let engine = Arc::new(
+                convert(&ConvertRequest {
+                    kind,
+                    checkpoint: &model.join("model.safetensors"),
+                    config: Some(&config),
+                    item_map: &model.join("item_id_map.tsv"),
+                    out: &out,
+                    precision,
+                    calibration: None,
+                })
+                .expect("converting the fixture"),
+            );
+            let gpu = DeviceModel::new(CudaDevice::new(0).expect("GPU"), Arc::clone(&engine))
+                .expect("uploading the model");
+            for batch in [1usize, 64] {
+                let requests: Vec<InternalRequest> = cases
+                    .iter()
+                    .take(batch)
+                    .map(|c| {
+                        let ids: Vec<&str> = c.history.iter().map(String::as_str).collect();
+                        InternalRequest {
+                            history: engine.ids.map(ExternalIds::Str(&ids)).indices,
+                            exclude: vec![],
+                            k: 10,
+                            exclude_seen: true,
+                        }
+                    })
+                    .collect();
+                let same = same_top10(&engine, &gpu, &requests);
+                let cpu_ms = median_ms(|| {
+                    engine.recommend_internal(&requests);
+                });
+                let gpu_ms = median_ms(|| {
+                    gpu.recommend(&requests).unwrap();
+                });
+                rows.push(format!(
+                    "{{\"model\": \"{name}\", \"precision\": \"{precision:?}\", \"batch\": {batch}, \
+                     \"cpu_ms\": {cpu_ms:.4}, \"gpu_ms\": {gpu_ms:.4}, \"identical_top10\": {same}}}"
+                ));
+            }
+        }
+    }
+    println!(
+        "{{\"device\": \"{}\", \"models\": [{}]}}",
+        CudaDevice::new(0).expect("GPU").name,
+        rows.join(", ")
+    );
+}
+
+/// The fraction of requests whose top-10 ids are identical on both paths.
+fn same_top10(engine: &Engine, gpu: &DeviceModel<CudaDevice>, requests: &[InternalRequest]) -> f64 {
+    let cpu = engine.recommend_internal(requests);
+    let dev = gpu.recommend(requests).unwrap();
+    let same = cpu
+        .iter()
+        .zip(&dev)
+        .filter(|((a, _), (b, _))| a.iter().map(|s| s.index).eq(b.iter().map(|s| s.index)))
+        .count();
+    same as f64 / requests.len() as f64
+}
