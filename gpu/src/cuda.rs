@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use recsys_engine::engine::InternalRequest;
@@ -97,6 +97,15 @@ pub struct CudaDevice {
     stream: Arc<CudaStream>,
     _modules: Vec<Arc<CudaModule>>,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Page-locked staging for each batch's inputs (item indices, offsets, exclusions, and the
+    /// output-layer benchmark's hidden vectors), so their copies are asynchronous DMA. Kept between
+    /// batches (allocating page-locked memory costs far more than the copies) and grown to the
+    /// largest input seen. cudarc records an event on each copy from a buffer and makes the next
+    /// write to it wait for that event, so reusing it within a batch is safe. Outputs (top-k rows)
+    /// are small and read on the host, which cudarc's write-combined page-locked memory is slow
+    /// at, so they are copied back directly.
+    staging_u32: Mutex<Option<PinnedHostSlice<u32>>>,
+    staging_f32: Mutex<Option<PinnedHostSlice<f32>>>,
     /// "NVIDIA H200 (sm_90)", for logs.
     pub name: String,
 }
@@ -144,6 +153,8 @@ impl CudaDevice {
             stream,
             _modules: modules,
             functions,
+            staging_u32: Mutex::new(None),
+            staging_f32: Mutex::new(None),
             name: format!("{gpu} ({arch})"),
         })
     }
@@ -166,6 +177,43 @@ impl CudaDevice {
             values
         };
         self.stream.memcpy_stod(values).map_err(cuda_err(what))
+    }
+
+    /// Copies `values` to a new device buffer through the page-locked `slot` (the buffer may be
+    /// longer than `values`; kernels read only the lengths they are given).
+    fn stage<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+        &self,
+        slot: &Mutex<Option<PinnedHostSlice<T>>>,
+        values: &[T],
+    ) -> Result<CudaSlice<T>> {
+        let mut guard = slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let large_enough = matches!(guard.as_ref(), Some(p) if p.len() >= values.len());
+        if !large_enough {
+            let len = values.len().next_power_of_two().max(4096);
+            // SAFETY: the buffer's first values.len() elements are written below before any
+            // copy reads them; the rest is copied but never read by a kernel.
+            let fresh = unsafe { self.stream.context().alloc_pinned::<T>(len) }
+                .map_err(cuda_err("allocating page-locked memory"))?;
+            *guard = Some(fresh); // the old buffer's drop waits for its last copy
+        }
+        let pinned = guard.as_mut().expect("allocated above");
+        // as_mut_slice waits for the previous copy from this buffer.
+        pinned
+            .as_mut_slice()
+            .map_err(cuda_err("mapping page-locked memory"))?[..values.len()]
+            .copy_from_slice(values);
+        let mut device = self.alloc::<T>(pinned.len())?;
+        self.stream
+            .memcpy_htod(&*pinned, &mut device)
+            .map_err(cuda_err("uploading batch inputs"))?;
+        Ok(device)
+    }
+
+    /// Hidden vectors for the output layer alone, staged like every batch input.
+    pub fn stage_f32(&self, values: &[f32]) -> Result<CudaSlice<f32>> {
+        self.stage(&self.staging_f32, values)
     }
 
     fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
@@ -199,7 +247,8 @@ impl Device for CudaDevice {
         self.upload(values, "uploading f32 values")
     }
     fn upload_u32(&self, values: &[u32]) -> Result<Self::U32> {
-        self.upload(values, "uploading u32 values")
+        // u32 buffers are only ever a batch's inputs (indices, offsets, exclusions).
+        self.stage(&self.staging_u32, values)
     }
     fn upload_u16(&self, values: &[u16]) -> Result<Self::U16> {
         self.upload(values, "uploading fp16 weights")
@@ -546,7 +595,7 @@ impl GpuOutputLayer {
             .device
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let hidden = device.upload_f32(hidden)?;
+        let hidden = device.stage_f32(hidden)?;
         self.layer.top_k(&device, &hidden, k, exclude)
     }
 }

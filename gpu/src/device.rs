@@ -32,7 +32,10 @@ pub trait Device {
     type U16;
     type I8;
 
+    /// Weights and biases (at load).
     fn upload_f32(&self, values: &[f32]) -> Result<Self::F32>;
+    /// A batch's inputs: indices, offsets, exclusions (the CUDA device stages these through
+    /// page-locked memory).
     fn upload_u32(&self, values: &[u32]) -> Result<Self::U32>;
     fn upload_u16(&self, values: &[u16]) -> Result<Self::U16>;
     fn upload_i8(&self, values: &[i8]) -> Result<Self::I8>;
