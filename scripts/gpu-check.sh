@@ -2,10 +2,10 @@
 # The GPU check, for a machine with an NVIDIA GPU, its driver, the CUDA toolkit (NVRTC, ptxas) and
 # PyTorch. One call, a few minutes:
 #   1. builds recsys-gpu with the `cuda` feature;
-#   2. runs its whole test suite including the device tests (every kernel against an f64 reference on
+#   2. runs its device tests (every kernel against an f64 reference on
 #      fresh random inputs: fp32/fp16/int8 weights, N at/around the tile size and 100,003, k = 1, 10,
 #      100, 1024, batch 1/7/64, random exclusions; both trained fixtures as whole models on the GPU
-#      against the CPU engine at fp32/fp16/int8/W8A8), the emulated tests and the NVRTC + ptxas
+#      against the CPU engine at fp32/fp16/int8/W8A8) and the NVRTC + ptxas
 #      spill check;
 #   3. times whole models on the GPU against the CPU engine (fixtures, batch 1 and 64, top-10), and
 #      the fused kernel against torch.matmul + torch.topk on the same data (N = 1e6, d = 64,
@@ -23,7 +23,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --form
 echo "==> build (release, --features cuda)"
 cargo build --release -p recsys-gpu --features cuda --examples --tests
 echo "==> CUDA test suite (device tests included)"
-cargo test --release -p recsys-gpu --features cuda -- --include-ignored --nocapture 2>&1 | tee "$out/tests.log"
+cargo test --release -p recsys-gpu --features cuda --lib --test gpu_kernels --test gpu_model --test nvrtc_compile \
+  -- --include-ignored --nocapture 2>&1 | tee "$out/tests.log"
 echo "==> fused kernel timing"
 cargo run --release -q -p recsys-gpu --features cuda --example gpu_bench -- "$out" | tee "$out/fused.json"
 echo "==> whole models: GPU (encoder + fused top-k) against the CPU engine, same process"
