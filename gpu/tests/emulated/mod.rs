@@ -2,7 +2,8 @@
 //! front of `emulator/cuda_emulation.hpp` (every CUDA thread a fiber; barriers and warp
 //! primitives are scheduling points; divergent barriers are reported). Buffers are host vectors.
 //! Beyond what a GPU checks, every launch asserts that its buffers are as large as the kernel
-//! will index and that it wrote every slot of its output (outputs start poisoned).
+//! will index and that it wrote every slot of its output (outputs start poisoned), and the kernels
+//! run under UBSan (out-of-bounds indexing of shared and local arrays aborts the test).
 //!
 //! Needs a C++17 compiler (`c++`, or the one named by RECSYS_CXX).
 #![allow(dead_code)] // each test binary uses its own part
@@ -35,15 +36,12 @@ pub fn library() -> &'static Library {
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("recsys_cuda_emulation_{}.so", std::process::id()));
         let cxx = std::env::var("RECSYS_CXX").unwrap_or_else(|_| "c++".into());
+        // UBSan (linked into the library itself) stops at the first undefined behaviour: an
+        // index past a fixed-size array (shared or local), a misaligned access, a shift too far.
         let run = Command::new(&cxx)
-            .args([
-                "-std=c++17",
-                "-O2",
-                "-g",
-                "-Wall",
-                "-Werror",
-                "-Wno-unknown-pragmas",
-            ])
+            .args(["-std=c++17", "-O2", "-g", "-Wall", "-Werror"])
+            .args(["-Wno-unknown-pragmas", "-fsanitize=undefined,bounds"])
+            .args(["-fno-sanitize-recover=all", "-static-libubsan"])
             .args(["-fPIC", "-shared", "-o"])
             .arg(&out)
             .arg(root.join("emulator/kernels.cpp"))
