@@ -21,7 +21,8 @@ use recsys_engine::Engine;
 use crate::device::{Activation, Device, DeviceMatrix};
 use crate::model::{DeviceModel, DeviceOutputLayer};
 use crate::{
-    cache_key, compile_options, GpuError, Ranked, Result, Stage1Launch, MODULES, THREADS, TILE,
+    cache_key, compile_options, GpuError, Ranked, Result, Stage1Launch, ENC_THREADS, LINEAR_TILE,
+    MODULES, THREADS, TILE,
 };
 
 fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
@@ -231,11 +232,6 @@ impl CudaDevice {
         }
     }
 }
-
-/// Threads per block of the encoder kernels (`ENC_THREADS` in kernels/encoders.cu).
-const ENC_THREADS: u32 = 256;
-/// Tile of the dense-layer kernel (`LINEAR_TILE`).
-const LINEAR_TILE: u32 = 16;
 
 impl Device for CudaDevice {
     type F32 = CudaSlice<f32>;

@@ -54,6 +54,13 @@ pub const MAX_ROWS: usize = 4;
 /// 40 KiB of scores and indices, a block stays within the 48 KiB every architecture grants without
 /// opting in.
 pub const MAX_GROUP_HIDDEN_BYTES: usize = 8 * 1024;
+/// Threads per block of the encoder kernels (`ENC_THREADS` in kernels/encoders.cu).
+pub const ENC_THREADS: u32 = 256;
+/// Square tile of the dense-layer kernel (`LINEAR_TILE`); its blocks have LINEAR_TILE^2 threads.
+pub const LINEAR_TILE: u32 = 16;
+/// Largest grid y dimension CUDA launches take (batch rows in the merge passes, row tiles of the
+/// dense layers).
+pub const MAX_GRID_Y: usize = 65_535;
 /// Widest hidden vector the kernels take (one row must fit the group's shared memory).
 pub const MAX_DIM: usize = MAX_GROUP_HIDDEN_BYTES / 4;
 
@@ -127,6 +134,11 @@ pub fn stage1_launch(n_items: usize, dim: usize, rows: usize, k: usize) -> Resul
     if k == 0 || k > MAX_K {
         return Err(GpuError::Invalid(format!(
             "k = {k}: the GPU path serves 1..={MAX_K}"
+        )));
+    }
+    if rows > MAX_GRID_Y {
+        return Err(GpuError::Invalid(format!(
+            "a batch of {rows} rows: the GPU path takes at most {MAX_GRID_Y} per launch"
         )));
     }
     if rows == 0 || n_items == 0 || n_items > u32::MAX as usize / 2 {
@@ -250,6 +262,7 @@ mod tests {
         assert_eq!(widest.rows_per_block, 1);
         assert!(widest.shared_bytes as usize <= MAX_GROUP_HIDDEN_BYTES);
         for bad in [
+            stage1_launch(5000, 64, MAX_GRID_Y + 1, 10),
             stage1_launch(5000, MAX_DIM + 1, 1, 10),
             stage1_launch(5000, 64, 1, MAX_K + 1),
             stage1_launch(5000, 64, 1, 0),
@@ -262,6 +275,9 @@ mod tests {
     #[test]
     fn the_shared_memory_budget_matches_the_source() {
         assert!(SOURCE.contains(&format!("#define MAX_ROWS {MAX_ROWS}")));
+        assert!(ENCODER_SOURCE.contains(&format!("#define ENC_THREADS {ENC_THREADS}")));
+        assert!(ENCODER_SOURCE.contains(&format!("#define LINEAR_TILE {LINEAR_TILE}")));
+        assert_eq!(LINEAR_TILE * LINEAR_TILE, ENC_THREADS);
     }
 
     #[test]

@@ -385,6 +385,13 @@ impl<D: Device> DeviceModel<D> {
             seq_offsets.push(items.len() as u32);
             mask_rows.push(items.len() as u32 - 1);
         }
+        if items.len() > crate::MAX_GRID_Y * crate::LINEAR_TILE as usize {
+            return Err(GpuError::Invalid(format!(
+                "{} tokens in one batch: the GPU dense layers take at most {}",
+                items.len(),
+                crate::MAX_GRID_Y * crate::LINEAR_TILE as usize
+            )));
+        }
         let (tokens, width) = (items.len() as u32, m.hidden);
         let mut x = d.alloc_f32(items.len() * width as usize)?;
         d.embed_tokens(

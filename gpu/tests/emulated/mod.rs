@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 
 use libloading::{Library, Symbol};
 use recsys_gpu::device::{Activation, Device, DeviceMatrix};
-use recsys_gpu::{Result, Stage1Launch, ENCODER_SOURCE, SOURCE, TILE};
+use recsys_gpu::{Result, Stage1Launch, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
 
 /// What an alloc'd f32 / u32 output holds until a kernel writes it.
 const POISON_U32: u32 = 0xDEAD_BEEF;
@@ -365,8 +365,8 @@ impl Device for EmulatedDevice {
         // SAFETY: the signature of recsys_emu_linear_f32; buffer sizes checked above.
         check(unsafe {
             symbol::<F>("recsys_emu_linear_f32")(
-                n.div_ceil(16),
-                m.div_ceil(16),
+                n.div_ceil(LINEAR_TILE),
+                m.div_ceil(LINEAR_TILE),
                 x.as_ptr(),
                 weight.as_ptr(),
                 bias.as_ptr(),
