@@ -63,7 +63,7 @@ fuzz_target!(|input: Input| {
     };
     let engine = engine();
     let decoded = decode(&tensors, input.batched, &limits);
-    let (answers, _) = serve(engine, &ServeOptions::default(), vec![decoded], None);
+    let (answers, _) = serve(engine, &ServeOptions::default(), vec![decoded], engine);
     for answer in answers.into_iter().flatten() {
         let _ = encode(&answer.rows, engine, IdTensorType::Int64, input.batched);
         let _ = encode(&answer.rows, engine, IdTensorType::String, input.batched);
