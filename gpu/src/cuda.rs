@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchArgs,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use recsys_engine::engine::InternalRequest;
@@ -224,6 +224,24 @@ impl CudaDevice {
             .map_err(cuda_err("allocating a device buffer"))
     }
 
+    /// A launch of `{prefix}_{f32,f16,i8}` for `table`'s precision, with the table (and, for
+    /// int8, its row scales) already pushed as the first arguments.
+    fn table_launch<'a>(&'a self, prefix: &str, table: &'a DeviceMatrix<Self>) -> LaunchArgs<'a> {
+        let suffix = match table {
+            DeviceMatrix::F32(_) => "f32",
+            DeviceMatrix::F16(_) => "f16",
+            DeviceMatrix::I8 { .. } => "i8",
+        };
+        let name = format!("{prefix}_{suffix}");
+        let mut b = self.stream.launch_builder(&self.functions[name.as_str()]);
+        match table {
+            DeviceMatrix::F32(t) => b.arg(t),
+            DeviceMatrix::F16(t) => b.arg(t),
+            DeviceMatrix::I8 { q, scales } => b.arg(q).arg(scales),
+        };
+        b
+    }
+
     fn grid(blocks_x: u32, blocks_y: u32, threads: u32, shared: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (blocks_x.max(1), blocks_y.max(1), 1),
@@ -420,17 +438,7 @@ impl Device for CudaDevice {
         tokens: u32,
         width: u32,
     ) -> Result<()> {
-        let name = match table {
-            DeviceMatrix::F32(_) => "embed_tokens_f32",
-            DeviceMatrix::F16(_) => "embed_tokens_f16",
-            DeviceMatrix::I8 { .. } => "embed_tokens_i8",
-        };
-        let mut b = self.stream.launch_builder(self.function(name));
-        match table {
-            DeviceMatrix::F32(t) => b.arg(t),
-            DeviceMatrix::F16(t) => b.arg(t),
-            DeviceMatrix::I8 { q, scales } => b.arg(q).arg(scales),
-        };
+        let mut b = self.table_launch("embed_tokens", table);
         b.arg(items)
             .arg(positions)
             .arg(position_table)
@@ -500,17 +508,7 @@ impl Device for CudaDevice {
         rows: u32,
         width: u32,
     ) -> Result<()> {
-        let name = match table {
-            DeviceMatrix::F32(_) => "embedding_bag_f32",
-            DeviceMatrix::F16(_) => "embedding_bag_f16",
-            DeviceMatrix::I8 { .. } => "embedding_bag_i8",
-        };
-        let mut b = self.stream.launch_builder(self.function(name));
-        match table {
-            DeviceMatrix::F32(t) => b.arg(t),
-            DeviceMatrix::F16(t) => b.arg(t),
-            DeviceMatrix::I8 { q, scales } => b.arg(q).arg(scales),
-        };
+        let mut b = self.table_launch("embedding_bag", table);
         b.arg(items).arg(offsets).arg(bias).arg(y).arg(&width);
         // SAFETY: matches embedding_bag_{f32,f16,i8}(const T* table, [const float* row_scales,]
         // const u32* items, const u32* offsets, const float* bias, float* y, u32 width): offsets

@@ -99,6 +99,61 @@ fn assert_written(out: &[f32], what: &str) {
     );
 }
 
+/// Calls `recsys_emu_{prefix}_{f32,f16,i8}` (embed_tokens, embedding_bag) for `table`'s precision
+/// over `blocks` blocks, after checking that the table holds `rows_used` rows of `width`.
+fn table_entry(
+    prefix: &str,
+    table: &DeviceMatrix<EmulatedDevice>,
+    rows_used: usize,
+    width: usize,
+    blocks: u32,
+    (a, b, c, d): (P<u32>, P<u32>, P<f32>, M<f32>),
+) -> i32 {
+    let w = width as u32;
+    // SAFETY (each arm): the entry points' C signatures (TableEntry / TableEntryI8); the table is
+    // checked to hold every row the kernel reads, the other buffers by the caller.
+    match table {
+        DeviceMatrix::F32(tab) => unsafe {
+            assert_len(tab, rows_used * width, "table");
+            symbol::<TableEntry<f32>>(&format!("recsys_emu_{prefix}_f32"))(
+                blocks,
+                tab.as_ptr(),
+                a,
+                b,
+                c,
+                d,
+                w,
+            )
+        },
+        DeviceMatrix::F16(tab) => unsafe {
+            assert_len(tab, rows_used * width, "table");
+            symbol::<TableEntry<u16>>(&format!("recsys_emu_{prefix}_f16"))(
+                blocks,
+                tab.as_ptr(),
+                a,
+                b,
+                c,
+                d,
+                w,
+            )
+        },
+        DeviceMatrix::I8 { q, scales } => unsafe {
+            assert_len(q, rows_used * width, "table");
+            assert_len(scales, rows_used, "table scales");
+            symbol::<TableEntryI8>(&format!("recsys_emu_{prefix}_i8"))(
+                blocks,
+                q.as_ptr(),
+                scales.as_ptr(),
+                a,
+                b,
+                c,
+                d,
+                w,
+            )
+        },
+    }
+}
+
 /// Runs the kernels on this thread, on host memory.
 pub struct EmulatedDevice;
 
@@ -442,30 +497,7 @@ impl Device for EmulatedDevice {
             position_table.as_ptr(),
             x.as_mut_ptr(),
         );
-        type Tail = (P<u32>, P<u32>, P<f32>, M<f32>);
-        // SAFETY (each arm): the signatures of recsys_emu_embed_tokens_*; every token's row is
-        // checked to exist in the table.
-        let status = match table {
-            DeviceMatrix::F32(tab) => unsafe {
-                assert_len(tab, rows * w, "item table");
-                let f = symbol::<TableEntry<f32>>("recsys_emu_embed_tokens_f32");
-                let (a, b, c, d): Tail = tail;
-                f(tokens, tab.as_ptr(), a, b, c, d, width)
-            },
-            DeviceMatrix::F16(tab) => unsafe {
-                assert_len(tab, rows * w, "item table");
-                let f = symbol::<TableEntry<u16>>("recsys_emu_embed_tokens_f16");
-                let (a, b, c, d): Tail = tail;
-                f(tokens, tab.as_ptr(), a, b, c, d, width)
-            },
-            DeviceMatrix::I8 { q, scales } => unsafe {
-                assert_len(q, rows * w, "item table");
-                assert_len(scales, rows, "item scales");
-                let f = symbol::<TableEntryI8>("recsys_emu_embed_tokens_i8");
-                let (a, b, c, d): Tail = tail;
-                f(tokens, q.as_ptr(), scales.as_ptr(), a, b, c, d, width)
-            },
-        };
+        let status = table_entry("embed_tokens", table, rows, w, tokens, tail);
         check(status);
         assert_written(&x[..t * w], "embed_tokens");
         Ok(())
@@ -560,30 +592,7 @@ impl Device for EmulatedDevice {
             bias.as_ptr(),
             y.as_mut_ptr(),
         );
-        type Tail = (P<u32>, P<u32>, P<f32>, M<f32>);
-        // SAFETY (each arm): the signatures of recsys_emu_embedding_bag_*; every item's row is
-        // checked to exist in the table.
-        let status = match table {
-            DeviceMatrix::F32(tab) => unsafe {
-                assert_len(tab, table_rows * w, "first-layer table");
-                let f = symbol::<TableEntry<f32>>("recsys_emu_embedding_bag_f32");
-                let (a, b, c, d): Tail = tail;
-                f(rows, tab.as_ptr(), a, b, c, d, width)
-            },
-            DeviceMatrix::F16(tab) => unsafe {
-                assert_len(tab, table_rows * w, "first-layer table");
-                let f = symbol::<TableEntry<u16>>("recsys_emu_embedding_bag_f16");
-                let (a, b, c, d): Tail = tail;
-                f(rows, tab.as_ptr(), a, b, c, d, width)
-            },
-            DeviceMatrix::I8 { q, scales } => unsafe {
-                assert_len(q, table_rows * w, "first-layer table");
-                assert_len(scales, table_rows, "first-layer scales");
-                let f = symbol::<TableEntryI8>("recsys_emu_embedding_bag_i8");
-                let (a, b, c, d): Tail = tail;
-                f(rows, q.as_ptr(), scales.as_ptr(), a, b, c, d, width)
-            },
-        };
+        let status = table_entry("embedding_bag", table, table_rows, w, rows, tail);
         check(status);
         assert_written(&y[..r * w], "embedding_bag");
         Ok(())
