@@ -8,7 +8,7 @@
 //! Needs a C++17 compiler (`c++`, or the one named by RECSYS_CXX).
 #![allow(dead_code)] // each test binary uses its own part
 
-use std::ffi::{c_char, CStr};
+use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -159,6 +159,25 @@ pub struct EmulatedDevice;
 
 type P<T> = *const T;
 type M<T> = *mut T;
+/// score_tile_topk_{f32,f16} entry points (`T` the weights' element type, or c_void): grid x,
+/// grid y, shared bytes, then the kernel's own parameters.
+type Stage1<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
 /// embed_tokens_* / embedding_bag_* entry points: blocks, table, four buffers, width.
 type TableEntry<T> = unsafe extern "C" fn(u32, P<T>, P<u32>, P<u32>, P<f32>, M<f32>, u32) -> i32;
 /// The int8 variants, with the table's row scales.
@@ -227,69 +246,33 @@ impl Device for EmulatedDevice {
         // SAFETY (each arm): the arguments match the entry point's C signature in
         // emulator/kernels.cpp, and every buffer was checked above to be as large as the kernel
         // indexes it.
+        // The f32 and f16 entry points differ only in the weights' element type.
+        let plain = match weights {
+            DeviceMatrix::F32(w) => {
+                assert_len(w, n * d, "weights");
+                Some((
+                    "recsys_emu_score_tile_topk_f32",
+                    w.as_ptr().cast::<c_void>(),
+                ))
+            }
+            DeviceMatrix::F16(w) => {
+                assert_len(w, n * d, "weights");
+                Some((
+                    "recsys_emu_score_tile_topk_f16",
+                    w.as_ptr().cast::<c_void>(),
+                ))
+            }
+            DeviceMatrix::I8 { .. } => None,
+        };
         let status = match weights {
-            DeviceMatrix::F32(w) => unsafe {
-                assert_len(w, n * d, "weights");
-                type F = unsafe extern "C" fn(
-                    u32,
-                    u32,
-                    u32,
-                    P<f32>,
-                    P<f32>,
-                    P<f32>,
-                    P<u32>,
-                    P<u32>,
-                    u32,
-                    u32,
-                    u32,
-                    u32,
-                    u32,
-                    M<f32>,
-                    M<u32>,
-                ) -> i32;
-                symbol::<F>("recsys_emu_score_tile_topk_f32")(
+            DeviceMatrix::F32(_) | DeviceMatrix::F16(_) => unsafe {
+                let (name, w) = plain.expect("f32 or f16 weights");
+                symbol::<Stage1<c_void>>(name)(
                     gx,
                     gy,
                     sh,
                     hidden.as_ptr(),
-                    w.as_ptr(),
-                    bias.as_ptr(),
-                    eo,
-                    ei,
-                    batch,
-                    rpb,
-                    n_items,
-                    dim,
-                    keep,
-                    os,
-                    oi,
-                )
-            },
-            DeviceMatrix::F16(w) => unsafe {
-                assert_len(w, n * d, "weights");
-                type F = unsafe extern "C" fn(
-                    u32,
-                    u32,
-                    u32,
-                    P<f32>,
-                    P<u16>,
-                    P<f32>,
-                    P<u32>,
-                    P<u32>,
-                    u32,
-                    u32,
-                    u32,
-                    u32,
-                    u32,
-                    M<f32>,
-                    M<u32>,
-                ) -> i32;
-                symbol::<F>("recsys_emu_score_tile_topk_f16")(
-                    gx,
-                    gy,
-                    sh,
-                    hidden.as_ptr(),
-                    w.as_ptr(),
+                    w,
                     bias.as_ptr(),
                     eo,
                     ei,
