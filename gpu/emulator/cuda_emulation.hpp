@@ -28,6 +28,14 @@ struct uint3 {
     unsigned x, y, z;
 };
 
+// CUDA's 16-byte vector types, for 16-byte loads.
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
 struct dim3 {
     unsigned x, y, z;
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}

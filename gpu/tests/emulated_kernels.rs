@@ -71,14 +71,19 @@ fn fp32_kernels_match_the_reference_around_tile_edges() {
     for &(n, rows) in &[(2000usize, 1usize), (2048, 5), (2049, 3)] {
         checked += check_against_reference("f32", n, 64, rows, &[1, 10, 100], &mut rng);
     }
-    assert_eq!(checked, 3 * (1 + 5 + 3));
+    // A width the 16-byte loads cannot take.
+    checked += check_against_reference("f32", 2049, 30, 2, &[10], &mut rng);
+    assert_eq!(checked, 3 * (1 + 5 + 3) + 2);
 }
 
 #[test]
 fn fp16_and_int8_kernels_match_the_reference() {
     let mut rng = Rng(0x5EED_0002);
+    // Widths that take the 16-byte loads (f16 48, int8 48) and ones that cannot (f16 20, int8 40).
     check_against_reference("f16", 2049, 48, 4, &[10, 100], &mut rng);
+    check_against_reference("f16", 2049, 20, 3, &[10], &mut rng);
     check_against_reference("i8", 2049, 40, 6, &[1, 10], &mut rng);
+    check_against_reference("i8", 2049, 48, 2, &[10], &mut rng);
 }
 
 #[test]

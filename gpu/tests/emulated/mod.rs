@@ -41,7 +41,11 @@ pub fn library() -> &'static Library {
         let run = Command::new(&cxx)
             .args(["-std=c++17", "-O2", "-g", "-Wall", "-Werror"])
             .args(["-Wno-unknown-pragmas", "-fsanitize=undefined,bounds"])
-            .args(["-fno-sanitize-recover=all", "-static-libubsan"])
+            .args([
+                "-fno-sanitize-recover=all",
+                "-static-libubsan",
+                "-fno-strict-aliasing",
+            ])
             .args(["-fPIC", "-shared", "-o"])
             .arg(&out)
             .arg(root.join("emulator/kernels.cpp"))
