@@ -278,6 +278,8 @@ mod tests {
         assert!(ENCODER_SOURCE.contains(&format!("#define ENC_THREADS {ENC_THREADS}")));
         assert!(ENCODER_SOURCE.contains(&format!("#define LINEAR_TILE {LINEAR_TILE}")));
         assert_eq!(LINEAR_TILE * LINEAR_TILE, ENC_THREADS);
+        let head = model::MAX_HEAD_DIM;
+        assert!(ENCODER_SOURCE.contains(&format!("#define MAX_HEAD_DIM {head}")));
     }
 
     #[test]

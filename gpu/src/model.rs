@@ -3,9 +3,9 @@
 //! only the top-k comes back. The sequencing mirrors the CPU engine's models line by line; the
 //! CPU engine stays the reference (tests compare the two on the trained fixtures).
 
-use recsys_engine::engine::InternalRequest;
 use std::sync::Arc;
 
+use recsys_engine::engine::InternalRequest;
 use recsys_engine::models::{
     Bert4Rec, Bert4RecView, DenseLayer, HistoryNote, Model, ModelView, NormView, OutputLayer,
     VaeCf, VaeCfView,
@@ -52,7 +52,9 @@ pub fn dequantized(m: &Matrix) -> Vec<f32> {
 
 /// The output layer on a device, for the fused score + top-k.
 pub struct DeviceOutputLayer<D: Device> {
-    weights: DeviceMatrix<D>,
+    /// `[n_items, dim]` (or more rows, of which the first n_items are read): BERT4Rec's output
+    /// layer shares its item embedding's upload.
+    weights: Arc<DeviceMatrix<D>>,
     bias: D::F32,
     /// W8A8 engines' static activation scale; 0 for the others.
     activation_scale: f32,
@@ -61,12 +63,42 @@ pub struct DeviceOutputLayer<D: Device> {
 }
 
 impl<D: Device> DeviceOutputLayer<D> {
+    /// Uploads `weight` (`[n_items, dim]`) and `bias`.
     pub fn new(
         device: &D,
         weight: &Matrix,
         bias: &Tensor,
         activation_scale: Option<f32>,
     ) -> Result<Self> {
+        Self::check(weight, bias, activation_scale)?;
+        Self::sharing(
+            device,
+            Arc::new(upload_matrix(device, weight)?),
+            weight,
+            bias,
+            activation_scale,
+        )
+    }
+
+    /// Uses `uploaded`, whose first rows hold `weight` already on the device, and uploads `bias`.
+    pub fn sharing(
+        device: &D,
+        uploaded: Arc<DeviceMatrix<D>>,
+        weight: &Matrix,
+        bias: &Tensor,
+        activation_scale: Option<f32>,
+    ) -> Result<Self> {
+        Self::check(weight, bias, activation_scale)?;
+        Ok(DeviceOutputLayer {
+            weights: uploaded,
+            bias: device.upload_f32(bias.as_slice())?,
+            activation_scale: activation_scale.unwrap_or(0.0),
+            n_items: weight.rows(),
+            dim: weight.cols(),
+        })
+    }
+
+    fn check(weight: &Matrix, bias: &Tensor, activation_scale: Option<f32>) -> Result<()> {
         let (n_items, dim) = (weight.rows(), weight.cols());
         if dim == 0 || dim > crate::MAX_DIM {
             return Err(GpuError::Invalid(format!(
@@ -85,13 +117,7 @@ impl<D: Device> DeviceOutputLayer<D> {
                 "a static activation scale needs int8 output weights".into(),
             ));
         }
-        Ok(DeviceOutputLayer {
-            weights: upload_matrix(device, weight)?,
-            bias: device.upload_f32(bias.as_slice())?,
-            activation_scale: activation_scale.unwrap_or(0.0),
-            n_items,
-            dim,
-        })
+        Ok(())
     }
 
     /// Top-`k` items for each of the `exclude.len()` hidden vectors in `hidden` (`[rows, dim]`,
@@ -236,7 +262,8 @@ struct DeviceTransformerLayer<D: Device> {
 }
 
 struct DeviceBert4Rec<D: Device> {
-    item_embedding: DeviceMatrix<D>,
+    /// `[N+2, d]`; its first N+1 rows are also the output layer's weights.
+    item_embedding: Arc<DeviceMatrix<D>>,
     position_embedding: D::F32,
     embedding_norm: DeviceNorm<D>,
     layers: Vec<DeviceTransformerLayer<D>>,
@@ -280,7 +307,20 @@ impl<D: Device> DeviceModel<D> {
             .manifest
             .output_activation_scale()
             .map_err(GpuError::Invalid)?;
-        let output = DeviceOutputLayer::new(&device, weight, bias, activation_scale)?;
+        let output = match &encoder {
+            // BERT4Rec's output layer is its item embedding without the [MASK] row (tied weights,
+            // the engine's output matrix is a view of the same rows): one upload serves both.
+            DeviceEncoder::Bert4rec(m) => DeviceOutputLayer::sharing(
+                &device,
+                Arc::clone(&m.item_embedding),
+                weight,
+                bias,
+                activation_scale,
+            )?,
+            DeviceEncoder::Vaecf(_) => {
+                DeviceOutputLayer::new(&device, weight, bias, activation_scale)?
+            }
+        };
         Ok(DeviceModel {
             device,
             engine,
@@ -304,7 +344,7 @@ impl<D: Device> DeviceModel<D> {
         let dense = |l: &DenseLayer| DeviceDense::new(device, l);
         let norm = |n: NormView<'_>| DeviceNorm::new(device, n);
         Ok(DeviceBert4Rec {
-            item_embedding: upload_matrix(device, view.item_embedding)?,
+            item_embedding: Arc::new(upload_matrix(device, view.item_embedding)?),
             position_embedding: device.upload_f32(view.position_embedding.as_slice())?,
             embedding_norm: norm(view.embedding_norm)?,
             layers: view
