@@ -527,11 +527,15 @@ pub struct GpuModel {
 }
 
 impl GpuModel {
+    /// Opens device `ordinal`, uploads `engine` and checks the device against the CPU engine on a
+    /// few histories ([`DeviceModel::self_check`]) before it serves anything.
     pub fn new(ordinal: usize, engine: &Arc<Engine>) -> Result<GpuModel> {
         let device = CudaDevice::new(ordinal)?;
         let name = device.name.clone();
+        let model = DeviceModel::new(device, Arc::clone(engine))?;
+        model.self_check()?;
         Ok(GpuModel {
-            inner: Mutex::new(DeviceModel::new(device, Arc::clone(engine))?),
+            inner: Mutex::new(model),
             name,
         })
     }

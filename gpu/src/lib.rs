@@ -209,6 +209,11 @@ pub enum GpuError {
     Cuda { what: &'static str, message: String },
     #[error("{0}")]
     Invalid(String),
+    /// The device's answers disagree with the CPU engine's on the load-time self-check.
+    #[error(
+        "the GPU failed its self-check against the CPU engine: {0}; refusing to serve from it"
+    )]
+    SelfCheck(String),
 }
 
 pub type Result<T, E = GpuError> = std::result::Result<T, E>;

@@ -522,6 +522,70 @@ impl<D: Device> DeviceModel<D> {
         Ok((x, vec![HistoryNote::default(); histories.len()]))
     }
 
+    /// Runs a few synthetic histories (one item, a short and a long one, one past the model's
+    /// window, with and without exclusions) on the device and on the CPU engine and refuses the
+    /// device when their top-10s disagree beyond the precision's rounding: a GPU that computes
+    /// wrongly (a driver or hardware fault, a kernel bug the tests could not see) fails at load
+    /// instead of serving wrong recommendations.
+    pub fn self_check(&self) -> Result<()> {
+        let real_items = self.output.n_items.saturating_sub(1).max(1) as u64;
+        let item = |i: u64| (1 + (i * 7919) % real_items) as u32;
+        let batch: Vec<InternalRequest> = [1u64, 5, 20, 300]
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| InternalRequest {
+                history: (0..len).map(|i| item(i + 1000 * r as u64)).collect(),
+                exclude: if r % 2 == 0 {
+                    vec![item(1), item(2)]
+                } else {
+                    vec![]
+                },
+                k: 10,
+                exclude_seen: r != 1,
+            })
+            .collect();
+        let cpu = self.engine.recommend_internal(&batch);
+        let device = self.recommend(&batch)?;
+        // Widest honest difference: f32 rounding in another order (float engines); int8 engines'
+        // CPU kernels quantize activations to int16 and W8A8 levels can flip (measured 1.5e-3).
+        let tolerance = match self.engine.manifest.precision {
+            recsys_engine::engine_dir::Precision::Int8 => 5e-2,
+            _ => 1e-3,
+        };
+        for (row, ((want, _), (got, _))) in cpu.iter().zip(&device).enumerate() {
+            let disagree = |rank: usize, why: &str| {
+                let show = |s: Option<&Scored>| {
+                    s.map_or("nothing".to_string(), |s| {
+                        format!("item {} score {}", s.index, s.score)
+                    })
+                };
+                Err(GpuError::SelfCheck(format!(
+                    "history {row}, rank {rank}: the GPU gives {}, the CPU engine {} ({why})",
+                    show(got.get(rank)),
+                    show(want.get(rank))
+                )))
+            };
+            if got.len() != want.len() {
+                return disagree(got.len().min(want.len()), "different lengths");
+            }
+            for (rank, (g, w)) in got.iter().zip(want).enumerate() {
+                let tol = tolerance * w.score.abs().max(1.0);
+                if (g.score - w.score).abs() > tol || !g.score.is_finite() {
+                    return disagree(rank, "scores differ");
+                }
+                // A different item only where the CPU ranks it at a near-tie score.
+                let tied = g.index == w.index
+                    || want
+                        .iter()
+                        .any(|o| o.index == g.index && (o.score - w.score).abs() <= 2.0 * tol);
+                if !tied {
+                    return disagree(rank, "different items");
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Each prepared request's top-k on the device: encoder, then fused score + top-k at the
     /// batch's largest k, each row cut to its own.
     pub fn recommend(&self, batch: &[InternalRequest]) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {

@@ -21,7 +21,7 @@ fn emulated_topk(
     k: usize,
     exclude: &[Vec<u32>],
 ) -> Vec<Ranked> {
-    let device = EmulatedDevice;
+    let device = EmulatedDevice::default();
     let layer = DeviceOutputLayer::new(
         &device,
         w,
@@ -156,7 +156,7 @@ fn w8a8_quantizes_the_hidden_vector_with_the_static_scale() {
     let w = matrix("i8", n, d, &mut rng);
     let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
     let hidden: Vec<f32> = (0..d).map(|_| rng.uniform() * 3.0).collect();
-    let device = EmulatedDevice;
+    let device = EmulatedDevice::default();
     let layer = DeviceOutputLayer::new(
         &device,
         &w,

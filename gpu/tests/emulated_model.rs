@@ -17,7 +17,7 @@ use recsys_engine::ModelKind;
 #[test]
 fn bert4rec_on_the_device_path_answers_like_the_cpu_engine() {
     compare(
-        EmulatedDevice,
+        EmulatedDevice::default(),
         ModelKind::Bert4rec,
         Precision::Fp32,
         "bert4rec-fp32",
@@ -28,14 +28,14 @@ fn bert4rec_on_the_device_path_answers_like_the_cpu_engine() {
 #[test]
 fn bert4rec_fp16_and_int8_on_the_device_path() {
     compare(
-        EmulatedDevice,
+        EmulatedDevice::default(),
         ModelKind::Bert4rec,
         Precision::Fp16,
         "bert4rec-fp16",
         3,
     );
     compare(
-        EmulatedDevice,
+        EmulatedDevice::default(),
         ModelKind::Bert4rec,
         Precision::Int8,
         "bert4rec-int8",
@@ -46,25 +46,64 @@ fn bert4rec_fp16_and_int8_on_the_device_path() {
 #[test]
 fn multvae_on_the_device_path_answers_like_the_cpu_engine_at_every_precision() {
     compare(
-        EmulatedDevice,
+        EmulatedDevice::default(),
         ModelKind::Vaecf,
         Precision::Fp32,
         "vaecf-fp32",
         12,
     );
     compare(
-        EmulatedDevice,
+        EmulatedDevice::default(),
         ModelKind::Vaecf,
         Precision::Fp16,
         "vaecf-fp16",
         6,
     );
     compare(
-        EmulatedDevice,
+        EmulatedDevice::default(),
         ModelKind::Vaecf,
         Precision::Int8,
         "vaecf-int8",
         6,
     );
-    compare(EmulatedDevice, ModelKind::Vaecf, Precision::Int8, "w8a8", 6);
+    compare(
+        EmulatedDevice::default(),
+        ModelKind::Vaecf,
+        Precision::Int8,
+        "w8a8",
+        6,
+    );
+}
+
+#[test]
+fn a_device_that_computes_wrongly_fails_its_self_check() {
+    use parity::engine;
+    use recsys_gpu::model::DeviceModel;
+    use recsys_gpu::GpuError;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, error) in [(ModelKind::Vaecf, 0.05f32), (ModelKind::Bert4rec, 0.05)] {
+        let engine = Arc::new(engine(
+            kind,
+            Precision::Fp32,
+            &tmp.path().join(format!("{kind:?}")),
+        ));
+        let faithful = DeviceModel::new(EmulatedDevice::default(), Arc::clone(&engine)).unwrap();
+        faithful.self_check().unwrap();
+        let faulty = DeviceModel::new(
+            EmulatedDevice {
+                dense_layer_error: error,
+            },
+            Arc::clone(&engine),
+        )
+        .unwrap();
+        match faulty.self_check() {
+            Err(GpuError::SelfCheck(msg)) => {
+                assert!(msg.contains("the GPU gives item"), "{msg}");
+                let shown = GpuError::SelfCheck(msg).to_string();
+                assert!(shown.contains("refusing to serve"), "{shown}");
+            }
+            other => panic!("{kind:?}: expected a failed self-check, got {other:?}"),
+        }
+    }
 }

@@ -101,6 +101,7 @@ pub fn compare<D: Device>(
     let dir = tmp.path().join(sub);
     let engine = Arc::new(engine(kind, precision, &dir));
     let device = DeviceModel::new(device, Arc::clone(&engine)).unwrap();
+    device.self_check().unwrap_or_else(|e| panic!("{sub}: {e}"));
     let requests = batch(&engine, users);
 
     let histories: Vec<&[u32]> = requests.iter().map(|r| r.history.as_slice()).collect();

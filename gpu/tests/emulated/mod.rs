@@ -159,7 +159,12 @@ fn table_entry(
 }
 
 /// Runs the kernels on this thread, on host memory.
-pub struct EmulatedDevice;
+#[derive(Default)]
+pub struct EmulatedDevice {
+    /// Added to every dense layer's outputs: a device that computes wrongly, for the tests of
+    /// the load-time self-check. 0 for the faithful device.
+    pub dense_layer_error: f32,
+}
 
 type P<T> = *const T;
 type M<T> = *mut T;
@@ -420,6 +425,11 @@ impl Device for EmulatedDevice {
             )
         });
         assert_written(&y[..mu * nu], "linear_f32");
+        if self.dense_layer_error != 0.0 {
+            y[..mu * nu]
+                .iter_mut()
+                .for_each(|v| *v += self.dense_layer_error);
+        }
         Ok(())
     }
 
