@@ -107,6 +107,9 @@ pub struct CudaDevice {
     /// at, so they are copied back directly.
     staging_u32: Mutex<Option<PinnedHostSlice<u32>>>,
     staging_f32: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// Tests: fill every kernel output with NaN / 0xDEADBEEF before the kernel runs, so a slot a
+    /// kernel fails to write shows up in the results instead of holding stale memory.
+    pub poison_outputs: bool,
     /// "NVIDIA H200 (sm_90)", for logs.
     pub name: String,
 }
@@ -156,6 +159,7 @@ impl CudaDevice {
             functions,
             staging_u32: Mutex::new(None),
             staging_f32: Mutex::new(None),
+            poison_outputs: false,
             name: format!("{gpu} ({arch})"),
         })
     }
@@ -271,9 +275,15 @@ impl Device for CudaDevice {
         self.upload(values, "uploading int8 weights")
     }
     fn alloc_f32(&self, len: usize) -> Result<Self::F32> {
+        if self.poison_outputs {
+            return self.upload(&vec![f32::NAN; len.max(1)], "poisoning an output");
+        }
         self.alloc(len)
     }
     fn alloc_u32(&self, len: usize) -> Result<Self::U32> {
+        if self.poison_outputs {
+            return self.upload(&vec![0xDEAD_BEEFu32; len.max(1)], "poisoning an output");
+        }
         self.alloc(len)
     }
     fn download_f32(&self, buffer: &Self::F32) -> Result<Vec<f32>> {
@@ -576,6 +586,14 @@ impl GpuOutputLayer {
             device: Mutex::new(device),
             layer,
         })
+    }
+
+    /// Tests: poison every kernel output before the kernel runs ([`CudaDevice::poison_outputs`]).
+    pub fn poison_outputs(&self) {
+        self.device
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .poison_outputs = true;
     }
 
     /// Top-`k` items for each of `rows` hidden vectors (`hidden` is `[rows, dim]`, on the host),

@@ -12,7 +12,9 @@ use recsys_engine::ModelKind;
 use recsys_gpu::cuda::CudaDevice;
 
 fn gpu() -> CudaDevice {
-    CudaDevice::new(0).unwrap_or_else(|e| panic!("{e}"))
+    let mut device = CudaDevice::new(0).unwrap_or_else(|e| panic!("{e}"));
+    device.poison_outputs = true;
+    device
 }
 
 #[test]
