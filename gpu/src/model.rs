@@ -71,13 +71,8 @@ impl<D: Device> DeviceOutputLayer<D> {
         activation_scale: Option<f32>,
     ) -> Result<Self> {
         Self::check(weight, bias, activation_scale)?;
-        Self::sharing(
-            device,
-            Arc::new(upload_matrix(device, weight)?),
-            weight,
-            bias,
-            activation_scale,
-        )
+        let uploaded = Arc::new(upload_matrix(device, weight)?);
+        Self::assemble(device, uploaded, weight, bias, activation_scale)
     }
 
     /// Uses `uploaded`, whose first rows hold `weight` already on the device, and uploads `bias`.
@@ -89,6 +84,16 @@ impl<D: Device> DeviceOutputLayer<D> {
         activation_scale: Option<f32>,
     ) -> Result<Self> {
         Self::check(weight, bias, activation_scale)?;
+        Self::assemble(device, uploaded, weight, bias, activation_scale)
+    }
+
+    fn assemble(
+        device: &D,
+        uploaded: Arc<DeviceMatrix<D>>,
+        weight: &Matrix,
+        bias: &Tensor,
+        activation_scale: Option<f32>,
+    ) -> Result<Self> {
         Ok(DeviceOutputLayer {
             weights: uploaded,
             bias: device.upload_f32(bias.as_slice())?,
@@ -387,10 +392,6 @@ impl<D: Device> DeviceModel<D> {
                 .map(|l| DeviceDense::new(device, l))
                 .collect::<Result<_>>()?,
         })
-    }
-
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.engine
     }
 
     /// The hidden vectors `[B, d]` the output layer scores, left on the device.
