@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The release build of what gets deployed: the Triton backend and the CLI. `--cuda` adds the GPU path
-# (KIND_GPU instances; CUDA is loaded at run time, so the build needs no CUDA toolkit). Used by CI
+# (KIND_GPU instances) for a CUDA 12 toolkit on the serving machine (tritonserver 24.10's), `--cuda-13`
+# for CUDA 13; CUDA is loaded at run time, so the build needs no CUDA toolkit. Used by CI
 # (scripts/test.sh) and by docker/Dockerfile, so the image is built exactly as CI builds.
-#   scripts/build-release.sh [--cuda] [--target-dir DIR]
+#   scripts/build-release.sh [--cuda | --cuda-13] [--target-dir DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features=()
 args=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --cuda) features=(--features recsys-backend/cuda); shift ;;
+    --cuda) features=(--features recsys-backend/cuda-12); shift ;;
+    --cuda-13) features=(--features recsys-backend/cuda-13); shift ;;
     --target-dir) args+=(--target-dir "$2"); shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac

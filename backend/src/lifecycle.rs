@@ -185,49 +185,6 @@ pub(crate) struct InstanceState {
     device: Option<Arc<dyn recsys_engine::BatchRecommender>>,
 }
 
-/// The model on GPU `device` for a KIND_GPU instance: the single place the CPU or CUDA path is
-/// chosen. Encoder and fused score + top-k run on the device; requests are prepared (id mapping,
-/// truncation, exclusions) on the CPU as for every instance.
-#[cfg(feature = "cuda")]
-fn gpu_model(
-    name: &str,
-    device: i32,
-    model: &ModelState,
-) -> Result<Option<Arc<dyn recsys_engine::BatchRecommender>>> {
-    if model.settings.limits.max_k > recsys_gpu::MAX_K {
-        return Err(BackendError::InvalidConfig(format!(
-            "instance {name}: max_k {} is more than the GPU path serves ({})",
-            model.settings.limits.max_k,
-            recsys_gpu::MAX_K
-        )));
-    }
-    let on_device =
-        recsys_gpu::cuda::GpuModel::new(device as usize, &model.engine).map_err(|e| {
-            BackendError::Unsupported(format!("instance {name}: KIND_GPU device {device}: {e}"))
-        })?;
-    log(
-        LogLevel::Info,
-        &format!(
-            "recsys: instance {name}: whole model on {} (CUDA encoder and fused score + top-k)",
-            on_device.device_name()
-        ),
-    );
-    Ok(Some(Arc::new(on_device)))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_model(
-    name: &str,
-    device: i32,
-    _model: &ModelState,
-) -> Result<Option<Arc<dyn recsys_engine::BatchRecommender>>> {
-    Err(BackendError::Unsupported(format!(
-        "instance {name}: KIND_GPU (device {device}) needs a recsys backend built with CUDA support \
-         (cargo build --features cuda, as docker/Dockerfile does); this build runs on the CPU only, so use \
-         instance_group [ {{ kind: KIND_CPU }} ]"
-    )))
-}
-
 pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstance) -> Result<()> {
     let (mut name, mut kind, mut device, mut model) = (ptr::null(), 0, 0i32, ptr::null_mut());
     // SAFETY: `instance` is live during ModelInstanceInitialize; out-pointers are valid locals.
@@ -250,7 +207,19 @@ pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstanc
     // SAFETY: see above; only shared access is taken, and ModelFinalize runs after every instance's.
     let model_state = unsafe { &*(raw as *const ModelState) };
     let device = if kind == sys::TRITONSERVER_INSTANCEGROUPKIND_GPU {
-        gpu_model(&name, device, model_state)?
+        let (on_device, device_name) = crate::device_choice::gpu_recommender(
+            &name,
+            device,
+            &model_state.engine,
+            model_state.settings.limits.max_k,
+        )?;
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: instance {name}: whole model on {device_name} (CUDA encoder and fused score + top-k)"
+            ),
+        );
+        Some(on_device)
     } else {
         None
     };

@@ -15,11 +15,11 @@ const char* recsys_emu_failure() { return emu::failure.c_str(); }
     int recsys_emu_##NAME(unsigned grid_x, unsigned grid_y, unsigned shared_bytes,                   \
                           const float* hidden, WEIGHT_PARAMS, const float* bias,                     \
                           const u32* exclude_offsets, const u32* exclude_ids, u32 batch,             \
-                          u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* out_scores,     \
-                          u32* out_index) {                                                          \
+                          u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, u32 keep,             \
+                          float* out_scores, u32* out_index) {                                       \
         return emu::launch(#NAME, dim3(grid_x, grid_y), dim3(THREADS), shared_bytes, [=] {          \
             NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, rows_per_block,     \
-                 n_items, dim, keep, out_scores, out_index);                                         \
+                 n_items, dim, pitch, keep, out_scores, out_index);                                  \
         });                                                                                          \
     }
 

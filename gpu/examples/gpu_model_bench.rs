@@ -1,9 +1,10 @@
 //! Times whole models on the GPU (encoder and fused score + top-k, `DeviceModel` on CUDA) against
 //! the CPU engine in the same process, on the trained fixtures (fp32 and fp16 engines), for
 //! batches of 1 and 64 test histories with top-10 and the history excluded; checks that both
-//! return the same top-10. Prints one JSON object. Run by scripts/gpu-check.sh on a GPU machine.
+//! return the same top-10. Prints one JSON object. The GPU bundle's run.sh runs it;
+//! `--dry-run` checks that it starts and finds the fixtures, and exits 0 without a GPU.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,8 +30,32 @@ fn median_ms(mut run: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let fixtures = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures"));
+    let dry_run = std::env::args().nth(1).as_deref() == Some("--dry-run");
+    // RECSYS_FIXTURES: where the GPU bundle's run.sh put them.
+    let fixtures = std::env::var_os("RECSYS_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures")).into()
+        });
     let cases = read_test_set(&fixtures.join("test_set.tsv")).expect("fixture test set");
+    if dry_run {
+        for dir in ["bert4rec", "multivae"] {
+            for file in ["config.json", "item_id_map.tsv", "model.safetensors"] {
+                let path = fixtures.join(dir).join(file);
+                assert!(path.is_file(), "fixture {} missing", path.display());
+            }
+        }
+        println!(
+            "gpu_model_bench: starts; {} test histories and both fixtures found; CUDA driver {}",
+            cases.len(),
+            if recsys_gpu::cuda::driver_present() {
+                "present"
+            } else {
+                "absent"
+            }
+        );
+        return;
+    }
     let tmp = tempfile::tempdir().unwrap();
     let mut rows = Vec::new();
     for (kind, name, dir) in [
@@ -41,7 +66,7 @@ fn main() {
         let config: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap())
                 .unwrap();
-        for precision in [Precision::Fp32, Precision::Fp16] {
+        for precision in [Precision::Fp32, Precision::Fp16, Precision::Int8] {
             let out = tmp.path().join(format!("{name}-{precision:?}"));
             let engine = Arc::new(
                 convert(&ConvertRequest {

@@ -1,6 +1,6 @@
 // Fused output-layer scoring + top-k for recsys, compiled at model load by NVRTC.
 //
-// Stage 1 (score_tile_topk_*): block (tile, group) scores TILE items of the catalogue for a group of
+// Stage 1 (score_tile_topk_*): block (group, tile) scores TILE items of the catalogue for a group of
 // up to MAX_ROWS rows of the batch (one thread per item, so each weight row is read once per group
 // rather than once per row), applies bias and exclusions, and keeps each row's best `keep` tile
 // candidates, sorted; only those leave the chip.
@@ -8,8 +8,10 @@
 // remains. Order: higher score first, ties to the lower item index (the engine's rule); excluded
 // items and padding carry -inf and index 0xFFFFFFFF and sort last.
 //
-// Weights are row-major [n_items, dim]: f32, f16 bits (u16) or int8 with one f32 scale per row
-// (applied to the finished dot product, as the CPU engine does).
+// Weights are row-major [n_items, pitch]: f32, f16 bits (u16) or int8 with one f32 scale per row
+// (applied to the finished dot product, as the CPU engine does). The host pads each row with
+// zeros from dim to pitch, a multiple of 16 bytes, so every row starts 16-byte aligned and is read
+// 16 bytes at a time whatever dim is (d = 600 int8 rows are 600 bytes).
 // Exclusions are CSR per batch row (offsets [rows + 1], sorted item indices).
 // No headers: fp16 conversion is one PTX instruction, so NVRTC needs no include path. The same
 // source also compiles as host C++ in front of gpu/emulator/cuda_emulation.hpp, which runs the
@@ -19,6 +21,10 @@
 #define THREADS 256
 #define MAX_ROWS 4
 #define WARPS (THREADS / 32)
+// Stage-1 blocks resident per multiprocessor that register allocation plans for. Left to itself,
+// ptxas plans for as many as shared memory admits (4 on Hopper: 64 registers a thread), and the
+// int8 body then spills; 3 gives it 85 registers and still keeps 24 warps of loads in flight.
+#define STAGE1_MIN_BLOCKS 3
 // Up to this k, a tile's candidates are chosen by warp-level selection; above it, by sorting.
 #define WARP_SELECT_MAX 32
 // Tile entries each lane holds during warp selection (a warp covers TILE / WARPS entries).
@@ -169,62 +175,82 @@ __device__ void select_tile(float* scores, const u32* index, u32 tile_start, u32
     __syncthreads();
 }
 
-// 16 bytes of a weight row as floats (the row start must be 16-byte aligned): 4 f32, 8 f16 or 16
-// int8 values. Little-endian, so the lower half of each word is the earlier element.
-__device__ __forceinline__ void load16(const float* p, float (&w)[4]) {
-    const float4 v = *reinterpret_cast<const float4*>(p);
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+// 16 bytes of a weight row (the row start must be 16-byte aligned): 4 f32, 8 f16 or 16 int8 values,
+// kept packed; four4(raw, q, w) unpacks the q-th group of four as floats, only when it is used, so
+// an int8 chunk holds 4 registers instead of 16. Little-endian: the lower bits are the earlier
+// element.
+__device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ u32 word_of(const uint4& v, u32 i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
-__device__ __forceinline__ void load16(const u16* p, float (&w)[8]) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const u32 words[4] = {v.x, v.y, v.z, v.w};
-    _Pragma("unroll") for (u32 j = 0; j < 4; ++j) {
-        w[2 * j] = half_bits_to_float((u16)(words[j] & 0xFFFFu));
-        w[2 * j + 1] = half_bits_to_float((u16)(words[j] >> 16));
-    }
+__device__ __forceinline__ void four4(const float*, const uint4& raw, u32, float (&w)[4]) {
+    w[0] = __uint_as_float(raw.x); w[1] = __uint_as_float(raw.y);
+    w[2] = __uint_as_float(raw.z); w[3] = __uint_as_float(raw.w);
 }
-__device__ __forceinline__ void load16(const signed char* p, float (&w)[16]) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const u32 words[4] = {v.x, v.y, v.z, v.w};
-    _Pragma("unroll") for (u32 j = 0; j < 4; ++j)
-        _Pragma("unroll") for (u32 b = 0; b < 4; ++b)
-            w[4 * j + b] = (float)(signed char)((words[j] >> (8 * b)) & 0xFFu);
+__device__ __forceinline__ void four4(const u16*, const uint4& raw, u32 q, float (&w)[4]) {
+    const u32 lo = word_of(raw, 2 * q), hi = word_of(raw, 2 * q + 1);
+    w[0] = half_bits_to_float((u16)(lo & 0xFFFFu)); w[1] = half_bits_to_float((u16)(lo >> 16));
+    w[2] = half_bits_to_float((u16)(hi & 0xFFFFu)); w[3] = half_bits_to_float((u16)(hi >> 16));
+}
+__device__ __forceinline__ void four4(const signed char*, const uint4& raw, u32 q, float (&w)[4]) {
+    const u32 word = word_of(raw, q);
+    _Pragma("unroll") for (u32 b = 0; b < 4; ++b)
+        w[b] = (float)(signed char)((word >> (8 * b)) & 0xFFu);
 }
 
 // The body shared by the three weight types; WEIGHT(item, col) reads one weight as float, and
 // CHUNK weights are read at once by load16 where rows are aligned.
-// Block (tile, group) scores TILE items for up to MAX_ROWS rows of the batch, so each weight row
+// Block (group, tile) scores TILE items for up to MAX_ROWS rows of the batch, so each weight row
 // is read once per group of rows instead of once per row: one thread per item, the group's hidden
-// vectors in shared memory (read as broadcasts). Then, one row at a time, the tile's best `keep`
-// are selected on chip (select_tile) and only they leave it.
+// vectors in shared memory (read as 16-byte broadcasts). Groups are the grid's x, so the blocks
+// that run at the same time share their tiles and a tile crosses from HBM once for all groups,
+// the others finding it in L2. Then, one row at a time, the tile's best `keep` are selected on
+// chip (select_tile) and only they leave it.
 #define SCORE_TILE_BODY(WEIGHT, CHUNK)                                                            \
-    RECSYS_DYNAMIC_SHARED(float, group_hidden);                                                   \
+    RECSYS_DYNAMIC_SHARED(float4, group_hidden_vectors);                                          \
+    float* group_hidden = reinterpret_cast<float*>(group_hidden_vectors);                         \
     __shared__ float tile_scores[MAX_ROWS * TILE];                                                \
     __shared__ SelectScratch scratch;                                                             \
-    const u32 row0 = blockIdx.y * rows_per_block;                                                 \
+    const u32 row0 = blockIdx.x * rows_per_block;                                                 \
     const u32 rows = min(rows_per_block, batch - row0);                                           \
-    const u32 tile_start = blockIdx.x * TILE;                                                     \
-    for (u32 i = threadIdx.x; i < rows * dim; i += THREADS)                                       \
-        group_hidden[i] = LOAD_HIDDEN(hidden[(size_t)row0 * dim + i]);                            \
+    const u32 tile_start = blockIdx.y * TILE;                                                     \
+    /* The group's hidden rows at the weights' pitch, zero past dim like the weights. */         \
+    for (u32 i = threadIdx.x; i < rows * pitch; i += THREADS) {                                   \
+        const u32 r = i / pitch, c = i % pitch;                                                   \
+        group_hidden[i] = c < dim ? LOAD_HIDDEN(hidden[(size_t)(row0 + r) * dim + c]) : 0.0f;     \
+    }                                                                                             \
     __syncthreads();                                                                              \
     for (u32 t = threadIdx.x; t < TILE; t += THREADS) {                                           \
         const u32 item = tile_start + t;                                                          \
         float acc[MAX_ROWS];                                                                      \
         _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;                      \
         if (item < n_items) {                                                                     \
-            /* 16-byte loads when every row starts 16-byte aligned; same summation order. */      \
-            const u32 vector_end = (dim % CHUNK == 0 && (size_t)weights % 16 == 0) ? dim : 0;    \
+            /* 16-byte loads when every row starts 16-byte aligned (always on a device: the host  \
+               pads rows; host memory in the emulation may not be), over the zero padding too,   \
+               which adds nothing; else one value at a time up to dim. Same summation order. */   \
+            const u32 vector_end = (pitch % CHUNK == 0 && (size_t)weights % 16 == 0) ? pitch : 0; \
             for (u32 c = 0; c < vector_end; c += CHUNK) {                                         \
-                float w[CHUNK];                                                                   \
-                load16(weights + (size_t)item * dim + c, w);                                      \
-                _Pragma("unroll") for (u32 e = 0; e < CHUNK; ++e)                                 \
-                    _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                          \
-                        if (r < rows) acc[r] += group_hidden[r * dim + c + e] * w[e];             \
+                const uint4 raw = load16(weights + (size_t)item * pitch + c);                     \
+                /* pitch % 4 == 0, so each row's slice of shared memory is 16-byte aligned. */    \
+                _Pragma("unroll") for (u32 q = 0; q < CHUNK / 4; ++q) {                           \
+                    float w[4];                                                                   \
+                    four4(weights, raw, q, w);                                                    \
+                    _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) {                        \
+                        if (r < rows) {                                                           \
+                            const float4 v = reinterpret_cast<const float4*>(                     \
+                                group_hidden + r * pitch + c)[q];                                 \
+                            acc[r] += v.x * w[0];                                                 \
+                            acc[r] += v.y * w[1];                                                 \
+                            acc[r] += v.z * w[2];                                                 \
+                            acc[r] += v.w * w[3];                                                 \
+                        }                                                                         \
+                    }                                                                             \
+                }                                                                                 \
             }                                                                                     \
             for (u32 c = vector_end; c < dim; ++c) {                                              \
                 const float w = WEIGHT(item, c);                                                  \
                 _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                              \
-                    if (r < rows) acc[r] += group_hidden[r * dim + c] * w;                        \
+                    if (r < rows) acc[r] += group_hidden[r * pitch + c] * w;                      \
             }                                                                                     \
         }                                                                                         \
         _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) {                                    \
@@ -238,33 +264,35 @@ __device__ __forceinline__ void load16(const signed char* p, float (&w)[16]) {
     }                                                                                             \
     __syncthreads();                                                                              \
     for (u32 r = 0; r < rows; ++r) {                                                              \
-        const size_t out = ((size_t)(row0 + r) * gridDim.x + blockIdx.x) * keep;                  \
+        const size_t out = ((size_t)(row0 + r) * gridDim.y + blockIdx.y) * keep;                  \
         select_tile(tile_scores + r * TILE, nullptr, tile_start, keep, scratch, out_scores + out,  \
                     out_index + out);                                                             \
     }
 
-extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f32(
+extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_tile_topk_f32(
     const float* __restrict__ hidden, const float* __restrict__ weights, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
-    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
+    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, u32 keep,
+    float* __restrict__ out_scores,
     u32* __restrict__ out_index) {
 #define FINISH(acc, item) (acc)
 #define LOAD_HIDDEN(h) (h)
-#define W_F32(item, c) weights[(size_t)(item) * dim + (c)]
+#define W_F32(item, c) weights[(size_t)(item) * pitch + (c)]
     SCORE_TILE_BODY(W_F32, 4)
 #undef W_F32
 #undef FINISH
 #undef LOAD_HIDDEN
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_f16(
+extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_tile_topk_f16(
     const float* __restrict__ hidden, const u16* __restrict__ weights, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
-    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
+    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, u32 keep,
+    float* __restrict__ out_scores,
     u32* __restrict__ out_index) {
 #define FINISH(acc, item) (acc)
 #define LOAD_HIDDEN(h) (h)
-#define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * dim + (c)])
+#define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * pitch + (c)])
     SCORE_TILE_BODY(W_F16, 8)
 #undef W_F16
 #undef FINISH
@@ -278,15 +306,16 @@ __device__ __forceinline__ float quantize_activation(float h, float scale) {
 }
 
 // int8: the row's scale is applied once to the dot product (sum_c h_c q_c) * s, as the engine does.
-extern "C" __global__ void __launch_bounds__(THREADS) score_tile_topk_i8(
+extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_tile_topk_i8(
     const float* __restrict__ hidden, const signed char* __restrict__ weights,
     const float* __restrict__ row_scales, float activation_scale, const float* __restrict__ bias,
     const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids,
-    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 keep, float* __restrict__ out_scores,
+    u32 batch, u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, u32 keep,
+    float* __restrict__ out_scores,
     u32* __restrict__ out_index) {
 #define FINISH(acc, item) ((acc) * row_scales[item])
 #define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
-#define W_I8(item, c) ((float)weights[(size_t)(item) * dim + (c)])
+#define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
     SCORE_TILE_BODY(W_I8, 16)
 #undef W_I8
 #undef FINISH

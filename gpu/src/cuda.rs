@@ -25,6 +25,34 @@ use crate::{
     MODULES, THREADS, TILE,
 };
 
+/// Stream-ordered allocations come from the device's default memory pool, which by default hands
+/// its free memory back to the system at every synchronisation: each batch then pays to map it
+/// again. Keep it (the pool only grows to the largest batch's working set).
+fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the context is current (CudaContext::new binds it); `pool` and `threshold` are
+    // valid locals and CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes a cuuint64_t.
+    let status = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) {
+            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            ),
+            failed => failed,
+        }
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(GpuError::Cuda {
+            what: "keeping the memory pool's memory between batches",
+            message: format!("{status:?}"),
+        });
+    }
+    Ok(())
+}
+
 fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
     move |e| GpuError::Cuda {
         what,
@@ -32,16 +60,120 @@ fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> G
     }
 }
 
-/// Whether the CUDA driver library can be opened (cudarc panics on first use otherwise).
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the driver library by its usual names; no CUDA call is made.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+/// Runs a probe of a CUDA library through cudarc, turning its panics into an error: cudarc loads
+/// every symbol of its bindings when it first opens a library and panics on a missing one (a
+/// CUDA 13 libnvrtc.so opened through the CUDA 12 bindings lacks `nvrtcGetNVVM`), and a panic
+/// must never reach the caller, let alone Triton.
+fn probe<T>(library: &str, f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T> {
+    std::panic::catch_unwind(f).map_err(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into());
+        GpuError::Unavailable(format!(
+            "{library} was found but cannot be used by this build (made for CUDA {}): {why}",
+            BUILT_FOR_CUDA
+        ))
+    })
 }
 
-/// Whether NVRTC can be opened.
+/// The CUDA major version whose bindings this build uses (the `cuda-12` or `cuda-13` feature).
+pub const BUILT_FOR_CUDA: &str = if cfg!(feature = "cuda-13") {
+    "13"
+} else {
+    "12"
+};
+
+/// Whether the CUDA driver library can be opened and has every symbol this build needs.
+pub fn driver_present() -> bool {
+    // SAFETY: only dlopens the driver library by its usual names and resolves its symbols; no
+    // CUDA call is made.
+    probe("libcuda.so.1", || unsafe {
+        cudarc::driver::sys::is_culib_present() && {
+            cudarc::driver::sys::culib();
+            true
+        }
+    })
+    .unwrap_or(false)
+}
+
+/// Whether NVRTC can be opened and has every symbol this build needs.
 pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen libnvrtc by its usual names.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    nvrtc_check().is_ok()
+}
+
+/// Why NVRTC cannot be used, if it cannot: not found, or found without the symbols of the CUDA
+/// version this build is for.
+pub fn nvrtc_check() -> Result<()> {
+    // SAFETY: only dlopens libnvrtc by its usual names and resolves its symbols.
+    let found = probe("libnvrtc", || unsafe {
+        cudarc::nvrtc::sys::is_culib_present() && {
+            cudarc::nvrtc::sys::culib();
+            true
+        }
+    })?;
+    if found {
+        Ok(())
+    } else {
+        Err(GpuError::Unavailable(format!(
+            "NVRTC (libnvrtc.so.{BUILT_FOR_CUDA}) not found: install the CUDA toolkit's NVRTC or PyPI \
+             {} and put its lib directory on LD_LIBRARY_PATH",
+            if BUILT_FOR_CUDA == "13" {
+                "nvidia-cuda-nvrtc (13.x)"
+            } else {
+                "nvidia-cuda-nvrtc-cu12"
+            }
+        )))
+    }
+}
+
+/// NVRTC's version (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    nvrtc_check()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library was opened and checked above; the out-pointers are valid locals.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(GpuError::Unavailable(format!(
+            "nvrtcVersion failed: {status:?}"
+        )));
+    }
+    Ok((major, minor))
+}
+
+/// The newest CUDA version the driver supports (major, minor), e.g. (13, 0) for driver 580.
+pub fn driver_cuda_version() -> Result<(i32, i32)> {
+    if !driver_present() {
+        return Err(GpuError::Unavailable(
+            "the CUDA driver (libcuda.so.1) is not installed or not visible to this process".into(),
+        ));
+    }
+    let mut version = 0;
+    // SAFETY: the library was opened and checked above; cuDriverGetVersion needs no cuInit.
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(GpuError::Unavailable(format!(
+            "cuDriverGetVersion failed: {status:?}"
+        )));
+    }
+    Ok((version / 1000, version % 1000 / 10))
+}
+
+/// PTX from an NVRTC newer than the driver cannot be loaded (CUDA_ERROR_UNSUPPORTED_PTX_VERSION, at
+/// the first module load); say so before compiling, with what to do.
+pub fn check_nvrtc_against_driver() -> Result<()> {
+    let nvrtc = nvrtc_version()?;
+    let driver = driver_cuda_version()?;
+    if nvrtc > driver {
+        return Err(GpuError::Unavailable(format!(
+            "NVRTC {}.{} is newer than the driver, which supports CUDA {}.{}: the driver cannot load \
+             its PTX. Put an NVRTC no newer than {}.{} first on LD_LIBRARY_PATH (the toolkit's, or \
+             PyTorch's nvidia/cu{}/lib), or update the driver",
+            nvrtc.0, nvrtc.1, driver.0, driver.1, driver.0, driver.1, driver.0
+        )));
+    }
+    Ok(())
 }
 
 /// PTX of one kernel source for `arch` ("sm_90"), compiled once per process and cache key.
@@ -56,13 +188,7 @@ pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<String> {
     {
         return Ok(ptx.clone());
     }
-    if !nvrtc_present() {
-        return Err(GpuError::Unavailable(
-            "libnvrtc.so.12 not found (install the CUDA toolkit's NVRTC or PyPI nvidia-cuda-nvrtc-cu12 \
-             and put its lib directory on LD_LIBRARY_PATH)"
-                .into(),
-        ));
-    }
+    nvrtc_check()?;
     let opts = CompileOptions {
         options: compile_options(arch),
         name: Some(name.into()),
@@ -135,6 +261,7 @@ impl CudaDevice {
                 "device {ordinal} has compute capability {major}.{minor}; recsys needs 7.0 or newer"
             )));
         }
+        check_nvrtc_against_driver()?;
         let arch = format!("sm_{major}{minor}");
         let gpu = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let mut modules = Vec::new();
@@ -152,7 +279,17 @@ impl CudaDevice {
             }
             modules.push(module);
         }
+        // Its own stream, so that several instances on one GPU run side by side (the legacy
+        // default stream would serialise them). A second stream makes cudarc record and wait on
+        // events around every allocation, copy and launch, to order work across streams; this
+        // device's buffers are only ever used on its one stream, so that ordering is already
+        // given and the tracking is turned off.
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        // SAFETY: every buffer this context allocates belongs to one CudaDevice and is used only
+        // on that device's stream (page-locked staging keeps its own event, which tracking does
+        // not affect).
+        unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         Ok(CudaDevice {
             stream,
             _modules: modules,
@@ -337,15 +474,18 @@ impl Device for CudaDevice {
             .arg(&launch.rows_per_block)
             .arg(&n_items)
             .arg(&dim)
+            .arg(&launch.pitch)
             .arg(&launch.keep)
             .arg(out_scores)
             .arg(out_index);
-        let cfg = Self::grid(launch.tiles, launch.groups, THREADS, launch.shared_bytes);
+        let (groups, tiles) = launch.grid();
+        let cfg = Self::grid(groups, tiles, THREADS, launch.shared_bytes);
         // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
         // const W* weights, [const float* row_scales, float activation_scale,] const float* bias,
         // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 rows_per_block,
-        // u32 n_items, u32 dim, u32 keep, float* out_scores, u32* out_index) in
-        // kernels/fused_topk.cu; DeviceOutputLayer::top_k sizes hidden batch x dim, exclusions
+        // u32 n_items, u32 dim, u32 pitch, u32 keep, float* out_scores, u32* out_index) in
+        // kernels/fused_topk.cu; DeviceOutputLayer::top_k sizes hidden batch x dim, the weights
+        // n_items x pitch, exclusions
         // batch + 1 offsets, outputs batch x tiles x keep, and the launch plan's groups x
         // rows_per_block cover the batch with shared_bytes holding one group's hidden rows.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
@@ -594,6 +734,50 @@ impl GpuOutputLayer {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .poison_outputs = true;
+    }
+
+    /// Device time of the fused score + top-k kernels, in milliseconds, for each of `reps` runs
+    /// after `warmup` untimed ones: CUDA events recorded around the kernels on the stream, with
+    /// the hidden vectors already on the device and no copy in the span (what torch's CUDA
+    /// events measure of matmul + topk). End-to-end time, copies and host work included, is
+    /// [`Self::topk`] timed on the host.
+    pub fn kernel_times_ms(
+        &self,
+        hidden: &[f32],
+        k: usize,
+        exclude: &[&[u32]],
+        warmup: usize,
+        reps: usize,
+    ) -> Result<Vec<f32>> {
+        let device = self
+            .device
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let on_device = device.upload_f32(hidden)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut times = Vec::with_capacity(reps);
+        for rep in 0..warmup + reps {
+            let start = device
+                .stream
+                .record_event(timing)
+                .map_err(cuda_err("recording an event"))?;
+            let launched = self.layer.launch_top_k(&device, &on_device, k, exclude)?;
+            let end = device
+                .stream
+                .record_event(timing)
+                .map_err(cuda_err("recording an event"))?;
+            end.synchronize()
+                .map_err(cuda_err("waiting for the kernels"))?;
+            drop(launched);
+            if rep >= warmup {
+                times.push(
+                    start
+                        .elapsed_ms(&end)
+                        .map_err(cuda_err("reading the event timer"))?,
+                );
+            }
+        }
+        Ok(times)
     }
 
     /// Top-`k` items for each of `rows` hidden vectors (`hidden` is `[rows, dim]`, on the host),

@@ -58,8 +58,8 @@ pub const MAX_GROUP_HIDDEN_BYTES: usize = 8 * 1024;
 pub const ENC_THREADS: u32 = 256;
 /// Square tile of the dense-layer kernel (`LINEAR_TILE`); its blocks have LINEAR_TILE^2 threads.
 pub const LINEAR_TILE: u32 = 16;
-/// Largest grid y dimension CUDA launches take (batch rows in the merge passes, row tiles of the
-/// dense layers).
+/// Largest grid y dimension CUDA launches take (catalogue tiles in stage 1, batch rows in the merge
+/// passes, row tiles of the dense layers).
 pub const MAX_GRID_Y: usize = 65_535;
 /// Widest hidden vector the kernels take (one row must fit the group's shared memory).
 pub const MAX_DIM: usize = MAX_GROUP_HIDDEN_BYTES / 4;
@@ -113,10 +113,12 @@ pub fn merge_plan(n_items: usize, k: usize) -> Vec<usize> {
     plan
 }
 
-/// How stage 1 is launched for one batch: grid `(tiles, groups)` of `THREADS` threads, each block
-/// scoring one tile for `rows_per_block` rows and keeping `keep` candidates per row.
+/// How stage 1 is launched for one batch: grid [`Stage1Launch::grid`] of `THREADS` threads, each
+/// block scoring one tile for `rows_per_block` rows and keeping `keep` candidates per row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Stage1Launch {
+    /// Elements per stored weight row (and per hidden row in shared memory): see [`row_pitch`].
+    pub pitch: u32,
     pub tiles: u32,
     pub groups: u32,
     pub rows_per_block: u32,
@@ -124,9 +126,34 @@ pub struct Stage1Launch {
     pub shared_bytes: u32,
 }
 
-/// The stage-1 launch for `rows` hidden vectors of width `dim` against `n_items` items at `k`.
-pub fn stage1_launch(n_items: usize, dim: usize, rows: usize, k: usize) -> Result<Stage1Launch> {
-    if dim == 0 || dim > MAX_DIM {
+impl Stage1Launch {
+    /// The grid: groups on x, tiles on y. Blocks start in x-major order, so the groups of one tile
+    /// run together and read its weights from HBM once (the rest hit L2); tiles on x would make
+    /// every group stream the whole table.
+    pub fn grid(&self) -> (u32, u32) {
+        (self.groups, self.tiles)
+    }
+}
+
+/// Elements per stored row of an output-layer table of width `dim` whose elements take
+/// `element_bytes`: `dim` rounded up to a multiple of 16 bytes. The rows are padded with zeros, so
+/// each starts 16-byte aligned and the scoring kernel reads it 16 bytes at a time whatever `dim`
+/// is (d = 600 int8 rows are 600 bytes, which would otherwise force one-byte loads).
+pub fn row_pitch(dim: usize, element_bytes: usize) -> usize {
+    let per_16_bytes = 16 / element_bytes;
+    dim.div_ceil(per_16_bytes) * per_16_bytes
+}
+
+/// The stage-1 launch for `rows` hidden vectors of width `dim` against `n_items` items stored at
+/// `pitch` elements a row, at `k`.
+pub fn stage1_launch(
+    n_items: usize,
+    dim: usize,
+    pitch: usize,
+    rows: usize,
+    k: usize,
+) -> Result<Stage1Launch> {
+    if dim == 0 || pitch < dim || !pitch.is_multiple_of(4) || pitch > MAX_DIM {
         return Err(GpuError::Invalid(format!(
             "hidden size {dim}: the GPU kernels take 1..={MAX_DIM}"
         )));
@@ -141,18 +168,25 @@ pub fn stage1_launch(n_items: usize, dim: usize, rows: usize, k: usize) -> Resul
             "a batch of {rows} rows: the GPU path takes at most {MAX_GRID_Y} per launch"
         )));
     }
-    if rows == 0 || n_items == 0 || n_items > u32::MAX as usize / 2 {
+    if n_items > MAX_GRID_Y * TILE {
+        return Err(GpuError::Invalid(format!(
+            "{n_items} items: the GPU path scores at most {} (one tile of {TILE} per grid row)",
+            MAX_GRID_Y * TILE
+        )));
+    }
+    if rows == 0 || n_items == 0 {
         return Err(GpuError::Invalid(format!(
             "{rows} rows against {n_items} items: nothing to score or too many items"
         )));
     }
-    let rows_per_block = MAX_ROWS.min(MAX_GROUP_HIDDEN_BYTES / (4 * dim)).max(1);
+    let rows_per_block = MAX_ROWS.min(MAX_GROUP_HIDDEN_BYTES / (4 * pitch)).max(1);
     Ok(Stage1Launch {
+        pitch: pitch as u32,
         tiles: n_items.div_ceil(TILE) as u32,
         groups: rows.div_ceil(rows_per_block) as u32,
         rows_per_block: rows_per_block as u32,
         keep: keep_per_tile(k) as u32,
-        shared_bytes: (4 * dim * rows_per_block) as u32,
+        shared_bytes: (4 * pitch * rows_per_block) as u32,
     })
 }
 
@@ -255,23 +289,26 @@ mod tests {
 
     #[test]
     fn stage1_groups_rows_within_the_shared_memory_budget() {
-        let l = stage1_launch(1_000_000, 64, 64, 100).unwrap();
+        let l = stage1_launch(1_000_000, 64, 64, 64, 100).unwrap();
         assert_eq!(
             (l.tiles, l.groups, l.rows_per_block, l.keep),
             (489, 16, 4, 100)
         );
         assert_eq!(l.shared_bytes, 1024);
-        let wide = stage1_launch(5000, 1024, 7, 10).unwrap();
+        assert_eq!(l.grid(), (16, 489));
+        let wide = stage1_launch(5000, 1024, 1024, 7, 10).unwrap();
         assert_eq!((wide.rows_per_block, wide.groups), (2, 4));
-        let widest = stage1_launch(5000, MAX_DIM, 3, 10).unwrap();
+        let widest = stage1_launch(5000, MAX_DIM, MAX_DIM, 3, 10).unwrap();
         assert_eq!(widest.rows_per_block, 1);
         assert!(widest.shared_bytes as usize <= MAX_GROUP_HIDDEN_BYTES);
         for bad in [
-            stage1_launch(5000, 64, MAX_GRID_Y + 1, 10),
-            stage1_launch(5000, MAX_DIM + 1, 1, 10),
-            stage1_launch(5000, 64, 1, MAX_K + 1),
-            stage1_launch(5000, 64, 1, 0),
-            stage1_launch(5000, 64, 0, 10),
+            stage1_launch(5000, 64, 64, MAX_GRID_Y + 1, 10),
+            stage1_launch(5000, MAX_DIM + 1, MAX_DIM + 1, 1, 10),
+            stage1_launch(5000, 600, 600 - 4, 1, 10),
+            stage1_launch(5000, 64, 64, 1, MAX_K + 1),
+            stage1_launch(5000, 64, 64, 1, 0),
+            stage1_launch(5000, 64, 64, 0, 10),
+            stage1_launch(MAX_GRID_Y * TILE + 1, 64, 64, 1, 10),
         ] {
             assert!(matches!(bad, Err(GpuError::Invalid(_))), "{bad:?}");
         }
@@ -285,6 +322,20 @@ mod tests {
         assert_eq!(LINEAR_TILE * LINEAR_TILE, ENC_THREADS);
         let head = model::MAX_HEAD_DIM;
         assert!(ENCODER_SOURCE.contains(&format!("#define MAX_HEAD_DIM {head}")));
+    }
+
+    #[test]
+    fn rows_are_padded_to_16_bytes() {
+        assert_eq!(row_pitch(600, 1), 608);
+        assert_eq!(row_pitch(600, 2), 600);
+        assert_eq!(row_pitch(64, 1), 64);
+        assert_eq!(row_pitch(3, 4), 4);
+        assert_eq!(row_pitch(1, 2), 8);
+        let l = stage1_launch(5000, 600, 608, 3, 10).unwrap();
+        assert_eq!(
+            (l.pitch, l.rows_per_block, l.shared_bytes),
+            (608, 3, 3 * 608 * 4)
+        );
     }
 
     #[test]

@@ -40,6 +40,57 @@ pub fn upload_matrix<D: Device>(device: &D, m: &Matrix) -> Result<DeviceMatrix<D
     })
 }
 
+/// Bytes of one stored element of `m`.
+fn element_bytes(m: &Matrix) -> usize {
+    match m {
+        Matrix::F32(_) => 4,
+        Matrix::F16 { .. } => 2,
+        Matrix::I8 { .. } => 1,
+    }
+}
+
+/// Each `cols`-wide row of `values` followed by zeros up to `pitch`.
+fn padded_rows<T: Copy + Default>(values: &[T], cols: usize, pitch: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(values.len() / cols.max(1) * pitch);
+    for row in values.chunks_exact(cols.max(1)) {
+        out.extend_from_slice(row);
+        out.resize(out.len() + pitch - cols, T::default());
+    }
+    out
+}
+
+/// Uploads an output-layer table with its rows padded to `pitch` elements ([`crate::row_pitch`]).
+pub fn upload_padded_matrix<D: Device>(
+    device: &D,
+    m: &Matrix,
+    pitch: usize,
+) -> Result<DeviceMatrix<D>> {
+    let (rows, cols) = (m.rows(), m.cols());
+    if pitch == cols {
+        return upload_matrix(device, m);
+    }
+    Ok(match m {
+        Matrix::F32(t) => {
+            DeviceMatrix::F32(device.upload_f32(&padded_rows(t.as_slice(), cols, pitch))?)
+        }
+        Matrix::F16 { bits, start, .. } => DeviceMatrix::F16(device.upload_u16(&padded_rows(
+            &bits[start * cols..(start + rows) * cols],
+            cols,
+            pitch,
+        ))?),
+        Matrix::I8 {
+            q, scales, start, ..
+        } => DeviceMatrix::I8 {
+            q: device.upload_i8(&padded_rows(
+                &q[start * cols..(start + rows) * cols],
+                cols,
+                pitch,
+            ))?,
+            scales: device.upload_f32(&scales[*start..start + rows])?,
+        },
+    })
+}
+
 /// A matrix's values as f32 (each row as the CPU engine reads it).
 pub fn dequantized(m: &Matrix) -> Vec<f32> {
     let cols = m.cols();
@@ -52,9 +103,11 @@ pub fn dequantized(m: &Matrix) -> Vec<f32> {
 
 /// The output layer on a device, for the fused score + top-k.
 pub struct DeviceOutputLayer<D: Device> {
-    /// `[n_items, dim]` (or more rows, of which the first n_items are read): BERT4Rec's output
-    /// layer shares its item embedding's upload.
+    /// `[n_items, pitch]` (or more rows, of which the first n_items are read): BERT4Rec's output
+    /// layer shares its item embedding's upload when its rows need no padding.
     weights: Arc<DeviceMatrix<D>>,
+    /// Elements per stored row ([`crate::row_pitch`]).
+    pub pitch: usize,
     bias: D::F32,
     /// W8A8 engines' static activation scale; 0 for the others.
     activation_scale: f32,
@@ -71,11 +124,14 @@ impl<D: Device> DeviceOutputLayer<D> {
         activation_scale: Option<f32>,
     ) -> Result<Self> {
         Self::check(weight, bias, activation_scale)?;
-        let uploaded = Arc::new(upload_matrix(device, weight)?);
-        Self::assemble(device, uploaded, weight, bias, activation_scale)
+        let pitch = crate::row_pitch(weight.cols(), element_bytes(weight));
+        let uploaded = Arc::new(upload_padded_matrix(device, weight, pitch)?);
+        Self::assemble(device, uploaded, pitch, weight, bias, activation_scale)
     }
 
-    /// Uses `uploaded`, whose first rows hold `weight` already on the device, and uploads `bias`.
+    /// Uses `uploaded`, whose first rows hold `weight` already on the device, and uploads `bias`;
+    /// when the scoring kernel needs the rows padded ([`crate::row_pitch`]), it uploads a padded
+    /// copy of its own instead.
     pub fn sharing(
         device: &D,
         uploaded: Arc<DeviceMatrix<D>>,
@@ -84,18 +140,26 @@ impl<D: Device> DeviceOutputLayer<D> {
         activation_scale: Option<f32>,
     ) -> Result<Self> {
         Self::check(weight, bias, activation_scale)?;
-        Self::assemble(device, uploaded, weight, bias, activation_scale)
+        let pitch = crate::row_pitch(weight.cols(), element_bytes(weight));
+        let uploaded = if pitch == weight.cols() {
+            uploaded
+        } else {
+            Arc::new(upload_padded_matrix(device, weight, pitch)?)
+        };
+        Self::assemble(device, uploaded, pitch, weight, bias, activation_scale)
     }
 
     fn assemble(
         device: &D,
         uploaded: Arc<DeviceMatrix<D>>,
+        pitch: usize,
         weight: &Matrix,
         bias: &Tensor,
         activation_scale: Option<f32>,
     ) -> Result<Self> {
         Ok(DeviceOutputLayer {
             weights: uploaded,
+            pitch,
             bias: device.upload_f32(bias.as_slice())?,
             activation_scale: activation_scale.unwrap_or(0.0),
             n_items: weight.rows(),
@@ -135,10 +199,29 @@ impl<D: Device> DeviceOutputLayer<D> {
         exclude: &[&[u32]],
     ) -> Result<Vec<Ranked>> {
         let rows = exclude.len();
-        if rows == 0 {
+        let Some(launched) = self.launch_top_k(device, hidden, k, exclude)? else {
             return Ok(Vec::new());
+        };
+        let scores = device.download_f32(&launched.scores)?;
+        let index = device.download_u32(&launched.index)?;
+        Ok(ranked_rows(&scores, &index, &launched.plan, rows, k))
+    }
+
+    /// Enqueues the kernels of [`Self::top_k`] (exclusions staged, stage 1, the merge passes) and
+    /// returns their output buffers without waiting: the benchmark times exactly this span with
+    /// device events. `None` for an empty batch.
+    pub fn launch_top_k(
+        &self,
+        device: &D,
+        hidden: &D::F32,
+        k: usize,
+        exclude: &[&[u32]],
+    ) -> Result<Option<LaunchedTopK<D>>> {
+        let rows = exclude.len();
+        if rows == 0 {
+            return Ok(None);
         }
-        let launch = stage1_launch(self.n_items, self.dim, rows, k)?;
+        let launch = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let plan = merge_plan(self.n_items, k);
         let (offsets, ids) = exclusion_csr(exclude);
         let offsets = device.upload_u32(&offsets)?;
@@ -176,10 +259,19 @@ impl<D: Device> DeviceOutputLayer<D> {
             scores = next_scores;
             index = next_index;
         }
-        let scores = device.download_f32(&scores)?;
-        let index = device.download_u32(&index)?;
-        Ok(ranked_rows(&scores, &index, &plan, rows, k))
+        Ok(Some(LaunchedTopK {
+            scores,
+            index,
+            plan,
+        }))
     }
+}
+
+/// The device buffers the last merge pass writes (`rows x plan.last()`, sorted within each row).
+pub struct LaunchedTopK<D: Device> {
+    pub scores: D::F32,
+    pub index: D::U32,
+    pub plan: Vec<usize>,
 }
 
 /// A dense layer in f32 (encoder layers are small; the CPU engine reads them dequantised too).

@@ -100,7 +100,7 @@ fn k_1024_needs_merge_passes_and_is_exact() {
 #[test]
 fn wide_hidden_vectors_use_smaller_row_groups() {
     let mut rng = Rng(0x5EED_0004);
-    let launch = stage1_launch(2100, 1500, 3, 10).unwrap();
+    let launch = stage1_launch(2100, 1500, 1500, 3, 10).unwrap();
     assert_eq!(launch.rows_per_block, 1);
     check_against_reference("f32", 2100, 1500, 3, &[10], &mut rng);
 }

@@ -71,3 +71,77 @@ fn fused_topk_matches_the_reference() {
     }
     println!("{checked} rows checked against the f64 reference");
 }
+
+/// A libnvrtc of the other CUDA major version than this build's bindings, to open in its place:
+/// `RECSYS_OTHER_NVRTC`, else the one scripts/python-env.sh installs into the venv.
+fn other_nvrtc() -> Option<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os("RECSYS_OTHER_NVRTC") {
+        return Some(path.into());
+    }
+    let venv = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv"));
+    let candidate = if recsys_gpu::cuda::BUILT_FOR_CUDA == "13" {
+        // The CUDA 12.6 NVRTC of the venv's site-packages.
+        std::fs::read_dir(venv.join("lib"))
+            .ok()?
+            .filter_map(|e| e.ok())
+            .map(|e| {
+                e.path()
+                    .join("site-packages/nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
+            })
+            .find(|p| p.exists())?
+    } else {
+        venv.join("cuda-13.0/nvidia/cu13/lib/libnvrtc.so.13")
+    };
+    candidate.exists().then_some(candidate)
+}
+
+#[test]
+fn an_nvrtc_of_the_other_cuda_version_is_a_clear_error_not_a_panic() {
+    const CHILD: &str = "RECSYS_NVRTC_PROBE_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        // The child: "libnvrtc.so" resolves to the other version's library, which lacks symbols
+        // of this build's bindings (CUDA 13 removed nvrtcGetNVVM; 12 lacks 13's additions).
+        let err = recsys_gpu::cuda::nvrtc_check().expect_err("a foreign NVRTC must be refused");
+        let message = err.to_string();
+        assert!(message.contains("no usable GPU"), "{message}");
+        assert!(
+            message.contains("cannot be used by this build"),
+            "{message}"
+        );
+        assert!(!recsys_gpu::cuda::nvrtc_present());
+        let compile = recsys_gpu::cuda::compile("sm_90").expect_err("nothing to compile with");
+        assert!(matches!(compile, GpuError::Unavailable(_)), "{compile}");
+        return;
+    }
+    let Some(library) = other_nvrtc() else {
+        println!("skipped: no NVRTC of the other CUDA major version here (scripts/python-env.sh installs one)");
+        return;
+    };
+    // cudarc tries "libnvrtc.so" first; a folder first on the library path pins it.
+    let pin = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(&library, pin.path().join("libnvrtc.so")).unwrap();
+    let library_path = format!(
+        "{}:{}:{}",
+        pin.path().display(),
+        library.parent().unwrap().display(),
+        std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
+    );
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "an_nvrtc_of_the_other_cuda_version_is_a_clear_error_not_a_panic",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .env("LD_LIBRARY_PATH", library_path)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&child.stdout).into_owned()
+        + &String::from_utf8_lossy(&child.stderr);
+    assert!(
+        child.status.success(),
+        "child with {}:\n{log}",
+        library.display()
+    );
+    println!("{} refused with a clear error", library.display());
+}

@@ -2,7 +2,7 @@
 //! emulated tests run it on the CPU build of the kernels, the GPU tests on a real device.
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use recsys_engine::engine_dir::Precision;
@@ -24,8 +24,14 @@ const HIDDEN_ABS_TOL_INT8: f32 = 1e-3;
 const SCORE_ABS_TOL_FLOAT: f32 = 2e-4;
 const SCORE_ABS_TOL_INT8: f32 = 5e-3;
 
-pub fn fixtures() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures"))
+/// The trained fixtures: `RECSYS_FIXTURES` (set by the GPU bundle's run.sh, whose test binaries run
+/// far from the source tree), else the repository's tests/fixtures.
+pub fn fixtures() -> PathBuf {
+    std::env::var_os("RECSYS_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures")).into()
+        })
 }
 
 pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {

@@ -184,6 +184,7 @@ type Stage1<T> = unsafe extern "C" fn(
     u32,
     u32,
     u32,
+    u32,
     M<f32>,
     M<u32>,
 ) -> i32;
@@ -248,7 +249,7 @@ impl Device for EmulatedDevice {
         assert_len(out_scores, out, "stage-1 scores");
         assert_len(out_index, out, "stage-1 indices");
         assert!(launch.groups * launch.rows_per_block >= batch);
-        let (gx, gy, sh) = (launch.tiles, launch.groups, launch.shared_bytes);
+        let ((gx, gy), sh) = (launch.grid(), launch.shared_bytes);
         let (rpb, keep) = (launch.rows_per_block, launch.keep);
         let (os, oi) = (out_scores.as_mut_ptr(), out_index.as_mut_ptr());
         let (eo, ei) = (exclude_offsets.as_ptr(), exclude_ids.as_ptr());
@@ -258,14 +259,14 @@ impl Device for EmulatedDevice {
         // The f32 and f16 entry points differ only in the weights' element type.
         let plain = match weights {
             DeviceMatrix::F32(w) => {
-                assert_len(w, n * d, "weights");
+                assert_len(w, n * launch.pitch as usize, "weights");
                 Some((
                     "recsys_emu_score_tile_topk_f32",
                     w.as_ptr().cast::<c_void>(),
                 ))
             }
             DeviceMatrix::F16(w) => {
-                assert_len(w, n * d, "weights");
+                assert_len(w, n * launch.pitch as usize, "weights");
                 Some((
                     "recsys_emu_score_tile_topk_f16",
                     w.as_ptr().cast::<c_void>(),
@@ -289,13 +290,14 @@ impl Device for EmulatedDevice {
                     rpb,
                     n_items,
                     dim,
+                    launch.pitch,
                     keep,
                     os,
                     oi,
                 )
             },
             DeviceMatrix::I8 { q, scales } => unsafe {
-                assert_len(q, n * d, "weights");
+                assert_len(q, n * launch.pitch as usize, "weights");
                 assert_len(scales, n, "row scales");
                 type F = unsafe extern "C" fn(
                     u32,
@@ -308,6 +310,7 @@ impl Device for EmulatedDevice {
                     P<f32>,
                     P<u32>,
                     P<u32>,
+                    u32,
                     u32,
                     u32,
                     u32,
@@ -331,6 +334,7 @@ impl Device for EmulatedDevice {
                     rpb,
                     n_items,
                     dim,
+                    launch.pitch,
                     keep,
                     os,
                     oi,

@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# The GPU check of recsys, from a bundle made by scripts/gpu-bundle.sh. Needs bash, the NVIDIA
+# driver, a CUDA toolkit's NVRTC and ptxas (or PyTorch's NVRTC), and python3 (with torch for the
+# peer timing; without it that part is skipped and says so). No Rust toolchain, no network.
+#
+#   run.sh RESULTS_DIR              device tests, whole models GPU vs CPU, timings; at most ~8 minutes
+#   run.sh --dry-run RESULTS_DIR    on any machine: every binary starts and links, fixtures found
+#
+# RESULTS_DIR receives summary.md (the tables for docs/BENCHMARKS.md) and the raw logs: env.log,
+# tests.log, bench.log, fused.json, torch.json, models.json.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+dry_run=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
+[[ $# -eq 1 ]] || { echo "usage: run.sh [--dry-run] RESULTS_DIR" >&2; exit 2; }
+results=$1
+mkdir -p "$results"
+results=$(cd "$results" && pwd)
+export RECSYS_FIXTURES="$here/fixtures"
+cuda_major=$(sed -n 's/^cuda bindings: //p' "$here/BUILD")
+bins=(gpu_lib gpu_kernels gpu_model nvrtc_compile backend_lib gpu_bench gpu_model_bench)
+failures=0
+note() { echo "$*" | tee -a "$results/env.log"; }
+
+# --- Libraries: the driver, and an NVRTC of the bundle's CUDA major version no newer than the
+# driver (PTX from a newer NVRTC cannot be loaded); ptxas for the spill check.
+: >"$results/env.log"
+note "bundle: $(tr '\n' ';' <"$here/BUILD")"
+driver_cuda=""
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi | tee -a "$results/env.log"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.memory --format=csv \
+    | tee -a "$results/env.log"
+  driver_cuda=$(nvidia-smi | grep -o 'CUDA Version: [0-9.]*' | awk '{print $3}')
+fi
+# Every libnvrtc.so.<major>* found: the toolkit's, PyTorch's (nvidia/*/lib), the linker cache's.
+nvrtc_files() {
+  local dirs=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+  if command -v python3 >/dev/null 2>&1; then
+    while IFS= read -r d; do dirs+=("$d"); done < <(python3 -c '
+import glob, os
+try:
+    import nvidia
+    for root in nvidia.__path__:
+        for lib in glob.glob(os.path.join(root, "*", "lib")):
+            print(lib)
+except ImportError:
+    pass
+' 2>/dev/null)
+  fi
+  while IFS= read -r line; do dirs+=("$(dirname "${line##* => }")"); done \
+    < <(ldconfig -p 2>/dev/null | grep 'libnvrtc\.so\.')
+  local d f
+  for d in "${dirs[@]}"; do
+    for f in "$d"/libnvrtc.so."$cuda_major"*; do
+      [[ -e "$f" ]] && readlink -f "$f"
+    done
+  done | sort -u
+}
+# cudarc opens "libnvrtc.so" before "libnvrtc.so.<major>", so the chosen library is pinned by a
+# link of that name in a folder put first on the library path (its own folder follows, for the
+# builtins library it loads).
+pin_dir=$(mktemp -d)
+trap 'rm -rf "$pin_dir"' EXIT
+pin_nvrtc() {
+  ln -sf "$1" "$pin_dir/libnvrtc.so"
+  ln -sf "$1" "$pin_dir/libnvrtc.so.$cuda_major"
+}
+base_library_path=${LD_LIBRARY_PATH:-}
+version_le() { [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" == "$1" ]]; }
+chosen="" chosen_version=""
+while IFS= read -r file; do
+  pin_nvrtc "$file"
+  version=$(LD_LIBRARY_PATH="$pin_dir:$(dirname "$file"):$base_library_path" \
+    "$here/bin/gpu_bench" --versions 2>/dev/null | sed -n 's/^nvrtc \([0-9.]*\).*/\1/p')
+  note "NVRTC found: ${version:-unusable} at $file"
+  [[ -n "$version" ]] || continue
+  if [[ -z "$driver_cuda" ]] || version_le "$version" "$driver_cuda"; then
+    if [[ -z "$chosen" ]] || version_le "$chosen_version" "$version"; then
+      chosen=$file chosen_version=$version
+    fi
+  fi
+done < <(nvrtc_files)
+if [[ -n "$chosen" ]]; then
+  pin_nvrtc "$chosen"
+  export LD_LIBRARY_PATH="$pin_dir:$(dirname "$chosen"):$base_library_path"
+  note "NVRTC used: $chosen_version ($chosen)${driver_cuda:+; the driver supports CUDA $driver_cuda}"
+else
+  note "NVRTC: no usable libnvrtc.so.$cuda_major* no newer than the driver's CUDA ${driver_cuda:-(no driver)} was found"
+fi
+ptxas=${RECSYS_PTXAS:-$(command -v ptxas || true)}
+for p in /usr/local/cuda/bin/ptxas "$(dirname "${chosen:-/nonexistent/x}")/../bin/ptxas"; do
+  [[ -z "$ptxas" && -x "$p" ]] && ptxas=$p
+done
+export RECSYS_PTXAS=${ptxas:-ptxas}
+note "ptxas: ${ptxas:-not found}"
+python_torch=0
+if command -v python3 >/dev/null 2>&1 \
+  && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  python_torch=1
+  note "torch: $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+else
+  note "torch: not available (or no GPU for it): the torch comparison is skipped"
+fi
+
+# --- Dry run: links, starts, fixtures; then one line on the driver.
+if [[ $dry_run -eq 1 ]]; then
+  for b in "${bins[@]}"; do
+    if ldd "$here/bin/$b" | grep -q 'not found'; then
+      note "FAIL $b: unresolved libraries: $(ldd "$here/bin/$b" | grep 'not found' | tr -s ' \n' ' ')"
+      failures=$((failures + 1))
+    fi
+  done
+  for b in gpu_lib gpu_kernels gpu_model nvrtc_compile backend_lib; do
+    if ! "$here/bin/$b" --list >"$results/list-$b.log" 2>&1; then
+      note "FAIL $b does not start: $(tail -n3 "$results/list-$b.log")"
+      failures=$((failures + 1))
+    fi
+  done
+  cat "$results"/list-*.log >"$results/tests.log" 2>/dev/null; rm -f "$results"/list-*.log
+  # The tests that need no GPU: the clear errors without one, the launch plan, the backend's refusal.
+  if ! "$here/bin/gpu_kernels" without_a_usable_gpu >>"$results/tests.log" 2>&1 \
+    || ! "$here/bin/gpu_lib" >>"$results/tests.log" 2>&1 \
+    || ! "$here/bin/backend_lib" device_choice >>"$results/tests.log" 2>&1; then
+    note "FAIL a test that needs no GPU failed: see tests.log"
+    failures=$((failures + 1))
+  fi
+  for b in gpu_bench gpu_model_bench; do
+    "$here/bin/$b" --dry-run >>"$results/env.log" 2>&1 || { note "FAIL $b --dry-run"; failures=$((failures + 1)); }
+  done
+  if [[ $failures -ne 0 ]]; then
+    echo "dry run: $failures problem(s), see $results/env.log" >&2
+    exit 1
+  fi
+  if "$here/bin/gpu_bench" --dry-run | grep -q 'driver present'; then
+    echo "dry run: bundle OK (${#bins[@]} binaries start, fixtures found); a CUDA driver is present: run without --dry-run for the device checks"
+  else
+    echo "dry run: bundle OK (${#bins[@]} binaries start, fixtures found); no CUDA driver present (libcuda.so.1), so no device check ran"
+  fi
+  exit 0
+fi
+
+# --- The device run. Each step is bounded, and all of them by one deadline (the GPU window is
+# short); a failing step is recorded and the run goes on.
+deadline=$((SECONDS + ${RECSYS_GPU_CHECK_SECONDS:-450}))
+step() { # step NAME SECONDS LOG COMMAND...
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local left=$((deadline - SECONDS))
+  ((limit < left)) || limit=$left
+  if ((limit < 5)); then
+    echo "<== $name: skipped, out of time" | tee -a "$results/$log"
+    failures=$((failures + 1))
+    return 0
+  fi
+  echo "==> $name" | tee -a "$results/$log"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >>"$results/$log" 2>&1
+  local status=$?
+  echo "<== $name: exit $status in $((SECONDS - t0)) s" | tee -a "$results/$log"
+  [[ $status -eq 0 ]] || failures=$((failures + 1))
+  return 0
+}
+: >"$results/tests.log"
+: >"$results/bench.log"
+step "tests: gpu_lib" 60 tests.log "$here/bin/gpu_lib" --include-ignored
+step "tests: nvrtc_compile (spill check)" 120 tests.log "$here/bin/nvrtc_compile" --include-ignored --nocapture
+step "tests: gpu_kernels (device kernels against the f64 reference)" 150 tests.log \
+  "$here/bin/gpu_kernels" --include-ignored --nocapture --test-threads=1
+step "tests: gpu_model (whole models, every precision, against the CPU engine)" 120 tests.log \
+  "$here/bin/gpu_model" --include-ignored --nocapture --test-threads=1
+step "tests: backend_lib device_choice (a KIND_GPU instance built as the backend does)" 90 tests.log \
+  "$here/bin/backend_lib" device_choice --include-ignored --nocapture --test-threads=1
+data=$(mktemp -d)
+step "bench: fused kernel" 150 bench.log \
+  bash -c "'$here/bin/gpu_bench' '$data' > '$results/fused.json'"
+step "bench: whole models, GPU against the CPU engine" 90 bench.log \
+  bash -c "'$here/bin/gpu_model_bench' > '$results/models.json'"
+if [[ $python_torch -eq 1 && -s "$results/fused.json" ]]; then
+  step "bench: torch.matmul + torch.topk on the same data" 120 bench.log \
+    python3 "$here/gpu_bench_torch.py" "$data" "$results/fused.json" "$results/torch.json"
+else
+  echo "torch comparison skipped (no torch with a GPU, or no fused results)" | tee -a "$results/bench.log"
+fi
+rm -rf "$data"
+python3 "$here/summary.py" "$results" >"$results/summary.md" 2>>"$results/bench.log" \
+  || echo "summary.py failed: see bench.log" >>"$results/summary.md"
+cat "$results/summary.md"
+echo "GPU check: $failures step(s) failed; results in $results"
+[[ $failures -eq 0 ]]
