@@ -44,8 +44,8 @@ echo "==> CUDA kernels: NVRTC compile for sm_80 and sm_90, ptxas spill check, cl
 nvidia_dir=$(.venv/bin/python -c 'import nvidia, os; print(list(nvidia.__path__)[0])')
 LD_LIBRARY_PATH="$nvidia_dir/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}" RECSYS_PTXAS="$nvidia_dir/cuda_nvcc/bin/ptxas" \
   RECSYS_EXPECT_NVRTC=12.6 cargo test --locked -p recsys-gpu --features cuda-12 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
-LD_LIBRARY_PATH=".venv/cuda-12.9/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}" \
-  RECSYS_PTXAS=.venv/cuda-12.9/nvidia/cuda_nvcc/bin/ptxas RECSYS_EXPECT_NVRTC=12.9 \
+LD_LIBRARY_PATH="$PWD/.venv/cuda-12.9/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}" \
+  RECSYS_PTXAS=$PWD/.venv/cuda-12.9/nvidia/cuda_nvcc/bin/ptxas RECSYS_EXPECT_NVRTC=12.9 \
   cargo test --locked -p recsys-gpu --features cuda-12 --test nvrtc_compile 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 cargo clippy --locked -p recsys-gpu -p recsys-backend --features recsys-gpu/cuda-12,recsys-backend/cuda --all-targets -- -D warnings
 cargo clippy --locked -p recsys-gpu -p recsys-backend --features recsys-gpu/cuda-13,recsys-backend/cuda-13 --all-targets -- -D warnings
@@ -54,8 +54,8 @@ echo "==> GPU bundle (CUDA 13): build, size budget, dry run; the spill check on 
 ./scripts/gpu-bundle.sh build/gpu-bundle --cuda 13
 rm -rf build/gpu-bundle-dry-run
 build/gpu-bundle/run.sh --dry-run build/gpu-bundle-dry-run 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
-LD_LIBRARY_PATH=".venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
-  RECSYS_PTXAS=.venv/cuda-13.0/nvidia/cu13/bin/ptxas RECSYS_EXPECT_NVRTC=13.0 \
+LD_LIBRARY_PATH="$PWD/.venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
+  RECSYS_PTXAS=$PWD/.venv/cuda-13.0/nvidia/cu13/bin/ptxas RECSYS_EXPECT_NVRTC=13.0 \
   build/gpu-bundle/bin/nvrtc_compile --nocapture 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
 echo "==> Dockerfile lint"
