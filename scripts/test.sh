@@ -26,6 +26,18 @@ if ! command -v "${RECSYS_CXX:-c++}" >/dev/null; then
   fi
 fi
 
+# The FFI drift test runs bindgen over Triton's headers; bindgen loads libclang at run time.
+if ! compgen -G "/usr/lib/llvm-*/lib/libclang*.so*" >/dev/null && ! ldconfig -p | grep -q 'libclang'; then
+  if [[ $(id -u) -eq 0 ]]; then
+    apt-get update -qq && apt-get install -y -qq libclang-dev >/dev/null
+  else
+    echo "error: the FFI drift test needs libclang: sudo apt-get install libclang-dev" >&2
+    exit 1
+  fi
+fi
+# ... over the headers of the registry package triton-sys 0.2.0 (fetched into cargo's cache).
+./scripts/triton-headers.sh >/dev/null
+
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy -D warnings"

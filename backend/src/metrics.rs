@@ -154,17 +154,13 @@ impl ModelMetrics {
                 ]
             };
             let label_ptrs: [*const sys::TRITONSERVER_Parameter; 2] = [labels[0], labels[1]];
+            // The header declares the array `const TRITONSERVER_Parameter**` (a mutable pointer
+            // to const parameters); Triton only reads it.
+            let label_array = label_ptrs.as_ptr().cast_mut();
             let new_metric = |family: &Family| -> Result<Metric> {
                 let mut raw = ptr::null_mut();
                 // SAFETY: the family is live; the label array holds 2 valid parameters.
-                unsafe {
-                    ffi_call!(TRITONSERVER_MetricNew(
-                        &mut raw,
-                        family.0,
-                        label_ptrs.as_ptr(),
-                        2
-                    ))?
-                };
+                unsafe { ffi_call!(TRITONSERVER_MetricNew(&mut raw, family.0, label_array, 2))? };
                 Ok(Metric(raw))
             };
             let histogram = |family: &Family| -> Result<Metric> {
@@ -182,7 +178,7 @@ impl ModelMetrics {
                         ffi_call!(TRITONSERVER_MetricNewWithArgs(
                             &mut raw,
                             family.0,
-                            label_ptrs.as_ptr(),
+                            label_array,
                             2,
                             args
                         ))

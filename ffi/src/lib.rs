@@ -168,13 +168,13 @@ extern "C" {
     pub fn TRITONSERVER_MetricNew(
         metric: *mut *mut TRITONSERVER_Metric,
         family: *mut TRITONSERVER_MetricFamily,
-        labels: *const *const TRITONSERVER_Parameter,
+        labels: *mut *const TRITONSERVER_Parameter,
         label_count: u64,
     ) -> *mut TRITONSERVER_Error;
     pub fn TRITONSERVER_MetricNewWithArgs(
         metric: *mut *mut TRITONSERVER_Metric,
         family: *mut TRITONSERVER_MetricFamily,
-        labels: *const *const TRITONSERVER_Parameter,
+        labels: *mut *const TRITONSERVER_Parameter,
         label_count: u64,
         args: *const TRITONSERVER_MetricArgs,
     ) -> *mut TRITONSERVER_Error;
