@@ -328,12 +328,15 @@ pub struct EncodedOutputs {
 pub const PADDING_SCORE: f32 = f32::MIN;
 pub const PADDING_ID: i64 = -1;
 
+/// The response tensors of one request's answer rows. Every item index is checked against the
+/// catalogue before it is mapped to an external id: an index a kernel or a device got wrong fails
+/// this response with an internal error naming it, instead of a panic or a wrong id.
 pub fn encode(
     rows: &[Vec<Scored>],
     engine: &Engine,
     ids_type: IdTensorType,
     batched: bool,
-) -> EncodedOutputs {
+) -> Result<EncodedOutputs> {
     let width = rows.iter().map(Vec::len).max().unwrap_or(0);
     let shape = if batched {
         vec![rows.len() as i64, width as i64]
@@ -346,7 +349,16 @@ pub fn encode(
         for slot in 0..width {
             let item = row.get(slot);
             scores.extend_from_slice(&item.map_or(PADDING_SCORE, |s| s.score).to_le_bytes());
-            let id = item.map(|s| engine.external_id(s.index));
+            let id = match item {
+                None => None,
+                Some(s) => Some(engine.external_id(s.index).ok_or_else(|| {
+                    BackendError::Internal(format!(
+                        "the model returned item index {}, outside the catalogue of {} items",
+                        s.index,
+                        engine.n_items()
+                    ))
+                })?),
+            };
             match ids_type {
                 IdTensorType::Int64 => {
                     let value = match id {
@@ -368,12 +380,12 @@ pub fn encode(
             }
         }
     }
-    EncodedOutputs {
+    Ok(EncodedOutputs {
         shape,
         ids,
         ids_type,
         scores,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -505,6 +517,41 @@ mod tests {
             huge.to_string().contains("max_request_bytes 1000"),
             "{huge}"
         );
+    }
+
+    #[test]
+    fn an_index_outside_the_catalogue_fails_the_response_instead_of_panicking() {
+        let (engine, _dir) =
+            crate::test_support::fixture_engine("multivae", recsys_engine::ModelKind::Vaecf);
+        let n = engine.n_items() as u32;
+        let good = vec![Scored {
+            index: n,
+            score: 1.0,
+        }];
+        let encoded = encode(&[good], &engine, IdTensorType::Int64, true).unwrap();
+        assert_eq!(encoded.shape, vec![1, 1]);
+        for bad in [0, n + 1, u32::MAX] {
+            let rows = vec![vec![
+                Scored {
+                    index: 1,
+                    score: 2.0,
+                },
+                Scored {
+                    index: bad,
+                    score: 1.0,
+                },
+            ]];
+            for ids_type in [IdTensorType::Int64, IdTensorType::String] {
+                let err = encode(&rows, &engine, ids_type, true).unwrap_err();
+                assert!(matches!(err, BackendError::Internal(_)), "{err}");
+                assert!(
+                    err.to_string().contains(&format!(
+                        "item index {bad}, outside the catalogue of {n} items"
+                    )),
+                    "{err}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -355,25 +355,32 @@ fn score_batch(
             slot.map(|s| answers[s].take().expect("each answer used once")),
         ) {
             (Ok(parsed), Some(Ok(rec))) => {
-                counts.unknown_ids += rec.unknown_ids as u64;
-                let mut out = Map::new();
-                out.insert(
-                    "item_ids".into(),
-                    Value::Array(
-                        rec.items
-                            .iter()
-                            .map(|s| id_json(engine.external_id(s.index)))
-                            .collect(),
+                // Every index is checked against the catalogue before it becomes an id.
+                let ids: Option<Vec<Value>> = rec
+                    .items
+                    .iter()
+                    .map(|s| engine.external_id(s.index).map(id_json))
+                    .collect();
+                match ids {
+                    None => error_record(
+                        "internal error: the engine returned an item index outside the catalogue",
+                        *line_no,
+                        &parsed.passthrough,
                     ),
-                );
-                out.insert(
-                    "scores".into(),
-                    Value::Array(rec.items.iter().map(|s| Value::from(s.score)).collect()),
-                );
-                for (k, v) in &parsed.passthrough {
-                    out.entry(k.clone()).or_insert_with(|| v.clone());
+                    Some(ids) => {
+                        counts.unknown_ids += rec.unknown_ids as u64;
+                        let mut out = Map::new();
+                        out.insert("item_ids".into(), Value::Array(ids));
+                        out.insert(
+                            "scores".into(),
+                            Value::Array(rec.items.iter().map(|s| Value::from(s.score)).collect()),
+                        );
+                        for (k, v) in &parsed.passthrough {
+                            out.entry(k.clone()).or_insert_with(|| v.clone());
+                        }
+                        out
+                    }
                 }
-                out
             }
             (Ok(parsed), Some(Err(e))) => {
                 error_record(&e.to_string(), *line_no, &parsed.passthrough)

@@ -378,8 +378,8 @@ impl Engine {
         Ok(top.into_iter().zip(notes).collect())
     }
 
-    /// External id of an internal index.
-    pub fn external_id(&self, index: u32) -> ExternalId {
+    /// External id of an internal index; `None` outside the catalogue (see [`IdMap::external`]).
+    pub fn external_id(&self, index: u32) -> Option<ExternalId> {
         self.ids.external(index)
     }
 }

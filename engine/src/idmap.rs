@@ -233,18 +233,22 @@ impl IdMap {
         out
     }
 
-    /// The external id of internal index `index` (1..=N).
-    pub fn external(&self, index: u32) -> ExternalId {
+    /// The external id of internal index `index`; `None` outside 1..=N (PAD, or an index that a
+    /// kernel or a device got wrong: it is checked here, never trusted).
+    pub fn external(&self, index: u32) -> Option<ExternalId> {
+        let slot = (index as usize).checked_sub(1)?;
         match &self.ids {
-            Ids::Int { by_index, .. } => ExternalId::Int(by_index[index as usize - 1]),
-            Ids::Str { by_index, .. } => ExternalId::Str(by_index[index as usize - 1].clone()),
+            Ids::Int { by_index, .. } => by_index.get(slot).map(|&i| ExternalId::Int(i)),
+            Ids::Str { by_index, .. } => by_index.get(slot).map(|s| ExternalId::Str(s.clone())),
         }
     }
 
-    /// The external id as an i64, for int64 catalogues.
+    /// The external id as an i64, for int64 catalogues; `None` for string catalogues and outside
+    /// 1..=N.
     pub fn external_int(&self, index: u32) -> Option<i64> {
+        let slot = (index as usize).checked_sub(1)?;
         match &self.ids {
-            Ids::Int { by_index, .. } => Some(by_index[index as usize - 1]),
+            Ids::Int { by_index, .. } => by_index.get(slot).copied(),
             Ids::Str { .. } => None,
         }
     }
@@ -261,7 +265,11 @@ mod tests {
         let m = map.map(ExternalIds::Int(&[20, 99, 10, 20, -1]));
         assert_eq!(m.indices, vec![2, 1, 2]);
         assert_eq!(m.unknown, 2);
-        assert_eq!(map.external(1), ExternalId::Int(10));
+        assert_eq!(map.external(1), Some(ExternalId::Int(10)));
+        assert_eq!(map.external(0), None, "PAD has no external id");
+        assert_eq!(map.external(3), None, "past the catalogue");
+        assert_eq!(map.external(u32::MAX), None);
+        assert_eq!(map.external_int(3), None);
         assert_eq!(
             IdMap::parse_tsv(&map.to_tsv())
                 .unwrap()

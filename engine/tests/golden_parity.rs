@@ -66,11 +66,17 @@ fn check_logits_and_topk(kind: ModelKind) {
                 swapped_ties += 1;
             }
             assert_eq!(
-                engine.external_id(got.index).to_string(),
+                engine
+                    .external_id(got.index)
+                    .expect("an index in the catalogue")
+                    .to_string(),
                 if got.index == want_index {
                     want["external"].to_string()
                 } else {
-                    engine.external_id(got.index).to_string()
+                    engine
+                        .external_id(got.index)
+                        .expect("an index in the catalogue")
+                        .to_string()
                 }
             );
         }

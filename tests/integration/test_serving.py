@@ -16,6 +16,7 @@ from conftest import BROKEN_MODELS, golden_cases
 
 # The test-only id that makes a backend built with the `panic-trigger` feature panic in Execute.
 PANIC_TRIGGER_ID = -7_777_777_777
+PANIC_IN_OUTPUT_TRIGGER_ID = -7_777_777_778
 
 
 def make_inputs(module, history, *, k=None, exclude=None, strings=False):
@@ -286,6 +287,33 @@ def test_a_panic_in_execute_answers_internal_and_the_server_keeps_serving(server
         "500", "panic trigger",
     )
     assert "failed while executing" in message
+    assert server.is_live() and http.is_model_ready("bert4rec")
+    ids, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403])))
+    assert len(ids) == 10
+
+
+def test_a_panic_while_writing_a_response_fails_that_response_alone(server, http):
+    message = expect_error(
+        lambda: http.infer("bert4rec", make_inputs(httpclient, [10011403, PANIC_IN_OUTPUT_TRIGGER_ID])),
+        "500", "panic trigger in output writing",
+    )
+    assert "failed while writing this response" in message
+    # Sent together to the model with a 20 ms batching window, so that they share an Execute: only
+    # the request that panics fails; every other one gets its answer, and the server keeps serving.
+    history = [10011403, 10011407]
+    pending = [
+        http.async_infer("bert4rec_batching", make_inputs(httpclient, history + ([PANIC_IN_OUTPUT_TRIGGER_ID] if i == 3 else [])))
+        for i in range(8)
+    ]
+    want, _ = top(http.infer("bert4rec_batching", make_inputs(httpclient, history)))
+    for i, request in enumerate(pending):
+        if i == 3:
+            with pytest.raises(InferenceServerException) as info:
+                request.get_result()
+            assert "panic trigger in output writing" in info.value.message()
+        else:
+            ids, _ = top(request.get_result())
+            assert ids == want, i
     assert server.is_live() and http.is_model_ready("bert4rec")
     ids, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403])))
     assert len(ids) == 10
