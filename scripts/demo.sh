@@ -11,10 +11,10 @@ RECSYS=target/release/recsys
 echo "==> converting the demo checkpoints into model_repository/"
 "$RECSYS" convert --force --kind bert4rec \
   --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
-  --item-map tests/fixtures/bert4rec/item_id_map.tsv --out model_repository/bert4rec/1
+  --item-map tests/fixtures/bert4rec/item_id_map.tsv --output model_repository/bert4rec/1
 "$RECSYS" convert --force --kind vaecf \
   --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
-  --item-map tests/fixtures/multivae/item_id_map.tsv --out model_repository/vaecf/1
+  --item-map tests/fixtures/multivae/item_id_map.tsv --output model_repository/vaecf/1
 
 for model in bert4rec vaecf; do
   echo "==> recsys predict --engine model_repository/$model/1 --input examples/users.jsonl --k 5"

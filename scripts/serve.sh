@@ -25,10 +25,10 @@ cp target/release/libtriton_recsys.so build/backends/recsys/
 echo "==> converting the demo checkpoints into model_repository/"
 target/release/recsys convert --force --kind bert4rec \
   --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
-  --item-map tests/fixtures/bert4rec/item_id_map.tsv --out model_repository/bert4rec/1
+  --item-map tests/fixtures/bert4rec/item_id_map.tsv --output model_repository/bert4rec/1
 target/release/recsys convert --force --kind vaecf \
   --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
-  --item-map tests/fixtures/multivae/item_id_map.tsv --out model_repository/vaecf/1
+  --item-map tests/fixtures/multivae/item_id_map.tsv --output model_repository/vaecf/1
 
 TRITONSERVER=$(.venv/bin/python -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver/bin/tritonserver")')
 mkdir -p build

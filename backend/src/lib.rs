@@ -117,3 +117,36 @@ mod exports {
         })
     }
 }
+
+#[cfg(test)]
+mod conventions {
+    /// Every call into Triton's C API goes through `ffi_call!`, so the FFI surface is one grep and
+    /// every returned error is checked: no `sys::TRITON...(` call outside it.
+    #[test]
+    fn every_c_call_goes_through_ffi_call() {
+        let files = [
+            ("lib.rs", include_str!("lib.rs")),
+            ("lifecycle.rs", include_str!("lifecycle.rs")),
+            ("metrics.rs", include_str!("metrics.rs")),
+            ("triton.rs", include_str!("triton.rs")),
+        ];
+        let needle = ["sys", "::TRITON"].concat();
+        for (file, text) in files {
+            for (n, line) in text.lines().enumerate() {
+                let mut rest = line;
+                while let Some(at) = rest.find(&needle) {
+                    let after = &rest[at + 5..];
+                    let end = after
+                        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .unwrap_or(after.len());
+                    assert!(
+                        !after[end..].starts_with('('),
+                        "{file}:{}: a direct C call; use ffi_call!: {line}",
+                        n + 1
+                    );
+                    rest = &after[end..];
+                }
+            }
+        }
+    }
+}

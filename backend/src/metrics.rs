@@ -96,6 +96,7 @@ struct Metric(*mut sys::TRITONSERVER_Metric);
 // SAFETY: Triton's metric objects are internally synchronised (prometheus-cpp); increments and
 // observations may come from several model instances at once.
 unsafe impl Send for Metric {}
+// SAFETY: as for Send: shared references only ever increment or observe, which Triton synchronises.
 unsafe impl Sync for Metric {}
 
 impl Drop for Metric {
@@ -141,16 +142,16 @@ impl ModelMetrics {
             // metrics, which copy the labels, are created.
             let labels = unsafe {
                 [
-                    sys::TRITONSERVER_ParameterNew(
+                    ffi_call!(value TRITONSERVER_ParameterNew(
                         k_model.as_ptr(),
                         sys::TRITONSERVER_PARAMETER_STRING,
                         v_model.as_ptr().cast(),
-                    ),
-                    sys::TRITONSERVER_ParameterNew(
+                    )),
+                    ffi_call!(value TRITONSERVER_ParameterNew(
                         k_version.as_ptr(),
                         sys::TRITONSERVER_PARAMETER_STRING,
                         v_version.as_ptr().cast(),
-                    ),
+                    )),
                 ]
             };
             let label_ptrs: [*const sys::TRITONSERVER_Parameter; 2] = [labels[0], labels[1]];
@@ -198,7 +199,7 @@ impl ModelMetrics {
             });
             for label in labels {
                 // SAFETY: created above, no longer referenced.
-                unsafe { sys::TRITONSERVER_ParameterDelete(label) };
+                unsafe { ffi_call!(value TRITONSERVER_ParameterDelete(label)) };
             }
             metrics
         }

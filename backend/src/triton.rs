@@ -11,9 +11,15 @@ use recsys_ffi as sys;
 use crate::decode::{DType, InputTensor};
 use crate::error::{BackendError, ErrorCode, Result};
 
-/// Calls a Triton API function and turns its returned error, if any, into a [`BackendError`].
-/// Each use sits in an `unsafe` context whose `// SAFETY:` comment covers the arguments.
+/// Calls a Triton API function. The plain form is for the functions that report failure with a
+/// returned `TRITONSERVER_Error*`, which it turns into a [`BackendError`]; `ffi_call!(value F(..))`
+/// returns what the function returns, for the few that report no error (the error API itself,
+/// parameter objects). Each use sits in an `unsafe` context whose `// SAFETY:` comment covers the
+/// arguments.
 macro_rules! ffi_call {
+    (value $function:ident ( $($arg:expr),* $(,)? )) => {
+        recsys_ffi::$function($($arg),*)
+    };
     ($function:ident ( $($arg:expr),* $(,)? )) => {
         $crate::triton::check(stringify!($function), recsys_ffi::$function($($arg),*))
     };
@@ -49,7 +55,7 @@ pub(crate) fn c_string(text: &str) -> CString {
 pub(crate) fn new_error(error: &BackendError) -> *mut sys::TRITONSERVER_Error {
     let message = c_string(&error.full_message());
     // SAFETY: `message` is a valid NUL-terminated string that Triton copies before returning.
-    unsafe { sys::TRITONSERVER_ErrorNew(code_to_c(error.code()), message.as_ptr()) }
+    unsafe { ffi_call!(value TRITONSERVER_ErrorNew(code_to_c(error.code()), message.as_ptr())) }
 }
 
 /// Converts (and frees) an error returned by a Triton call.
@@ -60,11 +66,11 @@ pub(crate) fn check(call: &'static str, error: *mut sys::TRITONSERVER_Error) -> 
     // SAFETY: a non-null error returned by a Triton call is owned by the caller; it is read and then
     // deleted exactly once here. The message pointer is valid until the delete.
     let (code, message) = unsafe {
-        let code = sys::TRITONSERVER_ErrorCode(error);
-        let message = CStr::from_ptr(sys::TRITONSERVER_ErrorMessage(error))
+        let code = ffi_call!(value TRITONSERVER_ErrorCode(error));
+        let message = CStr::from_ptr(ffi_call!(value TRITONSERVER_ErrorMessage(error)))
             .to_string_lossy()
             .into_owned();
-        sys::TRITONSERVER_ErrorDelete(error);
+        ffi_call!(value TRITONSERVER_ErrorDelete(error));
         (code, message)
     };
     Err(BackendError::Triton {
@@ -109,7 +115,10 @@ pub(crate) unsafe fn borrowed_str(ptr: *const c_char) -> String {
     if ptr.is_null() {
         return String::new();
     }
-    CStr::from_ptr(ptr).to_string_lossy().into_owned()
+    // SAFETY: non-null, and NUL-terminated and valid for the call by the caller's contract.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// A request handed to the backend by Execute; released (RELEASE_ALL) exactly once, on drop.
@@ -347,7 +356,7 @@ impl Response {
         };
         if !c_error.is_null() {
             // SAFETY: created above by new_error and not used after this point.
-            unsafe { sys::TRITONSERVER_ErrorDelete(c_error) };
+            unsafe { ffi_call!(value TRITONSERVER_ErrorDelete(c_error)) };
         }
         if let Err(e) = sent {
             log(

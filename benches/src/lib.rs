@@ -1,5 +1,6 @@
 //! Shared set-up for the benches: engines converted from the fixture checkpoints, and request
 //! histories drawn from the fixture test set (real users, real length distribution).
+#![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 

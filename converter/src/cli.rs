@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
     long_about = "recsys turns recommenders trained in PyTorch or RecBole into engine directories that the \
 Triton backend (libtriton_recsys.so) serves, scores users offline, and evaluates ranking quality.\n\n\
 Typical flow:\n  recsys convert --kind bert4rec --checkpoint model.pt --config config.json \\\n      \
---item-map item_id_map.tsv --out model_repository/bert4rec/1\n  \
+--item-map item_id_map.tsv --output model_repository/bert4rec/1\n  \
 recsys eval --engine model_repository/bert4rec/1 --test test_set.tsv\n  \
 recsys predict --engine model_repository/bert4rec/1 --input users.jsonl --output recs.jsonl"
 )]
@@ -57,7 +57,7 @@ Both: exclude_ids [batch, E] = items to leave out (usually the history), right-p
 Outputs: topk_scores [batch, k] float and topk_items [batch, k] int64 (--k), or scores [batch, N+1] \
 (--all-scores).\n\n\
 TensorRT route (TensorRT is not bundled): trtexec --onnx=model.onnx --saveEngine=model.plan \
---minShapes=... --optShapes=... --maxShapes=... (add --int8 for Q/DQ graphs, --fp16 for fp16), then serve \
+--minShapes=... --optShapes=... --maxShapes=... (see README.md for the precision flags), then serve \
 model.plan with platform \"tensorrt_plan\"; see README.md."
 )]
 pub struct ExportOnnxArgs {
@@ -67,10 +67,12 @@ pub struct ExportOnnxArgs {
     /// Write the ONNX model here (weights above 1 GiB go to FILE.data beside it).
     #[arg(
         long,
+        visible_alias = "out",
+        value_name = "FILE",
         required_unless_present = "model_repository",
         conflicts_with = "model_repository"
     )]
-    pub out: Option<PathBuf>,
+    pub output: Option<PathBuf>,
     /// Write a Triton model instead: DIR/NAME/VERSION/model.onnx, DIR/NAME/config.pbtxt (onnxruntime
     /// backend) and DIR/NAME/item_ids.tsv.
     #[arg(long, value_name = "DIR")]
@@ -78,6 +80,7 @@ pub struct ExportOnnxArgs {
     /// Model name in the repository (default: the engine kind and precision, e.g. bert4rec_onnx_fp32).
     #[arg(long, requires = "model_repository")]
     pub model_name: Option<String>,
+    /// Version directory of the model in the repository.
     #[arg(long, default_value_t = 1, requires = "model_repository")]
     pub version: u64,
     /// max_batch_size of the Triton config.
@@ -95,9 +98,12 @@ pub struct ExportOnnxArgs {
     /// Put the weights in a side file (FILE.data) even when the model is small.
     #[arg(long)]
     pub external_data: bool,
-    /// Replace an existing version directory.
+    /// Replace an existing output file or version directory.
     #[arg(long)]
     pub force: bool,
+    /// Print what was written as one JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -109,29 +115,58 @@ per batch size. The recommendation is the fastest variant (p50 at the first --ba
 within --budget-ndcg10, with the command that converts it."
 )]
 pub struct SweepArgs {
+    /// Model architecture of the checkpoint (as for `recsys convert`).
     #[arg(long, value_enum)]
     pub kind: Kind,
+    /// Trained weights (as for `recsys convert`).
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Hyper-parameters as JSON (as for `recsys convert`).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// TSV of `internal_index<TAB>external_item_id` (as for `recsys convert`).
     #[arg(long)]
     pub item_map: PathBuf,
     /// Leave-one-out test file (as for `recsys eval`).
     #[arg(long)]
     pub test: PathBuf,
-    /// Calibration histories (predict JSONL), needed for int8-w8a8.
+    /// Calibration histories (predict JSONL), needed for --int8-modes w8a8.
     #[arg(long)]
     pub calibration: Option<PathBuf>,
-    /// Variants, fp32 first: fp32, fp16, int8-wo, int8-w8a8.
-    #[arg(long, default_value = "fp32,fp16,int8-wo,int8-w8a8")]
-    pub precisions: String,
-    /// Calibration methods for int8-w8a8.
-    #[arg(long, default_value = "minmax,percentile,entropy")]
-    pub calibration_methods: String,
+    /// Precisions to compare, as `recsys convert --precision` takes them; fp32 first (the
+    /// reference of every comparison).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "fp32,fp16,int8"
+    )]
+    pub precisions: Vec<Precision>,
+    /// How int8 is applied, as `recsys convert --int8-mode` takes it: one variant per mode (w8a8:
+    /// one per calibration method).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "weight-only,w8a8"
+    )]
+    pub int8_modes: Vec<Int8Mode>,
+    /// Calibration methods for the w8a8 variants.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "minmax,percentile,entropy"
+    )]
+    pub calibration_methods: Vec<CalibrationMethodArg>,
     /// Batch sizes to time.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
-    pub batch: Vec<usize>,
+    #[arg(
+        long,
+        visible_alias = "batch",
+        value_delimiter = ',',
+        default_value = "1,8,64"
+    )]
+    pub batch_size: Vec<usize>,
     /// Largest NDCG@10 loss relative to fp32 the recommendation may have.
     #[arg(long, default_value = "1%")]
     pub budget_ndcg10: String,
@@ -141,11 +176,12 @@ pub struct SweepArgs {
     /// Seconds of timing per variant and batch size.
     #[arg(long, default_value_t = 1.0)]
     pub seconds: f64,
-    /// Scoring threads.
-    #[arg(long, default_value_t = 1)]
-    pub threads: u32,
-    #[arg(long)]
-    pub out: PathBuf,
+    /// Scoring threads (default: the available cores).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub threads: Option<u32>,
+    /// Directory for the report, the chart and the engines.
+    #[arg(long, visible_alias = "out", value_name = "DIR")]
+    pub output: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -154,7 +190,9 @@ pub struct SweepArgs {
 source checkpoint hash, precision, metrics, history). config.pbtxt's version_policy always names the newest \
 approved version. Changes take a lock file (<model>/.recsys.lock) and land by atomic rename. With --server, \
 the running tritonserver (explicit model control) reloads the model and the command waits until the \
-approved version serves. The first version of a model must be published with --approve."
+approved version serves. The first version of a model must be published with --approve; a model \
+without config.pbtxt gets a minimal one (backend \"recsys\", --max-batch-size) that the backend \
+completes from the engine."
 )]
 pub struct PublishArgs {
     /// The Triton model repository.
@@ -175,25 +213,40 @@ pub struct PublishArgs {
     /// Reload the model on this tritonserver, e.g. http://127.0.0.1:8000.
     #[arg(long)]
     pub server: Option<String>,
+    /// max_batch_size of the config.pbtxt written when the model has none yet (a minimal config
+    /// that the backend completes from the engine).
+    #[arg(long, default_value_t = 64)]
+    pub max_batch_size: u32,
+    /// Print the outcome as one JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
+    /// The Triton model repository.
     #[arg(long)]
     pub repository: PathBuf,
+    /// Model name (a directory of the repository).
     #[arg(long)]
     pub model: String,
+    /// The version to approve or reject.
     #[arg(long)]
     pub version: u64,
     /// Reload the model on this tritonserver, e.g. http://127.0.0.1:8000.
     #[arg(long)]
     pub server: Option<String>,
+    /// Print the outcome as one JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
 pub struct VersionsArgs {
+    /// The Triton model repository.
     #[arg(long)]
     pub repository: PathBuf,
+    /// Model name (a directory of the repository).
     #[arg(long)]
     pub model: String,
     /// Print JSON instead of a table.
@@ -209,17 +262,18 @@ pub enum Kind {
     Vaecf,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Precision {
     /// 32-bit floats, PyTorch-exact within f32 rounding.
     Fp32,
-    /// Output layer stored as IEEE half (half the bytes to stream), computed in f32.
+    /// Every weight matrix stored as IEEE half (half the bytes), widened to f32 to compute.
     Fp16,
-    /// Output layer stored as int8 with one scale per item (a quarter of the bytes), computed in f32.
+    /// Every weight matrix stored as int8 with one scale per row (a quarter of the bytes),
+    /// multiplied in integer arithmetic against int16 (weight-only) or int8 (w8a8) activations.
     Int8,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Int8Mode {
     /// Quantize the weights; each request's activations get their own int16 scale (no calibration).
     WeightOnly,
@@ -227,7 +281,7 @@ pub enum Int8Mode {
     W8a8,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum CalibrationMethodArg {
     /// Clip at the largest activation magnitude seen (ONNX Runtime's default).
     Minmax,
@@ -259,10 +313,10 @@ pub struct ConvertArgs {
     #[arg(long)]
     pub item_map: PathBuf,
     /// Engine directory to create (for serving: <model_repository>/<model>/<version>).
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Numeric precision of the engine's output layer (the item-scoring step that dominates the
-    /// cost); the other layers stay fp32. `recsys eval` shows what a precision costs in ranking quality.
+    #[arg(long, visible_alias = "out", value_name = "DIR")]
+    pub output: PathBuf,
+    /// Numeric precision of every weight matrix (item embedding, dense layers, output layer);
+    /// biases and norms stay fp32. `recsys sweep` shows what each costs in ranking quality.
     #[arg(long, value_enum, default_value = "fp32")]
     pub precision: Precision,
     /// How int8 is applied (with --precision int8).
@@ -284,6 +338,9 @@ pub struct ConvertArgs {
     /// Replace the output directory if it already exists.
     #[arg(long)]
     pub force: bool,
+    /// Print what was written as one JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -318,9 +375,10 @@ pub struct PredictArgs {
     /// Fail a line whose history holds ids unknown to the model, instead of dropping those ids.
     #[arg(long)]
     pub strict_ids: bool,
-    /// Worker threads scoring batches in parallel (output order is kept).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
-    pub threads: u32,
+    /// Scoring threads (default: the available cores); each scores whole batches, output order
+    /// is kept.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub threads: Option<u32>,
     /// Process only shard I of N (records I, I+N, I+2N, ... counting non-blank lines from 0), so N
     /// copies can run as parallel jobs (e.g. a Kubernetes Indexed Job) on the same input.
     #[arg(long, value_name = "I/N")]
@@ -350,12 +408,19 @@ pub struct EvalArgs {
     #[arg(long, value_delimiter = ',', default_value = "10,20,100")]
     pub k: Vec<usize>,
     /// Users scored together.
-    #[arg(long, default_value_t = 256)]
-    pub batch_size: usize,
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub batch_size: u64,
     /// Also write the JSON report to this file.
     #[arg(long)]
     pub output: Option<PathBuf>,
-    /// Threads for scoring each batch.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
-    pub threads: u32,
+    /// Scoring threads (default: the available cores).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub threads: Option<u32>,
+}
+
+/// `--threads` when not given: the cores this process may use.
+pub fn default_threads(threads: Option<u32>) -> usize {
+    threads.map(|t| t as usize).unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    })
 }

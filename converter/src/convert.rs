@@ -7,14 +7,14 @@ use recsys_engine::calibration::{read_histories, CalibrationMethod};
 use recsys_engine::{ConvertRequest, ModelKind};
 
 pub fn run(args: &ConvertArgs) -> Result<i32> {
-    if args.out.exists() && !args.force {
-        let empty = std::fs::read_dir(&args.out)
+    if args.output.exists() && !args.force {
+        let empty = std::fs::read_dir(&args.output)
             .map(|mut d| d.next().is_none())
             .unwrap_or(false);
         if !empty {
             return Err(CliError::Usage(format!(
                 "{} already exists; pass --force to replace it",
-                args.out.display()
+                args.output.display()
             )));
         }
     }
@@ -28,13 +28,13 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             match serde_json::from_str::<serde_json::Value>(&text) {
                 Ok(serde_json::Value::Object(map)) => Some(map),
                 Ok(_) => {
-                    return Err(CliError::Usage(format!(
+                    return Err(CliError::Input(format!(
                         "{} is not a JSON object",
                         path.display()
                     )))
                 }
                 Err(e) => {
-                    return Err(CliError::Usage(format!(
+                    return Err(CliError::Input(format!(
                         "{} is not valid JSON: {e}",
                         path.display()
                     )))
@@ -80,7 +80,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             checkpoint: &args.checkpoint,
             config: config.as_ref(),
             item_map: &args.item_map,
-            out: &args.out,
+            out: &args.output,
             precision: match (args.precision, args.int8_mode) {
                 (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
                 (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
@@ -96,10 +96,24 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
     let weights = &m.files[recsys_engine::engine_dir::WEIGHTS_FILE];
     // The manifest's own spelling of the enums, so the message matches what users see in the file.
     let name = |v: serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    if args.json {
+        let summary = serde_json::json!({
+            "engine": args.output,
+            "kind": m.model.kind().to_string(),
+            "items": engine.n_items(),
+            "id_type": m.id_type,
+            "precision": m.precision,
+            "weights_bytes": weights.bytes,
+            "source": {"file": m.source.file, "format": m.source.format, "sha256": m.source.sha256},
+            "calibration": m.calibration,
+        });
+        println!("{summary}");
+        return Ok(0);
+    }
     println!(
         "wrote {} engine to {}: {} items ({} ids), precision {}, weights {:.1} MiB, source {} ({}, sha256 {})",
         m.model.kind(),
-        args.out.display(),
+        args.output.display(),
         engine.n_items(),
         name(serde_json::json!(m.id_type)),
         name(serde_json::json!(m.precision)),

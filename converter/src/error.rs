@@ -15,12 +15,25 @@ pub enum CliError {
         source: std::io::Error,
     },
 
-    /// Flags that parse but do not make sense together, or files that are not what a flag expects.
+    /// Flags that parse but do not make sense together (exit status 2, like clap's own errors).
     #[error("{0}")]
     Usage(String),
+
+    /// A file, repository or server that is not what the command needs: malformed JSON, a version
+    /// that does not exist, a lock held by another command, a server that refuses (exit status 1).
+    #[error("{0}")]
+    Input(String),
 }
 
 impl CliError {
+    /// The process exit status: 2 for bad flags (as clap exits for unparsable ones), 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Usage(_) => 2,
+            _ => 1,
+        }
+    }
+
     pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CliError {
         let context = context.into();
         move |source| CliError::Io { context, source }

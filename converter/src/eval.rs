@@ -11,11 +11,11 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         return Err(CliError::Usage("--k needs cut-offs of at least 1".into()));
     }
     let mut engine = Engine::load(&args.engine)?;
-    engine.set_threads(args.threads as usize);
+    engine.set_threads(crate::cli::default_threads(args.threads));
     let cases = read_test_set(&args.test)?;
     let bar = progress::counter(cases.len() as u64, "users");
     let started = std::time::Instant::now();
-    let report = evaluate(&engine, &cases, &args.k, args.batch_size, |n| {
+    let report = evaluate(&engine, &cases, &args.k, args.batch_size as usize, |n| {
         bar.inc(n as u64)
     });
     bar.finish_and_clear();

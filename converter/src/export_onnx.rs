@@ -14,7 +14,7 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
         },
         external_data: args.external_data,
     };
-    let summary = match (&args.out, &args.model_repository) {
+    let summary = match (&args.output, &args.model_repository) {
         (_, Some(repository)) => {
             let manifest = recsys_engine::engine_dir::load(&args.engine)?.manifest;
             let default_name = format!(
@@ -31,12 +31,14 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
                 force: args.force,
             };
             let summary = recsys_onnx::write_model_repository(&args.engine, &target, &options)?;
-            println!(
-                "wrote Triton model {} (onnxruntime backend, {}) in {}",
-                target.name,
-                if target.gpu { "KIND_GPU" } else { "KIND_CPU" },
-                repository.display()
-            );
+            if !args.json {
+                println!(
+                    "wrote Triton model {} (onnxruntime backend, {}) in {}",
+                    target.name,
+                    if target.gpu { "KIND_GPU" } else { "KIND_CPU" },
+                    repository.display()
+                );
+            }
             summary
         }
         (Some(out), None) => {
@@ -48,10 +50,42 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
             }
             recsys_onnx::export(&args.engine, out, &options)?
         }
-        (None, None) => unreachable!("clap requires --out or --model-repository"),
+        (None, None) => unreachable!("clap requires --output or --model-repository"),
     };
-    report(&summary);
+    if args.json {
+        println!("{}", summary_json(&summary));
+    } else {
+        report(&summary);
+    }
     Ok(0)
+}
+
+fn summary_json(s: &ExportSummary) -> serde_json::Value {
+    let tensors = |list: &[recsys_onnx::TensorSpec]| {
+        list.iter()
+            .map(|t| {
+                serde_json::json!({
+                    "name": t.name,
+                    "dtype": t.dtype.to_string(),
+                    "dims": std::iter::once(None).chain(t.dims.iter().copied()).collect::<Vec<_>>(),
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    serde_json::json!({
+        "path": s.path,
+        "bytes": s.bytes,
+        "external_data": s.external_data,
+        "model": s.model.kind().as_str(),
+        "precision": format!("{:?}", s.precision).to_lowercase(),
+        "int8_mode": s.int8_mode,
+        "opset": recsys_onnx::OPSET,
+        "nodes": s.nodes,
+        "quantize_nodes": s.quantize_nodes,
+        "dequantize_nodes": s.dequantize_nodes,
+        "inputs": tensors(&s.inputs),
+        "outputs": tensors(&s.outputs),
+    })
 }
 
 fn report(s: &ExportSummary) {

@@ -1,5 +1,6 @@
 //! `recsys`: turn trained recommender checkpoints into serving engines, score users offline and
 //! evaluate ranking quality.
+#![forbid(unsafe_code)]
 
 mod cli;
 mod convert;
@@ -36,7 +37,7 @@ fn main() {
                 eprintln!("  caused by: {cause}");
                 source = cause.source();
             }
-            std::process::exit(1);
+            std::process::exit(e.exit_code());
         }
     }
 }

@@ -69,16 +69,7 @@ fn resume_point(path: &std::path::Path) -> Result<u64> {
 }
 
 pub fn run(args: &PredictArgs) -> Result<i32> {
-    let engine = Engine::load(&args.engine)?;
-    let options = ServeOptions {
-        default_k: args.k as usize,
-        exclude_seen: !args.include_seen,
-        unknown_items: if args.strict_ids {
-            UnknownItemPolicy::Error
-        } else {
-            UnknownItemPolicy::Drop
-        },
-    };
+    // Flags first: a bad combination is reported before any file is read.
     let (shard, shards) = match &args.shard {
         Some(text) => parse_shard(text)?,
         None => (0, 1),
@@ -89,6 +80,16 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
             "--resume needs an output file, not standard output".into(),
         ));
     }
+    let engine = Engine::load(&args.engine)?;
+    let options = ServeOptions {
+        default_k: args.k as usize,
+        exclude_seen: !args.include_seen,
+        unknown_items: if args.strict_ids {
+            UnknownItemPolicy::Error
+        } else {
+            UnknownItemPolicy::Drop
+        },
+    };
     let skip = if args.resume {
         resume_point(&args.output)?
     } else {
@@ -142,7 +143,7 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
     // Pipeline: this thread reads and parses batches, `threads` workers score them, one writer
     // puts them back in input order. Channels are bounded, so memory holds at most a few batches
     // per worker whatever the input size.
-    let workers = args.threads.max(1) as usize;
+    let workers = crate::cli::default_threads(args.threads);
     let started = Instant::now();
     let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<(u64, Vec<Line>)>(2 * workers);
     let job_rx = std::sync::Mutex::new(job_rx);

@@ -72,7 +72,7 @@ impl Lock {
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     if started.elapsed() > timeout {
                         let holder = std::fs::read_to_string(&path).unwrap_or_default();
-                        return Err(CliError::Usage(format!(
+                        return Err(CliError::Input(format!(
                             "{} is locked by another recsys command ({}); if no such process runs, remove the lock file",
                             model_dir.display(),
                             holder.trim()
@@ -115,7 +115,7 @@ pub fn list(model_dir: &Path) -> Result<Vec<VersionInfo>> {
         let meta = entry.path().join(VERSION_FILE);
         let info = match std::fs::read_to_string(&meta) {
             Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| CliError::Usage(format!("{} is malformed: {e}", meta.display())))?,
+                .map_err(|e| CliError::Input(format!("{} is malformed: {e}", meta.display())))?,
             // A version made before the registry (e.g. by `recsys convert --out`) counts as approved.
             Err(_) => VersionInfo {
                 version,
@@ -217,21 +217,44 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Copies a verified engine into the next version directory. Returns its version number.
+/// What `publish` did.
+pub struct Published {
+    pub info: VersionInfo,
+    /// The minimal config.pbtxt written because the model had none.
+    pub created_config: Option<PathBuf>,
+}
+
+/// The config of a model that has none: the backend completes inputs, outputs, `top_k` and
+/// dynamic batching from the engine (README, "Serve with Triton").
+fn minimal_config(max_batch_size: u32) -> String {
+    format!(
+        "# Written by `recsys publish`; the recsys backend completes the rest from the engine.\n\
+         backend: \"recsys\"\nmax_batch_size: {max_batch_size}\n"
+    )
+}
+
+/// Copies a verified engine into the next version directory, writing a minimal config.pbtxt
+/// (`max_batch_size`) first when the model has none.
 pub fn publish(
     model_dir: &Path,
     engine_dir: &Path,
     approve: bool,
     metrics: Option<serde_json::Value>,
-) -> Result<VersionInfo> {
+    max_batch_size: u32,
+) -> Result<Published> {
     let engine = Engine::load(engine_dir)?;
-    if !model_dir.join("config.pbtxt").exists() {
-        return Err(CliError::Usage(format!(
-            "{} has no config.pbtxt: create the model's config first (see model_repository/*/config.pbtxt)",
-            model_dir.display()
-        )));
-    }
+    std::fs::create_dir_all(model_dir).map_err(CliError::io(format!(
+        "cannot create {}",
+        model_dir.display()
+    )))?;
     let _lock = Lock::acquire(model_dir, Duration::from_secs(30))?;
+    let config = model_dir.join("config.pbtxt");
+    let created_config = if config.exists() {
+        None
+    } else {
+        write_atomically(&config, minimal_config(max_batch_size).as_bytes())?;
+        Some(config)
+    };
     let existing = list(model_dir)?;
     if !approve && serving(&existing).is_none() {
         return Err(CliError::Usage(
@@ -282,7 +305,10 @@ pub fn publish(
     if approve {
         set_version_policy(model_dir, version)?;
     }
-    Ok(info)
+    Ok(Published {
+        info,
+        created_config,
+    })
 }
 
 /// Approves or rejects `version`; returns the version that should serve afterwards.
@@ -290,7 +316,7 @@ pub fn set_status(model_dir: &Path, version: u64, status: Status) -> Result<u64>
     let _lock = Lock::acquire(model_dir, Duration::from_secs(30))?;
     let mut versions = list(model_dir)?;
     let Some(index) = versions.iter().position(|v| v.version == version) else {
-        return Err(CliError::Usage(format!(
+        return Err(CliError::Input(format!(
             "{} has no version {version} (versions: {})",
             model_dir.display(),
             versions
@@ -306,7 +332,7 @@ pub fn set_status(model_dir: &Path, version: u64, status: Status) -> Result<u64>
             .filter(|v| v.status == Status::Approved && v.version != version)
             .count();
         if others == 0 {
-            return Err(CliError::Usage(format!(
+            return Err(CliError::Input(format!(
                 "version {version} is the only approved version of {}: rejecting it would leave nothing to serve; publish and approve another version first",
                 model_dir.display()
             )));
@@ -332,7 +358,7 @@ pub fn reload_and_wait(server: &str, model: &str, version: u64, timeout: Duratio
         .post(&format!("{base}/v2/repository/models/{model}/load"))
         .send_string("")
         .map_err(|e| {
-            CliError::Usage(format!(
+            CliError::Input(format!(
                 "the server refused to reload {model}: {}",
                 describe(e)
             ))
@@ -348,7 +374,7 @@ pub fn reload_and_wait(server: &str, model: &str, version: u64, timeout: Duratio
             return Ok(());
         }
         if started.elapsed() > timeout {
-            return Err(CliError::Usage(format!(
+            return Err(CliError::Input(format!(
                 "{model} version {version} was not ready after {timeout:?}"
             )));
         }

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::cli::SweepArgs;
+use crate::cli::{self, CalibrationMethodArg, Int8Mode, SweepArgs};
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
@@ -51,46 +51,61 @@ struct Row {
     latency: Vec<Latency>,
 }
 
+/// The variants to compare, from `--precisions` and `--int8-modes` (the values `recsys convert`
+/// takes), in the order given; int8 gives one variant per mode, w8a8 one per calibration method.
 fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
     let mut out = Vec::new();
-    for name in args.precisions.split(',').map(str::trim) {
-        match name {
-            "fp32" => out.push(Variant {
+    for precision in &args.precisions {
+        match precision {
+            cli::Precision::Fp32 => out.push(Variant {
                 name: "fp32".into(),
                 precision: Precision::Fp32,
                 method: None,
                 flags: "--precision fp32".into(),
             }),
-            "fp16" => out.push(Variant {
+            cli::Precision::Fp16 => out.push(Variant {
                 name: "fp16".into(),
                 precision: Precision::Fp16,
                 method: None,
                 flags: "--precision fp16".into(),
             }),
-            "int8-wo" => out.push(Variant {
-                name: "int8-wo".into(),
-                precision: Precision::Int8,
-                method: None,
-                flags: "--precision int8 --int8-mode weight-only".into(),
-            }),
-            "int8-w8a8" => {
-                if args.calibration.is_none() {
-                    return Err(CliError::Usage("int8-w8a8 needs --calibration FILE".into()));
+            cli::Precision::Int8 => {
+                for mode in &args.int8_modes {
+                    match mode {
+                        Int8Mode::WeightOnly => out.push(Variant {
+                            name: "int8-wo".into(),
+                            precision: Precision::Int8,
+                            method: None,
+                            flags: "--precision int8 --int8-mode weight-only".into(),
+                        }),
+                        Int8Mode::W8a8 => {
+                            if args.calibration.is_none() {
+                                return Err(CliError::Usage(
+                                    "--int8-modes w8a8 needs --calibration FILE (or leave w8a8 out: \
+                                     --int8-modes weight-only)"
+                                        .into(),
+                                ));
+                            }
+                            for method in &args.calibration_methods {
+                                let name = match method {
+                                    CalibrationMethodArg::Minmax => "minmax",
+                                    CalibrationMethodArg::Percentile => "percentile",
+                                    CalibrationMethodArg::Entropy => "entropy",
+                                };
+                                let m = CalibrationMethod::parse(name, 99.99)
+                                    .map_err(CliError::Usage)?;
+                                out.push(Variant {
+                                    name: format!("int8-w8a8-{name}"),
+                                    precision: Precision::Int8,
+                                    method: Some(m),
+                                    flags: format!(
+                                        "--precision int8 --int8-mode w8a8 --calibration CAL --calibration-method {name}"
+                                    ),
+                                });
+                            }
+                        }
+                    }
                 }
-                for method in args.calibration_methods.split(',').map(str::trim) {
-                    let m = CalibrationMethod::parse(method, 99.99).map_err(CliError::Usage)?;
-                    out.push(Variant {
-                        name: format!("int8-w8a8-{method}"),
-                        precision: Precision::Int8,
-                        method: Some(m),
-                        flags: format!("--precision int8 --int8-mode w8a8 --calibration CAL --calibration-method {method}"),
-                    });
-                }
-            }
-            other => {
-                return Err(CliError::Usage(format!(
-                    "unknown precision {other:?} in --precisions (fp32, fp16, int8-wo, int8-w8a8)"
-                )))
             }
         }
     }
@@ -183,9 +198,9 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             ))
         })?
         / 100.0;
-    if args.batch.is_empty() || args.batch.contains(&0) {
+    if args.batch_size.is_empty() || args.batch_size.contains(&0) {
         return Err(CliError::Usage(
-            "--batch needs batch sizes of at least 1".into(),
+            "--batch-size needs batch sizes of at least 1".into(),
         ));
     }
     let config = match &args.config {
@@ -196,7 +211,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             match serde_json::from_str::<serde_json::Value>(&text) {
                 Ok(serde_json::Value::Object(map)) => Some(map),
                 _ => {
-                    return Err(CliError::Usage(format!(
+                    return Err(CliError::Input(format!(
                         "{} is not a JSON object",
                         path.display()
                     )))
@@ -210,10 +225,10 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         .map(|p| read_histories(p))
         .transpose()?;
     let cases = read_test_set(&args.test)?;
-    let batches: Vec<usize> = args.batch.clone();
-    std::fs::create_dir_all(args.out.join("engines")).map_err(CliError::io(format!(
+    let batches: Vec<usize> = args.batch_size.clone();
+    std::fs::create_dir_all(args.output.join("engines")).map_err(CliError::io(format!(
         "cannot create {}",
-        args.out.display()
+        args.output.display()
     )))?;
 
     let bar = progress::counter(variants.len() as u64, "variants");
@@ -221,7 +236,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
     let mut reference: Option<(Engine, Vec<Vec<u32>>)> = None;
     for variant in &variants {
         bar.set_message(variant.name.clone());
-        let dir = args.out.join("engines").join(&variant.name);
+        let dir = args.output.join("engines").join(&variant.name);
         let mut engine = recsys_engine::convert(&ConvertRequest {
             kind,
             checkpoint: &args.checkpoint,
@@ -236,7 +251,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
                 )
             }),
         })?;
-        engine.set_threads(args.threads as usize);
+        engine.set_threads(crate::cli::default_threads(args.threads));
         let resident = engine.memory_bytes() as u64;
         let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
         let hist = histories(&engine, &cases);
@@ -337,21 +352,21 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         "recommendation": {"variant": best.variant, "command": command},
     });
     std::fs::write(
-        args.out.join("report.json"),
+        args.output.join("report.json"),
         serde_json::to_string_pretty(&json).expect("serialises") + "\n",
     )
     .map_err(CliError::io("cannot write report.json"))?;
     let md = markdown(kind, args, &rows, best, &command, budget);
-    std::fs::write(args.out.join("report.md"), &md)
+    std::fs::write(args.output.join("report.md"), &md)
         .map_err(CliError::io("cannot write report.md"))?;
     let svg = pareto_svg(&rows, budget);
-    std::fs::write(args.out.join("pareto.svg"), &svg)
+    std::fs::write(args.output.join("pareto.svg"), &svg)
         .map_err(CliError::io("cannot write pareto.svg"))?;
-    write_png(&svg, &args.out.join("pareto.png"))?;
+    write_png(&svg, &args.output.join("pareto.png"))?;
     println!("{md}");
     println!(
         "wrote {}/report.md, report.json, pareto.svg and pareto.png",
-        args.out.display()
+        args.output.display()
     );
     Ok(0)
 }
@@ -376,7 +391,7 @@ fn markdown(
         args.test.display(),
         rows[0].metrics["n_users"],
         args.compare_users,
-        args.threads
+        crate::cli::default_threads(args.threads)
     );
     let _ = writeln!(s, "| variant | NDCG@10 | Δ NDCG@10 | NDCG@20 | NDCG@100 | Recall@10 | Recall@20 | Recall@100 | MRR | top-10 Jaccard | top-100 Jaccard | identical top-10 | max abs Δscore | mean abs Δscore | weights file MiB | resident MiB |");
     let _ = writeln!(
@@ -458,11 +473,11 @@ fn write_png(svg: &str, path: &std::path::Path) -> Result<()> {
         );
     }
     let tree = usvg::Tree::from_str(svg, &options).map_err(|e| {
-        CliError::Usage(format!("internal error: the plot SVG does not parse: {e}"))
+        CliError::Input(format!("internal error: the plot SVG does not parse: {e}"))
     })?;
     let size = tree.size().to_int_size();
     let mut pixmap = tiny_skia::Pixmap::new(2 * size.width(), 2 * size.height())
-        .ok_or_else(|| CliError::Usage("internal error: empty plot".into()))?;
+        .ok_or_else(|| CliError::Input("internal error: empty plot".into()))?;
     resvg::render(
         &tree,
         tiny_skia::Transform::from_scale(2.0, 2.0),
@@ -470,7 +485,7 @@ fn write_png(svg: &str, path: &std::path::Path) -> Result<()> {
     );
     let png = pixmap
         .encode_png()
-        .map_err(|e| CliError::Usage(format!("cannot encode {}: {e}", path.display())))?;
+        .map_err(|e| CliError::Input(format!("cannot encode {}: {e}", path.display())))?;
     std::fs::write(path, png).map_err(CliError::io(format!("cannot write {}", path.display())))
 }
 

@@ -27,7 +27,7 @@ fn convert_command(
         .arg(dir.join("config.json"))
         .arg("--item-map")
         .arg(item_map)
-        .arg("--out")
+        .arg("--output")
         .arg(out);
     cmd
 }
@@ -238,7 +238,7 @@ fn convert_refuses_to_overwrite_and_explains_errors() {
     let out = convert_command("bert4rec", "bert4rec", "model.pt", &item_map, &engine)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
 
     // The wrong kind for the checkpoint names the tensor it could not find.
@@ -412,7 +412,7 @@ fn convert_w8a8_with_calibration_and_clear_flag_errors() {
     .args(["--precision", "int8", "--int8-mode", "w8a8"])
     .output()
     .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs --calibration"));
     let out = convert_command(
         "multivae",
@@ -425,7 +425,7 @@ fn convert_w8a8_with_calibration_and_clear_flag_errors() {
     .arg(&calib)
     .output()
     .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration applies to"));
 }
 
@@ -470,7 +470,7 @@ fn publish_approve_reject_keep_the_newest_approved_version_serving() {
 
     // The first version must be approved.
     let (code, _, err) = run(&["publish", "--engine", engine_arg]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(2));
     assert!(err.contains("--approve"), "{err}");
     assert_eq!(
         run(&["publish", "--approve", "--engine", engine_arg]).0,
@@ -515,6 +515,178 @@ fn publish_approve_reject_keep_the_newest_approved_version_serving() {
         .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Runs `recsys ARGS` and parses its standard output as one JSON object.
+fn json_of(args: &[&std::ffi::OsStr]) -> serde_json::Value {
+    let out = recsys().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{args:?} printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[test]
+fn publish_writes_a_minimal_config_and_every_writing_command_speaks_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("multivae");
+    let engine = tmp.path().join("engine");
+    let os = |s: &str| std::ffi::OsString::from(s);
+    let converted = json_of(&[
+        &os("convert"),
+        &os("--kind"),
+        &os("vaecf"),
+        &os("--checkpoint"),
+        dir.join("model.safetensors").as_os_str(),
+        &os("--config"),
+        dir.join("config.json").as_os_str(),
+        &os("--item-map"),
+        dir.join("item_id_map.tsv").as_os_str(),
+        &os("--output"),
+        engine.as_os_str(),
+        &os("--json"),
+    ]);
+    assert_eq!(converted["kind"], "vaecf");
+    assert_eq!(converted["precision"], "fp32");
+    let items = std::fs::read_to_string(dir.join("item_id_map.tsv"))
+        .unwrap()
+        .lines()
+        .count()
+        - 1;
+    assert_eq!(converted["items"], items);
+    assert_eq!(converted["engine"], engine.to_str().unwrap());
+
+    // A model directory that does not exist yet: publish writes a minimal config.
+    let repo = tmp.path().join("repo");
+    let published = json_of(&[
+        &os("publish"),
+        &os("--repository"),
+        repo.as_os_str(),
+        &os("--model"),
+        &os("vaecf"),
+        &os("--engine"),
+        engine.as_os_str(),
+        &os("--approve"),
+        &os("--max-batch-size"),
+        &os("16"),
+        &os("--json"),
+    ]);
+    assert_eq!(published["version"], 1);
+    assert_eq!(published["status"], "approved");
+    assert!(published["approve_command"].is_null());
+    let config = std::fs::read_to_string(repo.join("vaecf/config.pbtxt")).unwrap();
+    assert_eq!(
+        published["created_config"],
+        repo.join("vaecf/config.pbtxt").to_str().unwrap()
+    );
+    assert!(
+        config.contains("backend: \"recsys\"") && config.contains("max_batch_size: 16"),
+        "{config}"
+    );
+    assert!(config.contains("versions: [ 1 ]"), "{config}");
+
+    // A pending version: the printed command, pasted into a shell, makes it serve.
+    let out = recsys()
+        .args(["publish", "--model", "vaecf", "--repository"])
+        .arg(&repo)
+        .arg("--engine")
+        .arg(&engine)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let command = stdout
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("recsys approve "))
+        .unwrap_or_else(|| panic!("no approve command in {stdout}"));
+    let pasted = Command::new("bash")
+        .arg("-c")
+        .arg(command.replacen("recsys", env!("CARGO_BIN_EXE_recsys"), 1) + " --json")
+        .output()
+        .unwrap();
+    assert!(
+        pasted.status.success(),
+        "{command}: {}",
+        String::from_utf8_lossy(&pasted.stderr)
+    );
+    let approved: serde_json::Value = serde_json::from_slice(&pasted.stdout).unwrap();
+    assert_eq!(
+        (
+            approved["version"].as_u64(),
+            approved["serving_version"].as_u64()
+        ),
+        (Some(2), Some(2))
+    );
+
+    let rejected = json_of(&[
+        &os("reject"),
+        &os("--repository"),
+        repo.as_os_str(),
+        &os("--model"),
+        &os("vaecf"),
+        &os("--version"),
+        &os("2"),
+        &os("--json"),
+    ]);
+    assert_eq!(rejected["status"], "rejected");
+    assert_eq!(rejected["serving_version"], 1);
+
+    let onnx = tmp.path().join("model.onnx");
+    let exported = json_of(&[
+        &os("export-onnx"),
+        &os("--engine"),
+        engine.as_os_str(),
+        &os("--output"),
+        onnx.as_os_str(),
+        &os("--json"),
+    ]);
+    assert_eq!(exported["path"], onnx.to_str().unwrap());
+    assert!(exported["nodes"].as_u64().unwrap() > 0);
+    assert_eq!(
+        exported["bytes"].as_u64(),
+        Some(std::fs::metadata(&onnx).unwrap().len())
+    );
+}
+
+#[test]
+fn bad_flag_combinations_exit_with_status_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    // clap's own refusals and the commands' checks of flags that parse but do not go together.
+    for args in [
+        vec!["convert", "--kind", "vaecf"],
+        vec![
+            "export-onnx",
+            "--engine",
+            "x",
+            "--output",
+            "y",
+            "--model-repository",
+            "z",
+        ],
+        vec![
+            "predict", "--engine", "e", "--input", "i", "--output", "-", "--resume",
+        ],
+    ] {
+        let out = recsys()
+            .args(&args)
+            .current_dir(tmp.path())
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]
@@ -632,7 +804,7 @@ fn predict_threads_shards_and_resume_reproduce_the_plain_run() {
         .arg(&engine)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--shard must be I/N"));
 }
 
@@ -647,8 +819,10 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
             "--kind",
             "vaecf",
             "--precisions",
-            "fp32,fp16,int8-wo",
-            "--batch",
+            "fp32,fp16,int8",
+            "--int8-modes",
+            "weight-only",
+            "--batch-size",
             "1,8",
         ])
         .args([
@@ -736,7 +910,7 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         .arg(tmp.path().join("x"))
         .output()
         .unwrap();
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("must start with fp32"));
 
     // A negative budget is refused rather than leaving nothing to recommend.
@@ -759,6 +933,6 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         .arg(tmp.path().join("y"))
         .output()
         .unwrap();
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("non-negative percentage"));
 }

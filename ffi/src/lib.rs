@@ -3,6 +3,7 @@
 //!
 //! The symbols are left undefined in the shared library and resolve against the server process when
 //! Triton loads the backend, so nothing here links against `libtritonserver.so`.
+#![forbid(unsafe_code)]
 #![allow(non_camel_case_types, non_snake_case)]
 
 use std::os::raw::{c_char, c_int, c_void};

@@ -10,6 +10,7 @@
 //! Inputs are internal item indices (the engine's `item_ids.tsv` maps them), plus `exclude_ids`,
 //! indices whose scores are set to -inf (pad with 0, which is always excluded). Outputs are the
 //! top-k (`topk_scores`, `topk_items`) or every item's score (`scores`).
+#![forbid(unsafe_code)]
 
 mod graph;
 mod models;

@@ -7,6 +7,7 @@
 //! kernel_probe fma threads
 //!
 //! Prints one JSON object.
+#![forbid(unsafe_code)]
 
 use std::time::Instant;
 

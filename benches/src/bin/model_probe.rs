@@ -6,6 +6,7 @@
 //!
 //! HISTORIES_JSON: a list of histories (lists of external int ids). Batches cycle through them.
 //! Prints JSON: median seconds per batch, and the top-k ids of the first history.
+#![forbid(unsafe_code)]
 
 use std::time::Instant;
 

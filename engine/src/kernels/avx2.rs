@@ -18,18 +18,18 @@ trait Load8: Copy {
 }
 
 impl Load8 for f32 {
-    // Safety: as the trait requires (8 readable elements at the offset, AVX2 present).
     #[inline(always)]
     unsafe fn load8(ptr: *const f32, offset: usize) -> __m256 {
-        _mm256_loadu_ps(ptr.add(offset))
+        // SAFETY: as the trait requires of the caller: 8 readable elements at the offset, AVX2.
+        unsafe { _mm256_loadu_ps(ptr.add(offset)) }
     }
 }
 
 impl Load8 for u16 {
-    // Safety: as the trait requires (8 readable halves at the offset, F16C present).
     #[inline(always)]
     unsafe fn load8(ptr: *const u16, offset: usize) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(ptr.add(offset) as *const __m128i))
+        // SAFETY: as the trait requires of the caller: 8 readable halves at the offset, F16C.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.add(offset) as *const __m128i)) }
     }
 }
 
@@ -61,12 +61,13 @@ unsafe fn panels<const R: usize, const P: usize, T: Load8>(
     for j in 0..d {
         let mut wv = [_mm256_setzero_ps(); P];
         for (p, v) in wv.iter_mut().enumerate() {
-            // In bounds: p < P, j < d, so p*d*8 + j*8 + 8 <= P*d*8 <= w.len() (asserted above).
-            *v = T::load8(wp, p * d * 8 + j * 8);
+            // SAFETY: in bounds: p < P, j < d, so p*d*8 + j*8 + 8 <= P*d*8 <= w.len() (asserted
+            // above); this function's target features are the ones load8 needs.
+            *v = unsafe { T::load8(wp, p * d * 8 + j * 8) };
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // In bounds: r*d + j < R*d <= hidden.len().
-            let h = _mm256_set1_ps(*hp.add(r * d + j));
+            // SAFETY: in bounds: r*d + j < R*d <= hidden.len() (asserted above).
+            let h = _mm256_set1_ps(unsafe { *hp.add(r * d + j) });
             for (a, v) in acc_r.iter_mut().zip(&wv) {
                 *a = _mm256_fmadd_ps(h, *v, *a);
             }
@@ -76,16 +77,18 @@ unsafe fn panels<const R: usize, const P: usize, T: Load8>(
     for (r, acc_r) in acc.iter().enumerate() {
         let bar = _mm256_set1_ps(epilogue.bars[r]);
         for (p, a) in acc_r.iter().enumerate() {
-            // In bounds: p*8 + 8 <= P*8 <= bias.len() (and scales.len() when scaled), asserted above.
-            let bias = _mm256_loadu_ps(epilogue.bias.as_ptr().add(p * 8));
+            // SAFETY: in bounds: p*8 + 8 <= P*8 <= bias.len() (and scales.len() when scaled),
+            // asserted above.
+            let bias = unsafe { _mm256_loadu_ps(epilogue.bias.as_ptr().add(p * 8)) };
             let score = if scaled {
-                let scale = _mm256_loadu_ps(epilogue.scales.as_ptr().add(p * 8));
+                // SAFETY: as for the bias.
+                let scale = unsafe { _mm256_loadu_ps(epilogue.scales.as_ptr().add(p * 8)) };
                 _mm256_add_ps(_mm256_mul_ps(*a, scale), bias)
             } else {
                 _mm256_add_ps(*a, bias)
             };
-            // In bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len().
-            _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), score);
+            // SAFETY: in bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len() (asserted above).
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), score) };
             let above = _mm256_cmp_ps::<_CMP_GT_OQ>(score, bar);
             masks[r * P + p] = _mm256_movemask_ps(above) as u8;
         }
@@ -158,20 +161,21 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     for jp in 0..pairs {
         let mut wv = [_mm256_setzero_si256(); P];
         for (p, v) in wv.iter_mut().enumerate() {
-            // In bounds: p*pairs*16 + jp*16 + 16 <= P*pairs*16 <= w.len().
-            *v = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                wp.add(p * pairs * 16 + jp * 16) as *const __m128i
-            ));
+            // SAFETY: in bounds: p*pairs*16 + jp*16 + 16 <= P*pairs*16 <= w.len() (asserted).
+            *v = _mm256_cvtepi8_epi16(unsafe {
+                _mm_loadu_si128(wp.add(p * pairs * 16 + jp * 16) as *const __m128i)
+            });
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // The two i16 activations 2jp, 2jp+1 of row r read as one i32 (little-endian pair);
-            // in bounds: r*width + 2jp + 2 <= R*width <= hidden.len(). Unaligned read.
-            let pair = _mm256_set1_epi32(
+            // The two i16 activations 2jp, 2jp+1 of row r read as one i32 (little-endian pair).
+            // SAFETY: in bounds: r*width + 2jp + 2 <= R*width <= hidden.len() (asserted);
+            // read_unaligned needs no alignment.
+            let pair = _mm256_set1_epi32(unsafe {
                 hp.cast::<u8>()
                     .add(2 * (r * width + 2 * jp))
                     .cast::<i32>()
-                    .read_unaligned(),
-            );
+                    .read_unaligned()
+            });
             for (a, v) in acc_r.iter_mut().zip(&wv) {
                 *a = _mm256_add_epi32(*a, _mm256_madd_epi16(*v, pair));
             }
@@ -181,15 +185,17 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
         let bar = _mm256_set1_ps(epilogue.bars[r]);
         let row_scale = _mm256_set1_ps(epilogue.row_scales[r]);
         for (p, a) in acc_r.iter().enumerate() {
-            // In bounds: p*8 + 8 <= P*8 <= bias.len(), scales.len().
-            let bias = _mm256_loadu_ps(epilogue.bias.as_ptr().add(p * 8));
-            let scale = _mm256_mul_ps(
-                _mm256_loadu_ps(epilogue.scales.as_ptr().add(p * 8)),
-                row_scale,
-            );
+            // SAFETY: in bounds: p*8 + 8 <= P*8 <= bias.len(), scales.len() (asserted).
+            let (bias, scales) = unsafe {
+                (
+                    _mm256_loadu_ps(epilogue.bias.as_ptr().add(p * 8)),
+                    _mm256_loadu_ps(epilogue.scales.as_ptr().add(p * 8)),
+                )
+            };
+            let scale = _mm256_mul_ps(scales, row_scale);
             let score = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(*a), scale), bias);
-            // In bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len().
-            _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), score);
+            // SAFETY: in bounds: (r*P + p)*8 + 8 <= R*P*8 <= out.len() (asserted).
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add((r * P + p) * 8), score) };
             masks[r * P + p] = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(score, bar)) as u8;
         }
     }
@@ -232,6 +238,7 @@ unsafe fn fma_chains(iterations: u64) -> (f64, f32) {
     for v in acc {
         total = _mm256_add_ps(total, v);
     }
-    _mm256_storeu_ps(out.as_mut_ptr(), total);
+    // SAFETY: `out` holds exactly 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), total) };
     (seconds, out.iter().sum())
 }

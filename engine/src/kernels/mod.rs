@@ -182,3 +182,19 @@ pub(crate) fn panels_slot(panels: usize) -> usize {
         _ => unreachable!("panel groups are 1, 2, 4 or 8"),
     }
 }
+
+#[cfg(test)]
+mod require_avx2 {
+    /// The kernel tests run on every ISA `Isa::available()` reports; on a CPU without AVX2 they
+    /// would pass on the scalar path alone. CI sets REQUIRE_AVX2=1, so that cannot happen there
+    /// unnoticed.
+    #[test]
+    fn avx2_is_present_where_it_is_required() {
+        if std::env::var("REQUIRE_AVX2").as_deref() == Ok("1") {
+            assert!(
+                super::Isa::available().contains(&super::Isa::Avx2),
+                "REQUIRE_AVX2=1 but this CPU lacks AVX2/FMA/F16C: the AVX2 kernels would go untested"
+            );
+        }
+    }
+}

@@ -117,6 +117,7 @@ fn table_entry(
     // SAFETY (each arm): the entry points' C signatures (TableEntry / TableEntryI8); the table is
     // checked to hold every row the kernel reads, the other buffers by the caller.
     match table {
+        // SAFETY: see above.
         DeviceMatrix::F32(tab) => unsafe {
             assert_len(tab, rows_used * width, "table");
             symbol::<TableEntry<f32>>(&format!("recsys_emu_{prefix}_f32"))(
@@ -129,6 +130,7 @@ fn table_entry(
                 w,
             )
         },
+        // SAFETY: see above.
         DeviceMatrix::F16(tab) => unsafe {
             assert_len(tab, rows_used * width, "table");
             symbol::<TableEntry<u16>>(&format!("recsys_emu_{prefix}_f16"))(
@@ -141,6 +143,7 @@ fn table_entry(
                 w,
             )
         },
+        // SAFETY: see above.
         DeviceMatrix::I8 { q, scales } => unsafe {
             assert_len(q, rows_used * width, "table");
             assert_len(scales, rows_used, "table scales");
@@ -275,6 +278,7 @@ impl Device for EmulatedDevice {
             DeviceMatrix::I8 { .. } => None,
         };
         let status = match weights {
+            // SAFETY: see above.
             DeviceMatrix::F32(_) | DeviceMatrix::F16(_) => unsafe {
                 let (name, w) = plain.expect("f32 or f16 weights");
                 symbol::<Stage1<c_void>>(name)(
@@ -296,6 +300,7 @@ impl Device for EmulatedDevice {
                     oi,
                 )
             },
+            // SAFETY: see above.
             DeviceMatrix::I8 { q, scales } => unsafe {
                 assert_len(q, n * launch.pitch as usize, "weights");
                 assert_len(scales, n, "row scales");
