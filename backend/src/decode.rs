@@ -2,33 +2,9 @@
 //! Pure Rust over byte buffers: the FFI layer only gathers the bytes and hands them here.
 
 use crate::error::{BackendError, Result};
-use crate::settings::{IdTensorType, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K};
+use crate::settings::{IdTensorType, Limits, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K};
 use recsys_engine::topk::Scored;
 use recsys_engine::{Engine, ExternalId, ExternalIds};
-
-/// Request limits, from the model's parameters (`max_history_length`, `max_k`, `max_exclude_ids`,
-/// `max_id_bytes`, `max_request_bytes`). The defaults protect the server from one request taking
-/// all its memory or time; a request beyond them gets INVALID_ARG naming the limit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    pub max_history: usize,
-    pub max_k: usize,
-    pub max_exclude: usize,
-    pub max_id_bytes: usize,
-    pub max_request_bytes: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_history: 10_000,
-            max_k: 1_000,
-            max_exclude: 10_000,
-            max_id_bytes: 256,
-            max_request_bytes: 16 << 20,
-        }
-    }
-}
 
 /// Element types the backend distinguishes (the FFI layer maps Triton's enum onto these).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -183,60 +183,62 @@ mod tests {
         assert_eq!(alone[0].as_ref().unwrap(), first);
     }
 
-    /// The output layer computed the slow way (f64 dot products over every item), standing in for
-    /// a device: what the GPU path must also return.
+    /// A device standing in for the GPU path: the engine's encoder, then the output layer computed
+    /// the slow way (f64 dot products over every item): what any recommender must answer.
     struct ReferenceDevice<'a>(&'a Engine);
 
-    impl recsys_engine::OutputScorer for ReferenceDevice<'_> {
-        fn top_k(
+    impl recsys_engine::BatchRecommender for ReferenceDevice<'_> {
+        fn recommend_batch(
             &self,
-            hidden: &[f32],
-            ks: &[usize],
-            excluded: Vec<Vec<u32>>,
-        ) -> std::result::Result<recsys_engine::RankedRows, String> {
+            batch: &[recsys_engine::InternalRequest],
+        ) -> recsys_engine::Result<Vec<(Vec<Scored>, recsys_engine::models::HistoryNote)>> {
+            let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
+            let (hidden, notes) = self.0.model.encode(&histories);
             let out = self.0.model.output();
             let d = out.input_size();
-            Ok(ks
+            Ok(batch
                 .iter()
                 .enumerate()
-                .map(|(r, &k)| {
+                .map(|(r, request)| {
+                    let excluded = recsys_engine::excluded_items(request);
                     let h = &hidden[r * d..(r + 1) * d];
-                    let mut scored: Vec<recsys_engine::topk::Scored> = (1..out.n_outputs())
-                        .filter(|i| !excluded[r].contains(&(*i as u32)))
+                    let mut scored: Vec<Scored> = (1..out.n_outputs())
+                        .filter(|i| !excluded.contains(&(*i as u32)))
                         .map(|i| {
                             let mut w = vec![0f32; d];
                             out.weight.add_row_into(i, &mut w);
                             let dot: f64 =
                                 w.iter().zip(h).map(|(a, b)| *a as f64 * *b as f64).sum();
-                            recsys_engine::topk::Scored {
+                            Scored {
                                 index: i as u32,
                                 score: (dot + out.bias.as_slice()[i] as f64) as f32,
                             }
                         })
                         .collect();
-                    scored.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
-                    scored.truncate(k);
+                    scored.sort_by(recsys_engine::topk::rank_order);
+                    scored.truncate(request.k);
                     scored
                 })
+                .zip(notes)
                 .collect())
         }
     }
 
     struct BrokenDevice;
 
-    impl recsys_engine::OutputScorer for BrokenDevice {
-        fn top_k(
+    impl recsys_engine::BatchRecommender for BrokenDevice {
+        fn recommend_batch(
             &self,
-            _: &[f32],
-            _: &[usize],
-            _: Vec<Vec<u32>>,
-        ) -> std::result::Result<recsys_engine::RankedRows, String> {
-            Err("the device fell off the bus".into())
+            _: &[recsys_engine::InternalRequest],
+        ) -> recsys_engine::Result<Vec<(Vec<Scored>, recsys_engine::models::HistoryNote)>> {
+            Err(recsys_engine::EngineError::Device(
+                "the device fell off the bus".into(),
+            ))
         }
     }
 
     #[test]
-    fn a_device_output_layer_answers_like_the_cpu_kernels() {
+    fn another_recommender_answers_like_the_cpu_engine() {
         let (engine, _tmp) = engine();
         let options = ServeOptions::default();
         let requests = || {
@@ -253,13 +255,7 @@ mod tests {
             ]
         };
         let (cpu, _) = serve(&engine, &options, requests(), &engine);
-        let device = ReferenceDevice(&engine);
-        let (dev, _) = serve(
-            &engine,
-            &options,
-            requests(),
-            &recsys_engine::WithOutputScorer(&engine, &device),
-        );
+        let (dev, _) = serve(&engine, &options, requests(), &ReferenceDevice(&engine));
         for (a, b) in cpu.iter().zip(&dev) {
             let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
             for (ra, rb) in a.rows.iter().zip(&b.rows) {
@@ -282,12 +278,7 @@ mod tests {
             }),
             Err(BackendError::InvalidInput("broken".into())),
         ];
-        let (answers, _) = serve(
-            &engine,
-            &options,
-            requests,
-            &recsys_engine::WithOutputScorer(&engine, &BrokenDevice),
-        );
+        let (answers, _) = serve(&engine, &options, requests, &BrokenDevice);
         let first = answers[0].as_ref().unwrap_err().to_string();
         assert!(first.contains("the device fell off the bus"), "{first}");
         assert!(answers[1]

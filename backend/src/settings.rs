@@ -13,6 +13,30 @@ pub const INPUT_EXCLUDE: &str = "EXCLUDE_ITEM_IDS";
 pub const OUTPUT_ITEM_IDS: &str = "TOP_ITEM_IDS";
 pub const OUTPUT_SCORES: &str = "TOP_SCORES";
 
+/// Request limits, from the model's parameters (`max_history_length`, `max_k`, `max_exclude_ids`,
+/// `max_id_bytes`, `max_request_bytes`). The defaults protect the server from one request taking
+/// all its memory or time; a request beyond them gets INVALID_ARG naming the limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_history: usize,
+    pub max_k: usize,
+    pub max_exclude: usize,
+    pub max_id_bytes: usize,
+    pub max_request_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_history: 10_000,
+            max_k: 1_000,
+            max_exclude: 10_000,
+            max_id_bytes: 256,
+            max_request_bytes: 16 << 20,
+        }
+    }
+}
+
 /// Element type of the item-id tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IdTensorType {
@@ -25,7 +49,7 @@ pub enum IdTensorType {
 #[derive(Clone, Debug)]
 pub struct ModelSettings {
     pub default_k: usize,
-    pub limits: crate::decode::Limits,
+    pub limits: Limits,
     /// Scoring threads per instance (instances x threads should not exceed the cores).
     pub threads: usize,
     pub exclude_seen: bool,
@@ -157,8 +181,8 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
             }
         },
     };
-    let defaults = crate::decode::Limits::default();
-    let limits = crate::decode::Limits {
+    let defaults = Limits::default();
+    let limits = Limits {
         max_history: limit(config, "max_history_length", defaults.max_history)?,
         max_k: limit(config, "max_k", defaults.max_k)?,
         max_exclude: limit(config, "max_exclude_ids", defaults.max_exclude)?,

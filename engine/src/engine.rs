@@ -99,22 +99,9 @@ pub struct Scorer {
 /// Each row's best items, best first.
 pub type RankedRows = Vec<Vec<Scored>>;
 
-/// What runs the output layer's score + top-k: the CPU kernels ([`Scorer`]) or a device (the CUDA
-/// path). The serving layer picks one per model instance; the encoder always runs on the engine.
-pub trait OutputScorer: Send + Sync {
-    /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
-    /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
-    fn top_k(
-        &self,
-        hidden: &[f32],
-        ks: &[usize],
-        excluded: Vec<Vec<u32>>,
-    ) -> std::result::Result<RankedRows, String>;
-}
-
-/// What answers a batch of prepared requests: the engine itself (encoder and output layer on the
-/// CPU), the engine's encoder followed by another output layer ([`WithOutputScorer`]), or a device
-/// that runs the whole model (the CUDA path). The serving layer picks one per model instance.
+/// What answers a batch of prepared requests: the engine itself (the whole model on the CPU) or a
+/// device that runs the whole model (the CUDA path). The serving layer picks one per model
+/// instance.
 pub trait BatchRecommender: Send + Sync {
     /// Each request's best items, best first, with what the model noted about its history.
     fn recommend_batch(&self, batch: &[InternalRequest])
@@ -126,19 +113,7 @@ impl BatchRecommender for Engine {
         &self,
         batch: &[InternalRequest],
     ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
-        self.recommend_internal_on(batch, &self.scorer)
-    }
-}
-
-/// The engine's encoder on the CPU, then `1`'s output layer.
-pub struct WithOutputScorer<'a>(pub &'a Engine, pub &'a dyn OutputScorer);
-
-impl BatchRecommender for WithOutputScorer<'_> {
-    fn recommend_batch(
-        &self,
-        batch: &[InternalRequest],
-    ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
-        self.0.recommend_internal_on(batch, self.1)
+        Ok(self.recommend_internal(batch))
     }
 }
 
@@ -156,13 +131,10 @@ pub fn excluded_items(request: &InternalRequest) -> Vec<u32> {
     list
 }
 
-impl OutputScorer for Scorer {
-    fn top_k(
-        &self,
-        hidden: &[f32],
-        ks: &[usize],
-        excluded: Vec<Vec<u32>>,
-    ) -> std::result::Result<RankedRows, String> {
+impl Scorer {
+    /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
+    /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
+    pub fn top_k(&self, hidden: &[f32], ks: &[usize], excluded: Vec<Vec<u32>>) -> RankedRows {
         let exclusions: Vec<Exclusions> = excluded
             .into_iter()
             .map(|mut list| {
@@ -175,13 +147,7 @@ impl OutputScorer for Scorer {
             .zip(&exclusions)
             .map(|(&k, excluded)| RowQuery { k, excluded })
             .collect();
-        Ok(fused::top_k(
-            self.kernels,
-            &self.packed,
-            hidden,
-            &queries,
-            self.threads,
-        ))
+        fused::top_k(self.kernels, &self.packed, hidden, &queries, self.threads)
     }
 }
 
@@ -354,28 +320,15 @@ impl Engine {
 
     /// Top-k over internal indices for a batch of prepared requests, on the CPU kernels.
     pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<(Vec<Scored>, HistoryNote)> {
-        self.recommend_internal_on(batch, &self.scorer)
-            .expect("the CPU kernels never fail")
-    }
-
-    /// Top-k over internal indices for a batch of prepared requests, the output layer on `device`
-    /// (the engine's own [`Scorer`] or a GPU); the encoder runs here.
-    pub fn recommend_internal_on(
-        &self,
-        batch: &[InternalRequest],
-        device: &dyn OutputScorer,
-    ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
         if batch.is_empty() {
-            return Ok(Vec::new());
+            return Vec::new();
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.model.encode(&histories);
         let excluded: Vec<Vec<u32>> = batch.iter().map(excluded_items).collect();
         let ks: Vec<usize> = batch.iter().map(|r| r.k).collect();
-        let top = device
-            .top_k(&hidden, &ks, excluded)
-            .map_err(EngineError::Device)?;
-        Ok(top.into_iter().zip(notes).collect())
+        let top = self.scorer.top_k(&hidden, &ks, excluded);
+        top.into_iter().zip(notes).collect()
     }
 
     /// External id of an internal index; `None` outside the catalogue (see [`IdMap::external`]).

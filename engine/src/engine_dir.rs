@@ -17,8 +17,10 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::idmap::{IdMap, IdType};
 use crate::import::CheckpointFormat;
-use crate::models::{Model, TensorMap};
+use crate::models::Model;
+use crate::tensor::TensorMap;
 use crate::tensor::{Storage, Tensor};
+pub use crate::weights::RawTensor;
 
 pub const FORMAT_NAME: &str = "recsys-engine";
 pub const FORMAT_VERSION: u32 = 1;
@@ -50,14 +52,6 @@ impl std::str::FromStr for Precision {
             )),
         }
     }
-}
-
-/// A tensor stored in a non-f32 dtype (quantized weights), as little-endian bytes.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RawTensor {
-    pub dtype: safetensors::Dtype,
-    pub shape: Vec<usize>,
-    pub bytes: Vec<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

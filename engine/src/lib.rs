@@ -21,8 +21,7 @@ pub mod weights;
 pub use config::{ModelConfig, ModelKind};
 pub use engine::{
     convert, convert_limited, excluded_items, BatchRecommender, ConvertRequest, Engine,
-    InternalRequest, OutputScorer, RankedRows, Recommendation, Request, ServeOptions,
-    UnknownItemPolicy, WithOutputScorer,
+    InternalRequest, RankedRows, Recommendation, Request, ServeOptions, UnknownItemPolicy,
 };
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};

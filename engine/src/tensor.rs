@@ -4,6 +4,7 @@
 //! a [`Tensor`] is a cheap handle (an `Arc` and a range) that can also be a row slice of another tensor
 //! (BERT4Rec's output layer is a view of its item embedding).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -173,4 +174,22 @@ impl Tensor {
         }
         Tensor::from_vec(vec![cols, rows], out)
     }
+}
+
+/// The tensors an engine stores, by name, in the layout the model computes with.
+pub type TensorMap = HashMap<String, Tensor>;
+
+/// Fetches `name` from an engine tensor map, checking its shape.
+pub fn take(tensors: &TensorMap, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let t = tensors
+        .get(name)
+        .ok_or_else(|| EngineError::MissingTensor { name: name.into() })?;
+    if t.shape() != shape {
+        return Err(EngineError::ShapeMismatch {
+            name: name.into(),
+            expected: shape.to_vec(),
+            found: t.shape().to_vec(),
+        });
+    }
+    Ok(t.clone())
 }

@@ -78,102 +78,37 @@ impl ExclusionSet {
     }
 }
 
-/// The best `k` of `scores` (index = position) that are not excluded, best first. Returns fewer than
-/// `k` when fewer items are eligible. Runs in O(n + k log k) with a candidate buffer of at most 2k.
-pub fn top_k(scores: &[f32], k: usize, excluded: &ExclusionSet) -> Vec<Scored> {
-    if k == 0 {
-        return Vec::new();
-    }
-    let mut buffer: Vec<Scored> = Vec::with_capacity(2 * k.min(scores.len()) + 1);
-    // The k-th best seen so far once the buffer has been pruned: anything not better is skipped.
-    let mut threshold: Option<Scored> = None;
-    for (i, &score) in scores.iter().enumerate() {
-        let candidate = Scored {
-            index: i as u32,
-            score,
-        };
-        if let Some(t) = &threshold {
-            if rank_order(&candidate, t) != Ordering::Less {
-                continue;
-            }
-        }
-        if excluded.contains(i as u32) {
-            continue;
-        }
-        buffer.push(candidate);
-        if buffer.len() == 2 * k {
-            buffer.select_nth_unstable_by(k - 1, rank_order);
-            buffer.truncate(k);
-            threshold = Some(buffer[k - 1]);
-            // select_nth puts the k-th element at k-1 with everything better before it.
-        }
-    }
-    buffer.sort_unstable_by(rank_order);
-    buffer.truncate(k);
-    buffer
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
-    fn reference(scores: &[f32], k: usize, excluded: &[u32]) -> Vec<Scored> {
-        let mut all: Vec<Scored> = scores
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !excluded.contains(&(*i as u32)))
-            .map(|(i, &s)| Scored {
-                index: i as u32,
-                score: s,
-            })
-            .collect();
-        all.sort_by(rank_order);
-        all.truncate(k);
-        all
-    }
-
-    proptest! {
-        // Scores drawn from a few distinct values force many exact ties.
-        #[test]
-        fn matches_full_sort(
-            scores in prop::collection::vec(prop_oneof![Just(1.0f32), Just(-2.5), Just(0.0), -1e30f32..1e30], 0..400),
-            k in 0usize..450,
-            excluded in prop::collection::vec(0u32..420, 0..200),
-        ) {
-            let mut set = ExclusionSet::new(scores.len());
-            for &e in &excluded { set.insert(e); }
-            prop_assert_eq!(top_k(&scores, k, &set), reference(&scores, k, &excluded));
-        }
+    fn scored(index: u32, score: f32) -> Scored {
+        Scored { index, score }
     }
 
     #[test]
-    fn ties_go_to_lower_index_and_k_beyond_eligible_returns_all() {
-        let scores = [3.0, 5.0, 5.0, 1.0, 5.0];
+    fn higher_scores_first_ties_to_the_lower_index_nan_last() {
+        let mut items = [
+            scored(3, 1.0),
+            scored(4, 5.0),
+            scored(0, f32::NAN),
+            scored(1, 5.0),
+            scored(2, -1.0),
+        ];
+        items.sort_by(rank_order);
+        let order: Vec<u32> = items.iter().map(|s| s.index).collect();
+        assert_eq!(order, vec![1, 4, 3, 2, 0]);
+    }
+
+    #[test]
+    fn exclusions_are_a_set_cleared_in_place() {
         let mut set = ExclusionSet::new(5);
-        set.insert(2);
-        let got = top_k(&scores, 10, &set);
-        let idx: Vec<u32> = got.iter().map(|s| s.index).collect();
-        assert_eq!(idx, vec![1, 4, 0, 3]);
-    }
-
-    #[test]
-    fn all_excluded_gives_nothing() {
-        let mut set = ExclusionSet::new(3);
-        for i in 0..3 {
+        assert!(set.is_empty());
+        for i in [2, 4, 2] {
             set.insert(i);
         }
-        assert!(top_k(&[1.0, 2.0, 3.0], 2, &set).is_empty());
+        assert!(set.contains(2) && set.contains(4) && !set.contains(3));
         set.clear();
-        assert!(set.is_empty());
-        assert_eq!(top_k(&[1.0, 2.0, 3.0], 1, &set)[0].index, 2);
-    }
-
-    #[test]
-    fn nan_ranks_last() {
-        let set = ExclusionSet::new(3);
-        let got = top_k(&[f32::NAN, 1.0, -1.0], 3, &set);
-        let idx: Vec<u32> = got.iter().map(|s| s.index).collect();
-        assert_eq!(idx, vec![1, 2, 0]);
+        assert!(set.is_empty() && !set.contains(2));
     }
 }

@@ -6,10 +6,17 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::engine_dir::RawTensor;
 use crate::error::{EngineError, Result};
 use crate::kernels::packed::PackedOutput;
 use crate::tensor::Tensor;
+
+/// A tensor stored in a non-f32 dtype (quantized weights), as little-endian bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawTensor {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
 
 /// A row-major `[rows, cols]` weight matrix.
 #[derive(Clone, Debug)]
@@ -152,7 +159,7 @@ pub struct Weights {
 impl Weights {
     /// An f32 tensor of exactly `shape` (biases, norms, small embeddings).
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        crate::models::take(&self.f32, name, shape)
+        crate::tensor::take(&self.f32, name, shape)
     }
 
     /// A 2-D weight at whatever precision it was stored in.

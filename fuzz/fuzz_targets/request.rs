@@ -7,7 +7,8 @@ use std::sync::OnceLock;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use triton_recsys::decode::{decode, encode, DType, InputTensor, Limits};
+use triton_recsys::decode::{decode, encode, DType, InputTensor};
+use triton_recsys::settings::Limits;
 use triton_recsys::serve::serve;
 use triton_recsys::settings::IdTensorType;
 use recsys_engine::{Engine, ServeOptions};

@@ -4,59 +4,6 @@
 //! inputs, never on how many rows are in the batch: a history scored alone and the same history in a
 //! batch of 64 give bit-identical results.
 
-/// Number of independent partial sums in [`dot`]. Eight lanes let the compiler vectorise the loop
-/// while keeping the summation order fixed. The portable kernels use separate multiply and add:
-/// `mul_add` without the FMA target feature compiles to a libm call per element.
-const DOT_LANES: usize = 8;
-
-/// Dot product with a fixed lane-wise summation order.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; DOT_LANES];
-    let chunks = a.len() / DOT_LANES;
-    for c in 0..chunks {
-        let (xa, xb) = (
-            &a[c * DOT_LANES..(c + 1) * DOT_LANES],
-            &b[c * DOT_LANES..(c + 1) * DOT_LANES],
-        );
-        for l in 0..DOT_LANES {
-            acc[l] += xa[l] * xb[l];
-        }
-    }
-    for i in chunks * DOT_LANES..a.len() {
-        acc[i % DOT_LANES] += a[i] * b[i];
-    }
-    // Pairwise reduction of the lanes.
-    let s0 = (acc[0] + acc[4]) + (acc[2] + acc[6]);
-    let s1 = (acc[1] + acc[5]) + (acc[3] + acc[7]);
-    s0 + s1
-}
-
-/// Output rows of `weight` processed together: a block of 64 rows of up to 1024 inputs (256 KiB)
-/// stays in L2 while every input row streams past it, instead of the whole matrix being re-read
-/// from memory for each input row.
-const LINEAR_OUT_BLOCK: usize = 64;
-
-/// `out[r, o] = x[r, :] . weight[o, :] + bias[o]` for a row-major `x` of `rows x in_dim` and a
-/// PyTorch-layout `weight` of `out_dim x in_dim`.
-pub fn linear(x: &[f32], in_dim: usize, weight: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-    let rows = x.len() / in_dim;
-    let out_dim = weight.len() / in_dim;
-    debug_assert_eq!(out.len(), rows * out_dim);
-    for block_start in (0..out_dim).step_by(LINEAR_OUT_BLOCK) {
-        let block_end = (block_start + LINEAR_OUT_BLOCK).min(out_dim);
-        for r in 0..rows {
-            let xr = &x[r * in_dim..(r + 1) * in_dim];
-            let or = &mut out[r * out_dim..(r + 1) * out_dim];
-            for o in block_start..block_end {
-                let b = bias.map_or(0.0, |b| b[o]);
-                or[o] = dot(xr, &weight[o * in_dim..(o + 1) * in_dim]) + b;
-            }
-        }
-    }
-}
-
 /// LayerNorm over one row with biased variance, statistics in f64: with f32 statistics a row whose
 /// mean is large against its spread (a case the property test found: two values near -245 that
 /// differ by 0.5) loses the mean's rounding error relative to the tiny variance; f64 keeps the
@@ -156,36 +103,13 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// `acc += alpha * x`.
-#[inline]
-pub fn axpy(alpha: f32, x: &[f32], acc: &mut [f32]) {
-    for (a, v) in acc.iter_mut().zip(x) {
-        *a += v * alpha;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     //! Each kernel against a plain f64 evaluation of its formula.
     use super::*;
     use proptest::prelude::*;
 
-    /// Relative tolerance of an f32 kernel against the f64 formula, scaled by the magnitudes summed.
-    const F32_REL_TOL: f64 = 1e-5;
-
-    fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
-    }
-
     proptest! {
-        #[test]
-        fn dot_matches_f64(v in prop::collection::vec((-10f32..10.0, -10f32..10.0), 0..300)) {
-            let (a, b): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
-            let scale: f64 = a.iter().zip(&b).map(|(&x, &y)| (x as f64 * y as f64).abs()).sum::<f64>() + 1e-30;
-            let err = (dot(&a, &b) as f64 - dot_f64(&a, &b)).abs();
-            prop_assert!(err <= F32_REL_TOL * scale, "err {} scale {}", err, scale);
-        }
-
         #[test]
         fn layer_norm_matches_f64(row in prop::collection::vec(-100f32..100.0, 2..200), shift in -1000f32..1000.0) {
             let row: Vec<f32> = row.iter().map(|v| v + shift).collect();
@@ -211,26 +135,6 @@ mod tests {
             for i in 0..x.len() {
                 let want = (x[i] as f64 - max).exp() / sum;
                 prop_assert!((got[i] as f64 - want).abs() <= 1e-6 + 1e-5 * want);
-            }
-        }
-
-        #[test]
-        fn linear_rows_are_independent_of_batch(rows in 1usize..6, in_dim in 1usize..40, out_dim in 1usize..20, seed in 0u64..1000) {
-            let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            let mut next = || { s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407); ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5 };
-            let x: Vec<f32> = (0..rows * in_dim).map(|_| next()).collect();
-            let w: Vec<f32> = (0..out_dim * in_dim).map(|_| next()).collect();
-            let b: Vec<f32> = (0..out_dim).map(|_| next()).collect();
-            let mut batched = vec![0f32; rows * out_dim];
-            linear(&x, in_dim, &w, Some(&b), &mut batched);
-            for r in 0..rows {
-                let mut single = vec![0f32; out_dim];
-                linear(&x[r * in_dim..(r + 1) * in_dim], in_dim, &w, Some(&b), &mut single);
-                prop_assert_eq!(&batched[r * out_dim..(r + 1) * out_dim], &single[..]);
-                for o in 0..out_dim {
-                    let want = dot_f64(&x[r * in_dim..(r + 1) * in_dim], &w[o * in_dim..(o + 1) * in_dim]) + b[o] as f64;
-                    prop_assert!((single[o] as f64 - want).abs() <= 1e-5 * (in_dim as f64));
-                }
             }
         }
     }

@@ -5,10 +5,8 @@
 pub mod bert4rec;
 pub mod vaecf;
 
-use std::collections::HashMap;
-
 use crate::config::ModelConfig;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
@@ -125,23 +123,7 @@ pub enum ModelView<'a> {
     Vaecf(VaeCfView<'a>),
 }
 
-/// The tensors an engine stores, by name, in the layout the model computes with.
-pub type TensorMap = HashMap<String, Tensor>;
-
-/// Fetches `name` from an engine tensor map, checking its shape.
-pub(crate) fn take(tensors: &TensorMap, name: &str, shape: &[usize]) -> Result<Tensor> {
-    let t = tensors
-        .get(name)
-        .ok_or_else(|| EngineError::MissingTensor { name: name.into() })?;
-    if t.shape() != shape {
-        return Err(EngineError::ShapeMismatch {
-            name: name.into(),
-            expected: shape.to_vec(),
-            found: t.shape().to_vec(),
-        });
-    }
-    Ok(t.clone())
-}
+pub use crate::tensor::{take, TensorMap};
 
 /// A model ready to run.
 #[derive(Clone, Debug)]
