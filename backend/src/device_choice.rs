@@ -77,7 +77,7 @@ mod tests {
         /// k of 1, 10 and 100, some with the history excluded and some with extra exclusions.
         fn ragged_batch(engine: &Engine) -> Vec<InternalRequest> {
             let cases =
-                read_test_set(&crate::test_support::fixtures().join("test_set.tsv")).unwrap();
+                read_test_set(&recsys_engine::fixtures::dir().join("test_set.tsv")).unwrap();
             let mut batch: Vec<InternalRequest> = cases
                 .iter()
                 .take(150)

@@ -16,9 +16,13 @@ pub mod settings;
 mod test_support;
 
 #[cfg(not(any(test, fuzzing)))]
+mod execute;
+#[cfg(not(any(test, fuzzing)))]
 mod lifecycle;
 #[cfg(not(any(test, fuzzing)))]
 mod metrics;
+#[cfg(not(any(test, fuzzing)))]
+mod statistics;
 #[cfg(not(any(test, fuzzing)))]
 mod triton;
 
@@ -31,8 +35,8 @@ mod exports {
     use recsys_ffi as sys;
 
     use crate::error::{BackendError, Result};
-    use crate::lifecycle;
     use crate::triton::{log, new_error, LogLevel};
+    use crate::{execute, lifecycle};
 
     fn guard(entry: &str, f: impl FnOnce() -> Result<()>) -> *mut sys::TRITONSERVER_Error {
         let error = match catch_unwind(AssertUnwindSafe(f)) {
@@ -113,7 +117,7 @@ mod exports {
         request_count: u32,
     ) -> *mut sys::TRITONSERVER_Error {
         guard("TRITONBACKEND_ModelInstanceExecute", || {
-            lifecycle::execute(instance, requests, request_count)
+            execute::execute(instance, requests, request_count)
         })
     }
 }
@@ -126,7 +130,9 @@ mod conventions {
     fn every_c_call_goes_through_ffi_call() {
         let files = [
             ("lib.rs", include_str!("lib.rs")),
+            ("execute.rs", include_str!("execute.rs")),
             ("lifecycle.rs", include_str!("lifecycle.rs")),
+            ("statistics.rs", include_str!("statistics.rs")),
             ("metrics.rs", include_str!("metrics.rs")),
             ("triton.rs", include_str!("triton.rs")),
         ];

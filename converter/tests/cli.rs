@@ -1,15 +1,13 @@
 //! The `recsys` binary end to end on the fixture models: convert, predict and eval against PyTorch.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 fn recsys() -> Command {
     Command::new(env!("CARGO_BIN_EXE_recsys"))
 }
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
-}
+use recsys_engine::fixtures::dir as fixtures;
 
 /// `recsys convert` of a fixture checkpoint with the fixture's config and the given item map.
 fn convert_command(

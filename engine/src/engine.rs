@@ -2,91 +2,19 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
-use crate::config::{ModelConfig, ModelKind};
-use crate::engine_dir::{self, EngineParts, Manifest, Precision, RawTensor, SourceCheckpoint};
+use crate::config::ModelKind;
+use crate::engine_dir::{self, Manifest};
 use crate::error::{EngineError, Result};
-use crate::idmap::{ExternalId, ExternalIds, IdMap};
-use crate::import::Checkpoint;
+use crate::idmap::{ExternalId, IdMap};
 use crate::kernels::fused::{self, Exclusions, RowQuery};
-use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use crate::kernels::packed::PackedOutput;
 use crate::kernels::KernelTable;
 use crate::models::{HistoryNote, Model};
+use crate::request::{
+    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, ServeOptions,
+    UnknownItemPolicy,
+};
 use crate::topk::Scored;
-use crate::weights::scale_name;
-
-/// What to do with history ids the catalogue does not know.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UnknownItemPolicy {
-    /// Drop them and count them (the default: catalogues churn faster than models retrain).
-    #[default]
-    Drop,
-    /// Refuse the request.
-    Error,
-}
-
-impl std::str::FromStr for UnknownItemPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "drop" | "skip" | "ignore" => Ok(UnknownItemPolicy::Drop),
-            "error" => Ok(UnknownItemPolicy::Error),
-            _ => Err(format!(
-                "unknown_item_policy must be \"drop\" or \"error\", found {s:?}"
-            )),
-        }
-    }
-}
-
-/// Serving options that hold for every request of a model.
-#[derive(Clone, Debug)]
-pub struct ServeOptions {
-    pub default_k: usize,
-    /// Leave the history's own items out of the answer.
-    pub exclude_seen: bool,
-    pub unknown_items: UnknownItemPolicy,
-}
-
-impl Default for ServeOptions {
-    fn default() -> Self {
-        ServeOptions {
-            default_k: 10,
-            exclude_seen: true,
-            unknown_items: UnknownItemPolicy::Drop,
-        }
-    }
-}
-
-/// One user's request.
-#[derive(Clone, Copy, Debug)]
-pub struct Request<'a> {
-    /// The user's history, oldest first.
-    pub history: ExternalIds<'a>,
-    /// Overrides [`ServeOptions::default_k`].
-    pub k: Option<i64>,
-    /// Extra items never to recommend (out of stock, already bought elsewhere).
-    pub exclude: Option<ExternalIds<'a>>,
-}
-
-/// One user's answer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Recommendation {
-    /// Best first, internal indices with scores.
-    pub items: Vec<Scored>,
-    /// History ids that were not in the catalogue.
-    pub unknown_ids: usize,
-    /// The history was longer than the model's window (BERT4Rec keeps the most recent items).
-    pub truncated: bool,
-}
-
-/// A request already mapped to internal indices.
-#[derive(Clone, Debug, Default)]
-pub struct InternalRequest {
-    pub history: Vec<u32>,
-    pub exclude: Vec<u32>,
-    pub k: usize,
-    pub exclude_seen: bool,
-}
 
 /// The output layer as the fused kernels read it, and how to run them.
 pub struct Scorer {
@@ -99,15 +27,6 @@ pub struct Scorer {
 /// Each row's best items, best first.
 pub type RankedRows = Vec<Vec<Scored>>;
 
-/// What answers a batch of prepared requests: the engine itself (the whole model on the CPU) or a
-/// device that runs the whole model (the CUDA path). The serving layer picks one per model
-/// instance.
-pub trait BatchRecommender: Send + Sync {
-    /// Each request's best items, best first, with what the model noted about its history.
-    fn recommend_batch(&self, batch: &[InternalRequest])
-        -> Result<Vec<(Vec<Scored>, HistoryNote)>>;
-}
-
 impl BatchRecommender for Engine {
     fn recommend_batch(
         &self,
@@ -115,20 +34,6 @@ impl BatchRecommender for Engine {
     ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
         Ok(self.recommend_internal(batch))
     }
-}
-
-/// The items each request leaves out: its history when `exclude_seen`, then its own list
-/// (unsorted, may repeat; PAD is left out by every scorer).
-pub fn excluded_items(request: &InternalRequest) -> Vec<u32> {
-    let seen = if request.exclude_seen {
-        request.history.as_slice()
-    } else {
-        &[]
-    };
-    let mut list = Vec::with_capacity(1 + seen.len() + request.exclude.len());
-    list.extend_from_slice(seen);
-    list.extend_from_slice(&request.exclude);
-    list
 }
 
 impl Scorer {
@@ -335,199 +240,4 @@ impl Engine {
     pub fn external_id(&self, index: u32) -> Option<ExternalId> {
         self.ids.external(index)
     }
-}
-
-/// Inputs of a conversion.
-pub struct ConvertRequest<'a> {
-    pub kind: ModelKind,
-    pub checkpoint: &'a Path,
-    /// A JSON object of hyper-parameters; `None` to use the checkpoint's own (RecBole) config.
-    pub config: Option<&'a serde_json::Map<String, serde_json::Value>>,
-    pub item_map: &'a Path,
-    pub out: &'a Path,
-    pub precision: Precision,
-    /// With `Precision::Int8`: calibration histories (external ids as text) and method, for W8A8
-    /// static activation scales. `None` is weight-only int8.
-    pub calibration: Option<(&'a [Vec<String>], CalibrationMethod)>,
-}
-
-/// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
-pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
-    convert_limited(request, crate::import::DEFAULT_MAX_CHECKPOINT_BYTES)
-}
-
-/// [`convert`] refusing checkpoints larger than `max_checkpoint_bytes`.
-pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) -> Result<Engine> {
-    let ckpt = Checkpoint::load_limited(request.checkpoint, max_checkpoint_bytes)?;
-    let json = match (request.config, &ckpt.embedded_config) {
-        (Some(json), _) => json.clone(),
-        (None, Some(embedded)) => embedded.clone(),
-        (None, None) => {
-            return Err(EngineError::Config(format!(
-                "{} carries no model config; pass one with --config",
-                request.checkpoint.display()
-            )))
-        }
-    };
-    let config = ModelConfig::resolve(request.kind, &json, &ckpt)?;
-    let mut tensors = Model::engine_tensors(&config, &ckpt)?;
-    let ids = IdMap::read_tsv(request.item_map)?;
-    if request.calibration.is_some() && request.precision != Precision::Int8 {
-        return Err(EngineError::Config(
-            "calibration applies to int8 (W8A8) only".into(),
-        ));
-    }
-    let (raw_tensors, quantization, calibration) = quantize(
-        &config,
-        &mut tensors,
-        request.precision,
-        &ids,
-        request.calibration,
-    )?;
-    let source = SourceCheckpoint {
-        file: request
-            .checkpoint
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        format: ckpt.format,
-        sha256: ckpt.sha256.clone(),
-    };
-    engine_dir::write(
-        request.out,
-        &EngineParts {
-            config: &config,
-            tensors: &tensors,
-            raw_tensors: &raw_tensors,
-            precision: request.precision,
-            quantization,
-            calibration: calibration.map(|c| serde_json::to_value(c).expect("summary serialises")),
-            ids: &ids,
-            source,
-        },
-    )?;
-    Engine::load(request.out)
-}
-
-/// The values entering the output layer for the calibration histories.
-fn output_activations(model: &Model, ids: &IdMap, histories: &[Vec<String>]) -> Vec<f32> {
-    let mut values = Vec::new();
-    for chunk in histories.chunks(256) {
-        let mapped: Vec<Vec<u32>> = chunk
-            .iter()
-            .map(|h| {
-                let refs: Vec<&str> = h.iter().map(String::as_str).collect();
-                ids.map(ExternalIds::Str(&refs)).indices
-            })
-            .collect();
-        let refs: Vec<&[u32]> = mapped.iter().map(Vec::as_slice).collect();
-        values.extend(model.encode(&refs).0);
-    }
-    values
-}
-
-/// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
-type Quantized = (
-    Vec<(String, RawTensor)>,
-    Option<serde_json::Value>,
-    Option<CalibrationSummary>,
-);
-
-/// Stores every quantizable 2-D weight (embeddings, dense layers, output layer) at `precision`;
-/// biases, norms and the position embedding stay fp32. fp32 changes nothing. With a calibration
-/// (int8 only), the output layer's activations get a static scale (W8A8), measured on the model as
-/// it will be served (quantized weights included).
-fn quantize(
-    config: &ModelConfig,
-    tensors: &mut Vec<(String, crate::tensor::Tensor)>,
-    precision: Precision,
-    ids: &IdMap,
-    calibration: Option<(&[Vec<String>], CalibrationMethod)>,
-) -> Result<Quantized> {
-    if precision == Precision::Fp32 {
-        return Ok((Vec::new(), None, None));
-    }
-    let targets = Model::quantizable(config);
-    let mut raw = Vec::new();
-    let mut kept = Vec::new();
-    for (name, tensor) in tensors.drain(..) {
-        if !targets.contains(&name) {
-            kept.push((name, tensor));
-            continue;
-        }
-        let shape = tensor.shape().to_vec();
-        let cols = shape[1];
-        match precision {
-            Precision::Fp32 => unreachable!("returned above"),
-            Precision::Fp16 => {
-                let bytes = to_f16_bits(tensor.as_slice())
-                    .iter()
-                    .flat_map(|b| b.to_le_bytes())
-                    .collect();
-                raw.push((
-                    name,
-                    RawTensor {
-                        dtype: safetensors::Dtype::F16,
-                        shape,
-                        bytes,
-                    },
-                ));
-            }
-            Precision::Int8 => {
-                let (q, scales) = quantize_int8_per_row(tensor.as_slice(), cols);
-                kept.push((
-                    scale_name(&name),
-                    crate::tensor::Tensor::from_vec(vec![shape[0]], scales),
-                ));
-                raw.push((
-                    name,
-                    RawTensor {
-                        dtype: safetensors::Dtype::I8,
-                        shape,
-                        bytes: q.iter().map(|&v| v as u8).collect(),
-                    },
-                ));
-            }
-        }
-    }
-    *tensors = kept;
-    let weights_name = match precision {
-        Precision::Fp16 => "fp16",
-        _ => "int8",
-    };
-    let mut output_layer = match precision {
-        Precision::Fp16 => {
-            serde_json::json!({"weights": "fp16", "compute": "fp32", "rounding": "nearest-even"})
-        }
-        _ => serde_json::json!({
-            "weights": "int8", "mode": "weight-only",
-            "compute": "int32 accumulation of int8 weights x int16 activations (each request's own scale)",
-            "scheme": "symmetric, one scale per output row: scale = max|w| / 127, q = round(w / scale)",
-        }),
-    };
-    let mut summary = None;
-    if let Some((histories, method)) = calibration {
-        let weights = crate::weights::Weights {
-            f32: tensors.iter().cloned().collect(),
-            raw: raw.iter().cloned().collect(),
-        };
-        let model = Model::from_tensors(config, &weights)?;
-        let values = output_activations(&model, ids, histories);
-        let s = calibration::summarize(&values, histories.len(), method);
-        output_layer = serde_json::json!({
-            "weights": "int8", "mode": "w8a8", "compute": "int32 accumulation of int8 x int8",
-            "scheme": "weights: symmetric, one scale per output row; activations: one static scale from calibration, clipped to +-127",
-            "activation_scale": s.scale,
-        });
-        summary = Some(s);
-    }
-    let quantization = serde_json::json!({
-        "weights": weights_name,
-        "tensors": targets,
-        "int8_scales": if precision == Precision::Int8 { "<tensor>.scale, one f32 per row" } else { "" },
-        "kept_fp32": "biases, LayerNorm parameters, BERT4Rec's position embedding",
-        "dense_layers": if precision == Precision::Int8 { "int8 weights x int16 activations (each request's own scale)" } else { "fp16 weights, fp32 compute" },
-        "output_layer": output_layer,
-    });
-    Ok((raw, Some(quantization), summary))
 }

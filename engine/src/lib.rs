@@ -6,22 +6,28 @@
 
 pub mod calibration;
 pub mod config;
+pub mod convert;
 pub mod engine;
 pub mod engine_dir;
 pub mod error;
+#[cfg(feature = "fixtures")]
+pub mod fixtures;
 pub mod idmap;
 pub mod import;
 pub mod kernels;
 pub mod metrics;
 pub mod models;
+pub mod request;
 pub mod tensor;
 pub mod topk;
 pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
-pub use engine::{
-    convert, convert_limited, excluded_items, BatchRecommender, ConvertRequest, Engine,
-    InternalRequest, RankedRows, Recommendation, Request, ServeOptions, UnknownItemPolicy,
-};
+pub use convert::{convert, convert_limited, ConvertRequest};
+pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};
+pub use request::{
+    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, ServeOptions,
+    UnknownItemPolicy,
+};

@@ -4,7 +4,6 @@
 //! return the same top-10. Prints one JSON object. The GPU bundle's run.sh runs it;
 //! `--dry-run` checks that it starts and finds the fixtures, and exits 0 without a GPU.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -32,11 +31,7 @@ fn median_ms(mut run: impl FnMut()) -> f64 {
 fn main() {
     let dry_run = std::env::args().nth(1).as_deref() == Some("--dry-run");
     // RECSYS_FIXTURES: where the GPU bundle's run.sh put them.
-    let fixtures = std::env::var_os("RECSYS_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures")).into()
-        });
+    let fixtures = recsys_engine::fixtures::dir();
     let cases = read_test_set(&fixtures.join("test_set.tsv")).expect("fixture test set");
     if dry_run {
         for dir in ["bert4rec", "multivae"] {

@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use recsys_engine::engine::InternalRequest;
 use recsys_engine::models::{
     Bert4Rec, Bert4RecView, DenseLayer, HistoryNote, Model, ModelView, NormView, OutputLayer,
     VaeCf, VaeCfView,
@@ -14,6 +13,7 @@ use recsys_engine::tensor::Tensor;
 use recsys_engine::topk::Scored;
 use recsys_engine::weights::Matrix;
 use recsys_engine::Engine;
+use recsys_engine::InternalRequest;
 
 use crate::device::{Activation, Device, DeviceMatrix};
 use crate::{

@@ -10,9 +10,7 @@ use recsys_engine::engine_dir::Precision;
 use recsys_engine::{ConvertRequest, ModelKind};
 use recsys_onnx::{ExportOptions, GraphOutput, OnnxError, RepositoryModel};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
-}
+use recsys_engine::fixtures::dir as fixtures;
 
 fn calibration_histories() -> Vec<Vec<String>> {
     std::fs::read_to_string(fixtures().join("test_set.tsv"))

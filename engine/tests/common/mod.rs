@@ -1,7 +1,7 @@
 //! Shared helpers for tests that use the PyTorch fixtures in `tests/fixtures`.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub use recsys_engine::engine_dir::Precision;
 use recsys_engine::{convert, ConvertRequest, Engine, ModelKind};
@@ -10,20 +10,11 @@ use recsys_engine::{convert, ConvertRequest, Engine, ModelKind};
 /// f32 rounding through 2 transformer layers or a 2001-wide encoder was measured at 3e-6..7e-6.
 pub const LOGIT_ABS_TOL: f32 = 5e-5;
 
-pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
-}
-
-pub fn model_dir(kind: ModelKind) -> PathBuf {
-    fixtures().join(match kind {
-        ModelKind::Bert4rec => "bert4rec",
-        ModelKind::Vaecf => "multivae",
-    })
-}
+#[allow(unused_imports)]
+pub use recsys_engine::fixtures::{config, dir as fixtures, model_dir};
 
 pub fn config_json(kind: ModelKind) -> serde_json::Map<String, serde_json::Value> {
-    let text = std::fs::read_to_string(model_dir(kind).join("config.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    config(kind).unwrap()
 }
 
 /// Converts a fixture checkpoint into `out` (fp32) and loads it.
@@ -38,17 +29,8 @@ pub fn convert_fixture_at(
     out: &Path,
     precision: Precision,
 ) -> Engine {
-    let config = config_json(kind);
-    convert(&ConvertRequest {
-        kind,
-        checkpoint: &model_dir(kind).join(checkpoint),
-        config: Some(&config),
-        item_map: &model_dir(kind).join("item_id_map.tsv"),
-        out,
-        precision,
-        calibration: None,
-    })
-    .unwrap_or_else(|e| panic!("converting {checkpoint}: {e}"))
+    recsys_engine::fixtures::convert(kind, checkpoint, out, precision)
+        .unwrap_or_else(|e| panic!("converting {checkpoint}: {e}"))
 }
 
 /// Converts the fixture's safetensors checkpoint to a W8A8 engine calibrated on `histories`.

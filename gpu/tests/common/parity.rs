@@ -2,7 +2,7 @@
 //! emulated tests run it on the CPU build of the kernels, the GPU tests on a real device.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use recsys_engine::engine_dir::Precision;
@@ -24,23 +24,11 @@ const HIDDEN_ABS_TOL_INT8: f32 = 1e-3;
 const SCORE_ABS_TOL_FLOAT: f32 = 2e-4;
 const SCORE_ABS_TOL_INT8: f32 = 5e-3;
 
-/// The trained fixtures: `RECSYS_FIXTURES` (set by the GPU bundle's run.sh, whose test binaries run
-/// far from the source tree), else the repository's tests/fixtures.
-pub fn fixtures() -> PathBuf {
-    std::env::var_os("RECSYS_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures")).into()
-        })
-}
+pub use recsys_engine::fixtures::dir as fixtures;
 
 pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
-    let model = fixtures().join(match kind {
-        ModelKind::Bert4rec => "bert4rec",
-        ModelKind::Vaecf => "multivae",
-    });
-    let config: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let model = recsys_engine::fixtures::model_dir(kind);
+    let config = recsys_engine::fixtures::config(kind).unwrap();
     let w8a8 = matches!(precision, Precision::Int8) && dir.ends_with("w8a8");
     let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
     let calibration: Vec<Vec<String>> = cases.iter().take(64).map(|c| c.history.clone()).collect();

@@ -1,29 +1,18 @@
-//! Host side of the CUDA kernels: NVRTC compilation (cached per source hash, architecture and
-//! options), [`CudaDevice`] (one context and stream, the typed launch of every kernel), and the two
-//! things the rest of recsys uses: [`GpuModel`] (a whole engine on a GPU, what KIND_GPU instances
-//! serve) and [`GpuOutputLayer`] (the output layer alone, for benchmarks).
+//! [`CudaDevice`]: one GPU's context, stream and compiled kernels, and the typed launch of every
+//! kernel (the [`Device`] trait on CUDA).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchArgs,
     LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
-use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
-use recsys_engine::engine::InternalRequest;
-use recsys_engine::models::HistoryNote;
-use recsys_engine::tensor::Tensor;
-use recsys_engine::topk::Scored;
-use recsys_engine::weights::Matrix;
-use recsys_engine::Engine;
+use cudarc::nvrtc::Ptx;
 
+use super::compile::{check_nvrtc_against_driver, compile_source, driver_present};
 use crate::device::{Activation, Device, DeviceMatrix};
-use crate::model::{DeviceModel, DeviceOutputLayer};
-use crate::{
-    cache_key, compile_options, GpuError, Ranked, Result, Stage1Launch, ENC_THREADS, LINEAR_TILE,
-    MODULES, THREADS, TILE,
-};
+use crate::{GpuError, Result, Stage1Launch, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
 
 /// Stream-ordered allocations come from the device's default memory pool, which by default hands
 /// its free memory back to the system at every synchronisation: each batch then pays to map it
@@ -53,175 +42,17 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
     Ok(())
 }
 
-fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
+pub(super) fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
     move |e| GpuError::Cuda {
         what,
         message: e.to_string(),
     }
 }
 
-/// Runs a probe of a CUDA library through cudarc, turning its panics into an error: cudarc loads
-/// every symbol of its bindings when it first opens a library and panics on a missing one (a
-/// CUDA 13 libnvrtc.so opened through the CUDA 12 bindings lacks `nvrtcGetNVVM`), and a panic
-/// must never reach the caller, let alone Triton.
-fn probe<T>(library: &str, f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T> {
-    std::panic::catch_unwind(f).map_err(|panic| {
-        let why = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "a panic without a message".into());
-        GpuError::Unavailable(format!(
-            "{library} was found but cannot be used by this build (made for CUDA {}): {why}",
-            BUILT_FOR_CUDA
-        ))
-    })
-}
-
-/// The CUDA major version whose bindings this build uses (the `cuda-12` or `cuda-13` feature).
-pub const BUILT_FOR_CUDA: &str = if cfg!(feature = "cuda-13") {
-    "13"
-} else {
-    "12"
-};
-
-/// Whether the CUDA driver library can be opened and has every symbol this build needs.
-pub fn driver_present() -> bool {
-    // SAFETY: only dlopens the driver library by its usual names and resolves its symbols; no
-    // CUDA call is made.
-    probe("libcuda.so.1", || unsafe {
-        cudarc::driver::sys::is_culib_present() && {
-            cudarc::driver::sys::culib();
-            true
-        }
-    })
-    .unwrap_or(false)
-}
-
-/// Whether NVRTC can be opened and has every symbol this build needs.
-pub fn nvrtc_present() -> bool {
-    nvrtc_check().is_ok()
-}
-
-/// Why NVRTC cannot be used, if it cannot: not found, or found without the symbols of the CUDA
-/// version this build is for.
-pub fn nvrtc_check() -> Result<()> {
-    // SAFETY: only dlopens libnvrtc by its usual names and resolves its symbols.
-    let found = probe("libnvrtc", || unsafe {
-        cudarc::nvrtc::sys::is_culib_present() && {
-            cudarc::nvrtc::sys::culib();
-            true
-        }
-    })?;
-    if found {
-        Ok(())
-    } else {
-        Err(GpuError::Unavailable(format!(
-            "NVRTC (libnvrtc.so.{BUILT_FOR_CUDA}) not found: install the CUDA toolkit's NVRTC or PyPI \
-             {} and put its lib directory on LD_LIBRARY_PATH",
-            if BUILT_FOR_CUDA == "13" {
-                "nvidia-cuda-nvrtc (13.x)"
-            } else {
-                "nvidia-cuda-nvrtc-cu12"
-            }
-        )))
-    }
-}
-
-/// NVRTC's version (major, minor).
-pub fn nvrtc_version() -> Result<(i32, i32)> {
-    nvrtc_check()?;
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: the library was opened and checked above; the out-pointers are valid locals.
-    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(GpuError::Unavailable(format!(
-            "nvrtcVersion failed: {status:?}"
-        )));
-    }
-    Ok((major, minor))
-}
-
-/// The newest CUDA version the driver supports (major, minor), e.g. (13, 0) for driver 580.
-pub fn driver_cuda_version() -> Result<(i32, i32)> {
-    if !driver_present() {
-        return Err(GpuError::Unavailable(
-            "the CUDA driver (libcuda.so.1) is not installed or not visible to this process".into(),
-        ));
-    }
-    let mut version = 0;
-    // SAFETY: the library was opened and checked above; cuDriverGetVersion needs no cuInit.
-    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
-    if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        return Err(GpuError::Unavailable(format!(
-            "cuDriverGetVersion failed: {status:?}"
-        )));
-    }
-    Ok((version / 1000, version % 1000 / 10))
-}
-
-/// PTX from an NVRTC newer than the driver cannot be loaded (CUDA_ERROR_UNSUPPORTED_PTX_VERSION, at
-/// the first module load); say so before compiling, with what to do.
-pub fn check_nvrtc_against_driver() -> Result<()> {
-    let nvrtc = nvrtc_version()?;
-    let driver = driver_cuda_version()?;
-    if nvrtc > driver {
-        return Err(GpuError::Unavailable(format!(
-            "NVRTC {}.{} is newer than the driver, which supports CUDA {}.{}: the driver cannot load \
-             its PTX. Put an NVRTC no newer than {}.{} first on LD_LIBRARY_PATH (the toolkit's, or \
-             PyTorch's nvidia/cu{}/lib), or update the driver",
-            nvrtc.0, nvrtc.1, driver.0, driver.1, driver.0, driver.1, driver.0
-        )));
-    }
-    Ok(())
-}
-
-/// PTX of one kernel source for `arch` ("sm_90"), compiled once per process and cache key.
-pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<String> {
-    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
-    let key = format!("{name}-{}", cache_key(source, arch));
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(ptx) = cache
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&key)
-    {
-        return Ok(ptx.clone());
-    }
-    nvrtc_check()?;
-    let opts = CompileOptions {
-        options: compile_options(arch),
-        name: Some(name.into()),
-        ..Default::default()
-    };
-    let ptx =
-        cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| GpuError::Compile {
-            arch: arch.into(),
-            log: match e {
-                CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-                other => format!("{other:?}"),
-            },
-        })?;
-    let text = ptx.to_src();
-    cache
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .insert(key, text.clone());
-    Ok(text)
-}
-
-/// PTX of every module ([`MODULES`]) for `arch`, in that order.
-pub fn compile(arch: &str) -> Result<Vec<String>> {
-    MODULES
-        .iter()
-        .map(|(name, source, _)| compile_source(name, source, arch))
-        .collect()
-}
-
 /// One GPU: its context, one stream (every launch and copy of the device runs on it, in order)
 /// and the compiled kernels.
 pub struct CudaDevice {
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     _modules: Vec<Arc<CudaModule>>,
     functions: HashMap<&'static str, CudaFunction>,
     /// Page-locked staging for each batch's inputs (item indices, offsets, exclusions, and the
@@ -666,136 +497,5 @@ impl Device for CudaDevice {
         unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
             .map_err(cuda_err("launching the first layer"))?;
         Ok(())
-    }
-}
-
-/// A whole engine on one GPU: what a KIND_GPU instance serves. Batches are serialised on the
-/// device's one stream (Triton runs one batch at a time per instance anyway).
-pub struct GpuModel {
-    inner: Mutex<DeviceModel<CudaDevice>>,
-    name: String,
-}
-
-impl GpuModel {
-    /// Opens device `ordinal`, uploads `engine` and checks the device against the CPU engine on a
-    /// few histories ([`DeviceModel::self_check`]) before it serves anything.
-    pub fn new(ordinal: usize, engine: &Arc<Engine>) -> Result<GpuModel> {
-        let device = CudaDevice::new(ordinal)?;
-        let name = device.name.clone();
-        let model = DeviceModel::new(device, Arc::clone(engine))?;
-        model.self_check()?;
-        Ok(GpuModel {
-            inner: Mutex::new(model),
-            name,
-        })
-    }
-
-    pub fn device_name(&self) -> &str {
-        &self.name
-    }
-}
-
-impl recsys_engine::BatchRecommender for GpuModel {
-    fn recommend_batch(
-        &self,
-        batch: &[InternalRequest],
-    ) -> recsys_engine::Result<Vec<(Vec<Scored>, HistoryNote)>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .recommend(batch)
-            .map_err(|e| recsys_engine::EngineError::Device(e.to_string()))
-    }
-}
-
-/// The output layer alone on one GPU (the benchmark of the fused kernel against torch).
-pub struct GpuOutputLayer {
-    device: Mutex<CudaDevice>,
-    layer: DeviceOutputLayer<CudaDevice>,
-    /// "NVIDIA H200 (sm_90)", for logs.
-    pub device_name: String,
-}
-
-impl GpuOutputLayer {
-    /// Uploads `weight` (`[n_items, dim]`, any precision) and `bias` to device `ordinal`.
-    pub fn new(ordinal: usize, weight: &Matrix, bias: &Tensor) -> Result<GpuOutputLayer> {
-        let device = CudaDevice::new(ordinal)?;
-        let layer = DeviceOutputLayer::new(&device, weight, bias, None)?;
-        Ok(GpuOutputLayer {
-            device_name: device.name.clone(),
-            device: Mutex::new(device),
-            layer,
-        })
-    }
-
-    /// Tests: poison every kernel output before the kernel runs ([`CudaDevice::poison_outputs`]).
-    pub fn poison_outputs(&self) {
-        self.device
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .poison_outputs = true;
-    }
-
-    /// Device time of the fused score + top-k kernels, in milliseconds, for each of `reps` runs
-    /// after `warmup` untimed ones: CUDA events recorded around the kernels on the stream, with
-    /// the hidden vectors already on the device and no copy in the span (what torch's CUDA
-    /// events measure of matmul + topk). End-to-end time, copies and host work included, is
-    /// [`Self::topk`] timed on the host.
-    pub fn kernel_times_ms(
-        &self,
-        hidden: &[f32],
-        k: usize,
-        exclude: &[&[u32]],
-        warmup: usize,
-        reps: usize,
-    ) -> Result<Vec<f32>> {
-        let device = self
-            .device
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let on_device = device.upload_f32(hidden)?;
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let mut times = Vec::with_capacity(reps);
-        for rep in 0..warmup + reps {
-            let start = device
-                .stream
-                .record_event(timing)
-                .map_err(cuda_err("recording an event"))?;
-            let launched = self.layer.launch_top_k(&device, &on_device, k, exclude)?;
-            let end = device
-                .stream
-                .record_event(timing)
-                .map_err(cuda_err("recording an event"))?;
-            end.synchronize()
-                .map_err(cuda_err("waiting for the kernels"))?;
-            drop(launched);
-            if rep >= warmup {
-                times.push(
-                    start
-                        .elapsed_ms(&end)
-                        .map_err(cuda_err("reading the event timer"))?,
-                );
-            }
-        }
-        Ok(times)
-    }
-
-    /// Top-`k` items for each of `rows` hidden vectors (`hidden` is `[rows, dim]`, on the host),
-    /// leaving out index 0 (PAD) and each row's `exclude` list.
-    pub fn topk(&self, hidden: &[f32], k: usize, exclude: &[&[u32]]) -> Result<Vec<Ranked>> {
-        if hidden.len() != exclude.len() * self.layer.dim {
-            return Err(GpuError::Invalid(format!(
-                "{} hidden values for {} rows of width {}",
-                hidden.len(),
-                exclude.len(),
-                self.layer.dim
-            )));
-        }
-        let device = self
-            .device
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let hidden = device.stage_f32(hidden)?;
-        self.layer.top_k(&device, &hidden, k, exclude)
     }
 }

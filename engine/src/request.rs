@@ -1,0 +1,102 @@
+//! What a request is, before and after id mapping, and what answers a batch of them.
+
+use crate::error::Result;
+use crate::idmap::ExternalIds;
+use crate::models::HistoryNote;
+use crate::topk::Scored;
+
+/// What to do with history ids the catalogue does not know.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnknownItemPolicy {
+    /// Drop them and count them (the default: catalogues churn faster than models retrain).
+    #[default]
+    Drop,
+    /// Refuse the request.
+    Error,
+}
+
+impl std::str::FromStr for UnknownItemPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "drop" | "skip" | "ignore" => Ok(UnknownItemPolicy::Drop),
+            "error" => Ok(UnknownItemPolicy::Error),
+            _ => Err(format!(
+                "unknown_item_policy must be \"drop\" or \"error\", found {s:?}"
+            )),
+        }
+    }
+}
+
+/// Serving options that hold for every request of a model.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    pub default_k: usize,
+    /// Leave the history's own items out of the answer.
+    pub exclude_seen: bool,
+    pub unknown_items: UnknownItemPolicy,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            default_k: 10,
+            exclude_seen: true,
+            unknown_items: UnknownItemPolicy::Drop,
+        }
+    }
+}
+
+/// One user's request.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    /// The user's history, oldest first.
+    pub history: ExternalIds<'a>,
+    /// Overrides [`ServeOptions::default_k`].
+    pub k: Option<i64>,
+    /// Extra items never to recommend (out of stock, already bought elsewhere).
+    pub exclude: Option<ExternalIds<'a>>,
+}
+
+/// One user's answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recommendation {
+    /// Best first, internal indices with scores.
+    pub items: Vec<Scored>,
+    /// History ids that were not in the catalogue.
+    pub unknown_ids: usize,
+    /// The history was longer than the model's window (BERT4Rec keeps the most recent items).
+    pub truncated: bool,
+}
+
+/// A request already mapped to internal indices.
+#[derive(Clone, Debug, Default)]
+pub struct InternalRequest {
+    pub history: Vec<u32>,
+    pub exclude: Vec<u32>,
+    pub k: usize,
+    pub exclude_seen: bool,
+}
+
+/// What answers a batch of prepared requests: the engine itself (the whole model on the CPU) or a
+/// device that runs the whole model (the CUDA path). The serving layer picks one per model
+/// instance.
+pub trait BatchRecommender: Send + Sync {
+    /// Each request's best items, best first, with what the model noted about its history.
+    fn recommend_batch(&self, batch: &[InternalRequest])
+        -> Result<Vec<(Vec<Scored>, HistoryNote)>>;
+}
+
+/// The items each request leaves out: its history when `exclude_seen`, then its own list
+/// (unsorted, may repeat; PAD is left out by every scorer).
+pub fn excluded_items(request: &InternalRequest) -> Vec<u32> {
+    let seen = if request.exclude_seen {
+        request.history.as_slice()
+    } else {
+        &[]
+    };
+    let mut list = Vec::with_capacity(1 + seen.len() + request.exclude.len());
+    list.extend_from_slice(seen);
+    list.extend_from_slice(&request.exclude);
+    list
+}
