@@ -2,7 +2,7 @@
 recsys (fp32, fp16, int8 weight-only), ONNX Runtime (MatMul + Add + TopK graph), numpy (matmul +
 argpartition), and this machine's floor (streaming bandwidth and FMA peak, measured in the same run).
 
-    scripts/bench-kernels.sh [--threads 2] [--full] [--out FILE.md]
+    scripts/bench.sh kernels [--threads 2] [--full] [--out FILE.md]
 
 For B histories against N items of dimension d the floor is max(weight bytes / bandwidth,
 2*B*N*d / FMA peak): the weights must be read once per batch and every multiply-add done once.

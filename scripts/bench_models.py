@@ -1,6 +1,6 @@
 """Whole models against ONNX Runtime, same weights and histories, same invocation, same threads.
 
-    scripts/bench-models.sh [--threads 2] [--out FILE.md]
+    scripts/bench.sh models [--threads 2] [--out FILE.md]
 
 recsys: `model_probe` (the engine: encode + fused score + top-k with the history excluded).
 ONNX Runtime: the model as a user exports it from PyTorch, built here with onnx.helper from the same

@@ -1,6 +1,6 @@
 """Serving benchmark against the peer, and the dynamic-batching study, with the real perf_analyzer.
 
-    scripts/bench-peers.sh [--models bert4rec,vaecf] [--concurrency 1,4,8,16] [--skip-batching] [--out FILE.md]
+    scripts/bench.sh peers [--models bert4rec,vaecf] [--concurrency 1,4,8,16] [--skip-batching] [--out FILE.md]
 
 One tritonserver serves, from a temporary repository:
   - <model>: the recsys backend on the demo engine (model_repository/<model>/1), as shipped;

@@ -2,7 +2,7 @@
 exported model (`recsys export-onnx --k 10` of the same engine), same JSONL input, same output
 content (top-10 ids and scores per line), 2 threads each.
 
-    scripts/bench-predict.sh [--lines 20000] [--out FILE.md]
+    scripts/bench.sh predict [--lines 20000] [--out FILE.md]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 through the recsys backend. Bounded: every perf_analyzer run has a time limit, and the server is
 always stopped.
 
-    scripts/bench-serving.sh [--protocols http,grpc] [--concurrency 1,8] [--out FILE.md]
+    scripts/bench.sh serving [--protocols http,grpc] [--concurrency 1,8] [--out FILE.md]
 
 Requests replay real histories (the first 256 users of the fixture test set, 5 to ~300 items,
 ragged). Prints a markdown table: throughput, p50/p99 latency, and the share of the client-seen
@@ -86,7 +86,7 @@ def main() -> None:
 
     backend = ROOT / "build" / "backends"
     if not (backend / "recsys" / "libtriton_recsys.so").exists():
-        sys.exit("build/backends/recsys/libtriton_recsys.so is missing: run scripts/bench-serving.sh")
+        sys.exit("build/backends/recsys/libtriton_recsys.so is missing: run scripts/bench.sh serving")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Every benchmark, one entry point. Each kind builds what it measures in release mode, uses the
+# Python environment of scripts/python-env.sh (the real tritonserver, perf_analyzer, onnxruntime),
+# runs bounded in time and requests, and prints the table for docs/BENCHMARKS.md:
+#
+#   scripts/bench.sh kernels [ARGS]   fused score + top-k against ONNX Runtime, numpy and the measured
+#                                     memory/FMA floor on the same weights (scripts/bench_kernels.py)
+#   scripts/bench.sh models [ARGS]    whole models against ONNX Runtime (scripts/bench_models.py)
+#   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
+#                                     (scripts/bench_predict.py)
+#   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
+#   scripts/bench.sh peers [ARGS]     recsys against the Python backend + onnxruntime peer in the same
+#                                     server, and the dynamic-batching study (scripts/bench_peers.py)
+#
+# ARGS go to the Python script (`--help` lists them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $# -ge 1 ]] || usage
+kind=$1
+shift
+
+release_build() { cargo build --release --locked "$@"; }
+
+# The backend and the demo engines that the serving benchmarks load.
+serving_setup() {
+  release_build -p recsys-converter -p recsys-backend
+  mkdir -p build/backends/recsys
+  cp target/release/libtriton_recsys.so build/backends/recsys/
+  local m
+  for m in bert4rec vaecf; do
+    [[ -f model_repository/$m/1/manifest.json ]] || {
+      echo "model_repository/$m/1 has no engine: run scripts/serve.sh --check once" >&2
+      exit 1
+    }
+  done
+}
+
+python=.venv/bin/python
+case "$kind" in
+  kernels)
+    ./scripts/python-env.sh
+    release_build -p recsys-benches --bin kernel_probe
+    # numpy runs with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (they force an older, slower
+    # OpenBLAS kernel on some machines); the table names the BLAS kernel that actually ran.
+    exec env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$python" scripts/bench_kernels.py "$@"
+    ;;
+  models)
+    ./scripts/python-env.sh
+    release_build -p recsys-converter -p recsys-benches --bin model_probe
+    exec "$python" scripts/bench_models.py "$@"
+    ;;
+  predict)
+    ./scripts/python-env.sh
+    release_build -p recsys-converter
+    exec "$python" scripts/bench_predict.py "$@"
+    ;;
+  serving | peers)
+    # perf_analyzer's runtime needs (libb64, libcudart) are installed by scripts/python-env.sh.
+    ./scripts/python-env.sh
+    serving_setup
+    if [[ $kind == serving ]]; then
+      exec "$python" scripts/bench_serving.py "$@"
+    fi
+    exec "$python" scripts/bench_peers.py "$@"
+    ;;
+  -h | --help) usage ;;
+  *)
+    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers)" >&2
+    exit 2
+    ;;
+esac
