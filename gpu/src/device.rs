@@ -47,90 +47,45 @@ pub trait Device {
     fn download_u32(&self, buffer: &Self::U32) -> Result<Vec<u32>>;
 
     /// `score_tile_topk_{f32,f16,i8}`: stage 1 of the fused score + top-k.
-    #[allow(clippy::too_many_arguments)]
     fn score_tile_topk(
         &self,
-        launch: &Stage1Launch,
-        hidden: &Self::F32,
-        weights: &DeviceMatrix<Self>,
-        activation_scale: f32,
-        bias: &Self::F32,
-        exclude_offsets: &Self::U32,
-        exclude_ids: &Self::U32,
-        batch: u32,
-        n_items: u32,
-        dim: u32,
-        out_scores: &mut Self::F32,
-        out_index: &mut Self::U32,
+        a: &Stage1Inputs<'_, Self>,
+        out: CandidatesMut<'_, Self>,
     ) -> Result<()>;
 
-    /// `merge_topk`: one merge pass over `rows` rows of `count` candidates.
-    #[allow(clippy::too_many_arguments)]
+    /// `merge_topk`: one merge pass over `rows` rows of `count` candidates, keeping `keep` per
+    /// block of the tile size.
     fn merge_topk(
         &self,
         rows: u32,
-        in_scores: &Self::F32,
-        in_index: &Self::U32,
+        input: Candidates<'_, Self>,
         count: u32,
         keep: u32,
-        out_scores: &mut Self::F32,
-        out_index: &mut Self::U32,
+        out: CandidatesMut<'_, Self>,
     ) -> Result<()>;
 
     /// `linear_f32`: `y[m, n] = act(x[m, k] w[n, k]^T + bias)`.
-    #[allow(clippy::too_many_arguments)]
-    fn linear(
-        &self,
-        x: &Self::F32,
-        weight: &Self::F32,
-        bias: &Self::F32,
-        y: &mut Self::F32,
-        m: u32,
-        n: u32,
-        k: u32,
-        activation: Activation,
-    ) -> Result<()>;
+    fn linear(&self, x: &Self::F32, layer: &DenseArgs<'_, Self>, y: &mut Self::F32) -> Result<()>;
 
-    /// `add_layer_norm`: `y = LayerNorm(x + residual)` over `rows` rows of `width`.
-    #[allow(clippy::too_many_arguments)]
+    /// `add_layer_norm`: `y = LayerNorm(x + residual)`.
     fn add_layer_norm(
         &self,
         x: &Self::F32,
         residual: Option<&Self::F32>,
-        gamma: &Self::F32,
-        beta: &Self::F32,
+        norm: &NormArgs<'_, Self>,
         y: &mut Self::F32,
-        rows: u32,
-        width: u32,
-        eps: f64,
     ) -> Result<()>;
 
     /// `embed_tokens_{f32,f16,i8}`: `x[t] = positions_table[positions[t]] + table[items[t]]`.
-    #[allow(clippy::too_many_arguments)]
     fn embed_tokens(
         &self,
         table: &DeviceMatrix<Self>,
-        items: &Self::U32,
-        positions: &Self::U32,
-        position_table: &Self::F32,
+        tokens: &TokenArgs<'_, Self>,
         x: &mut Self::F32,
-        tokens: u32,
-        width: u32,
     ) -> Result<()>;
 
     /// `attention`: per sequence and head, `softmax(q k^T / sqrt(head_dim)) v`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        q: &Self::F32,
-        k: &Self::F32,
-        v: &Self::F32,
-        seq_offsets: &Self::U32,
-        out: &mut Self::F32,
-        sequences: u32,
-        heads: u32,
-        head_dim: u32,
-    ) -> Result<()>;
+    fn attention(&self, a: &AttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()>;
 
     /// `gather_rows`: `dst[i] = src[rows[i]]`.
     fn gather_rows(
@@ -143,15 +98,110 @@ pub trait Device {
     ) -> Result<()>;
 
     /// `embedding_bag_{f32,f16,i8}`: Mult-VAE's first layer over each history's distinct items.
-    #[allow(clippy::too_many_arguments)]
     fn embedding_bag(
         &self,
         table: &DeviceMatrix<Self>,
-        items: &Self::U32,
-        offsets: &Self::U32,
-        bias: &Self::F32,
+        bag: &BagArgs<'_, Self>,
         y: &mut Self::F32,
-        rows: u32,
-        width: u32,
     ) -> Result<()>;
 }
+
+/// A pair of device buffers of (score, item index) candidates, `rows x count` each.
+pub struct Candidates<'a, D: Device + ?Sized> {
+    pub scores: &'a D::F32,
+    pub index: &'a D::U32,
+}
+
+/// Candidate buffers a kernel writes.
+pub struct CandidatesMut<'a, D: Device + ?Sized> {
+    pub scores: &'a mut D::F32,
+    pub index: &'a mut D::U32,
+}
+
+/// What stage 1 of the fused score + top-k reads: the batch's hidden vectors (`batch x dim`), the
+/// output layer (`n_items` rows at `launch.pitch`), its bias and each row's exclusions (CSR).
+pub struct Stage1Inputs<'a, D: Device + ?Sized> {
+    pub launch: &'a Stage1Launch,
+    pub hidden: &'a D::F32,
+    pub weights: &'a DeviceMatrix<D>,
+    /// W8A8 engines' static activation scale; 0 for the others.
+    pub activation_scale: f32,
+    pub bias: &'a D::F32,
+    pub exclude_offsets: &'a D::U32,
+    pub exclude_ids: &'a D::U32,
+    pub batch: u32,
+    pub n_items: u32,
+    pub dim: u32,
+}
+
+/// A dense layer applied to `m` rows: `weight` is `n x k`, `bias` `n`.
+pub struct DenseArgs<'a, D: Device + ?Sized> {
+    pub weight: &'a D::F32,
+    pub bias: &'a D::F32,
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub activation: Activation,
+}
+
+/// A LayerNorm over `rows` rows of `width`.
+pub struct NormArgs<'a, D: Device + ?Sized> {
+    pub gamma: &'a D::F32,
+    pub beta: &'a D::F32,
+    pub rows: u32,
+    pub width: u32,
+    pub eps: f64,
+}
+
+/// BERT4Rec's token inputs: `tokens` (item, position) pairs and the position table.
+pub struct TokenArgs<'a, D: Device + ?Sized> {
+    pub items: &'a D::U32,
+    pub positions: &'a D::U32,
+    pub position_table: &'a D::F32,
+    pub tokens: u32,
+    pub width: u32,
+}
+
+/// Attention over `sequences` sequences (token ranges `seq_offsets`) of `heads` heads.
+pub struct AttentionArgs<'a, D: Device + ?Sized> {
+    pub q: &'a D::F32,
+    pub k: &'a D::F32,
+    pub v: &'a D::F32,
+    pub seq_offsets: &'a D::U32,
+    pub sequences: u32,
+    pub heads: u32,
+    pub head_dim: u32,
+}
+
+/// Mult-VAE's first layer over `rows` histories: their distinct items as CSR, and the bias.
+pub struct BagArgs<'a, D: Device + ?Sized> {
+    pub items: &'a D::U32,
+    pub offsets: &'a D::U32,
+    pub bias: &'a D::F32,
+    pub rows: u32,
+    pub width: u32,
+}
+
+// The argument structs hold references and numbers only, so they copy like the arguments they
+// replace (derive would ask for `D: Copy`).
+macro_rules! copy_args {
+    ($($name:ident),*) => {
+        $(
+            impl<D: Device + ?Sized> Clone for $name<'_, D> {
+                fn clone(&self) -> Self {
+                    *self
+                }
+            }
+            impl<D: Device + ?Sized> Copy for $name<'_, D> {}
+        )*
+    };
+}
+copy_args!(
+    Candidates,
+    Stage1Inputs,
+    DenseArgs,
+    NormArgs,
+    TokenArgs,
+    AttentionArgs,
+    BagArgs
+);

@@ -15,7 +15,10 @@ use recsys_engine::weights::Matrix;
 use recsys_engine::Engine;
 use recsys_engine::InternalRequest;
 
-use crate::device::{Activation, Device, DeviceMatrix};
+use crate::device::{
+    Activation, AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
+    NormArgs, Stage1Inputs, TokenArgs,
+};
 use crate::{
     exclusion_csr, merge_plan, ranked_rows, stage1_launch, GpuError, Ranked, Result, TILE,
 };
@@ -229,18 +232,22 @@ impl<D: Device> DeviceOutputLayer<D> {
         let mut scores = device.alloc_f32(rows * plan[0])?;
         let mut index = device.alloc_u32(rows * plan[0])?;
         device.score_tile_topk(
-            &launch,
-            hidden,
-            &self.weights,
-            self.activation_scale,
-            &self.bias,
-            &offsets,
-            &ids,
-            rows as u32,
-            self.n_items as u32,
-            self.dim as u32,
-            &mut scores,
-            &mut index,
+            &Stage1Inputs {
+                launch: &launch,
+                hidden,
+                weights: &self.weights,
+                activation_scale: self.activation_scale,
+                bias: &self.bias,
+                exclude_offsets: &offsets,
+                exclude_ids: &ids,
+                batch: rows as u32,
+                n_items: self.n_items as u32,
+                dim: self.dim as u32,
+            },
+            CandidatesMut {
+                scores: &mut scores,
+                index: &mut index,
+            },
         )?;
         for window in plan.windows(2) {
             let (count, next) = (window[0], window[1]);
@@ -249,12 +256,16 @@ impl<D: Device> DeviceOutputLayer<D> {
             let mut next_index = device.alloc_u32(rows * next)?;
             device.merge_topk(
                 rows as u32,
-                &scores,
-                &index,
+                Candidates {
+                    scores: &scores,
+                    index: &index,
+                },
                 count as u32,
                 launch.keep,
-                &mut next_scores,
-                &mut next_index,
+                CandidatesMut {
+                    scores: &mut next_scores,
+                    index: &mut next_index,
+                },
             )?;
             scores = next_scores;
             index = next_index;
@@ -295,16 +306,15 @@ impl<D: Device> DeviceDense<D> {
 
     fn forward(&self, device: &D, x: &D::F32, rows: u32, activation: Activation) -> Result<D::F32> {
         let mut y = device.alloc_f32(rows as usize * self.out as usize)?;
-        device.linear(
-            x,
-            &self.weight,
-            &self.bias,
-            &mut y,
-            rows,
-            self.out,
-            self.inp,
+        let layer = DenseArgs {
+            weight: &self.weight,
+            bias: &self.bias,
+            m: rows,
+            n: self.out,
+            k: self.inp,
             activation,
-        )?;
+        };
+        device.linear(x, &layer, &mut y)?;
         Ok(y)
     }
 }
@@ -333,16 +343,14 @@ impl<D: Device> DeviceNorm<D> {
         eps: f64,
     ) -> Result<D::F32> {
         let mut y = device.alloc_f32(rows as usize * width as usize)?;
-        device.add_layer_norm(
-            x,
-            residual,
-            &self.gamma,
-            &self.beta,
-            &mut y,
+        let norm = NormArgs {
+            gamma: &self.gamma,
+            beta: &self.beta,
             rows,
             width,
             eps,
-        )?;
+        };
+        device.add_layer_norm(x, residual, &norm, &mut y)?;
         Ok(y)
     }
 }
@@ -527,15 +535,16 @@ impl<D: Device> DeviceModel<D> {
         }
         let (tokens, width) = (items.len() as u32, m.hidden);
         let mut x = d.alloc_f32(items.len() * width as usize)?;
-        d.embed_tokens(
-            &m.item_embedding,
-            &d.upload_u32(&items)?,
-            &d.upload_u32(&positions)?,
-            &m.position_embedding,
-            &mut x,
+        let (items_on_device, positions_on_device) =
+            (d.upload_u32(&items)?, d.upload_u32(&positions)?);
+        let token_args = TokenArgs {
+            items: &items_on_device,
+            positions: &positions_on_device,
+            position_table: &m.position_embedding,
             tokens,
             width,
-        )?;
+        };
+        d.embed_tokens(&m.item_embedding, &token_args, &mut x)?;
         let mut x = m.embedding_norm.apply(d, &x, None, tokens, width, m.eps)?;
         let seq_offsets = d.upload_u32(&seq_offsets)?;
         for layer in &m.layers {
@@ -543,16 +552,16 @@ impl<D: Device> DeviceModel<D> {
             let k = layer.key.forward(d, &x, tokens, Activation::None)?;
             let v = layer.value.forward(d, &x, tokens, Activation::None)?;
             let mut context = d.alloc_f32(items.len() * width as usize)?;
-            d.attention(
-                &q,
-                &k,
-                &v,
-                &seq_offsets,
-                &mut context,
-                histories.len() as u32,
-                m.heads,
-                width / m.heads,
-            )?;
+            let attention = AttentionArgs {
+                q: &q,
+                k: &k,
+                v: &v,
+                seq_offsets: &seq_offsets,
+                sequences: histories.len() as u32,
+                heads: m.heads,
+                head_dim: width / m.heads,
+            };
+            d.attention(&attention, &mut context)?;
             let projected = layer
                 .attn_out
                 .forward(d, &context, tokens, Activation::None)?;
@@ -590,15 +599,15 @@ impl<D: Device> DeviceModel<D> {
         }
         let rows = histories.len() as u32;
         let mut x = d.alloc_f32(histories.len() * m.first_width as usize)?;
-        d.embedding_bag(
-            &m.first_by_item,
-            &d.upload_u32(&items)?,
-            &d.upload_u32(&offsets)?,
-            &m.first_bias,
-            &mut x,
+        let (items_on_device, offsets_on_device) = (d.upload_u32(&items)?, d.upload_u32(&offsets)?);
+        let bag = BagArgs {
+            items: &items_on_device,
+            offsets: &offsets_on_device,
+            bias: &m.first_bias,
             rows,
-            m.first_width,
-        )?;
+            width: m.first_width,
+        };
+        d.embedding_bag(&m.first_by_item, &bag, &mut x)?;
         let n_rest = m.encoder_rest.len();
         for (i, layer) in m.encoder_rest.iter().enumerate() {
             // tanh after every encoder layer but the one that yields mu.

@@ -11,8 +11,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::compile::{check_nvrtc_against_driver, compile_source, driver_present};
-use crate::device::{Activation, Device, DeviceMatrix};
-use crate::{GpuError, Result, Stage1Launch, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
+use crate::device::{
+    AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix, NormArgs,
+    Stage1Inputs, TokenArgs,
+};
+use crate::{GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
 
 /// Stream-ordered allocations come from the device's default memory pool, which by default hands
 /// its free memory back to the system at every synchronisation: each batch then pays to map it
@@ -267,19 +270,22 @@ impl Device for CudaDevice {
 
     fn score_tile_topk(
         &self,
-        launch: &Stage1Launch,
-        hidden: &Self::F32,
-        weights: &DeviceMatrix<Self>,
-        activation_scale: f32,
-        bias: &Self::F32,
-        exclude_offsets: &Self::U32,
-        exclude_ids: &Self::U32,
-        batch: u32,
-        n_items: u32,
-        dim: u32,
-        out_scores: &mut Self::F32,
-        out_index: &mut Self::U32,
+        a: &Stage1Inputs<'_, Self>,
+        out: CandidatesMut<'_, Self>,
     ) -> Result<()> {
+        let Stage1Inputs {
+            launch,
+            hidden,
+            weights,
+            activation_scale,
+            bias,
+            exclude_offsets,
+            exclude_ids,
+            batch,
+            n_items,
+            dim,
+        } = *a;
+        let (out_scores, out_index) = (out.scores, out.index);
         let name = match weights {
             DeviceMatrix::F32(_) => "score_tile_topk_f32",
             DeviceMatrix::F16(_) => "score_tile_topk_f16",
@@ -326,13 +332,13 @@ impl Device for CudaDevice {
     fn merge_topk(
         &self,
         rows: u32,
-        in_scores: &Self::F32,
-        in_index: &Self::U32,
+        input: Candidates<'_, Self>,
         count: u32,
         keep: u32,
-        out_scores: &mut Self::F32,
-        out_index: &mut Self::U32,
+        out: CandidatesMut<'_, Self>,
     ) -> Result<()> {
+        let (in_scores, in_index) = (input.scores, input.index);
+        let (out_scores, out_index) = (out.scores, out.index);
         let mut b = self.stream.launch_builder(self.function("merge_topk"));
         b.arg(in_scores)
             .arg(in_index)
@@ -349,17 +355,15 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn linear(
-        &self,
-        x: &Self::F32,
-        weight: &Self::F32,
-        bias: &Self::F32,
-        y: &mut Self::F32,
-        m: u32,
-        n: u32,
-        k: u32,
-        activation: Activation,
-    ) -> Result<()> {
+    fn linear(&self, x: &Self::F32, layer: &DenseArgs<'_, Self>, y: &mut Self::F32) -> Result<()> {
+        let DenseArgs {
+            weight,
+            bias,
+            m,
+            n,
+            k,
+            activation,
+        } = *layer;
         let act = activation as u32;
         let mut b = self.stream.launch_builder(self.function("linear_f32"));
         b.arg(x)
@@ -386,13 +390,16 @@ impl Device for CudaDevice {
         &self,
         x: &Self::F32,
         residual: Option<&Self::F32>,
-        gamma: &Self::F32,
-        beta: &Self::F32,
+        norm: &NormArgs<'_, Self>,
         y: &mut Self::F32,
-        rows: u32,
-        width: u32,
-        eps: f64,
     ) -> Result<()> {
+        let NormArgs {
+            gamma,
+            beta,
+            rows,
+            width,
+            eps,
+        } = *norm;
         let null: u64 = 0;
         let mut b = self.stream.launch_builder(self.function("add_layer_norm"));
         b.arg(x);
@@ -412,13 +419,16 @@ impl Device for CudaDevice {
     fn embed_tokens(
         &self,
         table: &DeviceMatrix<Self>,
-        items: &Self::U32,
-        positions: &Self::U32,
-        position_table: &Self::F32,
+        token_args: &TokenArgs<'_, Self>,
         x: &mut Self::F32,
-        tokens: u32,
-        width: u32,
     ) -> Result<()> {
+        let TokenArgs {
+            items,
+            positions,
+            position_table,
+            tokens,
+            width,
+        } = *token_args;
         let mut b = self.table_launch("embed_tokens", table);
         b.arg(items)
             .arg(positions)
@@ -434,17 +444,16 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn attention(
-        &self,
-        q: &Self::F32,
-        k: &Self::F32,
-        v: &Self::F32,
-        seq_offsets: &Self::U32,
-        out: &mut Self::F32,
-        sequences: u32,
-        heads: u32,
-        head_dim: u32,
-    ) -> Result<()> {
+    fn attention(&self, a: &AttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()> {
+        let AttentionArgs {
+            q,
+            k,
+            v,
+            seq_offsets,
+            sequences,
+            heads,
+            head_dim,
+        } = *a;
         let width = heads * head_dim;
         let mut b = self.stream.launch_builder(self.function("attention"));
         b.arg(q)
@@ -482,13 +491,16 @@ impl Device for CudaDevice {
     fn embedding_bag(
         &self,
         table: &DeviceMatrix<Self>,
-        items: &Self::U32,
-        offsets: &Self::U32,
-        bias: &Self::F32,
+        bag: &BagArgs<'_, Self>,
         y: &mut Self::F32,
-        rows: u32,
-        width: u32,
     ) -> Result<()> {
+        let BagArgs {
+            items,
+            offsets,
+            bias,
+            rows,
+            width,
+        } = *bag;
         let mut b = self.table_launch("embedding_bag", table);
         b.arg(items).arg(offsets).arg(bias).arg(y).arg(&width);
         // SAFETY: matches embedding_bag_{f32,f16,i8}(const T* table, [const float* row_scales,]

@@ -14,8 +14,11 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use libloading::{Library, Symbol};
-use recsys_gpu::device::{Activation, Device, DeviceMatrix};
-use recsys_gpu::{Result, Stage1Launch, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
+use recsys_gpu::device::{
+    AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix, NormArgs,
+    Stage1Inputs, TokenArgs,
+};
+use recsys_gpu::{Result, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
 
 /// What an alloc'd f32 / u32 output holds until a kernel writes it.
 const POISON_U32: u32 = 0xDEAD_BEEF;
@@ -230,19 +233,22 @@ impl Device for EmulatedDevice {
 
     fn score_tile_topk(
         &self,
-        launch: &Stage1Launch,
-        hidden: &Vec<f32>,
-        weights: &DeviceMatrix<Self>,
-        activation_scale: f32,
-        bias: &Vec<f32>,
-        exclude_offsets: &Vec<u32>,
-        exclude_ids: &Vec<u32>,
-        batch: u32,
-        n_items: u32,
-        dim: u32,
-        out_scores: &mut Vec<f32>,
-        out_index: &mut Vec<u32>,
+        a: &Stage1Inputs<'_, Self>,
+        out: CandidatesMut<'_, Self>,
     ) -> Result<()> {
+        let Stage1Inputs {
+            launch,
+            hidden,
+            weights,
+            activation_scale,
+            bias,
+            exclude_offsets,
+            exclude_ids,
+            batch,
+            n_items,
+            dim,
+        } = *a;
+        let (out_scores, out_index) = (out.scores, out.index);
         let (b, n, d) = (batch as usize, n_items as usize, dim as usize);
         assert_len(hidden, b * d, "hidden");
         assert_len(bias, n, "bias");
@@ -358,13 +364,13 @@ impl Device for EmulatedDevice {
     fn merge_topk(
         &self,
         rows: u32,
-        in_scores: &Vec<f32>,
-        in_index: &Vec<u32>,
+        input: Candidates<'_, Self>,
         count: u32,
         keep: u32,
-        out_scores: &mut Vec<f32>,
-        out_index: &mut Vec<u32>,
+        out: CandidatesMut<'_, Self>,
     ) -> Result<()> {
+        let (in_scores, in_index) = (input.scores, input.index);
+        let (out_scores, out_index) = (out.scores, out.index);
         let blocks = (count as usize).div_ceil(TILE);
         let (r, c) = (rows as usize, count as usize);
         assert_len(in_scores, r * c, "merge input");
@@ -390,17 +396,15 @@ impl Device for EmulatedDevice {
         Ok(())
     }
 
-    fn linear(
-        &self,
-        x: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: &Vec<f32>,
-        y: &mut Vec<f32>,
-        m: u32,
-        n: u32,
-        k: u32,
-        activation: Activation,
-    ) -> Result<()> {
+    fn linear(&self, x: &Self::F32, layer: &DenseArgs<'_, Self>, y: &mut Self::F32) -> Result<()> {
+        let DenseArgs {
+            weight,
+            bias,
+            m,
+            n,
+            k,
+            activation,
+        } = *layer;
         let (mu, nu, ku) = (m as usize, n as usize, k as usize);
         assert_len(x, mu * ku, "dense input");
         assert_len(weight, nu * ku, "dense weight");
@@ -444,15 +448,18 @@ impl Device for EmulatedDevice {
 
     fn add_layer_norm(
         &self,
-        x: &Vec<f32>,
-        residual: Option<&Vec<f32>>,
-        gamma: &Vec<f32>,
-        beta: &Vec<f32>,
-        y: &mut Vec<f32>,
-        rows: u32,
-        width: u32,
-        eps: f64,
+        x: &Self::F32,
+        residual: Option<&Self::F32>,
+        norm: &NormArgs<'_, Self>,
+        y: &mut Self::F32,
     ) -> Result<()> {
+        let NormArgs {
+            gamma,
+            beta,
+            rows,
+            width,
+            eps,
+        } = *norm;
         let size = rows as usize * width as usize;
         assert_len(x, size, "norm input");
         if let Some(r) = residual {
@@ -483,13 +490,16 @@ impl Device for EmulatedDevice {
     fn embed_tokens(
         &self,
         table: &DeviceMatrix<Self>,
-        items: &Vec<u32>,
-        positions: &Vec<u32>,
-        position_table: &Vec<f32>,
-        x: &mut Vec<f32>,
-        tokens: u32,
-        width: u32,
+        token_args: &TokenArgs<'_, Self>,
+        x: &mut Self::F32,
     ) -> Result<()> {
+        let TokenArgs {
+            items,
+            positions,
+            position_table,
+            tokens,
+            width,
+        } = *token_args;
         let (t, w) = (tokens as usize, width as usize);
         assert_len(items, t, "token items");
         assert_len(positions, t, "token positions");
@@ -509,17 +519,16 @@ impl Device for EmulatedDevice {
         Ok(())
     }
 
-    fn attention(
-        &self,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        seq_offsets: &Vec<u32>,
-        out: &mut Vec<f32>,
-        sequences: u32,
-        heads: u32,
-        head_dim: u32,
-    ) -> Result<()> {
+    fn attention(&self, a: &AttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()> {
+        let AttentionArgs {
+            q,
+            k,
+            v,
+            seq_offsets,
+            sequences,
+            heads,
+            head_dim,
+        } = *a;
         let width = heads * head_dim;
         assert_len(seq_offsets, sequences as usize + 1, "sequence offsets");
         let tokens = seq_offsets[sequences as usize] as usize;
@@ -578,13 +587,16 @@ impl Device for EmulatedDevice {
     fn embedding_bag(
         &self,
         table: &DeviceMatrix<Self>,
-        items: &Vec<u32>,
-        offsets: &Vec<u32>,
-        bias: &Vec<f32>,
-        y: &mut Vec<f32>,
-        rows: u32,
-        width: u32,
+        bag: &BagArgs<'_, Self>,
+        y: &mut Self::F32,
     ) -> Result<()> {
+        let BagArgs {
+            items,
+            offsets,
+            bias,
+            rows,
+            width,
+        } = *bag;
         let (r, w) = (rows as usize, width as usize);
         assert_len(offsets, r + 1, "bag offsets");
         let used = offsets[r] as usize;
