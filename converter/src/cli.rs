@@ -111,7 +111,7 @@ pub struct ExportOnnxArgs {
     after_help = "Writes DIR/report.md, DIR/report.json, DIR/pareto.svg and the engines (DIR/engines/<variant>). \
 Quality: NDCG/Recall@10/20/100 and MRR on the test set, deltas to fp32, top-10/100 overlap with fp32 (Jaccard, \
 share of identical top-10), |score error|. Cost: weights size, resident memory, p50/p99 latency and throughput \
-per batch size. The recommendation is the fastest variant (p50 at the first --batch) whose NDCG@10 loss stays \
+per batch size. The recommendation is the fastest variant (p50 at the first --batch-size) whose NDCG@10 loss stays \
 within --budget-ndcg10, with the command that converts it."
 )]
 pub struct SweepArgs {

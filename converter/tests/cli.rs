@@ -934,3 +934,52 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("non-negative percentage"));
 }
+
+#[test]
+fn every_flag_of_every_command_has_help() {
+    for command in [
+        "convert",
+        "predict",
+        "eval",
+        "publish",
+        "approve",
+        "reject",
+        "versions",
+        "sweep",
+        "export-onnx",
+    ] {
+        let out = recsys().args([command, "--help"]).output().unwrap();
+        assert!(out.status.success());
+        let help = String::from_utf8_lossy(&out.stdout).into_owned();
+        // The Options section only: the text after it may quote flags in prose.
+        let lines: Vec<&str> = help
+            .lines()
+            .skip_while(|l| *l != "Options:")
+            .skip(1)
+            .take_while(|l| l.is_empty() || l.starts_with(' '))
+            .collect();
+        let mut flags = 0;
+        for (i, line) in lines.iter().enumerate() {
+            // Flag lines are indented less than help lines (which may start with a flag name).
+            let trimmed = line.trim_start();
+            let indent = line.len() - trimmed.len();
+            if indent >= 10 || !trimmed.starts_with('-') {
+                continue;
+            }
+            flags += 1;
+            // clap puts the help after two spaces on the flag's line, or on the next line indented.
+            let after_spec = trimmed
+                .split_once("  ")
+                .map(|(_, rest)| rest.trim())
+                .unwrap_or("");
+            let next_is_help = lines
+                .get(i + 1)
+                .is_some_and(|n| n.starts_with("          ") && !n.trim().is_empty());
+            assert!(
+                !after_spec.is_empty() || next_is_help,
+                "recsys {command}: {trimmed} has no help text"
+            );
+        }
+        assert!(flags > 1, "recsys {command} --help lists no flags:\n{help}");
+    }
+}
