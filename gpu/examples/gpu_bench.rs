@@ -12,7 +12,9 @@
 use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+
+#[path = "common/timing.rs"]
+mod timing;
 
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
@@ -79,7 +81,7 @@ fn main() {
                     .expect("timing the kernels");
                 kernel.sort_by(f32::total_cmp);
                 let kernel_ms = f64::from(kernel[kernel.len() / 2]);
-                let end_to_end_ms = median_ms(|| {
+                let end_to_end_ms = timing::median_ms(WARMUP, REPS, || {
                     layer.topk(h, K, &excluded).expect("fused top-k");
                 });
                 // The bytes the kernels must read at least: every weight row (with its bias, and
@@ -169,21 +171,6 @@ fn write_f32(path: &Path, values: &[f32]) {
         out.write_all(&bytes).expect("writing benchmark data");
     }
     out.flush().expect("writing benchmark data");
-}
-
-fn median_ms(mut run: impl FnMut()) -> f64 {
-    for _ in 0..WARMUP {
-        run();
-    }
-    let mut times: Vec<f64> = (0..REPS)
-        .map(|_| {
-            let t = Instant::now();
-            run();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 /// Device-to-device copy bandwidth of a 1 GiB buffer (bytes read + written per second), timed with

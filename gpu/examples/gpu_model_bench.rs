@@ -5,28 +5,15 @@
 //! `--dry-run` checks that it starts and finds the fixtures, and exits 0 without a GPU.
 
 use std::sync::Arc;
-use std::time::Instant;
+
+#[path = "common/timing.rs"]
+mod timing;
 
 use recsys_engine::engine_dir::Precision;
 use recsys_engine::metrics::read_test_set;
 use recsys_engine::{convert, ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind};
 use recsys_gpu::cuda::CudaDevice;
 use recsys_gpu::model::DeviceModel;
-
-fn median_ms(mut run: impl FnMut()) -> f64 {
-    for _ in 0..5 {
-        run();
-    }
-    let mut times: Vec<f64> = (0..30)
-        .map(|_| {
-            let t = Instant::now();
-            run();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
 
 fn main() {
     let dry_run = std::env::args().nth(1).as_deref() == Some("--dry-run");
@@ -92,10 +79,10 @@ fn main() {
                     })
                     .collect();
                 let same = same_top10(&engine, &gpu, &requests);
-                let cpu_ms = median_ms(|| {
+                let cpu_ms = timing::median_ms(5, 30, || {
                     engine.recommend_internal(&requests);
                 });
-                let gpu_ms = median_ms(|| {
+                let gpu_ms = timing::median_ms(5, 30, || {
                     gpu.recommend(&requests).unwrap();
                 });
                 rows.push(format!(
