@@ -6,6 +6,14 @@ use crate::cli::ExportOnnxArgs;
 use crate::error::Result;
 
 pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
+    if !args.all_scores && args.k > recsys_onnx::TENSORRT_MAX_TOPK {
+        return Err(crate::error::CliError::Usage(format!(
+            "--k {} is above {}, the largest k TensorRT's TopK layer takes; use --all-scores and \
+             select on the host for larger k",
+            args.k,
+            recsys_onnx::TENSORRT_MAX_TOPK
+        )));
+    }
     let options = ExportOptions {
         output: if args.all_scores {
             GraphOutput::Scores

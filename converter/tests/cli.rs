@@ -672,6 +672,15 @@ fn bad_flag_combinations_exit_with_status_2() {
         vec![
             "predict", "--engine", "e", "--input", "i", "--output", "-", "--resume",
         ],
+        vec![
+            "export-onnx",
+            "--engine",
+            "e",
+            "--output",
+            "x.onnx",
+            "--k",
+            "4000",
+        ],
     ] {
         let out = recsys()
             .args(&args)

@@ -193,11 +193,14 @@ impl GraphBuilder {
                 let stored = format!("{name}_int8");
                 self.initializers
                     .push(tensor_proto(&stored, DataType::INT8, &[rows, cols], raw));
-                let scale = self.init_f32(
-                    &format!("{name}_scale"),
-                    &[rows],
-                    &scales[*start..start + rows],
-                );
+                // DequantizeLinear consumers (TensorRT's Q/DQ importer) refuse non-positive
+                // scales; an all-zero row of an engine converted before scales were kept positive
+                // has scale 0, and with all-zero values any scale gives the same zeros.
+                let positive: Vec<f32> = scales[*start..start + rows]
+                    .iter()
+                    .map(|&s| if s > 0.0 { s } else { 1.0 })
+                    .collect();
+                let scale = self.init_f32(&format!("{name}_scale"), &[rows], &positive);
                 let zero_point = format!("{name}_zero_point");
                 self.initializers.push(tensor_proto(
                     &zero_point,
@@ -317,5 +320,37 @@ pub(crate) fn value_info(
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn int8_scales_are_exported_positive_even_when_the_engine_stored_zero() {
+        // An all-zero row as engines converted before scales were kept positive stored it.
+        let matrix = Matrix::I8 {
+            q: Arc::new(vec![0, 0, 5, -3]),
+            scales: Arc::new(vec![0.0, 0.5]),
+            start: 0,
+            rows: 2,
+            cols: 2,
+        };
+        let mut g = GraphBuilder::default();
+        g.weight("w", &matrix);
+        let scale = g
+            .initializers
+            .iter()
+            .find(|t| t.name == "w_scale")
+            .expect("the scale initializer");
+        let values: Vec<f32> = scale
+            .raw_data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(values, vec![1.0, 0.5]);
     }
 }

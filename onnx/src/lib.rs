@@ -50,6 +50,10 @@ pub enum OnnxError {
 
 pub type Result<T, E = OnnxError> = std::result::Result<T, E>;
 
+/// The largest k TensorRT 10's TopK layer takes (its documented limit); exports refuse more, so a
+/// graph never fails only when a user builds it with TensorRT.
+pub const TENSORRT_MAX_TOPK: usize = 3840;
+
 impl OnnxError {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> OnnxError {
         OnnxError::Io {
@@ -151,6 +155,12 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
     };
     let n_outputs = model.n_outputs;
     if let GraphOutput::TopK(k) = options.output {
+        if k > TENSORRT_MAX_TOPK {
+            return Err(OnnxError::Invalid(format!(
+                "k = {k} is above {TENSORRT_MAX_TOPK}, the largest k TensorRT's TopK layer takes; \
+                 export --all-scores and select on the host for larger k"
+            )));
+        }
         if k == 0 || k >= n_outputs {
             return Err(OnnxError::Invalid(format!(
                 "k = {k} is out of range: the model scores {} items, so k must be 1..={}",

@@ -199,16 +199,17 @@ pub fn to_f16_bits(weight: &[f32]) -> Vec<u16> {
 }
 
 /// Symmetric per-row int8: `scale = max|w| / 127`, `q = round(w / scale)` in [-127, 127]. A row of
-/// zeros gets scale 0 (and scores its bias).
+/// zeros gets scale 1.0 and all-zero values (it scores its bias): scales are always positive, as
+/// ONNX's DequantizeLinear consumers such as TensorRT require.
 pub fn quantize_int8_per_row(weight: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
     let rows = weight.len() / d;
     let mut q = Vec::with_capacity(weight.len());
     let mut scales = Vec::with_capacity(rows);
     for row in weight.chunks_exact(d) {
         let max = row.iter().fold(0f32, |m, &w| m.max(w.abs()));
-        let scale = max / 127.0;
+        let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
         scales.push(scale);
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        let inv = if max > 0.0 { 1.0 / scale } else { 0.0 };
         q.extend(
             row.iter()
                 .map(|&w| (w * inv).round().clamp(-127.0, 127.0) as i8),
@@ -220,6 +221,16 @@ pub fn quantize_int8_per_row(weight: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn int8_scales_are_positive_and_a_zero_row_stays_zero() {
+        let weight = [0.0, 0.0, 0.0, 0.5, -1.0, 0.25];
+        let (q, scales) = quantize_int8_per_row(&weight, 3);
+        assert_eq!(scales[0], 1.0);
+        assert_eq!(&q[..3], &[0, 0, 0]);
+        assert!((scales[1] - 1.0 / 127.0).abs() < 1e-9);
+        assert_eq!(&q[3..], &[64, -127, 32]);
+    }
 
     #[test]
     fn packing_puts_feature_j_of_8_items_together() {
@@ -248,6 +259,10 @@ mod tests {
             }
         }
         let (q0, s0) = quantize_int8_per_row(&[0.0; 4], 4);
-        assert_eq!((q0, s0), (vec![0; 4], vec![0.0]));
+        assert_eq!(
+            (q0, s0),
+            (vec![0; 4], vec![1.0]),
+            "a zero row: zeros, scale 1.0"
+        );
     }
 }
