@@ -42,6 +42,34 @@ pub enum Command {
     /// Export an engine as an ONNX graph (fp32, fp16, int8 as explicit Q/DQ) for ONNX Runtime and
     /// TensorRT, optionally as a Triton onnxruntime model.
     ExportOnnx(ExportOnnxArgs),
+    /// Export the item table ([embedding, bias] per item, with the external ids) for an ANN index.
+    ExportItems(ExportItemsArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Writes FILE.npy, a NumPy float32 array [N, d + 1] (row r = item r + 1: its output \
+embedding, then its bias), and FILE.ids.txt with the item's external id on line r + 1. For a user \
+whose final hidden vector is h, [h, 1] . row is the model's score for that item (exactly, for fp32 \
+and fp16 engines), so an inner-product index returns the model's ranking:\n\n  \
+import numpy as np, faiss\n  items = np.load(\"items.npy\"); ids = open(\"items.ids.txt\").read().split()\n  \
+index = faiss.IndexFlatIP(items.shape[1]); index.add(items)\n  \
+scores, rows = index.search(np.append(h, 1.0)[None, :].astype(\"float32\"), 100)\n\n\
+Leave the user's own history out of the hits afterwards, as the engine does."
+)]
+pub struct ExportItemsArgs {
+    /// Engine directory written by `recsys convert`.
+    #[arg(long)]
+    pub engine: PathBuf,
+    /// Where to write the table (FILE.npy) and the ids (FILE.ids.txt beside it).
+    #[arg(long, visible_alias = "out", value_name = "FILE")]
+    pub output: PathBuf,
+    /// Replace existing files.
+    #[arg(long)]
+    pub force: bool,
+    /// Print what was written as one JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -6,6 +6,7 @@ mod cli;
 mod convert;
 mod error;
 mod eval;
+mod export_items;
 mod export_onnx;
 mod predict;
 mod progress;
@@ -27,6 +28,7 @@ fn main() {
         cli::Command::Versions(args) => versions::list(&args),
         cli::Command::Sweep(args) => sweep::run(&args),
         cli::Command::ExportOnnx(args) => export_onnx::run(&args),
+        cli::Command::ExportItems(args) => export_items::run(&args),
     };
     match code {
         Ok(code) => std::process::exit(code),

@@ -992,3 +992,101 @@ fn every_flag_of_every_command_has_help() {
         assert!(flags > 1, "recsys {command} --help lists no flags:\n{help}");
     }
 }
+
+/// Reads a `.npy` file that `recsys export-items` wrote: (shape, values).
+fn read_npy(path: &Path) -> ((usize, usize), Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + header_len]).unwrap();
+    assert!(header.contains("'descr': '<f4'") && header.contains("'fortran_order': False"));
+    let dims: Vec<usize> = header
+        .split("'shape': (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap()
+        .split(',')
+        .map(|v| v.trim().parse().unwrap())
+        .collect();
+    let values: Vec<f32> = bytes[10 + header_len..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(values.len(), dims[0] * dims[1]);
+    ((dims[0], dims[1]), values)
+}
+
+#[test]
+fn exported_item_tables_give_the_models_scores_by_inner_product() {
+    /// |[h, 1] . row - engine score| for fp32 engines: both are f32 dot products of the same
+    /// values in different summation orders (64- and 600-wide rows, scores of magnitude ~10).
+    const SCORE_ABS_TOL: f32 = 1e-4;
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, name) in [
+        (recsys_engine::ModelKind::Bert4rec, "bert4rec"),
+        (recsys_engine::ModelKind::Vaecf, "multivae"),
+    ] {
+        let engine_dir = tmp.path().join(name);
+        let engine = recsys_engine::fixtures::convert(
+            kind,
+            "model.safetensors",
+            &engine_dir,
+            recsys_engine::engine_dir::Precision::Fp32,
+        )
+        .unwrap();
+        let out = tmp.path().join(format!("{name}-items"));
+        let summary = json_of(&[
+            std::ffi::OsStr::new("export-items"),
+            std::ffi::OsStr::new("--engine"),
+            engine_dir.as_os_str(),
+            std::ffi::OsStr::new("--output"),
+            out.as_os_str(),
+            std::ffi::OsStr::new("--json"),
+        ]);
+        let n = engine.n_items();
+        let ((rows, cols), table) = read_npy(&out.with_extension("npy"));
+        let d = engine.model.output().input_size();
+        assert_eq!((rows, cols), (n, d + 1));
+        assert_eq!(summary["items"], n);
+        let ids = std::fs::read_to_string(out.with_extension("ids.txt")).unwrap();
+        let ids: Vec<&str> = ids.lines().collect();
+        assert_eq!(ids.len(), n);
+        for (row, id) in ids.iter().enumerate().step_by(97) {
+            assert_eq!(engine.external_id(row as u32 + 1).unwrap().to_string(), *id);
+        }
+        // A few real histories: the inner product with [hidden, 1] is the engine's score.
+        let cases = recsys_engine::metrics::read_test_set(
+            &recsys_engine::fixtures::dir().join("test_set.tsv"),
+        )
+        .unwrap();
+        let histories: Vec<Vec<u32>> = cases
+            .iter()
+            .take(8)
+            .map(|c| {
+                let ids: Vec<&str> = c.history.iter().map(String::as_str).collect();
+                engine
+                    .ids
+                    .map(recsys_engine::ExternalIds::Str(&ids))
+                    .indices
+            })
+            .collect();
+        let refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+        let (hidden, _) = engine.model.encode(&refs);
+        let scores = engine.score_all(&refs);
+        let mut worst = 0f32;
+        for (u, h) in hidden.chunks_exact(d).enumerate() {
+            for item in 1..=n {
+                let row = &table[(item - 1) * cols..item * cols];
+                let dot: f32 = h.iter().zip(row).map(|(a, b)| a * b).sum::<f32>() + row[d];
+                let want = scores[u * (n + 1) + item];
+                worst = worst.max((dot - want).abs());
+            }
+        }
+        assert!(
+            worst <= SCORE_ABS_TOL,
+            "{name}: max |inner product - score| {worst}"
+        );
+    }
+}
