@@ -76,10 +76,11 @@ pub fn run(args: &ExportItemsArgs) -> Result<i32> {
     write(&npy, &mut |out| {
         out.write_all(&npy_header((rows, d + 1)))?;
         let mut row = vec![0f32; d];
-        for item in 1..=rows {
+        // Item 0 is PAD, never an item: the table starts at 1.
+        for (item, item_bias) in bias.iter().enumerate().skip(1) {
             row.iter_mut().for_each(|v| *v = 0.0);
             output.weight.add_row_into(item, &mut row);
-            for v in row.iter().chain(std::iter::once(&bias[item])) {
+            for v in row.iter().chain(std::iter::once(item_bias)) {
                 out.write_all(&v.to_le_bytes())?;
             }
         }
