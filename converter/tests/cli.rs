@@ -956,6 +956,7 @@ fn every_flag_of_every_command_has_help() {
         "versions",
         "sweep",
         "export-onnx",
+        "export-items",
     ] {
         let out = recsys().args([command, "--help"]).output().unwrap();
         assert!(out.status.success());
