@@ -374,7 +374,7 @@ pub struct ConvertArgs {
 #[derive(Args, Debug)]
 #[command(
     after_help = "Input: one JSON object per line with \"item_ids\" (the history, oldest first, as \
-numbers or strings); optional \"k\" and \"exclude_item_ids\". Every other field (\"user_id\", ...) is copied \
+numbers or strings); optional \"k\", \"exclude_item_ids\" and \"return_embedding\". Every other field (\"user_id\", ...) is copied \
 to the output.\n\
 Output: one line per input line, in input order: {\"item_ids\": [...best first], \"scores\": [...], ...}. \
 A line that cannot be served gets {\"error\": \"...\", \"line\": N} in its place and the run goes on.\n\n\
@@ -415,6 +415,11 @@ pub struct PredictArgs {
     /// line is cut), skip as many records, and append the rest.
     #[arg(long)]
     pub resume: bool,
+    /// Add every user's embedding ("embedding": the final hidden vector and a trailing 1, whose
+    /// inner product with a row of `recsys export-items` is the model's score); a line's own
+    /// "return_embedding": true asks for it for that line alone.
+    #[arg(long)]
+    pub return_embedding: bool,
 }
 
 #[derive(Args, Debug)]

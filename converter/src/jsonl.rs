@@ -48,6 +48,8 @@ pub struct ParsedLine {
     pub history: Ids,
     pub exclude: Option<Ids>,
     pub k: Option<i64>,
+    /// `"return_embedding": true`: also answer the user embedding.
+    pub return_embedding: bool,
     pub passthrough: Map<String, Value>,
 }
 
@@ -84,10 +86,21 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
             }
         },
     };
+    let return_embedding = match object.remove("return_embedding") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(v) => {
+            return fail(
+                format!("\"return_embedding\" must be true or false, found {v}"),
+                object,
+            )
+        }
+    };
     Ok(ParsedLine {
         history,
         exclude,
         k,
+        return_embedding,
         passthrough: object,
     })
 }

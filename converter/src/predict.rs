@@ -151,12 +151,13 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
     let outcome: Result<Counts> = std::thread::scope(|scope| {
         for _ in 0..workers {
             let (job_rx, done_tx, engine, options) = (&job_rx, done_tx.clone(), &engine, &options);
+            let embeddings = args.return_embedding;
             scope.spawn(move || loop {
                 let job = job_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                 let Ok((seq, batch)) = job else { break };
                 let mut out = Vec::with_capacity(batch.len() * 256);
                 let mut counts = Counts::default();
-                score_batch(engine, options, &batch, &mut out, &mut counts);
+                score_batch(engine, options, embeddings, &batch, &mut out, &mut counts);
                 if done_tx.send((seq, out, counts)).is_err() {
                     break;
                 }
@@ -295,6 +296,7 @@ fn skip_rest_of_line(reader: &mut impl BufRead) -> u64 {
 fn score_batch(
     engine: &Engine,
     options: &ServeOptions,
+    all_embeddings: bool,
     batch: &[Line],
     writer: &mut Vec<u8>,
     counts: &mut Counts,
@@ -339,11 +341,17 @@ fn score_batch(
             Err(_) => request_of_line.push(None),
         }
     }
-    let mut answers: Vec<Option<recsys_engine::Result<recsys_engine::Recommendation>>> = engine
-        .recommend(&requests, options)
-        .into_iter()
-        .map(Some)
-        .collect();
+    // Embeddings come from the same encoder pass as the recommendations.
+    let embeddings = all_embeddings
+        || batch
+            .iter()
+            .any(|(_, line)| line.as_ref().is_ok_and(|p| p.return_embedding));
+    let mut answers: Vec<Option<recsys_engine::Result<recsys_engine::EmbeddedRecommendation>>> =
+        engine
+            .recommend_with_embeddings(&requests, options, embeddings)
+            .into_iter()
+            .map(Some)
+            .collect();
 
     let id_json = |id: ExternalId| match id {
         ExternalId::Int(i) => Value::from(i),
@@ -355,7 +363,7 @@ fn score_batch(
             line,
             slot.map(|s| answers[s].take().expect("each answer used once")),
         ) {
-            (Ok(parsed), Some(Ok(rec))) => {
+            (Ok(parsed), Some(Ok((rec, embedding)))) => {
                 // Every index is checked against the catalogue before it becomes an id.
                 let ids: Option<Vec<Value>> = rec
                     .items
@@ -376,6 +384,12 @@ fn score_batch(
                             "scores".into(),
                             Value::Array(rec.items.iter().map(|s| Value::from(s.score)).collect()),
                         );
+                        if all_embeddings || parsed.return_embedding {
+                            out.insert(
+                                "embedding".into(),
+                                Value::Array(embedding.iter().map(|&v| Value::from(v)).collect()),
+                            );
+                        }
                         for (k, v) in &parsed.passthrough {
                             out.entry(k.clone()).or_insert_with(|| v.clone());
                         }

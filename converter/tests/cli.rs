@@ -1091,3 +1091,92 @@ fn exported_item_tables_give_the_models_scores_by_inner_product() {
         );
     }
 }
+
+#[test]
+fn predict_returns_the_user_embedding_that_scores_the_exported_items() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine_dir = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.safetensors", &engine_dir);
+    let items = tmp.path().join("items");
+    let status = recsys()
+        .args(["export-items", "--engine"])
+        .arg(&engine_dir)
+        .arg("--output")
+        .arg(&items)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let ((_, cols), table) = read_npy(&items.with_extension("npy"));
+    let ids: Vec<String> = std::fs::read_to_string(items.with_extension("ids.txt"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let input = tmp.path().join("in.jsonl");
+    std::fs::write(
+        &input,
+        "{\"item_ids\": [10011403, 10011207], \"return_embedding\": true}\n\
+         {\"item_ids\": [10011739]}\n\
+         {\"item_ids\": [10011788], \"return_embedding\": \"yes\"}\n",
+    )
+    .unwrap();
+    let out = recsys()
+        .args(["predict", "--k", "20", "--output", "-", "--engine"])
+        .arg(&engine_dir)
+        .arg("--input")
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "the third line is refused");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        lines[1].get("embedding").is_none(),
+        "only asked for on line 1"
+    );
+    assert!(lines[2]["error"]
+        .as_str()
+        .unwrap()
+        .contains("return_embedding"));
+    let embedding: Vec<f32> = lines[0]["embedding"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+    assert_eq!(embedding.len(), cols);
+    assert_eq!(*embedding.last().unwrap(), 1.0);
+    for (id, score) in lines[0]["item_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(lines[0]["scores"].as_array().unwrap())
+    {
+        let row = ids.iter().position(|i| *i == id.to_string()).unwrap();
+        let dot: f32 = embedding
+            .iter()
+            .zip(&table[row * cols..(row + 1) * cols])
+            .map(|(a, b)| a * b)
+            .sum();
+        // The JSON carries the engine's f32 score; the dot product sums in another order.
+        assert!(
+            (dot - score.as_f64().unwrap() as f32).abs() <= 1e-4,
+            "{id}: {dot} vs {score}"
+        );
+    }
+    // --return-embedding asks for every line.
+    let out = recsys()
+        .args(["predict", "--return-embedding", "--output", "-", "--engine"])
+        .arg(&engine_dir)
+        .arg("--input")
+        .arg(&input)
+        .output()
+        .unwrap();
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lines[0].get("embedding").is_some() && lines[1].get("embedding").is_some());
+}

@@ -56,6 +56,10 @@ impl Scorer {
     }
 }
 
+/// A recommendation and the user embedding it came from (empty unless asked for):
+/// [`Engine::recommend_with_embeddings`].
+pub type EmbeddedRecommendation = (Recommendation, Vec<f32>);
+
 /// A loaded model with its id map.
 pub struct Engine {
     pub manifest: Manifest,
@@ -192,7 +196,24 @@ impl Engine {
         requests: &[Request<'_>],
         options: &ServeOptions,
     ) -> Vec<Result<Recommendation>> {
-        let mut results: Vec<Option<Result<Recommendation>>> = Vec::with_capacity(requests.len());
+        self.recommend_with_embeddings(requests, options, false)
+            .into_iter()
+            .map(|r| r.map(|(recommendation, _)| recommendation))
+            .collect()
+    }
+
+    /// [`Self::recommend`], and with `embeddings` each answered request's user embedding too: the
+    /// model's final hidden vector followed by a 1, whose inner product with an item's
+    /// `[embedding, bias]` row (`recsys export-items`) is the model's score for that item. Empty
+    /// when `embeddings` is false.
+    pub fn recommend_with_embeddings(
+        &self,
+        requests: &[Request<'_>],
+        options: &ServeOptions,
+        embeddings: bool,
+    ) -> Vec<Result<EmbeddedRecommendation>> {
+        let mut results: Vec<Option<Result<EmbeddedRecommendation>>> =
+            Vec::with_capacity(requests.len());
         let mut batch = Vec::new();
         let mut unknown = Vec::new();
         let mut slots = Vec::new();
@@ -207,15 +228,24 @@ impl Engine {
                 Err(e) => results.push(Some(Err(e))),
             }
         }
-        let answers = self.recommend_internal(&batch);
-        for (((slot, (items, note)), n_unknown), _) in
-            slots.into_iter().zip(answers).zip(unknown).zip(&batch)
+        let (answers, hidden) = self.recommend_internal_with_hidden(&batch);
+        let width = self.model.output().input_size();
+        for (row, ((slot, (items, note)), n_unknown)) in
+            slots.into_iter().zip(answers).zip(unknown).enumerate()
         {
-            results[slot] = Some(Ok(Recommendation {
+            let embedding = if embeddings {
+                let mut user = hidden[row * width..(row + 1) * width].to_vec();
+                user.push(1.0);
+                user
+            } else {
+                Vec::new()
+            };
+            let recommendation = Recommendation {
                 items,
                 unknown_ids: n_unknown,
                 truncated: note.truncated,
-            }));
+            };
+            results[slot] = Some(Ok((recommendation, embedding)));
         }
         results
             .into_iter()
@@ -225,15 +255,24 @@ impl Engine {
 
     /// Top-k over internal indices for a batch of prepared requests, on the CPU kernels.
     pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<(Vec<Scored>, HistoryNote)> {
+        self.recommend_internal_with_hidden(batch).0
+    }
+
+    /// [`Self::recommend_internal`] and the batch's final hidden vectors (`[batch, d]`, the
+    /// output layer's input).
+    pub fn recommend_internal_with_hidden(
+        &self,
+        batch: &[InternalRequest],
+    ) -> (Vec<(Vec<Scored>, HistoryNote)>, Vec<f32>) {
         if batch.is_empty() {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.model.encode(&histories);
         let excluded: Vec<Vec<u32>> = batch.iter().map(excluded_items).collect();
         let ks: Vec<usize> = batch.iter().map(|r| r.k).collect();
         let top = self.scorer.top_k(&hidden, &ks, excluded);
-        top.into_iter().zip(notes).collect()
+        (top.into_iter().zip(notes).collect(), hidden)
     }
 
     /// External id of an internal index; `None` outside the catalogue (see [`IdMap::external`]).

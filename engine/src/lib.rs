@@ -24,7 +24,7 @@ pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, ConvertRequest};
-pub use engine::{Engine, RankedRows, Scorer};
+pub use engine::{EmbeddedRecommendation, Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};
 pub use request::{
