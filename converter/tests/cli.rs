@@ -1154,7 +1154,8 @@ fn predict_returns_the_user_embedding_that_scores_the_exported_items() {
         .iter()
         .zip(lines[0]["scores"].as_array().unwrap())
     {
-        let row = ids.iter().position(|i| *i == id.to_string()).unwrap();
+        let id = id.to_string();
+        let row = ids.iter().position(|i| *i == id).unwrap();
         let dot: f32 = embedding
             .iter()
             .zip(&table[row * cols..(row + 1) * cols])
