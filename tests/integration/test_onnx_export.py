@@ -235,9 +235,13 @@ def test_model_repository_for_the_onnxruntime_backend(recsys_bin, exports, tmp_p
 
 def test_bad_k_is_refused_with_the_valid_range(recsys_bin, exports, tmp_path):
     engine, _, _ = exports[("vaecf", "fp32")]
-    run = subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(tmp_path / "x.onnx"),
-                          "--k", "5000"], capture_output=True, text=True)
-    assert run.returncode == 1 and "k = 5000 is out of range" in run.stderr and "1..=2000" in run.stderr
+    export = [str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(tmp_path / "x.onnx"), "--k"]
+    # Beyond this engine's catalogue: a bad input for this engine (exit status 1).
+    run = subprocess.run(export + ["3000"], capture_output=True, text=True)
+    assert run.returncode == 1 and "k = 3000 is out of range" in run.stderr and "1..=2000" in run.stderr
+    # Beyond TensorRT's TopK limit: refused as a flag, before the engine is read (exit status 2).
+    run = subprocess.run(export + ["5000"], capture_output=True, text=True)
+    assert run.returncode == 2 and "3840" in run.stderr and "--all-scores" in run.stderr
     assert not (tmp_path / "x.onnx").exists()
 
 
