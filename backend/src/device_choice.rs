@@ -93,6 +93,7 @@ mod tests {
                         },
                         k: [10, 1, 100][i % 3],
                         exclude_seen: i % 4 != 3,
+                        candidates: None,
                     }
                 })
                 .collect();
@@ -102,6 +103,7 @@ mod tests {
                     exclude: vec![],
                     k: 10,
                     exclude_seen: true,
+                    candidates: None,
                 });
             }
             batch

@@ -51,6 +51,7 @@ pub fn serve(
                             history,
                             k: row.k,
                             exclude: Some(exclude),
+                            candidates: None,
                         },
                         options,
                     )
@@ -60,13 +61,14 @@ pub fn serve(
                         history,
                         k: row.k,
                         exclude: None,
+                        candidates: None,
                     },
                     options,
                 ),
             });
             match result {
                 Ok((internal, n_unknown)) => {
-                    unknown += n_unknown;
+                    unknown += n_unknown.history;
                     prepared.push(internal);
                 }
                 Err(e) => {

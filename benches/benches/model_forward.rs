@@ -23,6 +23,7 @@ fn bench_models(c: &mut Criterion) {
                     exclude: Vec::new(),
                     k: 10,
                     exclude_seen: true,
+                    candidates: None,
                 })
                 .collect();
             group.bench_with_input(

@@ -374,7 +374,8 @@ pub struct ConvertArgs {
 #[derive(Args, Debug)]
 #[command(
     after_help = "Input: one JSON object per line with \"item_ids\" (the history, oldest first, as \
-numbers or strings); optional \"k\", \"exclude_item_ids\" and \"return_embedding\". Every other field (\"user_id\", ...) is copied \
+numbers or strings); optional \"k\", \"exclude_item_ids\", \"candidate_item_ids\" (rank only \
+these items, as a re-ranker after a retrieval stage) and \"return_embedding\". Every other field (\"user_id\", ...) is copied \
 to the output.\n\
 Output: one line per input line, in input order: {\"item_ids\": [...best first], \"scores\": [...], ...}. \
 A line that cannot be served gets {\"error\": \"...\", \"line\": N} in its place and the run goes on.\n\n\

@@ -47,6 +47,8 @@ pub type Line = (u64, std::result::Result<ParsedLine, LineError>);
 pub struct ParsedLine {
     pub history: Ids,
     pub exclude: Option<Ids>,
+    /// `"candidate_item_ids"`: rank only these items.
+    pub candidates: Option<Ids>,
     pub k: Option<i64>,
     /// `"return_embedding": true`: also answer the user embedding.
     pub return_embedding: bool,
@@ -70,6 +72,13 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
     let exclude = match object.remove("exclude_item_ids") {
         None | Some(Value::Null) => None,
         Some(v) => match Ids::parse(&v, "exclude_item_ids") {
+            Ok(ids) => Some(ids),
+            Err(msg) => return fail(msg, object),
+        },
+    };
+    let candidates = match object.remove("candidate_item_ids") {
+        None | Some(Value::Null) => None,
+        Some(v) => match Ids::parse(&v, "candidate_item_ids") {
             Ok(ids) => Some(ids),
             Err(msg) => return fail(msg, object),
         },
@@ -99,6 +108,7 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
     Ok(ParsedLine {
         history,
         exclude,
+        candidates,
         k,
         return_embedding,
         passthrough: object,

@@ -302,40 +302,40 @@ fn score_batch(
     counts: &mut Counts,
 ) {
     // Borrowed string views must outlive the requests that point at them.
-    let str_views: Vec<(Vec<&str>, Vec<&str>)> = batch
+    fn str_view(ids: Option<&Ids>) -> Vec<&str> {
+        match ids {
+            Some(Ids::Str(v)) => v.iter().map(String::as_str).collect(),
+            _ => Vec::new(),
+        }
+    }
+    fn external<'a>(ids: &'a Ids, strs: &'a [&'a str]) -> ExternalIds<'a> {
+        match ids {
+            Ids::Int(v) => ExternalIds::Int(v),
+            Ids::Str(_) => ExternalIds::Str(strs),
+        }
+    }
+    let str_views: Vec<[Vec<&str>; 3]> = batch
         .iter()
         .map(|(_, line)| match line {
-            Ok(p) => (
-                match &p.history {
-                    Ids::Str(v) => v.iter().map(String::as_str).collect(),
-                    Ids::Int(_) => Vec::new(),
-                },
-                match &p.exclude {
-                    Some(Ids::Str(v)) => v.iter().map(String::as_str).collect(),
-                    _ => Vec::new(),
-                },
-            ),
-            Err(_) => (Vec::new(), Vec::new()),
+            Ok(p) => [
+                str_view(Some(&p.history)),
+                str_view(p.exclude.as_ref()),
+                str_view(p.candidates.as_ref()),
+            ],
+            Err(_) => [Vec::new(), Vec::new(), Vec::new()],
         })
         .collect();
     let mut requests = Vec::new();
     let mut request_of_line = Vec::with_capacity(batch.len());
-    for ((_, line), (hist_strs, excl_strs)) in batch.iter().zip(&str_views) {
+    for ((_, line), [hist_strs, excl_strs, cand_strs]) in batch.iter().zip(&str_views) {
         match line {
             Ok(p) => {
-                let history = match &p.history {
-                    Ids::Int(v) => ExternalIds::Int(v),
-                    Ids::Str(_) => ExternalIds::Str(hist_strs),
-                };
-                let exclude = p.exclude.as_ref().map(|e| match e {
-                    Ids::Int(v) => ExternalIds::Int(v),
-                    Ids::Str(_) => ExternalIds::Str(excl_strs),
-                });
                 request_of_line.push(Some(requests.len()));
                 requests.push(Request {
-                    history,
+                    history: external(&p.history, hist_strs),
                     k: p.k,
-                    exclude,
+                    exclude: p.exclude.as_ref().map(|e| external(e, excl_strs)),
+                    candidates: p.candidates.as_ref().map(|c| external(c, cand_strs)),
                 });
             }
             Err(_) => request_of_line.push(None),

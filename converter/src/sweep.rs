@@ -133,6 +133,7 @@ fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
         exclude: Vec::new(),
         k,
         exclude_seen: true,
+        candidates: None,
     };
     engine.recommend_internal(&[request])[0]
         .0
@@ -154,6 +155,7 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
                 exclude: Vec::new(),
                 k: 10,
                 exclude_seen: true,
+                candidates: None,
             })
             .collect()
     };

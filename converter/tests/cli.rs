@@ -1181,3 +1181,60 @@ fn predict_returns_the_user_embedding_that_scores_the_exported_items() {
         .collect();
     assert!(lines[0].get("embedding").is_some() && lines[1].get("embedding").is_some());
 }
+
+#[test]
+fn predict_ranks_a_lines_candidates_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine_dir = tmp.path().join("engine");
+    convert("multivae", "vaecf", "model.safetensors", &engine_dir);
+    let input = tmp.path().join("in.jsonl");
+    // The whole catalogue's answer first, then the same user re-ranking five of its items plus one
+    // unknown id (dropped) and one item of the history (left out, as always).
+    std::fs::write(&input, "{\"item_ids\": [10006762, 10006545], \"k\": 30}\n").unwrap();
+    let run = |input: &Path| {
+        let out = recsys()
+            .args(["predict", "--output", "-", "--engine"])
+            .arg(&engine_dir)
+            .arg("--input")
+            .arg(input)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let whole = run(&input);
+    let ids = whole[0]["item_ids"].as_array().unwrap();
+    let scores = whole[0]["scores"].as_array().unwrap();
+    let picked: Vec<&serde_json::Value> = [29, 3, 17, 8, 22].iter().map(|&i| &ids[i]).collect();
+    let mut candidates: Vec<serde_json::Value> = picked.iter().map(|v| (*v).clone()).collect();
+    candidates.push(serde_json::json!(-5));
+    candidates.push(serde_json::json!(10006545));
+    std::fs::write(
+        &input,
+        serde_json::json!({"item_ids": [10006762, 10006545], "candidate_item_ids": candidates})
+            .to_string()
+            + "\n",
+    )
+    .unwrap();
+    let ranked = run(&input);
+    // The five, in the whole scan's order, with its scores.
+    let want: Vec<(serde_json::Value, serde_json::Value)> = [3, 8, 17, 22, 29]
+        .iter()
+        .map(|&i| (ids[i].clone(), scores[i].clone()))
+        .collect();
+    let got: Vec<(serde_json::Value, serde_json::Value)> = ranked[0]["item_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .cloned()
+        .zip(ranked[0]["scores"].as_array().unwrap().iter().cloned())
+        .collect();
+    assert_eq!(got, want);
+}

@@ -12,7 +12,7 @@ use crate::kernels::KernelTable;
 use crate::models::{HistoryNote, Model};
 use crate::request::{
     excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, ServeOptions,
-    UnknownItemPolicy,
+    UnknownIds, UnknownItemPolicy,
 };
 use crate::topk::Scored;
 
@@ -157,7 +157,7 @@ impl Engine {
         &self,
         request: &Request<'_>,
         options: &ServeOptions,
-    ) -> Result<(InternalRequest, usize)> {
+    ) -> Result<(InternalRequest, UnknownIds)> {
         let k = match request.k {
             None => options.default_k,
             Some(k) if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
@@ -178,14 +178,39 @@ impl Engine {
             .exclude
             .map(|e| self.ids.map(e).indices)
             .unwrap_or_default();
+        let mut unknown_candidates = 0;
+        let candidates = match request.candidates {
+            None => None,
+            Some(ids) => {
+                let mapped = self.ids.map(ids);
+                if mapped.unknown > 0 && options.unknown_items == UnknownItemPolicy::Error {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "CANDIDATE_ITEM_IDS holds {} id(s) unknown to the model (unknown_item_policy \
+                         is \"error\")",
+                        mapped.unknown
+                    )));
+                }
+                unknown_candidates = mapped.unknown;
+                // Ascending and distinct: the selection's ties then go to the lower index, as
+                // over the whole catalogue.
+                let mut indices = mapped.indices;
+                indices.sort_unstable();
+                indices.dedup();
+                Some(indices)
+            }
+        };
         Ok((
             InternalRequest {
                 history: history.indices,
                 exclude,
                 k: k.min(self.n_items()),
                 exclude_seen: options.exclude_seen,
+                candidates,
             },
-            history.unknown,
+            UnknownIds {
+                history: history.unknown,
+                candidates: unknown_candidates,
+            },
         ))
     }
 
@@ -242,8 +267,9 @@ impl Engine {
             };
             let recommendation = Recommendation {
                 items,
-                unknown_ids: n_unknown,
+                unknown_ids: n_unknown.history,
                 truncated: note.truncated,
+                unknown_candidates: n_unknown.candidates,
             };
             results[slot] = Some(Ok((recommendation, embedding)));
         }
@@ -269,10 +295,90 @@ impl Engine {
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.model.encode(&histories);
-        let excluded: Vec<Vec<u32>> = batch.iter().map(excluded_items).collect();
-        let ks: Vec<usize> = batch.iter().map(|r| r.k).collect();
-        let top = self.scorer.top_k(&hidden, &ks, excluded);
+        let width = self.model.output().input_size();
+        // Whole-catalogue rows go through the scorer together; candidate rows each score their
+        // own candidates.
+        let whole: Vec<usize> = (0..batch.len())
+            .filter(|&r| batch[r].candidates.is_none())
+            .collect();
+        let mut top: Vec<Vec<Scored>> = vec![Vec::new(); batch.len()];
+        if !whole.is_empty() {
+            let rows_hidden: Vec<f32> = whole
+                .iter()
+                .flat_map(|&r| hidden[r * width..(r + 1) * width].iter().copied())
+                .collect();
+            let excluded: Vec<Vec<u32>> =
+                whole.iter().map(|&r| excluded_items(&batch[r])).collect();
+            let ks: Vec<usize> = whole.iter().map(|&r| batch[r].k).collect();
+            for (r, ranked) in whole
+                .iter()
+                .zip(self.scorer.top_k(&rows_hidden, &ks, excluded))
+            {
+                top[*r] = ranked;
+            }
+        }
+        for (r, request) in batch.iter().enumerate() {
+            if let Some(candidates) = &request.candidates {
+                top[r] = self.top_k_among(
+                    &hidden[r * width..(r + 1) * width],
+                    candidates,
+                    request.k,
+                    &excluded_items(request),
+                );
+            }
+        }
         (top.into_iter().zip(notes).collect(), hidden)
+    }
+
+    /// The best `k` of `candidates` (ascending, distinct internal indices) for one hidden vector,
+    /// leaving out `excluded`: the candidates' rows packed exactly as the whole table is (same
+    /// micro-kernels, same per-row arithmetic, W8A8's static scale), so every score is the one the
+    /// whole-catalogue scan gives the same item, and ties go to the lower index as there. Costs
+    /// the candidates' rows, not the catalogue.
+    pub fn top_k_among(
+        &self,
+        hidden: &[f32],
+        candidates: &[u32],
+        k: usize,
+        excluded: &[u32],
+    ) -> Vec<Scored> {
+        if candidates.is_empty() || k == 0 {
+            return Vec::new();
+        }
+        let out = self.model.output();
+        let bias: Vec<f32> = candidates
+            .iter()
+            .map(|&c| out.bias.as_slice()[c as usize])
+            .collect();
+        let mut packed = out.weight.pack_rows(candidates, &bias);
+        if let Some(scale) = self.scorer.packed.activation_scale {
+            packed = packed.with_static_activation_scale(scale);
+        }
+        // Positions, in the candidate list, of the items left out (PAD is never a candidate).
+        let mut excluded = excluded.to_vec();
+        excluded.sort_unstable();
+        let left_out: Vec<u32> = candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| excluded.binary_search(c).is_ok())
+            .map(|(p, _)| p as u32)
+            .collect();
+        let exclusions = Exclusions::new(left_out);
+        let query = [RowQuery {
+            k: k.min(candidates.len()),
+            excluded: &exclusions,
+        }];
+        let ranked = fused::top_k(self.scorer.kernels, &packed, hidden, &query, 1);
+        ranked
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| Scored {
+                index: candidates[s.index as usize],
+                score: s.score,
+            })
+            .collect()
     }
 
     /// External id of an internal index; `None` outside the catalogue (see [`IdMap::external`]).

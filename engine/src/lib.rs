@@ -29,5 +29,5 @@ pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};
 pub use request::{
     excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, ServeOptions,
-    UnknownItemPolicy,
+    UnknownIds, UnknownItemPolicy,
 };

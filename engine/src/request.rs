@@ -56,6 +56,8 @@ pub struct Request<'a> {
     pub k: Option<i64>,
     /// Extra items never to recommend (out of stock, already bought elsewhere).
     pub exclude: Option<ExternalIds<'a>>,
+    /// Rank only these items (a retrieval stage's candidates) instead of the whole catalogue.
+    pub candidates: Option<ExternalIds<'a>>,
 }
 
 /// One user's answer.
@@ -67,6 +69,16 @@ pub struct Recommendation {
     pub unknown_ids: usize,
     /// The history was longer than the model's window (BERT4Rec keeps the most recent items).
     pub truncated: bool,
+    /// Candidate ids that were not in the catalogue (dropped, or the request refused, as for the
+    /// history under [`UnknownItemPolicy`]).
+    pub unknown_candidates: usize,
+}
+
+/// The ids of a request that the catalogue does not know ([`crate::Engine::prepare`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnknownIds {
+    pub history: usize,
+    pub candidates: usize,
 }
 
 /// A request already mapped to internal indices.
@@ -76,6 +88,9 @@ pub struct InternalRequest {
     pub exclude: Vec<u32>,
     pub k: usize,
     pub exclude_seen: bool,
+    /// Rank only these items: internal indices, ascending and distinct (so ties still go to the
+    /// lower index). `None` ranks the whole catalogue.
+    pub candidates: Option<Vec<u32>>,
 }
 
 /// What answers a batch of prepared requests: the engine itself (the whole model on the CPU) or a

@@ -34,6 +34,7 @@ fn check_logits_and_topk(kind: ModelKind) {
                     history: ExternalIds::Int(&raw),
                     k: None,
                     exclude: None,
+                    candidates: None,
                 }],
                 &options,
             )

@@ -54,6 +54,7 @@ fn compare(kind: ModelKind, reference: &Engine, quantized: &Engine) -> Compariso
             exclude: vec![],
             k,
             exclude_seen: true,
+            candidates: None,
         };
         let top = |e: &Engine, k| -> Vec<u32> {
             e.recommend_internal(&[request(k)])[0]

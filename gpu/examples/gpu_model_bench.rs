@@ -75,6 +75,7 @@ fn main() {
                             exclude: vec![],
                             k: 10,
                             exclude_seen: true,
+                            candidates: None,
                         }
                     })
                     .collect();

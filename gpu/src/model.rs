@@ -644,6 +644,7 @@ impl<D: Device> DeviceModel<D> {
                 },
                 k: 10,
                 exclude_seen: r != 1,
+                candidates: None,
             })
             .collect();
         let cpu = self.engine.recommend_internal(&batch);
@@ -693,6 +694,13 @@ impl<D: Device> DeviceModel<D> {
     pub fn recommend(&self, batch: &[InternalRequest]) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
         if batch.is_empty() {
             return Ok(Vec::new());
+        }
+        // The device kernels scan the whole catalogue; candidate ranking runs on the CPU engine
+        // (Engine::top_k_among). Refused rather than answered with the wrong items.
+        if batch.iter().any(|r| r.candidates.is_some()) {
+            return Err(GpuError::Invalid(
+                "candidate ranking runs on the CPU engine, not on the GPU path".into(),
+            ));
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.encode(&histories)?;

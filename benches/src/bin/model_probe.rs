@@ -38,6 +38,7 @@ fn main() {
                     exclude: Vec::new(),
                     k,
                     exclude_seen: true,
+                    candidates: None,
                 })
                 .collect()
         })

@@ -63,6 +63,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
                 exclude: vec![],
                 k: [10, 1, 100][i % 3],
                 exclude_seen: i % 4 != 3,
+                candidates: None,
             }
         })
         .collect();
@@ -71,6 +72,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         exclude: vec![1, 2, 3],
         k: 10,
         exclude_seen: true,
+        candidates: None,
     });
     let long: Vec<u32> = (1..=120).collect();
     batch.push(InternalRequest {
@@ -78,6 +80,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         exclude: vec![],
         k: 10,
         exclude_seen: true,
+        candidates: None,
     });
     batch
 }
