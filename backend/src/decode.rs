@@ -2,7 +2,9 @@
 //! Pure Rust over byte buffers: the FFI layer only gathers the bytes and hands them here.
 
 use crate::error::{BackendError, Result};
-use crate::settings::{IdTensorType, Limits, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K};
+use crate::settings::{
+    IdTensorType, Limits, INPUT_CANDIDATES, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K,
+};
 use recsys_engine::topk::Scored;
 use recsys_engine::{Engine, ExternalId, ExternalIds};
 
@@ -35,6 +37,17 @@ pub enum OwnedIds {
 
 impl OwnedIds {
     /// Runs `f` with a borrowed view of the ids.
+    /// `f` of an optional list, as external ids.
+    pub fn with_optional<R>(
+        ids: Option<&OwnedIds>,
+        f: impl FnOnce(Option<ExternalIds<'_>>) -> R,
+    ) -> R {
+        match ids {
+            None => f(None),
+            Some(ids) => ids.with_external(|external| f(Some(external))),
+        }
+    }
+
     pub fn with_external<R>(&self, f: impl FnOnce(ExternalIds<'_>) -> R) -> R {
         match self {
             OwnedIds::Int(v) => f(ExternalIds::Int(v)),
@@ -63,6 +76,8 @@ pub struct RowRequest {
     pub history: OwnedIds,
     pub k: Option<i64>,
     pub exclude: Option<OwnedIds>,
+    /// Rank only these items.
+    pub candidates: Option<OwnedIds>,
 }
 
 /// The rows of one request.
@@ -211,7 +226,7 @@ pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<
         )));
     }
     for t in inputs {
-        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE].contains(&t.name.as_str()) {
+        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE, INPUT_CANDIDATES].contains(&t.name.as_str()) {
             return Err(invalid(format!("unexpected input {:?}", t.name)));
         }
     }
@@ -275,15 +290,30 @@ pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<
             lists.into_iter().map(Some).collect()
         }
     };
+    let candidates: Vec<Option<OwnedIds>> = match find(INPUT_CANDIDATES) {
+        None => vec![None; rows],
+        Some(t) => {
+            let lists = id_rows(t, batched, limits.max_candidates, "max_candidates", limits)?;
+            if lists.len() != rows {
+                return Err(invalid(format!(
+                    "{INPUT_CANDIDATES} has {} rows, {INPUT_ITEM_IDS} has {rows}",
+                    lists.len()
+                )));
+            }
+            lists.into_iter().map(Some).collect()
+        }
+    };
     Ok(DecodedRequest {
         rows: histories
             .into_iter()
             .zip(ks)
             .zip(excludes)
-            .map(|((history, k), exclude)| RowRequest {
+            .zip(candidates)
+            .map(|(((history, k), exclude), candidates)| RowRequest {
                 history,
                 k,
                 exclude,
+                candidates,
             })
             .collect(),
     })
@@ -435,6 +465,7 @@ mod tests {
             max_history: 3,
             max_k: 5,
             max_exclude: 2,
+            max_candidates: 2,
             max_id_bytes: 4,
             max_request_bytes: 1000,
         };
@@ -463,6 +494,41 @@ mod tests {
         )
         .unwrap_err();
         assert!(big_k.to_string().contains("more than max_k 5"), "{big_k}");
+        let cand = decode(
+            &[
+                int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
+                int_tensor(INPUT_CANDIDATES, vec![1, 3], &[1, 2, 3]),
+            ],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(cand.to_string().contains("max_candidates 2"), "{cand}");
+        let ok = decode(
+            &[
+                int_tensor(INPUT_ITEM_IDS, vec![2, 1], &[1, 2]),
+                int_tensor(INPUT_CANDIDATES, vec![2, 2], &[7, 8, 9, 10]),
+            ],
+            true,
+            &limits,
+        )
+        .unwrap();
+        assert_eq!(ok.rows[1].candidates, Some(OwnedIds::Int(vec![9, 10])));
+        let rows_mismatch = decode(
+            &[
+                int_tensor(INPUT_ITEM_IDS, vec![2, 1], &[1, 2]),
+                int_tensor(INPUT_CANDIDATES, vec![1, 2], &[7, 8]),
+            ],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(
+            rows_mismatch
+                .to_string()
+                .contains("CANDIDATE_ITEM_IDS has 1 rows"),
+            "{rows_mismatch}"
+        );
         let excl = decode(
             &[
                 int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),

@@ -295,5 +295,8 @@ fn write_outputs(
     // Counted for the client too, so it can tell a cold-start answer from a personalised one.
     response.set_int_parameter("unknown_item_count", answer.unknown_ids as i64)?;
     response.set_int_parameter("truncated_histories", answer.truncated as i64)?;
+    if answer.unknown_candidates > 0 {
+        response.set_int_parameter("unknown_candidate_count", answer.unknown_candidates as i64)?;
+    }
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! Running the decoded requests of one Execute call as a single engine batch.
 
-use crate::decode::DecodedRequest;
+use crate::decode::{DecodedRequest, OwnedIds};
 use crate::error::{BackendError, Result};
+use recsys_engine::models::HistoryNote;
 use recsys_engine::topk::Scored;
-use recsys_engine::{Engine, Request, ServeOptions};
+use recsys_engine::{Engine, InternalRequest, Request, ServeOptions, UnknownIds};
 
 /// The answer to one request: one ranked list per history, plus what the metrics count.
 #[derive(Clone, Debug, PartialEq)]
@@ -11,6 +12,8 @@ pub struct Answer {
     pub rows: Vec<Vec<Scored>>,
     pub unknown_ids: usize,
     pub truncated: usize,
+    /// Candidate ids the catalogue does not know (dropped).
+    pub unknown_candidates: usize,
 }
 
 /// What one batch did, for statistics and metrics.
@@ -20,18 +23,28 @@ pub struct BatchSummary {
     pub engine_rows: usize,
 }
 
+/// Where one request's rows sit in the batch, and what its ids missed.
+struct Planned {
+    start: usize,
+    count: usize,
+    unknown: UnknownIds,
+}
+
+/// One prepared row's answer, or the reason its recommender failed.
+type RowAnswer = std::result::Result<(Vec<Scored>, HistoryNote), String>;
+
 /// Answers every decodable request; all their histories run as one engine batch. A request whose
 /// decoding failed, or one of whose histories the engine refuses, gets its own error; the others
-/// are unaffected.
+/// are unaffected. Rows with candidates are ranked by the CPU engine (the device path scans whole
+/// catalogues); the others by `recommender`.
 pub fn serve(
     engine: &Engine,
     options: &ServeOptions,
     requests: Vec<Result<DecodedRequest>>,
     recommender: &dyn recsys_engine::BatchRecommender,
 ) -> (Vec<Result<Answer>>, BatchSummary) {
-    let mut prepared = Vec::new();
-    // For each request: where its rows start in `prepared` and how many, or its error.
-    let mut plan: Vec<Result<(usize, usize, usize)>> = Vec::with_capacity(requests.len());
+    let mut prepared: Vec<InternalRequest> = Vec::new();
+    let mut plan: Vec<Result<Planned>> = Vec::with_capacity(requests.len());
     for request in requests {
         let request = match request {
             Ok(r) => r,
@@ -41,34 +54,28 @@ pub fn serve(
             }
         };
         let start = prepared.len();
-        let mut unknown = 0;
+        let mut unknown = UnknownIds::default();
         let mut failure = None;
         for (row_no, row) in request.rows.iter().enumerate() {
-            let result = row.history.with_external(|history| match &row.exclude {
-                Some(exclude) => exclude.with_external(|exclude| {
-                    engine.prepare(
-                        &Request {
-                            history,
-                            k: row.k,
-                            exclude: Some(exclude),
-                            candidates: None,
-                        },
-                        options,
-                    )
-                }),
-                None => engine.prepare(
-                    &Request {
-                        history,
-                        k: row.k,
-                        exclude: None,
-                        candidates: None,
-                    },
-                    options,
-                ),
+            let result = row.history.with_external(|history| {
+                OwnedIds::with_optional(row.exclude.as_ref(), |exclude| {
+                    OwnedIds::with_optional(row.candidates.as_ref(), |candidates| {
+                        engine.prepare(
+                            &Request {
+                                history,
+                                k: row.k,
+                                exclude,
+                                candidates,
+                            },
+                            options,
+                        )
+                    })
+                })
             });
             match result {
                 Ok((internal, n_unknown)) => {
-                    unknown += n_unknown.history;
+                    unknown.history += n_unknown.history;
+                    unknown.candidates += n_unknown.candidates;
                     prepared.push(internal);
                 }
                 Err(e) => {
@@ -86,38 +93,81 @@ pub fn serve(
                 prepared.truncate(start);
                 plan.push(Err(e));
             }
-            None => plan.push(Ok((start, prepared.len() - start, unknown))),
+            None => plan.push(Ok(Planned {
+                start,
+                count: prepared.len() - start,
+                unknown,
+            })),
         }
     }
 
-    let (mut answers, device_error) = match recommender.recommend_batch(&prepared) {
-        Ok(answers) => (answers.into_iter(), None),
-        Err(e) => (Vec::new().into_iter(), Some(e.to_string())),
-    };
+    let answers = answer_rows(engine, recommender, &prepared);
     let summary = BatchSummary {
         engine_rows: prepared.len(),
     };
     let results = plan
         .into_iter()
         .map(|entry| {
-            let (_, count, unknown_ids) = entry?;
-            if let Some(message) = &device_error {
-                return Err(BackendError::Internal(message.clone()));
-            }
-            let mut rows = Vec::with_capacity(count);
+            let planned = entry?;
+            let mut rows = Vec::with_capacity(planned.count);
             let mut truncated = 0;
-            for (items, note) in answers.by_ref().take(count) {
+            for answer in &answers[planned.start..planned.start + planned.count] {
+                let (items, note) = answer
+                    .as_ref()
+                    .map_err(|message| BackendError::Internal(message.clone()))?;
                 truncated += usize::from(note.truncated);
-                rows.push(items);
+                rows.push(items.clone());
             }
             Ok(Answer {
                 rows,
-                unknown_ids,
+                unknown_ids: planned.unknown.history,
                 truncated,
+                unknown_candidates: planned.unknown.candidates,
             })
         })
         .collect();
     (results, summary)
+}
+
+/// Each prepared row's answer: candidate rows from the CPU engine, the others from
+/// `recommender`, each group as one batch (a failing recommender fails its group's rows).
+fn answer_rows(
+    engine: &Engine,
+    recommender: &dyn recsys_engine::BatchRecommender,
+    prepared: &[InternalRequest],
+) -> Vec<RowAnswer> {
+    let run =
+        |r: &dyn recsys_engine::BatchRecommender, batch: &[InternalRequest]| -> Vec<RowAnswer> {
+            match r.recommend_batch(batch) {
+                Ok(answers) => answers.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e.to_string()); batch.len()],
+            }
+        };
+    let with_candidates = prepared.iter().filter(|r| r.candidates.is_some()).count();
+    if with_candidates == 0 {
+        return run(recommender, prepared);
+    }
+    if with_candidates == prepared.len() {
+        return run(engine, prepared);
+    }
+    let (candidate_rows, other_rows): (Vec<usize>, Vec<usize>) =
+        (0..prepared.len()).partition(|&i| prepared[i].candidates.is_some());
+    let pick = |rows: &[usize]| -> Vec<InternalRequest> {
+        rows.iter().map(|&i| prepared[i].clone()).collect()
+    };
+    let mut answers: Vec<Option<RowAnswer>> = vec![None; prepared.len()];
+    for (rows, part) in [
+        (&candidate_rows, run(engine, &pick(&candidate_rows))),
+        (&other_rows, run(recommender, &pick(&other_rows))),
+    ] {
+        for (&i, answer) in rows.iter().zip(part) {
+            answers[i] = Some(answer);
+        }
+    }
+    answers
+        .into_iter()
+        .map(|a| a.expect("every row is in one group"))
+        .collect()
 }
 
 #[cfg(test)]
@@ -134,6 +184,7 @@ mod tests {
             history: OwnedIds::Int(ids.to_vec()),
             k,
             exclude: None,
+            candidates: None,
         }
     }
 
@@ -288,5 +339,49 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("broken"));
+    }
+
+    #[test]
+    fn candidate_rows_are_ranked_by_the_engine_beside_the_device_rows() {
+        let (engine, _tmp) = engine();
+        let options = ServeOptions::default();
+        let mut with_candidates = row(&[10011403, 10011207], Some(3));
+        // Known items, one unknown id and a history item (left out).
+        with_candidates.candidates = Some(OwnedIds::Int(vec![
+            10011739, 10011788, 10011403, -1, 10011550,
+        ]));
+        let requests = vec![
+            Ok(DecodedRequest {
+                rows: vec![with_candidates],
+            }),
+            Ok(DecodedRequest {
+                rows: vec![row(&[10011403], Some(5))],
+            }),
+        ];
+        // The device fails its rows; the candidate row does not go there.
+        let (answers, _) = serve(&engine, &options, requests, &BrokenDevice);
+        let ranked = answers[0].as_ref().unwrap();
+        assert_eq!(ranked.unknown_candidates, 1);
+        assert_eq!(ranked.rows[0].len(), 3);
+        let wanted = engine
+            .recommend(
+                &[Request {
+                    history: recsys_engine::ExternalIds::Int(&[10011403, 10011207]),
+                    k: Some(3),
+                    exclude: None,
+                    candidates: Some(recsys_engine::ExternalIds::Int(&[
+                        10011739, 10011788, 10011403, 10011550,
+                    ])),
+                }],
+                &options,
+            )
+            .remove(0)
+            .unwrap();
+        assert_eq!(ranked.rows[0], wanted.items);
+        assert!(answers[1]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("the device fell off the bus"));
     }
 }

@@ -10,6 +10,8 @@ use recsys_engine::{Engine, UnknownItemPolicy};
 pub const INPUT_ITEM_IDS: &str = "ITEM_IDS";
 pub const INPUT_K: &str = "K";
 pub const INPUT_EXCLUDE: &str = "EXCLUDE_ITEM_IDS";
+/// Optional: rank only these items (a retrieval stage's candidates), same type as `ITEM_IDS`.
+pub const INPUT_CANDIDATES: &str = "CANDIDATE_ITEM_IDS";
 pub const OUTPUT_ITEM_IDS: &str = "TOP_ITEM_IDS";
 pub const OUTPUT_SCORES: &str = "TOP_SCORES";
 
@@ -21,6 +23,7 @@ pub struct Limits {
     pub max_history: usize,
     pub max_k: usize,
     pub max_exclude: usize,
+    pub max_candidates: usize,
     pub max_id_bytes: usize,
     pub max_request_bytes: usize,
 }
@@ -31,6 +34,7 @@ impl Default for Limits {
             max_history: 10_000,
             max_k: 1_000,
             max_exclude: 10_000,
+            max_candidates: 10_000,
             max_id_bytes: 256,
             max_request_bytes: 16 << 20,
         }
@@ -122,6 +126,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "max_history_length",
     "max_k",
     "max_exclude_ids",
+    "max_candidates",
     "max_id_bytes",
     "max_request_bytes",
     "max_engine_bytes",
@@ -186,6 +191,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         max_history: limit(config, "max_history_length", defaults.max_history)?,
         max_k: limit(config, "max_k", defaults.max_k)?,
         max_exclude: limit(config, "max_exclude_ids", defaults.max_exclude)?,
+        max_candidates: limit(config, "max_candidates", defaults.max_candidates)?,
         max_id_bytes: limit(config, "max_id_bytes", defaults.max_id_bytes)?,
         max_request_bytes: limit(config, "max_request_bytes", defaults.max_request_bytes)?,
     };
@@ -221,9 +227,10 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     let outputs = tensors(config, "output");
     for tensor in inputs {
         let name = tensor.get("name").and_then(Value::as_str).unwrap_or("");
-        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE].contains(&name) {
+        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE, INPUT_CANDIDATES].contains(&name) {
             return Err(BackendError::InvalidConfig(format!(
-                "input {name:?} is not one the recsys backend reads ({INPUT_ITEM_IDS}, {INPUT_K}, {INPUT_EXCLUDE})"
+                "input {name:?} is not one the recsys backend reads ({INPUT_ITEM_IDS}, {INPUT_K}, \
+                 {INPUT_EXCLUDE}, {INPUT_CANDIDATES})"
             )));
         }
     }
@@ -243,6 +250,10 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         Some(t) => id_tensor_type(t, INPUT_EXCLUDE)?,
         None => item_ids_type,
     };
+    if let Some(t) = find(inputs, INPUT_CANDIDATES) {
+        // INT64 or STRING, like the other id inputs (either maps onto any catalogue).
+        id_tensor_type(t, INPUT_CANDIDATES)?;
+    }
     if let Some(k) = find(inputs, INPUT_K) {
         if data_type(k) != "TYPE_INT32" {
             return Err(BackendError::InvalidConfig(format!(
@@ -326,6 +337,9 @@ pub fn auto_complete(config: &mut Value, catalogue: IdType) -> bool {
         json!({"name": INPUT_K, "data_type": "TYPE_INT32", "dims": [1], "optional": true}),
         ragged(
             json!({"name": INPUT_EXCLUDE, "data_type": id_type, "dims": [-1], "optional": true}),
+        ),
+        ragged(
+            json!({"name": INPUT_CANDIDATES, "data_type": id_type, "dims": [-1], "optional": true}),
         ),
     ];
     fill(object, "input", inputs);

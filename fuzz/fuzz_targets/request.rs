@@ -38,7 +38,7 @@ fn engine() -> &'static Engine {
 }
 
 fuzz_target!(|input: Input| {
-    let names = ["ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "OTHER"];
+    let names = ["ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS", "OTHER"];
     let dtypes = [DType::Int64, DType::Int32, DType::Bytes, DType::Other("FP32")];
     let tensors: Vec<InputTensor> = input
         .tensors
@@ -56,6 +56,7 @@ fuzz_target!(|input: Input| {
             max_history: 8,
             max_k: 5,
             max_exclude: 4,
+            max_candidates: 4,
             max_id_bytes: 6,
             max_request_bytes: 256,
         }

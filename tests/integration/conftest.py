@@ -82,7 +82,8 @@ max_batch_size: 64
 input [
   {{ name: "ITEM_IDS" data_type: {id_type} dims: [ -1 ] allow_ragged_batch: true }},
   {{ name: "K" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
-  {{ name: "EXCLUDE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }}
+  {{ name: "EXCLUDE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }},
+  {{ name: "CANDIDATE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }}
 ]
 output [
   {{ name: "TOP_ITEM_IDS" data_type: {id_type} dims: [ -1 ] }},

@@ -19,7 +19,7 @@ PANIC_TRIGGER_ID = -7_777_777_777
 PANIC_IN_OUTPUT_TRIGGER_ID = -7_777_777_778
 
 
-def make_inputs(module, history, *, k=None, exclude=None, strings=False):
+def make_inputs(module, history, *, k=None, exclude=None, candidates=None, strings=False):
     def ids(name, values):
         if strings:
             arr = np.array([[str(v).encode() if not isinstance(v, bytes) else v for v in values]], dtype=np.object_)
@@ -37,6 +37,8 @@ def make_inputs(module, history, *, k=None, exclude=None, strings=False):
         inputs.append(t)
     if exclude is not None:
         inputs.append(ids("EXCLUDE_ITEM_IDS", exclude))
+    if candidates is not None:
+        inputs.append(ids("CANDIDATE_ITEM_IDS", candidates))
     return inputs
 
 
@@ -67,6 +69,28 @@ def test_answers_equal_pytorch_golden_and_the_engine(model, model_dir, protocol,
         assert ids == engine_ids, f"case {case['case']} differs from recsys predict"
         np.testing.assert_array_equal(np.float32(scores), np.float32(engine_scores))
         assert result.get_response()["parameters"]["unknown_item_count"] == len(case["unknown_ext"]) if protocol == "http" else True
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_candidates_are_ranked_among_themselves_with_pytorchs_scores(protocol, http, grpc):
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    for case in golden_cases("bert4rec")[:8]:
+        top100 = case["topk"]
+        # Four of PyTorch's top-100 out of order, an id the model does not know, and the history.
+        picked = [top100[i] for i in (70, 10, 50, 30)]
+        candidates = [t["external"] for t in picked] + [-99] + case["effective_history_ext"][:2]
+        result = client.infer("bert4rec", make_inputs(module, case["history_ext"], k=3, candidates=candidates))
+        ids, scores = top(result)
+        want = [top100[i] for i in (10, 30, 50)]
+        assert ids == [t["external"] for t in want], f"case {case['case']}"
+        np.testing.assert_allclose(scores, [t["score"] for t in want], atol=5e-5)
+        if protocol == "http":
+            assert result.get_response()["parameters"]["unknown_candidate_count"] == 1
+    # More candidates than max_candidates (10,000 by default): INVALID_ARG naming the limit.
+    expect_error(
+        lambda: client.infer("bert4rec", make_inputs(module, [10011403], candidates=list(range(1, 10_002)))),
+        "400" if protocol == "http" else None, "max_candidates 10000",
+    )
 
 
 def test_an_int8_engine_serves_the_engines_answers_close_to_fp32(http, predict):
@@ -225,7 +249,8 @@ def test_load_errors_are_clear_and_leave_the_server_serving(model, needle, serve
 def test_auto_complete_fills_a_minimal_config(http):
     config = http.get_model_config("minimal")
     names = {i["name"]: i for i in config["input"]}
-    assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS"}
+    assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS"}
+    assert names["CANDIDATE_ITEM_IDS"]["optional"] and names["CANDIDATE_ITEM_IDS"]["allow_ragged_batch"]
     assert names["ITEM_IDS"]["data_type"] == "TYPE_INT64" and names["ITEM_IDS"]["allow_ragged_batch"]
     assert {o["name"] for o in config["output"]} == {"TOP_ITEM_IDS", "TOP_SCORES"}
     a, _ = top(http.infer("minimal", make_inputs(httpclient, [10011403, 10011207], k=7)))
