@@ -277,32 +277,23 @@ pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<
             values.into_iter().map(|k| Some(k as i64)).collect()
         }
     };
-    let excludes: Vec<Option<OwnedIds>> = match find(INPUT_EXCLUDE) {
-        None => vec![None; rows],
-        Some(t) => {
-            let lists = id_rows(t, batched, limits.max_exclude, "max_exclude_ids", limits)?;
+    // The optional per-history id lists: one row per history, each within its limit.
+    let optional_rows =
+        |name: &str, max: usize, limit_name: &str| -> Result<Vec<Option<OwnedIds>>> {
+            let Some(t) = find(name) else {
+                return Ok(vec![None; rows]);
+            };
+            let lists = id_rows(t, batched, max, limit_name, limits)?;
             if lists.len() != rows {
                 return Err(invalid(format!(
-                    "{INPUT_EXCLUDE} has {} rows, {INPUT_ITEM_IDS} has {rows}",
+                    "{name} has {} rows, {INPUT_ITEM_IDS} has {rows}",
                     lists.len()
                 )));
             }
-            lists.into_iter().map(Some).collect()
-        }
-    };
-    let candidates: Vec<Option<OwnedIds>> = match find(INPUT_CANDIDATES) {
-        None => vec![None; rows],
-        Some(t) => {
-            let lists = id_rows(t, batched, limits.max_candidates, "max_candidates", limits)?;
-            if lists.len() != rows {
-                return Err(invalid(format!(
-                    "{INPUT_CANDIDATES} has {} rows, {INPUT_ITEM_IDS} has {rows}",
-                    lists.len()
-                )));
-            }
-            lists.into_iter().map(Some).collect()
-        }
-    };
+            Ok(lists.into_iter().map(Some).collect())
+        };
+    let excludes = optional_rows(INPUT_EXCLUDE, limits.max_exclude, "max_exclude_ids")?;
+    let candidates = optional_rows(INPUT_CANDIDATES, limits.max_candidates, "max_candidates")?;
     Ok(DecodedRequest {
         rows: histories
             .into_iter()
