@@ -4,6 +4,7 @@
 use crate::error::{BackendError, Result};
 use crate::settings::{
     IdTensorType, Limits, INPUT_CANDIDATES, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K,
+    OUTPUT_EMBEDDING, OUTPUT_ITEM_IDS, OUTPUT_SCORES,
 };
 use recsys_engine::topk::Scored;
 use recsys_engine::{Engine, ExternalId, ExternalIds};
@@ -70,20 +71,55 @@ impl OwnedIds {
     }
 }
 
+/// Which outputs a request asked for (Triton lists all of the model's when the client named none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestedOutputs {
+    pub item_ids: bool,
+    pub scores: bool,
+    pub embedding: bool,
+}
+
+impl RequestedOutputs {
+    /// The ranked outputs without the embedding: what a client of the plain contract asks for.
+    pub const TOP_K: RequestedOutputs = RequestedOutputs {
+        item_ids: true,
+        scores: true,
+        embedding: false,
+    };
+
+    pub fn from_names(names: &[String]) -> RequestedOutputs {
+        let has = |name: &str| names.iter().any(|n| n == name);
+        RequestedOutputs {
+            item_ids: has(OUTPUT_ITEM_IDS),
+            scores: has(OUTPUT_SCORES),
+            embedding: has(OUTPUT_EMBEDDING),
+        }
+    }
+
+    /// Whether any ranked output is wanted (else nothing is scored).
+    pub fn ranked(&self) -> bool {
+        self.item_ids || self.scores
+    }
+}
+
 /// One history of a request (a request may carry several along its batch dimension).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowRequest {
     pub history: OwnedIds,
+    /// `Some(0)`: no item is scored (the user embedding alone).
     pub k: Option<i64>,
     pub exclude: Option<OwnedIds>,
     /// Rank only these items.
     pub candidates: Option<OwnedIds>,
+    /// Answer the user embedding too.
+    pub embedding: bool,
 }
 
-/// The rows of one request.
+/// The rows of one request, and the outputs it asked for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodedRequest {
     pub rows: Vec<RowRequest>,
+    pub outputs: RequestedOutputs,
 }
 
 fn invalid(msg: String) -> BackendError {
@@ -216,8 +252,13 @@ fn id_rows(
     }
 }
 
-/// Decodes one request's inputs.
-pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<DecodedRequest> {
+/// Decodes one request's inputs, given the outputs it asked for.
+pub fn decode(
+    inputs: &[InputTensor],
+    outputs: RequestedOutputs,
+    batched: bool,
+    limits: &Limits,
+) -> Result<DecodedRequest> {
     let total: usize = inputs.iter().map(|t| t.data.len()).sum();
     if total > limits.max_request_bytes {
         return Err(invalid(format!(
@@ -263,10 +304,19 @@ pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<
                     t.data.len()
                 )));
             }
-            if let Some(bad) = values.iter().find(|&&k| k < 1) {
-                return Err(invalid(format!(
-                    "{INPUT_K} must be at least 1, found {bad}"
-                )));
+            // K = 0 (no items) makes sense only for a request that wants the user embedding
+            // alone: with the ranked outputs asked for too (as when a client names no outputs,
+            // which asks for all), it is a mistake.
+            let least = if outputs.ranked() { 1 } else { 0 };
+            if let Some(bad) = values.iter().find(|&&k| k < least) {
+                return Err(invalid(if *bad == 0 {
+                    format!(
+                        "{INPUT_K} = 0 asks for no items: it is allowed only when {OUTPUT_EMBEDDING} \
+                         is the only output requested"
+                    )
+                } else {
+                    format!("{INPUT_K} must be at least {least}, found {bad}")
+                }));
             }
             if let Some(big) = values.iter().find(|&&k| k as usize > limits.max_k) {
                 return Err(invalid(format!(
@@ -302,11 +352,14 @@ pub fn decode(inputs: &[InputTensor], batched: bool, limits: &Limits) -> Result<
             .zip(candidates)
             .map(|(((history, k), exclude), candidates)| RowRequest {
                 history,
-                k,
+                // Asked for the embedding alone: nothing to score.
+                k: if outputs.ranked() { k } else { Some(0) },
                 exclude,
                 candidates,
+                embedding: outputs.embedding,
             })
             .collect(),
+        outputs,
     })
 }
 
@@ -385,9 +438,39 @@ pub fn encode(
     })
 }
 
+/// The `USER_EMBEDDING` tensor of one response: `[rows, width]` with batching, `[width]` without.
+pub fn encode_embeddings(embeddings: &[Vec<f32>], batched: bool) -> Result<(Vec<i64>, Vec<u8>)> {
+    let width = embeddings.first().map_or(0, Vec::len);
+    if let Some(bad) = embeddings.iter().find(|e| e.len() != width) {
+        return Err(BackendError::Internal(format!(
+            "the engine returned user embeddings of {} and {width} values in one response",
+            bad.len()
+        )));
+    }
+    let shape = if batched {
+        vec![embeddings.len() as i64, width as i64]
+    } else {
+        vec![width as i64]
+    };
+    let bytes = embeddings
+        .iter()
+        .flat_map(|e| e.iter().flat_map(|v| v.to_le_bytes()))
+        .collect();
+    Ok((shape, bytes))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Decodes for a client of the plain top-k contract.
+    fn decode_top(
+        inputs: &[InputTensor],
+        batched: bool,
+        limits: &Limits,
+    ) -> Result<DecodedRequest> {
+        decode(inputs, RequestedOutputs::TOP_K, batched, limits)
+    }
 
     fn int_tensor(name: &str, shape: Vec<i64>, values: &[i64]) -> InputTensor {
         InputTensor {
@@ -417,7 +500,7 @@ mod tests {
             },
             int_tensor(INPUT_EXCLUDE, vec![2, 1], &[9, 8]),
         ];
-        let d = decode(&inputs, true, &Limits::default()).unwrap();
+        let d = decode_top(&inputs, true, &Limits::default()).unwrap();
         assert_eq!(d.rows.len(), 2);
         assert_eq!(d.rows[1].history, OwnedIds::Int(vec![4, 5, 6]));
         assert_eq!(d.rows[1].k, Some(7));
@@ -425,8 +508,75 @@ mod tests {
     }
 
     #[test]
+    fn the_requested_outputs_decide_what_is_scored() {
+        let k = |v: i32| InputTensor {
+            name: INPUT_K.into(),
+            dtype: DType::Int32,
+            shape: vec![1, 1],
+            data: v.to_le_bytes().to_vec(),
+        };
+        let history = || int_tensor(INPUT_ITEM_IDS, vec![1, 2], &[1, 2]);
+        let names = |list: &[&str]| -> Vec<String> { list.iter().map(|s| s.to_string()).collect() };
+        let all = RequestedOutputs::from_names(&names(&[
+            OUTPUT_ITEM_IDS,
+            OUTPUT_SCORES,
+            OUTPUT_EMBEDDING,
+        ]));
+        assert!(all.ranked() && all.embedding);
+        // Every output (what a client naming none asks for): K = 0 is a mistake.
+        let d = decode(&[history(), k(3)], all, true, &Limits::default()).unwrap();
+        assert_eq!((d.rows[0].k, d.rows[0].embedding), (Some(3), true));
+        let err = decode(&[history(), k(0)], all, true, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("USER_EMBEDDING is the only output requested"),
+            "{err}"
+        );
+        // Only the embedding asked for: nothing is scored, whatever K says, and K = 0 is fine.
+        let alone = RequestedOutputs::from_names(&names(&[OUTPUT_EMBEDDING]));
+        assert!(!alone.ranked());
+        for given in [0, 5] {
+            let d = decode(&[history(), k(given)], alone, true, &Limits::default()).unwrap();
+            assert_eq!((d.rows[0].k, d.rows[0].embedding), (Some(0), true));
+        }
+        let err = decode(&[history(), k(-1)], alone, true, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("K must be at least 0, found -1"),
+            "{err}"
+        );
+        // The plain contract: K as given, no embedding.
+        let top = RequestedOutputs::from_names(&names(&[OUTPUT_SCORES]));
+        let d = decode(&[history(), k(5)], top, true, &Limits::default()).unwrap();
+        assert_eq!((d.rows[0].k, d.rows[0].embedding), (Some(5), false));
+        let err = decode(&[history(), k(0)], top, true, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("USER_EMBEDDING is the only output requested"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn embeddings_are_encoded_row_by_row() {
+        let rows = vec![vec![1.0f32, -2.5, 1.0], vec![0.5, 0.25, 1.0]];
+        let (shape, bytes) = encode_embeddings(&rows, true).unwrap();
+        assert_eq!(shape, vec![2, 3]);
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(values, [1.0, -2.5, 1.0, 0.5, 0.25, 1.0]);
+        assert_eq!(encode_embeddings(&rows[..1], false).unwrap().0, vec![3]);
+        let ragged = vec![vec![1.0f32, 1.0], vec![1.0]];
+        assert!(matches!(
+            encode_embeddings(&ragged, true),
+            Err(BackendError::Internal(_))
+        ));
+    }
+
+    #[test]
     fn empty_history_is_a_row_with_no_ids() {
-        let d = decode(
+        let d = decode_top(
             &[int_tensor(INPUT_ITEM_IDS, vec![1, 0], &[])],
             true,
             &Limits::default(),
@@ -443,7 +593,7 @@ mod tests {
             shape: vec![1, 2],
             data: bytes_of(&["sku-1", "é"]),
         };
-        let d = decode(&[t], true, &Limits::default()).unwrap();
+        let d = decode_top(&[t], true, &Limits::default()).unwrap();
         assert_eq!(
             d.rows[0].history,
             OwnedIds::Str(vec!["sku-1".into(), "é".into()])
@@ -460,7 +610,7 @@ mod tests {
             max_id_bytes: 4,
             max_request_bytes: 1000,
         };
-        let too_long = decode(
+        let too_long = decode_top(
             &[int_tensor(INPUT_ITEM_IDS, vec![1, 4], &[1, 2, 3, 4])],
             true,
             &limits,
@@ -478,14 +628,14 @@ mod tests {
             shape: vec![1, 1],
             data: 6i32.to_le_bytes().to_vec(),
         };
-        let big_k = decode(
+        let big_k = decode_top(
             &[int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]), k],
             true,
             &limits,
         )
         .unwrap_err();
         assert!(big_k.to_string().contains("more than max_k 5"), "{big_k}");
-        let cand = decode(
+        let cand = decode_top(
             &[
                 int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
                 int_tensor(INPUT_CANDIDATES, vec![1, 3], &[1, 2, 3]),
@@ -495,7 +645,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(cand.to_string().contains("max_candidates 2"), "{cand}");
-        let ok = decode(
+        let ok = decode_top(
             &[
                 int_tensor(INPUT_ITEM_IDS, vec![2, 1], &[1, 2]),
                 int_tensor(INPUT_CANDIDATES, vec![2, 2], &[7, 8, 9, 10]),
@@ -505,7 +655,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok.rows[1].candidates, Some(OwnedIds::Int(vec![9, 10])));
-        let rows_mismatch = decode(
+        let rows_mismatch = decode_top(
             &[
                 int_tensor(INPUT_ITEM_IDS, vec![2, 1], &[1, 2]),
                 int_tensor(INPUT_CANDIDATES, vec![1, 2], &[7, 8]),
@@ -520,7 +670,7 @@ mod tests {
                 .contains("CANDIDATE_ITEM_IDS has 1 rows"),
             "{rows_mismatch}"
         );
-        let excl = decode(
+        let excl = decode_top(
             &[
                 int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
                 int_tensor(INPUT_EXCLUDE, vec![1, 3], &[1, 2, 3]),
@@ -536,11 +686,11 @@ mod tests {
             shape: vec![1, 1],
             data: bytes_of(&["sku-12345"]),
         };
-        assert!(decode(&[long_id], true, &limits)
+        assert!(decode_top(&[long_id], true, &limits)
             .unwrap_err()
             .to_string()
             .contains("max_id_bytes 4"));
-        let huge = decode(
+        let huge = decode_top(
             &[int_tensor(INPUT_ITEM_IDS, vec![1, 200], &[7; 200])],
             true,
             &limits,
@@ -649,7 +799,7 @@ mod tests {
                         data: 0i32.to_le_bytes().to_vec(),
                     },
                 ],
-                "K must be at least 1, found 0",
+                "K = 0 asks for no items: it is allowed only when USER_EMBEDDING is the only output requested",
             ),
             (
                 vec![
@@ -667,7 +817,7 @@ mod tests {
             ),
         ];
         for (inputs, needle) in cases {
-            let err = decode(&inputs, true, &Limits::default()).unwrap_err();
+            let err = decode_top(&inputs, true, &Limits::default()).unwrap_err();
             assert!(err.to_string().contains(needle), "{needle}: {err}");
             assert_eq!(err.code(), crate::error::ErrorCode::InvalidArg);
         }

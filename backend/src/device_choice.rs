@@ -94,6 +94,7 @@ mod tests {
                         k: [10, 1, 100][i % 3],
                         exclude_seen: i % 4 != 3,
                         candidates: None,
+                        embedding: false,
                     }
                 })
                 .collect();
@@ -104,6 +105,7 @@ mod tests {
                     k: 10,
                     exclude_seen: true,
                     candidates: None,
+                    embedding: false,
                 });
             }
             batch
@@ -126,7 +128,7 @@ mod tests {
                 let on_cpu = engine.recommend_batch(&batch).unwrap();
                 assert_eq!(on_gpu.len(), batch.len());
                 let (mut same, mut entries, mut worst) = (0usize, 0usize, 0f32);
-                for (r, ((g, gn), (c, cn))) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                for (r, ((g, gn, _), (c, cn, _))) in on_gpu.iter().zip(&on_cpu).enumerate() {
                     assert_eq!(gn, cn, "{dir} row {r}: history notes");
                     assert_eq!(g.len(), c.len(), "{dir} row {r}: answer lengths");
                     for (pos, (x, y)) in c.iter().zip(g).enumerate() {

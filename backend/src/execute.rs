@@ -5,11 +5,11 @@ use std::ptr;
 
 use recsys_ffi as sys;
 
-use crate::decode::{self, DecodedRequest};
+use crate::decode::{self, DecodedRequest, RequestedOutputs};
 use crate::error::{BackendError, Result};
 use crate::lifecycle::InstanceState;
 use crate::serve::{self, Answer};
-use crate::settings::{IdTensorType, OUTPUT_ITEM_IDS, OUTPUT_SCORES};
+use crate::settings::{IdTensorType, OUTPUT_EMBEDDING, OUTPUT_ITEM_IDS, OUTPUT_SCORES};
 use crate::statistics::{now_ns, report_batch, report_request, Timestamps};
 use crate::triton::{ffi_call, log, LogLevel, OutputType, Request, Response};
 
@@ -57,8 +57,14 @@ fn score_batch(state: &InstanceState, requests: &[Request]) -> ScoredBatch {
     let decoded: Vec<Result<DecodedRequest>> = requests
         .iter()
         .map(|r| {
-            r.inputs()
-                .and_then(|inputs| decode::decode(&inputs, state.batched, &state.settings.limits))
+            let outputs = r.requested_outputs()?;
+            let inputs = r.inputs()?;
+            decode::decode(
+                &inputs,
+                RequestedOutputs::from_names(&outputs),
+                state.batched,
+                &state.settings.limits,
+            )
         })
         .collect();
     #[cfg(feature = "panic-trigger")]
@@ -279,19 +285,29 @@ fn write_outputs(
         IdTensorType::Int64 => OutputType::Int64,
         IdTensorType::String => OutputType::Bytes,
     };
-    response.add_output(OUTPUT_ITEM_IDS, ids_type, &encoded.shape, &encoded.ids)?;
+    // Only the outputs the client asked for (Triton lists all of them when it named none).
+    let wanted = answer.outputs;
+    if wanted.item_ids {
+        response.add_output(OUTPUT_ITEM_IDS, ids_type, &encoded.shape, &encoded.ids)?;
+    }
     #[cfg(feature = "panic-trigger")]
     if panic_in_output {
         panic!("test-only panic trigger in output writing");
     }
     #[cfg(not(feature = "panic-trigger"))]
     let _ = panic_in_output;
-    response.add_output(
-        OUTPUT_SCORES,
-        OutputType::Fp32,
-        &encoded.shape,
-        &encoded.scores,
-    )?;
+    if wanted.scores {
+        response.add_output(
+            OUTPUT_SCORES,
+            OutputType::Fp32,
+            &encoded.shape,
+            &encoded.scores,
+        )?;
+    }
+    if wanted.embedding {
+        let (shape, bytes) = decode::encode_embeddings(&answer.embeddings, state.batched)?;
+        response.add_output(OUTPUT_EMBEDDING, OutputType::Fp32, &shape, &bytes)?;
+    }
     // Counted for the client too, so it can tell a cold-start answer from a personalised one.
     response.set_int_parameter("unknown_item_count", answer.unknown_ids as i64)?;
     response.set_int_parameter("truncated_histories", answer.truncated as i64)?;

@@ -109,7 +109,13 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             &mut auto_complete
         ))?
     };
-    if auto_complete && settings::auto_complete(&mut config, engine.manifest.id_type) {
+    if auto_complete
+        && settings::auto_complete(
+            &mut config,
+            engine.manifest.id_type,
+            settings::embedding_width(&engine),
+        )
+    {
         crate::triton::set_model_config(model, &config)?;
         log(
             LogLevel::Info,

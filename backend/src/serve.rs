@@ -1,15 +1,18 @@
 //! Running the decoded requests of one Execute call as a single engine batch.
 
-use crate::decode::{DecodedRequest, OwnedIds};
+use crate::decode::{DecodedRequest, OwnedIds, RequestedOutputs};
 use crate::error::{BackendError, Result};
-use recsys_engine::models::HistoryNote;
 use recsys_engine::topk::Scored;
-use recsys_engine::{Engine, InternalRequest, Request, ServeOptions, UnknownIds};
+use recsys_engine::{Engine, InternalRequest, Request, RowAnswer, ServeOptions, UnknownIds};
 
 /// The answer to one request: one ranked list per history, plus what the metrics count.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Answer {
     pub rows: Vec<Vec<Scored>>,
+    /// Per history, its user embedding when the request asked for it (else empty).
+    pub embeddings: Vec<Vec<f32>>,
+    /// The outputs the request asked for.
+    pub outputs: RequestedOutputs,
     pub unknown_ids: usize,
     pub truncated: usize,
     /// Candidate ids the catalogue does not know (dropped).
@@ -28,10 +31,11 @@ struct Planned {
     start: usize,
     count: usize,
     unknown: UnknownIds,
+    outputs: RequestedOutputs,
 }
 
 /// One prepared row's answer, or the reason its recommender failed.
-type RowAnswer = std::result::Result<(Vec<Scored>, HistoryNote), String>;
+type RowResult = std::result::Result<RowAnswer, String>;
 
 /// Answers every decodable request; all their histories run as one engine batch. A request whose
 /// decoding failed, or one of whose histories the engine refuses, gets its own error; the others
@@ -66,6 +70,7 @@ pub fn serve(
                                 k: row.k,
                                 exclude,
                                 candidates,
+                                embedding: row.embedding,
                             },
                             options,
                         )
@@ -97,6 +102,7 @@ pub fn serve(
                 start,
                 count: prepared.len() - start,
                 unknown,
+                outputs: request.outputs,
             })),
         }
     }
@@ -110,16 +116,20 @@ pub fn serve(
         .map(|entry| {
             let planned = entry?;
             let mut rows = Vec::with_capacity(planned.count);
+            let mut embeddings = Vec::with_capacity(planned.count);
             let mut truncated = 0;
             for answer in &answers[planned.start..planned.start + planned.count] {
-                let (items, note) = answer
+                let (items, note, embedding) = answer
                     .as_ref()
                     .map_err(|message| BackendError::Internal(message.clone()))?;
                 truncated += usize::from(note.truncated);
                 rows.push(items.clone());
+                embeddings.push(embedding.clone());
             }
             Ok(Answer {
                 rows,
+                embeddings,
+                outputs: planned.outputs,
                 unknown_ids: planned.unknown.history,
                 truncated,
                 unknown_candidates: planned.unknown.candidates,
@@ -135,9 +145,9 @@ fn answer_rows(
     engine: &Engine,
     recommender: &dyn recsys_engine::BatchRecommender,
     prepared: &[InternalRequest],
-) -> Vec<RowAnswer> {
+) -> Vec<RowResult> {
     let run =
-        |r: &dyn recsys_engine::BatchRecommender, batch: &[InternalRequest]| -> Vec<RowAnswer> {
+        |r: &dyn recsys_engine::BatchRecommender, batch: &[InternalRequest]| -> Vec<RowResult> {
             match r.recommend_batch(batch) {
                 Ok(answers) => answers.into_iter().map(Ok).collect(),
                 Err(e) => vec![Err(e.to_string()); batch.len()],
@@ -155,7 +165,7 @@ fn answer_rows(
     let pick = |rows: &[usize]| -> Vec<InternalRequest> {
         rows.iter().map(|&i| prepared[i].clone()).collect()
     };
-    let mut answers: Vec<Option<RowAnswer>> = vec![None; prepared.len()];
+    let mut answers: Vec<Option<RowResult>> = vec![None; prepared.len()];
     for (rows, part) in [
         (&candidate_rows, run(engine, &pick(&candidate_rows))),
         (&other_rows, run(recommender, &pick(&other_rows))),
@@ -185,6 +195,14 @@ mod tests {
             k,
             exclude: None,
             candidates: None,
+            embedding: false,
+        }
+    }
+
+    fn request(rows: Vec<RowRequest>) -> DecodedRequest {
+        DecodedRequest {
+            rows,
+            outputs: RequestedOutputs::TOP_K,
         }
     }
 
@@ -196,16 +214,10 @@ mod tests {
             ..ServeOptions::default()
         };
         let requests = vec![
-            Ok(DecodedRequest {
-                rows: vec![row(&[10011403, 10011207], Some(3))],
-            }),
+            Ok(request(vec![row(&[10011403, 10011207], Some(3))])),
             Err(BackendError::InvalidInput("ITEM_IDS is broken".into())),
-            Ok(DecodedRequest {
-                rows: vec![row(&[10011403, 42], None)],
-            }),
-            Ok(DecodedRequest {
-                rows: vec![row(&[10011403], Some(2)), row(&[], Some(4))],
-            }),
+            Ok(request(vec![row(&[10011403, 42], None)])),
+            Ok(request(vec![row(&[10011403], Some(2)), row(&[], Some(4))])),
         ];
         let (answers, summary) = serve(&engine, &options, requests, &engine);
         assert_eq!(summary.engine_rows, 3);
@@ -228,9 +240,7 @@ mod tests {
         let (alone, _) = serve(
             &engine,
             &options,
-            vec![Ok(DecodedRequest {
-                rows: vec![row(&[10011403, 10011207], Some(3))],
-            })],
+            vec![Ok(request(vec![row(&[10011403, 10011207], Some(3))]))],
             &engine,
         );
         assert_eq!(alone[0].as_ref().unwrap(), first);
@@ -244,7 +254,7 @@ mod tests {
         fn recommend_batch(
             &self,
             batch: &[recsys_engine::InternalRequest],
-        ) -> recsys_engine::Result<Vec<(Vec<Scored>, recsys_engine::models::HistoryNote)>> {
+        ) -> recsys_engine::Result<Vec<RowAnswer>> {
             let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
             let (hidden, notes) = self.0.model.encode(&histories);
             let out = self.0.model.output();
@@ -273,6 +283,7 @@ mod tests {
                     scored
                 })
                 .zip(notes)
+                .map(|(items, note)| (items, note, Vec::new()))
                 .collect())
         }
     }
@@ -283,7 +294,7 @@ mod tests {
         fn recommend_batch(
             &self,
             _: &[recsys_engine::InternalRequest],
-        ) -> recsys_engine::Result<Vec<(Vec<Scored>, recsys_engine::models::HistoryNote)>> {
+        ) -> recsys_engine::Result<Vec<RowAnswer>> {
             Err(recsys_engine::EngineError::Device(
                 "the device fell off the bus".into(),
             ))
@@ -296,15 +307,11 @@ mod tests {
         let options = ServeOptions::default();
         let requests = || {
             vec![
-                Ok(DecodedRequest {
-                    rows: vec![
-                        row(&[10011403, 10011207], Some(5)),
-                        row(&[10011739], Some(20)),
-                    ],
-                }),
-                Ok(DecodedRequest {
-                    rows: vec![row(&[10011788, 10011403], None)],
-                }),
+                Ok(request(vec![
+                    row(&[10011403, 10011207], Some(5)),
+                    row(&[10011739], Some(20)),
+                ])),
+                Ok(request(vec![row(&[10011788, 10011403], None)])),
             ]
         };
         let (cpu, _) = serve(&engine, &options, requests(), &engine);
@@ -326,9 +333,7 @@ mod tests {
         let (engine, _tmp) = engine();
         let options = ServeOptions::default();
         let requests = vec![
-            Ok(DecodedRequest {
-                rows: vec![row(&[10011403], Some(5))],
-            }),
+            Ok(request(vec![row(&[10011403], Some(5))])),
             Err(BackendError::InvalidInput("broken".into())),
         ];
         let (answers, _) = serve(&engine, &options, requests, &BrokenDevice);
@@ -351,12 +356,8 @@ mod tests {
             10011739, 10011788, 10011403, -1, 10011550,
         ]));
         let requests = vec![
-            Ok(DecodedRequest {
-                rows: vec![with_candidates],
-            }),
-            Ok(DecodedRequest {
-                rows: vec![row(&[10011403], Some(5))],
-            }),
+            Ok(request(vec![with_candidates])),
+            Ok(request(vec![row(&[10011403], Some(5))])),
         ];
         // The device fails its rows; the candidate row does not go there.
         let (answers, _) = serve(&engine, &options, requests, &BrokenDevice);
@@ -372,6 +373,7 @@ mod tests {
                     candidates: Some(recsys_engine::ExternalIds::Int(&[
                         10011739, 10011788, 10011403, 10011550,
                     ])),
+                    embedding: false,
                 }],
                 &options,
             )
@@ -383,5 +385,69 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("the device fell off the bus"));
+    }
+
+    #[test]
+    fn embeddings_come_with_or_without_items_and_score_like_the_output_layer() {
+        let (engine, _tmp) = engine();
+        let options = ServeOptions::default();
+        let with = |history: &[i64], k: Option<i64>, candidates: Option<Vec<i64>>| RowRequest {
+            embedding: true,
+            candidates: candidates.map(OwnedIds::Int),
+            ..row(history, k)
+        };
+        let outputs = RequestedOutputs {
+            item_ids: true,
+            scores: true,
+            embedding: true,
+        };
+        let requests = vec![
+            // Embedding alone, embedding with the top 5, embedding with candidates, and a plain
+            // request in the same batch.
+            Ok(DecodedRequest {
+                rows: vec![with(&[10011403, 10011207], Some(0), None)],
+                outputs,
+            }),
+            Ok(DecodedRequest {
+                rows: vec![with(&[10011739], Some(5), None)],
+                outputs,
+            }),
+            Ok(DecodedRequest {
+                rows: vec![with(
+                    &[10011788],
+                    Some(2),
+                    Some(vec![10011403, 10011550, 10011739]),
+                )],
+                outputs,
+            }),
+            Ok(request(vec![row(&[10011403], Some(4))])),
+        ];
+        let (answers, summary) = serve(&engine, &options, requests, &engine);
+        assert_eq!(summary.engine_rows, 4);
+        let width = engine.model.output().input_size() + 1;
+        let out = engine.model.output();
+        for (i, answer) in answers.iter().take(3).enumerate() {
+            let answer = answer.as_ref().unwrap();
+            let user = &answer.embeddings[0];
+            assert_eq!(user.len(), width, "request {i}");
+            assert_eq!(user[width - 1], 1.0);
+            // [h, 1] . [w_i, b_i] is the score of every item the request got back.
+            for item in &answer.rows[0] {
+                let mut w = vec![0f32; width - 1];
+                out.weight.add_row_into(item.index as usize, &mut w);
+                w.push(out.bias.as_slice()[item.index as usize]);
+                let dot: f32 = w.iter().zip(user).map(|(a, b)| a * b).sum();
+                assert!(
+                    (dot - item.score).abs() < 1e-4,
+                    "request {i}: {dot} vs {item:?}"
+                );
+            }
+        }
+        let lens: Vec<usize> = answers
+            .iter()
+            .map(|a| a.as_ref().unwrap().rows[0].len())
+            .collect();
+        assert_eq!(lens, [0, 5, 2, 4]);
+        assert!(answers[3].as_ref().unwrap().embeddings[0].is_empty());
     }
 }

@@ -14,6 +14,16 @@ pub const INPUT_EXCLUDE: &str = "EXCLUDE_ITEM_IDS";
 pub const INPUT_CANDIDATES: &str = "CANDIDATE_ITEM_IDS";
 pub const OUTPUT_ITEM_IDS: &str = "TOP_ITEM_IDS";
 pub const OUTPUT_SCORES: &str = "TOP_SCORES";
+/// Optional: the user embedding `[hidden, 1]` (FP32), whose inner product with an item's row of
+/// `recsys export-items` is the model's score for that item. Computed only for requests that ask
+/// for it.
+pub const OUTPUT_EMBEDDING: &str = "USER_EMBEDDING";
+
+/// Values in one user embedding: the output layer's input plus the trailing 1 that carries the
+/// item bias.
+pub fn embedding_width(engine: &Engine) -> usize {
+    engine.model.output().input_size() + 1
+}
 
 /// Request limits, from the model's parameters (`max_history_length`, `max_k`, `max_exclude_ids`,
 /// `max_id_bytes`, `max_request_bytes`). The defaults protect the server from one request taking
@@ -236,9 +246,10 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     }
     for tensor in outputs {
         let name = tensor.get("name").and_then(Value::as_str).unwrap_or("");
-        if ![OUTPUT_ITEM_IDS, OUTPUT_SCORES].contains(&name) {
+        if ![OUTPUT_ITEM_IDS, OUTPUT_SCORES, OUTPUT_EMBEDDING].contains(&name) {
             return Err(BackendError::InvalidConfig(format!(
-                "output {name:?} is not one the recsys backend produces ({OUTPUT_ITEM_IDS}, {OUTPUT_SCORES})"
+                "output {name:?} is not one the recsys backend produces ({OUTPUT_ITEM_IDS}, \
+                 {OUTPUT_SCORES}, {OUTPUT_EMBEDDING})"
             )));
         }
     }
@@ -290,6 +301,20 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
             )));
         }
     }
+    if let Some(embedding) = find(outputs, OUTPUT_EMBEDDING) {
+        let width = embedding_width(engine) as i64;
+        let dims: Vec<i64> = tensors(embedding, "dims")
+            .iter()
+            .filter_map(as_i64)
+            .collect();
+        if data_type(embedding) != "TYPE_FP32" || (dims != [width] && dims != [-1]) {
+            return Err(BackendError::InvalidConfig(format!(
+                "output {OUTPUT_EMBEDDING} must be TYPE_FP32 with dims [ {width} ] (the model's \
+                 hidden size plus 1), the config says {:?} {dims:?}",
+                data_type(embedding)
+            )));
+        }
+    }
     Ok(ModelSettings {
         default_k,
         limits,
@@ -303,9 +328,10 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     })
 }
 
-/// Fills the inputs, outputs and parameters a minimal config leaves out, from the engine's id type.
-/// Returns true when the config changed. Existing entries are never overwritten.
-pub fn auto_complete(config: &mut Value, catalogue: IdType) -> bool {
+/// Fills the inputs, outputs and parameters a minimal config leaves out, from the engine's id type
+/// and embedding width ([`embedding_width`]). Returns true when the config changed. Existing
+/// entries are never overwritten.
+pub fn auto_complete(config: &mut Value, catalogue: IdType, embedding_width: usize) -> bool {
     let Some(object) = config.as_object_mut() else {
         return false;
     };
@@ -349,6 +375,7 @@ pub fn auto_complete(config: &mut Value, catalogue: IdType) -> bool {
         vec![
             json!({"name": OUTPUT_ITEM_IDS, "data_type": id_type, "dims": [-1]}),
             json!({"name": OUTPUT_SCORES, "data_type": "TYPE_FP32", "dims": [-1]}),
+            json!({"name": OUTPUT_EMBEDDING, "data_type": "TYPE_FP32", "dims": [embedding_width]}),
         ],
     );
     let params = object.entry("parameters").or_insert_with(|| json!({}));
@@ -385,7 +412,11 @@ mod tests {
     fn auto_complete_fills_a_minimal_config_that_then_parses() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        assert!(auto_complete(&mut config, IdType::Int64));
+        assert!(auto_complete(
+            &mut config,
+            IdType::Int64,
+            embedding_width(&engine)
+        ));
         assert_eq!(config["input"][0]["allow_ragged_batch"], true);
         assert_eq!(config["dynamic_batching"], json!({}));
         let settings = parse(&config, &engine).unwrap();
@@ -393,14 +424,18 @@ mod tests {
         assert_eq!(settings.item_ids_type, IdTensorType::Int64);
         assert!(settings.exclude_seen);
         // A second pass changes nothing.
-        assert!(!auto_complete(&mut config, IdType::Int64));
+        assert!(!auto_complete(
+            &mut config,
+            IdType::Int64,
+            embedding_width(&engine)
+        ));
     }
 
     #[test]
     fn bad_parameters_are_named() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64);
+        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
         for (key, value, needle) in [
             ("top_k", "zero", "top_k must be a positive integer"),
             ("top_k", "0", "top_k must be a positive integer"),
@@ -419,6 +454,34 @@ mod tests {
             c["parameters"][key] = json!({"string_value": value});
             let err = parse(&c, &engine).unwrap_err().to_string();
             assert!(err.contains(needle), "{key}={value}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_embedding_output_must_have_the_models_width() {
+        let (engine, _tmp) = engine();
+        let width = embedding_width(&engine);
+        assert_eq!(width, engine.model.output().input_size() + 1);
+        let mut config = minimal();
+        auto_complete(&mut config, IdType::Int64, width);
+        assert_eq!(config["output"][2]["name"], OUTPUT_EMBEDDING);
+        parse(&config, &engine).unwrap();
+        config["output"][2]["dims"] = json!([-1]);
+        parse(&config, &engine).unwrap();
+        for (dims, data_type) in [
+            (json!([width - 1]), "TYPE_FP32"),
+            (json!([-1]), "TYPE_FP16"),
+        ] {
+            let mut c = config.clone();
+            c["output"][2]["dims"] = dims;
+            c["output"][2]["data_type"] = json!(data_type);
+            let err = parse(&c, &engine).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!(
+                    "USER_EMBEDDING must be TYPE_FP32 with dims [ {width} ]"
+                )),
+                "{err}"
+            );
         }
     }
 
@@ -443,7 +506,7 @@ mod tests {
     fn config_contradicting_the_engine_is_refused() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64);
+        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
         let mut c = config.clone();
         c["output"][1]["data_type"] = json!("TYPE_FP16");
         assert!(parse(&c, &engine)

@@ -137,6 +137,23 @@ impl Request {
         self.raw
     }
 
+    /// The names of the outputs the client asked for. Triton lists every output of the model when
+    /// the client named none.
+    pub(crate) fn requested_outputs(&self) -> Result<Vec<String>> {
+        let mut count = 0u32;
+        // SAFETY: `self.raw` is a live request (not yet released); `count` is a valid out-pointer.
+        unsafe { ffi_call!(TRITONBACKEND_RequestOutputCount(self.raw, &mut count))? };
+        let mut names = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let mut name = ptr::null();
+            // SAFETY: index < count; `name` is a valid out-pointer to a string the request owns.
+            unsafe { ffi_call!(TRITONBACKEND_RequestOutputName(self.raw, index, &mut name))? };
+            // SAFETY: Triton keeps the name alive as long as the request.
+            names.push(unsafe { borrowed_str(name) });
+        }
+        Ok(names)
+    }
+
     /// Every input of the request, its buffers copied into one contiguous vector each.
     pub(crate) fn inputs(&self) -> Result<Vec<InputTensor>> {
         let mut count = 0u32;

@@ -24,6 +24,7 @@ fn bench_models(c: &mut Criterion) {
                     k: 10,
                     exclude_seen: true,
                     candidates: None,
+                    embedding: false,
                 })
                 .collect();
             group.bench_with_input(

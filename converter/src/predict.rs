@@ -336,22 +336,18 @@ fn score_batch(
                     k: p.k,
                     exclude: p.exclude.as_ref().map(|e| external(e, excl_strs)),
                     candidates: p.candidates.as_ref().map(|c| external(c, cand_strs)),
+                    // Embeddings come from the same encoder pass as the recommendations.
+                    embedding: all_embeddings || p.return_embedding,
                 });
             }
             Err(_) => request_of_line.push(None),
         }
     }
-    // Embeddings come from the same encoder pass as the recommendations.
-    let embeddings = all_embeddings
-        || batch
-            .iter()
-            .any(|(_, line)| line.as_ref().is_ok_and(|p| p.return_embedding));
-    let mut answers: Vec<Option<recsys_engine::Result<recsys_engine::EmbeddedRecommendation>>> =
-        engine
-            .recommend_with_embeddings(&requests, options, embeddings)
-            .into_iter()
-            .map(Some)
-            .collect();
+    let mut answers: Vec<Option<recsys_engine::Result<recsys_engine::Recommendation>>> = engine
+        .recommend(&requests, options)
+        .into_iter()
+        .map(Some)
+        .collect();
 
     let id_json = |id: ExternalId| match id {
         ExternalId::Int(i) => Value::from(i),
@@ -363,7 +359,7 @@ fn score_batch(
             line,
             slot.map(|s| answers[s].take().expect("each answer used once")),
         ) {
-            (Ok(parsed), Some(Ok((rec, embedding)))) => {
+            (Ok(parsed), Some(Ok(rec))) => {
                 // Every index is checked against the catalogue before it becomes an id.
                 let ids: Option<Vec<Value>> = rec
                     .items
@@ -387,7 +383,9 @@ fn score_batch(
                         if all_embeddings || parsed.return_embedding {
                             out.insert(
                                 "embedding".into(),
-                                Value::Array(embedding.iter().map(|&v| Value::from(v)).collect()),
+                                Value::Array(
+                                    rec.embedding.iter().map(|&v| Value::from(v)).collect(),
+                                ),
                             );
                         }
                         for (k, v) in &parsed.passthrough {

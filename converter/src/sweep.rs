@@ -134,6 +134,7 @@ fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
         k,
         exclude_seen: true,
         candidates: None,
+        embedding: false,
     };
     engine.recommend_internal(&[request])[0]
         .0
@@ -156,6 +157,7 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
                 k: 10,
                 exclude_seen: true,
                 candidates: None,
+                embedding: false,
             })
             .collect()
     };

@@ -11,8 +11,8 @@ use crate::kernels::packed::PackedOutput;
 use crate::kernels::KernelTable;
 use crate::models::{HistoryNote, Model};
 use crate::request::{
-    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, ServeOptions,
-    UnknownIds, UnknownItemPolicy,
+    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
+    ServeOptions, UnknownIds, UnknownItemPolicy,
 };
 use crate::topk::Scored;
 
@@ -28,11 +28,8 @@ pub struct Scorer {
 pub type RankedRows = Vec<Vec<Scored>>;
 
 impl BatchRecommender for Engine {
-    fn recommend_batch(
-        &self,
-        batch: &[InternalRequest],
-    ) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
-        Ok(self.recommend_internal(batch))
+    fn recommend_batch(&self, batch: &[InternalRequest]) -> Result<Vec<RowAnswer>> {
+        Ok(self.recommend_internal_with_embeddings(batch))
     }
 }
 
@@ -55,10 +52,6 @@ impl Scorer {
         fused::top_k(self.kernels, &self.packed, hidden, &queries, self.threads)
     }
 }
-
-/// A recommendation and the user embedding it came from (empty unless asked for):
-/// [`Engine::recommend_with_embeddings`].
-pub type EmbeddedRecommendation = (Recommendation, Vec<f32>);
 
 /// A loaded model with its id map.
 pub struct Engine {
@@ -158,15 +151,22 @@ impl Engine {
         request: &Request<'_>,
         options: &ServeOptions,
     ) -> Result<(InternalRequest, UnknownIds)> {
-        let k = match request.k {
-            None => options.default_k,
-            Some(k) if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
-            Some(k) => {
-                return Err(EngineError::InvalidRequest(format!(
-                    "K must be at least 1, found {k}"
-                )))
-            }
-        };
+        let k =
+            match request.k {
+                None => options.default_k,
+                Some(k) if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
+                // The user embedding alone: nothing to score.
+                Some(0) if request.embedding => 0,
+                Some(0) => return Err(EngineError::InvalidRequest(
+                    "K = 0 asks for no items: it is allowed only together with the user embedding"
+                        .into(),
+                )),
+                Some(k) => {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "K must be at least 1, found {k}"
+                    )))
+                }
+            };
         let history = self.ids.map(request.history);
         if history.unknown > 0 && options.unknown_items == UnknownItemPolicy::Error {
             return Err(EngineError::InvalidRequest(format!(
@@ -206,6 +206,7 @@ impl Engine {
                 k: k.min(self.n_items()),
                 exclude_seen: options.exclude_seen,
                 candidates,
+                embedding: request.embedding,
             },
             UnknownIds {
                 history: history.unknown,
@@ -215,30 +216,14 @@ impl Engine {
     }
 
     /// Answers a batch. Each request gets its own result; a bad request does not affect the others,
-    /// and the good ones run as one batch.
+    /// and the good ones run as one batch (one encoder pass, which also gives the embeddings that
+    /// requests ask for).
     pub fn recommend(
         &self,
         requests: &[Request<'_>],
         options: &ServeOptions,
     ) -> Vec<Result<Recommendation>> {
-        self.recommend_with_embeddings(requests, options, false)
-            .into_iter()
-            .map(|r| r.map(|(recommendation, _)| recommendation))
-            .collect()
-    }
-
-    /// [`Self::recommend`], and with `embeddings` each answered request's user embedding too: the
-    /// model's final hidden vector followed by a 1, whose inner product with an item's
-    /// `[embedding, bias]` row (`recsys export-items`) is the model's score for that item. Empty
-    /// when `embeddings` is false.
-    pub fn recommend_with_embeddings(
-        &self,
-        requests: &[Request<'_>],
-        options: &ServeOptions,
-        embeddings: bool,
-    ) -> Vec<Result<EmbeddedRecommendation>> {
-        let mut results: Vec<Option<Result<EmbeddedRecommendation>>> =
-            Vec::with_capacity(requests.len());
+        let mut results: Vec<Option<Result<Recommendation>>> = Vec::with_capacity(requests.len());
         let mut batch = Vec::new();
         let mut unknown = Vec::new();
         let mut slots = Vec::new();
@@ -253,25 +238,17 @@ impl Engine {
                 Err(e) => results.push(Some(Err(e))),
             }
         }
-        let (answers, hidden) = self.recommend_internal_with_hidden(&batch);
-        let width = self.model.output().input_size();
-        for (row, ((slot, (items, note)), n_unknown)) in
-            slots.into_iter().zip(answers).zip(unknown).enumerate()
+        let answers = self.recommend_internal_with_embeddings(&batch);
+        for ((slot, (items, note, embedding)), n_unknown) in
+            slots.into_iter().zip(answers).zip(unknown)
         {
-            let embedding = if embeddings {
-                let mut user = hidden[row * width..(row + 1) * width].to_vec();
-                user.push(1.0);
-                user
-            } else {
-                Vec::new()
-            };
-            let recommendation = Recommendation {
+            results[slot] = Some(Ok(Recommendation {
                 items,
                 unknown_ids: n_unknown.history,
                 truncated: note.truncated,
                 unknown_candidates: n_unknown.candidates,
-            };
-            results[slot] = Some(Ok((recommendation, embedding)));
+                embedding,
+            }));
         }
         results
             .into_iter()
@@ -281,31 +258,33 @@ impl Engine {
 
     /// Top-k over internal indices for a batch of prepared requests, on the CPU kernels.
     pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<(Vec<Scored>, HistoryNote)> {
-        self.recommend_internal_with_hidden(batch).0
+        self.recommend_internal_with_embeddings(batch)
+            .into_iter()
+            .map(|(items, note, _)| (items, note))
+            .collect()
     }
 
-    /// [`Self::recommend_internal`] and the batch's final hidden vectors (`[batch, d]`, the
-    /// output layer's input).
-    pub fn recommend_internal_with_hidden(
-        &self,
-        batch: &[InternalRequest],
-    ) -> (Vec<(Vec<Scored>, HistoryNote)>, Vec<f32>) {
+    /// [`Self::recommend_internal`], with each row's user embedding where the row asks for it
+    /// (`[hidden, 1]`, see [`Recommendation::embedding`]; empty otherwise). Rows with `k = 0`
+    /// are encoded and not scored.
+    pub fn recommend_internal_with_embeddings(&self, batch: &[InternalRequest]) -> Vec<RowAnswer> {
         if batch.is_empty() {
-            return (Vec::new(), Vec::new());
+            return Vec::new();
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.model.encode(&histories);
         let width = self.model.output().input_size();
+        let user = |r: usize| &hidden[r * width..(r + 1) * width];
         // Whole-catalogue rows go through the scorer together; candidate rows each score their
-        // own candidates.
+        // own candidates; embedding-only rows (k = 0) score nothing.
         let whole: Vec<usize> = (0..batch.len())
-            .filter(|&r| batch[r].candidates.is_none())
+            .filter(|&r| batch[r].candidates.is_none() && batch[r].k > 0)
             .collect();
         let mut top: Vec<Vec<Scored>> = vec![Vec::new(); batch.len()];
         if !whole.is_empty() {
             let rows_hidden: Vec<f32> = whole
                 .iter()
-                .flat_map(|&r| hidden[r * width..(r + 1) * width].iter().copied())
+                .flat_map(|&r| user(r).iter().copied())
                 .collect();
             let excluded: Vec<Vec<u32>> =
                 whole.iter().map(|&r| excluded_items(&batch[r])).collect();
@@ -319,15 +298,24 @@ impl Engine {
         }
         for (r, request) in batch.iter().enumerate() {
             if let Some(candidates) = &request.candidates {
-                top[r] = self.top_k_among(
-                    &hidden[r * width..(r + 1) * width],
-                    candidates,
-                    request.k,
-                    &excluded_items(request),
-                );
+                top[r] = self.top_k_among(user(r), candidates, request.k, &excluded_items(request));
             }
         }
-        (top.into_iter().zip(notes).collect(), hidden)
+        top.into_iter()
+            .zip(notes)
+            .enumerate()
+            .map(|(r, (items, note))| {
+                let embedding = if batch[r].embedding {
+                    let mut e = Vec::with_capacity(width + 1);
+                    e.extend_from_slice(user(r));
+                    e.push(1.0);
+                    e
+                } else {
+                    Vec::new()
+                };
+                (items, note, embedding)
+            })
+            .collect()
     }
 
     /// The best `k` of `candidates` (ascending, distinct internal indices) for one hidden vector,

@@ -24,10 +24,10 @@ pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, ConvertRequest};
-pub use engine::{EmbeddedRecommendation, Engine, RankedRows, Scorer};
+pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};
 pub use request::{
-    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, ServeOptions,
-    UnknownIds, UnknownItemPolicy,
+    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
+    ServeOptions, UnknownIds, UnknownItemPolicy,
 };

@@ -58,6 +58,9 @@ pub struct Request<'a> {
     pub exclude: Option<ExternalIds<'a>>,
     /// Rank only these items (a retrieval stage's candidates) instead of the whole catalogue.
     pub candidates: Option<ExternalIds<'a>>,
+    /// Also return the user embedding ([`Recommendation::embedding`]). With it, `k = Some(0)`
+    /// asks for the embedding alone (no item is scored).
+    pub embedding: bool,
 }
 
 /// One user's answer.
@@ -72,6 +75,10 @@ pub struct Recommendation {
     /// Candidate ids that were not in the catalogue (dropped, or the request refused, as for the
     /// history under [`UnknownItemPolicy`]).
     pub unknown_candidates: usize,
+    /// The user embedding when the request asked for it (else empty): the model's final hidden
+    /// vector followed by a 1, whose inner product with an item's `[embedding, bias]` row
+    /// (`recsys export-items`) is the model's score for that item.
+    pub embedding: Vec<f32>,
 }
 
 /// The ids of a request that the catalogue does not know ([`crate::Engine::prepare`]).
@@ -91,15 +98,21 @@ pub struct InternalRequest {
     /// Rank only these items: internal indices, ascending and distinct (so ties still go to the
     /// lower index). `None` ranks the whole catalogue.
     pub candidates: Option<Vec<u32>>,
+    /// The answer carries the user embedding; `k` may then be 0 (the embedding alone).
+    pub embedding: bool,
 }
+
+/// One prepared row's answer: its best items (best first), what the model noted about its
+/// history, and its user embedding when the row asked for it (else empty; see
+/// [`Recommendation::embedding`]).
+pub type RowAnswer = (Vec<Scored>, HistoryNote, Vec<f32>);
 
 /// What answers a batch of prepared requests: the engine itself (the whole model on the CPU) or a
 /// device that runs the whole model (the CUDA path). The serving layer picks one per model
 /// instance.
 pub trait BatchRecommender: Send + Sync {
-    /// Each request's best items, best first, with what the model noted about its history.
-    fn recommend_batch(&self, batch: &[InternalRequest])
-        -> Result<Vec<(Vec<Scored>, HistoryNote)>>;
+    /// Each request's answer, in order.
+    fn recommend_batch(&self, batch: &[InternalRequest]) -> Result<Vec<RowAnswer>>;
 }
 
 /// The items each request leaves out: its history when `exclude_seen`, then its own list

@@ -57,6 +57,7 @@ fn check_exact(kind: ModelKind, engine: &recsys_engine::Engine, variant: &str) {
             k: [1, 10, 100, 1000][i % 4],
             exclude_seen: i % 3 != 0,
             candidates: Some(candidates),
+            embedding: false,
         });
     }
     // Whole-catalogue rows in the same batch keep their answers.
@@ -66,6 +67,7 @@ fn check_exact(kind: ModelKind, engine: &recsys_engine::Engine, variant: &str) {
         k: 10,
         exclude_seen: true,
         candidates: None,
+        embedding: false,
     });
     let answers = engine.recommend_internal(&batch);
     let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
@@ -140,6 +142,7 @@ fn candidate_scores_are_pytorchs_logits_and_unknown_candidates_follow_the_policy
                 k: Some(50),
                 exclude: None,
                 candidates: Some(ExternalIds::Int(&candidates)),
+                embedding: false,
             };
             let answer = engine
                 .recommend(&[request], &ServeOptions::default())

@@ -35,6 +35,7 @@ fn check_logits_and_topk(kind: ModelKind) {
                     k: None,
                     exclude: None,
                     candidates: None,
+                    embedding: false,
                 }],
                 &options,
             )

@@ -55,6 +55,7 @@ fn compare(kind: ModelKind, reference: &Engine, quantized: &Engine) -> Compariso
             k,
             exclude_seen: true,
             candidates: None,
+            embedding: false,
         };
         let top = |e: &Engine, k| -> Vec<u32> {
             e.recommend_internal(&[request(k)])[0]

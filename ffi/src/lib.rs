@@ -287,6 +287,16 @@ extern "C" {
         index: u32,
         input: *mut *mut TRITONBACKEND_Input,
     ) -> *mut TRITONSERVER_Error;
+    /// The outputs the client asked for (all of the model's when it named none).
+    pub fn TRITONBACKEND_RequestOutputCount(
+        request: *mut TRITONBACKEND_Request,
+        count: *mut u32,
+    ) -> *mut TRITONSERVER_Error;
+    pub fn TRITONBACKEND_RequestOutputName(
+        request: *mut TRITONBACKEND_Request,
+        index: u32,
+        output_name: *mut *const c_char,
+    ) -> *mut TRITONSERVER_Error;
     pub fn TRITONBACKEND_RequestRelease(
         request: *mut TRITONBACKEND_Request,
         release_flags: u32,

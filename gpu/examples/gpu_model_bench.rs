@@ -76,6 +76,7 @@ fn main() {
                             k: 10,
                             exclude_seen: true,
                             candidates: None,
+                            embedding: false,
                         }
                     })
                     .collect();

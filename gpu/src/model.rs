@@ -645,6 +645,7 @@ impl<D: Device> DeviceModel<D> {
                 k: 10,
                 exclude_seen: r != 1,
                 candidates: None,
+                embedding: false,
             })
             .collect();
         let cpu = self.engine.recommend_internal(&batch);
@@ -692,6 +693,20 @@ impl<D: Device> DeviceModel<D> {
     /// Each prepared request's top-k on the device: encoder, then fused score + top-k at the
     /// batch's largest k, each row cut to its own.
     pub fn recommend(&self, batch: &[InternalRequest]) -> Result<Vec<(Vec<Scored>, HistoryNote)>> {
+        Ok(self
+            .recommend_with_embeddings(batch)?
+            .into_iter()
+            .map(|(items, note, _)| (items, note))
+            .collect())
+    }
+
+    /// [`Self::recommend`], with the user embedding (`[hidden, 1]`) of each row that asks for it:
+    /// the encoder's output is copied back only when some row does (d floats a row). Rows with
+    /// `k = 0` are encoded and not scored; a batch of only such rows skips the output layer.
+    pub fn recommend_with_embeddings(
+        &self,
+        batch: &[InternalRequest],
+    ) -> Result<Vec<recsys_engine::RowAnswer>> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
@@ -706,19 +721,37 @@ impl<D: Device> DeviceModel<D> {
         let (hidden, notes) = self.encode(&histories)?;
         let excluded: Vec<Vec<u32>> = batch.iter().map(recsys_engine::excluded_items).collect();
         let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
-        let k = batch.iter().map(|r| r.k).max().unwrap_or(1).max(1);
-        let ranked = self.output.top_k(&self.device, &hidden, k, &refs)?;
+        let k = batch.iter().map(|r| r.k).max().unwrap_or(0);
+        let ranked = if k == 0 {
+            vec![Vec::new(); batch.len()]
+        } else {
+            self.output.top_k(&self.device, &hidden, k, &refs)?
+        };
+        let users = if batch.iter().any(|r| r.embedding) {
+            self.device.download_f32(&hidden)?
+        } else {
+            Vec::new()
+        };
+        let width = self.output.dim;
         Ok(ranked
             .into_iter()
             .zip(batch)
             .zip(notes)
-            .map(|((row, request), note)| {
+            .enumerate()
+            .map(|(r, ((row, request), note))| {
                 let items = row
                     .into_iter()
                     .take(request.k)
                     .map(|(index, score)| Scored { index, score })
                     .collect();
-                (items, note)
+                let embedding = if request.embedding {
+                    let mut e = users[r * width..(r + 1) * width].to_vec();
+                    e.push(1.0);
+                    e
+                } else {
+                    Vec::new()
+                };
+                (items, note, embedding)
             })
             .collect())
     }

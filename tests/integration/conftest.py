@@ -19,7 +19,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
-               "vaecf_int8"]
+               "vaecf_int8", "bert4rec_mixed"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -70,9 +70,12 @@ def convert(recsys_bin: Path, kind: str, model_dir: str, checkpoint: str, out: P
 
 def contract_config(name: str, *, id_type: str = "TYPE_INT64", params: dict | None = None,
                     kind: str = "KIND_CPU", count: int = 1, score_type: str = "TYPE_FP32",
-                    queue_delay_us: int = 100) -> str:
-    """config.pbtxt following the serving contract of design.md section 2."""
+                    queue_delay_us: int = 100, embedding_width: int | None = None) -> str:
+    """config.pbtxt following the serving contract of design.md section 2 (with the USER_EMBEDDING
+    output when embedding_width is given)."""
     params = {"top_k": "10", **(params or {})}
+    embedding = ("" if embedding_width is None else
+                 f',\n  {{ name: "USER_EMBEDDING" data_type: TYPE_FP32 dims: [ {embedding_width} ] }}')
     param_text = ",\n  ".join(
         f'{{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()
     )
@@ -87,7 +90,7 @@ input [
 ]
 output [
   {{ name: "TOP_ITEM_IDS" data_type: {id_type} dims: [ -1 ] }},
-  {{ name: "TOP_SCORES" data_type: {score_type} dims: [ -1 ] }}
+  {{ name: "TOP_SCORES" data_type: {score_type} dims: [ -1 ] }}{embedding}
 ]
 dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}
 instance_group [ {{ kind: {kind} count: {count} }} ]
@@ -130,6 +133,10 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     model("bert4rec_x2", contract_config("bert4rec_x2", count=2), engines / "bert4rec")
     # A 20 ms queue delay: requests sent together are certain to be batched, however fast the engine.
     model("bert4rec_batching", contract_config("bert4rec_batching", queue_delay_us=20000), engines / "bert4rec")
+    # The same window, unknown ids refused, and the USER_EMBEDDING output: one Execute mixes every
+    # kind of request (whole catalogue, candidates, embeddings) and every kind of refusal.
+    model("bert4rec_mixed", contract_config("bert4rec_mixed", queue_delay_us=20000, embedding_width=65,
+                                            params={"unknown_item_policy": "error"}), engines / "bert4rec")
 
     # Models that must fail to load, each for one reason.
     model("missing_engine", contract_config("missing_engine"), None)
@@ -159,6 +166,22 @@ def server(repository, backend_dir):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """The real tritonclient over HTTP (8 connections, for the concurrent tests)."""
+    import tritonclient.http as httpclient
+
+    return httpclient.InferenceServerClient(server.http_url, concurrency=8)
+
+
+@pytest.fixture(scope="module")
+def grpc(server):
+    """The real tritonclient over gRPC."""
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(server.grpc_url)
 
 
 @pytest.fixture(scope="session")

@@ -42,16 +42,6 @@ def make_inputs(module, history, *, k=None, exclude=None, candidates=None, strin
     return inputs
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    return httpclient.InferenceServerClient(server.http_url, concurrency=8)
-
-
-@pytest.fixture(scope="module")
-def grpc(server):
-    return grpcclient.InferenceServerClient(server.grpc_url)
-
-
 def top(result):
     return result.as_numpy("TOP_ITEM_IDS")[0].tolist(), result.as_numpy("TOP_SCORES")[0].tolist()
 
@@ -170,8 +160,8 @@ def expect_error(call, status_http=None, needle=""):
 def test_bad_requests_get_clear_errors_and_the_server_stays_ready(protocol, server, http, grpc):
     client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
     invalid = "400" if protocol == "http" else "INVALID_ARGUMENT"
-    # k < 1
-    expect_error(lambda: client.infer("bert4rec", make_inputs(module, [10011403], k=0)), invalid, "K must be at least 1")
+    # k < 1 (K = 0 is for asking the USER_EMBEDDING output alone; this client names no outputs, so asks for all)
+    expect_error(lambda: client.infer("bert4rec", make_inputs(module, [10011403], k=0)), invalid, "K = 0 asks for no items")
     # wrong dtype (Triton rejects it before the backend; the message names the input)
     bad = module.InferInput("ITEM_IDS", [1, 2], "FP32")
     bad.set_data_from_numpy(np.array([[1.0, 2.0]], dtype=np.float32))
@@ -252,7 +242,11 @@ def test_auto_complete_fills_a_minimal_config(http):
     assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS"}
     assert names["CANDIDATE_ITEM_IDS"]["optional"] and names["CANDIDATE_ITEM_IDS"]["allow_ragged_batch"]
     assert names["ITEM_IDS"]["data_type"] == "TYPE_INT64" and names["ITEM_IDS"]["allow_ragged_batch"]
-    assert {o["name"] for o in config["output"]} == {"TOP_ITEM_IDS", "TOP_SCORES"}
+    outputs = {o["name"]: o for o in config["output"]}
+    assert set(outputs) == {"TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING"}
+    # BERT4Rec's hidden size (64) plus the 1 that carries the item bias.
+    assert [int(d) for d in outputs["USER_EMBEDDING"]["dims"]] == [65]
+    assert outputs["USER_EMBEDDING"]["data_type"] == "TYPE_FP32"
     a, _ = top(http.infer("minimal", make_inputs(httpclient, [10011403, 10011207], k=7)))
     b, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403, 10011207], k=7)))
     assert a == b

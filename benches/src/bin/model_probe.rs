@@ -39,6 +39,7 @@ fn main() {
                     k,
                     exclude_seen: true,
                     candidates: None,
+                    embedding: false,
                 })
                 .collect()
         })

@@ -8,9 +8,7 @@ mod device;
 
 use std::sync::{Arc, Mutex};
 
-use recsys_engine::models::HistoryNote;
 use recsys_engine::tensor::Tensor;
-use recsys_engine::topk::Scored;
 use recsys_engine::weights::Matrix;
 use recsys_engine::Engine;
 use recsys_engine::InternalRequest;
@@ -56,11 +54,11 @@ impl recsys_engine::BatchRecommender for GpuModel {
     fn recommend_batch(
         &self,
         batch: &[InternalRequest],
-    ) -> recsys_engine::Result<Vec<(Vec<Scored>, HistoryNote)>> {
+    ) -> recsys_engine::Result<Vec<recsys_engine::RowAnswer>> {
         self.inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .recommend(batch)
+            .recommend_with_embeddings(batch)
             .map_err(|e| recsys_engine::EngineError::Device(e.to_string()))
     }
 }

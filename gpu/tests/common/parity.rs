@@ -64,6 +64,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
                 k: [10, 1, 100][i % 3],
                 exclude_seen: i % 4 != 3,
                 candidates: None,
+                embedding: false,
             }
         })
         .collect();
@@ -73,6 +74,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         k: 10,
         exclude_seen: true,
         candidates: None,
+        embedding: false,
     });
     let long: Vec<u32> = (1..=120).collect();
     batch.push(InternalRequest {
@@ -81,6 +83,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         k: 10,
         exclude_seen: true,
         candidates: None,
+        embedding: false,
     });
     batch
 }
@@ -150,6 +153,13 @@ pub fn compare<D: Device>(
         _ => HIDDEN_ABS_TOL,
     };
     assert!(hidden_err <= hidden_tol, "{sub}: hidden {hidden_err}");
+    check_embeddings(
+        &device,
+        &engine,
+        &requests[..requests.len().min(4)],
+        hidden_tol,
+        sub,
+    );
     // W8A8 rounds each hidden value to a level of its scale, so a 1e-4 difference can move a
     // value to the next level and reorder near-ties; the others must agree almost everywhere.
     let min_same = if sub == "w8a8" { 95 } else { 99 };
@@ -157,4 +167,50 @@ pub fn compare<D: Device>(
         same_ids * 100 >= entries * min_same,
         "{sub}: {same_ids}/{entries}"
     );
+}
+
+/// User embeddings from the device: rows asking for one get `[hidden, 1]` close to the CPU
+/// engine's, rows with k = 0 get no items, and a batch of only such rows skips the output layer.
+fn check_embeddings<D: Device>(
+    device: &DeviceModel<D>,
+    engine: &Engine,
+    rows: &[InternalRequest],
+    hidden_tol: f32,
+    sub: &str,
+) {
+    let asking: Vec<InternalRequest> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| InternalRequest {
+            embedding: i % 2 == 0,
+            k: if i == 0 { 0 } else { r.k },
+            ..r.clone()
+        })
+        .collect();
+    let only_embeddings: Vec<InternalRequest> = rows
+        .iter()
+        .map(|r| InternalRequest {
+            embedding: true,
+            k: 0,
+            ..r.clone()
+        })
+        .collect();
+    for batch in [asking, only_embeddings] {
+        let cpu = engine.recommend_internal_with_embeddings(&batch);
+        let dev = device.recommend_with_embeddings(&batch).unwrap();
+        for (r, (request, ((ci, _, ce), (di, _, de)))) in
+            batch.iter().zip(cpu.iter().zip(&dev)).enumerate()
+        {
+            assert_eq!(ci.len(), di.len(), "{sub} row {r}: lengths");
+            assert_eq!(di.is_empty(), request.k == 0, "{sub} row {r}");
+            assert_eq!(ce.len(), de.len(), "{sub} row {r}: embedding lengths");
+            assert_eq!(de.is_empty(), !request.embedding, "{sub} row {r}");
+            if let Some(last) = de.last() {
+                assert_eq!(*last, 1.0, "{sub} row {r}");
+            }
+            for (x, y) in ce.iter().zip(de) {
+                assert!((x - y).abs() <= hidden_tol, "{sub} row {r}: {x} vs {y}");
+            }
+        }
+    }
 }

@@ -1,0 +1,178 @@
+"""Retrieval and ranking through the real tritonserver: the USER_EMBEDDING output against the item
+table of `recsys export-items` and a real FAISS index, and one Execute batch mixing whole-catalogue,
+candidate and embedding requests with bad ones, each answered on its own."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from conftest import golden_cases
+from test_serving import expect_error, make_inputs, top
+
+# The served embedding . an exported row is the model's score up to f32 summation order.
+SCORE_ABS_TOL = 1e-4
+# PyTorch's golden scores against the engine's (the same tolerance the candidate test uses).
+GOLDEN_ABS_TOL = 5e-5
+
+
+@pytest.fixture(scope="module")
+def item_table(recsys_bin, repository, tmp_path_factory):
+    """`recsys export-items` of a served model: (rows [N, d + 1], external ids as strings)."""
+    out = tmp_path_factory.mktemp("items")
+    tables = {}
+
+    def export(model: str):
+        if model not in tables:
+            subprocess.run([str(recsys_bin), "export-items", "--engine", str(repository / model / "1"),
+                            "--output", str(out / model)], check=True, capture_output=True)
+            tables[model] = (np.load(out / f"{model}.npy"),
+                             (out / f"{model}.ids.txt").read_text().split("\n")[:-1])
+        return tables[model]
+
+    return export
+
+
+def outputs(module, *names):
+    return [module.InferRequestedOutput(n) for n in names]
+
+
+@pytest.mark.parametrize("model,model_dir,width", [("bert4rec", "bert4rec", 65), ("vaecf", "multivae", 601)])
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_user_embedding_scores_items_as_the_model_does(model, model_dir, width, protocol, http, grpc,
+                                                           item_table):
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    table, ids = item_table(model)
+    row_of = {external: r for r, external in enumerate(ids)}
+    for case in golden_cases(model_dir)[:8]:
+        both = client.infer(model, make_inputs(module, case["history_ext"], k=100),
+                            outputs=outputs(module, "TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING"))
+        user = both.as_numpy("USER_EMBEDDING")
+        assert user.shape == (1, width) and user.dtype == np.float32
+        assert user[0, -1] == 1.0
+        got_ids, got_scores = top(both)
+        assert got_ids == [t["external"] for t in case["topk"]], f"case {case['case']}"
+        # Its inner product with the exported rows is each returned item's score, and PyTorch's.
+        rows = table[[row_of[str(i)] for i in got_ids]]
+        np.testing.assert_allclose(rows @ user[0], got_scores, atol=SCORE_ABS_TOL)
+        np.testing.assert_allclose(rows @ user[0], [t["score"] for t in case["topk"]], atol=GOLDEN_ABS_TOL)
+        # The embedding alone (nothing scored), with or without K = 0: the same vector, no TOP_*.
+        for k in (0, None):
+            alone = client.infer(model, make_inputs(module, case["history_ext"], k=k),
+                                 outputs=outputs(module, "USER_EMBEDDING"))
+            np.testing.assert_array_equal(alone.as_numpy("USER_EMBEDDING"), user)
+            assert alone.as_numpy("TOP_ITEM_IDS") is None and alone.as_numpy("TOP_SCORES") is None
+    # The plain contract is unchanged: naming the ranked outputs gets no embedding.
+    plain = client.infer(model, make_inputs(module, [10011403], k=5),
+                         outputs=outputs(module, "TOP_ITEM_IDS", "TOP_SCORES"))
+    assert plain.as_numpy("USER_EMBEDDING") is None and len(top(plain)[0]) == 5
+
+
+def test_faiss_over_the_exported_items_queried_with_served_embeddings_returns_the_served_top100(grpc, item_table):
+    """Retrieval as a deployment runs it: the embeddings come from the server, the index is a real
+    exact inner-product index (FAISS IndexFlatIP), the history is left out afterwards."""
+    import faiss
+
+    for model, model_dir in [("bert4rec", "bert4rec"), ("vaecf", "multivae")]:
+        table, ids = item_table(model)
+        index = faiss.IndexFlatIP(table.shape[1])
+        index.add(table)
+        cases = golden_cases(model_dir)[:32]
+        same = 0
+        for case in cases:
+            result = grpc.infer(model, make_inputs(grpcclient, case["history_ext"], k=100),
+                                outputs=outputs(grpcclient, "TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING"))
+            want_ids, want_scores = top(result)
+            seen = {str(i) for i in case["history_ext"]}
+            scores, rows = index.search(result.as_numpy("USER_EMBEDDING"), 100 + len(seen))
+            hits = [(ids[r], s) for r, s in zip(rows[0], scores[0]) if ids[r] not in seen][:100]
+            assert len(hits) == len(want_ids) == 100
+            for (got_id, got_score), want_id, want_score in zip(hits, want_ids, want_scores):
+                assert abs(got_score - want_score) <= SCORE_ABS_TOL, (model, got_id, want_id)
+                same += got_id == str(want_id)
+        # Only items within the tolerance of each other may change places.
+        assert same >= 0.999 * 100 * len(cases), (model, same)
+
+
+def test_one_execute_mixes_every_kind_of_request_and_refusal(grpc, server):
+    """bert4rec_mixed batches whatever arrives within 20 ms, refuses unknown ids and declares
+    USER_EMBEDDING: every request below is sent at once, so they share Execute calls."""
+    model = "bert4rec_mixed"
+    cases = [c for c in golden_cases("bert4rec") if not c["unknown_ext"]][:6]
+    all_outputs = ("TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING")
+    # The reference answers, each request alone.
+    alone_user = {}
+    for i, case in enumerate(cases):
+        r = grpc.infer(model, make_inputs(grpcclient, case["history_ext"]), outputs=outputs(grpcclient, "USER_EMBEDDING"))
+        alone_user[i] = r.as_numpy("USER_EMBEDDING")
+
+    requests: dict[tuple, tuple] = {}
+    for i, case in enumerate(cases):
+        h = case["history_ext"]
+        top100 = case["topk"]
+        picked = [top100[j]["external"] for j in (60, 5, 40, 20)]
+        requests[("whole", i)] = (make_inputs(grpcclient, h, k=100), all_outputs[:2])
+        requests[("candidates", i)] = (make_inputs(grpcclient, h, k=3, candidates=picked), all_outputs[:2])
+        requests[("embedding", i)] = (make_inputs(grpcclient, h, k=0), all_outputs[2:])
+        requests[("both", i)] = (make_inputs(grpcclient, h, k=7), all_outputs)
+    # Refusals, each naming its input; the backend sees all but the type mismatch (Triton's own check).
+    requests[("bad", "k0")] = (make_inputs(grpcclient, cases[0]["history_ext"], k=0), all_outputs)
+    requests[("bad", "too_many")] = (make_inputs(grpcclient, [10011403], candidates=list(range(1, 10_002))), all_outputs[:2])
+    requests[("bad", "unknown_candidate")] = (make_inputs(grpcclient, [10011403], candidates=[10011445, -5]), all_outputs[:2])
+    string_candidates = grpcclient.InferInput("CANDIDATE_ITEM_IDS", [1, 1], "BYTES")
+    string_candidates.set_data_from_numpy(np.array([[b"10011445"]], dtype=np.object_))
+    requests[("bad", "type")] = (make_inputs(grpcclient, [10011403]) + [string_candidates], all_outputs[:2])
+    needles = {
+        "k0": "K = 0 asks for no items",
+        "too_many": "CANDIDATE_ITEM_IDS holds 10001 ids per history, more than max_candidates 10000",
+        "unknown_candidate": "CANDIDATE_ITEM_IDS holds 1 id(s) unknown to the model",
+        "type": "CANDIDATE_ITEM_IDS",
+    }
+
+    before = grpc.get_inference_statistics(model, as_json=True)
+    results, done = {}, threading.Event()
+
+    def callback(key, result, error):
+        results[key] = (result, error)
+        if len(results) == len(requests):
+            done.set()
+
+    for key, (inputs, names) in requests.items():
+        grpc.async_infer(model, inputs, outputs=outputs(grpcclient, *names),
+                         callback=lambda result, error, key=key: callback(key, result, error))
+    assert done.wait(60), f"only {len(results)} of {len(requests)} answers arrived"
+
+    for i, case in enumerate(cases):
+        top100 = case["topk"]
+        for kind in ("whole", "candidates", "embedding", "both"):
+            assert results[(kind, i)][1] is None, (kind, i, results[(kind, i)][1])
+        ids, scores = top(results[("whole", i)][0])
+        assert ids == [t["external"] for t in top100], f"case {case['case']}"
+        np.testing.assert_allclose(scores, [t["score"] for t in top100], atol=GOLDEN_ABS_TOL)
+        ids, scores = top(results[("candidates", i)][0])
+        assert ids == [top100[j]["external"] for j in (5, 20, 40)], f"case {case['case']}"
+        np.testing.assert_allclose(scores, [top100[j]["score"] for j in (5, 20, 40)], atol=GOLDEN_ABS_TOL)
+        embedding_only = results[("embedding", i)][0]
+        assert embedding_only.as_numpy("TOP_ITEM_IDS") is None
+        np.testing.assert_allclose(embedding_only.as_numpy("USER_EMBEDDING"), alone_user[i], atol=1e-6)
+        both = results[("both", i)][0]
+        assert top(both)[0] == [t["external"] for t in top100[:7]]
+        np.testing.assert_allclose(both.as_numpy("USER_EMBEDDING"), alone_user[i], atol=1e-6)
+    for name, needle in needles.items():
+        _, error = results[("bad", name)]
+        assert error is not None, name
+        assert needle in error.message(), (name, error.message())
+        assert "INVALID_ARGUMENT" in str(error.status()), (name, error.status())
+
+    after = grpc.get_inference_statistics(model, as_json=True)
+    def counts(stats):
+        s = stats["model_stats"][0]
+        return int(s["inference_count"]), int(s["execution_count"])
+    (inf0, exe0), (inf1, exe1) = counts(before), counts(after)
+    assert exe1 - exe0 < inf1 - inf0, f"no Execute call held more than one request: {inf1 - inf0} in {exe1 - exe0}"
+    assert server.is_ready()
