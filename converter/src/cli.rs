@@ -46,6 +46,14 @@ pub enum Command {
     ExportItems(ExportItemsArgs),
 }
 
+/// The file formats of `recsys export-items`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ItemTableFormat {
+    Npy,
+    Parquet,
+    Both,
+}
+
 #[derive(Args, Debug)]
 #[command(
     after_help = "Writes FILE.npy, a NumPy float32 array [N, d + 1] (row r = item r + 1: its output \
@@ -55,15 +63,25 @@ and fp16 engines), so an inner-product index returns the model's ranking:\n\n  \
 import numpy as np, faiss\n  items = np.load(\"items.npy\"); ids = open(\"items.ids.txt\").read().split()\n  \
 index = faiss.IndexFlatIP(items.shape[1]); index.add(items)\n  \
 scores, rows = index.search(np.append(h, 1.0)[None, :].astype(\"float32\"), 100)\n\n\
-Leave the user's own history out of the hits afterwards, as the engine does."
+Leave the user's own history out of the hits afterwards, as the engine does.\n\n\
+--format parquet writes FILE.parquet instead (snappy-compressed, row groups of at most 64 MiB): column \
+item_id (int64, or string for string catalogues) and column vector, a fixed-size list of d + 1 float32 \
+([embedding, bias], the same row), in the same order; Milvus, LanceDB, DuckDB, Spark and pandas read it \
+as it is:\n\n  \
+import pyarrow.parquet as pq, numpy as np\n  t = pq.read_table(\"items.parquet\")\n  \
+items = np.stack(t[\"vector\"].to_numpy(zero_copy_only=False)); ids = t[\"item_id\"].to_pylist()"
 )]
 pub struct ExportItemsArgs {
     /// Engine directory written by `recsys convert`.
     #[arg(long)]
     pub engine: PathBuf,
-    /// Where to write the table (FILE.npy) and the ids (FILE.ids.txt beside it).
+    /// Where to write: FILE.npy and FILE.ids.txt (npy), FILE.parquet (parquet), or all three (both).
     #[arg(long, visible_alias = "out", value_name = "FILE")]
     pub output: PathBuf,
+    /// npy: a NumPy array plus an ids file; parquet: one Parquet file with an item_id column and a
+    /// vector column; both: all of them.
+    #[arg(long, value_enum, default_value = "npy")]
+    pub format: ItemTableFormat,
     /// Replace existing files.
     #[arg(long)]
     pub force: bool,

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use recsys_engine::{Engine, ExternalId};
 
-use crate::cli::ExportItemsArgs;
+use crate::cli::{ExportItemsArgs, ItemTableFormat};
 use crate::error::{CliError, Result};
 
 /// The header of a NumPy `.npy` file (format 1.0) for a C-order little-endian f32 array of
@@ -34,20 +34,249 @@ fn npy_header(shape: (usize, usize)) -> Vec<u8> {
     out
 }
 
-/// The paths written for `--output FILE`: FILE (made to end in .npy) and its ids file beside it.
-pub fn output_paths(output: &Path) -> (PathBuf, PathBuf) {
-    let npy = if output.extension().is_some_and(|e| e == "npy") {
-        output.to_path_buf()
+/// The paths written for `--output FILE`: FILE.npy with FILE.ids.txt beside it, and FILE.parquet
+/// (a trailing `.npy` or `.parquet` on FILE is its own).
+pub struct OutputPaths {
+    pub npy: PathBuf,
+    pub ids: PathBuf,
+    pub parquet: PathBuf,
+}
+
+pub fn output_paths(output: &Path) -> OutputPaths {
+    let stem = if output
+        .extension()
+        .is_some_and(|e| e == "npy" || e == "parquet")
+    {
+        output.with_extension("")
     } else {
-        output.with_extension("npy")
+        output.to_path_buf()
     };
-    let ids = npy.with_extension("ids.txt");
-    (npy, ids)
+    let with = |ext: &str| {
+        let mut name = stem.clone().into_os_string();
+        name.push(ext);
+        PathBuf::from(name)
+    };
+    OutputPaths {
+        npy: with(".npy"),
+        ids: with(".ids.txt"),
+        parquet: with(".parquet"),
+    }
+}
+
+/// The item table of a loaded engine, row by row.
+struct ItemTable<'a> {
+    engine: &'a Engine,
+    /// Items (the catalogue without PAD).
+    rows: usize,
+    /// Values per row: the embedding's d, then the bias.
+    columns: usize,
+}
+
+impl<'a> ItemTable<'a> {
+    fn new(engine: &'a Engine) -> Self {
+        let output = engine.model.output();
+        ItemTable {
+            engine,
+            rows: output.n_outputs() - 1,
+            columns: output.input_size() + 1,
+        }
+    }
+
+    /// Row `r` (item `r + 1`: item 0 is PAD, never an item) into `row` (`columns` long).
+    fn row_into(&self, r: usize, row: &mut [f32]) {
+        let output = self.engine.model.output();
+        let (embedding, bias) = row.split_at_mut(self.columns - 1);
+        embedding.iter_mut().for_each(|v| *v = 0.0);
+        output.weight.add_row_into(r + 1, embedding);
+        bias[0] = output.bias.as_slice()[r + 1];
+    }
+
+    fn external_id(&self, r: usize) -> ExternalId {
+        self.engine
+            .external_id(r as u32 + 1)
+            .expect("1..=N are the catalogue's indices")
+    }
+}
+
+/// Writes `path` through a temporary file moved into place, so a reader never sees half a file.
+fn write_atomically(
+    path: &Path,
+    bytes: &mut dyn FnMut(&mut (dyn Write + Send)) -> std::result::Result<(), CliError>,
+) -> Result<()> {
+    let tmp = path.with_extension("partial");
+    let file = std::fs::File::create(&tmp)
+        .map_err(CliError::io(format!("cannot create {}", tmp.display())))?;
+    let mut out = std::io::BufWriter::new(file);
+    let written = bytes(&mut out).and_then(|_| {
+        out.flush()
+            .map_err(CliError::io(format!("cannot write {}", tmp.display())))
+    });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, path).map_err(CliError::io(format!(
+        "cannot move {} into place",
+        path.display()
+    )))
+}
+
+fn write_npy(table: &ItemTable<'_>, path: &Path) -> Result<()> {
+    write_atomically(path, &mut |out| {
+        let io = |source| CliError::Io {
+            context: format!("cannot write {}", path.display()),
+            source,
+        };
+        out.write_all(&npy_header((table.rows, table.columns)))
+            .map_err(&io)?;
+        let mut row = vec![0f32; table.columns];
+        for r in 0..table.rows {
+            table.row_into(r, &mut row);
+            for v in &row {
+                out.write_all(&v.to_le_bytes()).map_err(&io)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+fn write_ids(table: &ItemTable<'_>, path: &Path) -> Result<()> {
+    write_atomically(path, &mut |out| {
+        let io = |source| CliError::Io {
+            context: format!("cannot write {}", path.display()),
+            source,
+        };
+        for r in 0..table.rows {
+            match table.external_id(r) {
+                ExternalId::Int(id) => writeln!(out, "{id}"),
+                ExternalId::Str(id) => writeln!(out, "{id}"),
+            }
+            .map_err(&io)?;
+        }
+        Ok(())
+    })
+}
+
+/// Rows per Parquet row group: about 64 MiB of vectors, so memory stays bounded at any catalogue
+/// size while readers still get large, well-compressed groups.
+fn rows_per_group(columns: usize) -> usize {
+    ((64 << 20) / (4 * columns)).clamp(1024, 1 << 20)
+}
+
+fn write_parquet(table: &ItemTable<'_>, path: &Path, precision: &str) -> Result<()> {
+    use arrow_array::builder::StringBuilder;
+    use arrow_array::{ArrayRef, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
+    use arrow_schema::{DataType, Field, Schema};
+    use parquet::arrow::ArrowWriter;
+    use parquet::basic::Compression;
+    use parquet::file::properties::WriterProperties;
+    use std::sync::Arc;
+
+    let string_ids = matches!(table.external_id(0), ExternalId::Str(_));
+    let id_type = if string_ids {
+        DataType::Utf8
+    } else {
+        DataType::Int64
+    };
+    let value_field = Arc::new(Field::new("item", DataType::Float32, false));
+    let columns = i32::try_from(table.columns)
+        .map_err(|_| CliError::Input(format!("{} columns do not fit Arrow", table.columns)))?;
+    // Said in the schema, which every Arrow reader shows: what the vector holds.
+    let metadata = [
+        (
+            "recsys.vector".to_string(),
+            format!(
+                "[embedding ({} values), bias]: [h, 1] . vector is the model's score",
+                table.columns - 1
+            ),
+        ),
+        ("recsys.precision".to_string(), precision.to_string()),
+    ];
+    let schema = Arc::new(
+        Schema::new(vec![
+            Field::new("item_id", id_type, false),
+            Field::new(
+                "vector",
+                DataType::FixedSizeList(Arc::clone(&value_field), columns),
+                false,
+            ),
+        ])
+        .with_metadata(
+            metadata
+                .into_iter()
+                .collect::<std::collections::HashMap<_, _>>(),
+        ),
+    );
+    let properties = WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .set_max_row_group_row_count(Some(rows_per_group(table.columns)))
+        .build();
+    let parquet_error = |e: parquet::errors::ParquetError| {
+        CliError::Input(format!("cannot write {}: {e}", path.display()))
+    };
+    let arrow_error = |e: arrow_schema::ArrowError| {
+        CliError::Input(format!("cannot write {}: {e}", path.display()))
+    };
+    write_atomically(path, &mut |out| {
+        let mut writer = ArrowWriter::try_new(out, Arc::clone(&schema), Some(properties.clone()))
+            .map_err(parquet_error)?;
+        let group = rows_per_group(table.columns);
+        let mut row = vec![0f32; table.columns];
+        for start in (0..table.rows).step_by(group) {
+            let end = (start + group).min(table.rows);
+            let mut values = Vec::with_capacity((end - start) * table.columns);
+            for r in start..end {
+                table.row_into(r, &mut row);
+                values.extend_from_slice(&row);
+            }
+            let ids: ArrayRef = if string_ids {
+                let mut builder = StringBuilder::new();
+                for r in start..end {
+                    match table.external_id(r) {
+                        ExternalId::Str(id) => builder.append_value(id),
+                        ExternalId::Int(id) => builder.append_value(id.to_string()),
+                    }
+                }
+                Arc::new(builder.finish()) as ArrayRef
+            } else {
+                Arc::new(Int64Array::from_iter_values((start..end).map(|r| {
+                    match table.external_id(r) {
+                        ExternalId::Int(id) => id,
+                        ExternalId::Str(_) => unreachable!("one id type per catalogue"),
+                    }
+                })))
+            };
+            let vectors = FixedSizeListArray::try_new(
+                Arc::clone(&value_field),
+                columns,
+                Arc::new(Float32Array::from(values)),
+                None,
+            )
+            .map_err(arrow_error)?;
+            let batch = RecordBatch::try_new(Arc::clone(&schema), vec![ids, Arc::new(vectors)])
+                .map_err(arrow_error)?;
+            writer.write(&batch).map_err(parquet_error)?;
+        }
+        writer.close().map_err(parquet_error)?;
+        Ok(())
+    })
 }
 
 pub fn run(args: &ExportItemsArgs) -> Result<i32> {
-    let (npy, ids_path) = output_paths(&args.output);
-    for path in [&npy, &ids_path] {
+    let paths = output_paths(&args.output);
+    let (npy, parquet) = match args.format {
+        ItemTableFormat::Npy => (true, false),
+        ItemTableFormat::Parquet => (false, true),
+        ItemTableFormat::Both => (true, true),
+    };
+    let mut targets: Vec<&Path> = Vec::new();
+    if npy {
+        targets.extend([paths.npy.as_path(), paths.ids.as_path()]);
+    }
+    if parquet {
+        targets.push(&paths.parquet);
+    }
+    for path in &targets {
         if path.exists() && !args.force {
             return Err(CliError::Usage(format!(
                 "{} already exists; pass --force to replace it",
@@ -56,62 +285,35 @@ pub fn run(args: &ExportItemsArgs) -> Result<i32> {
         }
     }
     let engine = Engine::load(&args.engine)?;
-    let output = engine.model.output();
-    let (rows, d) = (output.n_outputs() - 1, output.input_size());
-    let bias = output.bias.as_slice();
-
-    let write = |path: &Path, bytes: &mut dyn FnMut(&mut dyn Write) -> std::io::Result<()>| {
-        let tmp = path.with_extension("partial");
-        let file = std::fs::File::create(&tmp)
-            .map_err(CliError::io(format!("cannot create {}", tmp.display())))?;
-        let mut out = std::io::BufWriter::new(file);
-        bytes(&mut out)
-            .and_then(|_| out.flush())
-            .map_err(CliError::io(format!("cannot write {}", tmp.display())))?;
-        std::fs::rename(&tmp, path).map_err(CliError::io(format!(
-            "cannot move {} into place",
-            path.display()
-        )))
-    };
-    write(&npy, &mut |out| {
-        out.write_all(&npy_header((rows, d + 1)))?;
-        let mut row = vec![0f32; d];
-        // Item 0 is PAD, never an item: the table starts at 1.
-        for (item, item_bias) in bias.iter().enumerate().skip(1) {
-            row.iter_mut().for_each(|v| *v = 0.0);
-            output.weight.add_row_into(item, &mut row);
-            for v in row.iter().chain(std::iter::once(item_bias)) {
-                out.write_all(&v.to_le_bytes())?;
-            }
-        }
-        Ok(())
-    })?;
-    write(&ids_path, &mut |out| {
-        for item in 1..=rows {
-            match engine.external_id(item as u32) {
-                Some(ExternalId::Int(id)) => writeln!(out, "{id}")?,
-                Some(ExternalId::Str(id)) => writeln!(out, "{id}")?,
-                None => unreachable!("1..=N are the catalogue's indices"),
-            }
-        }
-        Ok(())
-    })?;
+    let table = ItemTable::new(&engine);
+    let precision = serde_json::to_value(engine.manifest.precision)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    if npy {
+        write_npy(&table, &paths.npy)?;
+        write_ids(&table, &paths.ids)?;
+    }
+    if parquet {
+        write_parquet(&table, &paths.parquet, &precision)?;
+    }
     let summary = serde_json::json!({
-        "table": npy,
-        "ids": ids_path,
-        "items": rows,
-        "columns": d + 1,
+        "table": npy.then_some(&paths.npy),
+        "ids": npy.then_some(&paths.ids),
+        "parquet": parquet.then_some(&paths.parquet),
+        "items": table.rows,
+        "columns": table.columns,
         "precision": engine.manifest.precision,
     });
     if args.json {
         println!("{summary}");
     } else {
+        let written: Vec<String> = targets.iter().map(|p| p.display().to_string()).collect();
         println!(
-            "wrote {} ({} items x {} columns: embedding, bias) and {} (external ids, one per row)",
-            npy.display(),
-            rows,
-            d + 1,
-            ids_path.display()
+            "wrote {} ({} items x {} columns: embedding, bias; external ids in item order)",
+            written.join(", "),
+            table.rows,
+            table.columns,
         );
     }
     Ok(0)
@@ -138,13 +340,29 @@ mod tests {
     }
 
     #[test]
-    fn output_paths_end_in_npy_with_the_ids_beside() {
-        let (npy, ids) = output_paths(Path::new("out/items"));
+    fn output_paths_share_one_stem() {
+        let paths = output_paths(Path::new("out/items"));
         assert_eq!(
-            (npy.to_str(), ids.to_str()),
-            (Some("out/items.npy"), Some("out/items.ids.txt"))
+            (
+                paths.npy.to_str(),
+                paths.ids.to_str(),
+                paths.parquet.to_str()
+            ),
+            (
+                Some("out/items.npy"),
+                Some("out/items.ids.txt"),
+                Some("out/items.parquet")
+            )
         );
-        let (npy, _) = output_paths(Path::new("items.npy"));
-        assert_eq!(npy.to_str(), Some("items.npy"));
+        for given in ["items.npy", "items.parquet"] {
+            let paths = output_paths(Path::new(given));
+            assert_eq!(paths.npy.to_str(), Some("items.npy"));
+            assert_eq!(paths.parquet.to_str(), Some("items.parquet"));
+        }
+        // A dot inside the name is not an extension to replace.
+        assert_eq!(
+            output_paths(Path::new("v1.2")).parquet.to_str(),
+            Some("v1.2.parquet")
+        );
     }
 }

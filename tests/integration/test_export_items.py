@@ -69,3 +69,43 @@ def test_faiss_over_the_exported_items_returns_the_engines_top100(recsys_bin, tm
                 assert abs(got_score - want_score) <= score_abs_tol, (kind, got_id, want_id)
                 same += got_id == want_id
         assert same >= 0.999 * 100 * len(cases), (kind, same)
+
+
+def test_pyarrow_reads_the_parquet_table_as_the_npy_one(recsys_bin, tmp_path):
+    """--format both: the Parquet file (read by pyarrow, as Milvus, DuckDB or pandas would) holds the
+    same rows and ids as the .npy pair, with the catalogue's id type; --format parquet writes it alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
+    string_map = tmp_path / "string_map.tsv"
+    string_map.write_text("".join(f"{i}\tsku-{e}\n" for i, e in (l.split("\t") for l in lines)))
+    for kind, model_dir, item_map, id_type in [
+        ("vaecf", "multivae", None, pa.int64()),
+        ("bert4rec", "bert4rec", string_map, pa.string()),
+    ]:
+        engine = tmp_path / f"{kind}-engine"
+        convert(recsys_bin, kind, model_dir, "model.safetensors", engine, item_map)
+        out = tmp_path / kind
+        summary = json.loads(subprocess.run(
+            [str(recsys_bin), "export-items", "--engine", str(engine), "--output", str(out), "--format", "both",
+             "--json"], check=True, capture_output=True, text=True).stdout)
+        assert summary["parquet"] == f"{out}.parquet" and summary["table"] == f"{out}.npy"
+        table = pq.read_table(f"{out}.parquet")
+        columns = summary["columns"]
+        assert table.schema.field("item_id").type == id_type
+        assert table.schema.field("vector").type == pa.list_(pa.field("item", pa.float32(), nullable=False), columns)
+        assert b"recsys.vector" in table.schema.metadata
+        vectors = np.stack(table["vector"].to_numpy(zero_copy_only=False))
+        np.testing.assert_array_equal(vectors, np.load(f"{out}.npy"))
+        ids = [str(i) for i in table["item_id"].to_pylist()]
+        assert ids == (tmp_path / f"{kind}.ids.txt").read_text().split("\n")[:-1]
+        # Parquet alone: only FILE.parquet is written, and an existing one needs --force.
+        alone = tmp_path / f"{kind}-alone.parquet"
+        subprocess.run([str(recsys_bin), "export-items", "--engine", str(engine), "--output", str(alone),
+                        "--format", "parquet"], check=True, capture_output=True)
+        assert alone.exists() and not (tmp_path / f"{kind}-alone.npy").exists()
+        assert pq.read_table(alone).equals(table)
+        again = subprocess.run([str(recsys_bin), "export-items", "--engine", str(engine), "--output", str(alone),
+                                "--format", "parquet"], capture_output=True, text=True)
+        assert again.returncode == 2 and "already exists; pass --force" in again.stderr
