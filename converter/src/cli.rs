@@ -102,6 +102,11 @@ right-padded with 0.\n  VAE-CF: items [batch, T] = the history, right-padded wit
 Both: exclude_ids [batch, E] = items to leave out (usually the history), right-padded with 0.\n\
 Outputs: topk_scores [batch, k] float and topk_items [batch, k] int64 (--k), or scores [batch, N+1] \
 (--all-scores).\n\n\
+--candidates adds the input candidate_ids [batch, C] (internal indices, right-padded with 0, C >= k): \
+only their rows of the output layer are gathered and scored (Gather + MatMul + TopK), topk_items are \
+taken from them, and --all-scores gives scores [batch, C] in candidate order. --embedding adds the \
+output user_embedding [batch, d + 1] = [h, 1], whose inner product with an item's row of \
+`recsys export-items` is its score.\n\n\
 TensorRT route (TensorRT is not bundled): trtexec --onnx=model.onnx --saveEngine=model.plan \
 --minShapes=... --optShapes=... --maxShapes=... (see README.md for the precision flags), then serve \
 model.plan with platform \"tensorrt_plan\"; see README.md."
@@ -141,6 +146,12 @@ pub struct ExportOnnxArgs {
     /// Return every item's score ([batch, N+1]) instead of the top-k.
     #[arg(long, conflicts_with = "k")]
     pub all_scores: bool,
+    /// Rank only a candidate_ids input's items (re-ranking a retrieval stage's candidates).
+    #[arg(long)]
+    pub candidates: bool,
+    /// Add the user_embedding output ([batch, d + 1], for an ANN retrieval stage).
+    #[arg(long)]
+    pub embedding: bool,
     /// Put the weights in a side file (FILE.data) even when the model is small.
     #[arg(long)]
     pub external_data: bool,

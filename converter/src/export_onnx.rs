@@ -21,6 +21,8 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
             GraphOutput::TopK(args.k)
         },
         external_data: args.external_data,
+        candidates: args.candidates,
+        embedding: args.embedding,
     };
     let summary = match (&args.output, &args.model_repository) {
         (_, Some(repository)) => {

@@ -8,8 +8,12 @@
 //!   output layer. That explicit Q/DQ form is what TensorRT 10 builds int8 engines from.
 //!
 //! Inputs are internal item indices (the engine's `item_ids.tsv` maps them), plus `exclude_ids`,
-//! indices whose scores are set to -inf (pad with 0, which is always excluded). Outputs are the
-//! top-k (`topk_scores`, `topk_items`) or every item's score (`scores`).
+//! indices whose scores are set to -inf (pad with 0, which is always excluded), and with
+//! [`ExportOptions::candidates`] `candidate_ids`, the only items to score (a retrieval stage's
+//! candidates: Gather of their rows, MatMul, TopK). Outputs are the top-k (`topk_scores`,
+//! `topk_items`) or the scores (`scores`), and with [`ExportOptions::embedding`] the user embedding
+//! `user_embedding` (`[h, 1]`, whose inner product with an item's `[embedding, bias]` row is its
+//! score).
 #![forbid(unsafe_code)]
 
 mod graph;
@@ -77,6 +81,12 @@ pub struct ExportOptions {
     pub output: GraphOutput,
     /// Force weights into a side file even below [`EXTERNAL_DATA_THRESHOLD`].
     pub external_data: bool,
+    /// Score only the `candidate_ids` input's items (`[batch, C]`, right-padded with 0, C >= k):
+    /// `topk_items` are then item indices taken from the candidates, `scores` is `[batch, C]` in
+    /// candidate order.
+    pub candidates: bool,
+    /// Add the `user_embedding` output, `[batch, d + 1]`.
+    pub embedding: bool,
 }
 
 impl Default for ExportOptions {
@@ -84,6 +94,8 @@ impl Default for ExportOptions {
         ExportOptions {
             output: GraphOutput::TopK(100),
             external_data: false,
+            candidates: false,
+            embedding: false,
         }
     }
 }
@@ -149,9 +161,9 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
     let manifest = &loaded.manifest;
     let (int8_mode, act_scale) = activation_scale(manifest)?;
     let mut g = GraphBuilder::default();
-    let model = match &manifest.model {
-        ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights, act_scale)?,
-        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, act_scale)?,
+    let mut model = match &manifest.model {
+        ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights)?,
+        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights)?,
     };
     let n_outputs = model.n_outputs;
     if let GraphOutput::TopK(k) = options.output {
@@ -170,15 +182,52 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         }
     }
 
-    // Caller exclusions: scatter -inf into the listed columns.
     let exclude = "exclude_ids";
-    let minus_inf = g.filled_like(exclude, f32::NEG_INFINITY);
-    let scores = g.op(
-        "ScatterElements",
-        &[&model.logits, exclude, &minus_inf],
-        vec![("axis", Attr::Int(1))],
-    );
-    let mut inputs = model.inputs;
+    let candidates = "candidate_ids";
+    let mut inputs = std::mem::take(&mut model.inputs);
+    let scores = if options.candidates {
+        let scores = model.candidate_scores(&mut g, candidates, act_scale);
+        // A candidate listed in exclude_ids scores -inf: [B, C, 1] == [B, 1, E], any over E.
+        let axes2 = g.init_i64("axes", &[2]);
+        let axes1 = g.init_i64("axes", &[1]);
+        let column = g.op("Unsqueeze", &[candidates, &axes2], vec![]);
+        let row = g.op("Unsqueeze", &[exclude, &axes1], vec![]);
+        let hit = g.op("Equal", &[&column, &row], vec![]);
+        let hit = g.op(
+            "Cast",
+            &[&hit],
+            vec![("to", Attr::Int(DataType::FLOAT as i64))],
+        );
+        let any = g.op(
+            "ReduceMax",
+            &[&hit],
+            vec![("axes", Attr::Ints(vec![2])), ("keepdims", Attr::Int(0))],
+        );
+        let any = g.op(
+            "Cast",
+            &[&any],
+            vec![("to", Attr::Int(DataType::BOOL as i64))],
+        );
+        let minus_inf = g.scalar_f32("minus_inf", f32::NEG_INFINITY);
+        inputs.push(value_info(
+            candidates,
+            DataType::INT64,
+            &[None, None],
+            &["batch", "candidate_slots"],
+            "internal item indices to rank (a retrieval stage's candidates), right-padded with 0 \
+             (which scores -inf) to at least k slots",
+        ));
+        g.op("Where", &[&any, &minus_inf, &scores], vec![])
+    } else {
+        // Caller exclusions: scatter -inf into the listed columns.
+        let logits = model.logits(&mut g, act_scale);
+        let minus_inf = g.filled_like(exclude, f32::NEG_INFINITY);
+        g.op(
+            "ScatterElements",
+            &[&logits, exclude, &minus_inf],
+            vec![("axis", Attr::Int(1))],
+        )
+    };
     inputs.push(value_info(
         exclude,
         DataType::INT64,
@@ -186,19 +235,33 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         &["batch", "exclude_slots"],
         "internal item indices to leave out of the answer (typically the history), right-padded with 0",
     ));
-    let outputs = match options.output {
+    let mut outputs = match options.output {
         GraphOutput::TopK(k) => {
             let kk = g.init_i64("k", &[k as i64]);
+            let items = if options.candidates {
+                "topk_positions"
+            } else {
+                "topk_items"
+            };
             g.node_with_outputs(
                 "TopK",
                 &[&scores, &kk],
-                &["topk_scores", "topk_items"],
+                &["topk_scores", items],
                 vec![
                     ("axis", Attr::Int(1)),
                     ("largest", Attr::Int(1)),
                     ("sorted", Attr::Int(1)),
                 ],
             );
+            if options.candidates {
+                // Positions in the candidate list back to item indices.
+                g.node_with_outputs(
+                    "GatherElements",
+                    &[candidates, items],
+                    &["topk_items"],
+                    vec![("axis", Attr::Int(1))],
+                );
+            }
             vec![
                 ("topk_scores", DataType::FLOAT, vec![Some(k)]),
                 ("topk_items", DataType::INT64, vec![Some(k)]),
@@ -206,9 +269,35 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         }
         GraphOutput::Scores => {
             g.node_with_outputs("Identity", &[&scores], &["scores"], vec![]);
-            vec![("scores", DataType::FLOAT, vec![Some(n_outputs)])]
+            let width = if options.candidates {
+                None
+            } else {
+                Some(n_outputs)
+            };
+            vec![("scores", DataType::FLOAT, vec![width])]
         }
     };
+    if options.embedding {
+        // [h, 1]: a column of ones shaped like h's first column.
+        let (s0, s1, a1) = (
+            g.init_i64("starts", &[0]),
+            g.init_i64("ends", &[1]),
+            g.init_i64("axes", &[1]),
+        );
+        let first = g.op("Slice", &[&model.hidden, &s0, &s1, &a1], vec![]);
+        let ones = g.filled_like(&first, 1.0);
+        g.node_with_outputs(
+            "Concat",
+            &[&model.hidden, &ones],
+            &["user_embedding"],
+            vec![("axis", Attr::Int(1))],
+        );
+        outputs.push((
+            "user_embedding",
+            DataType::FLOAT,
+            vec![Some(model.hidden_size + 1)],
+        ));
+    }
     let describe = |dims: &[Option<usize>]| {
         let mut all = vec![None];
         all.extend_from_slice(dims);

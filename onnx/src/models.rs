@@ -1,6 +1,7 @@
 //! The two recommenders as ONNX graphs, computing what the engine computes (same weights at the
-//! same precision). Both end in a `[batch, N+1]` logits tensor whose PAD column is -inf (folded
-//! into the output bias), so the shared tail only applies the caller's exclusions and top-k.
+//! same precision). Both end in the output layer's input (the user's hidden vector) and the output
+//! layer itself, whose bias has PAD (column 0) at -inf, so the shared tail scores the whole
+//! catalogue or just a request's candidates, then applies the caller's exclusions and top-k.
 
 use onnx_protobuf as pb;
 use pb::tensor_proto::DataType;
@@ -11,11 +12,66 @@ use recsys_engine::weights::Weights;
 use crate::graph::{value_info, Attr, GraphBuilder};
 use crate::Result;
 
-/// Inputs, the logits tensor's name, and notes for the model's doc string.
+/// Inputs, the user's hidden vector and the output layer, for the shared tail.
 pub(crate) struct ModelGraph {
     pub inputs: Vec<pb::ValueInfoProto>,
-    pub logits: String,
+    /// `[batch, d]`: the output layer's input.
+    pub hidden: String,
+    pub hidden_size: usize,
+    /// The output layer as float, `[N+1, d]` (dequantized or cast where the engine stores less).
+    pub out_weight: String,
+    /// `[N+1]`, PAD at -inf.
+    pub out_bias: String,
     pub n_outputs: usize,
+}
+
+impl ModelGraph {
+    /// `h @ W^T + b` over the whole catalogue; with a W8A8 activation scale, `h` gets a static
+    /// Q/DQ pair first (the int8 x int8 product TensorRT can then build).
+    pub fn logits(&self, g: &mut GraphBuilder, activation_scale: Option<f32>) -> String {
+        let h = quantized_input(g, &self.hidden, activation_scale);
+        g.op(
+            "Gemm",
+            &[&h, &self.out_weight, &self.out_bias],
+            vec![("transB", Attr::Int(1))],
+        )
+    }
+
+    /// The scores of `candidates` (`[batch, C]` internal indices) alone, `[batch, C]`: their rows
+    /// of the output layer gathered and multiplied with each user's `h` (PAD, index 0, scores
+    /// -inf like everywhere). The cost is the candidates', not the catalogue's.
+    pub fn candidate_scores(
+        &self,
+        g: &mut GraphBuilder,
+        candidates: &str,
+        activation_scale: Option<f32>,
+    ) -> String {
+        let h = quantized_input(g, &self.hidden, activation_scale);
+        let rows = g.op(
+            "Gather",
+            &[&self.out_weight, candidates],
+            vec![("axis", Attr::Int(0))],
+        );
+        let bias = g.op(
+            "Gather",
+            &[&self.out_bias, candidates],
+            vec![("axis", Attr::Int(0))],
+        );
+        let axes2 = g.init_i64("axes", &[2]);
+        let column = g.op("Unsqueeze", &[&h, &axes2], vec![]);
+        let dots = g.op("MatMul", &[&rows, &column], vec![]);
+        let dots = g.op("Squeeze", &[&dots, &axes2], vec![]);
+        g.op("Add", &[&dots, &bias], vec![])
+    }
+}
+
+/// The output layer's input as the engine multiplies it: W8A8 engines round it to their static
+/// activation scale.
+fn quantized_input(g: &mut GraphBuilder, h: &str, activation_scale: Option<f32>) -> String {
+    match activation_scale {
+        Some(scale) => g.fake_quantize(h, "output_input", scale),
+        None => h.to_string(),
+    }
 }
 
 /// The output bias with PAD (index 0) at -inf, so index 0 is never recommended.
@@ -25,27 +81,10 @@ fn output_bias(g: &mut GraphBuilder, weights: &Weights, name: &str, n: usize) ->
     Ok(g.init_f32(&format!("{name}_pad_excluded"), &[n], &bias))
 }
 
-/// `h @ W^T + b` for the output layer; with a W8A8 activation scale, `h` gets a static Q/DQ pair
-/// first (the int8 x int8 product TensorRT can then build).
-fn output_layer(
-    g: &mut GraphBuilder,
-    h: &str,
-    weight: &str,
-    bias: &str,
-    activation_scale: Option<f32>,
-) -> String {
-    let h = match activation_scale {
-        Some(scale) => g.fake_quantize(h, "output_input", scale),
-        None => h.to_string(),
-    };
-    g.op("Gemm", &[&h, weight, bias], vec![("transB", Attr::Int(1))])
-}
-
 pub(crate) fn bert4rec(
     g: &mut GraphBuilder,
     c: &Bert4RecConfig,
     w: &Weights,
-    activation_scale: Option<f32>,
 ) -> Result<ModelGraph> {
     let (h, inner, n, l) = (c.hidden_size, c.inner_size, c.n_items, c.max_len);
     let heads = c.n_heads;
@@ -168,7 +207,6 @@ pub(crate) fn bert4rec(
     let axes0 = g.init_i64("axes", &[0]);
     let out_w = g.op("Slice", &[&table, &starts, &ends, &axes0], vec![]);
     let bias = output_bias(g, w, "output_bias", n + 1)?;
-    let logits = output_layer(g, &head, &out_w, &bias, activation_scale);
 
     let inputs = vec![value_info(
         seq,
@@ -184,17 +222,15 @@ pub(crate) fn bert4rec(
     )];
     Ok(ModelGraph {
         inputs,
-        logits,
+        hidden: head,
+        hidden_size: h,
+        out_weight: out_w,
+        out_bias: bias,
         n_outputs: n + 1,
     })
 }
 
-pub(crate) fn vaecf(
-    g: &mut GraphBuilder,
-    c: &VaeCfConfig,
-    w: &Weights,
-    activation_scale: Option<f32>,
-) -> Result<ModelGraph> {
+pub(crate) fn vaecf(g: &mut GraphBuilder, c: &VaeCfConfig, w: &Weights) -> Result<ModelGraph> {
     let n = c.n_items;
     let items = "items";
     let (encoder, decoder) = layer_shapes(c);
@@ -273,7 +309,6 @@ pub(crate) fn vaecf(
     let out_w = w.matrix(&format!("{out_prefix}.weight"), *out_shape)?;
     let out_w = g.weight(&format!("{out_prefix}.weight"), &out_w);
     let bias = output_bias(g, w, &format!("{out_prefix}.bias"), n + 1)?;
-    let logits = output_layer(g, &x, &out_w, &bias, activation_scale);
 
     let inputs = vec![value_info(
         items,
@@ -287,7 +322,10 @@ pub(crate) fn vaecf(
     )];
     Ok(ModelGraph {
         inputs,
-        logits,
+        hidden: x,
+        hidden_size: out_shape[1],
+        out_weight: out_w,
+        out_bias: bias,
         n_outputs: n + 1,
     })
 }

@@ -165,7 +165,7 @@ fn k_outside_the_catalogue_is_refused() {
     for k in [0, 2001] {
         let options = ExportOptions {
             output: GraphOutput::TopK(k),
-            external_data: false,
+            ..Default::default()
         };
         match recsys_onnx::build(&dir, &options) {
             Err(OnnxError::Invalid(msg)) => assert!(msg.contains("1..=2000"), "{msg}"),
@@ -175,7 +175,7 @@ fn k_outside_the_catalogue_is_refused() {
     // Above TensorRT's TopK limit, whatever the catalogue: the message says what to do instead.
     let too_large = ExportOptions {
         output: GraphOutput::TopK(recsys_onnx::TENSORRT_MAX_TOPK + 1),
-        external_data: false,
+        ..Default::default()
     };
     match recsys_onnx::build(&dir, &too_large) {
         Err(OnnxError::Invalid(msg)) => {
@@ -188,7 +188,7 @@ fn k_outside_the_catalogue_is_refused() {
     }
     let ok = ExportOptions {
         output: GraphOutput::TopK(2000),
-        external_data: false,
+        ..Default::default()
     };
     assert!(recsys_onnx::build(&dir, &ok).is_ok());
 }

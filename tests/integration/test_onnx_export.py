@@ -22,6 +22,9 @@ from conftest import FIXTURES
 LOGIT_ABS_TOL = 5e-5
 # ORT against the engine on the top-k scores at fp32.
 TOPK_SCORE_ABS_TOL = 1e-4
+# The user embedding of an int8 graph against its engine: the engine also rounds dense-layer
+# activations per request, the graph keeps them float (measured up to 4e-4 on BERT4Rec W8A8).
+INT8_EMBEDDING_ABS_TOL = 2e-3
 K = 100
 USERS = 500
 # Mean top-10 overlap between graph and engine below which the export is wrong, not just rounded.
@@ -256,3 +259,59 @@ def test_external_data_side_file_loads_in_onnxruntime(recsys_bin, exports, users
     a = run_graph(onnx_file, feeds)
     b = run_graph(split, feeds)
     assert np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("precision", ["fp32", "int8-w8a8"])
+def test_candidate_reranking_and_the_embedding_agree_with_the_engine(recsys_bin, exports, users, tmp_path, model,
+                                                                      precision):
+    """--candidates --embedding, in onnxruntime: the top-10 among each user's candidates (padded with 0)
+    and the user embedding, against `recsys predict` with the same "candidate_item_ids" and
+    --return-embedding."""
+    engine, _, _ = exports[(model, precision)]
+    graph = tmp_path / "rerank.onnx"
+    subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(graph), "--k", "10",
+                    "--candidates", "--embedding"], check=True, capture_output=True)
+    proto = onnx.load(str(graph))
+    onnx.checker.check_model(proto, full_check=True)
+    assert [i.name for i in proto.graph.input][-2:] == ["candidate_ids", "exclude_ids"]
+    assert [o.name for o in proto.graph.output] == ["topk_scores", "topk_items", "user_embedding"]
+    ops = [n.op_type for n in proto.graph.node]
+    assert "Gemm" not in ops, "no full-catalogue product: only the candidates' rows are scored"
+
+    index = item_index(engine)
+    ext = {idx: e for e, idx in index.items()}
+    rng = np.random.default_rng(11)
+    histories = users[1][:64]
+    catalogue = sorted(index)
+    candidates = []
+    for h in histories:
+        # 20..300 random items and three of the history (left out by the exclusions).
+        picked = [int(x) for x in rng.choice(catalogue, size=int(rng.integers(20, 300)), replace=False)]
+        candidates.append(picked + h[:3])
+    lines = tmp_path / "candidates.jsonl"
+    lines.write_text("".join(json.dumps({"item_ids": h, "candidate_item_ids": c}) + "\n"
+                             for h, c in zip(histories, candidates)))
+    out = tmp_path / "ranked.jsonl"
+    subprocess.run([str(recsys_bin), "predict", "--engine", str(engine), "--input", str(lines), "--output", str(out),
+                    "--k", "10", "--return-embedding"], check=True, capture_output=True)
+    ours = [json.loads(line) for line in out.read_text().splitlines()]
+
+    feeds = graph_inputs(model, engine, histories)
+    width = max(len(c) for c in candidates)
+    feeds["candidate_ids"] = np.zeros((len(candidates), width), dtype=np.int64)
+    for i, c in enumerate(candidates):
+        feeds["candidate_ids"][i, : len(c)] = [index[x] for x in c]
+    scores, items, embedding = run_graph(graph, feeds)
+    assert embedding.shape == (len(histories), len(ours[0]["embedding"])) and np.all(embedding[:, -1] == 1.0)
+    np.testing.assert_allclose(embedding, [r["embedding"] for r in ours],
+                               atol=TOPK_SCORE_ABS_TOL if precision == "fp32" else INT8_EMBEDDING_ABS_TOL)
+    overlap = []
+    for i, rec in enumerate(ours):
+        graph_ids = [ext[int(j)] for j in items[i]]
+        assert set(graph_ids) <= set(candidates[i]) and not set(graph_ids) & set(histories[i])
+        overlap.append(len(set(graph_ids) & set(rec["item_ids"])) / 10)
+        if precision == "fp32":
+            np.testing.assert_allclose(scores[i], rec["scores"], atol=TOPK_SCORE_ABS_TOL)
+    print(f"{model} {precision} candidates: top-10 overlap with the engine {np.mean(overlap):.4f}")
+    assert np.mean(overlap) >= (0.999 if precision == "fp32" else MIN_TOP10_OVERLAP[precision])
