@@ -296,11 +296,7 @@ impl Engine {
                 top[*r] = ranked;
             }
         }
-        for (r, request) in batch.iter().enumerate() {
-            if let Some(candidates) = &request.candidates {
-                top[r] = self.top_k_among(user(r), candidates, request.k, &excluded_items(request));
-            }
-        }
+        self.rank_candidate_rows(batch, &hidden, &mut top);
         top.into_iter()
             .zip(notes)
             .enumerate()
@@ -318,11 +314,85 @@ impl Engine {
             .collect()
     }
 
+    /// Ranks every row of `batch` that carries candidates (into `top`), as one batch: rows with the
+    /// same candidate list (a shared pool re-ranked per user) share one packed table and one
+    /// multi-row scan, so its rows are read once for all of them; distinct lists are spread over
+    /// the scorer's threads.
+    fn rank_candidate_rows(
+        &self,
+        batch: &[InternalRequest],
+        hidden: &[f32],
+        top: &mut [Vec<Scored>],
+    ) {
+        let mut groups: Vec<(&[u32], Vec<usize>)> = Vec::new();
+        let mut group_of: std::collections::HashMap<&[u32], usize> = Default::default();
+        for (r, request) in batch.iter().enumerate() {
+            let Some(candidates) = request.candidates.as_deref() else {
+                continue;
+            };
+            if request.k == 0 || candidates.is_empty() {
+                continue;
+            }
+            let g = *group_of.entry(candidates).or_insert_with(|| {
+                groups.push((candidates, Vec::new()));
+                groups.len() - 1
+            });
+            groups[g].1.push(r);
+        }
+        if groups.is_empty() {
+            return;
+        }
+        let width = self.model.output().input_size();
+        let rank = |(candidates, rows): &(&[u32], Vec<usize>), threads: usize| {
+            let users: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| hidden[r * width..(r + 1) * width].iter().copied())
+                .collect();
+            let ks: Vec<usize> = rows.iter().map(|&r| batch[r].k).collect();
+            let excluded: Vec<Vec<u32>> = rows.iter().map(|&r| excluded_items(&batch[r])).collect();
+            self.top_k_among_rows(&users, candidates, &ks, &excluded, threads)
+        };
+        let threads = self.scorer.threads.max(1);
+        let ranked: Vec<RankedRows> = if groups.len() == 1 || threads == 1 {
+            groups.iter().map(|g| rank(g, threads)).collect()
+        } else {
+            // Groups dealt round-robin to the threads; each scans its own lists on one thread.
+            let lanes = threads.min(groups.len());
+            let mut per_lane: Vec<Vec<(usize, RankedRows)>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..lanes)
+                    .map(|lane| {
+                        let (groups, rank) = (&groups, &rank);
+                        scope.spawn(move || {
+                            (lane..groups.len())
+                                .step_by(lanes)
+                                .map(|g| (g, rank(&groups[g], 1)))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("candidate scoring thread panicked"))
+                    .collect()
+            });
+            let mut ordered: Vec<Option<RankedRows>> = vec![None; groups.len()];
+            for (g, rows) in per_lane.drain(..).flatten() {
+                ordered[g] = Some(rows);
+            }
+            ordered
+                .into_iter()
+                .map(|r| r.expect("every group is ranked"))
+                .collect()
+        };
+        for ((_, rows), answers) in groups.iter().zip(ranked) {
+            for (&r, answer) in rows.iter().zip(answers) {
+                top[r] = answer;
+            }
+        }
+    }
+
     /// The best `k` of `candidates` (ascending, distinct internal indices) for one hidden vector,
-    /// leaving out `excluded`: the candidates' rows packed exactly as the whole table is (same
-    /// micro-kernels, same per-row arithmetic, W8A8's static scale), so every score is the one the
-    /// whole-catalogue scan gives the same item, and ties go to the lower index as there. Costs
-    /// the candidates' rows, not the catalogue.
+    /// leaving out `excluded`: see [`Self::top_k_among_rows`].
     pub fn top_k_among(
         &self,
         hidden: &[f32],
@@ -330,8 +400,31 @@ impl Engine {
         k: usize,
         excluded: &[u32],
     ) -> Vec<Scored> {
-        if candidates.is_empty() || k == 0 {
+        if k == 0 {
             return Vec::new();
+        }
+        self.top_k_among_rows(hidden, candidates, &[k], &[excluded.to_vec()], 1)
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+    }
+
+    /// For each row of `hidden` (`[rows, d]`), its best `ks[row]` of `candidates` (ascending,
+    /// distinct internal indices) leaving out `excluded[row]`: the candidates' rows packed exactly
+    /// as the whole table is (same micro-kernels, same per-row arithmetic, W8A8's static scale)
+    /// and scanned once for all the rows, so every score is the one the whole-catalogue scan gives
+    /// the same item, and ties go to the lower index as there. Costs the candidates' rows, not the
+    /// catalogue.
+    pub fn top_k_among_rows(
+        &self,
+        hidden: &[f32],
+        candidates: &[u32],
+        ks: &[usize],
+        excluded: &[Vec<u32>],
+        threads: usize,
+    ) -> RankedRows {
+        if candidates.is_empty() {
+            return vec![Vec::new(); ks.len()];
         }
         let out = self.model.output();
         let bias: Vec<f32> = candidates
@@ -342,29 +435,40 @@ impl Engine {
         if let Some(scale) = self.scorer.packed.activation_scale {
             packed = packed.with_static_activation_scale(scale);
         }
-        // Positions, in the candidate list, of the items left out (PAD is never a candidate).
-        let mut excluded = excluded.to_vec();
-        excluded.sort_unstable();
-        let left_out: Vec<u32> = candidates
+        // Positions, in the candidate list, of each row's items left out (PAD is never a
+        // candidate).
+        let exclusions: Vec<Exclusions> = excluded
             .iter()
-            .enumerate()
-            .filter(|(_, c)| excluded.binary_search(c).is_ok())
-            .map(|(p, _)| p as u32)
+            .map(|list| {
+                let mut list = list.clone();
+                list.sort_unstable();
+                Exclusions::new(
+                    candidates
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, c)| list.binary_search(c).is_ok())
+                        .map(|(p, _)| p as u32)
+                        .collect(),
+                )
+            })
             .collect();
-        let exclusions = Exclusions::new(left_out);
-        let query = [RowQuery {
-            k: k.min(candidates.len()),
-            excluded: &exclusions,
-        }];
-        let ranked = fused::top_k(self.scorer.kernels, &packed, hidden, &query, 1);
-        ranked
+        let queries: Vec<RowQuery<'_>> = ks
+            .iter()
+            .zip(&exclusions)
+            .map(|(&k, excluded)| RowQuery {
+                k: k.min(candidates.len()),
+                excluded,
+            })
+            .collect();
+        fused::top_k(self.scorer.kernels, &packed, hidden, &queries, threads)
             .into_iter()
-            .next()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|s| Scored {
-                index: candidates[s.index as usize],
-                score: s.score,
+            .map(|row| {
+                row.into_iter()
+                    .map(|s| Scored {
+                        index: candidates[s.index as usize],
+                        score: s.score,
+                    })
+                    .collect()
             })
             .collect()
     }

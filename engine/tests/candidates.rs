@@ -35,7 +35,7 @@ fn reference(all: &[f32], candidates: &[u32], excluded: &[u32], k: usize) -> Vec
     kept
 }
 
-fn check_exact(kind: ModelKind, engine: &recsys_engine::Engine, variant: &str) {
+fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &str) {
     let n = engine.n_items() as u64;
     let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
     let mut rng = Rng(0x5EED_CA4D ^ n);
@@ -50,6 +50,12 @@ fn check_exact(kind: ModelKind, engine: &recsys_engine::Engine, variant: &str) {
         candidates.extend(history.iter().take(3));
         candidates.sort_unstable();
         candidates.dedup();
+        // Every third request re-ranks the previous one's pool (shared candidate lists are
+        // scanned once for all their rows).
+        if i % 3 == 2 {
+            let previous: &InternalRequest = batch.last().expect("i > 0");
+            candidates = previous.candidates.clone().expect("candidate row");
+        }
         let exclude: Vec<u32> = candidates.iter().step_by(5).copied().collect();
         batch.push(InternalRequest {
             history,
@@ -69,24 +75,29 @@ fn check_exact(kind: ModelKind, engine: &recsys_engine::Engine, variant: &str) {
         candidates: None,
         embedding: false,
     });
-    let answers = engine.recommend_internal(&batch);
     let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
     let all = engine.score_all(&histories);
     let width = engine.n_items() + 1;
     let mut checked = 0;
-    for (r, (request, (got, _))) in batch.iter().zip(&answers).enumerate() {
-        let scores = &all[r * width..(r + 1) * width];
-        let excluded = recsys_engine::excluded_items(request);
-        let want = match &request.candidates {
-            Some(c) => reference(scores, c, &excluded, request.k),
-            None => {
-                let everything: Vec<u32> = (1..width as u32).collect();
-                reference(scores, &everything, &excluded, request.k)
-            }
-        };
-        assert_eq!(got, &want, "{kind} {variant} row {r}");
-        checked += got.len();
+    // One thread, and two (the distinct lists then run in parallel): the same answers.
+    for threads in [1, 2] {
+        engine.set_threads(threads);
+        let answers = engine.recommend_internal(&batch);
+        for (r, (request, (got, _))) in batch.iter().zip(&answers).enumerate() {
+            let scores = &all[r * width..(r + 1) * width];
+            let excluded = recsys_engine::excluded_items(request);
+            let want = match &request.candidates {
+                Some(c) => reference(scores, c, &excluded, request.k),
+                None => {
+                    let everything: Vec<u32> = (1..width as u32).collect();
+                    reference(scores, &everything, &excluded, request.k)
+                }
+            };
+            assert_eq!(got, &want, "{kind} {variant} row {r}, {threads} thread(s)");
+            checked += got.len();
+        }
     }
+    engine.set_threads(1);
     eprintln!("{kind} {variant}: {checked} ranked candidates identical to the whole scan");
 }
 
@@ -101,22 +112,22 @@ fn candidates_rank_exactly_as_the_whole_catalogue_at_every_precision() {
             ("fp16", Precision::Fp16),
             ("int8", Precision::Int8),
         ] {
-            let engine = convert_fixture_at(
+            let mut engine = convert_fixture_at(
                 kind,
                 "model.safetensors",
                 &tmp.path().join(variant),
                 precision,
             );
-            check_exact(kind, &engine, variant);
+            check_exact(kind, &mut engine, variant);
         }
         // W8A8: the static activation scale travels with the candidates' packed rows.
-        let engine = convert_fixture_w8a8(
+        let mut engine = convert_fixture_w8a8(
             kind,
             &tmp.path().join("w8a8"),
             &calibration,
             recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
         );
-        check_exact(kind, &engine, "w8a8");
+        check_exact(kind, &mut engine, "w8a8");
     }
 }
 
