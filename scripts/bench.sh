@@ -11,23 +11,31 @@
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
 #   scripts/bench.sh peers [ARGS]     recsys against the Python backend + onnxruntime peer in the same
 #                                     server, and the dynamic-batching study (scripts/bench_peers.py)
+#   scripts/bench.sh candidates [ARGS] candidate re-ranking against whole-catalogue top-k at 1e6 items,
+#                                     in the engine, through the backend and in ONNX Runtime
+#                                     (scripts/bench_candidates.py)
 #
 # ARGS go to the Python script (`--help` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
 
 release_build() { cargo build --release --locked "$@"; }
 
-# The backend and the demo engines that the serving benchmarks load.
-serving_setup() {
+# The serving build of the backend in build/backends, and the recsys command.
+backend_setup() {
   release_build -p recsys-converter -p recsys-backend
   mkdir -p build/backends/recsys
   cp target/release/libtriton_recsys.so build/backends/recsys/
+}
+
+# ... and the demo engines that the serving benchmarks load.
+serving_setup() {
+  backend_setup
   local m
   for m in bert4rec vaecf; do
     [[ -f model_repository/$m/1/manifest.json ]] || {
@@ -65,9 +73,15 @@ case "$kind" in
     fi
     exec "$python" scripts/bench_peers.py "$@"
     ;;
+  candidates)
+    ./scripts/python-env.sh
+    backend_setup
+    release_build -p recsys-benches --bin model_probe
+    exec "$python" scripts/bench_candidates.py "$@"
+    ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates)" >&2
     exit 2
     ;;
 esac

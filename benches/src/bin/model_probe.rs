@@ -2,9 +2,11 @@
 //! directory on histories from a JSON file, for `scripts/bench_models.py`, which runs ONNX Runtime on
 //! the same model and histories in the same invocation.
 //!
-//! model_probe ENGINE HISTORIES_JSON batch k threads reps
+//! model_probe ENGINE HISTORIES_JSON batch k threads reps [CANDIDATES_JSON]
 //!
 //! HISTORIES_JSON: a list of histories (lists of external int ids). Batches cycle through them.
+//! CANDIDATES_JSON (optional): one candidate list per history (external int ids): each request
+//! then ranks only its candidates (`scripts/bench_candidates.py`).
 //! Prints JSON: median seconds per batch, and the top-k ids of the first history.
 #![forbid(unsafe_code)]
 
@@ -14,8 +16,10 @@ use recsys_engine::{Engine, ExternalIds, InternalRequest};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 7 {
-        eprintln!("usage: model_probe ENGINE HISTORIES_JSON batch k threads reps");
+    if !(7..=8).contains(&args.len()) {
+        eprintln!(
+            "usage: model_probe ENGINE HISTORIES_JSON batch k threads reps [CANDIDATES_JSON]"
+        );
         std::process::exit(2);
     }
     let mut engine = Engine::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| panic!("{e}"));
@@ -30,16 +34,36 @@ fn main() {
         .iter()
         .map(|h| engine.ids.map(ExternalIds::Int(h)).indices)
         .collect();
+    // Candidates as `Engine::prepare` leaves them: internal indices, ascending and distinct.
+    let candidates: Option<Vec<Vec<u32>>> = args.get(7).map(|path| {
+        let lists: Vec<Vec<i64>> =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("read candidates"))
+                .expect("candidates JSON");
+        lists
+            .iter()
+            .map(|c| {
+                let mut indices = engine.ids.map(ExternalIds::Int(c)).indices;
+                indices.sort_unstable();
+                indices.dedup();
+                indices
+            })
+            .collect()
+    });
     let batches: Vec<Vec<InternalRequest>> = (0..reps.max(1))
         .map(|r| {
             (0..batch)
-                .map(|i| InternalRequest {
-                    history: mapped[(r * batch + i) % mapped.len()].clone(),
-                    exclude: Vec::new(),
-                    k,
-                    exclude_seen: true,
-                    candidates: None,
-                    embedding: false,
+                .map(|i| {
+                    let user = (r * batch + i) % mapped.len();
+                    InternalRequest {
+                        history: mapped[user].clone(),
+                        exclude: Vec::new(),
+                        k,
+                        exclude_seen: true,
+                        candidates: candidates
+                            .as_ref()
+                            .map(|lists| lists[user % lists.len()].clone()),
+                        embedding: false,
+                    }
                 })
                 .collect()
         })
