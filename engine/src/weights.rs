@@ -39,16 +39,6 @@ pub enum Matrix {
     },
 }
 
-/// Rows `rows` (offset by the view's `start`) of a row-major table of `cols` columns, concatenated.
-fn gather_rows<T: Copy>(values: &[T], start: usize, cols: usize, rows: &[u32]) -> Vec<T> {
-    let mut out = Vec::with_capacity(rows.len() * cols);
-    for &r in rows {
-        let at = (start + r as usize) * cols;
-        out.extend_from_slice(&values[at..at + cols]);
-    }
-    out
-}
-
 impl Matrix {
     pub fn rows(&self) -> usize {
         match self {
@@ -150,18 +140,16 @@ impl Matrix {
     pub fn pack_rows(&self, rows: &[u32], bias: &[f32]) -> PackedOutput {
         let cols = self.cols();
         match self {
-            Matrix::F32(t) => {
-                PackedOutput::from_f32(&gather_rows(t.as_slice(), 0, cols, rows), bias, cols)
-            }
+            Matrix::F32(t) => PackedOutput::gathered_f32(t.as_slice(), rows, bias, cols),
             Matrix::F16 { bits, start, .. } => {
-                PackedOutput::from_f16_bits(&gather_rows(bits, *start, cols, rows), bias, cols)
+                PackedOutput::gathered_f16_bits(&bits[start * cols..], rows, bias, cols)
             }
             Matrix::I8 {
                 q, scales, start, ..
             } => {
                 let row_scales: Vec<f32> =
                     rows.iter().map(|&r| scales[start + r as usize]).collect();
-                PackedOutput::from_i8(&gather_rows(q, *start, cols, rows), &row_scales, bias, cols)
+                PackedOutput::gathered_i8(&q[start * cols..], rows, &row_scales, bias, cols)
             }
         }
     }

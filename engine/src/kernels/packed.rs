@@ -40,27 +40,44 @@ pub struct PackedOutput {
     pub activation_scale: Option<f32>,
 }
 
-fn pack<T: Copy + Default>(rows: &[T], n: usize, d: usize) -> Vec<T> {
+/// Row `i` of the rows being packed: `table`'s row `i`, or its row `rows[i]` when only some rows
+/// are packed (a request's candidates), read in place rather than gathered into a copy first.
+fn row_of<'a, T>(table: &'a [T], d: usize, rows: Option<&'a [u32]>) -> impl Fn(usize) -> &'a [T] {
+    move |i| {
+        let r = rows.map_or(i, |rows| rows[i] as usize);
+        &table[r * d..(r + 1) * d]
+    }
+}
+
+/// Packs `n` rows of `d` values (`row(i)`), panel after panel in storage order, so the output is
+/// written sequentially while 8 rows are read side by side.
+fn pack<'a, T: Copy + Default + 'a>(n: usize, d: usize, row: impl Fn(usize) -> &'a [T]) -> Vec<T> {
     let panels = n.div_ceil(8);
-    let mut out = vec![T::default(); panels * d * 8];
-    for item in 0..n {
-        let (p, l) = (item / 8, item % 8);
+    let mut out = Vec::with_capacity(panels * d * 8);
+    for p in 0..panels {
+        let lanes: [Option<&[T]>; 8] =
+            std::array::from_fn(|l| (p * 8 + l < n).then(|| row(p * 8 + l)));
         for j in 0..d {
-            out[p * d * 8 + j * 8 + l] = rows[item * d + j];
+            out.extend(lanes.iter().map(|lane| lane.map_or(T::default(), |r| r[j])));
         }
     }
     out
 }
 
-/// Feature pairs of 8 items side by side (see [`PanelData::I8`]).
-fn pack_pairs(rows: &[i8], n: usize, d: usize) -> Vec<i8> {
+/// Feature pairs of 8 items side by side (see [`PanelData::I8`]), written in storage order.
+fn pack_pairs<'a>(n: usize, d: usize, row: impl Fn(usize) -> &'a [i8]) -> Vec<i8> {
     let pairs = d.div_ceil(2);
     let panels = n.div_ceil(8);
-    let mut out = vec![0i8; panels * pairs * 16];
-    for item in 0..n {
-        let (p, l) = (item / 8, item % 8);
-        for j in 0..d {
-            out[p * pairs * 16 + (j / 2) * 16 + l * 2 + j % 2] = rows[item * d + j];
+    let mut out = Vec::with_capacity(panels * pairs * 16);
+    for p in 0..panels {
+        let lanes: [Option<&[i8]>; 8] =
+            std::array::from_fn(|l| (p * 8 + l < n).then(|| row(p * 8 + l)));
+        for pair in 0..pairs {
+            for lane in &lanes {
+                for j in [2 * pair, 2 * pair + 1] {
+                    out.push(lane.and_then(|r| r.get(j)).copied().unwrap_or(0));
+                }
+            }
         }
     }
     out
@@ -117,12 +134,23 @@ fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
 impl PackedOutput {
     /// From row-major f32 weights `[n, d]`.
     pub fn from_f32(weight: &[f32], bias: &[f32], d: usize) -> Self {
+        assert_eq!(weight.len(), bias.len() * d, "weight must be [n, d]");
+        Self::f32_rows(weight, None, bias, d)
+    }
+
+    /// Rows `rows` of the row-major f32 table `table` (`[_, d]`), with their biases `bias`: packed
+    /// as if those rows were the whole table, read in place.
+    pub fn gathered_f32(table: &[f32], rows: &[u32], bias: &[f32], d: usize) -> Self {
+        assert_eq!(rows.len(), bias.len(), "one bias per row");
+        Self::f32_rows(table, Some(rows), bias, d)
+    }
+
+    fn f32_rows(table: &[f32], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
         let n = bias.len();
-        assert_eq!(weight.len(), n * d, "weight must be [n, d]");
         PackedOutput {
             n,
             d,
-            data: PanelData::F32(pack(weight, n, d)),
+            data: PanelData::F32(pack(n, d, row_of(table, d, rows))),
             bias: padded(bias, n, f32::NEG_INFINITY),
             activation_scale: None,
         }
@@ -130,12 +158,22 @@ impl PackedOutput {
 
     /// From row-major half-precision bits `[n, d]`.
     pub fn from_f16_bits(bits: &[u16], bias: &[f32], d: usize) -> Self {
+        assert_eq!(bits.len(), bias.len() * d, "weight must be [n, d]");
+        Self::f16_rows(bits, None, bias, d)
+    }
+
+    /// [`Self::gathered_f32`] for a half-precision table.
+    pub fn gathered_f16_bits(table: &[u16], rows: &[u32], bias: &[f32], d: usize) -> Self {
+        assert_eq!(rows.len(), bias.len(), "one bias per row");
+        Self::f16_rows(table, Some(rows), bias, d)
+    }
+
+    fn f16_rows(table: &[u16], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
         let n = bias.len();
-        assert_eq!(bits.len(), n * d, "weight must be [n, d]");
         PackedOutput {
             n,
             d,
-            data: PanelData::F16(pack(bits, n, d)),
+            data: PanelData::F16(pack(n, d, row_of(table, d, rows))),
             bias: padded(bias, n, f32::NEG_INFINITY),
             activation_scale: None,
         }
@@ -146,11 +184,23 @@ impl PackedOutput {
         let n = bias.len();
         assert_eq!(q.len(), n * d, "weight must be [n, d]");
         assert_eq!(scales.len(), n, "one scale per row");
+        Self::i8_rows(q, None, scales, bias, d)
+    }
+
+    /// [`Self::gathered_f32`] for an int8 table; `scales` are the gathered rows' own.
+    pub fn gathered_i8(table: &[i8], rows: &[u32], scales: &[f32], bias: &[f32], d: usize) -> Self {
+        assert_eq!(rows.len(), bias.len(), "one bias per row");
+        assert_eq!(scales.len(), rows.len(), "one scale per row");
+        Self::i8_rows(table, Some(rows), scales, bias, d)
+    }
+
+    fn i8_rows(table: &[i8], rows: Option<&[u32]>, scales: &[f32], bias: &[f32], d: usize) -> Self {
+        let n = bias.len();
         PackedOutput {
             n,
             d,
             data: PanelData::I8 {
-                q: pack_pairs(q, n, d),
+                q: pack_pairs(n, d, row_of(table, d, rows)),
                 scales: padded(scales, n, 0.0),
             },
             bias: padded(bias, n, f32::NEG_INFINITY),
