@@ -4,8 +4,10 @@ candidate and embedding requests with bad ones, each answered on its own."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +178,29 @@ def test_one_execute_mixes_every_kind_of_request_and_refusal(grpc, server):
     (inf0, exe0), (inf1, exe1) = counts(before), counts(after)
     assert exe1 - exe0 < inf1 - inf0, f"no Execute call held more than one request: {inf1 - inf0} in {exe1 - exe0}"
     assert server.is_ready()
+
+
+def test_the_retrieve_then_rank_example_runs_as_written(server, grpc, item_table, repository, tmp_path):
+    """examples/retrieve_then_rank.py against the served demo models: the ranked items come from the
+    retrieved pool, exactly as the ranker ranks that pool when asked directly."""
+    import sys
+
+    table, _ = item_table("vaecf")
+    prefix = tmp_path / "items"
+    np.save(f"{prefix}.npy", table)
+    (tmp_path / "items.ids.txt").write_text("\n".join(item_table("vaecf")[1]) + "\n")
+    histories = [case["history_ext"] for case in golden_cases("bert4rec")[:3] if not case["unknown_ext"]]
+    cmd = [sys.executable, "examples/retrieve_then_rank.py", "--grpc", server.grpc_url, "--items", str(prefix),
+           "--retriever", "vaecf", "--ranker", "bert4rec", "--candidates", "150", "--k", "10"]
+    for h in histories:
+        cmd += ["--history", *map(str, h)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    answers = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(answers) == len(histories)
+    for history, answer in zip(histories, answers):
+        assert len(answer["candidates"]) == 150 and not set(answer["candidates"]) & set(history)
+        assert set(answer["item_ids"]) <= set(answer["candidates"]) and len(answer["item_ids"]) == 10
+        direct = grpc.infer("bert4rec", make_inputs(grpcclient, history, k=10, candidates=answer["candidates"]),
+                            outputs=outputs(grpcclient, "TOP_ITEM_IDS", "TOP_SCORES"))
+        assert top(direct)[0] == answer["item_ids"]
