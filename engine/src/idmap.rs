@@ -324,7 +324,11 @@ mod tests {
                 assert_eq!(map.index_of_str(&id.to_string()), Some(i as u32 + 1));
             }
             for unknown in [999, 1_001, 2_498, 2_500, 0, -1, i64::MIN, i64::MAX] {
-                assert_eq!(map.index_of_int(unknown), None, "{unknown} (dense: {dense})");
+                assert_eq!(
+                    map.index_of_int(unknown),
+                    None,
+                    "{unknown} (dense: {dense})"
+                );
             }
         }
         for twice in [vec![5, 6, 5], vec![5, i64::MAX, 5]] {
