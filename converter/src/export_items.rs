@@ -157,12 +157,22 @@ fn write_ids(table: &ItemTable<'_>, path: &Path) -> Result<()> {
     })
 }
 
+#[cfg(feature = "parquet")]
 /// Rows per Parquet row group: about 64 MiB of vectors, so memory stays bounded at any catalogue
 /// size while readers still get large, well-compressed groups.
 fn rows_per_group(columns: usize) -> usize {
     ((64 << 20) / (4 * columns)).clamp(1024, 1 << 20)
 }
 
+#[cfg(not(feature = "parquet"))]
+fn write_parquet(_: &ItemTable<'_>, _: &Path, _: &str) -> Result<()> {
+    Err(CliError::Usage(
+        "this recsys was built without Parquet support (cargo feature \"parquet\"); use --format npy"
+            .into(),
+    ))
+}
+
+#[cfg(feature = "parquet")]
 fn write_parquet(table: &ItemTable<'_>, path: &Path, precision: &str) -> Result<()> {
     use arrow_array::builder::StringBuilder;
     use arrow_array::{ArrayRef, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
