@@ -2,7 +2,7 @@
 # Runs every check CI runs, installing what it needs (the Python venv with the real tritonserver and
 # tritonclient): formatting, lints, the Rust test suite (unit, PyTorch parity, import errors, CLI end
 # to end), the README's main command in --check mode, and the integration tests against a real
-# tritonserver. Ends with one "N passed, N failed" line over everything.
+# tritonserver and the Python package. Ends with one "N passed, N failed" line over everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,6 +92,9 @@ cp target/release/libtriton_recsys.so build/test-backends/recsys/
 ./scripts/build-release.sh --cuda --target-dir target/cuda
 mkdir -p build/test-backends-cuda/recsys
 cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
+# The Python package (PyO3, built by maturin from PyPI in pip's build environment), for
+# tests/integration/test_python.py; it reuses the release build of the engine above.
+.venv/bin/pip install --quiet --force-reinstall --no-deps ./python
 py_status=0
 .venv/bin/pytest tests/integration -q -p no:cacheprovider 2>&1 | tee "$logs/py.log" || py_status=$?
 # Leave the serving build of the backend in place for scripts/serve.sh and the benchmarks.

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use triton_recsys::decode::{decode, encode, DType, InputTensor};
+use triton_recsys::decode::{decode, encode, encode_embeddings, DType, InputTensor, RequestedOutputs};
 use triton_recsys::settings::Limits;
 use triton_recsys::serve::serve;
 use triton_recsys::settings::IdTensorType;
@@ -25,6 +25,8 @@ struct Tensor {
 struct Input {
     batched: bool,
     small_limits: bool,
+    /// The outputs the request names (TOP_ITEM_IDS, TOP_SCORES, USER_EMBEDDING).
+    outputs: (bool, bool, bool),
     tensors: Vec<Tensor>,
 }
 
@@ -64,10 +66,17 @@ fuzz_target!(|input: Input| {
         Limits::default()
     };
     let engine = engine();
-    let decoded = decode(&tensors, input.batched, &limits);
+    let (item_ids, scores, embedding) = input.outputs;
+    let outputs = RequestedOutputs {
+        item_ids,
+        scores,
+        embedding,
+    };
+    let decoded = decode(&tensors, outputs, input.batched, &limits);
     let (answers, _) = serve(engine, &ServeOptions::default(), vec![decoded], engine);
     for answer in answers.into_iter().flatten() {
         let _ = encode(&answer.rows, engine, IdTensorType::Int64, input.batched);
         let _ = encode(&answer.rows, engine, IdTensorType::String, input.batched);
+        let _ = encode_embeddings(&answer.embeddings, input.batched);
     }
 });

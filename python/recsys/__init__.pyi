@@ -1,0 +1,91 @@
+"""Type stubs for recsys (the extension module recsys._recsys)."""
+
+from os import PathLike
+from typing import Any, Sequence, Union
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+ItemId = Union[int, str]
+Histories = Sequence[Sequence[ItemId]]
+Ids = Union[npt.NDArray[np.int64], list[list[str]]]
+
+class RecsysError(Exception):
+    """An engine, checkpoint or file that recsys cannot use; the message says why."""
+
+class Engine:
+    """A loaded engine directory (written by `recsys convert`)."""
+
+    def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None) -> None:
+        """Loads and verifies the engine; `threads` scoring threads per call (default: the cores)."""
+    @property
+    def kind(self) -> str:
+        """"bert4rec" or "vaecf"."""
+    @property
+    def precision(self) -> str:
+        """"fp32", "fp16" or "int8"."""
+    @property
+    def num_items(self) -> int:
+        """Items in the catalogue (N)."""
+    @property
+    def threads(self) -> int: ...
+    @property
+    def embedding_dim(self) -> int:
+        """The model's hidden size plus 1: the width of `embed`'s rows."""
+    @property
+    def item_ids(self) -> Union[npt.NDArray[np.int64], list[str]]:
+        """External ids of items 1..=N: the columns of `score`, the rows of `recsys export-items`."""
+    def recommend(
+        self,
+        histories: Histories,
+        k: int = 10,
+        exclude: Histories | None = None,
+        exclude_seen: bool = True,
+        strict: bool = False,
+    ) -> tuple[Ids, npt.NDArray[np.float32]]:
+        """Each history's best k items, best first: ids [B, k] (-1 padding; lists for string
+        catalogues) and float32 scores [B, k] (-inf padding). `exclude`: one list per history of
+        items never to return; `exclude_seen`: leave the history's own items out."""
+    def rerank(
+        self,
+        histories: Histories,
+        candidates: Histories,
+        k: int = 10,
+        exclude: Histories | None = None,
+        exclude_seen: bool = True,
+        strict: bool = False,
+    ) -> tuple[Ids, npt.NDArray[np.float32]]:
+        """The best k of each history's own candidates (a retrieval stage's), with exactly the
+        scores the whole-catalogue scan gives them; padded as `recommend`."""
+    def embed(self, histories: Histories, strict: bool = False) -> npt.NDArray[np.float32]:
+        """User embeddings [B, embedding_dim] = [h, 1]: the inner product with an item's row of
+        `recsys export-items` is the model's score for it."""
+    def score(self, histories: Histories) -> npt.NDArray[np.float32]:
+        """Every item's score [B, N] (column j is item_ids[j]), nothing left out: for evaluation."""
+
+def convert(
+    kind: str,
+    checkpoint: Union[str, PathLike[str]],
+    item_map: Union[str, PathLike[str]],
+    output: Union[str, PathLike[str]],
+    config: Union[str, PathLike[str], None] = None,
+    precision: str = "fp32",
+    int8_mode: str = "weight-only",
+    calibration: Union[str, PathLike[str], None] = None,
+    calibration_method: str = "percentile",
+    calibration_percentile: float = 99.99,
+    force: bool = False,
+) -> Engine:
+    """`recsys convert`: a PyTorch or RecBole checkpoint (read without executing pickle code) into
+    a verified engine directory at `output`; returns it loaded."""
+
+def evaluate(
+    engine: Engine,
+    test_set: Union[str, PathLike[str]],
+    k: Sequence[int] = (10, 20, 100),
+    batch_size: int = 256,
+) -> dict[str, Any]:
+    """`recsys eval`: NDCG/Recall@k and MRR over a test set (TSV: user, target, history), as a dict
+    with "metrics", "unknown_history_ids" and "unknown_targets"."""

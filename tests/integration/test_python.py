@@ -1,0 +1,181 @@
+"""The Python package (`pip install ./python`, PyO3) against `recsys predict` and `recsys eval` on the
+same engines: recommendations, re-ranking and embeddings bit for bit, scores against PyTorch's golden
+logits, errors as Python exceptions, and the GIL released while the engine computes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, convert, golden_cases
+
+try:
+    import recsys
+except ImportError as missing:  # a collection error, not a skip: CI must not pass without the package
+    raise ImportError("the recsys Python package is not installed: .venv/bin/pip install ./python "
+                      "(scripts/test.sh does)") from missing
+
+# PyTorch f32 against the engine's f32 kernels: only summation order differs.
+LOGIT_ABS_TOL = 5e-5
+USERS = 300
+
+
+@pytest.fixture(scope="module")
+def engines(recsys_bin, tmp_path_factory):
+    root = tmp_path_factory.mktemp("python_engines")
+    out = {}
+    for name, kind, model_dir, extra in [
+        ("bert4rec", "bert4rec", "bert4rec", []),
+        ("vaecf", "vaecf", "multivae", []),
+        ("vaecf_int8", "vaecf", "multivae", ["--precision", "int8"]),
+    ]:
+        convert(recsys_bin, kind, model_dir, "model.safetensors", root / name, extra=extra)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def users():
+    rows = [line.split("\t") for line in (FIXTURES / "test_set.tsv").read_text().splitlines()[1:USERS + 1]]
+    return [[int(x) for x in r[2].split()] for r in rows]
+
+
+def predict(recsys_bin, engine, lines: list[dict], tmp_path, *flags) -> list[dict]:
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    subprocess.run([str(recsys_bin), "predict", "--engine", str(engine), "--input", str(src), "--output", str(dst),
+                    *flags], check=True, capture_output=True)
+    return [json.loads(line) for line in dst.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["bert4rec", "vaecf", "vaecf_int8"])
+def test_recommend_equals_recsys_predict_bit_for_bit(recsys_bin, engines, users, tmp_path, name):
+    engine = recsys.Engine(engines[name], threads=2)
+    assert (engine.kind, engine.num_items, engine.threads) == (name.split("_")[0], 2000, 2)
+    assert engine.precision == ("int8" if name.endswith("int8") else "fp32")
+    ids, scores = engine.recommend(users, k=20)
+    assert ids.shape == scores.shape == (len(users), 20) and ids.dtype == np.int64 and scores.dtype == np.float32
+    want = predict(recsys_bin, engines[name], [{"item_ids": h} for h in users], tmp_path, "--k", "20")
+    for row, (got_ids, got_scores, line) in enumerate(zip(ids, scores, want)):
+        assert got_ids.tolist() == line["item_ids"], f"user {row}"
+        np.testing.assert_array_equal(got_scores, np.float32(line["scores"]))
+    # numpy arrays in, the same answers out; an exclusion list per history is honoured.
+    again, _ = engine.recommend([np.array(h, dtype=np.int64) for h in users[:8]], k=20)
+    assert (again == ids[:8]).all()
+    excluded, _ = engine.recommend(users[:8], k=20, exclude=[[int(i[0])] for i in ids[:8]])
+    assert all(int(first[0]) not in row.tolist() for first, row in zip(ids[:8], excluded))
+
+
+def test_rerank_and_embed_equal_recsys_predict_bit_for_bit(recsys_bin, engines, users, tmp_path):
+    engine = recsys.Engine(engines["bert4rec"])
+    rng = np.random.default_rng(4)
+    catalogue = engine.item_ids
+    assert catalogue.dtype == np.int64 and len(catalogue) == engine.num_items
+    candidates = [[int(x) for x in rng.choice(catalogue, size=int(rng.integers(5, 400)), replace=False)]
+                  for _ in users]
+    ids, scores = engine.rerank(users, candidates, k=10)
+    embeddings = engine.embed(users)
+    assert embeddings.shape == (len(users), engine.embedding_dim) and (embeddings[:, -1] == 1.0).all()
+    want = predict(recsys_bin, engines["bert4rec"],
+                   [{"item_ids": h, "candidate_item_ids": c} for h, c in zip(users, candidates)], tmp_path,
+                   "--k", "10", "--return-embedding")
+    for row, line in enumerate(want):
+        n = len(line["item_ids"])
+        assert ids[row, :n].tolist() == line["item_ids"] and (ids[row, n:] == -1).all(), f"user {row}"
+        np.testing.assert_array_equal(scores[row, :n], np.float32(line["scores"]))
+        assert np.isneginf(scores[row, n:]).all()
+        assert set(line["item_ids"]) <= set(candidates[row])
+        np.testing.assert_array_equal(embeddings[row], np.float32(line["embedding"]))
+
+
+@pytest.mark.parametrize("name,model_dir", [("bert4rec", "bert4rec"), ("vaecf", "multivae")])
+def test_score_is_pytorchs_logits(engines, name, model_dir):
+    engine = recsys.Engine(engines[name])
+    cases = golden_cases(model_dir)[:16]
+    scores = engine.score([c["history_ext"] for c in cases])
+    assert scores.shape == (len(cases), engine.num_items)
+    column = {int(e): j for j, e in enumerate(engine.item_ids)}
+    for case, row in zip(cases, scores):
+        for item in case["topk"][:50]:
+            assert abs(row[column[item["external"]]] - item["score"]) <= LOGIT_ABS_TOL, case["case"]
+
+
+def test_string_catalogues_answer_lists_of_strings(recsys_bin, tmp_path):
+    lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
+    string_map = tmp_path / "map.tsv"
+    string_map.write_text("".join(f"{i}\tsku-{e}\n" for i, e in (l.split("\t") for l in lines)))
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.safetensors", tmp_path / "engine", string_map)
+    engine = recsys.Engine(tmp_path / "engine")
+    assert engine.item_ids[0].startswith("sku-")
+    ids, scores = engine.recommend([["sku-10011403", "sku-10011207"], []], k=5)
+    assert isinstance(ids, list) and [len(r) for r in ids] == [5, 5] and all(i.startswith("sku-") for i in ids[0])
+    assert np.isfinite(scores).all()
+
+
+def test_errors_are_python_exceptions_with_the_engines_message(engines, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        recsys.Engine(tmp_path / "nowhere")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text("{}")
+    with pytest.raises(recsys.RecsysError, match="manifest"):
+        recsys.Engine(tmp_path / "broken")
+    engine = recsys.Engine(engines["vaecf"])
+    with pytest.raises(ValueError, match="history 1: ITEM_IDS holds 1 id"):
+        engine.recommend([[10011403], [10011403, -5]], strict=True)
+    assert engine.recommend([[10011403, -5]])[0].shape == (1, 10), "unknown ids are dropped by default"
+    with pytest.raises(ValueError, match="k must be at least 1, got 0"):
+        engine.recommend([[10011403]], k=0)
+    with pytest.raises(TypeError, match="one per user"):
+        engine.recommend([10011403, 10011207])
+    with pytest.raises(ValueError, match="candidates has 1 lists for 2 histories"):
+        engine.rerank([[10011403], [10011207]], [[10011739]])
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        recsys.Engine(engines["vaecf"], threads=0)
+
+
+def test_the_gil_is_released_while_the_engine_computes(engines, users):
+    """Another Python thread keeps running during a long call (it could not if the GIL were held)."""
+    engine = recsys.Engine(engines["vaecf"], threads=1)
+    histories = users * 40
+    start = time.perf_counter()
+    engine.recommend(histories, k=100)
+    alone = time.perf_counter() - start
+    ticks, done = [0], threading.Event()
+
+    def work():
+        engine.recommend(histories, k=100)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    while not done.is_set():
+        ticks[0] += 1
+        time.sleep(0.001)
+    worker.join()
+    # One tick per millisecond at most; with the GIL held for the whole call there would be ~none.
+    assert alone > 0.05, f"the call took {alone:.3f} s, too short to tell"
+    assert ticks[0] >= 0.3 * alone * 1000, f"{ticks[0]} ticks during a {alone:.3f} s call"
+
+
+def test_convert_and_evaluate_mirror_the_command_line(recsys_bin, engines, tmp_path):
+    src = FIXTURES / "multivae"
+    engine = recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "engine",
+                            config=src / "config.json", precision="int8")
+    assert engine.precision == "int8"
+    with pytest.raises(ValueError, match="already exists; pass force=True"):
+        recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "engine",
+                       config=src / "config.json")
+    with pytest.raises(ValueError, match="needs calibration="):
+        recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "w8a8",
+                       config=src / "config.json", precision="int8", int8_mode="w8a8")
+    report = recsys.evaluate(recsys.Engine(engines["vaecf"]), FIXTURES / "test_set.tsv", k=[10, 20])
+    cli = json.loads(subprocess.run([str(recsys_bin), "eval", "--engine", str(engines["vaecf"]), "--test",
+                                     str(FIXTURES / "test_set.tsv"), "--k", "10,20"],
+                                    check=True, capture_output=True, text=True).stdout)
+    assert report["metrics"] == cli["metrics"]
+    assert report["unknown_targets"] == cli["unknown_targets"]
