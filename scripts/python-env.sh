@@ -17,8 +17,8 @@ if [[ -f "$STAMP" ]]; then
   exit 0
 fi
 PYTHON=${PYTHON:-python3}
-if ! "$PYTHON" -c 'import sys; sys.exit(0 if (3, 8) <= sys.version_info[:2] < (3, 13) else 1)'; then
-  echo "error: $PYTHON is $("$PYTHON" --version 2>&1); tritonclient 2.51 needs Python 3.8..3.12" >&2
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if (3, 9) <= sys.version_info[:2] < (3, 13) else 1)'; then
+  echo "error: $PYTHON is $("$PYTHON" --version 2>&1); the tests need Python 3.9..3.12 (tritonclient 2.51: up to 3.12; the recsys package: 3.9 on)" >&2
   exit 1
 fi
 echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a few minutes once)"

@@ -146,11 +146,22 @@ impl PackedOutput {
     }
 
     fn f32_rows(table: &[f32], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
+        Self::float_rows(table, rows, bias, d, PanelData::F32)
+    }
+
+    /// A float table (f32 or half bits) packed whole or at `rows`, stored by `data`.
+    fn float_rows<T: Copy + Default>(
+        table: &[T],
+        rows: Option<&[u32]>,
+        bias: &[f32],
+        d: usize,
+        data: fn(Vec<T>) -> PanelData,
+    ) -> Self {
         let n = bias.len();
         PackedOutput {
             n,
             d,
-            data: PanelData::F32(pack(n, d, row_of(table, d, rows))),
+            data: data(pack(n, d, row_of(table, d, rows))),
             bias: padded(bias, n, f32::NEG_INFINITY),
             activation_scale: None,
         }
@@ -169,14 +180,7 @@ impl PackedOutput {
     }
 
     fn f16_rows(table: &[u16], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
-        let n = bias.len();
-        PackedOutput {
-            n,
-            d,
-            data: PanelData::F16(pack(n, d, row_of(table, d, rows))),
-            bias: padded(bias, n, f32::NEG_INFINITY),
-            activation_scale: None,
-        }
+        Self::float_rows(table, rows, bias, d, PanelData::F16)
     }
 
     /// From row-major int8 weights `[n, d]` and their per-row scales `[n]`.
