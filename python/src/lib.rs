@@ -225,6 +225,24 @@ impl PyEngine {
         Ok((ids, scores))
     }
 
+    /// `recommend` and `rerank`: each history's ranked answer, among its own candidates when
+    /// given.
+    fn rank<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        candidates: Option<&Bound<'py, PyAny>>,
+        exclude: Option<&Bound<'py, PyAny>>,
+        ask: &Ask,
+    ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
+        let width = self.width(ask.k.unwrap_or(10))?;
+        let histories = IdLists::extract(histories, "histories")?;
+        let candidates = IdLists::optional(candidates, "candidates", histories.len())?;
+        let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
+        let answers = self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), ask)?;
+        self.ranked(py, &answers, width)
+    }
+
     fn width(&self, k: i64) -> PyResult<usize> {
         if k < 1 {
             return Err(PyValueError::new_err(format!(
@@ -321,17 +339,13 @@ impl PyEngine {
         exclude_seen: bool,
         strict: bool,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
-        let width = self.width(k)?;
-        let histories = IdLists::extract(histories, "histories")?;
-        let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
         let ask = Ask {
             k: Some(k),
             exclude_seen,
             strict,
             embedding: false,
         };
-        let answers = self.answer(py, &histories, exclude.as_ref(), None, &ask)?;
-        self.ranked(py, &answers, width)
+        self.rank(py, histories, None, exclude, &ask)
     }
 
     /// The best `k` of each history's own candidates, with exactly the scores the whole-catalogue
@@ -348,18 +362,13 @@ impl PyEngine {
         exclude_seen: bool,
         strict: bool,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
-        let width = self.width(k)?;
-        let histories = IdLists::extract(histories, "histories")?;
-        let candidates = IdLists::optional(Some(candidates), "candidates", histories.len())?;
-        let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
         let ask = Ask {
             k: Some(k),
             exclude_seen,
             strict,
             embedding: false,
         };
-        let answers = self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), &ask)?;
-        self.ranked(py, &answers, width)
+        self.rank(py, histories, Some(candidates), exclude, &ask)
     }
 
     /// Each history's user embedding `[h, 1]`, float32 `[B, embedding_dim]`.
