@@ -14,12 +14,14 @@
 #   scripts/bench.sh candidates [ARGS] candidate re-ranking against whole-catalogue top-k at 1e6 items,
 #                                     in the engine, through the backend and in ONNX Runtime
 #                                     (scripts/bench_candidates.py)
+#   scripts/bench.sh ray [ARGS]       recsys.ray.predict (1 and 2 actors) against recsys predict
+#                                     --threads 1/2 on the same users (scripts/bench_ray.py)
 #
 # ARGS go to the Python script (`--help` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -79,9 +81,15 @@ case "$kind" in
     release_build -p recsys-benches --bin model_probe
     exec "$python" scripts/bench_candidates.py "$@"
     ;;
+  ray)
+    ./scripts/python-env.sh
+    release_build -p recsys-converter
+    .venv/bin/pip install --quiet --force-reinstall --no-deps ./python
+    exec "$python" scripts/bench_ray.py "$@"
+    ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates, ray)" >&2
     exit 2
     ;;
 esac

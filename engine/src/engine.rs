@@ -133,7 +133,7 @@ impl Engine {
     /// Every item's score for each history, `[B, N+1]`, with the serving kernels and precision
     /// (for evaluation; serving never materialises this).
     pub fn score_all(&self, histories: &[&[u32]]) -> Vec<f32> {
-        let (hidden, _) = self.model.encode(histories);
+        let (hidden, _) = self.encode(histories);
         fused::score_all(self.scorer.kernels, &self.scorer.packed, &hidden)
     }
 
@@ -256,6 +256,35 @@ impl Engine {
             .collect()
     }
 
+    /// The encoder over a batch (`[B, hidden]` and a note per history), the histories split into
+    /// contiguous runs of about equal work, one per scoring thread. A row's hidden vector does not
+    /// depend on the rows encoded beside it, so the split changes no bit of the answer; it only
+    /// lets a batch use the threads it was given for the encoder as well as for the output layer.
+    pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        let runs = split_into_runs(histories, self.scorer.threads.max(1));
+        if runs.len() <= 1 {
+            return self.model.encode(histories);
+        }
+        let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = runs
+                .iter()
+                .map(|run| scope.spawn(|| self.model.encode(&histories[run.clone()])))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("encoder thread panicked"))
+                .collect()
+        });
+        let width = self.model.output().input_size();
+        let mut hidden = Vec::with_capacity(histories.len() * width);
+        let mut notes = Vec::with_capacity(histories.len());
+        for (part_hidden, part_notes) in parts {
+            hidden.extend_from_slice(&part_hidden);
+            notes.extend(part_notes);
+        }
+        (hidden, notes)
+    }
+
     /// Top-k over internal indices for a batch of prepared requests, on the CPU kernels.
     pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<(Vec<Scored>, HistoryNote)> {
         self.recommend_internal_with_embeddings(batch)
@@ -272,7 +301,7 @@ impl Engine {
             return Vec::new();
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
-        let (hidden, notes) = self.model.encode(&histories);
+        let (hidden, notes) = self.encode(&histories);
         let width = self.model.output().input_size();
         let user = |r: usize| &hidden[r * width..(r + 1) * width];
         // Whole-catalogue rows go through the scorer together; candidate rows each score their
@@ -476,5 +505,77 @@ impl Engine {
     /// External id of an internal index; `None` outside the catalogue (see [`IdMap::external`]).
     pub fn external_id(&self, index: u32) -> Option<ExternalId> {
         self.ids.external(index)
+    }
+}
+
+/// Splits `histories` into at most `threads` contiguous runs of about equal encoder work (a
+/// history costs about its length plus a fixed part: the [MASK] row, the first layer's bias,
+/// the output of the last layer).
+fn split_into_runs(histories: &[&[u32]], threads: usize) -> Vec<std::ops::Range<usize>> {
+    const FIXED_COST: usize = 8;
+    let runs = threads.min(histories.len());
+    if runs <= 1 {
+        return std::iter::once(0..histories.len()).collect();
+    }
+    let cost = |h: &&[u32]| h.len() + FIXED_COST;
+    let total: usize = histories.iter().map(cost).sum();
+    let mut ranges = Vec::with_capacity(runs);
+    let (mut start, mut done) = (0, 0);
+    for (i, history) in histories.iter().enumerate() {
+        done += cost(history);
+        // Close run j once it holds its share of the work, or when only one row per later run
+        // is left.
+        let j = ranges.len();
+        let rows_left = histories.len() - (i + 1);
+        let later_runs = runs.saturating_sub(j + 1);
+        let balanced = done * runs >= total * (j + 1);
+        if later_runs > 0 && rows_left >= later_runs && (balanced || rows_left == later_runs) {
+            ranges.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    ranges.push(start..histories.len());
+    ranges
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::split_into_runs;
+
+    #[test]
+    fn runs_cover_the_batch_in_order_with_balanced_work() {
+        let long = vec![1u32; 200];
+        let short = vec![1u32; 2];
+        let batch: Vec<&[u32]> = (0..40)
+            .map(|i| if i % 4 == 0 { &long[..] } else { &short[..] })
+            .collect();
+        for threads in 1..=8 {
+            let runs = split_into_runs(&batch, threads);
+            assert_eq!(runs.len(), threads.min(batch.len()));
+            assert_eq!(runs.first().unwrap().start, 0);
+            assert_eq!(runs.last().unwrap().end, batch.len());
+            for pair in runs.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start, "contiguous, in order");
+            }
+            assert!(runs.iter().all(|r| !r.is_empty()));
+            let work = |r: &std::ops::Range<usize>| -> usize {
+                batch[r.clone()].iter().map(|h| h.len() + 8).sum()
+            };
+            let total: usize = batch.iter().map(|h| h.len() + 8).sum();
+            // No run holds more than its share plus one history's work.
+            for r in &runs {
+                assert!(
+                    work(r) <= total / runs.len() + 208,
+                    "{threads} threads: {runs:?}"
+                );
+            }
+        }
+        // The work at the end of the batch: still one run per thread.
+        let tail: Vec<&[u32]> = vec![&short, &short, &long];
+        assert_eq!(split_into_runs(&tail, 2), [0..2, 2..3]);
+        // Fewer histories than threads: one run each.
+        assert_eq!(split_into_runs(&batch[..3], 8).len(), 3);
+        let empty = split_into_runs(&[], 4);
+        assert_eq!((empty.len(), empty[0].is_empty()), (1, true));
     }
 }

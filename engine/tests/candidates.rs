@@ -103,31 +103,12 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
 
 #[test]
 fn candidates_rank_exactly_as_the_whole_catalogue_at_every_precision() {
-    let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
-    let calibration: Vec<Vec<String>> = cases.iter().take(256).map(|c| c.history.clone()).collect();
     for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
         let tmp = tempfile::tempdir().unwrap();
-        for (variant, precision) in [
-            ("fp32", Precision::Fp32),
-            ("fp16", Precision::Fp16),
-            ("int8", Precision::Int8),
-        ] {
-            let mut engine = convert_fixture_at(
-                kind,
-                "model.safetensors",
-                &tmp.path().join(variant),
-                precision,
-            );
+        // W8A8 among them: its static activation scale travels with the candidates' packed rows.
+        for (variant, mut engine) in engines_at_every_precision(kind, tmp.path()) {
             check_exact(kind, &mut engine, variant);
         }
-        // W8A8: the static activation scale travels with the candidates' packed rows.
-        let mut engine = convert_fixture_w8a8(
-            kind,
-            &tmp.path().join("w8a8"),
-            &calibration,
-            recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
-        );
-        check_exact(kind, &mut engine, "w8a8");
     }
 }
 

@@ -64,6 +64,26 @@ class Engine:
         `recsys export-items` is the model's score for it."""
     def score(self, histories: Histories) -> npt.NDArray[np.float32]:
         """Every item's score [B, N] (column j is item_ids[j]), nothing left out: for evaluation."""
+    def predict(
+        self,
+        histories: Histories,
+        k: Sequence[int | None] | None = None,
+        exclude: Histories | None = None,
+        candidates: Histories | None = None,
+        default_k: int = 10,
+        exclude_seen: bool = True,
+        strict: bool = False,
+        embedding: bool = False,
+    ) -> tuple[
+        list[Union[npt.NDArray[np.int64], list[str]]],
+        list[npt.NDArray[np.float32]],
+        list[npt.NDArray[np.float32] | None],
+        list[str | None],
+    ]:
+        """Per-history answers as `recsys predict` gives them, for batch jobs (recsys.ray uses it):
+        `k` one value per history (None: `default_k`); a refused history gets its error message
+        (and empty ids and scores) instead of failing the call. Returns (ids, scores, embeddings,
+        errors), one entry per history, each answer its own length."""
 
 def convert(
     kind: str,

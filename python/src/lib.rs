@@ -9,10 +9,10 @@
 use std::path::PathBuf;
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PySequence};
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
 use recsys_engine::engine_dir::Precision;
 use recsys_engine::metrics::{evaluate as evaluate_engine, read_test_set};
@@ -46,6 +46,9 @@ enum IdLists {
 
 impl IdLists {
     fn extract(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<IdLists> {
+        if let Some(lists) = IdLists::int64_arrays(obj)? {
+            return Ok(IdLists::Int(lists));
+        }
         if let Ok(lists) = obj.extract::<Vec<Vec<i64>>>() {
             return Ok(IdLists::Int(lists));
         }
@@ -56,6 +59,27 @@ impl IdLists {
             "{what} must be a sequence of id sequences, one per user, all int or all str \
              (e.g. [[10011403, 10011207], [10011739]])"
         )))
+    }
+
+    /// The fast path for a sequence of int64 numpy arrays (rows of a 2-D array, or views into an
+    /// Arrow list column's values): each row copied as one slice instead of id by id. `None`
+    /// when any row is something else, which the general path then reads.
+    fn int64_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Vec<i64>>>> {
+        let Ok(rows) = obj.cast::<PySequence>() else {
+            return Ok(None);
+        };
+        let Ok(n) = rows.len() else {
+            return Ok(None);
+        };
+        let mut lists = Vec::with_capacity(n);
+        for i in 0..n {
+            let row = rows.get_item(i)?;
+            let Ok(array) = row.extract::<PyReadonlyArray1<'_, i64>>() else {
+                return Ok(None);
+            };
+            lists.push(array.as_array().to_vec());
+        }
+        Ok(Some(lists))
     }
 
     fn optional(
@@ -105,10 +129,29 @@ impl IdLists {
 /// What one call asks of every history.
 struct Ask {
     k: Option<i64>,
+    /// The k of a history whose own k is `None`.
+    default_k: usize,
     exclude_seen: bool,
     strict: bool,
     embedding: bool,
 }
+
+/// [`PyEngine::predict`]'s answer: four lists with one entry per history.
+#[derive(Default)]
+struct PredictRows {
+    ids: Vec<Py<PyAny>>,
+    scores: Vec<Py<PyAny>>,
+    embeddings: Vec<Option<Py<PyAny>>>,
+    errors: Vec<Option<String>>,
+}
+
+/// [`PredictRows`] as Python receives it: the tuple `(ids, scores, embeddings, errors)`.
+type PredictTuple = (
+    Vec<Py<PyAny>>,
+    Vec<Py<PyAny>>,
+    Vec<Option<Py<PyAny>>>,
+    Vec<Option<String>>,
+);
 
 /// A loaded engine directory (written by `recsys convert`).
 #[pyclass(name = "Engine", module = "recsys", frozen)]
@@ -118,29 +161,32 @@ struct PyEngine {
 }
 
 impl PyEngine {
-    /// Runs every history through the engine as one batch, the GIL released.
-    fn answer(
+    /// Runs every history through the engine as one batch, the GIL released; each history's own
+    /// answer or refusal. `ks`, when given, holds each history's k (`None`: `ask.default_k`).
+    #[allow(clippy::too_many_arguments)] // one batch's inputs, each optional
+    fn answer_each(
         &self,
         py: Python<'_>,
         histories: &IdLists,
+        ks: Option<&[Option<i64>]>,
         exclude: Option<&IdLists>,
         candidates: Option<&IdLists>,
         ask: &Ask,
-    ) -> PyResult<Vec<Recommendation>> {
+    ) -> Vec<recsys_engine::Result<Recommendation>> {
         let views = histories.str_views();
         let exclude_views = exclude.map(IdLists::str_views).unwrap_or_default();
         let candidate_views = candidates.map(IdLists::str_views).unwrap_or_default();
         let requests: Vec<Request<'_>> = (0..histories.len())
             .map(|i| Request {
                 history: histories.row(&views, i),
-                k: ask.k,
+                k: ks.map_or(ask.k, |ks| ks[i]),
                 exclude: exclude.map(|e| e.row(&exclude_views, i)),
                 candidates: candidates.map(|c| c.row(&candidate_views, i)),
                 embedding: ask.embedding,
             })
             .collect();
         let options = ServeOptions {
-            default_k: 10,
+            default_k: ask.default_k,
             exclude_seen: ask.exclude_seen,
             unknown_items: if ask.strict {
                 UnknownItemPolicy::Error
@@ -149,8 +195,19 @@ impl PyEngine {
             },
         };
         let engine = &self.engine;
-        let answers = py.detach(|| engine.recommend(&requests, &options));
-        answers
+        py.detach(|| engine.recommend(&requests, &options))
+    }
+
+    /// [`Self::answer_each`] for calls that fail as a whole: the first refused history raises.
+    fn answer(
+        &self,
+        py: Python<'_>,
+        histories: &IdLists,
+        exclude: Option<&IdLists>,
+        candidates: Option<&IdLists>,
+        ask: &Ask,
+    ) -> PyResult<Vec<Recommendation>> {
+        self.answer_each(py, histories, None, exclude, candidates, ask)
             .into_iter()
             .enumerate()
             .map(|(i, answer)| {
@@ -341,6 +398,7 @@ impl PyEngine {
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let ask = Ask {
             k: Some(k),
+            default_k: 10,
             exclude_seen,
             strict,
             embedding: false,
@@ -364,6 +422,7 @@ impl PyEngine {
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let ask = Ask {
             k: Some(k),
+            default_k: 10,
             exclude_seen,
             strict,
             embedding: false,
@@ -382,6 +441,7 @@ impl PyEngine {
         let histories = IdLists::extract(histories, "histories")?;
         let ask = Ask {
             k: Some(0),
+            default_k: 10,
             exclude_seen: true,
             strict,
             embedding: true,
@@ -420,6 +480,103 @@ impl PyEngine {
         Ok(Array2::from_shape_vec((mapped.len(), n), values)
             .expect("B x N scores")
             .into_pyarray(py))
+    }
+
+    /// Per-history answers as `recsys predict` gives them, for batch jobs (`recsys.ray` uses it):
+    /// each history may carry its own k (`None`: `default_k`), and a history the engine refuses
+    /// gets its error message instead of failing the batch. Returns four lists, one entry per
+    /// history: ids (int64 array or list of str), float32 scores, float32 embeddings (`None`
+    /// unless `embedding`), and the error message (`None` when answered; the other three are then
+    /// empty, or `None` for the embedding).
+    #[pyo3(signature = (histories, k = None, exclude = None, candidates = None, default_k = 10,
+                        exclude_seen = true, strict = false, embedding = false))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
+    fn predict<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        k: Option<Vec<Option<i64>>>,
+        exclude: Option<&Bound<'py, PyAny>>,
+        candidates: Option<&Bound<'py, PyAny>>,
+        default_k: i64,
+        exclude_seen: bool,
+        strict: bool,
+        embedding: bool,
+    ) -> PyResult<PredictTuple> {
+        let default_k = self.width(default_k)?;
+        let histories = IdLists::extract(histories, "histories")?;
+        let users = histories.len();
+        if let Some(ks) = &k {
+            if ks.len() != users {
+                return Err(PyValueError::new_err(format!(
+                    "k has {} values for {users} histories: give one per history (None: default_k)",
+                    ks.len()
+                )));
+            }
+        }
+        let candidates = IdLists::optional(candidates, "candidates", users)?;
+        let exclude = IdLists::optional(exclude, "exclude", users)?;
+        let ask = Ask {
+            k: None,
+            default_k,
+            exclude_seen,
+            strict,
+            embedding,
+        };
+        let answers = self.answer_each(
+            py,
+            &histories,
+            k.as_deref(),
+            exclude.as_ref(),
+            candidates.as_ref(),
+            &ask,
+        );
+        let string_ids = self.engine.manifest.id_type == recsys_engine::idmap::IdType::String;
+        let mut rows = PredictRows::default();
+        for answer in answers {
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(e) => {
+                    rows.ids.push(if string_ids {
+                        Vec::<String>::new().into_pyobject(py)?.into_any().unbind()
+                    } else {
+                        PyArray1::<i64>::zeros(py, 0, false).into_any().unbind()
+                    });
+                    rows.scores
+                        .push(PyArray1::<f32>::zeros(py, 0, false).into_any().unbind());
+                    rows.embeddings.push(None);
+                    rows.errors.push(Some(e.to_string()));
+                    continue;
+                }
+            };
+            let mut ints = Vec::with_capacity(answer.items.len());
+            let mut names = Vec::new();
+            for item in &answer.items {
+                match self.engine.external_id(item.index) {
+                    Some(ExternalId::Int(i)) => ints.push(i),
+                    Some(ExternalId::Str(s)) => names.push(s),
+                    None => {
+                        return Err(RecsysError::new_err(format!(
+                            "the engine returned item index {}, outside its catalogue",
+                            item.index
+                        )))
+                    }
+                }
+            }
+            rows.ids.push(if string_ids {
+                names.into_pyobject(py)?.into_any().unbind()
+            } else {
+                PyArray1::from_vec(py, ints).into_any().unbind()
+            });
+            let scores: Vec<f32> = answer.items.iter().map(|s| s.score).collect();
+            rows.scores
+                .push(PyArray1::from_vec(py, scores).into_any().unbind());
+            rows.embeddings.push(
+                embedding.then(|| PyArray1::from_vec(py, answer.embedding).into_any().unbind()),
+            );
+            rows.errors.push(None);
+        }
+        Ok((rows.ids, rows.scores, rows.embeddings, rows.errors))
     }
 
     fn __repr__(&self) -> String {

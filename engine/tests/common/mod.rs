@@ -53,6 +53,32 @@ pub fn convert_fixture_w8a8(
     .unwrap_or_else(|e| panic!("converting to w8a8: {e}"))
 }
 
+/// The fixture's safetensors checkpoint at every serving precision, converted under `dir`:
+/// fp32, fp16, int8 weight-only and W8A8 (calibrated on the test set's first 256 histories).
+pub fn engines_at_every_precision(kind: ModelKind, dir: &Path) -> Vec<(&'static str, Engine)> {
+    let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    let calibration: Vec<Vec<String>> = cases.iter().take(256).map(|c| c.history.clone()).collect();
+    let mut engines: Vec<(&'static str, Engine)> = [
+        ("fp32", Precision::Fp32),
+        ("fp16", Precision::Fp16),
+        ("int8", Precision::Int8),
+    ]
+    .into_iter()
+    .map(|(variant, precision)| {
+        let engine = convert_fixture_at(kind, "model.safetensors", &dir.join(variant), precision);
+        (variant, engine)
+    })
+    .collect();
+    let w8a8 = convert_fixture_w8a8(
+        kind,
+        &dir.join("w8a8"),
+        &calibration,
+        recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
+    );
+    engines.push(("w8a8", w8a8));
+    engines
+}
+
 pub struct Golden {
     pub cases: Vec<serde_json::Value>,
     pub logits_f32: Vec<f32>,

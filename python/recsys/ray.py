@@ -1,0 +1,261 @@
+"""Offline scoring of a whole user base on Ray Data: the rows of a ``ray.data.Dataset`` go through an
+actor pool in which every actor loads the engine once (memory-mapped, so actors on one node share
+its pages) and answers batches exactly as ``recsys predict`` answers JSON lines.
+
+    import ray, recsys.ray
+    users = ray.data.read_json("users.jsonl")            # {"user_id": 7, "item_ids": [...]} per line
+    recsys.ray.predict(users, "model_repository/bert4rec/1", k=10).write_json("recommendations/")
+
+Input columns, as in ``recsys predict``'s lines: ``item_ids`` (the history, oldest first; required),
+and optionally ``exclude_item_ids``, ``candidate_item_ids`` (rank only these), ``k`` and
+``return_embedding``; null values mean "not given". Every other column (``user_id``...) passes
+through. The output has the pass-through columns plus ``item_ids`` (the recommendations, best
+first), ``scores`` (float32), ``embedding`` (when asked) and ``error``: null for answered rows; for a
+row the engine refuses, the message ``recsys predict`` would print, with null ``item_ids`` and
+``scores``. Ray retries the batches of a failed actor on a restarted one (its defaults: restarts
+and task retries unbounded), so no user is lost or answered twice.
+
+The pool has ``concurrency`` actors of ``threads`` scoring threads (and CPUs) each; Ray Data's
+read and write tasks need CPUs of their own, so a pool that would hold every CPU of the cluster
+is refused rather than left waiting.
+
+Multi-node: ``engine_path`` must name the same engine directory on every node (shared storage, or
+copied there from object storage before the job); run ``cores / threads`` actors per node.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # Ray is an optional dependency: `pip install "recsys[ray]"`.
+    import pyarrow
+    import ray.data
+
+__all__ = ["predict"]
+
+_NONE = np.empty(0, dtype=np.int64)  # no ids (a row without exclusions)
+
+# The columns recsys predict reads from a line; everything else passes through.
+_CONSUMED = ("item_ids", "exclude_item_ids", "candidate_item_ids", "k", "return_embedding")
+
+
+def predict(
+    dataset: "ray.data.Dataset",
+    engine_path: "str | os.PathLike[str]",
+    k: int = 10,
+    *,
+    batch_size: int = 1024,
+    concurrency: int = 1,
+    threads: int = 1,
+    exclude_seen: bool = True,
+    strict_ids: bool = False,
+    return_embedding: bool = False,
+    **ray_remote_args: Any,
+) -> "ray.data.Dataset":
+    """Recommendations for every row of ``dataset`` (lazy, like any Ray Data transform).
+
+    ``k``: the default number of items per row (a row's own ``k`` overrides it). ``batch_size``
+    rows go to the engine as one batch. ``concurrency`` actors, each with ``threads`` scoring
+    threads (and as many CPUs reserved). ``exclude_seen`` leaves a history's own items out;
+    ``strict_ids`` refuses rows whose ids are unknown to the model instead of dropping those ids;
+    ``return_embedding`` adds every row's user embedding. Other keyword arguments go to Ray with
+    the actors (e.g. ``max_restarts=0`` to fail fast instead of retrying).
+    """
+    from ray.data import ActorPoolStrategy
+
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    for name, value in (("batch_size", batch_size), ("concurrency", concurrency), ("threads", threads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    # Actors may start in another working directory: they get an absolute path.
+    engine_path = os.path.abspath(os.fspath(engine_path))
+    if not os.path.isfile(os.path.join(engine_path, "manifest.json")):
+        raise FileNotFoundError(
+            f"{engine_path} is not an engine directory (no manifest.json): give the directory "
+            "`recsys convert` wrote, at the same path on every node"
+        )
+    _check_room_for_io(concurrency, threads)
+    options = dict(ray_remote_args)
+    # Rows in = rows out, which lets Ray push limits past the scoring (newer Ray versions).
+    if "udf_modifying_row_count" in inspect.signature(dataset.map_batches).parameters:
+        options.setdefault("udf_modifying_row_count", False)
+    return dataset.map_batches(
+        _Predictor,
+        fn_constructor_kwargs={
+            "engine_path": engine_path,
+            "threads": threads,
+            "k": k,
+            "exclude_seen": exclude_seen,
+            "strict_ids": strict_ids,
+            "return_embedding": return_embedding,
+        },
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        compute=ActorPoolStrategy(size=concurrency),
+        num_cpus=threads,
+        **options,
+    )
+
+
+def _check_room_for_io(concurrency: int, threads: int) -> None:
+    """Refuses a pool that would hold every CPU of the cluster: Ray Data would then find none for
+    the tasks that read and write the dataset and wait forever."""
+    import ray
+
+    if not ray.is_initialized():
+        return  # map_batches starts (or joins) the cluster; Ray's own checks apply then.
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus and concurrency * threads >= cpus:
+        room = max(int(cpus) - 1, 0) // threads
+        raise ValueError(
+            f"{concurrency} actor(s) x {threads} thread(s) would hold all {cpus:g} CPUs of the Ray "
+            f"cluster and leave none to read and write the dataset (the job would never finish): "
+            f"use at most {room} actor(s) of {threads} thread(s) here, or a cluster with more CPUs"
+        )
+
+
+class _Predictor:
+    """One actor's engine, loaded once, answering batches of rows."""
+
+    def __init__(
+        self,
+        engine_path: str,
+        threads: int,
+        k: int,
+        exclude_seen: bool,
+        strict_ids: bool,
+        return_embedding: bool,
+    ) -> None:
+        import recsys
+
+        self.engine = recsys.Engine(engine_path, threads=threads)
+        self.string_ids = not isinstance(self.engine.item_ids, np.ndarray)
+        self.k = k
+        self.exclude_seen = exclude_seen
+        self.strict_ids = strict_ids
+        self.return_embedding = return_embedding
+
+    def __call__(self, batch: "pyarrow.Table") -> "pyarrow.Table":
+        import pyarrow as pa
+
+        if "item_ids" not in batch.column_names:
+            raise ValueError(
+                f'the dataset has no "item_ids" column (the history, oldest first); it has: '
+                f"{', '.join(batch.column_names) or 'no columns'}"
+            )
+        rows = batch.num_rows
+        histories = _id_lists(batch.column("item_ids"))
+        exclude = _optional_column(batch, "exclude_item_ids")
+        candidates = _optional_column(batch, "candidate_item_ids")
+        ks_given = _optional_column(batch, "k")
+        embedding_asked = _optional_column(batch, "return_embedding")
+
+        ids: list[Any] = [None] * rows
+        scores: list[Any] = [None] * rows
+        embeddings: list[Any] = [None] * rows
+        errors: list[Optional[str]] = [None] * rows
+        # Rows refused before the engine sees them, with recsys predict's messages.
+        ks: list[Optional[int]] = [None] * rows
+        wants_embedding = [self.return_embedding] * rows
+        for r in range(rows):
+            if histories[r] is None:
+                errors[r] = 'missing "item_ids"'
+            elif ks_given is not None and ks_given[r] is not None:
+                value = ks_given[r]
+                if _positive_integer(value):
+                    ks[r] = int(value)
+                else:
+                    errors[r] = f'"k" must be a positive integer, found {json.dumps(value)}'
+            if embedding_asked is not None and embedding_asked[r]:
+                wants_embedding[r] = True
+
+        # One engine batch for the rows ranking the whole catalogue, one for those ranking their
+        # own candidates (the engine takes candidates for all of a batch or none).
+        with_candidates = [r for r in range(rows) if errors[r] is None and candidates is not None
+                           and candidates[r] is not None]
+        whole = [r for r in range(rows) if errors[r] is None
+                 and (candidates is None or candidates[r] is None)]
+        for group, use_candidates in ((whole, False), (with_candidates, True)):
+            if not group:
+                continue
+            embed = any(wants_embedding[r] for r in group)
+            answer = self.engine.predict(
+                [histories[r] for r in group],
+                k=[ks[r] for r in group],
+                exclude=None if exclude is None else [_NONE if exclude[r] is None else exclude[r] for r in group],
+                candidates=[candidates[r] for r in group] if use_candidates else None,
+                default_k=self.k,
+                exclude_seen=self.exclude_seen,
+                strict=self.strict_ids,
+                embedding=embed,
+            )
+            for r, row_ids, row_scores, row_embedding, error in zip(group, *answer):
+                if error is not None:
+                    errors[r] = error
+                    continue
+                ids[r], scores[r] = row_ids, row_scores
+                if wants_embedding[r]:
+                    embeddings[r] = row_embedding
+
+        keep = [name for name in batch.column_names if name not in _CONSUMED]
+        out = batch.select(keep)
+        id_type = pa.string() if self.string_ids else pa.int64()
+        out = out.append_column("item_ids", _list_array(ids, id_type))
+        out = out.append_column("scores", _list_array(scores, pa.float32()))
+        if self.return_embedding or embedding_asked is not None:
+            out = out.append_column("embedding", _list_array(embeddings, pa.float32()))
+        return out.append_column("error", pa.array(errors, type=pa.string()))
+
+
+def _optional_column(batch: "pyarrow.Table", name: str) -> Optional[list[Any]]:
+    if name not in batch.column_names:
+        return None
+    if name.endswith("item_ids"):
+        return _id_lists(batch.column(name))
+    return batch.column(name).to_pylist()
+
+
+def _id_lists(column: "pyarrow.ChunkedArray") -> list[Any]:
+    """A list column as one entry per row (None for nulls): int64 numpy views into the column's
+    values for integer ids (the engine copies each as one slice), Python lists otherwise."""
+    import pyarrow as pa
+
+    array = column.combine_chunks()
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)) \
+            or not pa.types.is_integer(array.type.value_type) or array.values.null_count:
+        return array.to_pylist()
+    values = array.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    offsets = array.offsets.to_numpy()
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[r]:offsets[r + 1]] if valid[r] else None for r in range(len(array))]
+
+
+def _positive_integer(value: Any) -> bool:
+    # A column holding a fraction anywhere is read as floats, so 3.0 stands for 3 there.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return float(value).is_integer() and value >= 1
+
+
+def _list_array(rows: list[Any], value_type: "pyarrow.DataType") -> "pyarrow.Array":
+    """A list column from per-row arrays (None: a null row), built from one flat values array."""
+    import pyarrow as pa
+
+    lengths = np.fromiter((0 if row is None else len(row) for row in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [row for row in rows if row is not None and len(row)]
+    if value_type == pa.string():
+        values = pa.array([v for row in present for v in row], type=value_type)
+    elif present:
+        values = pa.array(np.concatenate(present).astype(value_type.to_pandas_dtype(), copy=False))
+    else:
+        values = pa.array([], type=value_type)
+    mask = pa.array([row is None for row in rows], type=pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=mask)
