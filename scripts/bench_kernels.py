@@ -1,5 +1,6 @@
 """Fused score + top-k against its peers on the same weights, in one invocation and thread count:
-recsys (fp32, fp16, int8 weight-only), ONNX Runtime (MatMul + Add + TopK graph), numpy (matmul +
+recsys (fp32, fp16, int8 weight-only, and the int8 screen with exact fp32 rescoring, whose answer
+must equal fp32's), ONNX Runtime (MatMul + Add + TopK graph), numpy (matmul +
 argpartition), and this machine's floor (streaming bandwidth and FMA peak, measured in the same run).
 
     scripts/bench.sh kernels [--threads 2] [--full] [--out FILE.md]
@@ -29,8 +30,9 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "target" / "release" / "kernel_probe"
-PRECISIONS = ["fp32", "fp16", "int8"]
-BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2, "int8": 1}
+PRECISIONS = ["fp32", "fp16", "int8", "screened-int8"]
+# The screen reads the int8 table; its rescoring of the survivors is a few rows of fp32.
+BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2, "int8": 1, "screened-int8": 1}
 
 
 def probe(*args: str) -> dict:
@@ -136,8 +138,12 @@ def main() -> None:
             np_s = median_time(numpy_topk, reps_for(3 * floor_flops + 3 * n * d * 4 / bandwidth))
             agree = len(set(ours["fp32"]["top_row0"]) & set(ort_top)) / k
             floors = {p: max(n * d * BYTES_PER_WEIGHT[p] / bandwidth, floor_flops) for p in PRECISIONS}
+            if ours["screened-int8"]["top_row0"] != ours["fp32"]["top_row0"]:
+                raise SystemExit(f"screened-int8 answered {ours['screened-int8']['top_row0']}, fp32 "
+                                 f"{ours['fp32']['top_row0']}: the screen must be exact")
             rows.append(dict(n=n, d=d, batch=batch, k=k, ours={p: ours[p]["median_s"] for p in PRECISIONS},
-                             ort=ort_s, numpy=np_s, floors=floors, agree=agree))
+                             ort=ort_s, numpy=np_s, floors=floors, agree=agree,
+                             survivors=ours["screened-int8"]["survivors_median"]))
             del sess
 
     ms = lambda s: f"{1000 * s:.3f}"  # noqa: E731
@@ -147,8 +153,8 @@ def main() -> None:
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s, FMA peak {fma / 1e9:.0f} GFLOP/s (both measured in this run); "
         f"onnxruntime {ort.__version__}, numpy {np.__version__} ({blas}); recsys kernels: {ours['fp32']['isa']}",
         "",
-        "| N | d | B | k | floor fp32 ms | recsys fp32 ms | fp32 / floor | ORT ms | ORT / recsys | numpy ms | numpy / recsys | recsys fp16 ms | fp32 / fp16 | recsys int8 ms | fp32 / int8 | int8 / its floor | top-k agree (fp32 vs ORT) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | d | B | k | floor fp32 ms | recsys fp32 ms | fp32 / floor | ORT ms | ORT / recsys | numpy ms | numpy / recsys | recsys fp16 ms | fp32 / fp16 | recsys int8 ms | fp32 / int8 | int8 / its floor | top-k agree (fp32 vs ORT) | screened int8 ms (exact) | fp32 / screened | ORT / screened | survivors (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         o = r["ours"]
@@ -156,7 +162,9 @@ def main() -> None:
             f"| {r['n']:.0e} | {r['d']} | {r['batch']} | {r['k']} | {ms(r['floors']['fp32'])} | {ms(o['fp32'])} | "
             f"{o['fp32'] / r['floors']['fp32']:.2f} | {ms(r['ort'])} | {r['ort'] / o['fp32']:.2f} | {ms(r['numpy'])} | "
             f"{r['numpy'] / o['fp32']:.2f} | {ms(o['fp16'])} | {o['fp32'] / o['fp16']:.2f} | {ms(o['int8'])} | "
-            f"{o['fp32'] / o['int8']:.2f} | {o['int8'] / r['floors']['int8']:.2f} | {r['agree']:.2f} |"
+            f"{o['fp32'] / o['int8']:.2f} | {o['int8'] / r['floors']['int8']:.2f} | {r['agree']:.2f} | "
+            f"{ms(o['screened-int8'])} | {o['fp32'] / o['screened-int8']:.2f} | {r['ort'] / o['screened-int8']:.2f} | "
+            f"{r['survivors']} |"
         )
     table = "\n".join(lines) + "\n"
     print(table)

@@ -3,6 +3,7 @@
 //! measures the machine's floor: streaming read bandwidth and FMA throughput.
 //!
 //! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps
+//!   (precision: fp32, fp16, int8, or screened-int8: the int8 screen with exact fp32 rescoring)
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
 //!
@@ -13,6 +14,7 @@ use std::time::Instant;
 
 use recsys_engine::kernels::fused::{top_k, Exclusions, RowQuery};
 use recsys_engine::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use recsys_engine::kernels::screen::{top_k_from_f32, ScreenTable};
 use recsys_engine::kernels::{fma_peak_flops, KernelTable};
 
 fn read_f32(path: &str) -> Vec<f32> {
@@ -46,6 +48,9 @@ fn topk(args: &[String]) {
     assert_eq!(weights.len(), n * d);
     assert_eq!(bias.len(), n);
     assert!(hidden.len() >= batch * d);
+    if precision == "screened-int8" {
+        return screened(&weights, &bias, &hidden, d, batch, k, threads, reps);
+    }
     let packed = match precision {
         "fp32" => PackedOutput::from_f32(&weights, &bias, d),
         "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
@@ -76,6 +81,48 @@ fn topk(args: &[String]) {
             "isa": table.isa.name(),
             "weight_bytes": packed.weight_bytes(),
             "top_row0": first,
+        })
+    );
+}
+
+/// The int8 screen with exact fp32 rescoring (`kernels::screen`): its time, the survivors per
+/// row, and the answer (equal to the fp32 kernel's by construction; the script checks).
+#[allow(clippy::too_many_arguments)] // the probe's own arguments, parsed above
+fn screened(
+    weights: &[f32],
+    bias: &[f32],
+    hidden: &[f32],
+    d: usize,
+    batch: usize,
+    k: usize,
+    threads: usize,
+    reps: usize,
+) {
+    let screen = ScreenTable::new(weights, bias, d);
+    let table = KernelTable::detect();
+    let none = Exclusions::default();
+    let queries = vec![RowQuery { k, excluded: &none }; batch];
+    let h = &hidden[..batch * d];
+    let mut times = Vec::with_capacity(reps);
+    let mut result = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let start = Instant::now();
+        result = top_k_from_f32(table, &screen, weights, bias, h, &queries, threads);
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let first: Vec<u32> = result.0[0].iter().map(|s| s.index).collect();
+    let mut survivors = result.1.clone();
+    survivors.sort_unstable();
+    println!(
+        "{}",
+        serde_json::json!({
+            "median_s": median(times.clone()),
+            "min_s": times.iter().cloned().fold(f64::INFINITY, f64::min),
+            "isa": table.isa.name(),
+            "weight_bytes": screen.weight_bytes(),
+            "top_row0": first,
+            "survivors_median": survivors[survivors.len() / 2],
+            "survivors_max": survivors[survivors.len() - 1],
         })
     );
 }

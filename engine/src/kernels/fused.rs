@@ -122,7 +122,7 @@ fn tile_panels(out: &PackedOutput) -> usize {
 }
 
 /// Receives the flagged scores of a scan.
-trait Sink {
+pub(super) trait Sink {
     /// The score row `row` must beat to be of interest (-inf: every score).
     fn bar(&self, row: usize) -> f32;
     fn take(&mut self, row: usize, item: u32, score: f32);
@@ -156,7 +156,7 @@ impl Sink for Matrix<'_> {
 
 /// Scores panels `range` for every row and hands the flagged items to `sink`, in increasing item
 /// order per row.
-fn scan(
+pub(super) fn scan(
     table: &KernelTable,
     out: &PackedOutput,
     hidden: &[f32],
@@ -242,7 +242,7 @@ fn scan(
 }
 
 /// Smallest item range worth a thread of its own (spawning costs tens of microseconds).
-const MIN_PANELS_PER_THREAD: usize = 1024;
+pub(super) const MIN_PANELS_PER_THREAD: usize = 1024;
 
 /// The best `k` items of each row of `hidden` (`[B, d]`), best first, without materialising scores.
 pub fn top_k(

@@ -1,0 +1,616 @@
+//! Exact top-k at the cost of reading int8 weights: screen every item with an int8 copy of the
+//! output layer, keep only the items whose score bound can still reach the top k, and rescore
+//! those from the reference weights (fp32, or fp16 bits) with the dense path's own arithmetic.
+//!
+//! For a hidden row `h`, item `i` has reference weights `w_i` (the values the dense kernel reads),
+//! int8 weights `q_i` with scale `s_i`, and the screen quantizes `h` to int16 levels `hq` of scale
+//! `a`. With `e_i = w_i - s_i q_i` and `f = h - a hq` (both measured exactly, not assumed), the
+//! real score splits as
+//!
+//! ```text
+//! w_i . h + b_i = s_i a (q_i . hq) + s_i (q_i . f) + e_i . h + b_i
+//! ```
+//!
+//! The first term is what the int8 kernel computes (exactly in i32, then scaled in f32), so the
+//! screened score `ŝ_i` differs from the dense kernel's computed score `t_i` by at most
+//!
+//! ```text
+//! B_i = max|e_i| ||h||_1  +  s_i ||q_i||_1 max|f|           (rounding of weights, activations)
+//!     + 4u (s_i ||q_i||_1 (max|h| + max|f|) + |b_i|)          (the screen's f32 epilogue)
+//!     + γ(d+1) (max|w_i| ||h||_1 + |b_i|)                    (the dense kernel's f32 sums)
+//! ```
+//!
+//! with `u = 2^-24` and `γ(n) = n u / (1 - n u)`. Every item with `ŝ_i + B_i` below the k-th
+//! largest `ŝ_j - B_j` among eligible items has k eligible items scoring strictly above it, so it
+//! cannot be in the top k, ties included; the survivors are rescored exactly and ranked by the
+//! dense path's rule, so the answer is the reference engine's, ids and scores.
+
+use super::fused::{self, scan, Exclusions, RowQuery, Sink, MIN_PANELS_PER_THREAD};
+use super::packed::{quantize_activations, quantize_int8_per_row, PackedOutput};
+use super::KernelTable;
+use crate::topk::{rank_order, Scored};
+
+/// Unit roundoff of f32.
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// The int8 screening copy of an output layer, with what each item's bound needs.
+#[derive(Clone, Debug)]
+pub struct ScreenTable {
+    /// int8 weights with per-item scales, the reference bias; activations quantized per row.
+    pub packed: PackedOutput,
+    /// Per item (PAD included): max_j |w_ij - s_i q_ij|.
+    weight_error: Vec<f32>,
+    /// Per item: s_i ||q_i||_1.
+    scaled_q_l1: Vec<f32>,
+    /// Per item: max_j |w_ij|.
+    max_weight: Vec<f32>,
+    /// Per item: |b_i| (0 for -inf padding, never offered).
+    abs_bias: Vec<f32>,
+    /// Largest of each per-item quantity, for one conservative bar per row in the kernel.
+    max_of: [f32; 4],
+}
+
+impl ScreenTable {
+    /// From the reference weights as the dense kernel reads them (`[n, d]` row-major f32; fp16
+    /// engines pass their half values widened) and the bias.
+    pub fn new(reference: &[f32], bias: &[f32], d: usize) -> Self {
+        assert_eq!(reference.len(), bias.len() * d, "weights must be [n, d]");
+        let (q, scales) = quantize_int8_per_row(reference, d);
+        let n = bias.len();
+        let mut weight_error = Vec::with_capacity(n);
+        let mut scaled_q_l1 = Vec::with_capacity(n);
+        let mut max_weight = Vec::with_capacity(n);
+        for ((w, q), &s) in reference
+            .chunks_exact(d)
+            .zip(q.chunks_exact(d))
+            .zip(&scales)
+        {
+            let s = s as f64;
+            let error = w
+                .iter()
+                .zip(q)
+                .map(|(&w, &q)| (w as f64 - s * q as f64).abs())
+                .fold(0f64, f64::max);
+            let l1: f64 = q.iter().map(|&q| (q as f64).abs()).sum();
+            weight_error.push(round_up(error));
+            scaled_q_l1.push(round_up(s * l1));
+            max_weight.push(w.iter().fold(0f32, |m, &w| m.max(w.abs())));
+        }
+        let abs_bias: Vec<f32> = bias
+            .iter()
+            .map(|b| if b.is_finite() { b.abs() } else { 0.0 })
+            .collect();
+        let largest = |v: &[f32]| v.iter().fold(0f32, |m, &x| m.max(x));
+        let max_of = [
+            largest(&weight_error),
+            largest(&scaled_q_l1),
+            largest(&max_weight),
+            largest(&abs_bias),
+        ];
+        ScreenTable {
+            packed: PackedOutput::from_i8(&q, &scales, bias, d),
+            weight_error,
+            scaled_q_l1,
+            max_weight,
+            abs_bias,
+            max_of,
+        }
+    }
+
+    /// Bytes the screen reads per scan (int8 weights and scales).
+    pub fn weight_bytes(&self) -> usize {
+        self.packed.weight_bytes()
+    }
+}
+
+/// f64 to the f32 at or above it, so a stored bound never shrinks.
+fn round_up(x: f64) -> f32 {
+    let f = x as f32;
+    if (f as f64) < x {
+        f.next_up()
+    } else {
+        f
+    }
+}
+
+/// What a row's bounds need from its hidden vector.
+#[derive(Clone, Copy, Debug)]
+struct RowTerms {
+    /// ||h||_1
+    h_l1: f64,
+    /// max_j |h_j - a hq_j|
+    f_max: f64,
+    /// max_j |h_j|
+    h_max: f64,
+    /// 1 but in the test that shows a smaller bound fails.
+    bound_scale: f64,
+}
+
+impl RowTerms {
+    /// The bound of an item from its four per-item quantities.
+    #[inline]
+    fn bound(
+        &self,
+        d: usize,
+        weight_error: f32,
+        scaled_q_l1: f32,
+        max_weight: f32,
+        abs_bias: f32,
+    ) -> f64 {
+        let n = (d + 1) as f64;
+        let gamma = n * U / (1.0 - n * U);
+        let (e, sq, wm, b) = (
+            weight_error as f64,
+            scaled_q_l1 as f64,
+            max_weight as f64,
+            abs_bias as f64,
+        );
+        let bound = e * self.h_l1
+            + sq * self.f_max
+            + 4.0 * U * (sq * (self.h_max + self.f_max) + b)
+            + gamma * (wm * self.h_l1 + b);
+        // The f64 evaluation above rounds too: a relative hair, and an absolute one for zeros.
+        (bound * (1.0 + 1e-9) + f64::MIN_POSITIVE) * self.bound_scale
+    }
+}
+
+/// One row's screen: the k largest lower bounds seen (their k-th is the level every survivor's
+/// upper bound must reach) and the items whose upper bound reached the level when seen.
+struct ScreenRow<'a> {
+    k: usize,
+    excluded: &'a Exclusions,
+    terms: RowTerms,
+    /// The bound no item exceeds, for the kernel's bar.
+    max_bound: f64,
+    lowers: Vec<f64>,
+    level: f64,
+    survivors: Vec<(u32, f64)>,
+    /// Survivor count at which the level is applied to the buffer again.
+    prune_at: usize,
+}
+
+impl ScreenRow<'_> {
+    fn offer(&mut self, screen: &ScreenTable, d: usize, index: u32, score: f32) {
+        if self.k == 0 || self.excluded.contains(index) {
+            return;
+        }
+        let i = index as usize;
+        let bound = self.terms.bound(
+            d,
+            screen.weight_error[i],
+            screen.scaled_q_l1[i],
+            screen.max_weight[i],
+            screen.abs_bias[i],
+        );
+        let (lower, upper) = (score as f64 - bound, score as f64 + bound);
+        if upper < self.level {
+            return;
+        }
+        self.survivors.push((index, upper));
+        if lower > self.level {
+            self.lowers.push(lower);
+            if self.lowers.len() >= 2 * self.k {
+                self.raise_level();
+            }
+        }
+        // Forget survivors the level has passed; if many remain (near-ties), filter again only
+        // once the buffer has doubled, so the cost stays linear.
+        if self.survivors.len() >= self.prune_at {
+            let level = self.level;
+            self.survivors.retain(|&(_, u)| u >= level);
+            self.prune_at = self.prune_at.max(2 * self.survivors.len());
+        }
+    }
+
+    /// Keeps the k largest lower bounds; the level becomes the k-th.
+    fn raise_level(&mut self) {
+        if self.k > 0 && self.lowers.len() >= self.k {
+            let k = self.k;
+            self.lowers
+                .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+            self.lowers.truncate(k);
+            self.level = self.lowers[k - 1];
+        }
+    }
+}
+
+impl Sink for (&ScreenTable, Vec<ScreenRow<'_>>) {
+    fn bar(&self, row: usize) -> f32 {
+        let r = &self.1[row];
+        if r.k == 0 {
+            return f32::INFINITY; // nothing asked: flag nothing
+        }
+        if r.level == f64::NEG_INFINITY {
+            return f32::NEG_INFINITY;
+        }
+        // Below every score that could survive: ŝ >= level - B_i >= level - max B.
+        let bar = (r.level - r.max_bound) as f32;
+        bar.next_down()
+    }
+
+    fn take(&mut self, row: usize, item: u32, score: f32) {
+        let d = self.0.packed.d;
+        self.1[row].offer(self.0, d, item, score);
+    }
+}
+
+/// One thread's screen of one row: its k largest lower bounds and its survivors with their upper
+/// bounds.
+type PartialScreen = (Vec<f64>, Vec<(u32, f64)>);
+
+/// Per row of a screened scan: the items that may be in the exact top k, ascending.
+pub struct Survivors {
+    pub items: Vec<u32>,
+}
+
+/// Screens every item for each row of `hidden` (`[B, d]`) and returns, per row, the eligible
+/// items that can still be in its exact top k (all eligible items when fewer than k are).
+pub fn survivors(
+    table: &KernelTable,
+    screen: &ScreenTable,
+    hidden: &[f32],
+    queries: &[RowQuery<'_>],
+    threads: usize,
+) -> Vec<Survivors> {
+    survivors_with_bounds_scaled(table, screen, hidden, queries, threads, 1.0)
+}
+
+/// [`survivors`] with every bound multiplied by `bound_scale` (1: the proven bound; the tests
+/// show that a smaller one loses answers).
+fn survivors_with_bounds_scaled(
+    table: &KernelTable,
+    screen: &ScreenTable,
+    hidden: &[f32],
+    queries: &[RowQuery<'_>],
+    threads: usize,
+    bound_scale: f64,
+) -> Vec<Survivors> {
+    let d = screen.packed.d;
+    assert_eq!(hidden.len(), queries.len() * d, "one hidden row per query");
+    if queries.is_empty() {
+        return Vec::new();
+    }
+    let terms: Vec<RowTerms> = row_terms(hidden, d, bound_scale);
+    let max_bound = |t: &RowTerms| {
+        let [e, sq, wm, b] = screen.max_of;
+        t.bound(d, e, sq, wm, b)
+    };
+    let panels = screen.packed.panels();
+    let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
+    let run = |range: std::ops::Range<usize>| {
+        let rows: Vec<ScreenRow<'_>> = queries
+            .iter()
+            .zip(&terms)
+            .map(|(q, t)| ScreenRow {
+                k: q.k,
+                excluded: q.excluded,
+                terms: *t,
+                max_bound: max_bound(t),
+                lowers: Vec::with_capacity(2 * q.k.min(1 << 16)),
+                level: f64::NEG_INFINITY,
+                survivors: Vec::new(),
+                prune_at: 4 * q.k.max(64),
+            })
+            .collect();
+        let mut sink = (screen, rows);
+        if queries.iter().any(|q| q.k > 0) {
+            scan(table, &screen.packed, hidden, range, &mut sink);
+        }
+        sink.1
+            .into_iter()
+            .map(|mut r| {
+                r.raise_level();
+                (r.lowers, r.survivors)
+            })
+            .collect::<Vec<_>>()
+    };
+    let per_thread: Vec<Vec<PartialScreen>> = if threads == 1 {
+        vec![run(0..panels)]
+    } else {
+        let chunk = panels.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let range = (t * chunk).min(panels)..((t + 1) * chunk).min(panels);
+                    let run = &run;
+                    scope.spawn(move || run(range))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("screening thread panicked"))
+                .collect()
+        })
+    };
+    queries
+        .iter()
+        .enumerate()
+        .map(|(row, query)| {
+            if query.k == 0 {
+                return Survivors { items: Vec::new() };
+            }
+            // Each thread kept its k largest lower bounds, so the k-th largest of their union is
+            // the whole catalogue's.
+            let mut lowers: Vec<f64> = per_thread
+                .iter()
+                .flat_map(|t| t[row].0.iter().copied())
+                .collect();
+            let level = if lowers.len() >= query.k {
+                lowers.select_nth_unstable_by(query.k - 1, |a, b| b.total_cmp(a));
+                lowers[query.k - 1]
+            } else {
+                f64::NEG_INFINITY
+            };
+            let mut items: Vec<u32> = per_thread
+                .iter()
+                .flat_map(|t| t[row].1.iter())
+                .filter(|&&(_, upper)| upper >= level)
+                .map(|&(i, _)| i)
+                .collect();
+            items.sort_unstable();
+            Survivors { items }
+        })
+        .collect()
+}
+
+fn row_terms(hidden: &[f32], d: usize, bound_scale: f64) -> Vec<RowTerms> {
+    let (hq, scales) = quantize_activations(hidden, d);
+    let width = d.div_ceil(2) * 2;
+    hidden
+        .chunks_exact(d)
+        .zip(&scales)
+        .enumerate()
+        .map(|(r, (h, &a))| {
+            let (mut h_l1, mut f_max, mut h_max) = (0f64, 0f64, 0f64);
+            for (j, &x) in h.iter().enumerate() {
+                let x = x as f64;
+                h_l1 += x.abs();
+                h_max = h_max.max(x.abs());
+                f_max = f_max.max((x - a as f64 * hq[r * width + j] as f64).abs());
+            }
+            RowTerms {
+                // Sums of non-negative f64 terms round up by at most d ulps: a relative hair more.
+                h_l1: h_l1 * (1.0 + (d as f64 + 1.0) * f64::EPSILON),
+                f_max,
+                h_max,
+                bound_scale,
+            }
+        })
+        .collect()
+}
+
+/// The exact top k from the screen: survivors rescored by `rescore(row, items)` (the dense path's
+/// best `k` among `items`, ascending distinct indices, with its exclusions), so the answer is the
+/// reference's. Also returns each row's survivor count (the screen's cost).
+pub fn top_k(
+    table: &KernelTable,
+    screen: &ScreenTable,
+    hidden: &[f32],
+    queries: &[RowQuery<'_>],
+    threads: usize,
+    mut rescore: impl FnMut(usize, &[u32]) -> Vec<Scored>,
+) -> (Vec<Vec<Scored>>, Vec<usize>) {
+    let kept = survivors(table, screen, hidden, queries, threads);
+    let counts = kept.iter().map(|s| s.items.len()).collect();
+    let answers = kept
+        .iter()
+        .enumerate()
+        .map(|(row, s)| {
+            if s.items.is_empty() {
+                return Vec::new();
+            }
+            let mut ranked = rescore(row, &s.items);
+            ranked.sort_unstable_by(rank_order);
+            ranked.truncate(queries[row].k);
+            ranked
+        })
+        .collect();
+    (answers, counts)
+}
+
+/// [`top_k`] rescoring from a row-major f32 reference table with the f32 dense kernel: the
+/// survivors' rows packed as the whole table is, so each score is the dense scan's.
+pub fn top_k_from_f32(
+    table: &KernelTable,
+    screen: &ScreenTable,
+    reference: &[f32],
+    bias: &[f32],
+    hidden: &[f32],
+    queries: &[RowQuery<'_>],
+    threads: usize,
+) -> (Vec<Vec<Scored>>, Vec<usize>) {
+    let d = screen.packed.d;
+    top_k(table, screen, hidden, queries, threads, |row, items| {
+        let row_bias: Vec<f32> = items.iter().map(|&i| bias[i as usize]).collect();
+        let packed = PackedOutput::gathered_f32(reference, items, &row_bias, d);
+        let none = Exclusions::default();
+        let query = RowQuery {
+            k: queries[row].k.min(items.len()),
+            excluded: &none,
+        };
+        fused::top_k(table, &packed, &hidden[row * d..(row + 1) * d], &[query], 1)
+            .remove(0)
+            .into_iter()
+            .map(|s| Scored {
+                index: items[s.index as usize],
+                score: s.score,
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::fused::top_k as dense_top_k;
+    use crate::kernels::{Isa, KernelTable};
+    use proptest::prelude::*;
+
+    fn lcg(seed: u64) -> impl FnMut() -> f32 {
+        let mut state = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    /// The screened answer against the dense f32 scan of the same weights, on every ISA.
+    fn assert_exact(
+        w: &[f32],
+        b: &[f32],
+        d: usize,
+        hidden: &[f32],
+        queries: &[RowQuery<'_>],
+        threads: usize,
+    ) -> Vec<usize> {
+        let screen = ScreenTable::new(w, b, d);
+        let dense = PackedOutput::from_f32(w, b, d);
+        let mut counts = Vec::new();
+        for isa in Isa::available() {
+            let table = KernelTable::for_isa(isa);
+            let want = dense_top_k(table, &dense, hidden, queries, 1);
+            let (got, kept) = top_k_from_f32(table, &screen, w, b, hidden, queries, threads);
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "{isa:?} row {r} ({} survivors)", kept[r]);
+            }
+            counts = kept;
+        }
+        counts
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Random shapes, per-item scales over six orders of magnitude, exact ties from duplicate
+        /// rows, exclusions (none, a third, all), k from 0 past the eligible items: the screened
+        /// answer is the dense scan's, ids and scores.
+        #[test]
+        fn screened_answers_are_the_dense_answers(
+            n in 1usize..1500, d in 1usize..80, rows in 1usize..6, k in 0usize..120,
+            seed in 0u64..100_000, spread in 0i32..4, tie_every in 0usize..4, big_bias in prop::bool::ANY,
+        ) {
+            let mut next = lcg(seed);
+            let mut w: Vec<f32> = Vec::with_capacity(n * d);
+            for _ in 0..n {
+                let row_scale = 10f32.powi(((next() + 1.0) * spread as f32) as i32 - spread / 2);
+                w.extend((0..d).map(|_| next() * row_scale));
+            }
+            if tie_every > 0 {
+                for i in (tie_every..n).step_by(tie_every + 1) {
+                    let (a, c) = (i - tie_every, i);
+                    for j in 0..d { w[c * d + j] = w[a * d + j]; }
+                }
+            }
+            let b: Vec<f32> = (0..n)
+                .map(|_| if tie_every > 0 { 0.0 } else if big_bias { next() * 100.0 } else { next() })
+                .collect();
+            let hidden: Vec<f32> = (0..rows * d).map(|_| next() * 3.0).collect();
+            let exclusions: Vec<Exclusions> = (0..rows)
+                .map(|r| match r % 3 {
+                    0 => Exclusions::default(),
+                    1 => Exclusions::new((0..n as u32).filter(|i| i % 3 == 0).collect()),
+                    _ => Exclusions::new((0..n as u32).collect()),
+                })
+                .collect();
+            let queries: Vec<RowQuery> = exclusions.iter().map(|e| RowQuery { k, excluded: e }).collect();
+            assert_exact(&w, &b, d, &hidden, &queries, 1);
+        }
+    }
+
+    #[test]
+    fn all_equal_scores_keep_every_item_and_stay_exact() {
+        let (n, d) = (300, 16);
+        let mut next = lcg(7);
+        let row: Vec<f32> = (0..d).map(|_| next()).collect();
+        let w: Vec<f32> = (0..n).flat_map(|_| row.iter().copied()).collect();
+        let b = vec![0.25; n];
+        let hidden: Vec<f32> = (0..d).map(|_| next()).collect();
+        let none = Exclusions::default();
+        let counts = assert_exact(
+            &w,
+            &b,
+            d,
+            &hidden,
+            &[RowQuery {
+                k: 10,
+                excluded: &none,
+            }],
+            1,
+        );
+        assert_eq!(counts, [n], "every item ties, so every item survives");
+    }
+
+    #[test]
+    fn threads_share_the_catalogue_and_keep_the_answer() {
+        // Enough panels for several threads (MIN_PANELS_PER_THREAD each).
+        let (n, d, rows) = (3 * 8 * MIN_PANELS_PER_THREAD + 13, 12, 3);
+        let mut next = lcg(11);
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let b: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
+        let hidden: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let none = Exclusions::default();
+        let some = Exclusions::new((0..n as u32).step_by(2).collect());
+        for k in [1, 10, 100, 1000] {
+            let queries = [
+                RowQuery { k, excluded: &none },
+                RowQuery { k, excluded: &some },
+                RowQuery { k, excluded: &none },
+            ];
+            let one = assert_exact(&w, &b, d, &hidden, &queries, 1);
+            let three = assert_exact(&w, &b, d, &hidden, &queries, 3);
+            assert_eq!(one, three, "the same survivors whatever the threads");
+            // Random weights are the hard case; still, far fewer than the catalogue survive.
+            assert!(
+                one.iter().all(|&c| c >= k && c < n / 4),
+                "k {k}: {one:?} of {n}"
+            );
+        }
+    }
+
+    /// Weights half a quantization step off in every feature but the one that sets the scale,
+    /// all errors of the sign of h: the screen underestimates item 1 by 63/64 of its bound. Item 0
+    /// sits on the int8 grid and scores just below item 1's true score, so with 90 % of the bound
+    /// item 1 is screened out and the answer would be item 0: wrong. The real bound keeps it.
+    #[test]
+    fn a_bound_ten_percent_too_small_loses_the_answer_and_the_real_one_does_not() {
+        let d = 64;
+        let mut on_grid = vec![0f32; d];
+        on_grid[0] = 127.0;
+        on_grid[1] = 31.0; // exact: scores 158
+        let mut half_off = vec![0.499_99f32; d];
+        half_off[0] = 127.0; // scale 1; the rest rounds to 0: screened 127, true 158.49937
+        let w: Vec<f32> = on_grid.iter().chain(&half_off).copied().collect();
+        let b = vec![0.0; 2];
+        let hidden = vec![1.0f32; d]; // quantizes exactly: the weights carry all the error
+        let none = Exclusions::default();
+        let queries = [RowQuery {
+            k: 1,
+            excluded: &none,
+        }];
+        let screen = ScreenTable::new(&w, &b, d);
+        for isa in Isa::available() {
+            let table = KernelTable::for_isa(isa);
+            let dense = dense_top_k(
+                table,
+                &PackedOutput::from_f32(&w, &b, d),
+                &hidden,
+                &queries,
+                1,
+            );
+            assert_eq!(dense[0][0].index, 1, "item 1 is the true best");
+            let too_small = survivors_with_bounds_scaled(table, &screen, &hidden, &queries, 1, 0.9);
+            assert_eq!(
+                too_small[0].items,
+                [0],
+                "{isa:?}: 90 % of the bound drops the true best"
+            );
+            let real = survivors(table, &screen, &hidden, &queries, 1);
+            assert!(real[0].items.contains(&1), "{isa:?}: the bound keeps it");
+            let (got, _) = top_k_from_f32(table, &screen, &w, &b, &hidden, &queries, 1);
+            assert_eq!(got, dense, "{isa:?}");
+        }
+    }
+}
