@@ -320,6 +320,14 @@ pub enum Kind {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScreenArg {
+    /// Score every item at the engine's precision.
+    None,
+    /// Screen with int8 weights, rescore the survivors exactly.
+    Int8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Precision {
     /// 32-bit floats, PyTorch-exact within f32 rounding.
     Fp32,
@@ -379,6 +387,11 @@ pub struct ConvertArgs {
     /// How int8 is applied (with --precision int8).
     #[arg(long, value_enum, default_value = "weight-only")]
     pub int8_mode: Int8Mode,
+    /// Find each top k by screening an int8 copy of the output layer and rescoring the survivors
+    /// from the fp32/fp16 weights: the same answers, bit for bit, reading a quarter of the bytes
+    /// (fp32 and fp16 engines; see docs/QUANTIZATION.md).
+    #[arg(long, value_enum, default_value = "none")]
+    pub screen: ScreenArg,
     /// Calibration histories for --int8-mode w8a8: JSON lines in the `recsys predict` input format.
     /// Use a few thousand real histories; their activations set the static scale.
     #[arg(long)]

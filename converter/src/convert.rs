@@ -1,6 +1,6 @@
 //! `recsys convert`.
 
-use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Kind, Precision};
+use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Kind, Precision, ScreenArg};
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
@@ -87,6 +87,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
                 (Precision::Int8, _) => recsys_engine::engine_dir::Precision::Int8,
             },
             calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
+            screen: match args.screen {
+                ScreenArg::None => recsys_engine::engine_dir::Screen::None,
+                ScreenArg::Int8 => recsys_engine::engine_dir::Screen::Int8,
+            },
         },
         args.max_checkpoint_bytes,
     );
@@ -103,6 +107,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             "items": engine.n_items(),
             "id_type": m.id_type,
             "precision": m.precision,
+            "screen": m.screen,
             "weights_bytes": weights.bytes,
             "source": {"file": m.source.file, "format": m.source.format, "sha256": m.source.sha256},
             "calibration": m.calibration,
@@ -122,6 +127,12 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         name(serde_json::json!(m.source.format)),
         &m.source.sha256[..12],
     );
+    if m.screen == recsys_engine::engine_dir::Screen::Int8 {
+        println!(
+            "screen: int8 (each top k screened from int8 weights, survivors rescored at {}: the same answers)",
+            name(serde_json::json!(m.precision))
+        );
+    }
     if let Some(c) = &m.calibration {
         println!(
             "calibration: {} over {} histories ({} values): |activation| max {:.4}, threshold {:.4}, {:.4}% clipped",

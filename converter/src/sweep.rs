@@ -254,6 +254,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
                     m,
                 )
             }),
+            screen: Default::default(),
         })?;
         engine.set_threads(crate::cli::default_threads(args.threads));
         let resident = engine.memory_bytes() as u64;

@@ -1238,3 +1238,79 @@ fn predict_ranks_a_lines_candidates_only() {
         .collect();
     assert_eq!(got, want);
 }
+
+#[test]
+fn a_screened_engine_predicts_byte_for_byte_what_the_plain_one_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input: String = std::fs::read_to_string(fixtures().join("test_set.tsv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .take(300)
+        .enumerate()
+        .map(|(i, l)| {
+            let ids: Vec<&str> = l.split('\t').nth(2).unwrap().split(' ').collect();
+            let k = [1, 10, 100, 1000][i % 4];
+            format!(
+                "{{\"user_id\": {i}, \"k\": {k}, \"item_ids\": [{}]}}\n",
+                ids.join(", ")
+            )
+        })
+        .collect();
+    let input_path = tmp.path().join("in.jsonl");
+    std::fs::write(&input_path, input).unwrap();
+    for (model_dir, kind) in [("bert4rec", "bert4rec"), ("multivae", "vaecf")] {
+        for precision in ["fp32", "fp16"] {
+            let item_map = fixtures().join(model_dir).join("item_id_map.tsv");
+            let mut outputs = Vec::new();
+            for screen in ["none", "int8"] {
+                let engine = tmp.path().join(format!("{kind}-{precision}-{screen}"));
+                let done =
+                    convert_command(model_dir, kind, "model.safetensors", &item_map, &engine)
+                        .args(["--precision", precision, "--screen", screen, "--json"])
+                        .output()
+                        .unwrap();
+                assert!(
+                    done.status.success(),
+                    "{}",
+                    String::from_utf8_lossy(&done.stderr)
+                );
+                let summary: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
+                assert_eq!(summary["screen"], screen);
+                let out = tmp
+                    .path()
+                    .join(format!("{kind}-{precision}-{screen}.jsonl"));
+                let status = recsys()
+                    .args(["predict", "--engine"])
+                    .arg(&engine)
+                    .arg("--input")
+                    .arg(&input_path)
+                    .arg("--output")
+                    .arg(&out)
+                    .stderr(Stdio::null())
+                    .status()
+                    .unwrap();
+                assert!(status.success());
+                outputs.push(std::fs::read(&out).unwrap());
+            }
+            assert!(
+                outputs[0] == outputs[1],
+                "{kind} {precision}: screened output differs"
+            );
+        }
+    }
+    // int8 engines already read int8 weights: refused, naming why, with the usage status.
+    let item_map = fixtures().join("multivae").join("item_id_map.tsv");
+    let done = convert_command(
+        "multivae",
+        "vaecf",
+        "model.safetensors",
+        &item_map,
+        &tmp.path().join("x"),
+    )
+    .args(["--precision", "int8", "--screen", "int8"])
+    .output()
+    .unwrap();
+    assert!(!done.status.success());
+    assert!(String::from_utf8_lossy(&done.stderr).contains("fp32 and fp16"));
+}

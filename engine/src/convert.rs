@@ -6,7 +6,7 @@ use std::path::Path;
 use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
 use crate::config::{ModelConfig, ModelKind};
 use crate::engine::Engine;
-use crate::engine_dir::{self, EngineParts, Precision, RawTensor, SourceCheckpoint};
+use crate::engine_dir::{self, EngineParts, Precision, RawTensor, Screen, SourceCheckpoint};
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalIds, IdMap};
 use crate::import::Checkpoint;
@@ -26,6 +26,8 @@ pub struct ConvertRequest<'a> {
     /// With `Precision::Int8`: calibration histories (external ids as text) and method, for W8A8
     /// static activation scales. `None` is weight-only int8.
     pub calibration: Option<(&'a [Vec<String>], CalibrationMethod)>,
+    /// The top-k screen to record (fp32 and fp16 engines).
+    pub screen: Screen,
 }
 
 /// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
@@ -54,6 +56,13 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             "calibration applies to int8 (W8A8) only".into(),
         ));
     }
+    if request.screen == Screen::Int8 && request.precision == Precision::Int8 {
+        return Err(EngineError::Config(
+            "--screen int8 screens fp32 and fp16 engines (their answers, at int8 cost); an int8 \
+             engine already scores from int8 weights"
+                .into(),
+        ));
+    }
     let (raw_tensors, quantization, calibration) = quantize(
         &config,
         &mut tensors,
@@ -79,6 +88,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             precision: request.precision,
             quantization,
             calibration: calibration.map(|c| serde_json::to_value(c).expect("summary serialises")),
+            screen: request.screen,
             ids: &ids,
             source,
         },

@@ -3,11 +3,12 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::ModelKind;
-use crate::engine_dir::{self, Manifest};
+use crate::engine_dir::{self, Manifest, Screen};
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalId, IdMap};
 use crate::kernels::fused::{self, Exclusions, RowQuery};
 use crate::kernels::packed::PackedOutput;
+use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
 use crate::models::{HistoryNote, Model};
 use crate::request::{
@@ -19,6 +20,9 @@ use crate::topk::Scored;
 /// The output layer as the fused kernels read it, and how to run them.
 pub struct Scorer {
     pub packed: PackedOutput,
+    /// The int8 screen of a `screen: int8` engine ([`crate::engine_dir::Screen`]): whole-catalogue
+    /// top-k reads it instead of `packed`, and rescores the survivors from the reference weights.
+    pub screen: Option<ScreenTable>,
     pub kernels: &'static KernelTable,
     /// Threads one batch's scoring may use (instances x threads should fit the cores).
     pub threads: usize,
@@ -80,6 +84,27 @@ fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
     }
 }
 
+/// The int8 screening table of a `screen: int8` engine, built from the output layer's stored
+/// reference weights (fp32, or fp16 widened: the values the dense kernel reads).
+fn screen_table(loaded: &engine_dir::LoadedDir) -> Result<Option<ScreenTable>> {
+    if loaded.manifest.screen == Screen::None {
+        return Ok(None);
+    }
+    let out = loaded.model.output();
+    if matches!(out.weight, crate::weights::Matrix::I8 { .. }) {
+        return Err(EngineError::EngineDir {
+            path: loaded.path.clone(),
+            reason: "screen int8 on an int8 engine: the screen is for fp32 and fp16 engines".into(),
+        });
+    }
+    let (n, d) = (out.n_outputs(), out.input_size());
+    let mut reference = vec![0f32; n * d];
+    for (i, row) in reference.chunks_exact_mut(d).enumerate() {
+        out.weight.add_row_into(i, row);
+    }
+    Ok(Some(ScreenTable::new(&reference, out.bias.as_slice(), d)))
+}
+
 impl Engine {
     /// Loads and verifies an engine directory; the kernels are the best this CPU runs (or
     /// `RECSYS_FORCE_ISA`), with one scoring thread.
@@ -91,6 +116,7 @@ impl Engine {
     pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<Engine> {
         let loaded = engine_dir::load_limited(dir, max_engine_bytes)?;
         let packed = packed_output(&loaded)?;
+        let screen = screen_table(&loaded)?;
         Ok(Engine {
             manifest: loaded.manifest,
             model: loaded.model,
@@ -98,6 +124,7 @@ impl Engine {
             path: Some(loaded.path),
             scorer: Scorer {
                 packed,
+                screen,
                 kernels: KernelTable::detect(),
                 threads: 1,
             },
@@ -117,6 +144,11 @@ impl Engine {
             + self.model.packed_bytes()
             + self.scorer.packed.weight_bytes()
             + 4 * self.scorer.packed.bias.len()
+            + self
+                .scorer
+                .screen
+                .as_ref()
+                .map_or(0, ScreenTable::memory_bytes)
     }
 
     /// Threads for scoring one batch (at least 1).
@@ -318,9 +350,10 @@ impl Engine {
             let excluded: Vec<Vec<u32>> =
                 whole.iter().map(|&r| excluded_items(&batch[r])).collect();
             let ks: Vec<usize> = whole.iter().map(|&r| batch[r].k).collect();
-            for (r, ranked) in whole
-                .iter()
-                .zip(self.scorer.top_k(&rows_hidden, &ks, excluded))
+            for (r, ranked) in
+                whole
+                    .iter()
+                    .zip(self.top_k_whole_catalogue(&rows_hidden, &ks, excluded))
             {
                 top[*r] = ranked;
             }
@@ -341,6 +374,52 @@ impl Engine {
                 (items, note, embedding)
             })
             .collect()
+    }
+
+    /// Each row's best `ks[row]` of the whole catalogue (never PAD nor `excluded[row]`): through
+    /// the screen when the engine has one, each row's survivors rescored exactly as the candidate
+    /// path scores candidates (so the answer is the dense scan's), else the dense scan itself.
+    pub fn top_k_whole_catalogue(
+        &self,
+        hidden: &[f32],
+        ks: &[usize],
+        excluded: Vec<Vec<u32>>,
+    ) -> RankedRows {
+        let Some(screen) = &self.scorer.screen else {
+            return self.scorer.top_k(hidden, ks, excluded);
+        };
+        let exclusions: Vec<Exclusions> = excluded
+            .into_iter()
+            .map(|mut list| {
+                list.push(0); // PAD is never an item
+                Exclusions::new(list)
+            })
+            .collect();
+        let queries: Vec<RowQuery<'_>> = ks
+            .iter()
+            .zip(&exclusions)
+            .map(|(&k, excluded)| RowQuery { k, excluded })
+            .collect();
+        let d = screen.packed.d;
+        let (ranked, _survivors) = screen::top_k(
+            self.scorer.kernels,
+            screen,
+            hidden,
+            &queries,
+            self.scorer.threads.max(1),
+            |row, items| {
+                // Survivors are eligible already: nothing left to exclude.
+                self.top_k_among_rows(
+                    &hidden[row * d..(row + 1) * d],
+                    items,
+                    &[ks[row]],
+                    &[vec![]],
+                    1,
+                )
+                .remove(0)
+            },
+        );
+        ranked
     }
 
     /// Ranks every row of `batch` that carries candidates (into `top`), as one batch: rows with the

@@ -40,6 +40,29 @@ pub enum Precision {
     Int8,
 }
 
+/// How the output layer's top k is found. `Int8`: screened from an int8 copy of the output layer
+/// and the survivors rescored from the reference weights, so the answers are the unscreened
+/// engine's bit for bit at the cost of reading int8 weights (`kernels::screen`); fp32 and fp16
+/// engines only. The screening table is derived from the stored weights at load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Screen {
+    #[default]
+    None,
+    Int8,
+}
+
+impl std::str::FromStr for Screen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Screen::None),
+            "int8" => Ok(Screen::Int8),
+            _ => Err(format!("unknown screen {s:?} (expected none or int8)")),
+        }
+    }
+}
+
 impl std::str::FromStr for Precision {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -78,6 +101,9 @@ pub struct Manifest {
     pub quantization: Option<serde_json::Value>,
     /// Calibration summary; `null` when no calibration was run.
     pub calibration: Option<serde_json::Value>,
+    /// The top-k screen (absent in engines written before it existed: none).
+    #[serde(default)]
+    pub screen: Screen,
     pub id_type: IdType,
     pub source: SourceCheckpoint,
     pub files: BTreeMap<String, FileEntry>,
@@ -112,6 +138,7 @@ pub struct EngineParts<'a> {
     pub precision: Precision,
     pub quantization: Option<serde_json::Value>,
     pub calibration: Option<serde_json::Value>,
+    pub screen: Screen,
     pub ids: &'a IdMap,
     pub source: SourceCheckpoint,
 }
@@ -209,6 +236,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         precision: parts.precision,
         quantization: parts.quantization.clone(),
         calibration: parts.calibration.clone(),
+        screen: parts.screen,
         id_type: parts.ids.id_type(),
         source: parts.source.clone(),
         files,

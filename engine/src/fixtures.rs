@@ -54,5 +54,6 @@ pub fn convert(
         out,
         precision,
         calibration: None,
+        screen: Default::default(),
     })
 }

@@ -39,6 +39,7 @@ fn recbole_checkpoint_carries_its_own_config() {
         out: &tmp.path().join("e"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
+        screen: Default::default(),
     })
     .unwrap();
     let from_json = convert_fixture(ModelKind::Bert4rec, "model.pt", &tmp.path().join("f"));
@@ -61,6 +62,7 @@ fn plain_state_dict_needs_a_config() {
         out: &tmp.path().join("e"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
+        screen: Default::default(),
     })
     .err()
     .unwrap();
@@ -105,6 +107,7 @@ fn convert_file(
         out: &out,
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
+        screen: Default::default(),
     })
 }
 
@@ -241,6 +244,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         out: &tmp.path().join("e"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
+        screen: Default::default(),
     })
     .err()
     .unwrap();
@@ -254,6 +258,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         out: &tmp.path().join("f"),
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
+        screen: Default::default(),
     })
     .err()
     .unwrap();

@@ -1,13 +1,119 @@
 //! The int8 screen on the trained fixtures: for every k in {1, 10, 100, 1000} and batches of 1 to
 //! 64 histories, screened answers are the fp32 engine's, ids and scores bit for bit, and only a
-//! small share of the catalogue is rescored.
+//! small share of the catalogue is rescored; engines converted with `screen: int8` (fp32 and
+//! fp16) answer every request exactly as the same engine without it.
 
 mod common;
 
 use common::*;
+use recsys_engine::engine_dir::Screen;
 use recsys_engine::kernels::fused::{Exclusions, RowQuery};
 use recsys_engine::kernels::screen::{top_k_from_f32, ScreenTable};
-use recsys_engine::{ExternalIds, InternalRequest, ModelKind};
+use recsys_engine::{ConvertRequest, Engine, EngineError, ExternalIds, InternalRequest, ModelKind};
+
+fn convert_screened(
+    kind: ModelKind,
+    out: &std::path::Path,
+    precision: Precision,
+    screen: Screen,
+) -> recsys_engine::Result<Engine> {
+    let config = config_json(kind);
+    recsys_engine::convert(&ConvertRequest {
+        kind,
+        checkpoint: &model_dir(kind).join("model.safetensors"),
+        config: Some(&config),
+        item_map: &model_dir(kind).join("item_id_map.tsv"),
+        out,
+        precision,
+        calibration: None,
+        screen,
+    })
+}
+
+/// Requests with every k, exclusions, seen items kept or not, and candidate rows among them.
+fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
+    let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    cases
+        .iter()
+        .take(rows)
+        .enumerate()
+        .map(|(i, case)| {
+            let ids: Vec<&str> = case.history.iter().map(String::as_str).collect();
+            let history = engine.ids.map(ExternalIds::Str(&ids)).indices;
+            InternalRequest {
+                exclude: (1..engine.n_items() as u32)
+                    .step_by(3 + i % 5)
+                    .take(i % 40)
+                    .collect(),
+                k: [1, 10, 100, 1000][i % 4],
+                exclude_seen: i % 3 != 0,
+                candidates: (i % 9 == 4).then(|| {
+                    history
+                        .iter()
+                        .copied()
+                        .chain(1..50)
+                        .collect::<std::collections::BTreeSet<u32>>()
+                        .into_iter()
+                        .collect()
+                }),
+                embedding: i % 5 == 0,
+                history,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn screened_engines_answer_exactly_as_unscreened_ones() {
+    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+        let tmp = tempfile::tempdir().unwrap();
+        for precision in [Precision::Fp32, Precision::Fp16] {
+            let mut plain =
+                convert_screened(kind, &tmp.path().join("plain"), precision, Screen::None).unwrap();
+            let mut screened =
+                convert_screened(kind, &tmp.path().join("screened"), precision, Screen::Int8)
+                    .unwrap();
+            assert_eq!(screened.manifest.screen, Screen::Int8);
+            assert!(screened.scorer.screen.is_some() && plain.scorer.screen.is_none());
+            let batch = requests(&plain, 64);
+            for threads in [1, 2] {
+                plain.set_threads(threads);
+                screened.set_threads(threads);
+                for size in [1, 5, 64] {
+                    let want = plain.recommend_internal_with_embeddings(&batch[..size]);
+                    let got = screened.recommend_internal_with_embeddings(&batch[..size]);
+                    assert_eq!(
+                        got, want,
+                        "{kind} {precision:?} batch {size}, {threads} thread(s)"
+                    );
+                }
+            }
+            // An engine written before the screen existed (no "screen" in its manifest) loads
+            // unscreened.
+            let manifest = tmp.path().join("screened").join("manifest.json");
+            let mut json: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+            json.as_object_mut().unwrap().remove("screen");
+            std::fs::write(&manifest, serde_json::to_string(&json).unwrap()).unwrap();
+            let old = Engine::load(&tmp.path().join("screened")).unwrap();
+            assert_eq!(old.manifest.screen, Screen::None);
+            assert!(old.scorer.screen.is_none());
+        }
+        // int8 engines already read int8 weights: the screen is refused with a reason.
+        let refused = convert_screened(
+            kind,
+            &tmp.path().join("int8"),
+            Precision::Int8,
+            Screen::Int8,
+        );
+        match refused {
+            Err(EngineError::Config(reason)) => {
+                assert!(reason.contains("fp32 and fp16"), "{reason}")
+            }
+            other => panic!("int8 + screen must be refused, got {:?}", other.map(|_| ())),
+        }
+    }
+}
 
 #[test]
 fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {

@@ -59,6 +59,7 @@ fn main() {
                     out: &out,
                     precision,
                     calibration: None,
+                    screen: Default::default(),
                 })
                 .expect("converting the fixture"),
             );

@@ -48,6 +48,7 @@ fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> Path
         out: &out,
         precision,
         calibration: w8a8.then_some((histories.as_slice(), CalibrationMethod::MinMax)),
+        screen: Default::default(),
     })
     .unwrap();
     out

@@ -96,10 +96,12 @@ def convert(
     calibration: Union[str, PathLike[str], None] = None,
     calibration_method: str = "percentile",
     calibration_percentile: float = 99.99,
+    screen: str = "none",
     force: bool = False,
 ) -> Engine:
     """`recsys convert`: a PyTorch or RecBole checkpoint (read without executing pickle code) into
-    a verified engine directory at `output`; returns it loaded."""
+    a verified engine directory at `output`; returns it loaded. `screen="int8"` (fp32 and fp16):
+    each top k screened from int8 weights, the same answers bit for bit."""
 
 def evaluate(
     engine: Engine,

@@ -595,7 +595,7 @@ impl PyEngine {
 #[pyfunction]
 #[pyo3(signature = (kind, checkpoint, item_map, output, config = None, precision = "fp32",
                     int8_mode = "weight-only", calibration = None, calibration_method = "percentile",
-                    calibration_percentile = 99.99, force = false))]
+                    calibration_percentile = 99.99, screen = "none", force = false))]
 #[allow(clippy::too_many_arguments)] // mirrors the command line's flags, keyword arguments
 fn convert(
     py: Python<'_>,
@@ -609,8 +609,11 @@ fn convert(
     calibration: Option<PathBuf>,
     calibration_method: &str,
     calibration_percentile: f64,
+    screen: &str,
     force: bool,
 ) -> PyResult<PyEngine> {
+    let screen: recsys_engine::engine_dir::Screen =
+        screen.parse().map_err(PyValueError::new_err)?;
     let kind: ModelKind = kind.parse().map_err(PyValueError::new_err)?;
     let precision: Precision = precision.parse().map_err(PyValueError::new_err)?;
     let w8a8 = match int8_mode {
@@ -681,6 +684,7 @@ fn convert(
                 calibration: calibration
                     .as_ref()
                     .map(|(histories, method)| (histories.as_slice(), *method)),
+                screen,
             })
         })
         .map_err(engine_error)?;

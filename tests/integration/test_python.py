@@ -173,6 +173,16 @@ def test_convert_and_evaluate_mirror_the_command_line(recsys_bin, engines, tmp_p
     with pytest.raises(ValueError, match="needs calibration="):
         recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "w8a8",
                        config=src / "config.json", precision="int8", int8_mode="w8a8")
+    # A screened engine (int8 screen, exact fp32 rescoring) answers as the plain one.
+    screened = recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "screened",
+                              config=src / "config.json", screen="int8")
+    histories = [[10011403, 10011207], [10011739, 10011403, 10011550]]
+    plain_ids, plain_scores = recsys.Engine(engines["vaecf"]).recommend(histories, k=50)
+    ids, scores = screened.recommend(histories, k=50)
+    assert (ids == plain_ids).all() and (scores == plain_scores).all()
+    with pytest.raises(ValueError, match="unknown screen"):
+        recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "s2",
+                       config=src / "config.json", screen="int4")
     report = recsys.evaluate(recsys.Engine(engines["vaecf"]), FIXTURES / "test_set.tsv", k=[10, 20])
     cli = json.loads(subprocess.run([str(recsys_bin), "eval", "--engine", str(engines["vaecf"]), "--test",
                                      str(FIXTURES / "test_set.tsv"), "--k", "10,20"],

@@ -101,6 +101,11 @@ impl ScreenTable {
     pub fn weight_bytes(&self) -> usize {
         self.packed.weight_bytes()
     }
+
+    /// Bytes the screen holds: its int8 table and scales, the bias and the per-item bound terms.
+    pub fn memory_bytes(&self) -> usize {
+        self.packed.weight_bytes() + 4 * (self.packed.bias.len() + 4 * self.weight_error.len())
+    }
 }
 
 /// f64 to the f32 at or above it, so a stored bound never shrinks.

@@ -49,6 +49,7 @@ pub fn convert_fixture_w8a8(
         out,
         precision: Precision::Int8,
         calibration: Some((histories, method)),
+        screen: Default::default(),
     })
     .unwrap_or_else(|e| panic!("converting to w8a8: {e}"))
 }

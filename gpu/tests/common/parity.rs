@@ -43,6 +43,7 @@ pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
             &calibration[..],
             recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
         )),
+        screen: Default::default(),
     })
     .unwrap()
 }
