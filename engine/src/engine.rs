@@ -37,22 +37,30 @@ impl BatchRecommender for Engine {
     }
 }
 
+/// Each row's exclusions over the whole catalogue: its own list and PAD, never an item.
+fn whole_catalogue_exclusions(excluded: Vec<Vec<u32>>) -> Vec<Exclusions> {
+    excluded
+        .into_iter()
+        .map(|mut list| {
+            list.push(0);
+            Exclusions::new(list)
+        })
+        .collect()
+}
+
+fn queries_of<'a>(ks: &[usize], exclusions: &'a [Exclusions]) -> Vec<RowQuery<'a>> {
+    ks.iter()
+        .zip(exclusions)
+        .map(|(&k, excluded)| RowQuery { k, excluded })
+        .collect()
+}
+
 impl Scorer {
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
     /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
     pub fn top_k(&self, hidden: &[f32], ks: &[usize], excluded: Vec<Vec<u32>>) -> RankedRows {
-        let exclusions: Vec<Exclusions> = excluded
-            .into_iter()
-            .map(|mut list| {
-                list.push(0); // PAD is never an item
-                Exclusions::new(list)
-            })
-            .collect();
-        let queries: Vec<RowQuery<'_>> = ks
-            .iter()
-            .zip(&exclusions)
-            .map(|(&k, excluded)| RowQuery { k, excluded })
-            .collect();
+        let exclusions = whole_catalogue_exclusions(excluded);
+        let queries = queries_of(ks, &exclusions);
         fused::top_k(self.kernels, &self.packed, hidden, &queries, self.threads)
     }
 }
@@ -388,18 +396,8 @@ impl Engine {
         let Some(screen) = &self.scorer.screen else {
             return self.scorer.top_k(hidden, ks, excluded);
         };
-        let exclusions: Vec<Exclusions> = excluded
-            .into_iter()
-            .map(|mut list| {
-                list.push(0); // PAD is never an item
-                Exclusions::new(list)
-            })
-            .collect();
-        let queries: Vec<RowQuery<'_>> = ks
-            .iter()
-            .zip(&exclusions)
-            .map(|(&k, excluded)| RowQuery { k, excluded })
-            .collect();
+        let exclusions = whole_catalogue_exclusions(excluded);
+        let queries = queries_of(ks, &exclusions);
         let d = screen.packed.d;
         let (ranked, _survivors) = screen::top_k(
             self.scorer.kernels,

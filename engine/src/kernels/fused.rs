@@ -244,6 +244,33 @@ pub(super) fn scan(
 /// Smallest item range worth a thread of its own (spawning costs tens of microseconds).
 pub(super) const MIN_PANELS_PER_THREAD: usize = 1024;
 
+/// Runs `run` over `panels` split into contiguous ranges, one per thread (at most `threads`, each
+/// with at least [`MIN_PANELS_PER_THREAD`] panels), and returns each range's result in order.
+pub(super) fn over_panel_ranges<T: Send>(
+    panels: usize,
+    threads: usize,
+    run: impl Fn(std::ops::Range<usize>) -> T + Sync,
+) -> Vec<T> {
+    let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
+    if threads == 1 {
+        return vec![run(0..panels)];
+    }
+    let chunk = panels.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let range = (t * chunk).min(panels)..((t + 1) * chunk).min(panels);
+                let run = &run;
+                scope.spawn(move || run(range))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("scoring thread panicked"))
+            .collect()
+    })
+}
+
 /// The best `k` items of each row of `hidden` (`[B, d]`), best first, without materialising scores.
 pub fn top_k(
     table: &KernelTable,
@@ -260,31 +287,11 @@ pub fn top_k(
     if queries.is_empty() {
         return Vec::new();
     }
-    let panels = out.panels();
-    let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
-    let run = |range: std::ops::Range<usize>| {
+    let per_thread = over_panel_ranges(out.panels(), threads, |range| {
         let mut selections: Vec<Selection<'_>> = queries.iter().map(Selection::new).collect();
         scan(table, out, hidden, range, &mut selections);
         selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>()
-    };
-    let per_thread: Vec<Vec<Vec<Scored>>> = if threads == 1 {
-        vec![run(0..panels)]
-    } else {
-        let chunk = panels.div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    let range = (t * chunk).min(panels)..((t + 1) * chunk).min(panels);
-                    let run = &run;
-                    scope.spawn(move || run(range))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("scoring thread panicked"))
-                .collect()
-        })
-    };
+    });
     queries
         .iter()
         .enumerate()

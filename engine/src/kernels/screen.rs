@@ -25,7 +25,7 @@
 //! cannot be in the top k, ties included; the survivors are rescored exactly and ranked by the
 //! dense path's rule, so the answer is the reference engine's, ids and scores.
 
-use super::fused::{self, scan, Exclusions, RowQuery, Sink, MIN_PANELS_PER_THREAD};
+use super::fused::{self, over_panel_ranges, scan, Exclusions, RowQuery, Sink};
 use super::packed::{quantize_activations, quantize_int8_per_row, PackedOutput};
 use super::KernelTable;
 use crate::topk::{rank_order, Scored};
@@ -280,53 +280,34 @@ fn survivors_with_bounds_scaled(
         let [e, sq, wm, b] = screen.max_of;
         t.bound(d, e, sq, wm, b)
     };
-    let panels = screen.packed.panels();
-    let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
-    let run = |range: std::ops::Range<usize>| {
-        let rows: Vec<ScreenRow<'_>> = queries
-            .iter()
-            .zip(&terms)
-            .map(|(q, t)| ScreenRow {
-                k: q.k,
-                excluded: q.excluded,
-                terms: *t,
-                max_bound: max_bound(t),
-                lowers: Vec::with_capacity(2 * q.k.min(1 << 16)),
-                level: f64::NEG_INFINITY,
-                survivors: Vec::new(),
-                prune_at: 4 * q.k.max(64),
-            })
-            .collect();
-        let mut sink = (screen, rows);
-        if queries.iter().any(|q| q.k > 0) {
-            scan(table, &screen.packed, hidden, range, &mut sink);
-        }
-        sink.1
-            .into_iter()
-            .map(|mut r| {
-                r.raise_level();
-                (r.lowers, r.survivors)
-            })
-            .collect::<Vec<_>>()
-    };
-    let per_thread: Vec<Vec<PartialScreen>> = if threads == 1 {
-        vec![run(0..panels)]
-    } else {
-        let chunk = panels.div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    let range = (t * chunk).min(panels)..((t + 1) * chunk).min(panels);
-                    let run = &run;
-                    scope.spawn(move || run(range))
+    let per_thread: Vec<Vec<PartialScreen>> =
+        over_panel_ranges(screen.packed.panels(), threads, |range| {
+            let rows: Vec<ScreenRow<'_>> = queries
+                .iter()
+                .zip(&terms)
+                .map(|(q, t)| ScreenRow {
+                    k: q.k,
+                    excluded: q.excluded,
+                    terms: *t,
+                    max_bound: max_bound(t),
+                    lowers: Vec::with_capacity(2 * q.k.min(1 << 16)),
+                    level: f64::NEG_INFINITY,
+                    survivors: Vec::new(),
+                    prune_at: 4 * q.k.max(64),
                 })
                 .collect();
-            handles
+            let mut sink = (screen, rows);
+            if queries.iter().any(|q| q.k > 0) {
+                scan(table, &screen.packed, hidden, range, &mut sink);
+            }
+            sink.1
                 .into_iter()
-                .map(|h| h.join().expect("screening thread panicked"))
-                .collect()
-        })
-    };
+                .map(|mut r| {
+                    r.raise_level();
+                    (r.lowers, r.survivors)
+                })
+                .collect::<Vec<_>>()
+        });
     queries
         .iter()
         .enumerate()
@@ -447,7 +428,7 @@ pub fn top_k_from_f32(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::fused::top_k as dense_top_k;
+    use crate::kernels::fused::{top_k as dense_top_k, MIN_PANELS_PER_THREAD};
     use crate::kernels::{Isa, KernelTable};
     use proptest::prelude::*;
 
