@@ -134,8 +134,9 @@ pub struct ExportOnnxArgs {
     /// Version directory of the model in the repository.
     #[arg(long, default_value_t = 1, requires = "model_repository")]
     pub version: u64,
-    /// max_batch_size of the Triton config.
-    #[arg(long, default_value_t = 64, requires = "model_repository")]
+    /// max_batch_size of the Triton config, and the largest batch of the TensorRT build profile
+    /// printed with the export.
+    #[arg(long, default_value_t = 64)]
     pub max_batch_size: usize,
     /// Triton instances on the GPU (onnxruntime's CUDA execution provider) instead of the CPU.
     #[arg(long, requires = "model_repository")]
@@ -199,13 +200,13 @@ pub struct SweepArgs {
         default_value = "fp32,fp16,int8"
     )]
     pub precisions: Vec<Precision>,
-    /// How int8 is applied, as `recsys convert --int8-mode` takes it: one variant per mode (w8a8:
-    /// one per calibration method).
+    /// How int8 is applied, as `recsys convert --int8-mode` takes it: one variant per mode (w8a8
+    /// and w8a8-all: one per calibration method).
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "weight-only,w8a8"
+        default_value = "weight-only,w8a8,w8a8-all"
     )]
     pub int8_modes: Vec<Int8Mode>,
     /// Calibration methods for the w8a8 variants.
@@ -342,8 +343,14 @@ pub enum Precision {
 pub enum Int8Mode {
     /// Quantize the weights; each request's activations get their own int16 scale (no calibration).
     WeightOnly,
-    /// Weights and activations in int8, with a static activation scale from --calibration.
+    /// Weights and the output layer's activations in int8, with a static activation scale from
+    /// --calibration (every dense layer's scale is calibrated too and recorded for ONNX exports;
+    /// dense layers keep each request's own int16 scale).
     W8a8,
+    /// As w8a8, and every dense layer's input also at its calibrated static int8 scale: what an
+    /// explicit-quantization ONNX export (`recsys export-onnx`, TensorRT INT8) computes.
+    #[value(name = "w8a8-all")]
+    W8a8All,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -4,7 +4,7 @@ use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Kind, Precision, S
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
-use recsys_engine::{ConvertRequest, ModelKind};
+use recsys_engine::{ConvertRequest, ModelKind, W8a8Layers};
 
 pub fn run(args: &ConvertArgs) -> Result<i32> {
     if args.output.exists() && !args.force {
@@ -48,31 +48,38 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
     };
     let w8a8 = matches!(
         (args.precision, args.int8_mode),
-        (Precision::Int8, Int8Mode::W8a8)
+        (Precision::Int8, Int8Mode::W8a8 | Int8Mode::W8a8All)
     );
-    let calibration =
-        match (&args.calibration, w8a8) {
-            (Some(path), true) => {
-                let method = match args.calibration_method {
-                    CalibrationMethodArg::Minmax => "minmax",
-                    CalibrationMethodArg::Percentile => "percentile",
-                    CalibrationMethodArg::Entropy => "entropy",
-                };
-                let method = CalibrationMethod::parse(method, args.calibration_percentile)
-                    .map_err(CliError::Usage)?;
-                Some((read_histories(path)?, method))
-            }
-            (None, true) => return Err(CliError::Usage(
-                "--int8-mode w8a8 needs --calibration FILE (histories in the predict JSONL format)"
+    let calibration = match (&args.calibration, w8a8) {
+        (Some(path), true) => {
+            let method = match args.calibration_method {
+                CalibrationMethodArg::Minmax => "minmax",
+                CalibrationMethodArg::Percentile => "percentile",
+                CalibrationMethodArg::Entropy => "entropy",
+            };
+            let method = CalibrationMethod::parse(method, args.calibration_percentile)
+                .map_err(CliError::Usage)?;
+            Some((read_histories(path)?, method))
+        }
+        (None, true) => {
+            return Err(CliError::Usage(format!(
+                "--int8-mode {} needs --calibration FILE (histories in the predict JSONL \
+                     format)",
+                if args.int8_mode == Int8Mode::W8a8All {
+                    "w8a8-all"
+                } else {
+                    "w8a8"
+                }
+            )))
+        }
+        (Some(_), false) => {
+            return Err(CliError::Usage(
+                "--calibration applies to --precision int8 --int8-mode w8a8 or w8a8-all only"
                     .into(),
-            )),
-            (Some(_), false) => {
-                return Err(CliError::Usage(
-                    "--calibration applies to --precision int8 --int8-mode w8a8 only".into(),
-                ))
-            }
-            (None, false) => None,
-        };
+            ))
+        }
+        (None, false) => None,
+    };
     let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
     let engine = recsys_engine::convert_limited(
         &ConvertRequest {
@@ -90,6 +97,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             screen: match args.screen {
                 ScreenArg::None => recsys_engine::engine_dir::Screen::None,
                 ScreenArg::Int8 => recsys_engine::engine_dir::Screen::Int8,
+            },
+            w8a8_layers: match args.int8_mode {
+                Int8Mode::W8a8All => W8a8Layers::All,
+                _ => W8a8Layers::Output,
             },
         },
         args.max_checkpoint_bytes,

@@ -62,10 +62,14 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
         }
         (None, None) => unreachable!("clap requires --output or --model-repository"),
     };
+    let trtexec = recsys_onnx::trtexec_command(&summary, args.max_batch_size);
     if args.json {
-        println!("{}", summary_json(&summary));
+        let mut json = summary_json(&summary);
+        json["trtexec"] = serde_json::json!(trtexec);
+        println!("{json}");
     } else {
         report(&summary);
+        println!("TensorRT 10 build: {trtexec}");
     }
     Ok(0)
 }
@@ -95,6 +99,7 @@ fn summary_json(s: &ExportSummary) -> serde_json::Value {
         "dequantize_nodes": s.dequantize_nodes,
         "inputs": tensors(&s.inputs),
         "outputs": tensors(&s.outputs),
+        "tensorrt_rules": "passed",
     })
 }
 
@@ -135,4 +140,21 @@ fn report(s: &ExportSummary) {
     };
     println!("inputs: {}", fmt(&s.inputs));
     println!("outputs: {}", fmt(&s.outputs));
+    println!(
+        "TensorRT 10 rules: passed (parser, explicit quantization, strong typing: \
+         docs/QUANTIZATION.md; checked on the graph, no TensorRT build run)"
+    );
+    match s.int8_mode.as_deref() {
+        Some("weight-only") => println!(
+            "note: weight-only int8 multiplies float activations; TensorRT builds these layers in \
+             float, not as INT8 GEMMs (an onnxruntime and file-size format). For INT8 kernels convert \
+             with --int8-mode w8a8-all"
+        ),
+        Some("w8a8") if s.quantize_nodes > 0 => {}
+        Some(m) if m.contains("output layer only") => println!(
+            "note: this engine predates per-layer calibration: only the output layer's input is \
+             quantized; re-convert with --calibration for INT8 dense layers"
+        ),
+        _ => {}
+    }
 }

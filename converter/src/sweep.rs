@@ -12,7 +12,7 @@ use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
 use recsys_engine::engine_dir::Precision;
 use recsys_engine::metrics::{evaluate, read_test_set, TestCase};
-use recsys_engine::{ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind};
+use recsys_engine::{ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind, W8a8Layers};
 
 /// One precision variant to build.
 #[derive(Clone, Debug)]
@@ -20,6 +20,7 @@ struct Variant {
     name: String,
     precision: Precision,
     method: Option<CalibrationMethod>,
+    layers: W8a8Layers,
     /// The `recsys convert` flags that build it.
     flags: String,
 }
@@ -61,12 +62,14 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                 name: "fp32".into(),
                 precision: Precision::Fp32,
                 method: None,
+                layers: W8a8Layers::Output,
                 flags: "--precision fp32".into(),
             }),
             cli::Precision::Fp16 => out.push(Variant {
                 name: "fp16".into(),
                 precision: Precision::Fp16,
                 method: None,
+                layers: W8a8Layers::Output,
                 flags: "--precision fp16".into(),
             }),
             cli::Precision::Int8 => {
@@ -76,16 +79,22 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                             name: "int8-wo".into(),
                             precision: Precision::Int8,
                             method: None,
+                            layers: W8a8Layers::Output,
                             flags: "--precision int8 --int8-mode weight-only".into(),
                         }),
-                        Int8Mode::W8a8 => {
+                        Int8Mode::W8a8 | Int8Mode::W8a8All => {
                             if args.calibration.is_none() {
                                 return Err(CliError::Usage(
-                                    "--int8-modes w8a8 needs --calibration FILE (or leave w8a8 out: \
-                                     --int8-modes weight-only)"
+                                    "--int8-modes w8a8 and w8a8-all need --calibration FILE (or \
+                                     leave them out: --int8-modes weight-only)"
                                         .into(),
                                 ));
                             }
+                            let (mode, layers) = if *mode == Int8Mode::W8a8 {
+                                ("w8a8", W8a8Layers::Output)
+                            } else {
+                                ("w8a8-all", W8a8Layers::All)
+                            };
                             for method in &args.calibration_methods {
                                 let name = match method {
                                     CalibrationMethodArg::Minmax => "minmax",
@@ -95,11 +104,12 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                                 let m = CalibrationMethod::parse(name, 99.99)
                                     .map_err(CliError::Usage)?;
                                 out.push(Variant {
-                                    name: format!("int8-w8a8-{name}"),
+                                    name: format!("int8-{mode}-{name}"),
                                     precision: Precision::Int8,
                                     method: Some(m),
+                                    layers,
                                     flags: format!(
-                                        "--precision int8 --int8-mode w8a8 --calibration CAL --calibration-method {name}"
+                                        "--precision int8 --int8-mode {mode} --calibration CAL --calibration-method {name}"
                                     ),
                                 });
                             }
@@ -255,6 +265,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
                 )
             }),
             screen: Default::default(),
+            w8a8_layers: variant.layers,
         })?;
         engine.set_threads(crate::cli::default_threads(args.threads));
         let resident = engine.memory_bytes() as u64;

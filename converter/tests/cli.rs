@@ -425,6 +425,65 @@ fn convert_w8a8_with_calibration_and_clear_flag_errors() {
     .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration applies to"));
+    let out = convert_command(
+        "multivae",
+        "vaecf",
+        "model.safetensors",
+        &item_map,
+        &tmp.path().join("z"),
+    )
+    .args(["--precision", "int8", "--int8-mode", "w8a8-all"])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--int8-mode w8a8-all needs --calibration")
+    );
+
+    // w8a8-all: every dense layer's scale applied, and the export prints its strongly typed
+    // TensorRT build.
+    let all = tmp.path().join("all");
+    let out = convert_command("multivae", "vaecf", "model.safetensors", &item_map, &all)
+        .args([
+            "--precision",
+            "int8",
+            "--int8-mode",
+            "w8a8-all",
+            "--calibration",
+        ])
+        .arg(&calib)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(all.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["quantization"]["dense_activations"], "static");
+    let out = recsys()
+        .args(["export-onnx", "--engine"])
+        .arg(&all)
+        .arg("--output")
+        .arg(tmp.path().join("all.onnx"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("(w8a8)") && text.contains("3 QuantizeLinear"),
+        "{text}"
+    );
+    assert!(text.contains("TensorRT 10 rules: passed"), "{text}");
+    assert!(
+        text.contains("trtexec --onnx=") && text.contains("--stronglyTyped"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -49,7 +49,7 @@ pub struct CalibrationSummary {
     pub histories: usize,
     pub values: usize,
     pub abs_max: f32,
-    /// Clipping threshold: activations beyond it saturate at +-127.
+    /// Clipping threshold: activations beyond it saturate (at -128 or 127 levels).
     pub threshold: f32,
     /// `threshold / 127`.
     pub scale: f32,

@@ -1,6 +1,7 @@
 //! Conversion: a checkpoint and its hyper-parameters into a verified engine directory, quantized and
 //! calibrated at the precision asked for.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
@@ -28,6 +29,20 @@ pub struct ConvertRequest<'a> {
     pub calibration: Option<(&'a [Vec<String>], CalibrationMethod)>,
     /// The top-k screen to record (fp32 and fp16 engines).
     pub screen: Screen,
+    /// With a calibration: which layers the engine runs at static int8 activation scales. Every
+    /// dense layer's scale is calibrated and recorded either way (ONNX exports use them).
+    pub w8a8_layers: W8a8Layers,
+}
+
+/// The layers a W8A8 engine quantizes activations of with calibrated static scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum W8a8Layers {
+    /// The output layer; dense layers keep each request's own int16 scale.
+    #[default]
+    Output,
+    /// The output layer and every dense layer's input: what an explicit-quantization (all-layer
+    /// Q/DQ) graph computes.
+    All,
 }
 
 /// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
@@ -51,6 +66,11 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
     let config = ModelConfig::resolve(request.kind, &json, &ckpt)?;
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
     let ids = IdMap::read_tsv(request.item_map)?;
+    if request.w8a8_layers == W8a8Layers::All && request.calibration.is_none() {
+        return Err(EngineError::Config(
+            "static activation scales for every layer need calibration histories".into(),
+        ));
+    }
     if request.calibration.is_some() && request.precision != Precision::Int8 {
         return Err(EngineError::Config(
             "calibration applies to int8 (W8A8) only".into(),
@@ -69,6 +89,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
         request.precision,
         &ids,
         request.calibration,
+        request.w8a8_layers,
     )?;
     let source = SourceCheckpoint {
         file: request
@@ -87,7 +108,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             raw_tensors: &raw_tensors,
             precision: request.precision,
             quantization,
-            calibration: calibration.map(|c| serde_json::to_value(c).expect("summary serialises")),
+            calibration,
             screen: request.screen,
             ids: &ids,
             source,
@@ -96,9 +117,15 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
     Engine::load(request.out)
 }
 
-/// The values entering the output layer for the calibration histories.
-fn output_activations(model: &Model, ids: &IdMap, histories: &[Vec<String>]) -> Vec<f32> {
-    let mut values = Vec::new();
+/// Every value entering each dense layer (by name) and the output layer for the calibration
+/// histories.
+fn calibration_activations(
+    model: &Model,
+    ids: &IdMap,
+    histories: &[Vec<String>],
+) -> (BTreeMap<String, Vec<f32>>, Vec<f32>) {
+    let mut dense: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    let mut output = Vec::new();
     for chunk in histories.chunks(256) {
         let mapped: Vec<Vec<u32>> = chunk
             .iter()
@@ -108,28 +135,36 @@ fn output_activations(model: &Model, ids: &IdMap, histories: &[Vec<String>]) -> 
             })
             .collect();
         let refs: Vec<&[u32]> = mapped.iter().map(Vec::as_slice).collect();
-        values.extend(model.encode(&refs).0);
+        let mut observe = |layer: &str, x: &[f32]| {
+            dense
+                .entry(layer.to_string())
+                .or_default()
+                .extend_from_slice(x);
+        };
+        output.extend(model.encode_observed(&refs, &mut observe).0);
     }
-    values
+    (dense, output)
 }
 
 /// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
 type Quantized = (
     Vec<(String, RawTensor)>,
     Option<serde_json::Value>,
-    Option<CalibrationSummary>,
+    Option<serde_json::Value>,
 );
 
 /// Stores every quantizable 2-D weight (embeddings, dense layers, output layer) at `precision`;
 /// biases, norms and the position embedding stay fp32. fp32 changes nothing. With a calibration
 /// (int8 only), the output layer's activations get a static scale (W8A8), measured on the model as
-/// it will be served (quantized weights included).
+/// it will be served (quantized weights included); so does every dense layer's input, recorded for
+/// exports and applied by the engine with [`W8a8Layers::All`].
 fn quantize(
     config: &ModelConfig,
     tensors: &mut Vec<(String, crate::tensor::Tensor)>,
     precision: Precision,
     ids: &IdMap,
     calibration: Option<(&[Vec<String>], CalibrationMethod)>,
+    w8a8_layers: W8a8Layers,
 ) -> Result<Quantized> {
     if precision == Precision::Fp32 {
         return Ok((Vec::new(), None, None));
@@ -193,28 +228,57 @@ fn quantize(
         }),
     };
     let mut summary = None;
+    let mut dense_scales = None;
     if let Some((histories, method)) = calibration {
         let weights = crate::weights::Weights {
             f32: tensors.iter().cloned().collect(),
             raw: raw.iter().cloned().collect(),
         };
         let model = Model::from_tensors(config, &weights)?;
-        let values = output_activations(&model, ids, histories);
+        let (dense, values) = calibration_activations(&model, ids, histories);
         let s = calibration::summarize(&values, histories.len(), method);
         output_layer = serde_json::json!({
             "weights": "int8", "mode": "w8a8", "compute": "int32 accumulation of int8 x int8",
-            "scheme": "weights: symmetric, one scale per output row; activations: one static scale from calibration, clipped to +-127",
+            "scheme": "weights: symmetric, one scale per output row; activations: one static scale from calibration, saturating to [-128, 127] (QuantizeLinear)",
             "activation_scale": s.scale,
         });
-        summary = Some(s);
+        let layers: BTreeMap<String, CalibrationSummary> = dense
+            .iter()
+            .map(|(name, v)| {
+                (
+                    name.clone(),
+                    calibration::summarize(v, histories.len(), method),
+                )
+            })
+            .collect();
+        dense_scales = Some(
+            layers
+                .iter()
+                .map(|(name, l)| (name.clone(), serde_json::json!(l.scale)))
+                .collect::<serde_json::Map<_, _>>(),
+        );
+        let mut value = serde_json::to_value(&s).expect("summary serialises");
+        value["dense_layers"] = serde_json::to_value(&layers).expect("summaries serialise");
+        summary = Some(value);
     }
+    let static_dense = dense_scales.is_some() && w8a8_layers == W8a8Layers::All;
     let quantization = serde_json::json!({
         "weights": weights_name,
         "tensors": targets,
         "int8_scales": if precision == Precision::Int8 { "<tensor>.scale, one f32 per row" } else { "" },
         "kept_fp32": "biases, LayerNorm parameters, BERT4Rec's position embedding",
-        "dense_layers": if precision == Precision::Int8 { "int8 weights x int16 activations (each request's own scale)" } else { "fp16 weights, fp32 compute" },
+        "dense_layers": match (precision, static_dense) {
+            (Precision::Int8, true) => "int8 weights x int8 activations (each layer's calibrated static scale, saturating to [-128, 127])",
+            (Precision::Int8, false) => "int8 weights x int16 activations (each request's own scale)",
+            _ => "fp16 weights, fp32 compute",
+        },
         "output_layer": output_layer,
     });
+    let mut quantization = quantization;
+    if let Some(scales) = dense_scales {
+        quantization["dense_activation_scales"] = serde_json::Value::Object(scales);
+        quantization["dense_activations"] =
+            serde_json::json!(if static_dense { "static" } else { "dynamic" });
+    }
     Ok((raw, Some(quantization), summary))
 }

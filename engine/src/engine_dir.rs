@@ -129,6 +129,49 @@ impl Manifest {
     }
 }
 
+impl Manifest {
+    /// Whether the dense layers run at their calibrated static activation scales (all-layer
+    /// W8A8, `quantization.dense_activations: "static"`) rather than each request's own.
+    pub fn static_dense_activations(&self) -> bool {
+        self.quantization
+            .as_ref()
+            .and_then(|q| q.get("dense_activations"))
+            .and_then(|v| v.as_str())
+            == Some("static")
+    }
+
+    /// The calibrated static activation scale of every dense layer's input of a W8A8 engine,
+    /// keyed by the layer's weight prefix (`quantization.dense_activation_scales`); empty for
+    /// other schemes and for W8A8 engines converted before dense layers were calibrated.
+    pub fn dense_activation_scales(&self) -> std::result::Result<BTreeMap<String, f32>, String> {
+        let Some(scales) = self
+            .quantization
+            .as_ref()
+            .and_then(|q| q.get("dense_activation_scales"))
+        else {
+            return Ok(BTreeMap::new());
+        };
+        let object = scales
+            .as_object()
+            .ok_or("quantization.dense_activation_scales must be an object")?;
+        object
+            .iter()
+            .map(|(layer, value)| {
+                value
+                    .as_f64()
+                    .filter(|s| s.is_finite() && *s >= 0.0)
+                    .map(|s| (layer.clone(), s as f32))
+                    .ok_or_else(|| {
+                        format!(
+                            "quantization.dense_activation_scales.{layer} must be a finite, \
+                             non-negative number"
+                        )
+                    })
+            })
+            .collect()
+    }
+}
+
 /// Everything needed to write an engine directory.
 pub struct EngineParts<'a> {
     pub config: &'a ModelConfig,
@@ -423,7 +466,14 @@ pub fn from_parts(
         f32: tensors,
         raw: raw_tensors,
     };
-    let model = Model::from_tensors(&manifest.model, &weights).map_err(|e| bad(e.to_string()))?;
+    let mut model =
+        Model::from_tensors(&manifest.model, &weights).map_err(|e| bad(e.to_string()))?;
+    if manifest.static_dense_activations() {
+        let scales = manifest.dense_activation_scales().map_err(&bad)?;
+        model
+            .set_static_activation_scales(&scales)
+            .map_err(|e| bad(e.to_string()))?;
+    }
     Ok(LoadedDir {
         path: dir.to_path_buf(),
         manifest,

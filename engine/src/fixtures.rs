@@ -55,5 +55,6 @@ pub fn convert(
         precision,
         calibration: None,
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
 }

@@ -23,7 +23,7 @@ pub mod topk;
 pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
-pub use convert::{convert, convert_limited, ConvertRequest};
+pub use convert::{convert, convert_limited, ConvertRequest, W8a8Layers};
 pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};

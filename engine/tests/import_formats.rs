@@ -40,6 +40,7 @@ fn recbole_checkpoint_carries_its_own_config() {
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .unwrap();
     let from_json = convert_fixture(ModelKind::Bert4rec, "model.pt", &tmp.path().join("f"));
@@ -63,6 +64,7 @@ fn plain_state_dict_needs_a_config() {
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .err()
     .unwrap();
@@ -108,6 +110,7 @@ fn convert_file(
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
 }
 
@@ -245,6 +248,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .err()
     .unwrap();
@@ -259,6 +263,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .err()
     .unwrap();

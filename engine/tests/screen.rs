@@ -27,6 +27,7 @@ fn convert_screened(
         precision,
         calibration: None,
         screen,
+        w8a8_layers: Default::default(),
     })
 }
 

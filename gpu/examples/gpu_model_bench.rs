@@ -60,6 +60,7 @@ fn main() {
                     precision,
                     calibration: None,
                     screen: Default::default(),
+                    w8a8_layers: Default::default(),
                 })
                 .expect("converting the fixture"),
             );

@@ -300,9 +300,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_t
 }
 
 // W8A8 engines quantize the hidden vector to int8 levels with their calibrated static scale before
-// the int8 dot product, as the CPU engine does: round half away from zero, clamp to +-127.
+// the int8 dot product, as the CPU engine does and ONNX's QuantizeLinear specifies: h / scale
+// rounded half to even (rintf in the default rounding mode), saturated to [-128, 127].
 __device__ __forceinline__ float quantize_activation(float h, float scale) {
-    return fminf(fmaxf(roundf(h * (1.0f / scale)), -127.0f), 127.0f) * scale;
+    return fminf(fmaxf(rintf(h / scale), -128.0f), 127.0f) * scale;
 }
 
 // int8: the row's scale is applied once to the dot product (sum_c h_c q_c) * s, as the engine does.

@@ -403,6 +403,14 @@ pub struct DeviceModel<D: Device> {
 impl<D: Device> DeviceModel<D> {
     /// Uploads every weight of `engine` to `device`. Refuses shapes the kernels do not take.
     pub fn new(device: D, engine: Arc<Engine>) -> Result<Self> {
+        if engine.manifest.static_dense_activations() {
+            return Err(GpuError::Invalid(
+                "this engine quantizes every dense layer's input with a static scale \
+                 (--int8-mode w8a8-all), which the GPU kernels do not implement; serve it on the \
+                 CPU or convert with --int8-mode w8a8"
+                    .into(),
+            ));
+        }
         let encoder = match engine.model.view() {
             ModelView::Bert4rec(view) => DeviceEncoder::Bert4rec(Self::bert4rec(&device, &view)?),
             ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),

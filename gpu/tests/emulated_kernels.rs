@@ -168,10 +168,10 @@ fn w8a8_quantizes_the_hidden_vector_with_the_static_scale() {
         .top_k(&device, &device.upload_f32(&hidden).unwrap(), 20, &[&[]])
         .unwrap();
     // The reference sees the hidden vector as the engine's static quantization leaves it:
-    // levels of `scale`, clamped to +-127 levels (|h| reaches 3, so some values clamp).
+    // levels of `scale`, saturating to [-128, 127] levels (|h| reaches 3, so some values clamp).
     let quantized: Vec<f32> = hidden
         .iter()
-        .map(|h| (h * (1.0 / scale)).round().clamp(-127.0, 127.0) * scale)
+        .map(|h| (h / scale).round_ties_even().clamp(-128.0, 127.0) * scale)
         .collect();
     assert!(quantized.iter().any(|q| q.abs() >= 127.0 * scale * 0.999));
     assert_row_matches(&got[0], &reference(&w, &bias, &quantized, 20, &[]), "w8a8");

@@ -107,3 +107,34 @@ fn a_device_that_computes_wrongly_fails_its_self_check() {
         }
     }
 }
+
+#[test]
+fn engines_with_static_dense_activations_are_refused_with_the_reason() {
+    use recsys_engine::calibration::CalibrationMethod;
+    use recsys_engine::metrics::read_test_set;
+    use recsys_engine::{ConvertRequest, W8a8Layers};
+    use recsys_gpu::model::DeviceModel;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = ModelKind::Vaecf;
+    let model = recsys_engine::fixtures::model_dir(kind);
+    let config = recsys_engine::fixtures::config(kind).unwrap();
+    let cases = read_test_set(&parity::fixtures().join("test_set.tsv")).unwrap();
+    let calibration: Vec<Vec<String>> = cases.iter().take(64).map(|c| c.history.clone()).collect();
+    let engine = recsys_engine::convert(&ConvertRequest {
+        kind,
+        checkpoint: &model.join("model.safetensors"),
+        config: Some(&config),
+        item_map: &model.join("item_id_map.tsv"),
+        out: &tmp.path().join("w8a8-all"),
+        precision: Precision::Int8,
+        calibration: Some((&calibration[..], CalibrationMethod::MinMax)),
+        screen: Default::default(),
+        w8a8_layers: W8a8Layers::All,
+    })
+    .unwrap();
+    match DeviceModel::new(EmulatedDevice::default(), Arc::new(engine)) {
+        Err(e) => assert!(e.to_string().contains("w8a8-all"), "{e}"),
+        Ok(_) => panic!("a w8a8-all engine must not be served by kernels that ignore its scales"),
+    }
+}

@@ -2,10 +2,16 @@
 //! the engine computes, at the engine's precision:
 //!
 //! - fp32: float initializers;
-//! - fp16: FLOAT16 initializers cast to float (the engine stores fp16 and computes in fp32);
-//! - int8: the engine's int8 bytes and per-row scales through `DequantizeLinear`; a W8A8 engine's
-//!   static activation scale becomes a `QuantizeLinear`/`DequantizeLinear` pair in front of the
-//!   output layer. That explicit Q/DQ form is what TensorRT 10 builds int8 engines from.
+//! - fp16: typed FP16 end to end (weights, biases, activations, GEMMs), with LayerNormalization,
+//!   Softmax and the L2 normalisation in fp32 through explicit Casts: what a strongly typed
+//!   TensorRT build runs as FP16 kernels. Outputs are cast to float.
+//! - int8: the engine's int8 bytes and per-row scales through `DequantizeLinear`, each feeding its
+//!   MatMul, Gemm or Gather directly; a W8A8 engine's calibrated static activation scales become
+//!   a `QuantizeLinear`/`DequantizeLinear` pair on the input of every dense layer and the output
+//!   layer. That explicit Q/DQ form is what TensorRT 10 builds int8 GEMMs from. Weight-only int8
+//!   graphs multiply float activations: an onnxruntime and file-size format, not TensorRT INT8.
+//!
+//! Every graph passes [`tensorrt_rules::check`], the TensorRT 10 rules visible in the graph.
 //!
 //! Inputs are internal item indices (the engine's `item_ids.tsv` maps them), plus `exclude_ids`,
 //! indices whose scores are set to -inf (pad with 0, which is always excluded), and with
@@ -19,6 +25,7 @@
 mod graph;
 mod models;
 mod repository;
+pub mod tensorrt_rules;
 
 use std::path::{Path, PathBuf};
 
@@ -137,33 +144,67 @@ fn type_name(dtype: DataType) -> &'static str {
     }
 }
 
-/// The int8 mode ("weight-only" or "w8a8") and, for W8A8, the output layer's activation scale.
-fn activation_scale(manifest: &engine_dir::Manifest) -> Result<(Option<String>, Option<f32>)> {
+/// The int8 mode ("weight-only", "w8a8" with every dense layer's input quantized, or "w8a8
+/// (output layer only)" for engines converted before the dense layers were calibrated) and the
+/// static activation scales the graph quantizes with.
+fn activation_scales(
+    manifest: &engine_dir::Manifest,
+) -> Result<(Option<String>, models::ActivationScales)> {
     if manifest.precision != Precision::Int8 {
-        return Ok((None, None));
+        return Ok((None, Default::default()));
     }
     match manifest
         .output_activation_scale()
         .map_err(OnnxError::Invalid)?
     {
         // QuantizeLinear divides by the scale.
-        Some(scale) if scale > 0.0 => Ok((Some("w8a8".into()), Some(scale))),
+        Some(scale) if scale > 0.0 => {
+            let dense = manifest
+                .dense_activation_scales()
+                .map_err(OnnxError::Invalid)?;
+            let mode = if dense.is_empty() {
+                "w8a8 (output layer only)"
+            } else {
+                "w8a8"
+            };
+            if let Some((layer, s)) = dense.iter().find(|(_, s)| **s <= 0.0) {
+                return Err(OnnxError::Invalid(format!(
+                    "w8a8 engine with activation scale {s} for {layer}: QuantizeLinear needs \
+                     positive scales (re-convert with calibration histories that reach the layer)"
+                )));
+            }
+            Ok((
+                Some(mode.into()),
+                models::ActivationScales {
+                    dense,
+                    output: Some(scale),
+                },
+            ))
+        }
         Some(_) => Err(OnnxError::Invalid(
             "w8a8 engine with a zero activation scale cannot be expressed as QuantizeLinear".into(),
         )),
-        None => Ok((Some("weight-only".into()), None)),
+        None => Ok((Some("weight-only".into()), Default::default())),
     }
 }
 
 /// Builds the ONNX model of the engine in `engine`; returns it with its summary (path unset).
+/// Every graph passes the TensorRT rules check ([`tensorrt_rules::check`]) before it is returned.
 pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, ExportSummary)> {
     let loaded = engine_dir::load(engine)?;
     let manifest = &loaded.manifest;
-    let (int8_mode, act_scale) = activation_scale(manifest)?;
-    let mut g = GraphBuilder::default();
+    let (int8_mode, scales) = activation_scales(manifest)?;
+    let act_scale = scales.output;
+    // fp16 engines export FP16 end to end; fp32 and int8 (whose Q/DQ dequantize to float) FP32.
+    let float = if manifest.precision == Precision::Fp16 {
+        DataType::FLOAT16
+    } else {
+        DataType::FLOAT
+    };
+    let mut g = GraphBuilder::new(float);
     let mut model = match &manifest.model {
-        ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights)?,
-        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights)?,
+        ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights, &scales)?,
+        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, &scales)?,
     };
     let n_outputs = model.n_outputs;
     if let GraphOutput::TopK(k) = options.output {
@@ -193,11 +234,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         let column = g.op("Unsqueeze", &[candidates, &axes2], vec![]);
         let row = g.op("Unsqueeze", &[exclude, &axes1], vec![]);
         let hit = g.op("Equal", &[&column, &row], vec![]);
-        let hit = g.op(
-            "Cast",
-            &[&hit],
-            vec![("to", Attr::Int(DataType::FLOAT as i64))],
-        );
+        let hit = g.cast_to_compute(&hit);
         let any = g.op(
             "ReduceMax",
             &[&hit],
@@ -208,7 +245,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
             &[&any],
             vec![("to", Attr::Int(DataType::BOOL as i64))],
         );
-        let minus_inf = g.scalar_f32("minus_inf", f32::NEG_INFINITY);
+        let minus_inf = g.scalar_float("minus_inf", f32::NEG_INFINITY);
         inputs.push(value_info(
             candidates,
             DataType::INT64,
@@ -243,16 +280,25 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
             } else {
                 "topk_items"
             };
+            // Scores leave the graph as float whatever the compute type.
+            let top_scores = if float == DataType::FLOAT {
+                "topk_scores"
+            } else {
+                "topk_scores_compute"
+            };
             g.node_with_outputs(
                 "TopK",
                 &[&scores, &kk],
-                &["topk_scores", items],
+                &[top_scores, items],
                 vec![
                     ("axis", Attr::Int(1)),
                     ("largest", Attr::Int(1)),
                     ("sorted", Attr::Int(1)),
                 ],
             );
+            if float != DataType::FLOAT {
+                cast_to_output(&mut g, top_scores, "topk_scores");
+            }
             if options.candidates {
                 // Positions in the candidate list back to item indices.
                 g.node_with_outputs(
@@ -268,7 +314,11 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
             ]
         }
         GraphOutput::Scores => {
-            g.node_with_outputs("Identity", &[&scores], &["scores"], vec![]);
+            if float == DataType::FLOAT {
+                g.node_with_outputs("Identity", &[&scores], &["scores"], vec![]);
+            } else {
+                cast_to_output(&mut g, &scores, "scores");
+            }
             let width = if options.candidates {
                 None
             } else {
@@ -286,12 +336,16 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         );
         let first = g.op("Slice", &[&model.hidden, &s0, &s1, &a1], vec![]);
         let ones = g.filled_like(&first, 1.0);
-        g.node_with_outputs(
+        let embedding = g.op(
             "Concat",
             &[&model.hidden, &ones],
-            &["user_embedding"],
             vec![("axis", Attr::Int(1))],
         );
+        if float == DataType::FLOAT {
+            g.node_with_outputs("Identity", &[&embedding], &["user_embedding"], vec![]);
+        } else {
+            cast_to_output(&mut g, &embedding, "user_embedding");
+        }
         outputs.push((
             "user_embedding",
             DataType::FLOAT,
@@ -409,7 +463,26 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
             .collect(),
         ..Default::default()
     };
+    let violations = tensorrt_rules::check(&proto);
+    if !violations.is_empty() {
+        return Err(OnnxError::Invalid(format!(
+            "the exported graph breaks {} TensorRT rule(s) (a bug in the exporter; please report \
+             it): {}",
+            violations.len(),
+            violations.join("; ")
+        )));
+    }
     Ok((proto, summary))
+}
+
+/// A graph output named `name`: `x` cast to float.
+fn cast_to_output(g: &mut GraphBuilder, x: &str, name: &str) {
+    g.node_with_outputs(
+        "Cast",
+        &[x],
+        &[name],
+        vec![("to", Attr::Int(DataType::FLOAT as i64))],
+    );
 }
 
 /// Exports the engine in `engine` to `out` (written atomically); large weights go to `out.data`.
@@ -480,4 +553,53 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| OnnxError::io(format!("cannot write {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path)
         .map_err(|e| OnnxError::io(format!("cannot rename {} into place", tmp.display()), e))
+}
+
+/// Slots of a dynamic input's second dimension in the TensorRT optimisation profile the README's
+/// build uses: (min, opt, max).
+fn profile_slots(input: &str, output: GraphOutput) -> (usize, usize, usize) {
+    match input {
+        // TopK's K must fit the candidate axis at every shape of the profile.
+        "candidate_ids" => {
+            let k = match output {
+                GraphOutput::TopK(k) => k,
+                GraphOutput::Scores => 1,
+            };
+            (k, k.max(200), k.max(1000))
+        }
+        _ => (1, 64, 512),
+    }
+}
+
+/// The `trtexec` command that builds a TensorRT 10 engine (`model.plan`) from the exported graph
+/// as NVIDIA recommends for Q/DQ and FP16 graphs: `--stronglyTyped` (each layer runs in the types
+/// the graph gives it, so no `--fp16`/`--int8` flags), with an optimisation profile from batch 1
+/// to `max_batch` (the Triton config's `max_batch_size`) over every input.
+pub fn trtexec_command(summary: &ExportSummary, max_batch: usize) -> String {
+    let shapes = |batch: usize, pick: fn((usize, usize, usize)) -> usize| {
+        summary
+            .inputs
+            .iter()
+            .map(|t| {
+                let dims: Vec<String> =
+                    std::iter::once(batch)
+                        .chain(t.dims.iter().map(|d| {
+                            d.unwrap_or_else(|| pick(profile_slots(&t.name, summary.output)))
+                        }))
+                        .map(|d| d.to_string())
+                        .collect();
+                format!("{}:{}", t.name, dims.join("x"))
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let max_batch = max_batch.max(1);
+    format!(
+        "trtexec --onnx={} --stronglyTyped --minShapes={} --optShapes={} --maxShapes={} \
+         --saveEngine=model.plan",
+        summary.path.display(),
+        shapes(1, |s| s.0),
+        shapes(max_batch, |s| s.1),
+        shapes(max_batch, |s| s.2),
+    )
 }

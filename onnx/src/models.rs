@@ -3,38 +3,66 @@
 //! layer itself, whose bias has PAD (column 0) at -inf, so the shared tail scores the whole
 //! catalogue or just a request's candidates, then applies the caller's exclusions and top-k.
 
+use std::collections::BTreeMap;
+
 use onnx_protobuf as pb;
 use pb::tensor_proto::DataType;
 use recsys_engine::config::{Bert4RecConfig, VaeCfConfig};
 use recsys_engine::models::vaecf::{layer_shapes, FIRST_LAYER_BY_ITEM};
 use recsys_engine::weights::Weights;
 
-use crate::graph::{value_info, Attr, GraphBuilder};
+use crate::graph::{value_info, Attr, GraphBuilder, FP32_NORMALIZE_PREFIX};
 use crate::Result;
+
+/// Static activation scales of a W8A8 export: the output layer's and, when the engine recorded
+/// them, every dense layer's input (keyed by the layer's weight prefix).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ActivationScales {
+    pub dense: BTreeMap<String, f32>,
+    pub output: Option<f32>,
+}
+
+impl ActivationScales {
+    fn dense(&self, prefix: &str) -> Option<f32> {
+        self.dense.get(prefix).copied()
+    }
+}
 
 /// Inputs, the user's hidden vector and the output layer, for the shared tail.
 pub(crate) struct ModelGraph {
     pub inputs: Vec<pb::ValueInfoProto>,
-    /// `[batch, d]`: the output layer's input.
+    /// `[batch, d]`: the output layer's input, in the compute type.
     pub hidden: String,
     pub hidden_size: usize,
-    /// The output layer as float, `[N+1, d]` (dequantized or cast where the engine stores less).
+    /// The output layer in the compute type, one row per output `[rows, d]` (dequantized or cast
+    /// where the engine stores less); `rows` may exceed `n_outputs` (BERT4Rec's tied table has
+    /// the MASK row last, whose logit is sliced off).
     pub out_weight: String,
-    /// `[N+1]`, PAD at -inf.
+    /// `[rows]`, PAD (and anything past `n_outputs`) at -inf.
     pub out_bias: String,
+    pub out_rows: usize,
     pub n_outputs: usize,
 }
 
 impl ModelGraph {
-    /// `h @ W^T + b` over the whole catalogue; with a W8A8 activation scale, `h` gets a static
-    /// Q/DQ pair first (the int8 x int8 product TensorRT can then build).
+    /// `h @ W^T + b` over the whole catalogue, `[batch, n_outputs]`; with a W8A8 activation
+    /// scale, `h` gets a static Q/DQ pair first (the int8 x int8 product TensorRT can then build).
+    /// The Gemm reads the table's DequantizeLinear directly; rows past the catalogue are sliced
+    /// off its result, never off the weights.
     pub fn logits(&self, g: &mut GraphBuilder, activation_scale: Option<f32>) -> String {
         let h = quantized_input(g, &self.hidden, activation_scale);
-        g.op(
+        let logits = g.op(
             "Gemm",
             &[&h, &self.out_weight, &self.out_bias],
             vec![("transB", Attr::Int(1))],
-        )
+        );
+        if self.out_rows == self.n_outputs {
+            return logits;
+        }
+        let starts = g.init_i64("starts", &[0]);
+        let ends = g.init_i64("ends", &[self.n_outputs as i64]);
+        let axes1 = g.init_i64("axes", &[1]);
+        g.op("Slice", &[&logits, &starts, &ends, &axes1], vec![])
     }
 
     /// The scores of `candidates` (`[batch, C]` internal indices) alone, `[batch, C]`: their rows
@@ -74,29 +102,41 @@ fn quantized_input(g: &mut GraphBuilder, h: &str, activation_scale: Option<f32>)
     }
 }
 
-/// The output bias with PAD (index 0) at -inf, so index 0 is never recommended.
-fn output_bias(g: &mut GraphBuilder, weights: &Weights, name: &str, n: usize) -> Result<String> {
-    let mut bias = weights.tensor(name, &[n])?.as_slice().to_vec();
+/// The output bias over `rows` outputs with PAD (index 0) and every row from `n_outputs` on at
+/// -inf, so none is ever recommended.
+fn output_bias(
+    g: &mut GraphBuilder,
+    weights: &Weights,
+    name: &str,
+    n_outputs: usize,
+    rows: usize,
+) -> Result<String> {
+    let mut bias = weights.tensor(name, &[n_outputs])?.as_slice().to_vec();
     bias[0] = f32::NEG_INFINITY;
-    Ok(g.init_f32(&format!("{name}_pad_excluded"), &[n], &bias))
+    bias.resize(rows, f32::NEG_INFINITY);
+    Ok(g.init_float(&format!("{name}_pad_excluded"), &[rows], &bias))
 }
 
 pub(crate) fn bert4rec(
     g: &mut GraphBuilder,
     c: &Bert4RecConfig,
     w: &Weights,
+    scales: &ActivationScales,
 ) -> Result<ModelGraph> {
     let (h, inner, n, l) = (c.hidden_size, c.inner_size, c.n_items, c.max_len);
     let heads = c.n_heads;
     let head_dim = h / heads;
     let eps = c.layer_norm_eps;
     let seq = "item_seq";
+    let float = g.float;
 
+    // One table for the embedding Gather and the tied output Gemm (each reads its
+    // DequantizeLinear directly when int8).
     let table = w.matrix("item_embedding.weight", [n + 2, h])?;
     let table = g.weight("item_embedding.weight", &table);
     let tokens = g.op("Gather", &[&table, seq], vec![("axis", Attr::Int(0))]);
     let pos = w.tensor("position_embedding.weight", &[l, h])?;
-    let pos = g.init_f32("position_embedding.weight", &[l, h], pos.as_slice());
+    let pos = g.init_float("position_embedding.weight", &[l, h], pos.as_slice());
     let x = g.op("Add", &[&tokens, &pos], vec![]);
     let ln = |g: &mut GraphBuilder, x: &str, prefix: &str| -> Result<String> {
         let gamma = w.tensor(&format!("{prefix}.weight"), &[h])?;
@@ -108,12 +148,8 @@ pub(crate) fn bert4rec(
     // RecBole's additive key mask: -10000 on PAD keys, [B, 1, 1, L].
     let zero = g.scalar_i64("pad_index", 0);
     let is_pad = g.op("Equal", &[seq, &zero], vec![]);
-    let is_pad = g.op(
-        "Cast",
-        &[&is_pad],
-        vec![("to", Attr::Int(DataType::FLOAT as i64))],
-    );
-    let minus = g.scalar_f32("mask_value", -10000.0);
+    let is_pad = g.cast_to_compute(&is_pad);
+    let minus = g.scalar_float("mask_value", -10000.0);
     let key_mask = g.op("Mul", &[&is_pad, &minus], vec![]);
     let axes12 = g.init_i64("axes", &[1, 2]);
     let key_mask = g.op("Unsqueeze", &[&key_mask, &axes12], vec![]);
@@ -121,23 +157,19 @@ pub(crate) fn bert4rec(
     // One-hot of the MASK slot, [B, 1, L]: selects the row the answer is read from.
     let mask_index = g.scalar_i64("mask_index", n as i64 + 1);
     let at_mask = g.op("Equal", &[seq, &mask_index], vec![]);
-    let at_mask = g.op(
-        "Cast",
-        &[&at_mask],
-        vec![("to", Attr::Int(DataType::FLOAT as i64))],
-    );
+    let at_mask = g.cast_to_compute(&at_mask);
     let axes1 = g.init_i64("axes", &[1]);
     let select_mask = g.op("Unsqueeze", &[&at_mask, &axes1], vec![]);
 
     let split_heads = g.init_i64("split_heads", &[0, 0, heads as i64, head_dim as i64]);
     let merge_heads = g.init_i64("merge_heads", &[0, 0, h as i64]);
-    let sqrt_d = g.scalar_f32("sqrt_head_dim", (head_dim as f32).sqrt());
+    let sqrt_d = g.scalar_float("sqrt_head_dim", (head_dim as f32).sqrt());
 
     let dense =
         |g: &mut GraphBuilder, x: &str, prefix: &str, out: usize, inp: usize| -> Result<String> {
             let weight = w.matrix(&format!("{prefix}.weight"), [out, inp])?;
             let bias = w.tensor(&format!("{prefix}.bias"), &[out])?;
-            Ok(g.linear(x, prefix, &weight, &bias))
+            Ok(g.linear(x, prefix, &weight, &bias, scales.dense(prefix)))
         };
 
     for layer in 0..c.n_layers {
@@ -174,7 +206,7 @@ pub(crate) fn bert4rec(
         let scores = g.op("MatMul", &[&q, &k], vec![]);
         let scores = g.op("Div", &[&scores, &sqrt_d], vec![]);
         let scores = g.op("Add", &[&scores, &key_mask], vec![]);
-        let probs = g.op("Softmax", &[&scores], vec![("axis", Attr::Int(-1))]);
+        let probs = g.softmax(&scores);
         let ctx = g.op("MatMul", &[&probs, &v], vec![]);
         let ctx = g.op(
             "Transpose",
@@ -201,12 +233,10 @@ pub(crate) fn bert4rec(
     let head = g.gelu(&head);
     let head = ln(g, &head, "output_ln")?;
 
-    // Tied output layer: rows 0..=N of the item table (the MASK row has no output).
-    let starts = g.init_i64("starts", &[0]);
-    let ends = g.init_i64("ends", &[n as i64 + 1]);
-    let axes0 = g.init_i64("axes", &[0]);
-    let out_w = g.op("Slice", &[&table, &starts, &ends, &axes0], vec![]);
-    let bias = output_bias(g, w, "output_bias", n + 1)?;
+    // Tied output layer: the whole table (N+2 rows); the MASK row's logit (bias -inf) is sliced
+    // off the Gemm's result.
+    let bias = output_bias(g, w, "output_bias", n + 1, n + 2)?;
+    debug_assert_eq!(float, g.float);
 
     let inputs = vec![value_info(
         seq,
@@ -224,64 +254,99 @@ pub(crate) fn bert4rec(
         inputs,
         hidden: head,
         hidden_size: h,
-        out_weight: out_w,
+        out_weight: table,
         out_bias: bias,
+        out_rows: n + 2,
         n_outputs: n + 1,
     })
 }
 
-pub(crate) fn vaecf(g: &mut GraphBuilder, c: &VaeCfConfig, w: &Weights) -> Result<ModelGraph> {
+pub(crate) fn vaecf(
+    g: &mut GraphBuilder,
+    c: &VaeCfConfig,
+    w: &Weights,
+    scales: &ActivationScales,
+) -> Result<ModelGraph> {
     let n = c.n_items;
     let items = "items";
     let (encoder, decoder) = layer_shapes(c);
 
-    // Binary multi-hot [B, N+1] from the padded index list; PAD (column 0) is not an input.
-    let shape = g.op("Shape", &[items], vec![]);
-    let (s0, s1, a0) = (
-        g.init_i64("starts", &[0]),
-        g.init_i64("ends", &[1]),
-        g.init_i64("axes", &[0]),
-    );
-    let batch = g.op("Slice", &[&shape, &s0, &s1, &a0], vec![]);
-    let width = g.init_i64("width", &[n as i64 + 1]);
-    let dense_shape = g.op("Concat", &[&batch, &width], vec![("axis", Attr::Int(0))]);
-    let zero = crate::graph::tensor_proto("", DataType::FLOAT, &[1], 0f32.to_le_bytes().to_vec());
-    let zeros = g.op(
-        "ConstantOfShape",
-        &[&dense_shape],
-        vec![("value", Attr::Tensor(Box::new(zero)))],
-    );
-    let ones = g.filled_like(items, 1.0);
-    let multihot = g.op(
-        "ScatterElements",
-        &[&zeros, items, &ones],
-        vec![("axis", Attr::Int(1))],
-    );
-    let mut keep = vec![1f32; n + 1];
-    keep[0] = 0.0;
-    let keep = g.init_f32("not_pad", &[n + 1], &keep);
-    let multihot = g.op("Mul", &[&multihot, &keep], vec![]);
-    // F.normalize: x / max(||x||_2, 1e-12).
-    let norm = g.op(
-        "ReduceL2",
-        &[&multihot],
-        vec![("axes", Attr::Ints(vec![1])), ("keepdims", Attr::Int(1))],
-    );
-    let floor = g.scalar_f32("norm_floor", 1e-12);
-    let norm = g.op("Max", &[&norm, &floor], vec![]);
-    let x = g.op("Div", &[&multihot, &norm], vec![]);
-
-    // The first layer is stored by item ([N+1, hidden_0]) = W^T, so no transpose.
+    // The first layer is a gather-sum, as in the engine: the rows of the history's distinct items
+    // of the by-item weight ([N+1, hidden_0] = W^T), summed, divided by the multi-hot's L2 norm
+    // sqrt(count). Its cost is the history's, not the catalogue's, and the int8 table's per-row
+    // DequantizeLinear feeds the Gather directly.
     let (first_prefix, first_shape) = &encoder[0];
     let first = w.matrix(FIRST_LAYER_BY_ITEM, [first_shape[1], first_shape[0]])?;
     let first = g.weight(FIRST_LAYER_BY_ITEM, &first);
+    let rows = g.op("Gather", &[&first, items], vec![("axis", Attr::Int(0))]);
+
+    // A slot counts when it is not PAD and no earlier slot holds the same item (duplicates count
+    // once): [B, T, T] equalities masked to earlier slots, any over the last axis.
+    let zero = g.scalar_i64("zero", 0);
+    let one = g.scalar_i64("one", 1);
+    let is_pad = g.op("Equal", &[items, &zero], vec![]);
+    let real = g.op("Not", &[&is_pad], vec![]);
+    let shape = g.op("Shape", &[items], vec![]);
+    let slots = g.op("Gather", &[&shape, &one], vec![("axis", Attr::Int(0))]);
+    let positions = g.op("Range", &[&zero, &slots, &one], vec![]);
+    let (axes0, axes1, axes2) = (
+        g.init_i64("axes", &[0]),
+        g.init_i64("axes", &[1]),
+        g.init_i64("axes", &[2]),
+    );
+    let later = g.op("Unsqueeze", &[&positions, &axes1], vec![]);
+    let sooner = g.op("Unsqueeze", &[&positions, &axes0], vec![]);
+    let earlier = g.op("Less", &[&sooner, &later], vec![]);
+    let column = g.op("Unsqueeze", &[items, &axes2], vec![]);
+    let row = g.op("Unsqueeze", &[items, &axes1], vec![]);
+    let same = g.op("Equal", &[&column, &row], vec![]);
+    let repeated = g.op("And", &[&same, &earlier], vec![]);
+    let repeated = g.cast_to_compute(&repeated);
+    let repeated = g.op(
+        "ReduceMax",
+        &[&repeated],
+        vec![("axes", Attr::Ints(vec![2])), ("keepdims", Attr::Int(0))],
+    );
+    let repeated = g.op(
+        "Cast",
+        &[&repeated],
+        vec![("to", Attr::Int(DataType::BOOL as i64))],
+    );
+    let fresh = g.op("Not", &[&repeated], vec![]);
+    let keep = g.op("And", &[&real, &fresh], vec![]);
+
+    let weight = g.cast_to_compute(&keep);
+    let weight = g.op("Unsqueeze", &[&weight, &axes2], vec![]);
+    let weighted = g.op("Mul", &[&rows, &weight], vec![]);
+    let sum = g.op(
+        "ReduceSum",
+        &[&weighted, &axes1],
+        vec![("keepdims", Attr::Int(0))],
+    );
+    // F.normalize: x / max(||x||_2, 1e-12), in fp32 whatever the compute type.
+    let keep32 = g.op(
+        "Cast",
+        &[&keep],
+        vec![("to", Attr::Int(DataType::FLOAT as i64))],
+    );
+    let count = g.op_in(
+        FP32_NORMALIZE_PREFIX,
+        "ReduceSum",
+        &[&keep32, &axes1],
+        vec![("keepdims", Attr::Int(1))],
+    );
+    let norm = g.op_in(FP32_NORMALIZE_PREFIX, "Sqrt", &[&count], vec![]);
+    let floor = g.scalar_f32("norm_floor", 1e-12);
+    let norm = g.op_in(FP32_NORMALIZE_PREFIX, "Max", &[&norm, &floor], vec![]);
+    let float = g.float;
+    let norm = g.cast(&norm, DataType::FLOAT, float);
+    let x = g.op("Div", &[&sum, &norm], vec![]);
     let first_bias = w.tensor(&format!("{first_prefix}.bias"), &first_shape[..1])?;
-    let first_bias = g.init_f32(
+    let first_bias = g.init_float(
         &format!("{first_prefix}.bias"),
         &first_shape[..1],
         first_bias.as_slice(),
     );
-    let x = g.op("MatMul", &[&x, &first], vec![]);
     let x = g.op("Add", &[&x, &first_bias], vec![]);
     let mut x = g.op("Tanh", &[&x], vec![]);
 
@@ -294,7 +359,7 @@ pub(crate) fn vaecf(g: &mut GraphBuilder, c: &VaeCfConfig, w: &Weights) -> Resul
             weight = weight.slice_rows(0, c.latent_size);
             bias = bias.rows(0, c.latent_size);
         }
-        x = g.linear(&x, prefix, &weight, &bias);
+        x = g.linear(&x, prefix, &weight, &bias, scales.dense(prefix));
         if i + 1 < n_rest {
             x = g.op("Tanh", &[&x], vec![]);
         }
@@ -303,12 +368,12 @@ pub(crate) fn vaecf(g: &mut GraphBuilder, c: &VaeCfConfig, w: &Weights) -> Resul
     for (prefix, shape) in &decoder[..decoder.len() - 1] {
         let weight = w.matrix(&format!("{prefix}.weight"), *shape)?;
         let bias = w.tensor(&format!("{prefix}.bias"), &shape[..1])?;
-        x = g.linear(&x, prefix, &weight, &bias);
+        x = g.linear(&x, prefix, &weight, &bias, scales.dense(prefix));
         x = g.op("Tanh", &[&x], vec![]);
     }
     let out_w = w.matrix(&format!("{out_prefix}.weight"), *out_shape)?;
     let out_w = g.weight(&format!("{out_prefix}.weight"), &out_w);
-    let bias = output_bias(g, w, &format!("{out_prefix}.bias"), n + 1)?;
+    let bias = output_bias(g, w, &format!("{out_prefix}.bias"), n + 1, n + 1)?;
 
     let inputs = vec![value_info(
         items,
@@ -326,6 +391,7 @@ pub(crate) fn vaecf(g: &mut GraphBuilder, c: &VaeCfConfig, w: &Weights) -> Resul
         hidden_size: out_shape[1],
         out_weight: out_w,
         out_bias: bias,
+        out_rows: n + 1,
         n_outputs: n + 1,
     })
 }

@@ -49,6 +49,7 @@ fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> Path
         precision,
         calibration: w8a8.then_some((histories.as_slice(), CalibrationMethod::MinMax)),
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .unwrap();
     out
@@ -100,11 +101,25 @@ fn each_precision_is_expressed_in_the_graph() {
                         .iter()
                         .filter(|&&t| t == DataType::FLOAT16 as i32)
                         .count();
-                    assert_eq!(fp16, quantized, "{label}");
+                    assert!(fp16 >= quantized, "{label}");
                     assert_eq!(count(&model, "DequantizeLinear"), 0, "{label}");
+                    // Typed FP16: fp32 initializers are only the normalisations' parameters.
+                    for t in &model.graph.initializer {
+                        if t.data_type == DataType::FLOAT as i32 {
+                            assert!(
+                                t.name.contains("LayerNorm")
+                                    || t.name.starts_with("output_ln")
+                                    || t.name.starts_with("norm_floor"),
+                                "{label}: {} is fp32",
+                                t.name
+                            );
+                        }
+                    }
                 }
                 Precision::Int8 => {
-                    let act = usize::from(w8a8);
+                    // W8A8: every dense layer's input and the output layer's.
+                    let dense = if kind == ModelKind::Bert4rec { 13 } else { 2 };
+                    let act = if w8a8 { dense + 1 } else { 0 };
                     assert_eq!(count(&model, "QuantizeLinear"), act, "{label}");
                     assert_eq!(
                         count(&model, "DequantizeLinear"),
@@ -116,8 +131,30 @@ fn each_precision_is_expressed_in_the_graph() {
                         summary.int8_mode.as_deref(),
                         Some(if w8a8 { "w8a8" } else { "weight-only" })
                     );
+                    // No Transpose or Slice between a weight's DequantizeLinear and its consumer.
+                    let dq_outputs: Vec<&str> = model
+                        .graph
+                        .node
+                        .iter()
+                        .filter(|n| n.op_type == "DequantizeLinear")
+                        .map(|n| n.output[0].as_str())
+                        .collect();
+                    for n in &model.graph.node {
+                        if n.input.iter().any(|i| dq_outputs.contains(&i.as_str())) {
+                            assert!(
+                                ["MatMul", "Gemm", "Gather", "QuantizeLinear"]
+                                    .contains(&n.op_type.as_str()),
+                                "{label}: {} reads a DequantizeLinear",
+                                n.op_type
+                            );
+                        }
+                    }
                 }
             }
+            assert!(
+                recsys_onnx::tensorrt_rules::check(&model).is_empty(),
+                "{label}"
+            );
             assert_eq!(
                 summary
                     .outputs
@@ -261,4 +298,32 @@ fn repository_names_and_versions_are_checked() {
     assert!(tmp.path().join("repo/m/2/model.onnx").is_file());
     let again = recsys_onnx::write_model_repository(&dir, &target("m", 2), &options);
     assert!(matches!(again, Err(OnnxError::Invalid(m)) if m.contains("--force")));
+}
+
+#[test]
+fn the_tensorrt_build_command_is_strongly_typed_with_a_profile_over_every_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = engine(tmp.path(), ModelKind::Bert4rec, Precision::Int8, true);
+    let out = tmp.path().join("b.onnx");
+    let options = ExportOptions {
+        output: GraphOutput::TopK(10),
+        candidates: true,
+        ..Default::default()
+    };
+    let summary = recsys_onnx::export(&dir, &out, &options).unwrap();
+    let command = recsys_onnx::trtexec_command(&summary, 32);
+    assert!(command.contains("--stronglyTyped"), "{command}");
+    assert!(
+        !command.contains("--fp16") && !command.contains("--int8"),
+        "{command}"
+    );
+    // BERT4Rec's sequence is fixed at max_len (50); the candidate axis never drops below k.
+    assert!(
+        command.contains("--minShapes=item_seq:1x50,candidate_ids:1x10,exclude_ids:1x1 "),
+        "{command}"
+    );
+    assert!(
+        command.contains("--maxShapes=item_seq:32x50,candidate_ids:32x1000,exclude_ids:32x512 "),
+        "{command}"
+    );
 }

@@ -100,8 +100,11 @@ def convert(
     force: bool = False,
 ) -> Engine:
     """`recsys convert`: a PyTorch or RecBole checkpoint (read without executing pickle code) into
-    a verified engine directory at `output`; returns it loaded. `screen="int8"` (fp32 and fp16):
-    each top k screened from int8 weights, the same answers bit for bit."""
+    a verified engine directory at `output`; returns it loaded. `int8_mode`: "weight-only",
+    "w8a8" (the output layer's input at a calibrated static int8 scale) or "w8a8-all" (every dense
+    layer's too, as an explicit-quantization ONNX export computes); both W8A8 modes need
+    `calibration`. `screen="int8"` (fp32 and fp16): each top k screened from int8 weights, the
+    same answers bit for bit."""
 
 def evaluate(
     engine: Engine,

@@ -18,7 +18,7 @@ use recsys_engine::engine_dir::Precision;
 use recsys_engine::metrics::{evaluate as evaluate_engine, read_test_set};
 use recsys_engine::{
     ConvertRequest, Engine, EngineError, ExternalId, ExternalIds, ModelKind, Recommendation,
-    Request, ServeOptions, UnknownItemPolicy,
+    Request, ServeOptions, UnknownItemPolicy, W8a8Layers,
 };
 
 pyo3::create_exception!(
@@ -616,17 +616,18 @@ fn convert(
         screen.parse().map_err(PyValueError::new_err)?;
     let kind: ModelKind = kind.parse().map_err(PyValueError::new_err)?;
     let precision: Precision = precision.parse().map_err(PyValueError::new_err)?;
-    let w8a8 = match int8_mode {
-        "weight-only" => false,
-        "w8a8" if precision == Precision::Int8 => true,
-        "w8a8" => {
-            return Err(PyValueError::new_err(
-                "int8_mode=\"w8a8\" needs precision=\"int8\"",
-            ))
+    let (w8a8, w8a8_layers) = match int8_mode {
+        "weight-only" => (false, W8a8Layers::Output),
+        "w8a8" | "w8a8-all" if precision != Precision::Int8 => {
+            return Err(PyValueError::new_err(format!(
+                "int8_mode={int8_mode:?} needs precision=\"int8\""
+            )))
         }
+        "w8a8" => (true, W8a8Layers::Output),
+        "w8a8-all" => (true, W8a8Layers::All),
         other => {
             return Err(PyValueError::new_err(format!(
-                "int8_mode must be \"weight-only\" or \"w8a8\", got {other:?}"
+                "int8_mode must be \"weight-only\", \"w8a8\" or \"w8a8-all\", got {other:?}"
             )))
         }
     };
@@ -661,15 +662,13 @@ fn convert(
             Some((read_histories(&path).map_err(engine_error)?, method))
         }
         (None, true) => {
-            return Err(PyValueError::new_err(
-                "int8_mode=\"w8a8\" needs calibration= (histories in the predict JSONL format)",
-            ))
+            return Err(PyValueError::new_err(format!(
+                "int8_mode={int8_mode:?} needs calibration= (histories in the predict JSONL format)"
+            )))
         }
-        (Some(_), false) => {
-            return Err(PyValueError::new_err(
-                "calibration= applies to precision=\"int8\", int8_mode=\"w8a8\" only",
-            ))
-        }
+        (Some(_), false) => return Err(PyValueError::new_err(
+            "calibration= applies to precision=\"int8\", int8_mode=\"w8a8\" or \"w8a8-all\" only",
+        )),
         (None, false) => None,
     };
     let engine = py
@@ -685,6 +684,7 @@ fn convert(
                     .as_ref()
                     .map(|(histories, method)| (histories.as_slice(), *method)),
                 screen,
+                w8a8_layers,
             })
         })
         .map_err(engine_error)?;

@@ -1,9 +1,14 @@
 """`recsys export-onnx` checked in onnxruntime: every exported graph is valid ONNX (onnx.checker, full
 check), the fp32 graphs reproduce PyTorch's golden logits, and each precision's top-k is compared with
 the engine it was exported from (`recsys predict` on the same users): fp32 must agree to a named
-tolerance; fp16 and int8 are numerically different graphs of the same quantized weights (the engine
-quantizes dense-layer activations per request; the graph keeps them float), so their top-k overlap
-with the engine is measured, reported and held to a floor."""
+tolerance; fp16 graphs compute in FP16 (the engine in fp32 from fp16 weights) and get their own
+tolerance; int8 graphs are compared at onnxruntime's reference semantics of QuantizeLinear /
+DequantizeLinear (graph optimizations off: on CPUs without VNNI its fused u8 x s8 int8 kernels can
+saturate, which no TensorRT build does), where an all-layer W8A8 engine (`--int8-mode w8a8-all`)
+computes what its graph computes. Other pairs differ by design (weight-only: the engine rounds dense
+inputs to int16 per request, the graph keeps them float; w8a8: the graph quantizes every dense input,
+the engine only the output layer's), so their top-k overlap is measured, reported and held to a
+floor."""
 
 from __future__ import annotations
 
@@ -22,13 +27,23 @@ from conftest import FIXTURES
 LOGIT_ABS_TOL = 5e-5
 # ORT against the engine on the top-k scores at fp32.
 TOPK_SCORE_ABS_TOL = 1e-4
-# The user embedding of an int8 graph against its engine: the engine also rounds dense-layer
-# activations per request, the graph keeps them float (measured up to 4e-4 on BERT4Rec W8A8).
-INT8_EMBEDDING_ABS_TOL = 2e-3
+# FP16 graphs against their engine (fp16 weights, fp32 compute) on the top-k scores (measured up to
+# 4.1e-3 on BERT4Rec, 2.1e-3 on Mult-VAE).
+FP16_SCORE_ABS_TOL = 1e-2
+# The user embedding of an all-layer W8A8 graph against its engine: the same int8 levels, except
+# where a value sits within float rounding of a level boundary and lands on the other level; through
+# BERT4Rec's LayerNorms one such flip moves the embedding by up to ~3e-2 (measured), so most rows
+# agree to 2e-3 and every row to 5e-2.
+W8A8_EMBEDDING_ABS_TOL = 5e-2
+W8A8_EMBEDDING_TYPICAL_ABS_TOL = 2e-3
 K = 100
 USERS = 500
 # Mean top-10 overlap between graph and engine below which the export is wrong, not just rounded.
-MIN_TOP10_OVERLAP = {"fp16": 0.99, "int8-wo": 0.98, "int8-w8a8": 0.98}
+# Measured (500 users): fp16 0.997-0.999, int8-wo 1.0, int8-w8a8 0.980-0.988, int8-w8a8-all 1.0.
+MIN_TOP10_OVERLAP = {"fp16": 0.99, "int8-wo": 0.98, "int8-w8a8": 0.97, "int8-w8a8-all": 0.995}
+# Dense layers whose inputs an all-layer W8A8 graph quantizes: BERT4Rec 2 x 6 + the head, Mult-VAE
+# the mu layer and the decoder's hidden layer (the first layer is a gather-sum).
+DENSE_LAYERS = {"bert4rec": 13, "vaecf": 2}
 
 MODELS = {
     "bert4rec": ("bert4rec", "bert4rec", "model.safetensors"),
@@ -39,6 +54,7 @@ PRECISIONS = {
     "fp16": ["--precision", "fp16"],
     "int8-wo": ["--precision", "int8"],
     "int8-w8a8": ["--precision", "int8", "--int8-mode", "w8a8", "--calibration", "CAL"],
+    "int8-w8a8-all": ["--precision", "int8", "--int8-mode", "w8a8-all", "--calibration", "CAL"],
 }
 
 
@@ -115,9 +131,13 @@ def graph_inputs(model: str, engine: Path, histories: list[list[int]]) -> dict[s
     return {"items": exclude.copy(), "exclude_ids": exclude}
 
 
-def run_graph(onnx_file: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+def run_graph(onnx_file: Path, feeds: dict[str, np.ndarray], reference: bool = False) -> list[np.ndarray]:
+    """`reference`: graph optimizations off, so every operator runs with its ONNX semantics (no fused
+    int8 kernels)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
+    if reference:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)
 
@@ -145,14 +165,32 @@ def test_export_is_valid_onnx_with_the_documented_interface(exports, model, prec
         assert "DequantizeLinear" not in ops and onnx.TensorProto.FLOAT16 not in init_types
     if precision == "fp16":
         assert onnx.TensorProto.FLOAT16 in init_types and "DequantizeLinear" not in ops
+    if precision == "fp16":
+        # Typed FP16 end to end: every GEMM computes in FP16 (LayerNorm and Softmax sit between Casts).
+        inferred = onnx.shape_inference.infer_shapes(proto)
+        types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+        gemms = [n for n in proto.graph.node if n.op_type in ("MatMul", "Gemm")]
+        assert gemms and all(types[n.output[0]] == onnx.TensorProto.FLOAT16 for n in gemms)
     if precision.startswith("int8"):
         assert onnx.TensorProto.INT8 in init_types
-        # Every quantized weight is dequantized with per-row scales (axis 0).
-        dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
-        weight_dq = [n for n in dq if n.input[0].endswith("_int8")]
-        assert weight_dq and all(a.i == 0 for n in weight_dq for a in n.attribute if a.name == "axis")
+        consumers = {}
+        for n in proto.graph.node:
+            for i, name in enumerate(n.input):
+                consumers.setdefault(name, []).append((n, i))
+        # Every int8 weight's DequantizeLinear feeds a MatMul/Gemm weight or a Gather table directly,
+        # its per-row scales along the output channels (axis 1 of a MatMul's [in, out], axis 0 of a
+        # transB Gemm's or a table's rows).
+        weight_dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith("_int8")]
+        assert weight_dq
+        for n in weight_dq:
+            axis = next(a.i for a in n.attribute if a.name == "axis")
+            for user, slot in consumers[n.output[0]]:
+                assert (user.op_type, slot, axis) in {("MatMul", 1, 1), ("Gemm", 1, 0), ("Gather", 0, 0)}, \
+                    (user.op_type, slot, axis)
         quantize = ops.count("QuantizeLinear")
-        assert quantize == (1 if precision == "int8-w8a8" else 0), "W8A8 has exactly one activation Q/DQ pair"
+        expected = 0 if precision == "int8-wo" else DENSE_LAYERS[model] + 1
+        assert quantize == expected, "W8A8 quantizes every dense layer's input and the output layer's"
+    assert "TensorRT 10 rules: passed" in stdout
     metadata = {p.key: p.value for p in proto.metadata_props}
     assert metadata["recsys.kind"] == model
     assert f"opset 17" in stdout
@@ -190,8 +228,15 @@ def test_topk_agrees_with_the_engine(recsys_bin, exports, users, tmp_path, model
     users_file, histories = users
     ours = engine_topk(recsys_bin, engine, users_file, tmp_path)
     feeds = graph_inputs(model, engine, histories)
-    scores, items = run_graph(onnx_file, feeds)
+    reference = precision.startswith("int8")
+    scores, items = run_graph(onnx_file, feeds, reference=reference)
     ext = {idx: e for e, idx in item_index(engine).items()}
+    if reference:
+        # What onnxruntime's optimized CPU kernels give, for the record.
+        _, fused = run_graph(onnx_file, feeds)
+        fused10 = np.mean([len(set(fused[i][:10]) & set(items[i][:10])) / 10 for i in range(len(ours))])
+        print(f"{model} {precision}: onnxruntime's optimized int8 kernels agree with its reference "
+              f"semantics on {fused10:.4f} of the top-10")
     overlap10, overlap100, identical10, max_score_diff = [], [], 0, 0.0
     for i, rec in enumerate(ours):
         graph_ids = [ext[int(j)] for j in items[i]]
@@ -215,10 +260,14 @@ def test_topk_agrees_with_the_engine(recsys_bin, exports, users, tmp_path, model
                         or abs(rec["scores"][r] - rec["scores"][max(r - 1, 0)]) <= 2 * TOPK_SCORE_ABS_TOL, line
     else:
         assert np.mean(overlap10) >= MIN_TOP10_OVERLAP[precision], line
+    if precision == "fp16":
+        assert max_score_diff <= FP16_SCORE_ABS_TOL, line
+    if precision == "int8-w8a8-all":
+        assert identical10 >= 0.98 * len(ours), line
 
 
 def test_model_repository_for_the_onnxruntime_backend(recsys_bin, exports, tmp_path):
-    engine, _, _ = exports[("bert4rec", "int8-w8a8")]
+    engine, _, _ = exports[("bert4rec", "int8-w8a8-all")]
     repo = tmp_path / "repo"
     cmd = [str(recsys_bin), "export-onnx", "--engine", str(engine), "--model-repository", str(repo),
            "--model-name", "b4r_onnx", "--max-batch-size", "32"]
@@ -262,7 +311,7 @@ def test_external_data_side_file_loads_in_onnxruntime(recsys_bin, exports, users
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("precision", ["fp32", "int8-w8a8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8-w8a8-all"])
 def test_candidate_reranking_and_the_embedding_agree_with_the_engine(recsys_bin, exports, users, tmp_path, model,
                                                                       precision):
     """--candidates --embedding, in onnxruntime: the top-10 among each user's candidates (padded with 0)
@@ -302,10 +351,15 @@ def test_candidate_reranking_and_the_embedding_agree_with_the_engine(recsys_bin,
     feeds["candidate_ids"] = np.zeros((len(candidates), width), dtype=np.int64)
     for i, c in enumerate(candidates):
         feeds["candidate_ids"][i, : len(c)] = [index[x] for x in c]
-    scores, items, embedding = run_graph(graph, feeds)
+    scores, items, embedding = run_graph(graph, feeds, reference=precision != "fp32")
     assert embedding.shape == (len(histories), len(ours[0]["embedding"])) and np.all(embedding[:, -1] == 1.0)
-    np.testing.assert_allclose(embedding, [r["embedding"] for r in ours],
-                               atol=TOPK_SCORE_ABS_TOL if precision == "fp32" else INT8_EMBEDDING_ABS_TOL)
+    expected = np.asarray([r["embedding"] for r in ours])
+    if precision == "fp32":
+        np.testing.assert_allclose(embedding, expected, atol=TOPK_SCORE_ABS_TOL)
+    else:
+        row_diff = np.abs(embedding - expected).max(axis=1)
+        print(f"{model} {precision} embedding: median row |diff| {np.median(row_diff):.2e}, max {row_diff.max():.2e}")
+        assert np.median(row_diff) <= W8A8_EMBEDDING_TYPICAL_ABS_TOL and row_diff.max() <= W8A8_EMBEDDING_ABS_TOL
     overlap = []
     for i, rec in enumerate(ours):
         graph_ids = [ext[int(j)] for j in items[i]]

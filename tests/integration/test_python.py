@@ -5,6 +5,7 @@ logits, errors as Python exceptions, and the GIL released while the engine compu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import threading
 import time
@@ -173,6 +174,17 @@ def test_convert_and_evaluate_mirror_the_command_line(recsys_bin, engines, tmp_p
     with pytest.raises(ValueError, match="needs calibration="):
         recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "w8a8",
                        config=src / "config.json", precision="int8", int8_mode="w8a8")
+    # All-layer W8A8: every dense layer at its calibrated static scale, recorded in the manifest.
+    cal = Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl"
+    all_layers = recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "w8a8-all",
+                                config=src / "config.json", precision="int8", int8_mode="w8a8-all",
+                                calibration=cal)
+    quantization = json.loads((tmp_path / "w8a8-all" / "manifest.json").read_text())["quantization"]
+    assert quantization["dense_activations"] == "static" and len(quantization["dense_activation_scales"]) == 2
+    assert all_layers.recommend([[10011403, 10011207]], k=10)[0].shape == (1, 10)
+    with pytest.raises(ValueError, match="w8a8-all"):
+        recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "w8a8-bad",
+                       config=src / "config.json", precision="fp16", int8_mode="w8a8-all", calibration=cal)
     # A screened engine (int8 screen, exact fp32 rescoring) answers as the plain one.
     screened = recsys.convert("vaecf", src / "model.safetensors", src / "item_id_map.tsv", tmp_path / "screened",
                               config=src / "config.json", screen="int8")

@@ -317,8 +317,11 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
     let mut y = vec![0f32; rows * n];
     let mut scores = [0f32; 64];
     let mut masks = [0u8; 8];
-    let (x_q, x_scales) = match layer.data {
-        PanelData::I8 { .. } => quantize_activations(x, d),
+    // int8 weights multiply int16 activations, each row at its own scale, or at the layer's
+    // calibrated static scale (all-layer W8A8).
+    let (x_q, x_scales) = match (&layer.data, layer.activation_scale) {
+        (PanelData::I8 { .. }, None) => quantize_activations(x, d),
+        (PanelData::I8 { .. }, Some(scale)) => quantize_activations_static(x, d, scale),
         _ => (Vec::new(), Vec::new()),
     };
     let width_q = d.div_ceil(2) * 2;

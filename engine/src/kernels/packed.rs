@@ -35,8 +35,8 @@ pub struct PackedOutput {
     pub data: PanelData,
     /// Padded to a whole number of panels with -inf, so padding items never score above any bar.
     pub bias: Vec<f32>,
-    /// int8 only: a calibrated static activation scale (W8A8: activations clipped to +-127 levels of
-    /// it). `None`: each request's activations get their own int16 scale (weight-only).
+    /// int8 only: a calibrated static activation scale (W8A8: activations rounded to levels of it,
+    /// saturating to [-128, 127]). `None`: each request's activations get their own int16 scale.
     pub activation_scale: Option<f32>,
 }
 
@@ -110,16 +110,21 @@ pub fn quantize_activations(hidden: &[f32], d: usize) -> (Vec<i16>, Vec<f32>) {
     (q, scales)
 }
 
-/// Quantizes activations with one static scale to int8 levels (+-127, clipping beyond), stored as
-/// int16 for the same integer kernel; rows are padded to an even width.
+/// Quantizes activations with one static scale to int8 levels as ONNX's QuantizeLinear (and so
+/// TensorRT's explicit quantization) does: `x / scale` rounded half to even, saturated to
+/// [-128, 127]; stored as int16 for the same
+/// integer kernel; rows are padded to an even width.
 pub fn quantize_activations_static(hidden: &[f32], d: usize, scale: f32) -> (Vec<i16>, Vec<f32>) {
     let width = d.div_ceil(2) * 2;
     let rows = hidden.len() / d;
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     let mut q = vec![0i16; rows * width];
+    if scale <= 0.0 {
+        return (q, vec![scale; rows]);
+    }
     for (r, row) in hidden.chunks_exact(d).enumerate() {
         for (j, &h) in row.iter().enumerate() {
-            q[r * width + j] = (h * inv).round().clamp(-127.0, 127.0) as i16;
+            // QuantizeLinear's arithmetic exactly: x / scale, ties to even, saturate.
+            q[r * width + j] = (h / scale).round_ties_even().clamp(-128.0, 127.0) as i16;
         }
     }
     (q, vec![scale; rows])

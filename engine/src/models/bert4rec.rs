@@ -5,7 +5,7 @@
 //! exactly 0 after it, so leaving them out changes nothing. Tokens of all histories in a batch are
 //! stacked for the dense layers; attention stays within each history.
 
-use super::{DenseLayer, HistoryNote, OutputLayer};
+use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::Bert4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
@@ -21,13 +21,19 @@ struct Dense(DenseLayer);
 impl Dense {
     fn load(t: &Weights, prefix: &str, out_dim: usize, in_dim: usize) -> Result<Dense> {
         Ok(Dense(DenseLayer::new(
+            prefix,
             &t.matrix(&format!("{prefix}.weight"), [out_dim, in_dim])?,
             &t.tensor(&format!("{prefix}.bias"), &[out_dim])?,
         )))
     }
 
-    fn forward(&self, kernels: &KernelTable, x: &[f32]) -> Vec<f32> {
-        self.0.forward(kernels, x)
+    fn forward(
+        &self,
+        kernels: &KernelTable,
+        x: &[f32],
+        observe: ActivationObserver<'_>,
+    ) -> Vec<f32> {
+        self.0.forward_observed(kernels, x, observe)
     }
 }
 
@@ -250,6 +256,34 @@ impl Bert4Rec {
 
     /// Hidden vector at the MASK slot after the output head, `[B, hidden]`.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        self.encode_observed(histories, &mut |_, _| {})
+    }
+
+    /// The dense layers in the order they run.
+    pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
+        let mut out = Vec::new();
+        for layer in &mut self.layers {
+            for dense in [
+                &mut layer.query,
+                &mut layer.key,
+                &mut layer.value,
+                &mut layer.attn_out,
+                &mut layer.ffn_in,
+                &mut layer.ffn_out,
+            ] {
+                out.push(&mut dense.0);
+            }
+        }
+        out.push(&mut self.head_dense.0);
+        out
+    }
+
+    /// [`Bert4Rec::encode`], showing every dense layer's input to `observe`.
+    pub fn encode_observed(
+        &self,
+        histories: &[&[u32]],
+        observe: ActivationObserver<'_>,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
         let mut notes = Vec::with_capacity(histories.len());
@@ -279,7 +313,7 @@ impl Bert4Rec {
             } else {
                 (0..x.len() / h).collect()
             };
-            x = self.transformer_layer(layer, &x, &spans, &query_rows);
+            x = self.transformer_layer(layer, &x, &spans, &query_rows, observe);
         }
         debug_assert_eq!(
             x.len(),
@@ -287,7 +321,7 @@ impl Bert4Rec {
             "one row per sequence after the last layer"
         );
 
-        let mut head = self.head_dense.forward(self.kernels, &x);
+        let mut head = self.head_dense.forward(self.kernels, &x, observe);
         cpu::gelu_erf_inplace(&mut head);
         self.head_ln.apply(&mut head, eps);
         (head, notes)
@@ -300,6 +334,7 @@ impl Bert4Rec {
         x: &[f32],
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
+        observe: ActivationObserver<'_>,
     ) -> Vec<f32> {
         let h = self.config.hidden_size;
         let heads = self.config.n_heads;
@@ -307,13 +342,13 @@ impl Bert4Rec {
         let sqrt_d = (d as f32).sqrt();
         let eps = self.config.layer_norm_eps;
 
-        let keys = layer.key.forward(self.kernels, x);
-        let values = layer.value.forward(self.kernels, x);
+        let keys = layer.key.forward(self.kernels, x, observe);
+        let values = layer.value.forward(self.kernels, x, observe);
         let x_q: Vec<f32> = query_rows
             .iter()
             .flat_map(|&r| x[r * h..(r + 1) * h].iter().copied())
             .collect();
-        let queries = layer.query.forward(self.kernels, &x_q);
+        let queries = layer.query.forward(self.kernels, &x_q, observe);
 
         // Attention per sequence and head as two small GEMMs on the packed kernels: scores =
         // Q_h K_h^T (the keys packed as "items"), then context = P V_h (V_h^T packed). The query
@@ -367,15 +402,15 @@ impl Bert4Rec {
             first_query += n_queries;
         }
 
-        let mut attended = layer.attn_out.forward(self.kernels, &context);
+        let mut attended = layer.attn_out.forward(self.kernels, &context, observe);
         for (a, r) in attended.iter_mut().zip(&x_q) {
             *a += r;
         }
         layer.attn_ln.apply(&mut attended, eps);
 
-        let mut inner = layer.ffn_in.forward(self.kernels, &attended);
+        let mut inner = layer.ffn_in.forward(self.kernels, &attended, observe);
         cpu::gelu_erf_inplace(&mut inner);
-        let mut out = layer.ffn_out.forward(self.kernels, &inner);
+        let mut out = layer.ffn_out.forward(self.kernels, &inner, observe);
         for (o, r) in out.iter_mut().zip(&attended) {
             *o += r;
         }

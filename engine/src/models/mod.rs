@@ -34,9 +34,15 @@ impl OutputLayer {
     }
 }
 
+/// Sees the input of every dense layer as a model runs (by the layer's weight prefix): how
+/// calibration measures each layer's activations on the model as it is served.
+pub type ActivationObserver<'a> = &'a mut dyn FnMut(&str, &[f32]);
+
 /// A dense layer packed for the micro-kernels of [`crate::kernels::fused`] (`x @ W^T + b`).
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
+    /// The weight's prefix in the state dict (`encoder.2`, `output_ffn`, ...).
+    name: String,
     packed: crate::kernels::packed::PackedOutput,
     /// The layer as stored (shares the engine's storage), for devices that pack it their own way.
     weight: Matrix,
@@ -44,13 +50,37 @@ pub struct DenseLayer {
 }
 
 impl DenseLayer {
-    /// From a PyTorch-layout weight `[out, in]` (any precision) and bias `[out]`.
-    pub fn new(weight: &Matrix, bias: &Tensor) -> DenseLayer {
+    /// From a PyTorch-layout weight `[out, in]` (any precision) and bias `[out]`, named by its
+    /// state-dict prefix.
+    pub fn new(name: &str, weight: &Matrix, bias: &Tensor) -> DenseLayer {
         DenseLayer {
+            name: name.to_string(),
             packed: weight.pack(bias.as_slice()),
             weight: weight.clone(),
             bias: bias.clone(),
         }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// All-layer W8A8: the layer's input is rounded to this calibrated static int8 scale (int8
+    /// weights only), as an explicit-quantization graph's QuantizeLinear/DequantizeLinear does.
+    pub fn set_static_activation_scale(&mut self, scale: f32) -> Result<()> {
+        if !matches!(self.weight, Matrix::I8 { .. }) {
+            return Err(crate::error::EngineError::Config(format!(
+                "static activation scale for {}, whose weights are not int8",
+                self.name
+            )));
+        }
+        self.packed = self.packed.clone().with_static_activation_scale(scale);
+        Ok(())
+    }
+
+    /// The static activation scale, when the layer has one.
+    pub fn static_activation_scale(&self) -> Option<f32> {
+        self.packed.activation_scale
     }
 
     /// The weight as stored, `[out, in]`.
@@ -69,6 +99,17 @@ impl DenseLayer {
 
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         crate::kernels::fused::linear(kernels, &self.packed, x)
+    }
+
+    /// [`DenseLayer::forward`], showing the input to `observe` first.
+    pub fn forward_observed(
+        &self,
+        kernels: &crate::kernels::KernelTable,
+        x: &[f32],
+        observe: ActivationObserver<'_>,
+    ) -> Vec<f32> {
+        observe(&self.name, x);
+        self.forward(kernels, x)
     }
 }
 
@@ -172,10 +213,45 @@ impl Model {
 
     /// Hidden vectors `[B, d]` for a batch of histories of internal indices (1..=N, oldest first).
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        self.encode_observed(histories, &mut |_, _| {})
+    }
+
+    /// [`Model::encode`], showing every dense layer's input to `observe`.
+    pub fn encode_observed(
+        &self,
+        histories: &[&[u32]],
+        observe: ActivationObserver<'_>,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         match self {
-            Model::Bert4rec(m) => m.encode(histories),
-            Model::Vaecf(m) => m.encode(histories),
+            Model::Bert4rec(m) => m.encode_observed(histories, observe),
+            Model::Vaecf(m) => m.encode_observed(histories, observe),
         }
+    }
+
+    /// The dense layers (not the output layer), in the order they run.
+    pub fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
+        match self {
+            Model::Bert4rec(m) => m.dense_layers_mut(),
+            Model::Vaecf(m) => m.dense_layers_mut(),
+        }
+    }
+
+    /// All-layer W8A8: every dense layer's input gets its calibrated static scale (by layer
+    /// name); every dense layer must have one.
+    pub fn set_static_activation_scales(
+        &mut self,
+        scales: &std::collections::BTreeMap<String, f32>,
+    ) -> Result<()> {
+        for layer in self.dense_layers_mut() {
+            let scale = scales.get(layer.name()).copied().ok_or_else(|| {
+                crate::error::EngineError::Config(format!(
+                    "no static activation scale for dense layer {}",
+                    layer.name()
+                ))
+            })?;
+            layer.set_static_activation_scale(scale)?;
+        }
+        Ok(())
     }
 
     /// Runs the dense layers on `kernels` (the engine's single dispatch point calls this at load).
@@ -207,5 +283,74 @@ impl Model {
             Model::Bert4rec(m) => &m.output,
             Model::Vaecf(m) => &m.output,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::kernels::{Isa, KernelTable};
+
+    /// All-layer W8A8 against an f64 reference of what an explicit-quantization graph computes:
+    /// x rounded to levels of the static scale, saturated to [-128, 127], times the dequantized
+    /// int8 weights, plus the bias.
+    #[test]
+    fn a_static_activation_scale_quantizes_the_input_as_quantize_linear_does() {
+        let (rows, cols, batch) = (11, 37, 5);
+        let q: Vec<i8> = (0..rows * cols)
+            .map(|i| ((i * 37 + 11) % 255) as i32 - 127)
+            .map(|v| v as i8)
+            .collect();
+        let scales: Vec<f32> = (0..rows).map(|r| 0.01 + 0.003 * r as f32).collect();
+        let weight = Matrix::I8 {
+            q: Arc::new(q.clone()),
+            scales: Arc::new(scales.clone()),
+            start: 0,
+            rows,
+            cols,
+        };
+        let bias = Tensor::from_vec(vec![rows], (0..rows).map(|r| r as f32 * 0.1).collect());
+        // Inputs reaching past both ends of the int8 range at this scale.
+        let scale = 0.02f32;
+        let x: Vec<f32> = (0..batch * cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 * 6.0 - 3.0)
+            .collect();
+        let mut layer = DenseLayer::new("layer", &weight, &bias);
+        layer.set_static_activation_scale(scale).unwrap();
+        assert_eq!(layer.static_activation_scale(), Some(scale));
+        for isa in Isa::available() {
+            let kernels = KernelTable::for_isa(isa);
+            let got = layer.forward(kernels, &x);
+            for b in 0..batch {
+                for r in 0..rows {
+                    let mut want = bias.as_slice()[r] as f64;
+                    for c in 0..cols {
+                        let level = (x[b * cols + c] / scale)
+                            .round_ties_even()
+                            .clamp(-128.0, 127.0) as f64;
+                        want += level * scale as f64 * q[r * cols + c] as f64 * scales[r] as f64;
+                    }
+                    let diff = (got[b * rows + r] as f64 - want).abs();
+                    assert!(
+                        diff < 1e-4,
+                        "row {b} output {r}: {} vs {want}",
+                        got[b * rows + r]
+                    );
+                }
+            }
+        }
+        // Saturation is reached on both sides in this case.
+        assert!(x.iter().any(|v| v / scale < -128.5) && x.iter().any(|v| v / scale > 127.5));
+    }
+
+    #[test]
+    fn static_activation_scales_need_int8_weights() {
+        let weight = Matrix::F32(Tensor::from_vec(vec![1, 2], vec![1.0, 2.0]));
+        let bias = Tensor::from_vec(vec![1], vec![0.0]);
+        let mut layer = DenseLayer::new("fp32_layer", &weight, &bias);
+        let err = layer.set_static_activation_scale(0.1).unwrap_err();
+        assert!(err.to_string().contains("fp32_layer"), "{err}");
     }
 }

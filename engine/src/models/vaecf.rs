@@ -5,7 +5,7 @@
 //! history's distinct items, scaled by 1/sqrt(count). The engine stores that layer transposed
 //! (`encoder.0.weight_by_item`, one contiguous row per item) so the gather reads whole rows.
 
-use super::{DenseLayer, HistoryNote, OutputLayer};
+use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::VaeCfConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
@@ -19,6 +19,7 @@ pub const FIRST_LAYER_BY_ITEM: &str = "encoder.0.weight_by_item";
 
 #[derive(Clone, Debug)]
 struct Dense {
+    name: String,
     weight: Matrix,
     bias: Tensor,
 }
@@ -96,6 +97,7 @@ impl VaeCf {
         let (encoder, decoder) = layer_shapes(&config);
         let load = |prefix: &str, shape: &[usize; 2]| -> Result<Dense> {
             Ok(Dense {
+                name: prefix.to_string(),
                 weight: t.matrix(&format!("{prefix}.weight"), *shape)?,
                 bias: t.tensor(&format!("{prefix}.bias"), &shape[..1])?,
             })
@@ -112,6 +114,7 @@ impl VaeCf {
             .expect("config has at least one hidden layer");
         let mu = config.latent_size;
         *last = Dense {
+            name: last.name.clone(),
             weight: last.weight.slice_rows(0, mu),
             bias: last.bias.rows(0, mu),
         };
@@ -123,7 +126,7 @@ impl VaeCf {
         let pack = |layers: Vec<Dense>| {
             layers
                 .iter()
-                .map(|l| DenseLayer::new(&l.weight, &l.bias))
+                .map(|l| DenseLayer::new(&l.name, &l.weight, &l.bias))
                 .collect()
         };
         Ok(VaeCf {
@@ -183,6 +186,23 @@ impl VaeCf {
 
     /// Decoder activations before the output layer, `[B, hidden_0]`.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        self.encode_observed(histories, &mut |_, _| {})
+    }
+
+    /// The dense layers after the first (a gather-sum), in the order they run.
+    pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
+        self.encoder_rest
+            .iter_mut()
+            .chain(self.decoder_hidden.iter_mut())
+            .collect()
+    }
+
+    /// [`VaeCf::encode`], showing every dense layer's input to `observe`.
+    pub fn encode_observed(
+        &self,
+        histories: &[&[u32]],
+        observe: ActivationObserver<'_>,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         let width = self.first_bias.len();
         let mut x = Vec::with_capacity(histories.len() * width);
         let mut items = Vec::new();
@@ -203,7 +223,7 @@ impl VaeCf {
         let mut next;
         let n_rest = self.encoder_rest.len();
         for (i, layer) in self.encoder_rest.iter().enumerate() {
-            next = layer.forward(self.kernels, &x);
+            next = layer.forward_observed(self.kernels, &x, observe);
             if i + 1 < n_rest {
                 cpu::tanh_inplace(&mut next);
             }
@@ -211,7 +231,7 @@ impl VaeCf {
         }
         // x is mu; every decoder layer but the output layer is followed by tanh.
         for layer in &self.decoder_hidden {
-            next = layer.forward(self.kernels, &x);
+            next = layer.forward_observed(self.kernels, &x, observe);
             cpu::tanh_inplace(&mut next);
             std::mem::swap(&mut x, &mut next);
         }

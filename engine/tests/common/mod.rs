@@ -50,6 +50,7 @@ pub fn convert_fixture_w8a8(
         precision: Precision::Int8,
         calibration: Some((histories, method)),
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .unwrap_or_else(|e| panic!("converting to w8a8: {e}"))
 }

@@ -44,6 +44,7 @@ pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
             recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
         )),
         screen: Default::default(),
+        w8a8_layers: Default::default(),
     })
     .unwrap()
 }
