@@ -206,6 +206,7 @@ fn answer_batch(
     };
 
     let (mut unknown, mut truncated, mut invalid) = (0, 0, 0);
+    let mut survivors = Vec::new();
     let mut successes = Vec::with_capacity(requests.len());
     for ((slot, answer), panic_in_output) in responses
         .iter_mut()
@@ -221,6 +222,7 @@ fn answer_batch(
             Ok(answer) => {
                 unknown += answer.unknown_ids;
                 truncated += answer.truncated;
+                survivors.extend_from_slice(&answer.screen_survivors);
                 // Writing outputs maps indices to ids and copies into Triton's buffers: a panic
                 // there fails this response alone, which is still sent (below) exactly once.
                 catch_unwind(AssertUnwindSafe(|| {
@@ -265,7 +267,7 @@ fn answer_batch(
     }
     report_batch(instance, scored.batch_size, &times);
     if let Some(metrics) = &state.metrics {
-        metrics.record_batch(scored.engine_rows, unknown, truncated, invalid);
+        metrics.record_batch(scored.engine_rows, unknown, truncated, invalid, &survivors);
     }
 }
 

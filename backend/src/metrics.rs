@@ -23,6 +23,7 @@ struct Families {
     truncated: Family,
     invalid_requests: Family,
     batch_size: Family,
+    screen_survivors: Family,
 }
 
 static FAMILIES: Mutex<Option<Families>> = Mutex::new(None);
@@ -64,6 +65,11 @@ fn make_families() -> Result<Families> {
                 "recsys_engine_batch_size",
                 "Histories scored together in one engine batch",
             )?,
+            screen_survivors: family(
+                sys::TRITONSERVER_METRIC_KIND_HISTOGRAM,
+                "recsys_screen_survivors",
+                "Items the int8 screen kept (and rescored exactly) per whole-catalogue history, for engines converted with --screen int8",
+            )?,
         })
 }
 
@@ -84,6 +90,7 @@ pub(crate) fn finalize_families() {
             families.truncated,
             families.invalid_requests,
             families.batch_size,
+            families.screen_survivors,
         ] {
             // SAFETY: every metric of the family was deleted with its model; the family is deleted once.
             let _ = unsafe { ffi_call!(TRITONSERVER_MetricFamilyDelete(f.0)) };
@@ -108,6 +115,11 @@ impl Drop for Metric {
 
 /// Upper bounds of the engine batch size histogram.
 const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+/// Upper bounds of the screen survivors histogram: from k-sized survivor sets (the screen at its
+/// best) to whole catalogues (all scores equal: every item survives).
+const SURVIVOR_BUCKETS: [f64; 13] = [
+    10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 2e3, 5e3, 1e4, 1e5, 1e6, 1e7,
+];
 
 /// The metrics of one model version.
 pub(crate) struct ModelMetrics {
@@ -115,6 +127,7 @@ pub(crate) struct ModelMetrics {
     truncated: Metric,
     invalid_requests: Metric,
     batch_size: Metric,
+    screen_survivors: Metric,
 }
 
 impl ModelMetrics {
@@ -164,7 +177,7 @@ impl ModelMetrics {
                 unsafe { ffi_call!(TRITONSERVER_MetricNew(&mut raw, family.0, label_array, 2))? };
                 Ok(Metric(raw))
             };
-            let histogram = |family: &Family| -> Result<Metric> {
+            let histogram = |family: &Family, buckets: &[f64]| -> Result<Metric> {
                 let mut args = ptr::null_mut();
                 let mut raw = ptr::null_mut();
                 // SAFETY: args are created, used for one metric and deleted; buckets are copied.
@@ -172,8 +185,8 @@ impl ModelMetrics {
                     ffi_call!(TRITONSERVER_MetricArgsNew(&mut args))?;
                     let made = ffi_call!(TRITONSERVER_MetricArgsSetHistogram(
                         args,
-                        BATCH_BUCKETS.as_ptr(),
-                        BATCH_BUCKETS.len() as u64
+                        buckets.as_ptr(),
+                        buckets.len() as u64
                     ))
                     .and_then(|_| {
                         ffi_call!(TRITONSERVER_MetricNewWithArgs(
@@ -194,7 +207,8 @@ impl ModelMetrics {
                     unknown_ids,
                     truncated: new_metric(&families.truncated)?,
                     invalid_requests: new_metric(&families.invalid_requests)?,
-                    batch_size: histogram(&families.batch_size)?,
+                    batch_size: histogram(&families.batch_size, &BATCH_BUCKETS)?,
+                    screen_survivors: histogram(&families.screen_survivors, &SURVIVOR_BUCKETS)?,
                 })
             });
             for label in labels {
@@ -211,9 +225,16 @@ impl ModelMetrics {
         unknown_ids: usize,
         truncated: usize,
         invalid: usize,
+        screen_survivors: &[u32],
     ) {
         // SAFETY: the metrics are live for as long as `self`.
         unsafe {
+            for &survivors in screen_survivors {
+                let _ = ffi_call!(TRITONSERVER_MetricObserve(
+                    self.screen_survivors.0,
+                    f64::from(survivors)
+                ));
+            }
             if engine_rows > 0 {
                 let _ = ffi_call!(TRITONSERVER_MetricObserve(
                     self.batch_size.0,

@@ -17,6 +17,8 @@ pub struct Answer {
     pub truncated: usize,
     /// Candidate ids the catalogue does not know (dropped).
     pub unknown_candidates: usize,
+    /// Per screened whole-catalogue history, the items its int8 screen kept and rescored.
+    pub screen_survivors: Vec<u32>,
 }
 
 /// What one batch did, for statistics and metrics.
@@ -118,11 +120,13 @@ pub fn serve(
             let mut rows = Vec::with_capacity(planned.count);
             let mut embeddings = Vec::with_capacity(planned.count);
             let mut truncated = 0;
+            let mut screen_survivors = Vec::new();
             for answer in &answers[planned.start..planned.start + planned.count] {
                 let (items, note, embedding) = answer
                     .as_ref()
                     .map_err(|message| BackendError::Internal(message.clone()))?;
                 truncated += usize::from(note.truncated);
+                screen_survivors.extend(note.screen_survivors);
                 rows.push(items.clone());
                 embeddings.push(embedding.clone());
             }
@@ -133,6 +137,7 @@ pub fn serve(
                 unknown_ids: planned.unknown.history,
                 truncated,
                 unknown_candidates: planned.unknown.candidates,
+                screen_survivors,
             })
         })
         .collect();

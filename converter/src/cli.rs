@@ -217,6 +217,10 @@ pub struct SweepArgs {
         default_value = "minmax,percentile,entropy"
     )]
     pub calibration_methods: Vec<CalibrationMethodArg>,
+    /// Top-k screens, as `recsys convert --screen` takes them: `int8` adds a screened variant of
+    /// each fp32 and fp16 variant (the same answers; the timing shows whether it pays).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "none,int8")]
+    pub screens: Vec<ScreenArg>,
     /// Batch sizes to time.
     #[arg(
         long,

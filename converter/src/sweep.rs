@@ -10,7 +10,7 @@ use crate::cli::{self, CalibrationMethodArg, Int8Mode, SweepArgs};
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
-use recsys_engine::engine_dir::Precision;
+use recsys_engine::engine_dir::{Precision, Screen};
 use recsys_engine::metrics::{evaluate, read_test_set, TestCase};
 use recsys_engine::{ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind, W8a8Layers};
 
@@ -21,6 +21,7 @@ struct Variant {
     precision: Precision,
     method: Option<CalibrationMethod>,
     layers: W8a8Layers,
+    screen: Screen,
     /// The `recsys convert` flags that build it.
     flags: String,
 }
@@ -63,6 +64,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                 precision: Precision::Fp32,
                 method: None,
                 layers: W8a8Layers::Output,
+                screen: Screen::None,
                 flags: "--precision fp32".into(),
             }),
             cli::Precision::Fp16 => out.push(Variant {
@@ -70,6 +72,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                 precision: Precision::Fp16,
                 method: None,
                 layers: W8a8Layers::Output,
+                screen: Screen::None,
                 flags: "--precision fp16".into(),
             }),
             cli::Precision::Int8 => {
@@ -80,6 +83,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                             precision: Precision::Int8,
                             method: None,
                             layers: W8a8Layers::Output,
+                            screen: Screen::None,
                             flags: "--precision int8 --int8-mode weight-only".into(),
                         }),
                         Int8Mode::W8a8 | Int8Mode::W8a8All => {
@@ -108,6 +112,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                                     precision: Precision::Int8,
                                     method: Some(m),
                                     layers,
+                                    screen: Screen::None,
                                     flags: format!(
                                         "--precision int8 --int8-mode {mode} --calibration CAL --calibration-method {name}"
                                     ),
@@ -118,6 +123,26 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                 }
             }
         }
+    }
+    if args.screens.contains(&cli::ScreenArg::Int8) {
+        // Each fp32 / fp16 variant again, screened; int8 variants already read int8 weights.
+        let screened: Vec<Variant> = out
+            .iter()
+            .filter(|v| v.precision != Precision::Int8)
+            .map(|v| Variant {
+                name: format!("{}-screen-int8", v.name),
+                screen: Screen::Int8,
+                flags: format!("{} --screen int8", v.flags),
+                ..v.clone()
+            })
+            .collect();
+        out.extend(screened);
+    }
+    if !args.screens.contains(&cli::ScreenArg::None) {
+        // Unscreened fp32 stays: it is the reference every variant is compared with.
+        out.retain(|v| {
+            v.screen == Screen::Int8 || v.precision == Precision::Int8 || v.name == "fp32"
+        });
     }
     if out.first().map(|v| v.precision) != Some(Precision::Fp32) {
         return Err(CliError::Usage(
@@ -264,7 +289,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
                     m,
                 )
             }),
-            screen: Default::default(),
+            screen: variant.screen,
             w8a8_layers: variant.layers,
         })?;
         engine.set_threads(crate::cli::default_threads(args.threads));

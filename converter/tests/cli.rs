@@ -919,7 +919,30 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     let variants = report["variants"].as_array().unwrap();
-    assert_eq!(variants.len(), 3);
+    let names: Vec<&str> = variants
+        .iter()
+        .map(|v| v["variant"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "fp32",
+            "fp16",
+            "int8-wo",
+            "fp32-screen-int8",
+            "fp16-screen-int8"
+        ]
+    );
+    // Screened variants give their reference's answers exactly: the same metrics, and against
+    // fp32 no score error at all.
+    assert_eq!(variants[3]["metrics"], variants[0]["metrics"]);
+    assert_eq!(variants[3]["max_abs_score_error"], 0.0);
+    assert_eq!(variants[3]["identical_top10"], 1.0);
+    assert_eq!(variants[4]["metrics"], variants[1]["metrics"]);
+    assert!(variants[3]["convert_flags"]
+        .as_str()
+        .unwrap()
+        .ends_with("--screen int8"));
     // The fp32 row is the engine's evaluation: PyTorch's float64 metrics.
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("metrics.json")).unwrap()).unwrap();

@@ -341,7 +341,7 @@ impl Engine {
             return Vec::new();
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
-        let (hidden, notes) = self.encode(&histories);
+        let (hidden, mut notes) = self.encode(&histories);
         let width = self.model.output().input_size();
         let user = |r: usize| &hidden[r * width..(r + 1) * width];
         // Whole-catalogue rows go through the scorer together; candidate rows each score their
@@ -358,12 +358,12 @@ impl Engine {
             let excluded: Vec<Vec<u32>> =
                 whole.iter().map(|&r| excluded_items(&batch[r])).collect();
             let ks: Vec<usize> = whole.iter().map(|&r| batch[r].k).collect();
-            for (r, ranked) in
-                whole
-                    .iter()
-                    .zip(self.top_k_whole_catalogue(&rows_hidden, &ks, excluded))
-            {
+            let (ranked, survivors) = self.screened_top_k(&rows_hidden, &ks, excluded);
+            for (i, (r, ranked)) in whole.iter().zip(ranked).enumerate() {
                 top[*r] = ranked;
+                if let Some(survivors) = &survivors {
+                    notes[*r].screen_survivors = Some(survivors[i] as u32);
+                }
             }
         }
         self.rank_candidate_rows(batch, &hidden, &mut top);
@@ -393,13 +393,24 @@ impl Engine {
         ks: &[usize],
         excluded: Vec<Vec<u32>>,
     ) -> RankedRows {
+        self.screened_top_k(hidden, ks, excluded).0
+    }
+
+    /// [`Engine::top_k_whole_catalogue`], with each row's count of screen survivors (the items
+    /// rescored) when the engine screens.
+    fn screened_top_k(
+        &self,
+        hidden: &[f32],
+        ks: &[usize],
+        excluded: Vec<Vec<u32>>,
+    ) -> (RankedRows, Option<Vec<usize>>) {
         let Some(screen) = &self.scorer.screen else {
-            return self.scorer.top_k(hidden, ks, excluded);
+            return (self.scorer.top_k(hidden, ks, excluded), None);
         };
         let exclusions = whole_catalogue_exclusions(excluded);
         let queries = queries_of(ks, &exclusions);
         let d = screen.packed.d;
-        let (ranked, _survivors) = screen::top_k(
+        let (ranked, survivors) = screen::top_k(
             self.scorer.kernels,
             screen,
             hidden,
@@ -417,7 +428,7 @@ impl Engine {
                 .remove(0)
             },
         );
-        ranked
+        (ranked, Some(survivors))
     }
 
     /// Ranks every row of `batch` that carries candidates (into `top`), as one batch: rows with the

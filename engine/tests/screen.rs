@@ -82,7 +82,26 @@ fn screened_engines_answer_exactly_as_unscreened_ones() {
                 screened.set_threads(threads);
                 for size in [1, 5, 64] {
                     let want = plain.recommend_internal_with_embeddings(&batch[..size]);
-                    let got = screened.recommend_internal_with_embeddings(&batch[..size]);
+                    let mut got = screened.recommend_internal_with_embeddings(&batch[..size]);
+                    // Each whole-catalogue row notes how many items survived its screen (at
+                    // least its k, well under the catalogue); candidate rows are not screened.
+                    for ((_, note, _), request) in got.iter_mut().zip(&batch[..size]) {
+                        let whole = request.candidates.is_none() && request.k > 0;
+                        match note.screen_survivors.take() {
+                            Some(n) if whole => assert!(
+                                n as usize >= request.k && (n as usize) < plain.n_items(),
+                                "{kind}: {n} survivors for k = {}",
+                                request.k
+                            ),
+                            None if !whole => {}
+                            other => {
+                                panic!("{kind}: survivors {other:?} on a row with whole = {whole}")
+                            }
+                        }
+                    }
+                    assert!(want
+                        .iter()
+                        .all(|(_, note, _)| note.screen_survivors.is_none()));
                     assert_eq!(
                         got, want,
                         "{kind} {precision:?} batch {size}, {threads} thread(s)"

@@ -19,7 +19,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
-               "vaecf_int8", "bert4rec_mixed"]
+               "vaecf_int8", "bert4rec_mixed", "vaecf_screened"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -117,6 +117,7 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", engines / "bert4rec")
     convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf")
     convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf_int8", extra=["--precision", "int8"])
+    convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf_screened", extra=["--screen", "int8"])
     # The same BERT4Rec with a catalogue keyed by strings ("sku-<id>").
     lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
     string_map = repo.parent / "string_map.tsv"
@@ -128,6 +129,7 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
         model(name, (ROOT / "model_repository" / name / "config.pbtxt").read_text(), engines / name)
     model("bert4rec_str", contract_config("bert4rec_str", id_type="TYPE_STRING"), engines / "bert4rec_str")
     model("vaecf_int8", contract_config("vaecf_int8"), engines / "vaecf_int8")
+    model("vaecf_screened", contract_config("vaecf_screened"), engines / "vaecf_screened")
     model("bert4rec_strict", contract_config("bert4rec_strict", params={"unknown_item_policy": "error"}), engines / "bert4rec")
     model("minimal", 'backend: "recsys"\nmax_batch_size: 16\n', engines / "bert4rec")
     model("bert4rec_x2", contract_config("bert4rec_x2", count=2), engines / "bert4rec")

@@ -272,6 +272,35 @@ def test_custom_metrics_are_published(server, http):
     assert value("recsys_engine_batch_size_count") >= 2
 
 
+def test_a_screened_engine_answers_as_the_plain_one_and_reports_its_survivors(server, http):
+    """--screen int8 through Triton: the same ids and scores as the plain fp32 engine, bit for bit, and
+    one recsys_screen_survivors observation per whole-catalogue history (candidate rows are not
+    screened)."""
+    def metrics():
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("recsys_screen_survivors_") and 'model="vaecf_screened"' in line:
+                out[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = metrics()
+    cases = golden_cases("multivae")[:12]
+    for case in cases:
+        screened = top(http.infer("vaecf_screened", make_inputs(httpclient, case["history_ext"], k=100)))
+        plain = top(http.infer("vaecf", make_inputs(httpclient, case["history_ext"], k=100)))
+        assert screened == plain, f"case {case['case']}"
+    # Re-ranking candidates does not go through the screen.
+    http.infer("vaecf_screened", make_inputs(httpclient, cases[0]["history_ext"], k=3,
+                                             candidates=[t["external"] for t in cases[0]["topk"][:20]]))
+    after = metrics()
+    count = after["recsys_screen_survivors_count"] - before.get("recsys_screen_survivors_count", 0.0)
+    total = after["recsys_screen_survivors_sum"] - before.get("recsys_screen_survivors_sum", 0.0)
+    assert count == len(cases)
+    # At least k = 100 items survive per history, and far fewer than the 2,000-item catalogue.
+    assert 100 * len(cases) <= total < 0.5 * 2000 * len(cases), total
+
+
 def test_explicit_reload_swaps_without_failed_requests(http, server):
     client = httpclient.InferenceServerClient(server.http_url)
     failures, done_count, stop = [], [0], threading.Event()

@@ -250,6 +250,7 @@ impl Bert4Rec {
             tokens,
             HistoryNote {
                 truncated: start > 0,
+                ..Default::default()
             },
         )
     }

@@ -178,6 +178,9 @@ pub enum Model {
 pub struct HistoryNote {
     /// The history was longer than the model's window and its oldest items were left out.
     pub truncated: bool,
+    /// With an int8 screen (`--screen int8`), how many items survived it and were rescored for
+    /// this history's whole-catalogue top k (`None`: not screened).
+    pub screen_survivors: Option<u32>,
 }
 
 impl Model {
