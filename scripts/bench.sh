@@ -16,12 +16,15 @@
 #                                     (scripts/bench_candidates.py)
 #   scripts/bench.sh ray [ARGS]       recsys.ray.predict (1 and 2 actors) against recsys predict
 #                                     --threads 1/2 on the same users (scripts/bench_ray.py)
+#   scripts/bench.sh catalogue [ARGS] whole models at 1e6 items in tritonserver, recsys (screened and
+#                                     not) against the Python backend + onnxruntime peer, concurrency
+#                                     1 and 8, with and without dynamic batching (scripts/bench_catalogue.py)
 #
 # ARGS go to the Python script (`--help` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -81,6 +84,11 @@ case "$kind" in
     release_build -p recsys-benches --bin model_probe
     exec "$python" scripts/bench_candidates.py "$@"
     ;;
+  catalogue)
+    ./scripts/python-env.sh
+    backend_setup
+    exec "$python" scripts/bench_catalogue.py "$@"
+    ;;
   ray)
     ./scripts/python-env.sh
     release_build -p recsys-converter
@@ -89,7 +97,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates, ray)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates, ray, catalogue)" >&2
     exit 2
     ;;
 esac
