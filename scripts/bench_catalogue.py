@@ -17,7 +17,8 @@ Each served variant gets its own tritonserver, started, measured and stopped in 
 model's memory at a time is resident (a 1e6-item Mult-VAE is 4.8 GB of fp32 weights):
   - <model>_screen: recsys, `--screen int8`, dynamic batching (100 us), 1 instance, --threads;
   - <model>_plain: recsys, the same engine without the screen;
-  - <model>_screen_b1: the screened engine without dynamic batching (every request alone);
+  - <model>_screen_b1: the screened engine with max_batch_size 1 (every request alone: the batch 1
+    side of what dynamic batching buys);
   - <model>_peer: the plain engine exported with `recsys export-onnx --k 10` (external data above
     1 GiB), benches/triton_peer/model.py, onnxruntime with --threads intra-op threads, dynamic
     batching (100 us), 1 instance.
@@ -58,7 +59,7 @@ USERS = 256
 
 RECSYS_CONFIG = """name: "{name}"
 backend: "recsys"
-max_batch_size: 64
+max_batch_size: {max_batch}
 input [
   {{ name: "ITEM_IDS" data_type: TYPE_INT64 dims: [ -1 ] allow_ragged_batch: true }},
   {{ name: "K" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
@@ -68,7 +69,8 @@ output [
   {{ name: "TOP_ITEM_IDS" data_type: TYPE_INT64 dims: [ -1 ] }},
   {{ name: "TOP_SCORES" data_type: TYPE_FP32 dims: [ -1 ] }}
 ]
-{batching}instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+dynamic_batching {{ max_queue_delay_microseconds: 100 }}
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 parameters [ {{ key: "top_k" value {{ string_value: "10" }} }}, {{ key: "threads" value {{ string_value: "{threads}" }} }} ]
 """
 
@@ -220,19 +222,19 @@ def main() -> None:
             notes.append(f"{kind}: {items:,} items, convert {t_plain:.0f} s (screened {t_screen:.0f} s), "
                          f"engine {sum(f.stat().st_size for f in plain.iterdir()) / 2**30:.2f} GiB")
             variants = [
-                (f"{kind}_screen", screened, "dynamic_batching { max_queue_delay_microseconds: 100 }\n", concurrency),
-                (f"{kind}_plain", plain, "dynamic_batching { max_queue_delay_microseconds: 100 }\n", concurrency),
-                (f"{kind}_screen_b1", screened, "", [max(concurrency)]),
+                (f"{kind}_screen", screened, 64, concurrency),
+                (f"{kind}_plain", plain, 64, concurrency),
+                (f"{kind}_screen_b1", screened, 1, [max(concurrency)]),
                 (f"{kind}_peer", None, None, concurrency),
             ]
             answers = {}
-            for name, engine, batching, levels in variants:
+            for name, engine, max_batch, levels in variants:
                 repo = work / f"repo_{name}"
                 (repo / name).mkdir(parents=True)
                 if engine is not None:
                     (repo / name / "1").symlink_to(engine)
                     (repo / name / "config.pbtxt").write_text(
-                        RECSYS_CONFIG.format(name=name, batching=batching, threads=args.threads))
+                        RECSYS_CONFIG.format(name=name, max_batch=max_batch, threads=args.threads))
                 else:
                     shutil.move(str(work / "peer" / "1"), repo / name / "1")
                     shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", repo / name / "1" / "model.py")
