@@ -39,35 +39,20 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_models import read_safetensors, write_safetensors  # noqa: E402
+from bench_catalogue import FIRST_ID  # noqa: E402
+from bench_catalogue import checkpoints as synthetic_checkpoint  # noqa: E402
 from triton_harness import TritonServer  # noqa: E402
 
 RECSYS = ROOT / "target" / "release" / "recsys"
 PROBE = ROOT / "target" / "release" / "model_probe"
-FIX = ROOT / "tests" / "fixtures"
 K = 10
 USERS = 64
 CANDIDATE_COUNTS = [100, 1_000, 10_000]
-FIRST_ID = 10_000_000
 
 
 def synthetic_engine(items: int, tmp: Path) -> Path:
     """The fixture BERT4Rec's encoder with a random item table of `items` rows, converted."""
-    rng = np.random.default_rng(3)
-    w = read_safetensors(FIX / "bert4rec" / "model.safetensors")
-    trained = w["item_embedding.weight"]
-    w["item_embedding.weight"] = (rng.standard_normal((items + 2, trained.shape[1]), dtype=np.float32)
-                                  * float(trained.std()))
-    w["output_bias"] = rng.standard_normal(items + 1, dtype=np.float32) * float(w["output_bias"].std())
-    ckpt, cfg, item_map = tmp / "b4r.safetensors", tmp / "b4r.json", tmp / "b4r_map.tsv"
-    write_safetensors(ckpt, w)
-    config = json.loads((FIX / "bert4rec" / "config.json").read_text())
-    config["n_real_items"] = items
-    config.pop("recbole_n_items", None)
-    config.pop("item_embedding_rows", None)
-    config.pop("mask_index", None)
-    cfg.write_text(json.dumps(config))
-    item_map.write_text("".join(f"{i}\t{FIRST_ID + i}\n" for i in range(1, items + 1)))
+    ckpt, cfg, item_map = synthetic_checkpoint("bert4rec", items, tmp)
     engine = tmp / "engine"
     subprocess.run([str(RECSYS), "convert", "--kind", "bert4rec", "--checkpoint", str(ckpt), "--config", str(cfg),
                     "--item-map", str(item_map), "--out", str(engine)], check=True, capture_output=True, timeout=900)
