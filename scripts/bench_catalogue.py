@@ -57,22 +57,12 @@ FIX = ROOT / "tests" / "fixtures"
 FIRST_ID = 10_000_000
 USERS = 256
 
-RECSYS_CONFIG = """name: "{name}"
-backend: "recsys"
-max_batch_size: {max_batch}
-input [
-  {{ name: "ITEM_IDS" data_type: TYPE_INT64 dims: [ -1 ] allow_ragged_batch: true }},
-  {{ name: "K" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
-  {{ name: "EXCLUDE_ITEM_IDS" data_type: TYPE_INT64 dims: [ -1 ] optional: true allow_ragged_batch: true }}
-]
-output [
-  {{ name: "TOP_ITEM_IDS" data_type: TYPE_INT64 dims: [ -1 ] }},
-  {{ name: "TOP_SCORES" data_type: TYPE_FP32 dims: [ -1 ] }}
-]
-dynamic_batching {{ max_queue_delay_microseconds: 100 }}
-instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-parameters [ {{ key: "top_k" value {{ string_value: "10" }} }}, {{ key: "threads" value {{ string_value: "{threads}" }} }} ]
-"""
+def recsys_config(name: str, max_batch: int, threads: int) -> str:
+    """The peer's config (same inputs, outputs, batching and instance) for the recsys backend."""
+    return (PEER_CONFIG.format(name=name)
+            .replace('backend: "python"', 'backend: "recsys"')
+            .replace("max_batch_size: 64", f"max_batch_size: {max_batch}")
+            .replace('string_value: "1"', f'string_value: "{threads}"'))
 
 
 def scaled(a: np.ndarray, factor: float) -> np.ndarray:
@@ -234,7 +224,7 @@ def main() -> None:
                 if engine is not None:
                     (repo / name / "1").symlink_to(engine)
                     (repo / name / "config.pbtxt").write_text(
-                        RECSYS_CONFIG.format(name=name, max_batch=max_batch, threads=args.threads))
+                        recsys_config(name, max_batch, args.threads))
                 else:
                     shutil.move(str(work / "peer" / "1"), repo / name / "1")
                     shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", repo / name / "1" / "model.py")
