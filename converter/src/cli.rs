@@ -29,9 +29,10 @@ pub enum Command {
     Predict(PredictArgs),
     /// Leave-one-out evaluation (NDCG@k, Recall@k, MRR) over the full catalogue.
     Eval(EvalArgs),
-    /// Copy an engine into a Triton model repository as the model's next version.
+    /// Upload an engine to a Triton model repository (a directory, S3 or GCS) as the model's next
+    /// version.
     Publish(PublishArgs),
-    /// Approve a version: the newest approved version is the one Triton serves.
+    /// Approve a version: the newest approved version is the one every replica serves.
     Approve(StatusArgs),
     /// Reject a version; rejecting the serving version rolls back to the previous approved one.
     Reject(StatusArgs),
@@ -246,21 +247,44 @@ pub struct SweepArgs {
     pub output: PathBuf,
 }
 
+const REPOSITORY_HELP: &str = "The repository is a local directory or object storage, in \
+tritonserver's own --model-repository syntax (pass the servers the same string): s3://bucket/path \
+(AWS), s3://host:port/bucket/path or s3://https://host:port/bucket/path (S3-compatible endpoints; \
+plain HTTP unless https:// is given), gs://bucket/path. Credentials come from the standard \
+environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, \
+web identity, instance metadata; GOOGLE_APPLICATION_CREDENTIALS) and AWS's shared files \
+(~/.aws/credentials and ~/.aws/config, profile AWS_PROFILE).\n\n\
+No lock is taken: a publish claims its version number with a create-if-absent write of \
+<model>/<version>/recsys-version.json (two concurrent publishers get distinct versions), uploads \
+the engine under it, checks every file and size, and only then marks it pending or approved. \
+config.pbtxt's version_policy names the newest approved version and changes by one atomic write. \
+A command killed at any point leaves the config on a complete version (the old or the new one); \
+an interrupted upload stays an incomplete version that never serves.\n\n\
+Replicas: --server may be repeated, and a name that resolves to several addresses (a Kubernetes \
+headless Service) stands for one replica per address. Each replica (tritonserver in explicit \
+model-control mode) reloads the model in turn and counts when it serves the version and no \
+other; the command reports each replica. The first failure stops the rollout (--rollout \
+continue goes on to the rest). Exit status: 0 every replica serves the version, 4 the \
+repository changed but not every replica serves it (run the command again once they are back, \
+or reject to roll back), 1 nothing changed or the repository could not be read, 2 bad flags.";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RolloutArg {
+    /// Stop at the first replica that fails; the rest keep what they serve.
+    Stop,
+    /// Go on to every replica, whatever failed before.
+    Continue,
+}
+
 #[derive(Args, Debug)]
-#[command(
-    after_help = "Each version directory gets recsys-version.json (status pending|approved|rejected, \
-source checkpoint hash, precision, metrics, history). config.pbtxt's version_policy always names the newest \
-approved version. Changes take a lock file (<model>/.recsys.lock) and land by atomic rename. With --server, \
-the running tritonserver (explicit model control) reloads the model and the command waits until the \
-approved version serves. The first version of a model must be published with --approve; a model \
-without config.pbtxt gets a minimal one (backend \"recsys\", --max-batch-size) that the backend \
-completes from the engine."
-)]
+#[command(after_help = REPOSITORY_HELP)]
 pub struct PublishArgs {
-    /// The Triton model repository.
+    /// The Triton model repository: a directory, s3://... or gs://... (see below).
     #[arg(long)]
-    pub repository: PathBuf,
-    /// Model name (a directory of the repository holding config.pbtxt).
+    pub repository: String,
+    /// Model name (a folder of the repository holding config.pbtxt). The first version of a
+    /// model must be published with --approve; a model without config.pbtxt gets a minimal one
+    /// (backend "recsys", --max-batch-size) that the backend completes from the engine.
     #[arg(long)]
     pub model: String,
     /// Engine directory written by `recsys convert`.
@@ -272,9 +296,13 @@ pub struct PublishArgs {
     /// JSON metrics to record with the version (e.g. the output of `recsys eval --output`).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Reload the model on this tritonserver, e.g. http://127.0.0.1:8000.
-    #[arg(long)]
-    pub server: Option<String>,
+    /// A replica to reload once the version is approved, e.g. http://127.0.0.1:8000; repeat for
+    /// a fleet, or name a headless Service.
+    #[arg(long = "server", value_name = "URL")]
+    pub servers: Vec<String>,
+    /// What a failed replica does to the rest of the rollout.
+    #[arg(long, value_enum, default_value = "stop")]
+    pub rollout: RolloutArg,
     /// max_batch_size of the config.pbtxt written when the model has none yet (a minimal config
     /// that the backend completes from the engine).
     #[arg(long, default_value_t = 64)]
@@ -285,30 +313,36 @@ pub struct PublishArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = REPOSITORY_HELP)]
 pub struct StatusArgs {
-    /// The Triton model repository.
+    /// The Triton model repository: a directory, s3://... or gs://... (see below).
     #[arg(long)]
-    pub repository: PathBuf,
-    /// Model name (a directory of the repository).
+    pub repository: String,
+    /// Model name (a folder of the repository).
     #[arg(long)]
     pub model: String,
     /// The version to approve or reject.
     #[arg(long)]
     pub version: u64,
-    /// Reload the model on this tritonserver, e.g. http://127.0.0.1:8000.
-    #[arg(long)]
-    pub server: Option<String>,
+    /// A replica to reload onto the version the repository then names, e.g.
+    /// http://127.0.0.1:8000; repeat for a fleet, or name a headless Service.
+    #[arg(long = "server", value_name = "URL")]
+    pub servers: Vec<String>,
+    /// What a failed replica does to the rest of the rollout.
+    #[arg(long, value_enum, default_value = "stop")]
+    pub rollout: RolloutArg,
     /// Print the outcome as one JSON object on stdout (for scripts).
     #[arg(long)]
     pub json: bool,
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = REPOSITORY_HELP)]
 pub struct VersionsArgs {
-    /// The Triton model repository.
+    /// The Triton model repository: a directory, s3://... or gs://... (see below).
     #[arg(long)]
-    pub repository: PathBuf,
-    /// Model name (a directory of the repository).
+    pub repository: String,
+    /// Model name (a folder of the repository).
     #[arg(long)]
     pub model: String,
     /// Print JSON instead of a table.

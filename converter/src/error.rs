@@ -8,6 +8,9 @@ pub enum CliError {
     #[error(transparent)]
     Onnx(#[from] recsys_onnx::OnnxError),
 
+    #[error(transparent)]
+    Registry(#[from] recsys_registry::RegistryError),
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -29,7 +32,7 @@ impl CliError {
     /// The process exit status: 2 for bad flags (as clap exits for unparsable ones), 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CliError::Usage(_) => 2,
+            CliError::Usage(_) | CliError::Registry(recsys_registry::RegistryError::Usage(_)) => 2,
             _ => 1,
         }
     }

@@ -10,7 +10,6 @@ mod export_items;
 mod export_onnx;
 mod predict;
 mod progress;
-mod registry;
 mod sweep;
 mod versions;
 
@@ -23,8 +22,8 @@ fn main() {
         cli::Command::Predict(args) => predict::run(&args),
         cli::Command::Eval(args) => eval::run(&args),
         cli::Command::Publish(args) => versions::publish(&args),
-        cli::Command::Approve(args) => versions::set(&args, registry::Status::Approved),
-        cli::Command::Reject(args) => versions::set(&args, registry::Status::Rejected),
+        cli::Command::Approve(args) => versions::set(&args, recsys_registry::Status::Approved),
+        cli::Command::Reject(args) => versions::set(&args, recsys_registry::Status::Rejected),
         cli::Command::Versions(args) => versions::list(&args),
         cli::Command::Sweep(args) => sweep::run(&args),
         cli::Command::ExportOnnx(args) => export_onnx::run(&args),

@@ -1,0 +1,217 @@
+//! `publish`: an engine becomes the model's next version without any lock. The version number is
+//! claimed by creating its record (create-if-absent: of two concurrent publishers one gets `n`,
+//! the other `n + 1`); the files are uploaded under it; the upload is checked against the local
+//! engine (every file, every size); only then does the record say `pending` or `approved`, and
+//! only then may the config name it. A publish killed at any point leaves at most an incomplete
+//! version that no config names.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::{self, CONFIG_FILE};
+use crate::error::{RegistryError, Result};
+use crate::store::Repository;
+use crate::versions::{self, Status, VersionInfo, VERSION_FILE};
+use recsys_engine::Engine;
+
+/// How many version numbers a publish tries before giving up (each refusal means another
+/// publisher took that number at the same moment).
+const CLAIM_ATTEMPTS: u64 = 1000;
+
+pub struct PublishRequest<'a> {
+    pub model: &'a str,
+    pub engine_dir: &'a Path,
+    /// Approve at once (otherwise the version is pending and does not serve).
+    pub approve: bool,
+    pub metrics: Option<serde_json::Value>,
+    /// max_batch_size of the minimal config written when the model has none.
+    pub max_batch_size: u32,
+}
+
+/// What `publish` did.
+pub struct Published {
+    pub info: VersionInfo,
+    /// Whether this publish wrote the model's (minimal) config.pbtxt.
+    pub created_config: bool,
+    /// The version the config names afterwards.
+    pub serving: u64,
+}
+
+/// Every file of the engine folder, as (path relative to it with `/`, local path, size), sorted.
+fn engine_files(dir: &Path) -> Result<Vec<(String, PathBuf, u64)>> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf, u64)>) -> Result<()> {
+        let entries = std::fs::read_dir(dir)
+            .map_err(RegistryError::io(format!("cannot read {}", dir.display())))?;
+        for entry in entries {
+            let entry =
+                entry.map_err(RegistryError::io(format!("cannot list {}", dir.display())))?;
+            let path = entry.path();
+            let meta = entry
+                .metadata()
+                .map_err(RegistryError::io(format!("cannot stat {}", path.display())))?;
+            if meta.is_dir() {
+                walk(root, &path, out)?;
+                continue;
+            }
+            let relative = path
+                .strip_prefix(root)
+                .expect("walked from the root")
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("/");
+            if relative != VERSION_FILE {
+                out.push((relative, path, meta.len()));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
+fn publisher() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown host".into());
+    format!("{host} pid {}", std::process::id())
+}
+
+/// Publishes `request.engine_dir` as the next version of `request.model`; `progress` gets
+/// (bytes uploaded, bytes in all).
+pub fn publish(
+    repo: &Repository,
+    request: &PublishRequest<'_>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Published> {
+    let model = request.model;
+    if model.is_empty() || model.contains('/') || model.starts_with('.') {
+        return Err(RegistryError::Usage(format!(
+            "{model:?} is not a model name (one folder name of the repository)"
+        )));
+    }
+    // The engine is loaded (checksums verified) before anything is written.
+    let engine = Engine::load(request.engine_dir)?;
+    let files = engine_files(request.engine_dir)?;
+    let total: u64 = files.iter().map(|(_, _, size)| size).sum();
+
+    let existing = versions::list(repo, model)?;
+    if !request.approve && versions::serving(&existing).is_none() {
+        return Err(RegistryError::Usage(
+            "the first version of a model must be published with --approve: with no approved \
+             version there is nothing to serve or roll back to"
+                .into(),
+        ));
+    }
+    let config_key = format!("{model}/{CONFIG_FILE}");
+    let created_config = match repo.read(&config_key)? {
+        Some(_) => false,
+        // Of two first publishers one writes it; the other finds it there.
+        None => repo.create(
+            &config_key,
+            config::minimal(request.max_batch_size).as_bytes(),
+        )?,
+    };
+
+    let now = recsys_engine::engine_dir::utc_now_rfc3339();
+    let m = &engine.manifest;
+    let mut info = VersionInfo {
+        version: 0,
+        status: Status::Uploading,
+        created_at: now.clone(),
+        model_kind: m.model.kind().to_string(),
+        precision: serde_json::json!(m.precision)
+            .as_str()
+            .unwrap_or("")
+            .to_string(),
+        source_checkpoint: m.source.file.clone(),
+        source_sha256: m.source.sha256.clone(),
+        metrics: request.metrics.clone(),
+        history: vec![format!("upload started at {now}")],
+        publisher: Some(publisher()),
+        files: Vec::new(),
+    };
+
+    // Claim the next free number.
+    let first = versions::numbers(repo, model)?.last().map_or(1, |v| v + 1);
+    let mut claimed = None;
+    for version in first..first + CLAIM_ATTEMPTS {
+        info.version = version;
+        if repo.create(&versions::record_key(model, version), &info.to_json())? {
+            claimed = Some(version);
+            break;
+        }
+    }
+    let version = claimed.ok_or_else(|| {
+        RegistryError::Input(format!(
+            "could not claim a version number for {model} after {CLAIM_ATTEMPTS} attempts"
+        ))
+    })?;
+    let record_key = versions::record_key(model, version);
+    let claim = repo.read(&record_key)?.ok_or_else(|| {
+        RegistryError::Input(format!(
+            "the record of {model} version {version} vanished after it was written"
+        ))
+    })?;
+
+    let mut upload = || -> Result<()> {
+        let mut done = 0u64;
+        for (relative, path, _) in &files {
+            let base = done;
+            let sent = repo.upload(&format!("{model}/{version}/{relative}"), path, &mut |n| {
+                progress(base + n, total)
+            })?;
+            done += sent;
+        }
+        // The upload is complete when the store holds exactly the engine's files and sizes.
+        let mut uploaded = repo.files(&format!("{model}/{version}"))?;
+        uploaded.retain(|(name, _)| name != VERSION_FILE);
+        let expected: Vec<(String, u64)> = files.iter().map(|(n, _, s)| (n.clone(), *s)).collect();
+        if uploaded != expected {
+            return Err(RegistryError::Input(format!(
+                "the upload of {model} version {version} does not match the engine: the store \
+                 holds {uploaded:?}, the engine has {expected:?}"
+            )));
+        }
+        Ok(())
+    };
+    if let Err(e) = upload() {
+        // Best effort: leave no half version behind (a killed process leaves an incomplete one,
+        // which never serves).
+        for (relative, _, _) in &files {
+            let _ = repo.delete(&format!("{model}/{version}/{relative}"));
+        }
+        let _ = repo.delete(&record_key);
+        return Err(e);
+    }
+
+    let now = recsys_engine::engine_dir::utc_now_rfc3339();
+    info.status = if request.approve {
+        Status::Approved
+    } else {
+        Status::Pending
+    };
+    info.files = files.iter().map(|(n, _, s)| (n.clone(), *s)).collect();
+    info.history
+        .push(format!("published {} at {now}", info.status));
+    if !repo.replace(&record_key, &info.to_json(), &claim)? {
+        return Err(RegistryError::Input(format!(
+            "the record of {model} version {version} was changed by another command during the \
+             upload; see `recsys versions`"
+        )));
+    }
+    let serving = if request.approve {
+        config::switch(repo, model)?
+    } else {
+        versions::serving(&versions::list(repo, model)?).unwrap_or(version)
+    };
+    Ok(Published {
+        info,
+        created_config,
+        serving,
+    })
+}

@@ -1,0 +1,453 @@
+//! A model repository as a set of objects: the few operations the registry needs (read, create if
+//! absent, replace if unchanged, upload, list), blocking, over object_store. Keys are `/`-separated
+//! and relative to the repository root (`bert4rec/config.pbtxt`, `bert4rec/3/weights.safetensors`).
+
+use std::io::{Read, Write};
+use std::path::Path as LocalPath;
+use std::sync::Arc;
+
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::prefix::PrefixStore;
+use object_store::{
+    ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart,
+};
+
+use crate::aws_files;
+use crate::error::{RegistryError, Result};
+use crate::location::Location;
+
+/// Files up to this size go up in one request; larger ones in parts of this size (S3's minimum
+/// part is 5 MiB), at most a few parts in flight, so memory stays bounded for any engine size.
+const PART_BYTES: usize = 16 << 20;
+const PARTS_IN_FLIGHT: usize = 4;
+
+/// One object as read, with what a conditional replace needs to know it is unchanged.
+#[derive(Clone, Debug)]
+pub struct Object {
+    pub bytes: Vec<u8>,
+    version: UpdateVersion,
+}
+
+/// A repository opened for reading and writing.
+pub struct Repository {
+    store: Arc<dyn ObjectStore>,
+    runtime: tokio::runtime::Runtime,
+    text: String,
+    location: Location,
+}
+
+impl std::fmt::Debug for Repository {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(RegistryError::io("cannot start the object-store client"))
+}
+
+fn s3_store(endpoint: &Option<String>, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+    if let Some(endpoint) = endpoint {
+        builder = builder
+            .with_endpoint(endpoint)
+            .with_allow_http(endpoint.starts_with("http://"))
+            .with_virtual_hosted_style_request(false);
+    }
+    // The environment wins (as for the AWS SDKs); the shared files fill what it leaves out.
+    let profile = aws_files::profile();
+    if std::env::var_os("AWS_ACCESS_KEY_ID").is_none() {
+        if let (Some(id), Some(secret)) = (profile.access_key_id, profile.secret_access_key) {
+            builder = builder
+                .with_access_key_id(id)
+                .with_secret_access_key(secret);
+            if let Some(token) = profile.session_token {
+                builder = builder.with_token(token);
+            }
+        }
+    }
+    if std::env::var_os("AWS_DEFAULT_REGION").is_none() && std::env::var_os("AWS_REGION").is_none()
+    {
+        builder = builder.with_region(profile.region.unwrap_or_else(|| "us-east-1".into()));
+    }
+    let store = builder.build().map_err(RegistryError::store(format!(
+        "cannot open S3 bucket {bucket}"
+    )))?;
+    Ok(Arc::new(store))
+}
+
+fn gcs_store(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    let store = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+        .with_bucket_name(bucket)
+        .build()
+        .map_err(RegistryError::store(format!(
+            "cannot open GCS bucket {bucket}"
+        )))?;
+    Ok(Arc::new(store))
+}
+
+fn with_prefix(store: Arc<dyn ObjectStore>, prefix: &str) -> Arc<dyn ObjectStore> {
+    if prefix.is_empty() {
+        store
+    } else {
+        Arc::new(PrefixStore::new(store, prefix))
+    }
+}
+
+impl Repository {
+    /// Opens the repository at `text` (see [`Location`]); a local directory is created if missing.
+    pub fn open(text: &str) -> Result<Repository> {
+        // rustls needs one process-wide crypto provider; a second install is a no-op.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let location = Location::parse(text)?;
+        let store: Arc<dyn ObjectStore> = match &location {
+            Location::Local(dir) => {
+                std::fs::create_dir_all(dir).map_err(RegistryError::io(format!(
+                    "cannot create {}",
+                    dir.display()
+                )))?;
+                let dir = std::fs::canonicalize(dir)
+                    .map_err(RegistryError::io(format!("cannot open {}", dir.display())))?;
+                Arc::new(
+                    object_store::local::LocalFileSystem::new_with_prefix(&dir).map_err(
+                        RegistryError::store(format!("cannot open {}", dir.display())),
+                    )?,
+                )
+            }
+            Location::S3 {
+                endpoint,
+                bucket,
+                prefix,
+            } => with_prefix(s3_store(endpoint, bucket)?, prefix),
+            Location::Gcs { bucket, prefix } => with_prefix(gcs_store(bucket)?, prefix),
+        };
+        Ok(Repository {
+            store,
+            runtime: runtime()?,
+            text: text.to_string(),
+            location,
+        })
+    }
+
+    /// A repository held in memory (tests of the registry's own logic).
+    pub fn in_memory() -> Repository {
+        Repository {
+            store: Arc::new(object_store::memory::InMemory::new()),
+            runtime: runtime().expect("a current-thread runtime starts"),
+            text: "memory://".into(),
+            location: Location::Local("memory".into()),
+        }
+    }
+
+    /// The location as given (what tritonserver's `--model-repository` takes).
+    pub fn uri(&self) -> &str {
+        &self.text
+    }
+
+    pub fn location(&self) -> &Location {
+        &self.location
+    }
+
+    fn describe(&self, key: &str) -> String {
+        format!("{}/{key}", self.text.trim_end_matches('/'))
+    }
+
+    /// The object at `key`, or `None` when there is none.
+    pub fn read(&self, key: &str) -> Result<Option<Object>> {
+        let path = Path::from(key);
+        self.runtime.block_on(async {
+            match self.store.get(&path).await {
+                Ok(result) => {
+                    let version = UpdateVersion {
+                        e_tag: result.meta.e_tag.clone(),
+                        version: result.meta.version.clone(),
+                    };
+                    let bytes = result.bytes().await.map_err(RegistryError::store(format!(
+                        "cannot read {}",
+                        self.describe(key)
+                    )))?;
+                    Ok(Some(Object {
+                        bytes: bytes.to_vec(),
+                        version,
+                    }))
+                }
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(RegistryError::store(format!(
+                    "cannot read {}",
+                    self.describe(key)
+                ))(e)),
+            }
+        })
+    }
+
+    /// Writes `bytes` at `key` only if no object is there; `false` when one already was.
+    pub fn create(&self, key: &str, bytes: &[u8]) -> Result<bool> {
+        let options = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        let payload = PutPayload::from(bytes.to_vec());
+        match self
+            .runtime
+            .block_on(self.store.put_opts(&Path::from(key), payload, options))
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(RegistryError::store(format!(
+                "cannot create {} (the store must support create-if-absent writes)",
+                self.describe(key)
+            ))(e)),
+        }
+    }
+
+    /// Replaces the object at `key` with `bytes` if it is still `expected`; `false` when another
+    /// writer changed it first. Stores without conditional replace (local directories) overwrite;
+    /// callers re-read and repair, which converges (see `config::switch`).
+    pub fn replace(&self, key: &str, bytes: &[u8], expected: &Object) -> Result<bool> {
+        let path = Path::from(key);
+        let options = PutOptions {
+            mode: PutMode::Update(expected.version.clone()),
+            ..Default::default()
+        };
+        let conditional = self.runtime.block_on(self.store.put_opts(
+            &path,
+            PutPayload::from(bytes.to_vec()),
+            options,
+        ));
+        match conditional {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::Precondition { .. }) => Ok(false),
+            Err(object_store::Error::NotImplemented { .. }) => {
+                self.overwrite(key, bytes)?;
+                Ok(true)
+            }
+            Err(e) => Err(RegistryError::store(format!(
+                "cannot replace {}",
+                self.describe(key)
+            ))(e)),
+        }
+    }
+
+    /// Writes `bytes` at `key`, replacing whatever is there (one atomic write).
+    pub fn overwrite(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        self.runtime
+            .block_on(
+                self.store
+                    .put(&Path::from(key), PutPayload::from(bytes.to_vec())),
+            )
+            .map(|_| ())
+            .map_err(RegistryError::store(format!(
+                "cannot write {}",
+                self.describe(key)
+            )))
+    }
+
+    /// Uploads the local file `from` to `key`, calling `progress` with the bytes sent so far. The
+    /// object appears whole or not at all (single put, or a multipart upload completed last).
+    pub fn upload(
+        &self,
+        key: &str,
+        from: &LocalPath,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<u64> {
+        let context = || format!("cannot upload {} to {}", from.display(), self.describe(key));
+        let mut file = std::fs::File::open(from).map_err(RegistryError::io(context()))?;
+        let size = file.metadata().map_err(RegistryError::io(context()))?.len();
+        let path = Path::from(key);
+        if size as usize <= PART_BYTES {
+            let mut bytes = Vec::with_capacity(size as usize);
+            file.read_to_end(&mut bytes)
+                .map_err(RegistryError::io(context()))?;
+            self.runtime
+                .block_on(self.store.put(&path, PutPayload::from(bytes)))
+                .map_err(RegistryError::store(context()))?;
+            progress(size);
+            return Ok(size);
+        }
+        self.runtime.block_on(async {
+            let upload = self
+                .store
+                .put_multipart(&path)
+                .await
+                .map_err(RegistryError::store(context()))?;
+            let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+            let mut buffer = vec![0u8; PART_BYTES];
+            let mut sent = 0u64;
+            loop {
+                let n = match file.read(&mut buffer) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) => {
+                        let _ = writer.abort().await;
+                        return Err(RegistryError::io(context())(e));
+                    }
+                };
+                if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
+                    let _ = writer.abort().await;
+                    return Err(RegistryError::store(context())(e));
+                }
+                writer.write(&buffer[..n]);
+                sent += n as u64;
+                progress(sent);
+            }
+            writer
+                .finish()
+                .await
+                .map_err(RegistryError::store(context()))?;
+            Ok(sent)
+        })
+    }
+
+    /// Downloads `key` into the local file `to` (created or truncated).
+    pub fn download(&self, key: &str, to: &LocalPath) -> Result<u64> {
+        let context = || format!("cannot download {} to {}", self.describe(key), to.display());
+        self.runtime.block_on(async {
+            let result = self
+                .store
+                .get(&Path::from(key))
+                .await
+                .map_err(RegistryError::store(context()))?;
+            let mut file = std::fs::File::create(to).map_err(RegistryError::io(context()))?;
+            let mut stream = result.into_stream();
+            let mut written = 0u64;
+            while let Some(chunk) = stream
+                .try_next()
+                .await
+                .map_err(RegistryError::store(context()))?
+            {
+                file.write_all(&chunk)
+                    .map_err(RegistryError::io(context()))?;
+                written += chunk.len() as u64;
+            }
+            file.sync_all().map_err(RegistryError::io(context()))?;
+            Ok(written)
+        })
+    }
+
+    /// The names of the folders directly under `key` (`bert4rec` -> `["1", "2"]`).
+    pub fn folders(&self, key: &str) -> Result<Vec<String>> {
+        let prefix = Path::from(key);
+        let listing = self
+            .runtime
+            .block_on(self.store.list_with_delimiter(Some(&prefix)))
+            .map_err(RegistryError::store(format!(
+                "cannot list {}",
+                self.describe(key)
+            )))?;
+        Ok(listing
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename().map(str::to_string))
+            .collect())
+    }
+
+    /// Every object under `key`, as (path relative to `key`, size), sorted.
+    pub fn files(&self, key: &str) -> Result<Vec<(String, u64)>> {
+        let prefix = Path::from(key);
+        let objects: Vec<_> = self
+            .runtime
+            .block_on(self.store.list(Some(&prefix)).try_collect())
+            .map_err(RegistryError::store(format!(
+                "cannot list {}",
+                self.describe(key)
+            )))?;
+        let mut out: Vec<(String, u64)> = objects
+            .into_iter()
+            .filter_map(|meta| {
+                let relative: Vec<String> = meta
+                    .location
+                    .prefix_match(&prefix)?
+                    .map(|part| part.as_ref().to_string())
+                    .collect();
+                Some((relative.join("/"), meta.size))
+            })
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// Removes the object at `key` (absent is fine).
+    pub fn delete(&self, key: &str) -> Result<()> {
+        match self.runtime.block_on(self.store.delete(&Path::from(key))) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(RegistryError::store(format!(
+                "cannot delete {}",
+                self.describe(key)
+            ))(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn both() -> Vec<(tempfile::TempDir, Repository)> {
+        let dir = tempfile::tempdir().unwrap();
+        let local = Repository::open(dir.path().join("repo").to_str().unwrap()).unwrap();
+        vec![
+            (dir, local),
+            (tempfile::tempdir().unwrap(), Repository::in_memory()),
+        ]
+    }
+
+    #[test]
+    fn create_refuses_an_existing_object_and_replace_detects_a_change() {
+        for (_dir, repo) in both() {
+            assert!(repo.create("m/1/record", b"a").unwrap());
+            assert!(!repo.create("m/1/record", b"b").unwrap());
+            let first = repo.read("m/1/record").unwrap().unwrap();
+            assert_eq!(first.bytes, b"a");
+            assert!(repo.replace("m/1/record", b"c", &first).unwrap());
+            if repo.uri() == "memory://" {
+                // The store with conditional replace refuses a stale expectation.
+                assert!(!repo.replace("m/1/record", b"d", &first).unwrap());
+            }
+            assert_eq!(repo.read("m/1/record").unwrap().unwrap().bytes, b"c");
+            assert!(repo.read("m/2/record").unwrap().is_none());
+        }
+    }
+
+    #[test]
+    fn uploads_of_any_size_arrive_whole_and_list_as_folders_and_files() {
+        for (dir, repo) in both() {
+            let big = dir.path().join("big.bin");
+            let data: Vec<u8> = (0..(PART_BYTES * 2 + 12345))
+                .map(|i| (i % 251) as u8)
+                .collect();
+            std::fs::write(&big, &data).unwrap();
+            let small = dir.path().join("small.txt");
+            std::fs::write(&small, b"hello").unwrap();
+            let mut seen = Vec::new();
+            assert_eq!(
+                repo.upload("m/3/big.bin", &big, &mut |n| seen.push(n))
+                    .unwrap(),
+                data.len() as u64
+            );
+            assert_eq!(*seen.last().unwrap(), data.len() as u64);
+            repo.upload("m/3/small.txt", &small, &mut |_| {}).unwrap();
+            repo.overwrite("m/config.pbtxt", b"x").unwrap();
+            repo.create("m/10/record", b"r").unwrap();
+            let mut folders = repo.folders("m").unwrap();
+            folders.sort();
+            assert_eq!(folders, ["10", "3"]);
+            assert_eq!(
+                repo.files("m/3").unwrap(),
+                [
+                    ("big.bin".to_string(), data.len() as u64),
+                    ("small.txt".to_string(), 5)
+                ]
+            );
+            let back = dir.path().join("back.bin");
+            repo.download("m/3/big.bin", &back).unwrap();
+            assert_eq!(std::fs::read(&back).unwrap(), data);
+            repo.delete("m/3/small.txt").unwrap();
+            repo.delete("m/3/small.txt").unwrap();
+            assert_eq!(repo.files("m/3").unwrap().len(), 1);
+        }
+    }
+}
