@@ -126,7 +126,8 @@ pub struct ExportOnnxArgs {
     )]
     pub output: Option<PathBuf>,
     /// Write a Triton model instead: DIR/NAME/VERSION/model.onnx, DIR/NAME/config.pbtxt (onnxruntime
-    /// backend) and DIR/NAME/item_ids.tsv.
+    /// backend) and DIR/NAME/item_ids.tsv. DIR may be s3://... or gs://... (written locally, then
+    /// uploaded).
     #[arg(long, value_name = "DIR")]
     pub model_repository: Option<PathBuf>,
     /// Model name in the repository (default: the engine kind and precision, e.g. bert4rec_onnx_fp32).
@@ -422,7 +423,9 @@ pub struct ConvertArgs {
     /// TSV of `internal_index<TAB>external_item_id` for items 1..N (a header line is allowed).
     #[arg(long)]
     pub item_map: PathBuf,
-    /// Engine directory to create (for serving: <model_repository>/<model>/<version>).
+    /// Engine directory to create (for serving: <model_repository>/<model>/<version>), or its
+    /// folder in object storage (s3://..., gs://...: converted and verified locally, then
+    /// uploaded). To add a version to a served model, prefer `recsys publish`.
     #[arg(long, visible_alias = "out", value_name = "DIR")]
     pub output: PathBuf,
     /// Numeric precision of every weight matrix (item embedding, dense layers, output layer);
@@ -458,7 +461,7 @@ pub struct ConvertArgs {
     pub json: bool,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 #[command(
     after_help = "Input: one JSON object per line with \"item_ids\" (the history, oldest first, as \
 numbers or strings); optional \"k\", \"exclude_item_ids\", \"candidate_item_ids\" (rank only \
@@ -470,13 +473,15 @@ Exit status: 0 all lines served, 3 some lines failed (a summary goes to stderr),
 start or stopped (unreadable engine or input, unwritable output)."
 )]
 pub struct PredictArgs {
-    /// Engine directory written by `recsys convert`.
+    /// Engine directory written by `recsys convert`, or its folder in object storage
+    /// (s3://..., gs://...: downloaded to a scratch folder under TMPDIR first).
     #[arg(long)]
     pub engine: PathBuf,
-    /// JSON-lines input; `-` reads standard input.
+    /// JSON-lines input; `-` reads standard input; s3://... or gs://... is downloaded first.
     #[arg(long)]
     pub input: PathBuf,
-    /// JSON-lines output; `-` writes standard output.
+    /// JSON-lines output; `-` writes standard output; s3://... or gs://... is written locally and
+    /// uploaded whole once every line is scored (so a reader never sees a partial file).
     #[arg(long)]
     pub output: PathBuf,
     /// Items to return per user (a line's own "k" wins).

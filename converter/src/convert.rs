@@ -7,7 +7,28 @@ use recsys_engine::calibration::{read_histories, CalibrationMethod};
 use recsys_engine::{ConvertRequest, ModelKind, W8a8Layers};
 
 pub fn run(args: &ConvertArgs) -> Result<i32> {
-    if args.output.exists() && !args.force {
+    let target = args.output.to_str().unwrap_or_default().to_string();
+    let remote = recsys_registry::transfer::is_remote(&target);
+    if remote && !args.force && !recsys_registry::transfer::list_folder(&target)?.is_empty() {
+        return Err(CliError::Usage(format!(
+            "{target} already holds objects; pass --force to replace them"
+        )));
+    }
+    // An object-store output is converted (and verified) in a scratch folder, then uploaded.
+    let scratch = if remote {
+        Some(
+            tempfile::Builder::new()
+                .prefix("recsys-convert-")
+                .tempdir()
+                .map_err(CliError::io("cannot create a scratch folder (set TMPDIR)"))?,
+        )
+    } else {
+        None
+    };
+    let out_dir = scratch
+        .as_ref()
+        .map_or_else(|| args.output.clone(), |s| s.path().join("engine"));
+    if !remote && args.output.exists() && !args.force {
         let empty = std::fs::read_dir(&args.output)
             .map(|mut d| d.next().is_none())
             .unwrap_or(false);
@@ -87,7 +108,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             checkpoint: &args.checkpoint,
             config: config.as_ref(),
             item_map: &args.item_map,
-            out: &args.output,
+            out: &out_dir,
             precision: match (args.precision, args.int8_mode) {
                 (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
                 (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
@@ -107,6 +128,12 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
     );
     bar.finish_and_clear();
     let engine = engine?;
+    if remote {
+        let bar = progress::bytes(0);
+        bar.set_message(format!("uploading to {target}"));
+        recsys_registry::transfer::upload_folder(&out_dir, &target, &mut |n| bar.set_position(n))?;
+        bar.finish_and_clear();
+    }
     let m = &engine.manifest;
     let weights = &m.files[recsys_engine::engine_dir::WEIGHTS_FILE];
     // The manifest's own spelling of the enums, so the message matches what users see in the file.

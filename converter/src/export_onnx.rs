@@ -32,15 +32,64 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
                 manifest.model.kind().as_str(),
                 format!("{:?}", manifest.precision).to_lowercase()
             );
+            let uri = repository
+                .to_str()
+                .unwrap_or_default()
+                .trim_end_matches('/')
+                .to_string();
+            let remote = recsys_registry::transfer::is_remote(&uri);
+            let name = args.model_name.clone().unwrap_or(default_name);
+            if remote
+                && !args.force
+                && !recsys_registry::transfer::list_folder(&format!(
+                    "{uri}/{name}/{}",
+                    args.version
+                ))?
+                .is_empty()
+            {
+                return Err(crate::error::CliError::Usage(format!(
+                    "{uri}/{name}/{} already holds objects; pass --force to replace them",
+                    args.version
+                )));
+            }
+            // An object-store repository: the model is written to a scratch repository, then
+            // uploaded (config, item map and graph).
+            let scratch = if remote {
+                Some(
+                    tempfile::Builder::new()
+                        .prefix("recsys-export-")
+                        .tempdir()
+                        .map_err(crate::error::CliError::io(
+                            "cannot create a scratch folder (set TMPDIR)",
+                        ))?,
+                )
+            } else {
+                None
+            };
             let target = RepositoryModel {
-                repository: repository.clone(),
-                name: args.model_name.clone().unwrap_or(default_name),
+                repository: scratch
+                    .as_ref()
+                    .map_or_else(|| repository.clone(), |s| s.path().to_path_buf()),
+                name,
                 version: args.version,
                 max_batch_size: args.max_batch_size,
                 gpu: args.gpu,
-                force: args.force,
+                force: args.force || remote,
             };
-            let summary = recsys_onnx::write_model_repository(&args.engine, &target, &options)?;
+            let mut summary = recsys_onnx::write_model_repository(&args.engine, &target, &options)?;
+            if remote {
+                let local_model = target.repository.join(&target.name);
+                let remote_model = format!("{uri}/{}", target.name);
+                recsys_registry::transfer::upload_folder(&local_model, &remote_model, &mut |_| {})?;
+                let rebase = |p: &std::path::Path| {
+                    let relative = p.strip_prefix(&local_model).unwrap_or(p);
+                    std::path::PathBuf::from(format!("{remote_model}/{}", relative.display()))
+                };
+                let graph = rebase(&summary.path);
+                let data = summary.external_data.as_deref().map(rebase);
+                summary.path = graph;
+                summary.external_data = data;
+            }
             if !args.json {
                 println!(
                     "wrote Triton model {} (onnxruntime backend, {}) in {}",

@@ -68,7 +68,65 @@ fn resume_point(path: &std::path::Path) -> Result<u64> {
     Ok(bytes[..complete].iter().filter(|&&b| b == b'\n').count() as u64)
 }
 
+/// `args` with every object-store path (s3://, gs://) replaced by a local copy in a scratch folder
+/// (under TMPDIR): the engine folder and the input downloaded, the output written locally and
+/// uploaded whole when the run completes (returned as the URI to upload to).
+fn localize(
+    args: &PredictArgs,
+) -> Result<(PredictArgs, Option<String>, Option<tempfile::TempDir>)> {
+    use recsys_registry::transfer;
+    let text = |p: &std::path::Path| p.to_str().unwrap_or_default().to_string();
+    let (engine, input, output) = (text(&args.engine), text(&args.input), text(&args.output));
+    if ![&engine, &input, &output]
+        .iter()
+        .any(|t| transfer::is_remote(t))
+    {
+        return Ok((args.clone(), None, None));
+    }
+    if args.resume && transfer::is_remote(&output) {
+        return Err(CliError::Usage(
+            "--resume needs a local --output: an object-store output appears only once the run \
+             completes, so there is nothing to resume from"
+                .into(),
+        ));
+    }
+    let scratch = tempfile::Builder::new()
+        .prefix("recsys-predict-")
+        .tempdir()
+        .map_err(CliError::io("cannot create a scratch folder (set TMPDIR)"))?;
+    let mut local = args.clone();
+    if transfer::is_remote(&engine) {
+        let dir = scratch.path().join("engine");
+        let bytes = transfer::download_folder(&engine, &dir)?;
+        eprintln!(
+            "predict: downloaded the engine {engine} ({:.1} MB)",
+            bytes as f64 / 1e6
+        );
+        local.engine = dir;
+    }
+    if transfer::is_remote(&input) {
+        let file = scratch.path().join("input.jsonl");
+        transfer::download_file(&input, &file)?;
+        local.input = file;
+    }
+    let upload = transfer::is_remote(&output).then(|| {
+        local.output = scratch.path().join("output.jsonl");
+        output.clone()
+    });
+    Ok((local, upload, Some(scratch)))
+}
+
 pub fn run(args: &PredictArgs) -> Result<i32> {
+    let (local, upload, _scratch) = localize(args)?;
+    let code = run_local(&local)?;
+    if let Some(uri) = upload {
+        let bytes = recsys_registry::transfer::upload_file(&local.output, &uri, &mut |_| {})?;
+        eprintln!("predict: wrote {uri} ({:.1} MB)", bytes as f64 / 1e6);
+    }
+    Ok(code)
+}
+
+fn run_local(args: &PredictArgs) -> Result<i32> {
     // Flags first: a bad combination is reported before any file is read.
     let (shard, shards) = match &args.shard {
         Some(text) => parse_shard(text)?,

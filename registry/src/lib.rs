@@ -6,7 +6,8 @@
 //! - [`publish`]: an engine becomes the next version, without a lock;
 //! - [`status`]: approve and reject;
 //! - [`config`]: `config.pbtxt`'s version policy, switched by one atomic write;
-//! - [`replicas`]: reloading every replica and reporting each one.
+//! - [`replicas`]: reloading every replica and reporting each one;
+//! - [`transfer`]: single files and folders to and from object storage.
 #![forbid(unsafe_code)]
 
 mod aws_files;
@@ -17,6 +18,7 @@ pub mod publish;
 pub mod replicas;
 pub mod status;
 pub mod store;
+pub mod transfer;
 pub mod versions;
 
 pub use error::{RegistryError, Result};

@@ -121,7 +121,7 @@ pub fn publish(
     let m = &engine.manifest;
     let mut info = VersionInfo {
         version: 0,
-        status: Status::Uploading,
+        status: Status::Incomplete,
         created_at: now.clone(),
         model_kind: m.model.kind().to_string(),
         precision: serde_json::json!(m.precision)

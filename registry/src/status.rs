@@ -10,7 +10,7 @@ use crate::versions::{self, Status};
 
 /// Sets `version`'s status and returns the version the config names afterwards.
 pub fn set_status(repo: &Repository, model: &str, version: u64, status: Status) -> Result<u64> {
-    if status == Status::Uploading || status == Status::Pending {
+    if status == Status::Incomplete || status == Status::Pending {
         return Err(RegistryError::Usage(format!(
             "a version can be approved or rejected, not set to {status}"
         )));
@@ -29,7 +29,7 @@ pub fn set_status(repo: &Repository, model: &str, version: u64, status: Status) 
             )));
         };
         let current = &listed[index];
-        if status == Status::Approved && current.status == Status::Uploading {
+        if status == Status::Approved && current.status == Status::Incomplete {
             return Err(RegistryError::Input(format!(
                 "{model} version {version} is incomplete: its publish ({}) has not finished or \
                  was stopped, so it cannot serve; publish the engine again (it gets a new version)",

@@ -1,7 +1,7 @@
 //! The version records: `<model>/<version>/recsys-version.json`, one per version, the first object
-//! a publish writes (status `uploading`, claimed with a create-if-absent write, which is what gives
+//! a publish writes (status `incomplete`, claimed with a create-if-absent write, which is what gives
 //! two concurrent publishers distinct numbers) and rewritten once the upload is complete and
-//! verified (status `pending` or `approved`). A version whose record still says `uploading` is
+//! verified (status `pending` or `approved`). A version whose record still says `incomplete` is
 //! incomplete, in progress or abandoned by a killed publish: it never serves.
 
 use serde::{Deserialize, Serialize};
@@ -16,7 +16,7 @@ pub const VERSION_FILE: &str = "recsys-version.json";
 #[serde(rename_all = "lowercase")]
 pub enum Status {
     /// Claimed by a publish whose upload has not finished (or was killed).
-    Uploading,
+    Incomplete,
     Pending,
     Approved,
     Rejected,
@@ -25,7 +25,7 @@ pub enum Status {
 impl std::fmt::Display for Status {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Status::Uploading => "incomplete",
+            Status::Incomplete => "incomplete",
             Status::Pending => "pending",
             Status::Approved => "approved",
             Status::Rejected => "rejected",
@@ -121,7 +121,7 @@ pub fn list(repo: &Repository, model: &str) -> Result<Vec<VersionInfo>> {
                         .any(|(name, _)| name == recsys_engine::engine_dir::MANIFEST_FILE);
                     let mut info = VersionInfo::unregistered(version);
                     if !has_engine {
-                        info.status = Status::Uploading;
+                        info.status = Status::Incomplete;
                         info.history = vec!["no registry record and no engine manifest".into()];
                     }
                     Ok(info)

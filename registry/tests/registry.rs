@@ -100,7 +100,7 @@ fn an_incomplete_version_never_serves_and_is_not_reused() {
         // What a publish killed mid-upload leaves: a claimed record and part of the files.
         let mut claim = versions::list(&repo, "vaecf").unwrap()[0].clone();
         claim.version = 2;
-        claim.status = Status::Uploading;
+        claim.status = Status::Incomplete;
         assert!(repo
             .create(&record_key("vaecf", 2), &claim.to_json())
             .unwrap());
@@ -122,7 +122,7 @@ fn an_incomplete_version_never_serves_and_is_not_reused() {
                 .last()
                 .unwrap()
                 .status,
-            Status::Uploading
+            Status::Incomplete
         );
         assert_eq!(recsys_registry::config::switch(&repo, "vaecf").unwrap(), 1);
     }

@@ -36,7 +36,7 @@ class TritonServer:
 
     def __init__(
         self,
-        repository: Path,
+        repository: Path | str,
         backend_dir: Path,
         *,
         explicit: bool = False,
@@ -44,11 +44,14 @@ class TritonServer:
         log_path: Path | None = None,
         extra_args: list[str] | None = None,
     ):
-        self.repository = Path(repository)
+        # A local folder, or an object-store URI (s3://..., gs://...) passed to the server as is.
+        self.repository = repository if "://" in str(repository) else Path(repository)
         self.backend_dir = Path(backend_dir)
         self.explicit = explicit
         self.load_models = load_models or []
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        if log_path is None and not isinstance(self.repository, Path):
+            raise ValueError("a server on an object-store repository needs log_path")
         self.log_path = Path(log_path) if log_path else self.repository.parent / "tritonserver.log"
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
