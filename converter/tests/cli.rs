@@ -1394,3 +1394,59 @@ fn a_screened_engine_predicts_byte_for_byte_what_the_plain_one_does() {
     assert!(!done.status.success());
     assert!(String::from_utf8_lossy(&done.stderr).contains("fp32 and fp16"));
 }
+
+#[test]
+fn versions_names_a_config_that_lags_the_records_and_the_command_that_finishes_the_switch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("repo");
+    let engine = tmp.path().join("engine");
+    convert("multivae", "vaecf", "model.safetensors", &engine);
+    let run = |args: &[&str]| {
+        recsys()
+            .args(args)
+            .arg("--repository")
+            .arg(&repo)
+            .args(["--model", "vaecf"])
+            .output()
+            .unwrap()
+    };
+    let engine_arg = engine.to_str().unwrap();
+    assert!(run(&["publish", "--approve", "--engine", engine_arg])
+        .status
+        .success());
+    assert!(run(&["publish", "--approve", "--engine", engine_arg])
+        .status
+        .success());
+    // What approve leaves when killed between its record write and its config write.
+    let config = repo.join("vaecf/config.pbtxt");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("versions: [ 2 ]", "versions: [ 1 ]")).unwrap();
+    let out = run(&["versions"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.lines().nth(1).unwrap().contains("yes"), "{stdout}");
+    assert!(
+        stderr.contains("names version(s) [1] but the newest approved version is 2"),
+        "{stderr}"
+    );
+    let fix = stderr
+        .lines()
+        .find_map(|l| l.split('`').nth(1))
+        .expect("a command in backquotes");
+    assert!(
+        fix.starts_with("recsys approve ") && fix.contains("--version 2"),
+        "{fix}"
+    );
+    let fixed = Command::new("bash")
+        .arg("-c")
+        .arg(fix.replacen("recsys", env!("CARGO_BIN_EXE_recsys"), 1))
+        .output()
+        .unwrap();
+    assert!(fixed.status.success());
+    assert!(std::fs::read_to_string(&config)
+        .unwrap()
+        .contains("versions: [ 2 ]"));
+    assert!(run(&["versions"]).stderr.is_empty());
+}

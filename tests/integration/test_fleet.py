@@ -200,3 +200,25 @@ def test_convert_predict_and_export_read_and_write_object_storage(tmp_path, recs
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket="models", Prefix="onnx/")["Contents"]}
     assert {"onnx/bert4rec_onnx/config.pbtxt", "onnx/bert4rec_onnx/item_ids.tsv",
             "onnx/bert4rec_onnx/1/model.onnx"} <= keys, keys
+
+
+def test_concurrent_publishers_on_s3_get_distinct_versions(tmp_path, recsys_bin, s3):
+    """No lock: four `recsys publish` processes started together against one s3:// model claim four
+    distinct version numbers (create-if-absent records), all complete."""
+    uri = s3.uri("models", "race")
+    engine = tmp_path / "engine"
+    convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engine)
+    base = ["--repository", uri, "--model", "vaecf", "--engine", str(engine), "--json"]
+    first = subprocess.run([str(recsys_bin), "publish", "--approve", *base], capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode == 0, first.stderr
+    racers = [subprocess.Popen([str(recsys_bin), "publish", *base], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(4)]
+    outcomes = [p.communicate(timeout=120) for p in racers]
+    assert all(p.returncode == 0 for p in racers), [err for _, err in outcomes]
+    versions = sorted(json.loads(out)["version"] for out, _ in outcomes)
+    assert versions == [2, 3, 4, 5], versions
+    listed = json.loads(subprocess.run([str(recsys_bin), "versions", "--repository", uri, "--model", "vaecf",
+                                        "--json"], capture_output=True, text=True, check=True).stdout)
+    assert [v["status"] for v in listed["versions"]] == ["approved"] + ["pending"] * 4
+    assert listed["config_versions"] == [1]
