@@ -89,6 +89,11 @@ case "$kind" in
     backend_setup
     exec "$python" scripts/bench_catalogue.py "$@"
     ;;
+  load)
+    ./scripts/python-env.sh
+    cargo build --release --locked -p recsys-converter
+    exec "$python" scripts/bench_load.py "$@"
+    ;;
   ray)
     ./scripts/python-env.sh
     release_build -p recsys-converter
@@ -97,7 +102,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates, ray, catalogue)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates, ray, catalogue, load)" >&2
     exit 2
     ;;
 esac

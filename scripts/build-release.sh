@@ -3,17 +3,21 @@
 # (KIND_GPU instances) for a CUDA 12 toolkit on the serving machine (tritonserver 24.10's), `--cuda-13`
 # for CUDA 13; CUDA is loaded at run time, so the build needs no CUDA toolkit. Used by CI
 # (scripts/test.sh) and by docker/Dockerfile, so the image is built exactly as CI builds.
-#   scripts/build-release.sh [--cuda | --cuda-13] [--target-dir DIR]
+#   scripts/build-release.sh [--cuda | --cuda-13] [--backend-only] [--target-dir DIR]
+# --backend-only leaves out the CLI (it has no CUDA features, so its CUDA build is the plain one):
+# CI's CUDA build of the backend uses it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features=()
 args=()
+packages=(-p recsys-backend -p recsys-converter)
 while [[ $# -gt 0 ]]; do
   case $1 in
     --cuda) features=(--features recsys-backend/cuda-12); shift ;;
     --cuda-13) features=(--features recsys-backend/cuda-13); shift ;;
     --target-dir) args+=(--target-dir "$2"); shift 2 ;;
+    --backend-only) packages=(-p recsys-backend); shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
-cargo build --release --locked -p recsys-backend -p recsys-converter "${features[@]}" "${args[@]}"
+cargo build --release --locked "${packages[@]}" "${features[@]}" "${args[@]}"

@@ -89,7 +89,7 @@ cargo build --release --locked -p recsys-backend --features recsys-backend/panic
 mkdir -p build/test-backends/recsys
 cp target/release/libtriton_recsys.so build/test-backends/recsys/
 # The CUDA build, as docker/Dockerfile builds it, for the KIND_GPU tests (a clear load error here).
-./scripts/build-release.sh --cuda --target-dir target/cuda
+./scripts/build-release.sh --cuda --backend-only --target-dir target/cuda
 mkdir -p build/test-backends-cuda/recsys
 cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
 # The Python package as users get it: the abi3 wheel (PyO3, built by maturin from PyPI in pip's

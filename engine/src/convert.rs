@@ -114,6 +114,14 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             source,
         },
     )?;
+    // The kernels' layout goes into the engine file, so every later load maps it.
+    let packed = Engine::load(request.out)?;
+    engine_dir::add_kernels_file(
+        request.out,
+        &packed.scorer.packed,
+        packed.scorer.screen.as_ref(),
+    )?;
+    drop(packed);
     Engine::load(request.out)
 }
 

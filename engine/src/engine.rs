@@ -78,10 +78,21 @@ pub struct Engine {
 /// also carry their calibrated activation scale.
 fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
     let out = loaded.model.output();
-    let packed = out.weight.pack(out.bias.as_slice());
     let bad = |reason: String| EngineError::EngineDir {
         path: loaded.path.clone(),
         reason,
+    };
+    let packed = match (&loaded.kernels, &loaded.manifest.kernel_layout) {
+        // Stored laid out: mapped, not copied.
+        (Some(backing), Some(layout)) => crate::kernel_file::map_output(
+            backing,
+            layout,
+            out.n_outputs(),
+            out.input_size(),
+            loaded.manifest.precision,
+        )
+        .map_err(bad)?,
+        _ => out.weight.pack(out.bias.as_slice()),
     };
     match loaded.manifest.output_activation_scale().map_err(bad)? {
         None => Ok(packed),
@@ -106,6 +117,14 @@ fn screen_table(loaded: &engine_dir::LoadedDir) -> Result<Option<ScreenTable>> {
         });
     }
     let (n, d) = (out.n_outputs(), out.input_size());
+    if let (Some(backing), Some(layout)) = (&loaded.kernels, &loaded.manifest.kernel_layout) {
+        return crate::kernel_file::map_screen(backing, layout, n, d)
+            .map(Some)
+            .map_err(|reason| EngineError::EngineDir {
+                path: loaded.path.clone(),
+                reason,
+            });
+    }
     let mut reference = vec![0f32; n * d];
     for (i, row) in reference.chunks_exact_mut(d).enumerate() {
         out.weight.add_row_into(i, row);

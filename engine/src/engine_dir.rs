@@ -107,6 +107,10 @@ pub struct Manifest {
     pub id_type: IdType,
     pub source: SourceCheckpoint,
     pub files: BTreeMap<String, FileEntry>,
+    /// Where `kernels.bin` keeps the output layer (and screen) laid out for the kernels; absent in
+    /// engines written before it existed, which pack at load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_layout: Option<crate::kernel_file::KernelLayout>,
     pub created_by: String,
     pub created_at: String,
 }
@@ -283,6 +287,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         id_type: parts.ids.id_type(),
         source: parts.source.clone(),
         files,
+        kernel_layout: None,
         created_by: format!("recsys {}", env!("CARGO_PKG_VERSION")),
         created_at: utc_now_rfc3339(),
     };
@@ -290,6 +295,31 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
     std::fs::write(dir.join(MANIFEST_FILE), json + "\n")
         .map_err(|e| EngineError::io("cannot write the manifest", e))?;
     Ok(manifest)
+}
+
+/// Adds `kernels.bin` (the output layer and screen as the kernels read them) to the engine in
+/// `dir` and records it in the manifest, replaced in one rename: a crash before the rename leaves
+/// the engine as it was (a stray `kernels.bin` is not in the manifest and is ignored).
+pub fn add_kernels_file(
+    dir: &Path,
+    packed: &crate::kernels::packed::PackedOutput,
+    screen: Option<&crate::kernels::screen::ScreenTable>,
+) -> Result<()> {
+    let (layout, entry) = crate::kernel_file::write(dir, packed, screen)?;
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&manifest_path)
+        .map_err(|e| EngineError::io(format!("cannot read {}", manifest_path.display()), e))?;
+    let mut manifest = parse_manifest(dir, &text)?;
+    manifest
+        .files
+        .insert(crate::kernel_file::KERNELS_FILE.to_string(), entry);
+    manifest.kernel_layout = Some(layout);
+    let tmp = dir.join(format!("{MANIFEST_FILE}.tmp-{}", std::process::id()));
+    let json = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
+    std::fs::write(&tmp, json + "\n")
+        .map_err(|e| EngineError::io(format!("cannot write {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, &manifest_path)
+        .map_err(|e| EngineError::io(format!("cannot replace {}", manifest_path.display()), e))
 }
 
 /// A loaded, verified engine directory.
@@ -300,6 +330,8 @@ pub struct LoadedDir {
     pub ids: IdMap,
     /// The stored tensors by name (exporters read them; the engine itself keeps only `model`).
     pub weights: crate::weights::Weights,
+    /// The mapped `kernels.bin` of an engine that has one (see [`crate::kernel_file`]).
+    pub kernels: Option<crate::kernels::shared::Backing>,
 }
 
 /// Largest engine (all files of the manifest together) loaded by default: 64 GiB.
@@ -386,14 +418,41 @@ pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<LoadedDir> {
     // Truncating the file while it is mapped would be an operator error outside this process' control.
     let map = unsafe { memmap2::Mmap::map(&file) }
         .map_err(|e| EngineError::io(format!("cannot map {}", weights_path.display()), e))?;
-    verify(&weights_path, &map, &manifest.files[WEIGHTS_FILE].sha256)?;
+    // Hashed by reading the file, not the mapping: the pages stay out of this process' resident
+    // set until the model touches them.
+    verify_file(&weights_path, &manifest.files[WEIGHTS_FILE].sha256)?;
     let storage = Storage::mapped(map);
+    let kernels = match &manifest.kernel_layout {
+        None => None,
+        Some(_) => {
+            let entry = manifest
+                .files
+                .get(crate::kernel_file::KERNELS_FILE)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "the manifest has a kernel layout but does not list {}",
+                        crate::kernel_file::KERNELS_FILE
+                    ))
+                })?;
+            let path = dir.join(crate::kernel_file::KERNELS_FILE);
+            let file = EngineError::open(&path)?;
+            // SAFETY: as for the weights above: read-only, never modified after writing, verified
+            // against the manifest's sha256 right below.
+            let map = unsafe { memmap2::Mmap::map(&file) }
+                .map_err(|e| EngineError::io(format!("cannot map {}", path.display()), e))?;
+            verify_file(&path, &entry.sha256)?;
+            let backing: crate::kernels::shared::Backing = std::sync::Arc::new(map);
+            Some(backing)
+        }
+    };
 
     let ids_path = dir.join(ITEM_IDS_FILE);
     let ids_bytes = std::fs::read(&ids_path)
         .map_err(|e| EngineError::io(format!("cannot read {}", ids_path.display()), e))?;
     verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
-    from_parts(dir, manifest, storage, ids_bytes)
+    let mut loaded = from_parts(dir, manifest, storage, ids_bytes)?;
+    loaded.kernels = kernels;
+    Ok(loaded)
 }
 
 /// Parses and checks a manifest's text (format name and version first, so an engine from a newer
@@ -480,6 +539,7 @@ pub fn from_parts(
         model,
         ids,
         weights,
+        kernels: None,
     })
 }
 
@@ -503,6 +563,35 @@ fn confined(dir: &Path, path: &Path) -> std::result::Result<(), String> {
         }
         _ => Ok(()),
     }
+}
+
+/// [`verify`] over a file read in 1 MiB pieces.
+fn verify_file(path: &Path, expected: &str) -> Result<()> {
+    use std::io::Read;
+    let mut file = EngineError::open(path)?;
+    let mut hash = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = file
+            .read(&mut buffer)
+            .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buffer[..n]);
+    }
+    check_digest(path, hex::encode(hash.finalize()), expected)
+}
+
+fn check_digest(path: &Path, found: String, expected: &str) -> Result<()> {
+    if found != expected {
+        return Err(EngineError::Checksum {
+            path: path.to_path_buf(),
+            expected: expected.into(),
+            found,
+        });
+    }
+    Ok(())
 }
 
 fn verify(path: &Path, bytes: &[u8], expected: &str) -> Result<()> {

@@ -14,6 +14,7 @@ pub mod error;
 pub mod fixtures;
 pub mod idmap;
 pub mod import;
+pub mod kernel_file;
 pub mod kernels;
 pub mod metrics;
 pub mod models;

@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod fused;
 pub mod packed;
 pub mod screen;
+pub mod shared;
 
 /// Builds a [`KernelTable`] from three generic micro-kernels `kernel::<ROWS, PANELS>`, one per
 /// precision, instantiated for rows {1, 2, 4} x panels {1, 2, 4, 8}.

@@ -5,16 +5,18 @@
 //! and the kernel never needs a horizontal sum. The last panel is zero-padded; padded items are never
 //! offered to the top-k selection.
 
-/// Storage of the packed weights.
+use super::shared::Shared;
+
+/// Storage of the packed weights (owned, or mapped from the engine's kernels file).
 #[derive(Clone, Debug)]
 pub enum PanelData {
-    F32(Vec<f32>),
+    F32(Shared<f32>),
     /// IEEE half bits, widened to f32 in registers (F16C).
-    F16(Vec<u16>),
+    F16(Shared<u16>),
     /// Symmetric int8 with one scale per item (output row).
     I8 {
-        q: Vec<i8>,
-        scales: Vec<f32>,
+        q: Shared<i8>,
+        scales: Shared<f32>,
     },
 }
 
@@ -34,7 +36,7 @@ pub struct PackedOutput {
     pub d: usize,
     pub data: PanelData,
     /// Padded to a whole number of panels with -inf, so padding items never score above any bar.
-    pub bias: Vec<f32>,
+    pub bias: Shared<f32>,
     /// int8 only: a calibrated static activation scale (W8A8: activations rounded to levels of it,
     /// saturating to [-128, 127]). `None`: each request's activations get their own int16 scale.
     pub activation_scale: Option<f32>,
@@ -151,7 +153,7 @@ impl PackedOutput {
     }
 
     fn f32_rows(table: &[f32], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
-        Self::float_rows(table, rows, bias, d, PanelData::F32)
+        Self::float_rows(table, rows, bias, d, |v| PanelData::F32(v.into()))
     }
 
     /// A float table (f32 or half bits) packed whole or at `rows`, stored by `data`.
@@ -167,7 +169,7 @@ impl PackedOutput {
             n,
             d,
             data: data(pack(n, d, row_of(table, d, rows))),
-            bias: padded(bias, n, f32::NEG_INFINITY),
+            bias: padded(bias, n, f32::NEG_INFINITY).into(),
             activation_scale: None,
         }
     }
@@ -185,7 +187,7 @@ impl PackedOutput {
     }
 
     fn f16_rows(table: &[u16], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
-        Self::float_rows(table, rows, bias, d, PanelData::F16)
+        Self::float_rows(table, rows, bias, d, |v| PanelData::F16(v.into()))
     }
 
     /// From row-major int8 weights `[n, d]` and their per-row scales `[n]`.
@@ -209,10 +211,10 @@ impl PackedOutput {
             n,
             d,
             data: PanelData::I8 {
-                q: pack_pairs(n, d, row_of(table, d, rows)),
-                scales: padded(scales, n, 0.0),
+                q: pack_pairs(n, d, row_of(table, d, rows)).into(),
+                scales: padded(scales, n, 0.0).into(),
             },
-            bias: padded(bias, n, f32::NEG_INFINITY),
+            bias: padded(bias, n, f32::NEG_INFINITY).into(),
             activation_scale: None,
         }
     }
@@ -225,6 +227,15 @@ impl PackedOutput {
         );
         self.activation_scale = Some(scale);
         self
+    }
+
+    /// Whether the weights are mapped from the engine's kernels file rather than packed in memory.
+    pub fn is_mapped(&self) -> bool {
+        match &self.data {
+            PanelData::F32(w) => w.is_mapped(),
+            PanelData::F16(w) => w.is_mapped(),
+            PanelData::I8 { q, .. } => q.is_mapped(),
+        }
     }
 
     pub fn panels(&self) -> usize {

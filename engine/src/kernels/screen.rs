@@ -27,6 +27,7 @@
 
 use super::fused::{self, over_panel_ranges, scan, Exclusions, RowQuery, Sink};
 use super::packed::{quantize_activations, quantize_int8_per_row, PackedOutput};
+use super::shared::Shared;
 use super::KernelTable;
 use crate::topk::{rank_order, Scored};
 
@@ -39,13 +40,13 @@ pub struct ScreenTable {
     /// int8 weights with per-item scales, the reference bias; activations quantized per row.
     pub packed: PackedOutput,
     /// Per item (PAD included): max_j |w_ij - s_i q_ij|.
-    weight_error: Vec<f32>,
+    weight_error: Shared<f32>,
     /// Per item: s_i ||q_i||_1.
-    scaled_q_l1: Vec<f32>,
+    scaled_q_l1: Shared<f32>,
     /// Per item: max_j |w_ij|.
-    max_weight: Vec<f32>,
+    max_weight: Shared<f32>,
     /// Per item: |b_i| (0 for -inf padding, never offered).
-    abs_bias: Vec<f32>,
+    abs_bias: Shared<f32>,
     /// Largest of each per-item quantity, for one conservative bar per row in the kernel.
     max_of: [f32; 4],
 }
@@ -80,21 +81,46 @@ impl ScreenTable {
             .iter()
             .map(|b| if b.is_finite() { b.abs() } else { 0.0 })
             .collect();
+        Self::from_parts(
+            PackedOutput::from_i8(&q, &scales, bias, d),
+            [
+                weight_error.into(),
+                scaled_q_l1.into(),
+                max_weight.into(),
+                abs_bias.into(),
+            ],
+        )
+    }
+
+    /// From its stored parts (an engine's kernels file): the packed int8 table and the per-item
+    /// bound terms in [`Self::bound_terms`]' order, each of `packed.n` values.
+    pub fn from_parts(packed: PackedOutput, terms: [Shared<f32>; 4]) -> Self {
         let largest = |v: &[f32]| v.iter().fold(0f32, |m, &x| m.max(x));
         let max_of = [
-            largest(&weight_error),
-            largest(&scaled_q_l1),
-            largest(&max_weight),
-            largest(&abs_bias),
+            largest(&terms[0]),
+            largest(&terms[1]),
+            largest(&terms[2]),
+            largest(&terms[3]),
         ];
+        let [weight_error, scaled_q_l1, max_weight, abs_bias] = terms;
         ScreenTable {
-            packed: PackedOutput::from_i8(&q, &scales, bias, d),
+            packed,
             weight_error,
             scaled_q_l1,
             max_weight,
             abs_bias,
             max_of,
         }
+    }
+
+    /// The per-item bound terms, named as an engine's kernels file stores them.
+    pub fn bound_terms(&self) -> [(&'static str, &Shared<f32>); 4] {
+        [
+            ("weight_error", &self.weight_error),
+            ("scaled_q_l1", &self.scaled_q_l1),
+            ("max_weight", &self.max_weight),
+            ("abs_bias", &self.abs_bias),
+        ]
     }
 
     /// Bytes the screen reads per scan (int8 weights and scales).
