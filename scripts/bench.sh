@@ -19,12 +19,15 @@
 #   scripts/bench.sh catalogue [ARGS] whole models at 1e6 items in tritonserver, recsys (screened and
 #                                     not) against the Python backend + onnxruntime peer, concurrency
 #                                     1 and 8, with and without dynamic batching (scripts/bench_catalogue.py)
+#   scripts/bench.sh load [ARGS]      load time, owned and resident memory of engines whose kernels'
+#                                     layout is mapped from kernels.bin against packed at load
+#                                     (scripts/bench_load.py)
 #
 # ARGS go to the Python script (`--help` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -92,6 +95,7 @@ case "$kind" in
   load)
     ./scripts/python-env.sh
     cargo build --release --locked -p recsys-converter
+    .venv/bin/pip install --quiet --force-reinstall --no-deps ./python
     exec "$python" scripts/bench_load.py "$@"
     ;;
   ray)

@@ -6,8 +6,10 @@ the engine file (`kernels.bin`, mapped at load) against the same engines in the 
 
 Random-weight models as scripts/bench_catalogue.py builds them (Mult-VAE 600-200-600; BERT4Rec
 the fixture's encoder with a random item table), fp32 with and without the int8 screen. Each
-measurement is one `recsys predict --threads 2` process under /usr/bin/time (wall seconds, peak
-resident set): with 1 history (load, one scan) and with 256 (every page the kernels read touched).
+measurement is a fresh process that loads the engine with the Python package (`recsys.Engine`,
+2 threads; the page cache warm, as when a server reloads) and reads its own /proc/self/smaps: the
+load's seconds, the memory it owns after loading (anonymous pages: copies), and the engine files'
+resident pages after 1 history (one scan) and after 256 more.
 The previous-format twin shares the new engine's weights and item map by hard link; only its
 manifest differs, so both read the same bytes from the same page cache. "kernel bytes" is what one
 scan reads: the packed output layer, or for a screened engine the int8 screen with its scales and
@@ -28,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_catalogue import FIRST_ID, RECSYS, checkpoints, convert  # noqa: E402
+from bench_catalogue import FIRST_ID, checkpoints, convert  # noqa: E402
 
 KERNELS = "kernels.bin"
 
@@ -51,14 +53,43 @@ def kernel_bytes(engine: Path) -> int:
     return sum(s["bytes"] for name, s in layout.items() if name.startswith(prefix))
 
 
-def run(engine: Path, users: Path) -> tuple[float, float]:
-    """(wall seconds, peak resident MiB) of one predict process."""
-    out = users.with_suffix(".out.jsonl")
-    timed = subprocess.run(["/usr/bin/time", "-f", "%e %M", str(RECSYS), "predict", "--engine", str(engine),
-                            "--input", str(users), "--output", str(out), "--threads", "2", "--k", "10"],
-                           capture_output=True, text=True, timeout=1800, check=True)
-    seconds, kib = timed.stderr.strip().splitlines()[-1].split()
-    return float(seconds), int(kib) / 1024
+CHILD = r"""
+import json, re, sys, time
+import recsys
+
+def resident(prefix):
+    per, current = {}, None
+    for line in open("/proc/self/smaps"):
+        head = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \d+\s*(.*)$", line)
+        if head:
+            current = head.group(1)
+            continue
+        if line.startswith("Rss:"):
+            per[current] = per.get(current, 0) + int(line.split()[1])
+    files = sum(v for k, v in per.items() if k.startswith(prefix))
+    owned = sum(v for k, v in per.items() if k in ("", "[heap]") or k.startswith("[anon"))
+    return files / 1024, owned / 1024
+
+engine, histories = sys.argv[1], json.load(open(sys.argv[2]))
+_, owned_before = resident(engine)
+started = time.monotonic()
+model = recsys.Engine(engine, threads=2)
+load_s = time.monotonic() - started
+files_loaded, owned_loaded = resident(engine)
+model.recommend(histories[:1], k=10)
+files_one, _ = resident(engine)
+model.recommend(histories[1:], k=10)
+files_all, owned_all = resident(engine)
+print(json.dumps({"load_s": load_s, "owned": owned_loaded - owned_before, "files_loaded": files_loaded,
+                  "files_one": files_one, "files_all": files_all, "owned_all": owned_all - owned_before}))
+"""
+
+
+def run(engine: Path, users: Path) -> dict:
+    """One fresh process: load, one history, 256 more; what it measured of itself."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(engine.resolve()), str(users)],
+                         capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -78,13 +109,9 @@ def main() -> None:
                 work = tmp / f"{kind}-{items}"
                 work.mkdir()
                 ckpt, cfg, item_map = checkpoints(kind, items, work)
-                users = {}
-                for n in (1, 256):
-                    path = work / f"users{n}.jsonl"
-                    path.write_text("".join(
-                        json.dumps({"item_ids": [int(FIRST_ID + i) for i in rng.integers(0, items, 20)]}) + "\n"
-                        for _ in range(n)))
-                    users[n] = path
+                users = work / "users.json"
+                users.write_text(json.dumps([[int(FIRST_ID + i) for i in rng.integers(0, items, 20)]
+                                             for _ in range(257)]))
                 for screen in ("none", "int8"):
                     new = work / f"engine-{screen}"
                     convert(kind, ckpt, cfg, item_map, new, ["--screen", screen])
@@ -92,11 +119,9 @@ def main() -> None:
                     previous_format(new, old)
                     size = sum(f.stat().st_size for f in new.iterdir())
                     for label, engine in (("mapped", new), ("packed at load", old)):
-                        run(engine, users[1])  # warm the page cache: both read the same files
-                        load_s, load_mib = run(engine, users[1])
-                        full_s, full_mib = run(engine, users[256])
-                        rows.append((kind, items, screen, label, size / 2**20, kernel_bytes(new) / 2**20,
-                                     load_s, load_mib, full_s, full_mib))
+                        run(engine, users)  # warm the page cache: both read the same files
+                        m = run(engine, users)
+                        rows.append((kind, items, screen, label, size / 2**20, kernel_bytes(new) / 2**20, m))
                         print(rows[-1], flush=True)
                     for engine in (new, old):
                         for f in engine.iterdir():
@@ -107,16 +132,20 @@ def main() -> None:
     lines = [
         f"## {datetime.date.today()} — loading by mapping (`scripts/bench.sh load --items {args.items}`)",
         "",
-        f"{platform.processor() or platform.machine()}, `recsys predict --threads 2`, peak resident set from "
-        "/usr/bin/time, page cache warm. Engine = all files; kernel bytes = what one scan reads.",
+        f"{platform.processor() or platform.machine()}, `recsys.Engine(threads=2)` in a fresh process, page cache "
+        "warm. Engine = all its files; kernel = what one scan reads (the packed output layer, or the int8 "
+        "screen with its scales and bound terms); owned = anonymous memory the load added; resident = the "
+        "engine files' pages in the process after 1 history and after 257 (20 random items each).",
         "",
-        "| model | items | screen | layout | engine MiB | kernel MiB | 1 history: s | peak MiB | "
-        "256 histories: s | peak MiB | peak / kernel bytes |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | items | screen | layout | engine MiB | kernel MiB | load s | owned MiB | resident MiB, "
+        "loaded / 1 / 257 histories | (owned + resident at 1) / kernel |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|---:|",
     ]
-    for kind, items, screen, label, size, kern, ls, lm, fs, fm in rows:
-        lines.append(f"| {kind} | {items:,} | {screen} | {label} | {size:,.0f} | {kern:,.0f} | {ls:.2f} | {lm:,.0f} | "
-                     f"{fs:.2f} | {fm:,.0f} | {fm / kern:.2f} |")
+    for kind, items, screen, label, size, kern, m in rows:
+        lines.append(
+            f"| {kind} | {items:,} | {screen} | {label} | {size:,.0f} | {kern:,.0f} | {m['load_s']:.2f} | "
+            f"{m['owned']:,.0f} | {m['files_loaded']:,.0f} / {m['files_one']:,.0f} / {m['files_all']:,.0f} | "
+            f"{(m['owned'] + m['files_one']) / kern:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
