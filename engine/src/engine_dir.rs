@@ -595,15 +595,7 @@ fn check_digest(path: &Path, found: String, expected: &str) -> Result<()> {
 }
 
 fn verify(path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
-    let found = hex::encode(Sha256::digest(bytes));
-    if found != expected {
-        return Err(EngineError::Checksum {
-            path: path.to_path_buf(),
-            expected: expected.into(),
-            found,
-        });
-    }
-    Ok(())
+    check_digest(path, hex::encode(Sha256::digest(bytes)), expected)
 }
 
 type Tensors = (TensorMap, std::collections::HashMap<String, RawTensor>);

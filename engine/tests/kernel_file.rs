@@ -8,22 +8,10 @@ mod common;
 use common::*;
 use recsys_engine::engine_dir::Screen;
 use recsys_engine::kernel_file::KERNELS_FILE;
-use recsys_engine::{ConvertRequest, Engine, EngineError, ExternalIds, InternalRequest, ModelKind};
+use recsys_engine::{Engine, EngineError, ExternalIds, InternalRequest, ModelKind};
 
 fn convert(kind: ModelKind, out: &std::path::Path, precision: Precision, screen: Screen) -> Engine {
-    let config = config_json(kind);
-    recsys_engine::convert(&ConvertRequest {
-        kind,
-        checkpoint: &model_dir(kind).join("model.safetensors"),
-        config: Some(&config),
-        item_map: &model_dir(kind).join("item_id_map.tsv"),
-        out,
-        precision,
-        calibration: None,
-        screen,
-        w8a8_layers: Default::default(),
-    })
-    .unwrap()
+    convert_fixture_screened(kind, out, precision, screen).unwrap()
 }
 
 /// `dir` as an engine of the previous format: no kernels file, no layout in the manifest.

@@ -9,27 +9,7 @@ use common::*;
 use recsys_engine::engine_dir::Screen;
 use recsys_engine::kernels::fused::{Exclusions, RowQuery};
 use recsys_engine::kernels::screen::{top_k_from_f32, ScreenTable};
-use recsys_engine::{ConvertRequest, Engine, EngineError, ExternalIds, InternalRequest, ModelKind};
-
-fn convert_screened(
-    kind: ModelKind,
-    out: &std::path::Path,
-    precision: Precision,
-    screen: Screen,
-) -> recsys_engine::Result<Engine> {
-    let config = config_json(kind);
-    recsys_engine::convert(&ConvertRequest {
-        kind,
-        checkpoint: &model_dir(kind).join("model.safetensors"),
-        config: Some(&config),
-        item_map: &model_dir(kind).join("item_id_map.tsv"),
-        out,
-        precision,
-        calibration: None,
-        screen,
-        w8a8_layers: Default::default(),
-    })
-}
+use recsys_engine::{Engine, EngineError, ExternalIds, InternalRequest, ModelKind};
 
 /// Requests with every k, exclusions, seen items kept or not, and candidate rows among them.
 fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
@@ -70,10 +50,15 @@ fn screened_engines_answer_exactly_as_unscreened_ones() {
         let tmp = tempfile::tempdir().unwrap();
         for precision in [Precision::Fp32, Precision::Fp16] {
             let mut plain =
-                convert_screened(kind, &tmp.path().join("plain"), precision, Screen::None).unwrap();
-            let mut screened =
-                convert_screened(kind, &tmp.path().join("screened"), precision, Screen::Int8)
+                convert_fixture_screened(kind, &tmp.path().join("plain"), precision, Screen::None)
                     .unwrap();
+            let mut screened = convert_fixture_screened(
+                kind,
+                &tmp.path().join("screened"),
+                precision,
+                Screen::Int8,
+            )
+            .unwrap();
             assert_eq!(screened.manifest.screen, Screen::Int8);
             assert!(screened.scorer.screen.is_some() && plain.scorer.screen.is_none());
             let batch = requests(&plain, 64);
@@ -120,7 +105,7 @@ fn screened_engines_answer_exactly_as_unscreened_ones() {
             assert!(old.scorer.screen.is_none());
         }
         // int8 engines already read int8 weights: the screen is refused with a reason.
-        let refused = convert_screened(
+        let refused = convert_fixture_screened(
             kind,
             &tmp.path().join("int8"),
             Precision::Int8,

@@ -36,39 +36,12 @@ pub struct Published {
     pub serving: u64,
 }
 
-/// Every file of the engine folder, as (path relative to it with `/`, local path, size), sorted.
+/// Every file of the engine folder but a stray version record, as (relative path, local path,
+/// size), sorted.
 fn engine_files(dir: &Path) -> Result<Vec<(String, PathBuf, u64)>> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf, u64)>) -> Result<()> {
-        let entries = std::fs::read_dir(dir)
-            .map_err(RegistryError::io(format!("cannot read {}", dir.display())))?;
-        for entry in entries {
-            let entry =
-                entry.map_err(RegistryError::io(format!("cannot list {}", dir.display())))?;
-            let path = entry.path();
-            let meta = entry
-                .metadata()
-                .map_err(RegistryError::io(format!("cannot stat {}", path.display())))?;
-            if meta.is_dir() {
-                walk(root, &path, out)?;
-                continue;
-            }
-            let relative = path
-                .strip_prefix(root)
-                .expect("walked from the root")
-                .components()
-                .map(|c| c.as_os_str().to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-                .join("/");
-            if relative != VERSION_FILE {
-                out.push((relative, path, meta.len()));
-            }
-        }
-        Ok(())
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out)?;
-    out.sort();
-    Ok(out)
+    let mut files = crate::transfer::local_files(dir)?;
+    files.retain(|(relative, _, _)| relative != VERSION_FILE);
+    Ok(files)
 }
 
 fn publisher() -> String {

@@ -73,36 +73,45 @@ pub fn download_folder(uri: &str, to: &Path) -> Result<u64> {
     Ok(total)
 }
 
-/// Uploads every file under the local folder `from` to the folder `uri`.
-pub fn upload_folder(from: &Path, uri: &str, progress: &mut dyn FnMut(u64)) -> Result<u64> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> Result<()> {
+/// Every file under the local folder `dir`, as (path relative to it with `/`, local path, size),
+/// sorted.
+pub fn local_files(dir: &Path) -> Result<Vec<(String, PathBuf, u64)>> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf, u64)>) -> Result<()> {
         for entry in std::fs::read_dir(dir)
             .map_err(RegistryError::io(format!("cannot read {}", dir.display())))?
         {
             let entry =
                 entry.map_err(RegistryError::io(format!("cannot list {}", dir.display())))?;
             let path = entry.path();
-            if path.is_dir() {
+            let meta = entry
+                .metadata()
+                .map_err(RegistryError::io(format!("cannot stat {}", path.display())))?;
+            if meta.is_dir() {
                 walk(root, &path, out)?;
-            } else {
-                let relative = path
-                    .strip_prefix(root)
-                    .expect("walked from the root")
-                    .components()
-                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
-                    .collect::<Vec<_>>()
-                    .join("/");
-                out.push((relative, path));
+                continue;
             }
+            let relative = path
+                .strip_prefix(root)
+                .expect("walked from the root")
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("/");
+            out.push((relative, path, meta.len()));
         }
         Ok(())
     }
-    let mut files = Vec::new();
-    walk(from, from, &mut files)?;
-    files.sort();
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
+/// Uploads every file under the local folder `from` to the folder `uri`.
+pub fn upload_folder(from: &Path, uri: &str, progress: &mut dyn FnMut(u64)) -> Result<u64> {
     let repo = Repository::open(uri)?;
     let mut done = 0;
-    for (relative, path) in files {
+    for (relative, path, _) in local_files(from)? {
         let base = done;
         done += repo.upload(&relative, &path, &mut |n| progress(base + n))?;
     }

@@ -33,6 +33,27 @@ pub fn convert_fixture_at(
         .unwrap_or_else(|e| panic!("converting {checkpoint}: {e}"))
 }
 
+/// Converts the fixture's safetensors checkpoint into `out` at `precision` with `screen`.
+pub fn convert_fixture_screened(
+    kind: ModelKind,
+    out: &Path,
+    precision: Precision,
+    screen: recsys_engine::engine_dir::Screen,
+) -> recsys_engine::Result<Engine> {
+    let config = config_json(kind);
+    recsys_engine::convert(&recsys_engine::ConvertRequest {
+        kind,
+        checkpoint: &model_dir(kind).join("model.safetensors"),
+        config: Some(&config),
+        item_map: &model_dir(kind).join("item_id_map.tsv"),
+        out,
+        precision,
+        calibration: None,
+        screen,
+        w8a8_layers: Default::default(),
+    })
+}
+
 /// Converts the fixture's safetensors checkpoint to a W8A8 engine calibrated on `histories`.
 pub fn convert_fixture_w8a8(
     kind: ModelKind,
