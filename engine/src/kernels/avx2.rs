@@ -10,10 +10,6 @@ use std::arch::x86_64::*;
 
 use super::{Epilogue, Isa, KernelTable};
 
-/// How many calls' worth of panels ahead the kernels prefetch, into L2 (two calls at d = 600 are
-/// 77 KB, more than L1 holds; L1's own prefetcher then follows the 8 streams of a call).
-const PREFETCH_CALLS_AHEAD: usize = 2;
-
 /// Loads 8 weights of the panel element range starting at `offset` as f32.
 trait Load8: Copy {
     /// # Safety
@@ -62,16 +58,16 @@ unsafe fn panels<const R: usize, const P: usize, T: Load8>(
     let mut acc = [[_mm256_setzero_ps(); P]; R];
     let hp = hidden.as_ptr();
     let wp = w.as_ptr();
-    // The panels of the calls after this one, requested while this one computes: at one hidden
-    // row the kernel is bound by memory, and the hardware prefetcher alone does not keep 8
-    // interleaved streams fed (the int8 path, with four times the instructions per byte, ran at
-    // half the read bandwidth without this). Prefetches never fault, so the address may lie past
-    // `w`.
-    let ahead = wp.wrapping_add(PREFETCH_CALLS_AHEAD * P * d * 8) as *const i8;
+    // The panels of a later call, requested while this one computes (`Epilogue::prefetch`).
+    // Prefetches never fault, so the address may lie past `w`.
+    let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);
+    let prefetch = epilogue.prefetch != 0;
     let elem = std::mem::size_of::<T>();
     for j in 0..d {
-        for line in (0..P * 8 * elem).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * P * 8 * elem + line));
+        if prefetch {
+            for line in (0..P * 8 * elem).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * P * 8 * elem + line));
+            }
         }
         let mut wv = [_mm256_setzero_ps(); P];
         for (p, v) in wv.iter_mut().enumerate() {
@@ -172,11 +168,14 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     let mut acc = [[_mm256_setzero_si256(); P]; R];
     let hp = hidden.as_ptr() as *const i32;
     let wp = w.as_ptr();
-    // As in `panels`: the next calls' panels requested ahead (never faults, may lie past `w`).
-    let ahead = wp.wrapping_add(PREFETCH_CALLS_AHEAD * P * pairs * 16);
+    // As in `panels`: a later call's panels requested ahead (never faults, may lie past `w`).
+    let ahead = wp.wrapping_add(epilogue.prefetch);
+    let prefetch = epilogue.prefetch != 0;
     for jp in 0..pairs {
-        for line in (0..P * 16).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(jp * P * 16 + line));
+        if prefetch {
+            for line in (0..P * 16).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(jp * P * 16 + line));
+            }
         }
         let mut wv = [_mm256_setzero_si256(); P];
         for (p, v) in wv.iter_mut().enumerate() {

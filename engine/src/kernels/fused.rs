@@ -11,7 +11,7 @@
 //! is identical whatever the thread count.
 
 use super::packed::{quantize_activations, quantize_activations_static, PackedOutput, PanelData};
-use super::{panels_slot, rows_slot, Epilogue, KernelTable};
+use super::{panels_slot, prefetch, rows_slot, Epilogue, KernelTable};
 use crate::topk::{rank_order, Scored};
 
 /// Items never to recommend to one row: sorted, distinct internal indices. Checked only for
@@ -176,6 +176,7 @@ pub(super) fn scan(
         _ => (Vec::new(), Vec::new()),
     };
     let width_q = d.div_ceil(2) * 2;
+    let (table_bytes, panel_bytes) = (out.weight_bytes(), out.panel_bytes());
     let mut tile_start = range.start;
     while tile_start < range.end {
         let tile_end = (tile_start + tile).min(range.end);
@@ -208,6 +209,7 @@ pub(super) fn scan(
                     },
                     bars,
                     row_scales,
+                    prefetch: prefetch::distance(table_bytes, count * panel_bytes),
                 };
                 match &out.data {
                     PanelData::F32(w) => {
@@ -241,17 +243,28 @@ pub(super) fn scan(
     }
 }
 
-/// Smallest item range worth a thread of its own (spawning costs tens of microseconds).
-pub(super) const MIN_PANELS_PER_THREAD: usize = 1024;
+/// Smallest share of a scan worth a thread of its own, in multiply-adds (spawning a thread costs
+/// tens of microseconds; this is 0.1-0.3 ms of one core's work). Counting work rather than panels
+/// lets a small catalogue with wide rows (Mult-VAE: 2,000 items x 600) or a batch of rows use
+/// every thread, where a panel count alone kept them on one.
+pub(super) const MIN_MACS_PER_THREAD: usize = 1 << 19;
 
-/// Runs `run` over `panels` split into contiguous ranges, one per thread (at most `threads`, each
-/// with at least [`MIN_PANELS_PER_THREAD`] panels), and returns each range's result in order.
+/// Threads a scan of `panels` panels gets when each panel costs `macs_per_panel` multiply-adds:
+/// at most `threads`, each with at least [`MIN_MACS_PER_THREAD`] of work and one panel.
+pub(super) fn scan_threads(panels: usize, macs_per_panel: usize, threads: usize) -> usize {
+    let by_work = panels.saturating_mul(macs_per_panel) / MIN_MACS_PER_THREAD;
+    threads.min(by_work).min(panels).max(1)
+}
+
+/// Runs `run` over `panels` split into contiguous ranges, one per thread (as many as
+/// [`scan_threads`] allows), and returns each range's result in order.
 pub(super) fn over_panel_ranges<T: Send>(
     panels: usize,
+    macs_per_panel: usize,
     threads: usize,
     run: impl Fn(std::ops::Range<usize>) -> T + Sync,
 ) -> Vec<T> {
-    let threads = threads.clamp(1, (panels / MIN_PANELS_PER_THREAD).max(1));
+    let threads = scan_threads(panels, macs_per_panel, threads);
     if threads == 1 {
         return vec![run(0..panels)];
     }
@@ -287,7 +300,8 @@ pub fn top_k(
     if queries.is_empty() {
         return Vec::new();
     }
-    let per_thread = over_panel_ranges(out.panels(), threads, |range| {
+    let macs_per_panel = queries.len() * 8 * out.d;
+    let per_thread = over_panel_ranges(out.panels(), macs_per_panel, threads, |range| {
         let mut selections: Vec<Selection<'_>> = queries.iter().map(Selection::new).collect();
         scan(table, out, hidden, range, &mut selections);
         selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>()
@@ -327,6 +341,7 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
     let width_q = d.div_ceil(2) * 2;
     let pairs = d.div_ceil(2);
     let panels = layer.panels();
+    let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
     for (row0, size, per_call) in row_groups(rows) {
         let h = &x[row0 * d..(row0 + size) * d];
         let mut row_scales = [1f32; 4];
@@ -347,6 +362,7 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
                 },
                 bars: [f32::INFINITY; 4],
                 row_scales,
+                prefetch: prefetch::distance(table_bytes, count * panel_bytes),
             };
             let (rs, ps) = (rows_slot(size), panels_slot(count));
             match &layer.data {
@@ -557,6 +573,11 @@ mod tests {
     #[test]
     fn thread_count_does_not_change_results() {
         let (n, d, rows) = (40_000, 16, 3);
+        assert_eq!(
+            scan_threads(n / 8, rows * 8 * d, 4),
+            3,
+            "the scan must really split"
+        );
         let mut next = lcg(42);
         let w: Vec<f32> = (0..n * d).map(|_| (next() * 4.0).round() / 4.0).collect(); // many ties
         let b = vec![0f32; n];

@@ -10,6 +10,7 @@
 pub mod cpu;
 pub mod fused;
 pub mod packed;
+pub mod prefetch;
 pub mod screen;
 pub mod shared;
 
@@ -113,6 +114,9 @@ pub struct Epilogue<'a> {
     pub bars: [f32; 4],
     /// Per row: the scale of its int16-quantized activations (int8 kernels only; 1 otherwise).
     pub row_scales: [f32; 4],
+    /// Bytes past the start of this call's panels from which the panels of a later call are
+    /// requested while this one computes ([`prefetch::distance`]); 0: none. Never changes a score.
+    pub prefetch: usize,
 }
 
 /// Scores of up to 4 hidden rows against `P` consecutive packed panels of 8 items.

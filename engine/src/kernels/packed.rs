@@ -250,6 +250,15 @@ impl PackedOutput {
         }
     }
 
+    /// Bytes of one panel's weights as the micro-kernels read them (8 items x d).
+    pub fn panel_bytes(&self) -> usize {
+        match &self.data {
+            PanelData::F32(_) => self.d * 8 * 4,
+            PanelData::F16(_) => self.d * 8 * 2,
+            PanelData::I8 { .. } => self.d.div_ceil(2) * 16,
+        }
+    }
+
     /// Bytes of weights streamed per full pass over the items (what bounds a memory-bound pass).
     pub fn weight_bytes(&self) -> usize {
         match &self.data {

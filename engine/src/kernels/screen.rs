@@ -306,8 +306,11 @@ fn survivors_with_bounds_scaled(
         let [e, sq, wm, b] = screen.max_of;
         t.bound(d, e, sq, wm, b)
     };
-    let per_thread: Vec<Vec<PartialScreen>> =
-        over_panel_ranges(screen.packed.panels(), threads, |range| {
+    let per_thread: Vec<Vec<PartialScreen>> = over_panel_ranges(
+        screen.packed.panels(),
+        queries.len() * 8 * d,
+        threads,
+        |range| {
             let rows: Vec<ScreenRow<'_>> = queries
                 .iter()
                 .zip(&terms)
@@ -333,7 +336,8 @@ fn survivors_with_bounds_scaled(
                     (r.lowers, r.survivors)
                 })
                 .collect::<Vec<_>>()
-        });
+        },
+    );
     queries
         .iter()
         .enumerate()
@@ -454,7 +458,7 @@ pub fn top_k_from_f32(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::fused::{top_k as dense_top_k, MIN_PANELS_PER_THREAD};
+    use crate::kernels::fused::{scan_threads, top_k as dense_top_k, MIN_MACS_PER_THREAD};
     use crate::kernels::{Isa, KernelTable};
     use proptest::prelude::*;
 
@@ -557,8 +561,10 @@ mod tests {
 
     #[test]
     fn threads_share_the_catalogue_and_keep_the_answer() {
-        // Enough panels for several threads (MIN_PANELS_PER_THREAD each).
-        let (n, d, rows) = (3 * 8 * MIN_PANELS_PER_THREAD + 13, 12, 3);
+        // Enough work for three threads (MIN_MACS_PER_THREAD each).
+        let (d, rows) = (12, 3);
+        let n = 8 * (3 * MIN_MACS_PER_THREAD / (rows * 8 * d) + 1) + 13;
+        assert_eq!(scan_threads(n.div_ceil(8), rows * 8 * d, 3), 3);
         let mut next = lcg(11);
         let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
         let b: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
