@@ -84,9 +84,38 @@ pub fn gelu_erf_inplace(x: &mut [f32]) {
     }
 }
 
+/// Below this |x|, tanh is its Taylor series (to x^11: relative truncation error under 7e-8);
+/// above it, `1 - e^(-2|x|)` has no cancellation left to speak of (1 - e^(-0.8) = 0.55).
+const TANH_SERIES_BELOW: f32 = 0.4;
+
+/// tanh in plain f32 arithmetic that vectorises: the odd Taylor series near 0, else
+/// `(1 - t) / (1 + t)` with `t = e^(-2|x|)` from the vectorisable exp, sign restored. Within
+/// 3e-7 relative (tested against f64) and ~10x cheaper than libm's `tanhf` per element, which was
+/// 17 % of Mult-VAE's time at batch 64.
+#[inline(always)]
+pub fn tanh_fast(x: f32) -> f32 {
+    let a = x.abs();
+    let a2 = a * a;
+    let series = a
+        * (1.0
+            + a2 * (-1.0 / 3.0
+                + a2 * (2.0 / 15.0
+                    + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0 + a2 * (-1382.0 / 155_925.0))))));
+    let t = exp_nonpositive(-2.0 * a);
+    let ratio = (1.0 - t) / (1.0 + t);
+    // Written so that NaN (which fails every comparison) takes the series and stays NaN.
+    let magnitude = if a >= TANH_SERIES_BELOW {
+        ratio
+    } else {
+        series
+    };
+    magnitude.copysign(x)
+}
+
+/// [`tanh_fast`] over a slice.
 pub fn tanh_inplace(x: &mut [f32]) {
     for v in x {
-        *v = v.tanh();
+        *v = tanh_fast(*v);
     }
 }
 
@@ -148,6 +177,38 @@ mod tests {
             (row[0] + 1.0).abs() < 1e-5 && (row[1] - 1.0).abs() < 1e-5,
             "{row:?}"
         );
+    }
+
+    #[test]
+    fn fast_tanh_matches_f64() {
+        // Dense near 0 and the series/exp switch, then out to where tanh is 1 in f32.
+        let xs = (-40_000..=40_000)
+            .map(|i| i as f32 / 4000.0)
+            .chain((0..2000).map(|i| 1e-30f32 * 1.1f32.powi(i)))
+            .chain([
+                0.0,
+                -0.0,
+                0.4,
+                0.399_999_98,
+                50.0,
+                -100.0,
+                f32::MAX,
+                f32::MIN,
+            ]);
+        for x in xs {
+            let want = (x as f64).tanh();
+            let got = tanh_fast(x) as f64;
+            assert!(
+                (got - want).abs() <= 3e-7 * want.abs(),
+                "tanh({x}) = {got}, want {want}"
+            );
+            assert_eq!(
+                tanh_fast(x).is_sign_negative(),
+                x.is_sign_negative(),
+                "sign of tanh({x})"
+            );
+        }
+        assert!(tanh_fast(f32::NAN).is_nan());
     }
 
     #[test]

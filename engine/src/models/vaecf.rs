@@ -217,7 +217,7 @@ impl VaeCf {
             x.extend(
                 acc.iter()
                     .zip(self.first_bias.as_slice())
-                    .map(|(a, b)| (a * scale + b).tanh()),
+                    .map(|(a, b)| cpu::tanh_fast(a * scale + b)),
             );
         }
         let mut next;
