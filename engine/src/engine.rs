@@ -324,16 +324,10 @@ impl Engine {
         if runs.len() <= 1 {
             return self.model.encode(histories);
         }
-        let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = runs
-                .iter()
-                .map(|run| scope.spawn(|| self.model.encode(&histories[run.clone()])))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("encoder thread panicked"))
-                .collect()
-        });
+        let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> =
+            crate::parallel::map_pieces(runs.len(), |i| {
+                self.model.encode(&histories[runs[i].clone()])
+            });
         let width = self.model.output().input_size();
         let mut hidden = Vec::with_capacity(histories.len() * width);
         let mut notes = Vec::with_capacity(histories.len());
@@ -494,23 +488,13 @@ impl Engine {
         } else {
             // Groups dealt round-robin to the threads; each scans its own lists on one thread.
             let lanes = threads.min(groups.len());
-            let mut per_lane: Vec<Vec<(usize, RankedRows)>> = std::thread::scope(|scope| {
-                let handles: Vec<_> = (0..lanes)
-                    .map(|lane| {
-                        let (groups, rank) = (&groups, &rank);
-                        scope.spawn(move || {
-                            (lane..groups.len())
-                                .step_by(lanes)
-                                .map(|g| (g, rank(&groups[g], 1)))
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("candidate scoring thread panicked"))
-                    .collect()
-            });
+            let mut per_lane: Vec<Vec<(usize, RankedRows)>> =
+                crate::parallel::map_pieces(lanes, |lane| {
+                    (lane..groups.len())
+                        .step_by(lanes)
+                        .map(|g| (g, rank(&groups[g], 1)))
+                        .collect::<Vec<_>>()
+                });
             let mut ordered: Vec<Option<RankedRows>> = vec![None; groups.len()];
             for (g, rows) in per_lane.drain(..).flatten() {
                 ordered[g] = Some(rows);

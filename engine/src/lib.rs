@@ -18,6 +18,7 @@ pub mod kernel_file;
 pub mod kernels;
 pub mod metrics;
 pub mod models;
+pub mod parallel;
 pub mod request;
 pub mod tensor;
 pub mod topk;

@@ -262,25 +262,15 @@ pub(super) fn over_panel_ranges<T: Send>(
     panels: usize,
     macs_per_panel: usize,
     threads: usize,
-    run: impl Fn(std::ops::Range<usize>) -> T + Sync,
+    run: impl Fn(std::ops::Range<usize>) -> T + Sync + Send,
 ) -> Vec<T> {
     let threads = scan_threads(panels, macs_per_panel, threads);
     if threads == 1 {
         return vec![run(0..panels)];
     }
     let chunk = panels.div_ceil(threads);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let range = (t * chunk).min(panels)..((t + 1) * chunk).min(panels);
-                let run = &run;
-                scope.spawn(move || run(range))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("scoring thread panicked"))
-            .collect()
+    crate::parallel::map_pieces(threads, |t| {
+        run((t * chunk).min(panels)..((t + 1) * chunk).min(panels))
     })
 }
 
