@@ -17,12 +17,13 @@ pub mod shared;
 /// Builds a [`KernelTable`] from three generic micro-kernels `kernel::<ROWS, PANELS>`, one per
 /// precision, instantiated for rows {1, 2, 4} x panels {1, 2, 4, 8}.
 macro_rules! kernel_table {
-    ($isa:expr, $f32:ident, $f16:ident, $i8:ident) => {
+    ($isa:expr, $f32:ident, $f16:ident, $i8:ident, $elementwise:expr) => {
         $crate::kernels::KernelTable {
             isa: $isa,
             f32: kernel_table!(@rows $f32, $crate::kernels::PanelF32),
             f16: kernel_table!(@rows $f16, $crate::kernels::PanelF16),
             i8: kernel_table!(@rows $i8, $crate::kernels::PanelI8),
+            elementwise: $elementwise,
         }
     };
     (@rows $kernel:ident, $ty:ty) => {
@@ -131,6 +132,18 @@ pub type PanelF16 = fn(&[f32], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u
 /// accumulate exactly in i32: 16 multiply-adds per instruction, and bit-identical on every ISA.
 pub type PanelI8 = fn(&[i16], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
 
+/// The activations of the encoders over a slice, in place: `cpu`'s portable code, compiled once
+/// more per ISA (the arithmetic is the same plain f32 code, never contracted into FMAs, so every
+/// ISA gives the same bits; tested).
+pub struct Elementwise {
+    /// The exact-erf GELU ([`cpu::gelu_erf_inplace`]).
+    pub gelu: fn(&mut [f32]),
+    /// [`cpu::tanh_inplace`].
+    pub tanh: fn(&mut [f32]),
+    /// A numerically stable softmax ([`cpu::softmax`]).
+    pub softmax: fn(&mut [f32]),
+}
+
 /// The micro-kernels of one ISA, indexed by `[rows - 1][log2(panels)]` for rows in {1, 2, 4}
 /// (3 rows run as 2 + 1) and panels in {1, 2, 4, 8}.
 pub struct KernelTable {
@@ -138,6 +151,7 @@ pub struct KernelTable {
     pub f32: [[PanelF32; 4]; 3],
     pub f16: [[PanelF16; 4]; 3],
     pub i8: [[PanelI8; 4]; 3],
+    pub elementwise: Elementwise,
 }
 
 impl std::fmt::Debug for KernelTable {
@@ -186,6 +200,44 @@ pub(crate) fn panels_slot(panels: usize) -> usize {
         4 => 2,
         8 => 3,
         _ => unreachable!("panel groups are 1, 2, 4 or 8"),
+    }
+}
+
+#[cfg(test)]
+mod elementwise_tests {
+    use super::{Isa, KernelTable};
+
+    #[test]
+    fn every_isa_gives_the_portable_bits() {
+        let xs: Vec<f32> = (-30_000..30_000)
+            .map(|i| i as f32 / 1000.0)
+            .chain([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, f32::MAX, f32::MIN])
+            .collect();
+        let scalar = &KernelTable::for_isa(Isa::Scalar).elementwise;
+        for isa in Isa::available() {
+            let e = &KernelTable::for_isa(isa).elementwise;
+            for (f, g, name) in [(scalar.gelu, e.gelu, "gelu"), (scalar.tanh, e.tanh, "tanh")] {
+                let (mut want, mut got) = (xs.clone(), xs.clone());
+                f(&mut want);
+                g(&mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{name} on {isa:?}");
+            }
+            // Softmax over rows of the lengths attention uses.
+            for len in [1, 7, 8, 50, 200, 333] {
+                let row: Vec<f32> = xs
+                    .iter()
+                    .step_by(97)
+                    .take(len)
+                    .copied()
+                    .map(|x| x / 500.0)
+                    .collect();
+                let (mut want, mut got) = (row.clone(), row.clone());
+                (scalar.softmax)(&mut want);
+                (e.softmax)(&mut got);
+                assert_eq!(got, want, "softmax of {len} on {isa:?}");
+            }
+        }
     }
 }
 

@@ -113,4 +113,14 @@ fn i8_k<const R: usize, const P: usize>(
     }
 }
 
-pub(super) static TABLE: KernelTable = kernel_table!(Isa::Scalar, f32_k, f16_k, i8_k);
+pub(super) static TABLE: KernelTable = kernel_table!(
+    Isa::Scalar,
+    f32_k,
+    f16_k,
+    i8_k,
+    super::Elementwise {
+        gelu: super::cpu::gelu_erf_inplace,
+        tanh: super::cpu::tanh_inplace,
+        softmax: super::cpu::softmax,
+    }
+);

@@ -323,7 +323,7 @@ impl Bert4Rec {
         );
 
         let mut head = self.head_dense.forward(self.kernels, &x, observe);
-        cpu::gelu_erf_inplace(&mut head);
+        (self.kernels.elementwise.gelu)(&mut head);
         self.head_ln.apply(&mut head, eps);
         (head, notes)
     }
@@ -385,7 +385,7 @@ impl Bert4Rec {
                     for v in row.iter_mut() {
                         *v /= sqrt_d;
                     }
-                    cpu::softmax(row);
+                    (self.kernels.elementwise.softmax)(row);
                 }
                 let v_t: Vec<f32> = cols
                     .clone()
@@ -410,7 +410,7 @@ impl Bert4Rec {
         layer.attn_ln.apply(&mut attended, eps);
 
         let mut inner = layer.ffn_in.forward(self.kernels, &attended, observe);
-        cpu::gelu_erf_inplace(&mut inner);
+        (self.kernels.elementwise.gelu)(&mut inner);
         let mut out = layer.ffn_out.forward(self.kernels, &inner, observe);
         for (o, r) in out.iter_mut().zip(&attended) {
             *o += r;

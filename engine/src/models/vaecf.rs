@@ -9,7 +9,6 @@ use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::VaeCfConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
-use crate::kernels::cpu;
 use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
@@ -214,25 +213,27 @@ impl VaeCf {
             }
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
             let scale = 1.0 / (items.len() as f32).sqrt().max(1e-12);
+            let start = x.len();
             x.extend(
                 acc.iter()
                     .zip(self.first_bias.as_slice())
-                    .map(|(a, b)| cpu::tanh_fast(a * scale + b)),
+                    .map(|(a, b)| a * scale + b),
             );
+            (self.kernels.elementwise.tanh)(&mut x[start..]);
         }
         let mut next;
         let n_rest = self.encoder_rest.len();
         for (i, layer) in self.encoder_rest.iter().enumerate() {
             next = layer.forward_observed(self.kernels, &x, observe);
             if i + 1 < n_rest {
-                cpu::tanh_inplace(&mut next);
+                (self.kernels.elementwise.tanh)(&mut next);
             }
             std::mem::swap(&mut x, &mut next);
         }
         // x is mu; every decoder layer but the output layer is followed by tanh.
         for layer in &self.decoder_hidden {
             next = layer.forward_observed(self.kernels, &x, observe);
-            cpu::tanh_inplace(&mut next);
+            (self.kernels.elementwise.tanh)(&mut next);
             std::mem::swap(&mut x, &mut next);
         }
         (x, vec![HistoryNote::default(); histories.len()])
