@@ -174,6 +174,66 @@ impl PackedOutput {
         }
     }
 
+    /// Rows `rows` of a row-major f32 table whose rows are `stride` long, restricted to the columns
+    /// `cols` (`d = cols.len()`), as items: what [`Self::from_f32`] makes of that sub-matrix, read
+    /// in place (attention's per-head keys, `bias` one per row).
+    pub fn from_f32_columns(
+        table: &[f32],
+        stride: usize,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        bias: &[f32],
+    ) -> Self {
+        assert_eq!(rows.len(), bias.len(), "one bias per row");
+        assert!(cols.end <= stride && rows.end * stride <= table.len());
+        let d = cols.len();
+        let n = rows.len();
+        let row = |i: usize| {
+            let start = (rows.start + i) * stride + cols.start;
+            &table[start..start + d]
+        };
+        PackedOutput {
+            n,
+            d,
+            data: PanelData::F32(pack(n, d, row).into()),
+            bias: padded(bias, n, f32::NEG_INFINITY).into(),
+            activation_scale: None,
+        }
+    }
+
+    /// The transpose of that sub-matrix as items: item `c` is column `cols.start + c`, its features
+    /// the rows `rows` (`d = rows.len()`): what [`Self::from_f32`] makes of the transposed copy,
+    /// without making it (attention's per-head values, `bias` one per column).
+    pub fn from_f32_columns_transposed(
+        table: &[f32],
+        stride: usize,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        bias: &[f32],
+    ) -> Self {
+        assert_eq!(cols.len(), bias.len(), "one bias per column");
+        assert!(cols.end <= stride && rows.end * stride <= table.len());
+        let (n, d) = (cols.len(), rows.len());
+        let panels = n.div_ceil(8);
+        let mut out = Vec::with_capacity(panels * d * 8);
+        for p in 0..panels {
+            let lanes = (n - p * 8).min(8);
+            for j in rows.clone() {
+                // Feature j of items 8p.. is row j's run of columns: contiguous in the table.
+                let start = j * stride + cols.start + p * 8;
+                out.extend_from_slice(&table[start..start + lanes]);
+                out.extend(std::iter::repeat_n(0.0, 8 - lanes));
+            }
+        }
+        PackedOutput {
+            n,
+            d,
+            data: PanelData::F32(out.into()),
+            bias: padded(bias, n, f32::NEG_INFINITY).into(),
+            activation_scale: None,
+        }
+    }
+
     /// From row-major half-precision bits `[n, d]`.
     pub fn from_f16_bits(bits: &[u16], bias: &[f32], d: usize) -> Self {
         assert_eq!(bits.len(), bias.len() * d, "weight must be [n, d]");
@@ -300,6 +360,41 @@ pub fn quantize_int8_per_row(weight: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn f32_panels(p: &PackedOutput) -> (&[f32], &[f32]) {
+        match &p.data {
+            PanelData::F32(w) => (w, &p.bias),
+            _ => panic!("f32 expected"),
+        }
+    }
+
+    #[test]
+    fn column_windows_pack_as_their_copies_do() {
+        // A 13 x 10 table; rows 2..11 (9 rows), columns 3..8 (5 columns): neither a whole panel.
+        let (rows, stride) = (13, 10);
+        let table: Vec<f32> = (0..rows * stride).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let (r, c) = (2..11, 3..8);
+        let copy: Vec<f32> = r
+            .clone()
+            .flat_map(|i| table[i * stride + c.start..i * stride + c.end].to_vec())
+            .collect();
+        let row_bias: Vec<f32> = (0..r.len()).map(|i| i as f32).collect();
+        let want = PackedOutput::from_f32(&copy, &row_bias, c.len());
+        let got = PackedOutput::from_f32_columns(&table, stride, r.clone(), c.clone(), &row_bias);
+        assert_eq!((got.n, got.d), (want.n, want.d));
+        assert_eq!(f32_panels(&got), f32_panels(&want));
+
+        let transposed: Vec<f32> = c
+            .clone()
+            .flat_map(|j| r.clone().map(move |i| (i, j)))
+            .map(|(i, j)| table[i * stride + j])
+            .collect();
+        let col_bias: Vec<f32> = (0..c.len()).map(|j| -(j as f32)).collect();
+        let want = PackedOutput::from_f32(&transposed, &col_bias, r.len());
+        let got = PackedOutput::from_f32_columns_transposed(&table, stride, r, c, &col_bias);
+        assert_eq!((got.n, got.d), (want.n, want.d));
+        assert_eq!(f32_panels(&got), f32_panels(&want));
+    }
 
     #[test]
     fn int8_scales_are_positive_and_a_zero_row_stays_zero() {

@@ -356,6 +356,9 @@ impl Bert4Rec {
         // rows of one sequence are contiguous in `query_rows` (all its rows, or just the MASK row).
         let mut context = vec![0f32; query_rows.len() * h];
         let values = values.as_slice();
+        let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
+        let zeros = vec![0f32; longest.max(d)];
+        let mut q_h = Vec::new();
         let mut first_query = 0;
         for span in spans {
             let n_queries = query_rows[first_query..]
@@ -365,37 +368,33 @@ impl Bert4Rec {
             let t = span.len();
             for head in 0..heads {
                 let cols = head * d..(head + 1) * d;
-                let k_h: Vec<f32> = span
-                    .clone()
-                    .flat_map(|k| keys[k * h + cols.start..k * h + cols.end].iter().copied())
-                    .collect();
-                let q_h: Vec<f32> = (first_query..first_query + n_queries)
-                    .flat_map(|qi| {
-                        queries[qi * h + cols.start..qi * h + cols.end]
-                            .iter()
-                            .copied()
-                    })
-                    .collect();
-                let mut scores = fused::linear(
-                    self.kernels,
-                    &PackedOutput::from_f32(&k_h, &vec![0.0; t], d),
-                    &q_h,
+                // Keys and values are packed straight from the layer outputs (no per-head copy).
+                let keys_h = PackedOutput::from_f32_columns(
+                    &keys,
+                    h,
+                    span.clone(),
+                    cols.clone(),
+                    &zeros[..t],
                 );
+                q_h.clear();
+                for qi in first_query..first_query + n_queries {
+                    q_h.extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
+                }
+                let mut scores = fused::linear(self.kernels, &keys_h, &q_h);
                 for row in scores.chunks_exact_mut(t) {
                     for v in row.iter_mut() {
                         *v /= sqrt_d;
                     }
                     (self.kernels.elementwise.softmax)(row);
                 }
-                let v_t: Vec<f32> = cols
-                    .clone()
-                    .flat_map(|j| span.clone().map(move |k| values[k * h + j]))
-                    .collect();
-                let ctx = fused::linear(
-                    self.kernels,
-                    &PackedOutput::from_f32(&v_t, &vec![0.0; d], t),
-                    &scores,
+                let values_h = PackedOutput::from_f32_columns_transposed(
+                    values,
+                    h,
+                    span.clone(),
+                    cols.clone(),
+                    &zeros[..d],
                 );
+                let ctx = fused::linear(self.kernels, &values_h, &scores);
                 for (qi, row) in (first_query..).zip(ctx.chunks_exact(d)) {
                     context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
                 }
