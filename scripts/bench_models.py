@@ -12,6 +12,12 @@ preparation is not counted, which favours ORT).
 
 Models: the fixture BERT4Rec and Mult-VAE (N = 2000, trained), and a Mult-VAE of the same shape with
 N = 100,000 items and random weights (the catalogue size of the kernel issue's target).
+
+Roofline table: model_probe reports the thread-seconds each batch spent in dense layers, attention
+and the output layer (`recsys_engine::profile`); this script counts each kind's multiply-adds for
+the very batches the probe ran (from the model's shapes and each history's length) and sets the
+achieved GFLOP/s per busy core against one core's FMA peak, and the output layer's bytes read per
+busy second against one core's read bandwidth, both measured in the same run (kernel_probe).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 RECSYS = ROOT / "target" / "release" / "recsys"
 PROBE = ROOT / "target" / "release" / "model_probe"
+KERNEL_PROBE = ROOT / "target" / "release" / "kernel_probe"
 K = 10
 
 
@@ -163,6 +170,64 @@ def probe(engine: Path, histories: list[list[int]], batch: int, threads: int, re
     return json.loads(out.stdout)
 
 
+def probe_batches(n_histories: int, batch: int, reps: int) -> list[list[int]]:
+    """The history indices of each timed batch, as model_probe builds them."""
+    return [[(r * batch + i) % n_histories for i in range(batch)] for r in range(max(reps, 1))]
+
+
+def bert4rec_work(cfg: dict, lengths: list[int], batches: list[list[int]]) -> dict[str, float]:
+    """Multiply-adds per batch by kind (mean over `batches`), as the engine runs BERT4Rec: the
+    history's last L-1 items plus [MASK], every layer over every token except the last, which runs
+    its query, attention output and feed-forward for the [MASK] row only."""
+    h, inner, layers = cfg["hidden_size"], cfg["inner_size"], cfg["n_layers"]
+    n_out, L = cfg["n_real_items"] + 1, cfg["max_seq_length"]
+    totals = {"dense": 0.0, "attention": 0.0, "output": 0.0}
+    for b in batches:
+        for u in b:
+            t = min(lengths[u], L - 1) + 1
+            full = t * (4 * h * h + 2 * h * inner)
+            totals["dense"] += (layers - 1) * full + t * 2 * h * h + (2 * h * h + 2 * h * inner) + h * h
+            totals["attention"] += (layers - 1) * 2 * t * t * h + 2 * t * h
+            totals["output"] += n_out * h
+    return {k: v / len(batches) for k, v in totals.items()}
+
+
+def vaecf_work(n_out: int, hidden: int, latent: int, distinct: list[int], batches: list[list[int]]) -> dict[str, float]:
+    """Multiply-adds per batch by kind for Mult-VAE (the first layer's gather-sum counted as one
+    add per weight read, in dense)."""
+    totals = {"dense": 0.0, "attention": 0.0, "output": 0.0}
+    for b in batches:
+        for u in b:
+            totals["dense"] += distinct[u] * hidden + 2 * hidden * latent
+            totals["output"] += n_out * hidden
+    return {k: v / len(batches) for k, v in totals.items()}
+
+
+def machine_peaks() -> tuple[float, float]:
+    """One core's FMA peak (FLOP/s) and read bandwidth (bytes/s), from kernel_probe."""
+    fma = json.loads(subprocess.run([str(KERNEL_PROBE), "fma", "1"], check=True, capture_output=True, text=True).stdout)
+    bw = json.loads(subprocess.run([str(KERNEL_PROBE), "bandwidth", "512", "1", "3"], check=True, capture_output=True,
+                                   text=True).stdout)
+    return fma["flops"], bw["bytes_per_s"]
+
+
+def roofline_row(label: str, n: int, batch: int, ours: dict, work: dict, output_bytes: int, peaks) -> str:
+    fma, bandwidth = peaks
+    cells = []
+    for kind in ("dense", "attention", "output"):
+        seconds = ours["thread_seconds"][kind]
+        if work[kind] == 0 or seconds == 0:
+            cells.append("-")
+            continue
+        gflops = 2 * work[kind] / seconds / 1e9
+        cells.append(f"{gflops:.1f} ({100 * gflops * 1e9 / fma:.0f} %)")
+    out_s = ours["thread_seconds"]["output"]
+    gbs = output_bytes / out_s / 1e9 if out_s else 0.0
+    busy = sum(ours["thread_seconds"].values())
+    return (f"| {label} | {n} | {batch} | {' | '.join(cells)} | {gbs:.1f} ({100 * gbs * 1e9 / bandwidth:.0f} %) | "
+            f"{1000 * busy:.3f} | {1000 * ours['mean_s']:.3f} |")
+
+
 def time_ort(sess, feeds_list, reps):
     sess.run(None, feeds_list[0])
     times = []
@@ -181,6 +246,8 @@ def main() -> None:
     args = parser.parse_args()
     threads = args.threads
     rows = []
+    roofline = []
+    peaks = machine_peaks()
     test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -218,6 +285,9 @@ def main() -> None:
             int_to_ext = {v: k for k, v in ext_to_int.items()}
             agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
             rows.append(("BERT4Rec (fixture)", 2000, batch, ours["median_s"], theirs, agree))
+            lengths = [len([x for x in h if x in ext_to_int]) for h in histories]
+            work = bert4rec_work(cfg, lengths, probe_batches(len(histories), batch, reps))
+            roofline.append(roofline_row("BERT4Rec (fixture)", 2000, batch, ours, work, (N + 1) * cfg["hidden_size"] * 4, peaks))
 
         # ---- Mult-VAE: fixture (N=2000) and synthetic N=100,000
         rng = np.random.default_rng(5)
@@ -272,6 +342,9 @@ def main() -> None:
                 ort_top = sess.run(None, feeds[0])[1][0].tolist()
                 agree = len(set(ours["top_first"]) & {ext_ids[i - 1] for i in ort_top if i > 0}) / K
                 rows.append((label, n_items, batch, ours["median_s"], theirs, agree))
+                distinct = [len({index[e] for e in h if e in index}) for h in histories]
+                work = vaecf_work(n_items + 1, 600, 200, distinct, probe_batches(len(histories), batch, reps))
+                roofline.append(roofline_row(label, n_items, batch, ours, work, (n_items + 1) * 600 * 4, peaks))
 
     lines = [
         f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for both; "
@@ -282,6 +355,16 @@ def main() -> None:
     ]
     for label, n, batch, ours_s, ort_s, agree in rows:
         lines.append(f"| {label} | {n} | {batch} | {1000 * ours_s:.3f} | {1000 * ort_s:.3f} | {ort_s / ours_s:.2f} | {agree:.1f} |")
+    lines += [
+        "",
+        f"Roofline: achieved GFLOP/s per busy core (percent of one core's measured FMA peak, {peaks[0] / 1e9:.1f} GFLOP/s) by kind "
+        f"of work, and the output layer's weight bytes per busy second (percent of one core's read bandwidth, "
+        f"{peaks[1] / 1e9:.1f} GB/s); busy = thread-seconds per batch in the three kinds, against the batch's mean wall time",
+        "",
+        "| model | items | batch | dense | attention | output | output GB/s | busy ms (all threads) | wall ms (mean) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *roofline,
+    ]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

@@ -19,6 +19,7 @@ pub mod kernels;
 pub mod metrics;
 pub mod models;
 pub mod parallel;
+pub mod profile;
 pub mod request;
 pub mod tensor;
 pub mod topk;

@@ -7,7 +7,8 @@
 //! HISTORIES_JSON: a list of histories (lists of external int ids). Batches cycle through them.
 //! CANDIDATES_JSON (optional): one candidate list per history (external int ids): each request
 //! then ranks only its candidates (`scripts/bench_candidates.py`).
-//! Prints JSON: median seconds per batch, and the top-k ids of the first history.
+//! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, and the
+//! thread-seconds per batch spent in dense layers, attention and the output layer.
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
@@ -69,6 +70,9 @@ fn main() {
         })
         .collect();
     engine.recommend_internal(&batches[0]); // warm-up
+                                            // Thread-seconds by kind of work over the timed batches, for the roofline columns.
+    recsys_engine::profile::take();
+    recsys_engine::profile::enable(true);
     let mut times: Vec<f64> = batches
         .iter()
         .map(|b| {
@@ -77,6 +81,9 @@ fn main() {
             start.elapsed().as_secs_f64()
         })
         .collect();
+    recsys_engine::profile::enable(false);
+    let [dense, attention, output] = recsys_engine::profile::take();
+    let per_batch = |seconds: f64| seconds / batches.len() as f64;
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let first = engine.recommend_internal(&batches[0][..1]);
     let top: Vec<i64> = first[0]
@@ -86,6 +93,13 @@ fn main() {
         .collect();
     println!(
         "{}",
-        serde_json::json!({"median_s": times[times.len() / 2], "isa": engine.scorer.kernels.isa.name(), "top_first": top})
+        serde_json::json!({
+            "median_s": times[times.len() / 2],
+            "mean_s": times.iter().sum::<f64>() / times.len() as f64,
+            "isa": engine.scorer.kernels.isa.name(),
+            "top_first": top,
+            // Per batch, summed over the threads that ran each kind (recsys_engine::profile).
+            "thread_seconds": {"dense": per_batch(dense), "attention": per_batch(attention), "output": per_batch(output)},
+        })
     );
 }

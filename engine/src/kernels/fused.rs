@@ -265,12 +265,15 @@ pub(super) fn over_panel_ranges<T: Send>(
     run: impl Fn(std::ops::Range<usize>) -> T + Sync + Send,
 ) -> Vec<T> {
     let threads = scan_threads(panels, macs_per_panel, threads);
+    let output = crate::profile::Work::Output;
     if threads == 1 {
-        return vec![run(0..panels)];
+        return vec![crate::profile::account(output, || run(0..panels))];
     }
     let chunk = panels.div_ceil(threads);
     crate::parallel::map_pieces(threads, |t| {
-        run((t * chunk).min(panels)..((t + 1) * chunk).min(panels))
+        crate::profile::account(output, || {
+            run((t * chunk).min(panels)..((t + 1) * chunk).min(panels))
+        })
     })
 }
 

@@ -354,53 +354,56 @@ impl Bert4Rec {
         // Attention per sequence and head as two small GEMMs on the packed kernels: scores =
         // Q_h K_h^T (the keys packed as "items"), then context = P V_h (V_h^T packed). The query
         // rows of one sequence are contiguous in `query_rows` (all its rows, or just the MASK row).
-        let mut context = vec![0f32; query_rows.len() * h];
-        let values = values.as_slice();
-        let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
-        let zeros = vec![0f32; longest.max(d)];
-        let mut q_h = Vec::new();
-        let mut first_query = 0;
-        for span in spans {
-            let n_queries = query_rows[first_query..]
-                .iter()
-                .take_while(|&&r| span.contains(&r))
-                .count();
-            let t = span.len();
-            for head in 0..heads {
-                let cols = head * d..(head + 1) * d;
-                // Keys and values are packed straight from the layer outputs (no per-head copy).
-                let keys_h = PackedOutput::from_f32_columns(
-                    &keys,
-                    h,
-                    span.clone(),
-                    cols.clone(),
-                    &zeros[..t],
-                );
-                q_h.clear();
-                for qi in first_query..first_query + n_queries {
-                    q_h.extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
-                }
-                let mut scores = fused::linear(self.kernels, &keys_h, &q_h);
-                for row in scores.chunks_exact_mut(t) {
-                    for v in row.iter_mut() {
-                        *v /= sqrt_d;
+        let context = crate::profile::account(crate::profile::Work::Attention, || {
+            let mut context = vec![0f32; query_rows.len() * h];
+            let values = values.as_slice();
+            let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
+            let zeros = vec![0f32; longest.max(d)];
+            let mut q_h = Vec::new();
+            let mut first_query = 0;
+            for span in spans {
+                let n_queries = query_rows[first_query..]
+                    .iter()
+                    .take_while(|&&r| span.contains(&r))
+                    .count();
+                let t = span.len();
+                for head in 0..heads {
+                    let cols = head * d..(head + 1) * d;
+                    // Keys and values are packed straight from the layer outputs (no per-head copy).
+                    let keys_h = PackedOutput::from_f32_columns(
+                        &keys,
+                        h,
+                        span.clone(),
+                        cols.clone(),
+                        &zeros[..t],
+                    );
+                    q_h.clear();
+                    for qi in first_query..first_query + n_queries {
+                        q_h.extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
                     }
-                    (self.kernels.elementwise.softmax)(row);
+                    let mut scores = fused::linear(self.kernels, &keys_h, &q_h);
+                    for row in scores.chunks_exact_mut(t) {
+                        for v in row.iter_mut() {
+                            *v /= sqrt_d;
+                        }
+                        (self.kernels.elementwise.softmax)(row);
+                    }
+                    let values_h = PackedOutput::from_f32_columns_transposed(
+                        values,
+                        h,
+                        span.clone(),
+                        cols.clone(),
+                        &zeros[..d],
+                    );
+                    let ctx = fused::linear(self.kernels, &values_h, &scores);
+                    for (qi, row) in (first_query..).zip(ctx.chunks_exact(d)) {
+                        context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
+                    }
                 }
-                let values_h = PackedOutput::from_f32_columns_transposed(
-                    values,
-                    h,
-                    span.clone(),
-                    cols.clone(),
-                    &zeros[..d],
-                );
-                let ctx = fused::linear(self.kernels, &values_h, &scores);
-                for (qi, row) in (first_query..).zip(ctx.chunks_exact(d)) {
-                    context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
-                }
+                first_query += n_queries;
             }
-            first_query += n_queries;
-        }
+            context
+        });
 
         let mut attended = layer.attn_out.forward(self.kernels, &context, observe);
         for (a, r) in attended.iter_mut().zip(&x_q) {

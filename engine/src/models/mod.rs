@@ -98,7 +98,9 @@ impl DenseLayer {
     }
 
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
-        crate::kernels::fused::linear(kernels, &self.packed, x)
+        crate::profile::account(crate::profile::Work::Dense, || {
+            crate::kernels::fused::linear(kernels, &self.packed, x)
+        })
     }
 
     /// [`DenseLayer::forward`], showing the input to `observe` first.

@@ -208,9 +208,12 @@ impl VaeCf {
         for history in histories {
             self.model_input_into(history, &mut items);
             let mut acc = vec![0f32; width];
-            for &i in &items {
-                self.first_by_item.add_row_into(i as usize, &mut acc);
-            }
+            // The first dense layer, as a gather-sum of the history's weight rows.
+            crate::profile::account(crate::profile::Work::Dense, || {
+                for &i in &items {
+                    self.first_by_item.add_row_into(i as usize, &mut acc);
+                }
+            });
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
             let scale = 1.0 / (items.len() as f32).sqrt().max(1e-12);
             let start = x.len();
