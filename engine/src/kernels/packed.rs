@@ -165,10 +165,15 @@ impl PackedOutput {
         data: fn(Vec<T>) -> PanelData,
     ) -> Self {
         let n = bias.len();
+        Self::with_panels(n, d, data(pack(n, d, row_of(table, d, rows))), bias)
+    }
+
+    /// `n` items of width `d` already packed in `data`, with their biases (padded with -inf).
+    fn with_panels(n: usize, d: usize, data: PanelData, bias: &[f32]) -> Self {
         PackedOutput {
             n,
             d,
-            data: data(pack(n, d, row_of(table, d, rows))),
+            data,
             bias: padded(bias, n, f32::NEG_INFINITY).into(),
             activation_scale: None,
         }
@@ -192,13 +197,7 @@ impl PackedOutput {
             let start = (rows.start + i) * stride + cols.start;
             &table[start..start + d]
         };
-        PackedOutput {
-            n,
-            d,
-            data: PanelData::F32(pack(n, d, row).into()),
-            bias: padded(bias, n, f32::NEG_INFINITY).into(),
-            activation_scale: None,
-        }
+        Self::with_panels(n, d, PanelData::F32(pack(n, d, row).into()), bias)
     }
 
     /// The transpose of that sub-matrix as items: item `c` is column `cols.start + c`, its features
@@ -225,13 +224,7 @@ impl PackedOutput {
                 out.extend(std::iter::repeat_n(0.0, 8 - lanes));
             }
         }
-        PackedOutput {
-            n,
-            d,
-            data: PanelData::F32(out.into()),
-            bias: padded(bias, n, f32::NEG_INFINITY).into(),
-            activation_scale: None,
-        }
+        Self::with_panels(n, d, PanelData::F32(out.into()), bias)
     }
 
     /// From row-major half-precision bits `[n, d]`.
@@ -267,16 +260,11 @@ impl PackedOutput {
 
     fn i8_rows(table: &[i8], rows: Option<&[u32]>, scales: &[f32], bias: &[f32], d: usize) -> Self {
         let n = bias.len();
-        PackedOutput {
-            n,
-            d,
-            data: PanelData::I8 {
-                q: pack_pairs(n, d, row_of(table, d, rows)).into(),
-                scales: padded(scales, n, 0.0).into(),
-            },
-            bias: padded(bias, n, f32::NEG_INFINITY).into(),
-            activation_scale: None,
-        }
+        let data = PanelData::I8 {
+            q: pack_pairs(n, d, row_of(table, d, rows)).into(),
+            scales: padded(scales, n, 0.0).into(),
+        };
+        Self::with_panels(n, d, data, bias)
     }
 
     /// W8A8: use a calibrated static activation scale (int8 weights only).
