@@ -10,7 +10,7 @@ use crate::kernels::fused::{self, Exclusions, RowQuery};
 use crate::kernels::packed::PackedOutput;
 use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
-use crate::models::{HistoryNote, Model};
+use crate::models::{EncodeScratch, HistoryNote, Model};
 use crate::request::{
     excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
     ServeOptions, UnknownIds, UnknownItemPolicy,
@@ -322,11 +322,11 @@ impl Engine {
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let runs = split_into_runs(histories, self.scorer.threads.max(1));
         if runs.len() <= 1 {
-            return self.model.encode(histories);
+            return self.encode_run(histories);
         }
         let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> =
             crate::parallel::map_pieces(runs.len(), |i| {
-                self.model.encode(&histories[runs[i].clone()])
+                self.encode_run(&histories[runs[i].clone()])
             });
         let width = self.model.output().input_size();
         let mut hidden = Vec::with_capacity(histories.len() * width);
@@ -335,6 +335,31 @@ impl Engine {
             hidden.extend_from_slice(&part_hidden);
             notes.extend(part_notes);
         }
+        (hidden, notes)
+    }
+
+    /// The encoder over `histories` on this thread, in this thread's buffers (so a stream of
+    /// batches reuses its activations' memory rather than allocating it per batch).
+    fn encode_run(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<EncodeScratch> = Default::default();
+        }
+        let mut hidden = Vec::with_capacity(histories.len() * self.model.output().input_size());
+        let mut notes = Vec::with_capacity(histories.len());
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => {
+                self.model
+                    .encode_into(histories, &mut scratch, &mut hidden, &mut notes)
+            }
+            // Only if this thread is already encoding further up its stack (a pool thread that
+            // picked up another batch's piece while waiting): that pass keeps the buffers.
+            Err(_) => self.model.encode_into(
+                histories,
+                &mut EncodeScratch::default(),
+                &mut hidden,
+                &mut notes,
+            ),
+        });
         (hidden, notes)
     }
 

@@ -10,7 +10,10 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
-use super::packed::{quantize_activations, quantize_activations_static, PackedOutput, PanelData};
+use super::packed::{
+    quantize_activations, quantize_activations_static, LayerRef, PackedOutput, PanelData, PanelRef,
+    QuantizedActivations,
+};
 use super::{panels_slot, prefetch, rows_slot, Epilogue, KernelTable};
 use crate::topk::{rank_order, Scored};
 
@@ -95,20 +98,24 @@ impl<'a> Selection<'a> {
     }
 }
 
-/// Rows computed together by one micro-kernel call, and the panels per call for that row count:
-/// 8 accumulators either way (1x8, 2x4, 4x2).
+/// Rows computed together by one micro-kernel call when `left` rows remain, and the panels per
+/// call for that row count: 8 accumulators either way (1x8, 2x4, 4x2).
+fn row_group_at(left: usize) -> (usize, usize) {
+    if left >= 4 {
+        (4, 2)
+    } else if left >= 2 {
+        (2, 4)
+    } else {
+        (1, 8)
+    }
+}
+
+/// Every row group of a batch of `rows`: `(first row, rows, panels per call)`.
 fn row_groups(rows: usize) -> Vec<(usize, usize, usize)> {
     let mut groups = Vec::new();
     let mut start = 0;
     while start < rows {
-        let left = rows - start;
-        let (size, panels) = if left >= 4 {
-            (4, 2)
-        } else if left >= 2 {
-            (2, 4)
-        } else {
-            (1, 8)
-        };
+        let (size, panels) = row_group_at(rows - start);
         groups.push((start, size, panels));
         start += size;
     }
@@ -318,28 +325,48 @@ pub fn top_k(
 /// at the layer's precision (int8 layers quantize each row of `x` to int16 with its own scale).
 /// Rows are computed independently (the same accumulation order whatever the batch).
 pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> {
+    let mut y = vec![0f32; x.len() / layer.d * layer.n];
+    linear_into(
+        table,
+        layer.view(),
+        x,
+        &mut y,
+        &mut QuantizedActivations::default(),
+    );
+    y
+}
+
+/// [`linear`] into `y` (`[rows, n]`, every value overwritten), quantizing int8 layers' inputs
+/// into `quantized`: with buffers kept between calls it allocates nothing.
+pub fn linear_into(
+    table: &KernelTable,
+    layer: LayerRef<'_>,
+    x: &[f32],
+    y: &mut [f32],
+    quantized: &mut QuantizedActivations,
+) {
     let d = layer.d;
     let rows = x.len() / d;
     let n = layer.n;
-    let mut y = vec![0f32; rows * n];
+    assert_eq!(y.len(), rows * n, "one output row of n per input row");
     let mut scores = [0f32; 64];
     let mut masks = [0u8; 8];
     // int8 weights multiply int16 activations, each row at its own scale, or at the layer's
     // calibrated static scale (all-layer W8A8).
-    let (x_q, x_scales) = match (&layer.data, layer.activation_scale) {
-        (PanelData::I8 { .. }, None) => quantize_activations(x, d),
-        (PanelData::I8 { .. }, Some(scale)) => quantize_activations_static(x, d, scale),
-        _ => (Vec::new(), Vec::new()),
-    };
+    if let PanelRef::I8 { .. } = layer.data {
+        quantized.quantize(x, d, layer.activation_scale);
+    }
     let width_q = d.div_ceil(2) * 2;
     let pairs = d.div_ceil(2);
     let panels = layer.panels();
     let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
-    for (row0, size, per_call) in row_groups(rows) {
+    let mut row0 = 0;
+    while row0 < rows {
+        let (size, per_call) = row_group_at(rows - row0);
         let h = &x[row0 * d..(row0 + size) * d];
         let mut row_scales = [1f32; 4];
         for (r, scale) in row_scales.iter_mut().enumerate().take(size) {
-            if let Some(&s) = x_scales.get(row0 + r) {
+            if let Some(&s) = quantized.scales.get(row0 + r) {
                 *scale = s;
             }
         }
@@ -349,8 +376,8 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
             let items = p * 8..(p + count) * 8;
             let epilogue = Epilogue {
                 bias: &layer.bias[items.clone()],
-                scales: match &layer.data {
-                    PanelData::I8 { scales, .. } => &scales[items.clone()],
+                scales: match layer.data {
+                    PanelRef::I8 { scales, .. } => &scales[items.clone()],
                     _ => &[],
                 },
                 bars: [f32::INFINITY; 4],
@@ -358,8 +385,8 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
                 prefetch: prefetch::distance(table_bytes, count * panel_bytes),
             };
             let (rs, ps) = (rows_slot(size), panels_slot(count));
-            match &layer.data {
-                PanelData::F32(w) => (table.f32[rs][ps])(
+            match layer.data {
+                PanelRef::F32(w) => (table.f32[rs][ps])(
                     h,
                     d,
                     &w[p * d * 8..(p + count) * d * 8],
@@ -367,7 +394,7 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
                     &mut scores,
                     &mut masks,
                 ),
-                PanelData::F16(w) => (table.f16[rs][ps])(
+                PanelRef::F16(w) => (table.f16[rs][ps])(
                     h,
                     d,
                     &w[p * d * 8..(p + count) * d * 8],
@@ -375,8 +402,8 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
                     &mut scores,
                     &mut masks,
                 ),
-                PanelData::I8 { q, .. } => (table.i8[rs][ps])(
-                    &x_q[row0 * width_q..(row0 + size) * width_q],
+                PanelRef::I8 { q, .. } => (table.i8[rs][ps])(
+                    &quantized.values[row0 * width_q..(row0 + size) * width_q],
                     d,
                     &q[p * pairs * 16..(p + count) * pairs * 16],
                     &epilogue,
@@ -395,8 +422,8 @@ pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> 
             }
             p += count;
         }
+        row0 += size;
     }
-    y
 }
 
 /// Every score, `[B, n]`, computed by the same kernels as [`top_k`] (for evaluation and tests).

@@ -42,6 +42,54 @@ pub struct PackedOutput {
     pub activation_scale: Option<f32>,
 }
 
+/// Packed weights as the micro-kernels read them, borrowed: from a [`PackedOutput`], or from
+/// buffers a caller packs into and reuses (attention's per-head keys and values), so running a
+/// layer needs no storage of its own.
+#[derive(Clone, Copy, Debug)]
+pub enum PanelRef<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+    I8 { q: &'a [i8], scales: &'a [f32] },
+}
+
+/// A packed layer, borrowed (see [`PanelRef`]).
+#[derive(Clone, Copy, Debug)]
+pub struct LayerRef<'a> {
+    /// Outputs (items).
+    pub n: usize,
+    /// Inputs (hidden size).
+    pub d: usize,
+    pub data: PanelRef<'a>,
+    /// At least one per item of every panel (padding lanes may hold anything for a dense layer:
+    /// their outputs are never written).
+    pub bias: &'a [f32],
+    pub activation_scale: Option<f32>,
+}
+
+impl LayerRef<'_> {
+    pub fn panels(&self) -> usize {
+        self.n.div_ceil(8)
+    }
+
+    /// Bytes of one panel's weights as the micro-kernels read them (8 items x d).
+    pub fn panel_bytes(&self) -> usize {
+        match self.data {
+            PanelRef::F32(_) => self.d * 8 * 4,
+            PanelRef::F16(_) => self.d * 8 * 2,
+            PanelRef::I8 { .. } => self.d.div_ceil(2) * 16,
+        }
+    }
+
+    /// Bytes of weights streamed per full pass over the items.
+    pub fn weight_bytes(&self) -> usize {
+        match self.data {
+            PanelRef::F32(v) => v.len() * 4,
+            PanelRef::F16(v) => v.len() * 2,
+            PanelRef::I8 { q, scales } => q.len() + scales.len() * 4,
+        }
+    }
+}
+
 /// Row `i` of the rows being packed: `table`'s row `i`, or its row `rows[i]` when only some rows
 /// are packed (a request's candidates), read in place rather than gathered into a copy first.
 fn row_of<'a, T>(table: &'a [T], d: usize, rows: Option<&'a [u32]>) -> impl Fn(usize) -> &'a [T] {
@@ -54,8 +102,21 @@ fn row_of<'a, T>(table: &'a [T], d: usize, rows: Option<&'a [u32]>) -> impl Fn(u
 /// Packs `n` rows of `d` values (`row(i)`), panel after panel in storage order, so the output is
 /// written sequentially while 8 rows are read side by side.
 fn pack<'a, T: Copy + Default + 'a>(n: usize, d: usize, row: impl Fn(usize) -> &'a [T]) -> Vec<T> {
+    let mut out = Vec::new();
+    pack_into(&mut out, n, d, row);
+    out
+}
+
+/// [`pack`] into `out`, replacing what it held (its capacity is reused).
+fn pack_into<'a, T: Copy + Default + 'a>(
+    out: &mut Vec<T>,
+    n: usize,
+    d: usize,
+    row: impl Fn(usize) -> &'a [T],
+) {
     let panels = n.div_ceil(8);
-    let mut out = Vec::with_capacity(panels * d * 8);
+    out.clear();
+    out.reserve(panels * d * 8);
     for p in 0..panels {
         let lanes: [Option<&[T]>; 8] =
             std::array::from_fn(|l| (p * 8 + l < n).then(|| row(p * 8 + l)));
@@ -63,7 +124,6 @@ fn pack<'a, T: Copy + Default + 'a>(n: usize, d: usize, row: impl Fn(usize) -> &
             out.extend(lanes.iter().map(|lane| lane.map_or(T::default(), |r| r[j])));
         }
     }
-    out
 }
 
 /// Feature pairs of 8 items side by side (see [`PanelData::I8`]), written in storage order.
@@ -95,21 +155,9 @@ pub fn activation_levels(d: usize) -> i32 {
 /// Quantizes each row of `hidden` (`[rows, d]`) to int16 with its own symmetric scale; rows are
 /// padded to an even width. Returns the values and one scale per row (0 for an all-zero row).
 pub fn quantize_activations(hidden: &[f32], d: usize) -> (Vec<i16>, Vec<f32>) {
-    let width = d.div_ceil(2) * 2;
-    let levels = activation_levels(d) as f32;
-    let rows = hidden.len() / d;
-    let mut q = vec![0i16; rows * width];
-    let mut scales = Vec::with_capacity(rows);
-    for (r, row) in hidden.chunks_exact(d).enumerate() {
-        let max = row.iter().fold(0f32, |m, &h| m.max(h.abs()));
-        let scale = max / levels;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for (j, &h) in row.iter().enumerate() {
-            q[r * width + j] = (h * inv).round().clamp(-levels, levels) as i16;
-        }
-        scales.push(scale);
-    }
-    (q, scales)
+    let mut out = QuantizedActivations::default();
+    out.quantize(hidden, d, None);
+    (out.values, out.scales)
 }
 
 /// Quantizes activations with one static scale to int8 levels as ONNX's QuantizeLinear (and so
@@ -117,19 +165,97 @@ pub fn quantize_activations(hidden: &[f32], d: usize) -> (Vec<i16>, Vec<f32>) {
 /// [-128, 127]; stored as int16 for the same
 /// integer kernel; rows are padded to an even width.
 pub fn quantize_activations_static(hidden: &[f32], d: usize, scale: f32) -> (Vec<i16>, Vec<f32>) {
-    let width = d.div_ceil(2) * 2;
-    let rows = hidden.len() / d;
-    let mut q = vec![0i16; rows * width];
-    if scale <= 0.0 {
-        return (q, vec![scale; rows]);
-    }
-    for (r, row) in hidden.chunks_exact(d).enumerate() {
-        for (j, &h) in row.iter().enumerate() {
-            // QuantizeLinear's arithmetic exactly: x / scale, ties to even, saturate.
-            q[r * width + j] = (h / scale).round_ties_even().clamp(-128.0, 127.0) as i16;
+    let mut out = QuantizedActivations::default();
+    out.quantize(hidden, d, Some(scale));
+    (out.values, out.scales)
+}
+
+/// A batch's activations as the int8 kernels read them (int16 values, rows padded to an even
+/// width, one scale per row), in buffers kept from batch to batch.
+#[derive(Clone, Debug, Default)]
+pub struct QuantizedActivations {
+    pub values: Vec<i16>,
+    pub scales: Vec<f32>,
+}
+
+impl QuantizedActivations {
+    /// Replaces the held activations with `hidden` (`[rows, d]`): each row at its own symmetric
+    /// int16 scale (`static_scale` `None`), or at int8 levels of the calibrated static scale.
+    pub fn quantize(&mut self, hidden: &[f32], d: usize, static_scale: Option<f32>) {
+        let width = d.div_ceil(2) * 2;
+        let rows = hidden.len() / d;
+        self.values.clear();
+        self.values.resize(rows * width, 0);
+        self.scales.clear();
+        match static_scale {
+            None => {
+                let levels = activation_levels(d) as f32;
+                for (r, row) in hidden.chunks_exact(d).enumerate() {
+                    let max = row.iter().fold(0f32, |m, &h| m.max(h.abs()));
+                    let scale = max / levels;
+                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    for (q, &h) in self.values[r * width..].iter_mut().zip(row) {
+                        *q = (h * inv).round().clamp(-levels, levels) as i16;
+                    }
+                    self.scales.push(scale);
+                }
+            }
+            Some(scale) => {
+                self.scales.resize(rows, scale);
+                if scale <= 0.0 {
+                    return;
+                }
+                for (r, row) in hidden.chunks_exact(d).enumerate() {
+                    for (q, &h) in self.values[r * width..].iter_mut().zip(row) {
+                        // QuantizeLinear's arithmetic exactly: x / scale, ties to even, saturate.
+                        *q = (h / scale).round_ties_even().clamp(-128.0, 127.0) as i16;
+                    }
+                }
+            }
         }
     }
-    (q, vec![scale; rows])
+}
+
+/// Packs rows `rows` of the row-major f32 table `table` (rows `stride` long), restricted to the
+/// columns `cols`, into `out` (replacing what it held; its capacity is reused): the panels of
+/// [`PackedOutput::from_f32_columns`].
+pub fn pack_columns_into(
+    out: &mut Vec<f32>,
+    table: &[f32],
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+) {
+    assert!(cols.end <= stride && rows.end * stride <= table.len());
+    let (n, d) = (rows.len(), cols.len());
+    let row = |i: usize| {
+        let start = (rows.start + i) * stride + cols.start;
+        &table[start..start + d]
+    };
+    pack_into(out, n, d, row);
+}
+
+/// The panels of [`PackedOutput::from_f32_columns_transposed`], into `out` (replacing what it
+/// held; its capacity is reused).
+pub fn pack_columns_transposed_into(
+    out: &mut Vec<f32>,
+    table: &[f32],
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+) {
+    assert!(cols.end <= stride && rows.end * stride <= table.len());
+    let n = cols.len();
+    out.clear();
+    for p in 0..n.div_ceil(8) {
+        let lanes = (n - p * 8).min(8);
+        for j in rows.clone() {
+            // Feature j of items 8p.. is row j's run of columns: contiguous in the table.
+            let start = j * stride + cols.start + p * 8;
+            out.extend_from_slice(&table[start..start + lanes]);
+            out.extend(std::iter::repeat_n(0.0, 8 - lanes));
+        }
+    }
 }
 
 fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
@@ -190,14 +316,10 @@ impl PackedOutput {
         bias: &[f32],
     ) -> Self {
         assert_eq!(rows.len(), bias.len(), "one bias per row");
-        assert!(cols.end <= stride && rows.end * stride <= table.len());
-        let d = cols.len();
-        let n = rows.len();
-        let row = |i: usize| {
-            let start = (rows.start + i) * stride + cols.start;
-            &table[start..start + d]
-        };
-        Self::with_panels(n, d, PanelData::F32(pack(n, d, row).into()), bias)
+        let (n, d) = (rows.len(), cols.len());
+        let mut out = Vec::new();
+        pack_columns_into(&mut out, table, stride, rows, cols);
+        Self::with_panels(n, d, PanelData::F32(out.into()), bias)
     }
 
     /// The transpose of that sub-matrix as items: item `c` is column `cols.start + c`, its features
@@ -211,19 +333,9 @@ impl PackedOutput {
         bias: &[f32],
     ) -> Self {
         assert_eq!(cols.len(), bias.len(), "one bias per column");
-        assert!(cols.end <= stride && rows.end * stride <= table.len());
         let (n, d) = (cols.len(), rows.len());
-        let panels = n.div_ceil(8);
-        let mut out = Vec::with_capacity(panels * d * 8);
-        for p in 0..panels {
-            let lanes = (n - p * 8).min(8);
-            for j in rows.clone() {
-                // Feature j of items 8p.. is row j's run of columns: contiguous in the table.
-                let start = j * stride + cols.start + p * 8;
-                out.extend_from_slice(&table[start..start + lanes]);
-                out.extend(std::iter::repeat_n(0.0, 8 - lanes));
-            }
-        }
+        let mut out = Vec::new();
+        pack_columns_transposed_into(&mut out, table, stride, rows, cols);
         Self::with_panels(n, d, PanelData::F32(out.into()), bias)
     }
 
@@ -283,6 +395,21 @@ impl PackedOutput {
             PanelData::F32(w) => w.is_mapped(),
             PanelData::F16(w) => w.is_mapped(),
             PanelData::I8 { q, .. } => q.is_mapped(),
+        }
+    }
+
+    /// The packed weights, borrowed, as the micro-kernels take them.
+    pub fn view(&self) -> LayerRef<'_> {
+        LayerRef {
+            n: self.n,
+            d: self.d,
+            data: match &self.data {
+                PanelData::F32(w) => PanelRef::F32(w),
+                PanelData::F16(w) => PanelRef::F16(w),
+                PanelData::I8 { q, scales } => PanelRef::I8 { q, scales },
+            },
+            bias: &self.bias,
+            activation_scale: self.activation_scale,
         }
     }
 

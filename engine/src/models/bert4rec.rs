@@ -10,7 +10,7 @@ use crate::config::Bert4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::cpu;
-use crate::kernels::packed::PackedOutput;
+use crate::kernels::packed::{self, LayerRef, PanelRef, QuantizedActivations};
 use crate::kernels::{fused, KernelTable};
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
@@ -25,15 +25,6 @@ impl Dense {
             &t.matrix(&format!("{prefix}.weight"), [out_dim, in_dim])?,
             &t.tensor(&format!("{prefix}.bias"), &[out_dim])?,
         )))
-    }
-
-    fn forward(
-        &self,
-        kernels: &KernelTable,
-        x: &[f32],
-        observe: ActivationObserver<'_>,
-    ) -> Vec<f32> {
-        self.0.forward_observed(kernels, x, observe)
     }
 }
 
@@ -242,12 +233,18 @@ impl Bert4Rec {
 
     /// The model input for one history: its last L-1 items, then [MASK].
     pub fn model_input(&self, history: &[u32]) -> (Vec<u32>, HistoryNote) {
+        let (kept, note) = self.kept_history(history);
+        let mut tokens = kept.to_vec();
+        tokens.push(self.mask_index());
+        (tokens, note)
+    }
+
+    /// The part of `history` the model sees (its last L-1 items; [MASK] follows them).
+    fn kept_history<'h>(&self, history: &'h [u32]) -> (&'h [u32], HistoryNote) {
         let keep = self.config.max_len - 1;
         let start = history.len().saturating_sub(keep);
-        let mut tokens = history[start..].to_vec();
-        tokens.push(self.mask_index());
         (
-            tokens,
+            &history[start..],
             HistoryNote {
                 truncated: start > 0,
                 ..Default::default()
@@ -285,139 +282,256 @@ impl Bert4Rec {
         histories: &[&[u32]],
         observe: ActivationObserver<'_>,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
+        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+        let mut scratch = Bert4RecScratch::default();
+        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, observe);
+        (hidden, notes)
+    }
+
+    /// [`Bert4Rec::encode_observed`] into `hidden` and `notes` (replacing what they held), working
+    /// in `scratch`: once the buffers have grown to a batch's size, batches no larger allocate
+    /// nothing.
+    pub fn encode_into(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut Bert4RecScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        observe: ActivationObserver<'_>,
+    ) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
-        let mut notes = Vec::with_capacity(histories.len());
+        notes.clear();
+        let s = scratch;
         // Token ranges of each sequence in the stacked matrix.
-        let mut spans = Vec::with_capacity(histories.len());
-        let mut x = Vec::new();
+        s.spans.clear();
+        s.x.clear();
         for history in histories {
-            let (tokens, note) = self.model_input(history);
+            let (kept, note) = self.kept_history(history);
             notes.push(note);
-            let start = x.len() / h;
-            for (slot, &id) in tokens.iter().enumerate() {
-                let start = x.len();
-                x.extend_from_slice(self.position_embedding.row(slot));
+            let start = s.x.len() / h;
+            let tokens = kept.iter().copied().chain([self.mask_index()]);
+            for (slot, id) in tokens.enumerate() {
+                let start = s.x.len();
+                s.x.extend_from_slice(self.position_embedding.row(slot));
                 self.item_embedding
-                    .add_row_into(id as usize, &mut x[start..]);
+                    .add_row_into(id as usize, &mut s.x[start..]);
             }
-            spans.push(start..start + tokens.len());
+            s.spans.push(start..s.x.len() / h);
         }
-        self.embedding_ln.apply(&mut x, eps);
+        self.embedding_ln.apply(&mut s.x, eps);
 
         let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
             // Only the MASK slot's output is used, so the last layer computes its query, attention
             // output and feed-forward for that one row per sequence.
-            let query_rows: Vec<usize> = if l + 1 == n_layers {
-                spans.iter().map(|s| s.end - 1).collect()
+            s.query_rows.clear();
+            if l + 1 == n_layers {
+                s.query_rows.extend(s.spans.iter().map(|span| span.end - 1));
             } else {
-                (0..x.len() / h).collect()
-            };
-            x = self.transformer_layer(layer, &x, &spans, &query_rows, observe);
+                s.query_rows.extend(0..s.x.len() / h);
+            }
+            self.transformer_layer(layer, s, observe);
+            std::mem::swap(&mut s.x, &mut s.out);
         }
         debug_assert_eq!(
-            x.len(),
+            s.x.len(),
             histories.len() * h,
             "one row per sequence after the last layer"
         );
 
-        let mut head = self.head_dense.forward(self.kernels, &x, observe);
-        (self.kernels.elementwise.gelu)(&mut head);
-        self.head_ln.apply(&mut head, eps);
-        (head, notes)
+        self.head_dense
+            .0
+            .forward_into(self.kernels, &s.x, hidden, &mut s.quantized, observe);
+        // Give `x` and `out` back their roles, so the next batch finds each grown to the size its
+        // role needs whatever the number of layers.
+        if !n_layers.is_multiple_of(2) {
+            std::mem::swap(&mut s.x, &mut s.out);
+        }
+        (self.kernels.elementwise.gelu)(hidden);
+        self.head_ln.apply(hidden, eps);
     }
 
-    /// One post-LN transformer layer; returns the outputs of `query_rows` only.
+    /// One post-LN transformer layer over `s.x`, the rows `s.query_rows` of its output into
+    /// `s.out`.
     fn transformer_layer(
         &self,
         layer: &TransformerLayer,
-        x: &[f32],
+        s: &mut Bert4RecScratch,
+        observe: ActivationObserver<'_>,
+    ) {
+        let h = self.config.hidden_size;
+        let eps = self.config.layer_norm_eps;
+        let k = self.kernels;
+
+        layer
+            .key
+            .0
+            .forward_into(k, &s.x, &mut s.keys, &mut s.quantized, observe);
+        layer
+            .value
+            .0
+            .forward_into(k, &s.x, &mut s.values, &mut s.quantized, observe);
+        // Every row is a query except in the last layer; only then are the query rows gathered.
+        let every_row = s.query_rows.len() * h == s.x.len();
+        if !every_row {
+            s.x_q.clear();
+            for &r in &s.query_rows {
+                s.x_q.extend_from_slice(&s.x[r * h..(r + 1) * h]);
+            }
+        }
+        let x_q: &[f32] = if every_row { &s.x } else { &s.x_q };
+        layer
+            .query
+            .0
+            .forward_into(k, x_q, &mut s.queries, &mut s.quantized, observe);
+
+        crate::profile::account(crate::profile::Work::Attention, || {
+            self.attention(
+                &s.keys,
+                &s.values,
+                &s.queries,
+                &s.spans,
+                &s.query_rows,
+                &mut s.context,
+                &mut s.attention,
+            )
+        });
+
+        layer
+            .attn_out
+            .0
+            .forward_into(k, &s.context, &mut s.attended, &mut s.quantized, observe);
+        for (a, r) in s.attended.iter_mut().zip(x_q) {
+            *a += r;
+        }
+        layer.attn_ln.apply(&mut s.attended, eps);
+
+        layer
+            .ffn_in
+            .0
+            .forward_into(k, &s.attended, &mut s.inner, &mut s.quantized, observe);
+        (k.elementwise.gelu)(&mut s.inner);
+        layer
+            .ffn_out
+            .0
+            .forward_into(k, &s.inner, &mut s.out, &mut s.quantized, observe);
+        for (o, r) in s.out.iter_mut().zip(&s.attended) {
+            *o += r;
+        }
+        layer.ffn_ln.apply(&mut s.out, eps);
+    }
+
+    /// Attention per sequence and head as two small GEMMs on the packed kernels: scores =
+    /// Q_h K_h^T (the keys packed as "items"), then context = P V_h (V_h^T packed), into
+    /// `context` (`[query rows, hidden]`). The query rows of one sequence are contiguous in
+    /// `query_rows` (all its rows, or just the MASK row).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        keys: &[f32],
+        values: &[f32],
+        queries: &[f32],
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
-        observe: ActivationObserver<'_>,
-    ) -> Vec<f32> {
+        context: &mut Vec<f32>,
+        a: &mut AttentionScratch,
+    ) {
         let h = self.config.hidden_size;
         let heads = self.config.n_heads;
         let d = h / heads;
         let sqrt_d = (d as f32).sqrt();
-        let eps = self.config.layer_norm_eps;
-
-        let keys = layer.key.forward(self.kernels, x, observe);
-        let values = layer.value.forward(self.kernels, x, observe);
-        let x_q: Vec<f32> = query_rows
-            .iter()
-            .flat_map(|&r| x[r * h..(r + 1) * h].iter().copied())
-            .collect();
-        let queries = layer.query.forward(self.kernels, &x_q, observe);
-
-        // Attention per sequence and head as two small GEMMs on the packed kernels: scores =
-        // Q_h K_h^T (the keys packed as "items"), then context = P V_h (V_h^T packed). The query
-        // rows of one sequence are contiguous in `query_rows` (all its rows, or just the MASK row).
-        let context = crate::profile::account(crate::profile::Work::Attention, || {
-            let mut context = vec![0f32; query_rows.len() * h];
-            let values = values.as_slice();
-            let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
-            let zeros = vec![0f32; longest.max(d)];
-            let mut q_h = Vec::new();
-            let mut first_query = 0;
-            for span in spans {
-                let n_queries = query_rows[first_query..]
-                    .iter()
-                    .take_while(|&&r| span.contains(&r))
-                    .count();
-                let t = span.len();
-                for head in 0..heads {
-                    let cols = head * d..(head + 1) * d;
-                    // Keys and values are packed straight from the layer outputs (no per-head copy).
-                    let keys_h = PackedOutput::from_f32_columns(
-                        &keys,
-                        h,
-                        span.clone(),
-                        cols.clone(),
-                        &zeros[..t],
-                    );
-                    q_h.clear();
-                    for qi in first_query..first_query + n_queries {
-                        q_h.extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
-                    }
-                    let mut scores = fused::linear(self.kernels, &keys_h, &q_h);
-                    for row in scores.chunks_exact_mut(t) {
-                        for v in row.iter_mut() {
-                            *v /= sqrt_d;
-                        }
-                        (self.kernels.elementwise.softmax)(row);
-                    }
-                    let values_h = PackedOutput::from_f32_columns_transposed(
-                        values,
-                        h,
-                        span.clone(),
-                        cols.clone(),
-                        &zeros[..d],
-                    );
-                    let ctx = fused::linear(self.kernels, &values_h, &scores);
-                    for (qi, row) in (first_query..).zip(ctx.chunks_exact(d)) {
-                        context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
-                    }
+        context.resize(query_rows.len() * h, 0.0);
+        // The kernels read a bias for every lane of a panel; attention has none.
+        let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
+        a.zeros.resize(longest.max(d).div_ceil(8) * 8, 0.0);
+        let mut first_query = 0;
+        for span in spans {
+            let n_queries = query_rows[first_query..]
+                .iter()
+                .take_while(|&&r| span.contains(&r))
+                .count();
+            let t = span.len();
+            for head in 0..heads {
+                let cols = head * d..(head + 1) * d;
+                // Keys and values are packed straight from the layer outputs (no per-head copy).
+                packed::pack_columns_into(&mut a.keys, keys, h, span.clone(), cols.clone());
+                let keys_h = dense_panels(&a.keys, t, d, &a.zeros);
+                a.q_h.clear();
+                for qi in first_query..first_query + n_queries {
+                    a.q_h
+                        .extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
                 }
-                first_query += n_queries;
+                a.scores.resize(n_queries * t, 0.0);
+                fused::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
+                for row in a.scores.chunks_exact_mut(t) {
+                    for v in row.iter_mut() {
+                        *v /= sqrt_d;
+                    }
+                    (self.kernels.elementwise.softmax)(row);
+                }
+                packed::pack_columns_transposed_into(
+                    &mut a.values,
+                    values,
+                    h,
+                    span.clone(),
+                    cols.clone(),
+                );
+                let values_h = dense_panels(&a.values, d, t, &a.zeros);
+                a.ctx.resize(n_queries * d, 0.0);
+                fused::linear_into(self.kernels, values_h, &a.scores, &mut a.ctx, &mut a.unused);
+                for (qi, row) in (first_query..).zip(a.ctx.chunks_exact(d)) {
+                    context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
+                }
             }
-            context
-        });
-
-        let mut attended = layer.attn_out.forward(self.kernels, &context, observe);
-        for (a, r) in attended.iter_mut().zip(&x_q) {
-            *a += r;
+            first_query += n_queries;
         }
-        layer.attn_ln.apply(&mut attended, eps);
-
-        let mut inner = layer.ffn_in.forward(self.kernels, &attended, observe);
-        (self.kernels.elementwise.gelu)(&mut inner);
-        let mut out = layer.ffn_out.forward(self.kernels, &inner, observe);
-        for (o, r) in out.iter_mut().zip(&attended) {
-            *o += r;
-        }
-        layer.ffn_ln.apply(&mut out, eps);
-        out
     }
+}
+
+/// `n` items of width `d` packed in `panels` (f32), with no bias, as the kernels take them.
+fn dense_panels<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> LayerRef<'a> {
+    LayerRef {
+        n,
+        d,
+        data: PanelRef::F32(panels),
+        bias: &zeros[..n.div_ceil(8) * 8],
+        activation_scale: None,
+    }
+}
+
+/// The buffers one BERT4Rec pass works in (see [`Bert4Rec::encode_into`]).
+#[derive(Debug, Default)]
+pub struct Bert4RecScratch {
+    /// Token ranges of each sequence in the stacked activations.
+    spans: Vec<std::ops::Range<usize>>,
+    /// The rows whose outputs a layer computes.
+    query_rows: Vec<usize>,
+    /// A layer's input, `[tokens, hidden]`; its output goes to `out` and the two swap.
+    x: Vec<f32>,
+    out: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    /// The query rows of `x` when not every row is one.
+    x_q: Vec<f32>,
+    queries: Vec<f32>,
+    context: Vec<f32>,
+    attended: Vec<f32>,
+    inner: Vec<f32>,
+    /// An int8 layer's input, quantized.
+    quantized: QuantizedActivations,
+    attention: AttentionScratch,
+}
+
+/// One head's packed keys and values, its queries, scores and context.
+#[derive(Debug, Default)]
+struct AttentionScratch {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    q_h: Vec<f32>,
+    scores: Vec<f32>,
+    ctx: Vec<f32>,
+    zeros: Vec<f32>,
+    /// Attention runs in f32: nothing is quantized here.
+    unused: QuantizedActivations,
 }

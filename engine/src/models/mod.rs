@@ -11,8 +11,17 @@ use crate::import::Checkpoint;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-pub use bert4rec::Bert4Rec;
-pub use vaecf::VaeCf;
+pub use bert4rec::{Bert4Rec, Bert4RecScratch};
+pub use vaecf::{VaeCf, VaeCfScratch};
+
+/// The buffers an encoder pass works in, for either model, kept from batch to batch by whoever
+/// runs batches (the engine keeps one per thread): [`Model::encode_into`] then allocates nothing
+/// once they have grown to the largest batch seen.
+#[derive(Debug, Default)]
+pub struct EncodeScratch {
+    bert4rec: Bert4RecScratch,
+    vaecf: VaeCfScratch,
+}
 
 /// `scores = hidden @ weight^T + bias` over all N+1 outputs (index 0 is PAD); the engine packs it
 /// for the fused score + top-k kernels.
@@ -100,6 +109,24 @@ impl DenseLayer {
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         crate::profile::account(crate::profile::Work::Dense, || {
             crate::kernels::fused::linear(kernels, &self.packed, x)
+        })
+    }
+
+    /// [`DenseLayer::forward_observed`] into `y` (resized to `[rows, out]`; every value
+    /// overwritten), quantizing an int8 layer's input into `quantized`: with buffers kept between
+    /// calls, it allocates nothing.
+    pub fn forward_into(
+        &self,
+        kernels: &crate::kernels::KernelTable,
+        x: &[f32],
+        y: &mut Vec<f32>,
+        quantized: &mut crate::kernels::packed::QuantizedActivations,
+        observe: ActivationObserver<'_>,
+    ) {
+        observe(&self.name, x);
+        y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
+        crate::profile::account(crate::profile::Work::Dense, || {
+            crate::kernels::fused::linear_into(kernels, self.packed.view(), x, y, quantized)
         })
     }
 
@@ -230,6 +257,26 @@ impl Model {
         match self {
             Model::Bert4rec(m) => m.encode_observed(histories, observe),
             Model::Vaecf(m) => m.encode_observed(histories, observe),
+        }
+    }
+
+    /// [`Model::encode`] into `hidden` (`[B, d]`) and `notes` (one per history), replacing what
+    /// they held, working in `scratch`: the same bits as [`Model::encode`], and no allocation once
+    /// `scratch`, `hidden` and `notes` have held a batch at least as large (in histories and
+    /// tokens).
+    pub fn encode_into(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut EncodeScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+    ) {
+        let observe = &mut |_: &str, _: &[f32]| {};
+        match self {
+            Model::Bert4rec(m) => {
+                m.encode_into(histories, &mut scratch.bert4rec, hidden, notes, observe)
+            }
+            Model::Vaecf(m) => m.encode_into(histories, &mut scratch.vaecf, hidden, notes, observe),
         }
     }
 

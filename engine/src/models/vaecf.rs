@@ -202,43 +202,82 @@ impl VaeCf {
         histories: &[&[u32]],
         observe: ActivationObserver<'_>,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
+        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+        let mut scratch = VaeCfScratch::default();
+        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, observe);
+        (hidden, notes)
+    }
+
+    /// [`VaeCf::encode_observed`] into `hidden` and `notes` (replacing what they held), working in
+    /// `scratch`: once the buffers have grown to a batch's size, batches no larger allocate
+    /// nothing.
+    pub fn encode_into(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut VaeCfScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        observe: ActivationObserver<'_>,
+    ) {
         let width = self.first_bias.len();
-        let mut x = Vec::with_capacity(histories.len() * width);
-        let mut items = Vec::new();
+        let s = scratch;
+        s.x.clear();
         for history in histories {
-            self.model_input_into(history, &mut items);
-            let mut acc = vec![0f32; width];
+            self.model_input_into(history, &mut s.items);
+            let start = s.x.len();
+            s.x.resize(start + width, 0.0);
+            let acc = &mut s.x[start..];
             // The first dense layer, as a gather-sum of the history's weight rows.
             crate::profile::account(crate::profile::Work::Dense, || {
-                for &i in &items {
-                    self.first_by_item.add_row_into(i as usize, &mut acc);
+                for &i in &s.items {
+                    self.first_by_item.add_row_into(i as usize, acc);
                 }
             });
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
-            let scale = 1.0 / (items.len() as f32).sqrt().max(1e-12);
-            let start = x.len();
-            x.extend(
-                acc.iter()
-                    .zip(self.first_bias.as_slice())
-                    .map(|(a, b)| a * scale + b),
-            );
-            (self.kernels.elementwise.tanh)(&mut x[start..]);
-        }
-        let mut next;
-        let n_rest = self.encoder_rest.len();
-        for (i, layer) in self.encoder_rest.iter().enumerate() {
-            next = layer.forward_observed(self.kernels, &x, observe);
-            if i + 1 < n_rest {
-                (self.kernels.elementwise.tanh)(&mut next);
+            let scale = 1.0 / (s.items.len() as f32).sqrt().max(1e-12);
+            for (a, b) in acc.iter_mut().zip(self.first_bias.as_slice()) {
+                *a = *a * scale + b;
             }
-            std::mem::swap(&mut x, &mut next);
+            (self.kernels.elementwise.tanh)(acc);
         }
-        // x is mu; every decoder layer but the output layer is followed by tanh.
-        for layer in &self.decoder_hidden {
-            next = layer.forward_observed(self.kernels, &x, observe);
-            (self.kernels.elementwise.tanh)(&mut next);
-            std::mem::swap(&mut x, &mut next);
+        // The encoder's layers after the first (tanh after each but the last, which yields mu),
+        // then the decoder's hidden layers (tanh after each); the last one writes `hidden`.
+        let n_rest = self.encoder_rest.len();
+        let n_all = n_rest + self.decoder_hidden.len();
+        let all = self.encoder_rest.iter().chain(&self.decoder_hidden);
+        for (i, layer) in all.enumerate() {
+            let last = i + 1 == n_all;
+            let y = if last { &mut *hidden } else { &mut s.next };
+            layer.forward_into(self.kernels, &s.x, y, &mut s.quantized, observe);
+            if i + 1 != n_rest {
+                (self.kernels.elementwise.tanh)(y);
+            }
+            if !last {
+                std::mem::swap(&mut s.x, &mut s.next);
+            }
         }
-        (x, vec![HistoryNote::default(); histories.len()])
+        // Give each buffer back its role, so the next batch finds them as this one did (each
+        // grown to the size its role needs) whatever the number of layers.
+        if n_all.is_multiple_of(2) {
+            std::mem::swap(&mut s.x, &mut s.next);
+        }
+        if n_all == 0 {
+            hidden.clear();
+            hidden.extend_from_slice(&s.x);
+        }
+        notes.clear();
+        notes.resize(histories.len(), HistoryNote::default());
     }
+}
+
+/// The buffers one Mult-VAE pass works in (see [`VaeCf::encode_into`]).
+#[derive(Debug, Default)]
+pub struct VaeCfScratch {
+    /// One history's distinct items.
+    items: Vec<u32>,
+    /// A layer's input, `[B, width]`; its output goes to `next` and the two swap.
+    x: Vec<f32>,
+    next: Vec<f32>,
+    /// An int8 layer's input, quantized.
+    quantized: crate::kernels::packed::QuantizedActivations,
 }
