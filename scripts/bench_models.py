@@ -10,8 +10,10 @@ and TopK; Mult-VAE on the dense multi-hot input (F.normalize, encoder, mu, decod
 exclusion of the history is an additive -inf mask input. ORT timings cover session.run only (input
 preparation is not counted, which favours ORT).
 
-Models: the fixture BERT4Rec and Mult-VAE (N = 2000, trained), and a Mult-VAE of the same shape with
-N = 100,000 items and random weights (the catalogue size of the kernel issue's target).
+Models: the fixture BERT4Rec and Mult-VAE (N = 2000, trained); MovieLens-1M's shapes with random
+weights (BERT4Rec: 3,416 items, max_len 200, 2 layers, 2 heads, hidden 64, inner 256; Mult-VAE:
+3,416 items, 600-200-600), on histories with MovieLens-1M's lengths (log-normal, median 96, mean
+165, at least 20); and a Mult-VAE with N = 100,000 items and random weights.
 
 Roofline table: model_probe reports the thread-seconds each batch spent in dense layers, attention
 and the output layer (`recsys_engine::profile`); this script counts each kind's multiply-adds for
@@ -203,6 +205,43 @@ def vaecf_work(n_out: int, hidden: int, latent: int, distinct: list[int], batche
     return {k: v / len(batches) for k, v in totals.items()}
 
 
+def ml1m_bert4rec(tmp: Path, rng) -> tuple[Path, Path, Path]:
+    """A BERT4Rec of MovieLens-1M's shape as RecBole trains it there (3,416 items, max_len 200,
+    2 layers, 2 heads, hidden 64, inner 256) with random weights: checkpoint, config, item map."""
+    n, h, inner, L = 3416, 64, 256, 200
+    normal = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.02)  # noqa: E731
+    w = {"item_embedding.weight": normal(n + 2, h), "position_embedding.weight": normal(L, h),
+         "LayerNorm.weight": np.ones(h, np.float32), "LayerNorm.bias": np.zeros(h, np.float32),
+         "output_ffn.weight": normal(h, h), "output_ffn.bias": normal(h),
+         "output_ln.weight": np.ones(h, np.float32), "output_ln.bias": np.zeros(h, np.float32),
+         "output_bias": normal(n + 1)}
+    for l in range(2):
+        p = f"trm_encoder.layer.{l}."
+        for m in ["query", "key", "value", "dense"]:
+            w[p + f"multi_head_attention.{m}.weight"] = normal(h, h)
+            w[p + f"multi_head_attention.{m}.bias"] = normal(h)
+        for ln in ["multi_head_attention.LayerNorm", "feed_forward.LayerNorm"]:
+            w[p + ln + ".weight"] = np.ones(h, np.float32)
+            w[p + ln + ".bias"] = np.zeros(h, np.float32)
+        w[p + "feed_forward.dense_1.weight"] = normal(inner, h)
+        w[p + "feed_forward.dense_1.bias"] = normal(inner)
+        w[p + "feed_forward.dense_2.weight"] = normal(h, inner)
+        w[p + "feed_forward.dense_2.bias"] = normal(h)
+    ckpt, cfg, item_map = tmp / "ml1m_bert4rec.safetensors", tmp / "ml1m_bert4rec.json", tmp / "ml1m_map.tsv"
+    write_safetensors(ckpt, w)
+    cfg.write_text(json.dumps({"n_real_items": n, "max_seq_length": L, "n_layers": 2, "n_heads": 2,
+                               "hidden_size": h, "inner_size": inner, "layer_norm_eps": 1e-12}))
+    item_map.write_text("internal_index\texternal_item_id\n" + "".join(f"{i + 1}\t{2_000_001 + i}\n" for i in range(n)))
+    return ckpt, cfg, item_map
+
+
+def ml1m_histories(ext_ids: list[int], rng, count: int = 640) -> list[list[int]]:
+    """Histories with MovieLens-1M's lengths: at least 20 ratings per user, median 96, mean 165
+    (a log-normal with those moments), of distinct items."""
+    lengths = np.clip(np.round(rng.lognormal(math.log(96), 1.04, count)), 20, len(ext_ids) - 1).astype(int)
+    return [[ext_ids[j] for j in rng.choice(len(ext_ids), size=int(t), replace=False)] for t in lengths]
+
+
 def machine_peaks() -> tuple[float, float]:
     """One core's FMA peak (FLOP/s) and read bandwidth (bytes/s), from kernel_probe."""
     fma = json.loads(subprocess.run([str(KERNEL_PROBE), "fma", "1"], check=True, capture_output=True, text=True).stdout)
@@ -251,47 +290,57 @@ def main() -> None:
     test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        # ---- BERT4Rec (fixture)
-        cfg = json.loads((FIX / "bert4rec" / "config.json").read_text())
-        w = read_safetensors(FIX / "bert4rec" / "model.safetensors")
-        engine = tmp / "bert4rec"
-        subprocess.run([str(RECSYS), "convert", "--kind", "bert4rec", "--checkpoint", str(FIX / "bert4rec/model.safetensors"),
-                        "--config", str(FIX / "bert4rec/config.json"), "--item-map", str(FIX / "bert4rec/item_id_map.tsv"),
-                        "--out", str(engine)], check=True, capture_output=True)
-        ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in (FIX / "bert4rec/item_id_map.tsv").read_text().splitlines()[1:]}
-        histories = [[int(x) for x in t[2].split()] for t in test[:640]]
-        L, N = cfg["max_seq_length"], cfg["n_real_items"]
-        sess = bert4rec_session(w, cfg, threads)
-
-        def bert_feeds(batch_hist):
-            seq = np.zeros((len(batch_hist), L), dtype=np.int64)
-            onehot = np.zeros((len(batch_hist), L), dtype=np.float32)
-            excl = np.zeros((len(batch_hist), N + 1), dtype=np.float32)
-            for i, h in enumerate(batch_hist):
-                ids = [ext_to_int[x] for x in h][-(L - 1):]
-                seq[i, : len(ids)] = ids
-                seq[i, len(ids)] = N + 1
-                onehot[i, len(ids)] = 1.0
-                excl[i, 0] = -np.inf
-                excl[i, [ext_to_int[x] for x in h]] = -np.inf
-            return {"item_seq": seq, "mask_onehot": onehot, "exclude": excl}
-
-        for batch in [1, 64]:
-            feeds = [bert_feeds(histories[i * batch:(i + 1) * batch]) for i in range(max(1, min(10, len(histories) // batch)))]
-            reps = 300 if batch == 1 else 30
-            ours = probe(engine, histories, batch, threads, reps, tmp)
-            theirs = time_ort(sess, feeds, reps)
-            ort_top = sess.run(None, feeds[0])[1][0].tolist()
-            int_to_ext = {v: k for k, v in ext_to_int.items()}
-            agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
-            rows.append(("BERT4Rec (fixture)", 2000, batch, ours["median_s"], theirs, agree))
-            lengths = [len([x for x in h if x in ext_to_int]) for h in histories]
-            work = bert4rec_work(cfg, lengths, probe_batches(len(histories), batch, reps))
-            roofline.append(roofline_row("BERT4Rec (fixture)", 2000, batch, ours, work, (N + 1) * cfg["hidden_size"] * 4, peaks))
-
-        # ---- Mult-VAE: fixture (N=2000) and synthetic N=100,000
+        # ---- BERT4Rec: the fixture (trained, L = 50), and the MovieLens-1M shape with random weights
         rng = np.random.default_rng(5)
-        specs = [("Mult-VAE (fixture)", None), ("Mult-VAE (random weights)", 100_000)]
+        bert_specs = [
+            ("BERT4Rec (fixture)", FIX / "bert4rec/model.safetensors", FIX / "bert4rec/config.json",
+             FIX / "bert4rec/item_id_map.tsv", None),
+            ("BERT4Rec (ML-1M shape, random weights)", *ml1m_bert4rec(tmp, rng), "ml1m"),
+        ]
+        for label, ckpt, cfg_path, map_path, synthetic in bert_specs:
+            cfg = json.loads(cfg_path.read_text())
+            w = read_safetensors(ckpt)
+            engine = tmp / f"bert4rec_{synthetic or 'fixture'}"
+            subprocess.run([str(RECSYS), "convert", "--kind", "bert4rec", "--checkpoint", str(ckpt),
+                            "--config", str(cfg_path), "--item-map", str(map_path),
+                            "--out", str(engine)], check=True, capture_output=True)
+            ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
+            if synthetic:
+                histories = ml1m_histories(sorted(ext_to_int), rng)
+            else:
+                histories = [[int(x) for x in t[2].split()] for t in test[:640]]
+            L, N = cfg["max_seq_length"], cfg["n_real_items"]
+            sess = bert4rec_session(w, cfg, threads)
+
+            def bert_feeds(batch_hist):
+                seq = np.zeros((len(batch_hist), L), dtype=np.int64)
+                onehot = np.zeros((len(batch_hist), L), dtype=np.float32)
+                excl = np.zeros((len(batch_hist), N + 1), dtype=np.float32)
+                for i, h in enumerate(batch_hist):
+                    ids = [ext_to_int[x] for x in h][-(L - 1):]
+                    seq[i, : len(ids)] = ids
+                    seq[i, len(ids)] = N + 1
+                    onehot[i, len(ids)] = 1.0
+                    excl[i, 0] = -np.inf
+                    excl[i, [ext_to_int[x] for x in h]] = -np.inf
+                return {"item_seq": seq, "mask_onehot": onehot, "exclude": excl}
+
+            for batch in [1, 64]:
+                feeds = [bert_feeds(histories[i * batch:(i + 1) * batch]) for i in range(max(1, min(10, len(histories) // batch)))]
+                reps = (300 if batch == 1 else 30) // (3 if synthetic else 1)
+                ours = probe(engine, histories, batch, threads, reps, tmp)
+                theirs = time_ort(sess, feeds, reps)
+                ort_top = sess.run(None, feeds[0])[1][0].tolist()
+                int_to_ext = {v: k for k, v in ext_to_int.items()}
+                agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
+                rows.append((label, N, batch, ours["median_s"], theirs, agree))
+                lengths = [len([x for x in h if x in ext_to_int]) for h in histories]
+                work = bert4rec_work(cfg, lengths, probe_batches(len(histories), batch, reps))
+                roofline.append(roofline_row(label, N, batch, ours, work, (N + 1) * cfg["hidden_size"] * 4, peaks))
+
+        # ---- Mult-VAE: fixture (N=2000) and synthetic N = 3,416 (MovieLens-1M's catalogue) and 100,000
+        specs = [("Mult-VAE (fixture)", None), ("Mult-VAE (ML-1M shape, random weights)", 3416),
+                 ("Mult-VAE (random weights)", 100_000)]
         for label, n_items in specs:
             if n_items is None:
                 w = read_safetensors(FIX / "multivae" / "model.safetensors")
@@ -320,6 +369,8 @@ def main() -> None:
             sess = vaecf_session(w, n_items + 1, 200, threads)
             if n_items == 2000:
                 histories = [[int(x) for x in t[2].split()] for t in test[:640]]
+            elif n_items == 3416:
+                histories = ml1m_histories(ext_ids, rng)
             else:
                 histories = [[ext_ids[j] for j in rng.choice(n_items, size=int(rng.integers(5, 100)), replace=False)] for _ in range(640)]
             index = {e: i + 1 for i, e in enumerate(ext_ids)}

@@ -320,13 +320,16 @@ impl Engine {
     /// depend on the rows encoded beside it, so the split changes no bit of the answer; it only
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
-        let runs = split_into_runs(histories, self.scorer.threads.max(1));
+        let threads = self.scorer.threads.max(1);
+        let runs = split_into_runs(histories, threads);
         if runs.len() <= 1 {
-            return self.encode_run(histories);
+            return self.encode_run(histories, threads);
         }
+        // Fewer histories than threads: each run splits its own layers over the threads left.
+        let threads_per_run = threads / runs.len();
         let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> =
             crate::parallel::map_pieces(runs.len(), |i| {
-                self.encode_run(&histories[runs[i].clone()])
+                self.encode_run(&histories[runs[i].clone()], threads_per_run)
             });
         let width = self.model.output().input_size();
         let mut hidden = Vec::with_capacity(histories.len() * width);
@@ -339,25 +342,30 @@ impl Engine {
     }
 
     /// The encoder over `histories` on this thread, in this thread's buffers (so a stream of
-    /// batches reuses its activations' memory rather than allocating it per batch).
-    fn encode_run(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+    /// batches reuses its activations' memory rather than allocating it per batch), its larger
+    /// layers split over up to `threads` pool threads.
+    fn encode_run(&self, histories: &[&[u32]], threads: usize) -> (Vec<f32>, Vec<HistoryNote>) {
         thread_local! {
             static SCRATCH: std::cell::RefCell<EncodeScratch> = Default::default();
         }
         let mut hidden = Vec::with_capacity(histories.len() * self.model.output().input_size());
         let mut notes = Vec::with_capacity(histories.len());
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => {
-                self.model
-                    .encode_into(histories, &mut scratch, &mut hidden, &mut notes)
-            }
+            Ok(mut scratch) => self.model.encode_into_threads(
+                histories,
+                &mut scratch,
+                &mut hidden,
+                &mut notes,
+                threads,
+            ),
             // Only if this thread is already encoding further up its stack (a pool thread that
             // picked up another batch's piece while waiting): that pass keeps the buffers.
-            Err(_) => self.model.encode_into(
+            Err(_) => self.model.encode_into_threads(
                 histories,
                 &mut EncodeScratch::default(),
                 &mut hidden,
                 &mut notes,
+                threads,
             ),
         });
         (hidden, notes)

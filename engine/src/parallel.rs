@@ -32,9 +32,36 @@ pub fn map_pieces<T: Send>(pieces: usize, run: impl Fn(usize) -> T + Sync + Send
         .collect()
 }
 
+/// `run(0, &mut items[0]), run(1, &mut items[1]), ...`: each piece owns its item (a slice of the
+/// output, its own buffers) while it runs; the calling thread runs the first, the pool the others.
+pub fn for_each_mut<T: Send>(items: &mut [T], run: impl Fn(usize, &mut T) + Sync + Send) {
+    let Some((first, rest)) = items.split_first_mut() else {
+        return;
+    };
+    if rest.is_empty() {
+        return run(0, first);
+    }
+    rayon::in_place_scope(|scope| {
+        let run = &run;
+        for (i, item) in rest.iter_mut().enumerate() {
+            scope.spawn(move |_| run(i + 1, item));
+        }
+        run(0, first);
+    });
+}
+
 #[cfg(test)]
 mod tests {
-    use super::map_pieces;
+    use super::{for_each_mut, map_pieces};
+
+    #[test]
+    fn each_piece_gets_its_own_item() {
+        let mut items = vec![0usize; 5];
+        for_each_mut(&mut items, |i, item| *item = i * i);
+        assert_eq!(items, vec![0, 1, 4, 9, 16]);
+        let mut none: Vec<usize> = Vec::new();
+        for_each_mut(&mut none, |_, _| unreachable!("no items, no pieces"));
+    }
 
     #[test]
     fn pieces_come_back_in_order() {

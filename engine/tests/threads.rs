@@ -43,6 +43,31 @@ fn check(kind: ModelKind, engine: &mut Engine, variant: &str) {
     }
     for threads in [2, 3, 5, 64] {
         engine.set_threads(threads);
+        // A history alone gets every thread for its own layers and attention heads.
+        for (r, request) in batch.iter().enumerate().step_by(6) {
+            let alone = engine.recommend_internal_with_embeddings(std::slice::from_ref(request));
+            assert_eq!(
+                alone[0], want[r],
+                "{kind} {variant}: row {r} alone at {threads} threads"
+            );
+        }
+        // Several histories in one piece of work whose layers split by rows across sequences.
+        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+        let mut scratch = recsys_engine::models::EncodeScratch::default();
+        let some = &histories[..9];
+        engine
+            .model
+            .encode_into_threads(some, &mut scratch, &mut hidden, &mut notes, threads);
+        let (want_hidden, want_notes) = engine.model.encode(some);
+        assert!(
+            hidden.len() == want_hidden.len()
+                && hidden
+                    .iter()
+                    .zip(&want_hidden)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                && notes == want_notes,
+            "{kind} {variant}: 9 histories' layers split over {threads} threads"
+        );
         let got = engine.recommend_internal_with_embeddings(&batch);
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "{kind} {variant}: row {r} at {threads} threads");

@@ -22,10 +22,16 @@ pub fn layer_norm(row: &mut [f32], gamma: &[f32], beta: &[f32], eps: f64) {
 #[inline(always)]
 fn sum_f32(x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
-    for chunk in x.chunks(8) {
+    // Whole chunks first, so the loop is eight lanes wide with no length check per chunk; the
+    // tail then adds into the first lanes, as before.
+    let mut chunks = x.chunks_exact(8);
+    for chunk in &mut chunks {
         for (a, &v) in acc.iter_mut().zip(chunk) {
             *a += v;
         }
+    }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += v;
     }
     acc.iter().sum()
 }
@@ -59,7 +65,12 @@ fn exp_nonpositive(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let two_k = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    // 2^k from its exponent bits. k + 127 is an integer in [1, 127]; adding 1.5 * 2^23 puts it in
+    // the low mantissa bits, which an integer subtraction then isolates. Written with bit casts
+    // only: `k as i32` is a saturating conversion, which kept this loop scalar (its NaN and range
+    // checks, lane by lane), at the same value for every k that occurs here.
+    let biased = ((k + 127.0) + 12_582_912.0).to_bits() - 0x4B40_0000;
+    let two_k = f32::from_bits(biased << 23);
     p * two_k
 }
 

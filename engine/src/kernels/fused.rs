@@ -345,24 +345,86 @@ pub fn linear_into(
     y: &mut [f32],
     quantized: &mut QuantizedActivations,
 ) {
-    let d = layer.d;
-    let rows = x.len() / d;
-    let n = layer.n;
-    assert_eq!(y.len(), rows * n, "one output row of n per input row");
-    let mut scores = [0f32; 64];
-    let mut masks = [0u8; 8];
+    let rows = x.len() / layer.d;
+    assert_eq!(y.len(), rows * layer.n, "one output row of n per input row");
     // int8 weights multiply int16 activations, each row at its own scale, or at the layer's
     // calibrated static scale (all-layer W8A8).
     if let PanelRef::I8 { .. } = layer.data {
-        quantized.quantize(x, d, layer.activation_scale);
+        quantized.quantize(x, layer.d, layer.activation_scale);
     }
+    linear_rows(table, layer, x, quantized, 0..rows, y);
+}
+
+/// Smallest share of a dense layer (or of a transformer layer's step) worth a piece of its own,
+/// in multiply-adds: about 50 us of one core's dense work. Handing a piece to a pool worker that
+/// has gone idle costs 30-55 us on the 2-core VM the project is measured on (the workers sleep
+/// between a batch-1 request's layers); pieces of a quarter of this gained nothing there.
+pub const MIN_MACS_PER_DENSE_PIECE: usize = 1 << 20;
+
+/// Pieces a dense layer of `rows` rows and `macs_per_row` multiply-adds per row is split into on
+/// `threads` threads: whole groups of 4 rows each, and at least [`MIN_MACS_PER_DENSE_PIECE`].
+pub fn dense_pieces(rows: usize, macs_per_row: usize, threads: usize) -> usize {
+    let by_work = rows.saturating_mul(macs_per_row) / MIN_MACS_PER_DENSE_PIECE;
+    threads.min(by_work).min(rows / 4).max(1)
+}
+
+/// [`linear_into`] with the rows split into [`dense_pieces`] contiguous runs run on the worker
+/// pool, each run's time accounted to `work`. Every row is computed exactly as alone, so the split
+/// changes no bit; with one piece it is [`linear_into`] (and allocates nothing).
+pub fn linear_into_threads(
+    table: &KernelTable,
+    layer: LayerRef<'_>,
+    x: &[f32],
+    y: &mut [f32],
+    quantized: &mut QuantizedActivations,
+    threads: usize,
+    work: crate::profile::Work,
+) {
+    let (rows, n) = (x.len() / layer.d, layer.n);
+    let pieces = dense_pieces(rows, n * layer.d, threads);
+    if pieces <= 1 {
+        return crate::profile::account(work, || linear_into(table, layer, x, y, quantized));
+    }
+    assert_eq!(y.len(), rows * n, "one output row of n per input row");
+    if let PanelRef::I8 { .. } = layer.data {
+        quantized.quantize(x, layer.d, layer.activation_scale);
+    }
+    let quantized = &*quantized;
+    // Whole row groups per piece, so each piece runs the kernels a single call would.
+    let rows_per_piece = rows.div_ceil(pieces).div_ceil(4) * 4;
+    let mut outputs: Vec<&mut [f32]> = y.chunks_mut(rows_per_piece * n).collect();
+    crate::parallel::for_each_mut(&mut outputs, |i, out| {
+        let first = i * rows_per_piece;
+        let rows = first..first + out.len() / n.max(1);
+        crate::profile::account(work, || linear_rows(table, layer, x, quantized, rows, out))
+    });
+}
+
+/// Rows `rows` of `x @ W^T + b` into `y` (`[rows.len(), n]`); an int8 layer reads those rows of
+/// `quantized`, already holding all of `x`.
+fn linear_rows(
+    table: &KernelTable,
+    layer: LayerRef<'_>,
+    x: &[f32],
+    quantized: &QuantizedActivations,
+    rows: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
+    let d = layer.d;
+    let n = layer.n;
+    let mut scores = [0f32; 64];
+    let mut masks = [0u8; 8];
     let width_q = d.div_ceil(2) * 2;
     let pairs = d.div_ceil(2);
     let panels = layer.panels();
     let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
-    let mut row0 = 0;
-    while row0 < rows {
-        let (size, per_call) = row_group_at(rows - row0);
+    // A call covers `per_call` panels or, at the end of a row, one: their prefetch distances,
+    // worked out once per layer rather than per call.
+    let prefetch_for = |count: usize| prefetch::distance(table_bytes, count * panel_bytes);
+    let prefetch_by_count: [usize; 9] = std::array::from_fn(prefetch_for);
+    let mut row0 = rows.start;
+    while row0 < rows.end {
+        let (size, per_call) = row_group_at(rows.end - row0);
         let h = &x[row0 * d..(row0 + size) * d];
         let mut row_scales = [1f32; 4];
         for (r, scale) in row_scales.iter_mut().enumerate().take(size) {
@@ -382,7 +444,7 @@ pub fn linear_into(
                 },
                 bars: [f32::INFINITY; 4],
                 row_scales,
-                prefetch: prefetch::distance(table_bytes, count * panel_bytes),
+                prefetch: prefetch_by_count[count],
             };
             let (rs, ps) = (rows_slot(size), panels_slot(count));
             match layer.data {
@@ -411,14 +473,12 @@ pub fn linear_into(
                     &mut masks,
                 ),
             }
+            // Row r's scores of the call's items are contiguous in `scores` and in `y`: one copy
+            // per row (the last panel's padding lanes are left out).
+            let lanes = (n - p * 8).min(count * 8);
             for r in 0..size {
-                for c in 0..count {
-                    let start = (p + c) * 8;
-                    let lanes = n.saturating_sub(start).min(8);
-                    let dst = (row0 + r) * n + start;
-                    y[dst..dst + lanes]
-                        .copy_from_slice(&scores[(r * count + c) * 8..(r * count + c) * 8 + lanes]);
-                }
+                let dst = (row0 - rows.start + r) * n + p * 8;
+                y[dst..dst + lanes].copy_from_slice(&scores[r * count * 8..r * count * 8 + lanes]);
             }
             p += count;
         }
@@ -586,6 +646,50 @@ mod tests {
                     linear(table, &layer, &x[r * d..(r + 1) * d]),
                     y[r * n..(r + 1) * n].to_vec()
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_dense_layer_split_over_threads_changes_no_bit() {
+        // 803 rows x 67 outputs x 96 inputs: 5.2 M multiply-adds, several pieces' worth; the last
+        // piece is shorter and not a whole number of row groups.
+        let (n, d, rows) = (67, 96, 803);
+        let mut next = lcg(11);
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let b: Vec<f32> = (0..n).map(|_| next()).collect();
+        let x: Vec<f32> = (0..rows * d).map(|_| next() * 3.0).collect();
+        let (q, scales) = quantize_int8_per_row(&w, d);
+        let layers = [
+            PackedOutput::from_f32(&w, &b, d),
+            PackedOutput::from_f16_bits(&to_f16_bits(&w), &b, d),
+            PackedOutput::from_i8(&q, &scales, &b, d),
+            PackedOutput::from_i8(&q, &scales, &b, d).with_static_activation_scale(0.02),
+        ];
+        assert!(dense_pieces(rows, n * d, 8) > 2);
+        for isa in Isa::available() {
+            let table = KernelTable::for_isa(isa);
+            for layer in &layers {
+                let want = linear(table, layer, &x);
+                for threads in [2, 3, 8] {
+                    let mut got = vec![0f32; rows * n];
+                    linear_into_threads(
+                        table,
+                        layer.view(),
+                        &x,
+                        &mut got,
+                        &mut QuantizedActivations::default(),
+                        threads,
+                        crate::profile::Work::Dense,
+                    );
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} {:?} at {threads} threads",
+                        layer.precision()
+                    );
+                }
             }
         }
     }

@@ -284,19 +284,21 @@ impl Bert4Rec {
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
         let mut scratch = Bert4RecScratch::default();
-        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, observe);
+        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, 1, observe);
         (hidden, notes)
     }
 
     /// [`Bert4Rec::encode_observed`] into `hidden` and `notes` (replacing what they held), working
-    /// in `scratch`: once the buffers have grown to a batch's size, batches no larger allocate
-    /// nothing.
+    /// in `scratch`, the dense layers' rows and the attention heads split over up to `threads`
+    /// threads: once the buffers have grown to a batch's size, batches no larger allocate nothing
+    /// (on one thread).
     pub fn encode_into(
         &self,
         histories: &[&[u32]],
         scratch: &mut Bert4RecScratch,
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
+        threads: usize,
         observe: ActivationObserver<'_>,
     ) {
         let h = self.config.hidden_size;
@@ -331,7 +333,7 @@ impl Bert4Rec {
             } else {
                 s.query_rows.extend(0..s.x.len() / h);
             }
-            self.transformer_layer(layer, s, observe);
+            self.transformer_layer(layer, s, threads, observe);
             std::mem::swap(&mut s.x, &mut s.out);
         }
         debug_assert_eq!(
@@ -340,9 +342,14 @@ impl Bert4Rec {
             "one row per sequence after the last layer"
         );
 
-        self.head_dense
-            .0
-            .forward_into(self.kernels, &s.x, hidden, &mut s.quantized, observe);
+        self.head_dense.0.forward_into(
+            self.kernels,
+            &s.x,
+            hidden,
+            &mut s.quantized,
+            threads,
+            observe,
+        );
         // Give `x` and `out` back their roles, so the next batch finds each grown to the size its
         // role needs whatever the number of layers.
         if !n_layers.is_multiple_of(2) {
@@ -358,20 +365,25 @@ impl Bert4Rec {
         &self,
         layer: &TransformerLayer,
         s: &mut Bert4RecScratch,
+        threads: usize,
         observe: ActivationObserver<'_>,
     ) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
         let k = self.kernels;
+        let pieces = self.row_pieces(s.x.len() / h, s.query_rows.len(), threads);
+        if pieces != (1, 1) {
+            return self.transformer_layer_split(layer, s, pieces);
+        }
 
         layer
             .key
             .0
-            .forward_into(k, &s.x, &mut s.keys, &mut s.quantized, observe);
+            .forward_into(k, &s.x, &mut s.keys, &mut s.quantized, threads, observe);
         layer
             .value
             .0
-            .forward_into(k, &s.x, &mut s.values, &mut s.quantized, observe);
+            .forward_into(k, &s.x, &mut s.values, &mut s.quantized, threads, observe);
         // Every row is a query except in the last layer; only then are the query rows gathered.
         let every_row = s.query_rows.len() * h == s.x.len();
         if !every_row {
@@ -384,48 +396,205 @@ impl Bert4Rec {
         layer
             .query
             .0
-            .forward_into(k, x_q, &mut s.queries, &mut s.quantized, observe);
+            .forward_into(k, x_q, &mut s.queries, &mut s.quantized, threads, observe);
 
-        crate::profile::account(crate::profile::Work::Attention, || {
-            self.attention(
-                &s.keys,
-                &s.values,
-                &s.queries,
-                &s.spans,
-                &s.query_rows,
-                &mut s.context,
-                &mut s.attention,
-            )
-        });
+        self.attention(
+            &s.keys,
+            &s.values,
+            &s.queries,
+            &s.spans,
+            &s.query_rows,
+            &mut s.context,
+            &mut s.attention,
+            threads,
+        );
 
-        layer
-            .attn_out
-            .0
-            .forward_into(k, &s.context, &mut s.attended, &mut s.quantized, observe);
+        layer.attn_out.0.forward_into(
+            k,
+            &s.context,
+            &mut s.attended,
+            &mut s.quantized,
+            threads,
+            observe,
+        );
         for (a, r) in s.attended.iter_mut().zip(x_q) {
             *a += r;
         }
         layer.attn_ln.apply(&mut s.attended, eps);
 
-        layer
-            .ffn_in
-            .0
-            .forward_into(k, &s.attended, &mut s.inner, &mut s.quantized, observe);
+        layer.ffn_in.0.forward_into(
+            k,
+            &s.attended,
+            &mut s.inner,
+            &mut s.quantized,
+            threads,
+            observe,
+        );
         (k.elementwise.gelu)(&mut s.inner);
         layer
             .ffn_out
             .0
-            .forward_into(k, &s.inner, &mut s.out, &mut s.quantized, observe);
+            .forward_into(k, &s.inner, &mut s.out, &mut s.quantized, threads, observe);
         for (o, r) in s.out.iter_mut().zip(&s.attended) {
             *o += r;
         }
         layer.ffn_ln.apply(&mut s.out, eps);
     }
 
+    /// Pieces each step of a layer over `tokens` rows with `queries` query rows is split into on
+    /// `threads` threads ([`Bert4Rec::transformer_layer_split`]): the projections to keys, values
+    /// and queries, then the rest of the layer. A step gets one piece per thread while each
+    /// piece has at least [`fused::MIN_MACS_PER_DENSE_PIECE`] multiply-adds and 8 rows.
+    fn row_pieces(&self, tokens: usize, queries: usize, threads: usize) -> (usize, usize) {
+        if threads <= 1 {
+            return (1, 1);
+        }
+        let (h, inner) = (self.config.hidden_size, self.config.inner_size);
+        let d_head = h / self.config.n_heads;
+        let pieces = |macs: usize, rows: usize| {
+            threads
+                .min(macs / fused::MIN_MACS_PER_DENSE_PIECE)
+                .min(rows / 8)
+                .max(1)
+        };
+        let projections = (2 * tokens + queries) * h * h;
+        // Attention: each query row against its sequence's keys (at most all tokens), twice.
+        let rest = queries * (2 * h * h + 2 * h * inner)
+            + 2 * queries * tokens.min(self.config.max_len) * d_head;
+        (pieces(projections, tokens), pieces(rest, queries))
+    }
+
+    /// [`Bert4Rec::transformer_layer`] split by rows into `pieces` running on the worker pool, in
+    /// two steps: every piece projects its share of the tokens to keys and values (and its share
+    /// of the query rows to queries); then, once all keys and values exist, every piece runs the
+    /// rest of the layer (attention over the whole sequence, the output projection, the
+    /// feed-forward, both norms) for its query rows. Every row is computed by the same kernels in
+    /// the same order as on one thread, so the split changes no bit. Dense layers' inputs are not
+    /// shown to an observer here: calibration runs on one thread.
+    fn transformer_layer_split(
+        &self,
+        layer: &TransformerLayer,
+        s: &mut Bert4RecScratch,
+        (projection_pieces, rest_pieces): (usize, usize),
+    ) {
+        let h = self.config.hidden_size;
+        let eps = self.config.layer_norm_eps;
+        let k = self.kernels;
+        let tokens = s.x.len() / h;
+        let n_queries = s.query_rows.len();
+        let every_row = n_queries == tokens;
+        if !every_row {
+            s.x_q.clear();
+            for &r in &s.query_rows {
+                s.x_q.extend_from_slice(&s.x[r * h..(r + 1) * h]);
+            }
+        }
+        s.keys.resize(tokens * h, 0.0);
+        s.values.resize(tokens * h, 0.0);
+        s.queries.resize(n_queries * h, 0.0);
+        s.out.resize(n_queries * h, 0.0);
+        let pieces = projection_pieces.max(rest_pieces);
+        if s.row_pieces.len() < pieces {
+            s.row_pieces.resize_with(pieces, RowPiece::default);
+        }
+        let token_ranges = even_ranges(tokens, projection_pieces);
+        let projected_queries = even_ranges(n_queries, projection_pieces);
+        let query_ranges = even_ranges(n_queries, rest_pieces);
+        let x = &s.x[..];
+        let x_q: &[f32] = if every_row { x } else { &s.x_q };
+
+        // Step 1: keys, values and queries, by rows.
+        {
+            let mut parts: Vec<ProjectionPiece<'_>> = Vec::new();
+            let (mut keys, mut values, mut queries) =
+                (&mut s.keys[..], &mut s.values[..], &mut s.queries[..]);
+            for ((t, q), piece) in token_ranges
+                .iter()
+                .zip(&projected_queries)
+                .zip(s.row_pieces.iter_mut())
+            {
+                let (key_rows, rest) = std::mem::take(&mut keys).split_at_mut(t.len() * h);
+                let (value_rows, rest_v) = std::mem::take(&mut values).split_at_mut(t.len() * h);
+                let (query_rows, rest_q) = std::mem::take(&mut queries).split_at_mut(q.len() * h);
+                (keys, values, queries) = (rest, rest_v, rest_q);
+                parts.push((key_rows, value_rows, query_rows, piece));
+            }
+            crate::parallel::for_each_mut(
+                &mut parts,
+                |i, (key_rows, value_rows, query_rows, piece)| {
+                    let (t, q) = (&token_ranges[i], &projected_queries[i]);
+                    let x_rows = &x[t.start * h..t.end * h];
+                    layer
+                        .key
+                        .0
+                        .forward_rows(k, x_rows, key_rows, &mut piece.quantized);
+                    layer
+                        .value
+                        .0
+                        .forward_rows(k, x_rows, value_rows, &mut piece.quantized);
+                    let xq_rows = &x_q[q.start * h..q.end * h];
+                    layer
+                        .query
+                        .0
+                        .forward_rows(k, xq_rows, query_rows, &mut piece.quantized);
+                },
+            );
+        }
+
+        // Step 2: the rest of the layer, by query rows.
+        let (keys, values, queries) = (&s.keys[..], &s.values[..], &s.queries[..]);
+        let (spans, all_query_rows) = (&s.spans[..], &s.query_rows[..]);
+        let mut parts: Vec<(&mut [f32], &mut RowPiece)> = Vec::new();
+        let mut out = &mut s.out[..];
+        for (q, piece) in query_ranges.iter().zip(s.row_pieces.iter_mut()) {
+            let (rows, rest) = std::mem::take(&mut out).split_at_mut(q.len() * h);
+            out = rest;
+            parts.push((rows, piece));
+        }
+        crate::parallel::for_each_mut(&mut parts, |i, (out, piece)| {
+            let q = query_ranges[i].clone();
+            let p = &mut **piece;
+            self.attention(
+                keys,
+                values,
+                &queries[q.start * h..q.end * h],
+                spans,
+                &all_query_rows[q.clone()],
+                &mut p.context,
+                &mut p.attention,
+                1,
+            );
+            p.attended.resize(q.len() * h, 0.0);
+            layer
+                .attn_out
+                .0
+                .forward_rows(k, &p.context, &mut p.attended, &mut p.quantized);
+            for (a, r) in p.attended.iter_mut().zip(&x_q[q.start * h..q.end * h]) {
+                *a += r;
+            }
+            layer.attn_ln.apply(&mut p.attended, eps);
+            p.inner.resize(q.len() * self.config.inner_size, 0.0);
+            layer
+                .ffn_in
+                .0
+                .forward_rows(k, &p.attended, &mut p.inner, &mut p.quantized);
+            (k.elementwise.gelu)(&mut p.inner);
+            layer
+                .ffn_out
+                .0
+                .forward_rows(k, &p.inner, out, &mut p.quantized);
+            for (o, r) in out.iter_mut().zip(&p.attended) {
+                *o += r;
+            }
+            layer.ffn_ln.apply(out, eps);
+        });
+    }
+
     /// Attention per sequence and head as two small GEMMs on the packed kernels: scores =
     /// Q_h K_h^T (the keys packed as "items"), then context = P V_h (V_h^T packed), into
     /// `context` (`[query rows, hidden]`). The query rows of one sequence are contiguous in
-    /// `query_rows` (all its rows, or just the MASK row).
+    /// `query_rows` (all its rows, or just the MASK row). The heads are split over up to `threads`
+    /// pieces (each with its own buffers in `pieces`) when there is enough work for more than one.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -435,16 +604,79 @@ impl Bert4Rec {
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
         context: &mut Vec<f32>,
-        a: &mut AttentionScratch,
+        pieces: &mut Vec<AttentionScratch>,
+        threads: usize,
     ) {
         let h = self.config.hidden_size;
         let heads = self.config.n_heads;
         let d = h / heads;
-        let sqrt_d = (d as f32).sqrt();
         context.resize(query_rows.len() * h, 0.0);
+        // Multiply-adds of one head: scores and context over each sequence's keys.
+        let head_macs: usize = {
+            let mut first = 0;
+            spans
+                .iter()
+                .map(|span| {
+                    let q = query_rows[first..]
+                        .iter()
+                        .take_while(|&&r| span.contains(&r))
+                        .count();
+                    first += q;
+                    2 * q * span.len() * d
+                })
+                .sum()
+        };
+        let by_work = heads * head_macs / fused::MIN_MACS_PER_DENSE_PIECE;
+        let n_pieces = threads.min(heads).min(by_work).max(1);
+        if pieces.len() < n_pieces {
+            pieces.resize_with(n_pieces, AttentionScratch::default);
+        }
+        let pieces = &mut pieces[..n_pieces];
+        let heads_per_piece = heads.div_ceil(n_pieces);
+        let run = |i: usize, a: &mut AttentionScratch| {
+            crate::profile::account(crate::profile::Work::Attention, || {
+                let mine = (i * heads_per_piece).min(heads)..((i + 1) * heads_per_piece).min(heads);
+                a.out.resize(mine.len() * query_rows.len() * d, 0.0);
+                for (slot, head) in mine.enumerate() {
+                    self.attention_head(head, keys, values, queries, spans, query_rows, slot, a);
+                }
+            })
+        };
+        crate::parallel::for_each_mut(pieces, run);
+        // Each piece's heads into their columns of `context`.
+        let rows = query_rows.len();
+        for (i, piece) in pieces.iter().enumerate() {
+            for (slot, block) in piece.out.chunks_exact((rows * d).max(1)).enumerate() {
+                let cols = (i * heads_per_piece + slot) * d;
+                for (qi, row) in block.chunks_exact(d).enumerate() {
+                    context[qi * h + cols..qi * h + cols + d].copy_from_slice(row);
+                }
+            }
+        }
+    }
+
+    /// One head of [`Bert4Rec::attention`] over every sequence, into block `slot` of `a.out`
+    /// (`[query rows, head width]`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_head(
+        &self,
+        head: usize,
+        keys: &[f32],
+        values: &[f32],
+        queries: &[f32],
+        spans: &[std::ops::Range<usize>],
+        query_rows: &[usize],
+        slot: usize,
+        a: &mut AttentionScratch,
+    ) {
+        let h = self.config.hidden_size;
+        let d = h / self.config.n_heads;
+        let sqrt_d = (d as f32).sqrt();
+        let cols = head * d..(head + 1) * d;
         // The kernels read a bias for every lane of a panel; attention has none.
         let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
         a.zeros.resize(longest.max(d).div_ceil(8) * 8, 0.0);
+        let block = slot * query_rows.len() * d;
         let mut first_query = 0;
         for span in spans {
             let n_queries = query_rows[first_query..]
@@ -452,38 +684,36 @@ impl Bert4Rec {
                 .take_while(|&&r| span.contains(&r))
                 .count();
             let t = span.len();
-            for head in 0..heads {
-                let cols = head * d..(head + 1) * d;
-                // Keys and values are packed straight from the layer outputs (no per-head copy).
-                packed::pack_columns_into(&mut a.keys, keys, h, span.clone(), cols.clone());
-                let keys_h = dense_panels(&a.keys, t, d, &a.zeros);
-                a.q_h.clear();
-                for qi in first_query..first_query + n_queries {
-                    a.q_h
-                        .extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
-                }
-                a.scores.resize(n_queries * t, 0.0);
-                fused::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
-                for row in a.scores.chunks_exact_mut(t) {
-                    for v in row.iter_mut() {
-                        *v /= sqrt_d;
-                    }
-                    (self.kernels.elementwise.softmax)(row);
-                }
-                packed::pack_columns_transposed_into(
-                    &mut a.values,
-                    values,
-                    h,
-                    span.clone(),
-                    cols.clone(),
-                );
-                let values_h = dense_panels(&a.values, d, t, &a.zeros);
-                a.ctx.resize(n_queries * d, 0.0);
-                fused::linear_into(self.kernels, values_h, &a.scores, &mut a.ctx, &mut a.unused);
-                for (qi, row) in (first_query..).zip(a.ctx.chunks_exact(d)) {
-                    context[qi * h + cols.start..qi * h + cols.end].copy_from_slice(row);
-                }
+            if n_queries == 0 {
+                // A sequence none of whose rows this piece answers.
+                continue;
             }
+            // Keys and values are packed straight from the layer outputs (no per-head copy).
+            packed::pack_columns_into(&mut a.keys, keys, h, span.clone(), cols.clone());
+            let keys_h = dense_panels(&a.keys, t, d, &a.zeros);
+            a.q_h.clear();
+            for qi in first_query..first_query + n_queries {
+                a.q_h
+                    .extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
+            }
+            a.scores.resize(n_queries * t, 0.0);
+            fused::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
+            for row in a.scores.chunks_exact_mut(t) {
+                for v in row.iter_mut() {
+                    *v /= sqrt_d;
+                }
+                (self.kernels.elementwise.softmax)(row);
+            }
+            packed::pack_columns_transposed_into(
+                &mut a.values,
+                values,
+                h,
+                span.clone(),
+                cols.clone(),
+            );
+            let values_h = dense_panels(&a.values, d, t, &a.zeros);
+            let out = &mut a.out[block + first_query * d..block + (first_query + n_queries) * d];
+            fused::linear_into(self.kernels, values_h, &a.scores, out, &mut a.unused);
             first_query += n_queries;
         }
     }
@@ -520,18 +750,118 @@ pub struct Bert4RecScratch {
     inner: Vec<f32>,
     /// An int8 layer's input, quantized.
     quantized: QuantizedActivations,
-    attention: AttentionScratch,
+    /// One per attention piece (one on a single thread).
+    attention: Vec<AttentionScratch>,
+    /// One per row piece of a layer split over threads.
+    row_pieces: Vec<RowPiece>,
 }
 
-/// One head's packed keys and values, its queries, scores and context.
+/// The buffers of one row piece of [`Bert4Rec::transformer_layer_split`]: its query rows'
+/// context, attention output and feed-forward activations.
+#[derive(Debug, Default)]
+struct RowPiece {
+    context: Vec<f32>,
+    attended: Vec<f32>,
+    inner: Vec<f32>,
+    quantized: QuantizedActivations,
+    attention: Vec<AttentionScratch>,
+}
+
+/// One piece of a layer's projections: its rows of the keys, values and queries, and its buffers.
+type ProjectionPiece<'a> = (
+    &'a mut [f32],
+    &'a mut [f32],
+    &'a mut [f32],
+    &'a mut RowPiece,
+);
+
+/// `0..n` in `pieces` contiguous ranges whose lengths differ by at most one.
+fn even_ranges(n: usize, pieces: usize) -> Vec<std::ops::Range<usize>> {
+    (0..pieces)
+        .map(|i| n * i / pieces..n * (i + 1) / pieces)
+        .collect()
+}
+
+/// One attention piece's packed keys and values of a head, its queries and scores, and the
+/// context of each of its heads (`out`, head after head, `[query rows, head width]` each).
 #[derive(Debug, Default)]
 struct AttentionScratch {
     keys: Vec<f32>,
     values: Vec<f32>,
     q_h: Vec<f32>,
     scores: Vec<f32>,
-    ctx: Vec<f32>,
+    out: Vec<f32>,
     zeros: Vec<f32>,
     /// Attention runs in f32: nothing is quantized here.
     unused: QuantizedActivations,
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::ModelKind;
+    use crate::engine_dir::Precision;
+    use crate::models::Model;
+
+    /// Long sequences split the heads over threads: every bit as on one thread, for the full
+    /// layer (every row a query) and the last (one query row per sequence).
+    #[test]
+    fn attention_heads_split_over_threads_change_no_bit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = crate::fixtures::convert(
+            ModelKind::Bert4rec,
+            "model.safetensors",
+            tmp.path(),
+            Precision::Fp32,
+        )
+        .unwrap();
+        let Model::Bert4rec(model) = &engine.model else {
+            unreachable!("a BERT4Rec fixture")
+        };
+        let h = model.config.hidden_size;
+        // Two sequences of 200 and 131 tokens: enough work per head for a piece each.
+        let spans = vec![0..200, 200..331];
+        let tokens = 331;
+        let mut next = 0x2545_f491_u32;
+        let mut value = || {
+            next = next.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (next >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let keys: Vec<f32> = (0..tokens * h).map(|_| value()).collect();
+        let values: Vec<f32> = (0..tokens * h).map(|_| value()).collect();
+        for query_rows in [
+            (0..tokens).collect::<Vec<usize>>(),
+            spans.iter().map(|s| s.end - 1).collect(),
+        ] {
+            let queries: Vec<f32> = (0..query_rows.len() * h).map(|_| value()).collect();
+            let run = |threads: usize| {
+                let (mut context, mut pieces) = (Vec::new(), Vec::new());
+                model.attention(
+                    &keys,
+                    &values,
+                    &queries,
+                    &spans,
+                    &query_rows,
+                    &mut context,
+                    &mut pieces,
+                    threads,
+                );
+                (context, pieces.len())
+            };
+            let (one, pieces_one) = run(1);
+            assert_eq!(pieces_one, 1);
+            for threads in [2, 3, 8] {
+                let (got, pieces) = run(threads);
+                if query_rows.len() == tokens {
+                    assert_eq!(pieces, 2, "one piece per head at {threads} threads");
+                }
+                assert!(
+                    got.iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} query rows at {threads} threads",
+                    query_rows.len()
+                );
+            }
+        }
+    }
 }

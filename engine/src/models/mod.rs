@@ -113,18 +113,42 @@ impl DenseLayer {
     }
 
     /// [`DenseLayer::forward_observed`] into `y` (resized to `[rows, out]`; every value
-    /// overwritten), quantizing an int8 layer's input into `quantized`: with buffers kept between
-    /// calls, it allocates nothing.
+    /// overwritten), quantizing an int8 layer's input into `quantized`, its rows split over up to
+    /// `threads` pool threads when the layer is large enough ([`fused::dense_pieces`]): the same
+    /// bits whatever the split, and with one thread and buffers kept between calls, no allocation.
+    ///
+    /// [`fused::dense_pieces`]: crate::kernels::fused::dense_pieces
     pub fn forward_into(
         &self,
         kernels: &crate::kernels::KernelTable,
         x: &[f32],
         y: &mut Vec<f32>,
         quantized: &mut crate::kernels::packed::QuantizedActivations,
+        threads: usize,
         observe: ActivationObserver<'_>,
     ) {
         observe(&self.name, x);
         y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
+        crate::kernels::fused::linear_into_threads(
+            kernels,
+            self.packed.view(),
+            x,
+            y,
+            quantized,
+            threads,
+            crate::profile::Work::Dense,
+        )
+    }
+
+    /// `x @ W^T + b` into `y` (`[rows, out]`) on this thread, accounted as dense work: one piece
+    /// of a layer whose rows are split by the caller.
+    pub(crate) fn forward_rows(
+        &self,
+        kernels: &crate::kernels::KernelTable,
+        x: &[f32],
+        y: &mut [f32],
+        quantized: &mut crate::kernels::packed::QuantizedActivations,
+    ) {
         crate::profile::account(crate::profile::Work::Dense, || {
             crate::kernels::fused::linear_into(kernels, self.packed.view(), x, y, quantized)
         })
@@ -271,12 +295,39 @@ impl Model {
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
     ) {
+        self.encode_into_threads(histories, scratch, hidden, notes, 1)
+    }
+
+    /// [`Model::encode_into`] with the batch's larger layers (and BERT4Rec's attention heads)
+    /// split over up to `threads` pool threads: how one history uses the threads a batch of one
+    /// was given. The same bits for every `threads`.
+    pub fn encode_into_threads(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut EncodeScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+    ) {
         let observe = &mut |_: &str, _: &[f32]| {};
+        let threads = threads.max(1);
         match self {
-            Model::Bert4rec(m) => {
-                m.encode_into(histories, &mut scratch.bert4rec, hidden, notes, observe)
-            }
-            Model::Vaecf(m) => m.encode_into(histories, &mut scratch.vaecf, hidden, notes, observe),
+            Model::Bert4rec(m) => m.encode_into(
+                histories,
+                &mut scratch.bert4rec,
+                hidden,
+                notes,
+                threads,
+                observe,
+            ),
+            Model::Vaecf(m) => m.encode_into(
+                histories,
+                &mut scratch.vaecf,
+                hidden,
+                notes,
+                threads,
+                observe,
+            ),
         }
     }
 

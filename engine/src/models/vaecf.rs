@@ -204,19 +204,20 @@ impl VaeCf {
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
         let mut scratch = VaeCfScratch::default();
-        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, observe);
+        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, 1, observe);
         (hidden, notes)
     }
 
     /// [`VaeCf::encode_observed`] into `hidden` and `notes` (replacing what they held), working in
-    /// `scratch`: once the buffers have grown to a batch's size, batches no larger allocate
-    /// nothing.
+    /// `scratch`, the dense layers' rows split over up to `threads` threads: once the buffers have
+    /// grown to a batch's size, batches no larger allocate nothing (on one thread).
     pub fn encode_into(
         &self,
         histories: &[&[u32]],
         scratch: &mut VaeCfScratch,
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
+        threads: usize,
         observe: ActivationObserver<'_>,
     ) {
         let width = self.first_bias.len();
@@ -248,7 +249,7 @@ impl VaeCf {
         for (i, layer) in all.enumerate() {
             let last = i + 1 == n_all;
             let y = if last { &mut *hidden } else { &mut s.next };
-            layer.forward_into(self.kernels, &s.x, y, &mut s.quantized, observe);
+            layer.forward_into(self.kernels, &s.x, y, &mut s.quantized, threads, observe);
             if i + 1 != n_rest {
                 (self.kernels.elementwise.tanh)(y);
             }
