@@ -222,20 +222,22 @@ impl VaeCf {
     ) {
         let width = self.first_bias.len();
         let s = scratch;
-        s.x.clear();
+        // Every history's distinct items, sorted, one after the other.
+        s.items.clear();
+        s.item_ends.clear();
         for history in histories {
-            self.model_input_into(history, &mut s.items);
-            let start = s.x.len();
-            s.x.resize(start + width, 0.0);
-            let acc = &mut s.x[start..];
-            // The first dense layer, as a gather-sum of the history's weight rows.
-            crate::profile::account(crate::profile::Work::Dense, || {
-                for &i in &s.items {
-                    self.first_by_item.add_row_into(i as usize, acc);
-                }
-            });
+            self.model_input_into(history, &mut s.one);
+            s.items.extend_from_slice(&s.one);
+            s.item_ends.push(s.items.len());
+        }
+        s.x.clear();
+        s.x.resize(histories.len() * width, 0.0);
+        // The first dense layer, as a gather-sum of each history's weight rows.
+        crate::profile::account(crate::profile::Work::Dense, || self.gather_first_layer(s));
+        for (h, acc) in s.x.chunks_exact_mut(width).enumerate() {
+            let count = s.item_ends[h] - if h == 0 { 0 } else { s.item_ends[h - 1] };
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
-            let scale = 1.0 / (s.items.len() as f32).sqrt().max(1e-12);
+            let scale = 1.0 / (count as f32).sqrt().max(1e-12);
             for (a, b) in acc.iter_mut().zip(self.first_bias.as_slice()) {
                 *a = *a * scale + b;
             }
@@ -271,11 +273,51 @@ impl VaeCf {
     }
 }
 
+impl VaeCf {
+    /// Adds each history's first-layer rows (`s.items`, ranges ending at `s.item_ends`) into its
+    /// row of `s.x`, walking the catalogue in blocks of rows that stay in L2 while every history
+    /// adds the ones it holds. A batch of long histories reads the table about once instead of
+    /// once per history (Mult-VAE on MovieLens-1M's histories, ~165 items each, read 25 MB per
+    /// batch of 64 from an 8 MB table, a quarter of its time). Each history still adds its rows
+    /// in increasing item order, so the sums keep their bits.
+    fn gather_first_layer(&self, s: &mut VaeCfScratch) {
+        let width = self.first_bias.len();
+        // About 256 KiB of weight rows per block (fp32; fewer bytes at lower precisions).
+        let block_items = (256 * 1024 / (4 * width).max(1)).max(1) as u32;
+        s.cursors.clear();
+        let mut start = 0;
+        for &end in &s.item_ends {
+            s.cursors.push(start);
+            start = end;
+        }
+        let Some(&last_item) = s.items.iter().max() else {
+            return;
+        };
+        let mut block_end = 0u32;
+        while block_end <= last_item {
+            block_end = block_end.saturating_add(block_items);
+            for (h, acc) in s.x.chunks_exact_mut(width).enumerate() {
+                let (cursor, end) = (&mut s.cursors[h], s.item_ends[h]);
+                while *cursor < end && s.items[*cursor] < block_end {
+                    self.first_by_item
+                        .add_row_into(s.items[*cursor] as usize, acc);
+                    *cursor += 1;
+                }
+            }
+        }
+    }
+}
+
 /// The buffers one Mult-VAE pass works in (see [`VaeCf::encode_into`]).
 #[derive(Debug, Default)]
 pub struct VaeCfScratch {
     /// One history's distinct items.
+    one: Vec<u32>,
+    /// Every history's distinct items, one history after the other, and where each one ends.
     items: Vec<u32>,
+    item_ends: Vec<usize>,
+    /// Per history: its next item to add in the blocked gather.
+    cursors: Vec<usize>,
     /// A layer's input, `[B, width]`; its output goes to `next` and the two swap.
     x: Vec<f32>,
     next: Vec<f32>,
