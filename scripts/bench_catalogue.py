@@ -4,7 +4,11 @@ export-onnx` and run by Triton's Python backend in onnxruntime, under the real p
 concurrency 1 and 8, and what dynamic batching buys at this scale.
 
     scripts/bench.sh catalogue [--items 1000000] [--vaecf-items N] [--models bert4rec,vaecf]
-                               [--threads 2] [--concurrency 1,8] [--out FILE.md]
+                               [--threads 2] [--concurrency 1,8] [--out FILE.md] [--profile]
+
+--profile: `perf record` (Debian's perf) samples the tritonserver process of each recsys variant
+during its lowest-concurrency perf_analyzer run, and the top of `perf report` (by shared object and
+symbol) is printed after the table, so a slow run comes with where its time went.
 
 Models (random weights: no trained model of this size is available here, and the cost does not
 depend on the values; the screen's survivor counts do, and are reported):
@@ -175,6 +179,22 @@ def resident_mib(server: TritonServer) -> float:
     return total / 1024
 
 
+def start_sampling(server: TritonServer, path: Path) -> subprocess.Popen:
+    """`perf record` of the server process (all its threads) until stop_sampling."""
+    return subprocess.Popen(["perf", "record", "-q", "-F", "499", "-p", str(server.process.pid), "-o", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_sampling(sampler: subprocess.Popen, path: Path, top: int = 25) -> str:
+    """Stops the sampler and returns the top of its report."""
+    sampler.send_signal(2)  # SIGINT: perf writes its data and exits
+    sampler.wait(timeout=120)
+    report = subprocess.run(["perf", "report", "-i", str(path), "--no-children", "--sort", "dso,symbol", "--stdio"],
+                            capture_output=True, text=True, timeout=600).stdout
+    lines = [l.rstrip() for l in report.splitlines() if l.strip() and not l.startswith("#")]
+    return "\n".join(lines[:top])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=1_000_000)
@@ -184,12 +204,14 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--workdir", type=Path, help="keep the checkpoints, engines and exports here")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample each recsys server with perf during its lowest-concurrency run")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     site = sysconfig.get_paths()["purelib"]
     os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     os.environ["LD_LIBRARY_PATH"] = f"{site}/nvidia_pytriton.libs:{os.environ.get('LD_LIBRARY_PATH', '')}"
-    results, notes = [], []
+    results, notes, profiles = [], [], []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         backends = backend_directory(tmp)
@@ -241,6 +263,9 @@ def main() -> None:
                     rss = resident_mib(server)
                     for c in levels:
                         print(f"perf_analyzer {name} grpc concurrency {c} ...", file=sys.stderr, flush=True)
+                        sampler = None
+                        if args.profile and engine is not None and c == min(levels):
+                            sampler = start_sampling(server, work / f"{name}.perf.data")
                         try:
                             r = perf_analyzer(server, name, "grpc", c, data, work / f"{name}-{c}.csv")
                         except RuntimeError as e:
@@ -248,6 +273,8 @@ def main() -> None:
                                   file=sys.stderr)
                             r = perf_analyzer(server, name, "grpc", c, data, work / f"{name}-{c}.csv",
                                               window_ms=4000, stability_pct=30)
+                        if sampler is not None:
+                            profiles.append((name, c, stop_sampling(sampler, work / f"{name}.perf.data")))
                         r["load_s"], r["rss_mib"] = load_s, rss
                         r["survivors"] = survivors(server, name) if "screen" in name else None
                         results.append((kind, items, name, c, r))
@@ -278,6 +305,9 @@ def main() -> None:
         out.append(f"| {kind} | {items:,} | {name.removeprefix(kind + '_')} | {c} | {r['throughput']:.0f} | {ratio} | "
                    f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {p99} | {100 * r['compute_share']:.0f} % | {surv} | "
                    f"{r['load_s']:.1f} | {r['rss_mib']:.0f} |")
+    for name, c, report in profiles:
+        out += ["", f"`perf record` of the {name} server during concurrency {c} (share of samples, by shared "
+                    "object and symbol, top entries):", "", "```", report, "```"]
     table = "\n".join(out) + "\n"
     print(table)
     if args.out:
