@@ -13,7 +13,9 @@ preparation is not counted, which favours ORT).
 Models: the fixture BERT4Rec and Mult-VAE (N = 2000, trained); MovieLens-1M's shapes with random
 weights (BERT4Rec: 3,416 items, max_len 200, 2 layers, 2 heads, hidden 64, inner 256; Mult-VAE:
 3,416 items, 600-200-600), on histories with MovieLens-1M's lengths (log-normal, median 96, mean
-165, at least 20); and a Mult-VAE with N = 100,000 items and random weights.
+165, at least 20); and a Mult-VAE with N = 100,000 items and random weights. The small-catalogue
+Mult-VAEs also run as `--screen int8` engines (rows marked "screened"): the exact screen, so the
+fp32 engine's answers, from a quarter of the output layer's bytes (timed against the same ORT run).
 
 Roofline table: model_probe reports the thread-seconds each batch spent in dense layers, attention
 and the output layer (`recsys_engine::profile`); this script counts each kind's multiply-adds for
@@ -366,6 +368,12 @@ def main() -> None:
             engine = tmp / f"vae{n_items}"
             subprocess.run([str(RECSYS), "convert", "--kind", "vaecf", "--checkpoint", str(ckpt), "--config", str(cfg_path),
                             "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
+            screened = None
+            if n_items < 10_000:
+                screened = tmp / f"vae{n_items}_screened"
+                subprocess.run([str(RECSYS), "convert", "--kind", "vaecf", "--checkpoint", str(ckpt), "--config",
+                                str(cfg_path), "--item-map", str(map_path), "--screen", "int8", "--out", str(screened)],
+                               check=True, capture_output=True)
             sess = vaecf_session(w, n_items + 1, 200, threads)
             if n_items == 2000:
                 histories = [[int(x) for x in t[2].split()] for t in test[:640]]
@@ -396,6 +404,12 @@ def main() -> None:
                 distinct = [len({index[e] for e in h if e in index}) for h in histories]
                 work = vaecf_work(n_items + 1, 600, 200, distinct, probe_batches(len(histories), batch, reps))
                 roofline.append(roofline_row(label, n_items, batch, ours, work, (n_items + 1) * 600 * 4, peaks))
+                if screened is not None:
+                    # The exact int8 screen: the fp32 engine's answers, reading a quarter of the bytes.
+                    ours = probe(screened, histories, batch, threads, reps, tmp)
+                    agree = len(set(ours["top_first"]) & {ext_ids[i - 1] for i in ort_top if i > 0}) / K
+                    rows.append((label.replace(")", ", screened: exact int8 screen)"), n_items, batch,
+                                 ours["median_s"], theirs, agree))
 
     lines = [
         f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for both; "
