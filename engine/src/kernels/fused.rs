@@ -356,10 +356,11 @@ pub fn linear_into(
 }
 
 /// Smallest share of a dense layer (or of a transformer layer's step) worth a piece of its own,
-/// in multiply-adds: about 50 us of one core's dense work. Handing a piece to a pool worker that
-/// has gone idle costs 30-55 us on the 2-core VM the project is measured on (the workers sleep
-/// between a batch-1 request's layers); pieces of a quarter of this gained nothing there.
-pub const MIN_MACS_PER_DENSE_PIECE: usize = 1 << 20;
+/// in multiply-adds: about 7 us of one core's dense work. A pool worker that has just finished a
+/// piece starts the next in a few microseconds (one that has gone idle takes 30-55 us on the
+/// 2-core VM the project is measured on). Measured on BERT4Rec at batch 1 on 2 threads
+/// (MovieLens-1M's shape): 2^17 gave 0.49-0.51 ms, 2^18 0.49-0.60, 2^20 0.59-0.63; 2^16 no better.
+pub const MIN_MACS_PER_DENSE_PIECE: usize = 1 << 17;
 
 /// Pieces a dense layer of `rows` rows and `macs_per_row` multiply-adds per row is split into on
 /// `threads` threads: whole groups of 4 rows each, and at least [`MIN_MACS_PER_DENSE_PIECE`].
