@@ -1,4 +1,4 @@
-//! Where a batch's parallel pieces run: the process-wide rayon pool (one worker per core).
+//! Where a batch's parallel pieces run: the engine's worker pool, one worker per core but one.
 //!
 //! Spawning threads per batch cost 50-150 us on the 2-core machine the project is measured on,
 //! more than a whole batch-1 Mult-VAE of 2,000 items takes on one core, so 2 threads made batch 1
@@ -6,9 +6,39 @@
 //! still say how many pieces a batch is split into (the engine's `threads`), and every piece's
 //! result is independent of the split, so answers do not depend on the pool either.
 //!
-//! The pool holds one worker per available core (`RAYON_NUM_THREADS` overrides), shared by every
-//! engine in the process: several model instances splitting batches at once queue on the same
-//! workers instead of oversubscribing the cores.
+//! The calling thread always runs a batch's first piece itself, so the pool holds one worker per
+//! available core but one: caller and workers then fill the cores. A worker per core (rayon's
+//! default) left one idle worker looking for work next to the two busy threads on 2 cores, and
+//! each busy thread ran 10-40 % slower (thread-seconds of the same scan). `RAYON_NUM_THREADS`
+//! sets the number of workers instead. The pool is shared by every engine in the process: several
+//! model instances splitting batches at once queue on the same workers instead of oversubscribing
+//! the cores. Should the pool's threads fail to start, pieces run one after the other on the
+//! calling thread (same answers).
+
+use std::sync::OnceLock;
+
+/// The process's worker pool (`None`: its threads could not be started).
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let workers = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get())
+                    .saturating_sub(1)
+                    .max(1)
+            });
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(workers)
+            .thread_name(|i| format!("recsys-worker-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
 
 /// `run(0), run(1), ..., run(pieces - 1)`, in order. Pieces after the first go to the pool while
 /// the calling thread runs the first itself, so a batch waits for a worker's wake-up only when
@@ -17,8 +47,11 @@ pub fn map_pieces<T: Send>(pieces: usize, run: impl Fn(usize) -> T + Sync + Send
     if pieces <= 1 {
         return (0..pieces).map(run).collect();
     }
+    let Some(pool) = pool() else {
+        return (0..pieces).map(run).collect();
+    };
     let mut results: Vec<Option<T>> = (0..pieces).map(|_| None).collect();
-    rayon::in_place_scope(|scope| {
+    pool.in_place_scope(|scope| {
         let (first, rest) = results.split_first_mut().expect("at least two pieces");
         let run = &run;
         for (i, slot) in rest.iter_mut().enumerate() {
@@ -41,7 +74,14 @@ pub fn for_each_mut<T: Send>(items: &mut [T], run: impl Fn(usize, &mut T) + Sync
     if rest.is_empty() {
         return run(0, first);
     }
-    rayon::in_place_scope(|scope| {
+    let Some(pool) = pool() else {
+        run(0, first);
+        for (i, item) in rest.iter_mut().enumerate() {
+            run(i + 1, item);
+        }
+        return;
+    };
+    pool.in_place_scope(|scope| {
         let run = &run;
         for (i, item) in rest.iter_mut().enumerate() {
             scope.spawn(move |_| run(i + 1, item));
