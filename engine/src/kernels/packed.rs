@@ -217,8 +217,9 @@ impl QuantizedActivations {
 }
 
 /// Packs rows `rows` of the row-major f32 table `table` (rows `stride` long), restricted to the
-/// columns `cols`, into `out` (replacing what it held; its capacity is reused): the panels of
-/// [`PackedOutput::from_f32_columns`].
+/// columns `cols` (`d = cols.len()`), as items, into `out` (replacing what it held; its capacity
+/// is reused): the panels [`PackedOutput::from_f32`] makes of that sub-matrix, read in place
+/// (attention's per-head keys).
 pub fn pack_columns_into(
     out: &mut Vec<f32>,
     table: &[f32],
@@ -235,8 +236,9 @@ pub fn pack_columns_into(
     pack_into(out, n, d, row);
 }
 
-/// The panels of [`PackedOutput::from_f32_columns_transposed`], into `out` (replacing what it
-/// held; its capacity is reused).
+/// The transpose of that sub-matrix as items, into `out` (replacing what it held): item `c` is
+/// column `cols.start + c`, its features the rows `rows` (`d = rows.len()`), so the panels of the
+/// transposed copy without making it (attention's per-head values).
 pub fn pack_columns_transposed_into(
     out: &mut Vec<f32>,
     table: &[f32],
@@ -303,40 +305,6 @@ impl PackedOutput {
             bias: padded(bias, n, f32::NEG_INFINITY).into(),
             activation_scale: None,
         }
-    }
-
-    /// Rows `rows` of a row-major f32 table whose rows are `stride` long, restricted to the columns
-    /// `cols` (`d = cols.len()`), as items: what [`Self::from_f32`] makes of that sub-matrix, read
-    /// in place (attention's per-head keys, `bias` one per row).
-    pub fn from_f32_columns(
-        table: &[f32],
-        stride: usize,
-        rows: std::ops::Range<usize>,
-        cols: std::ops::Range<usize>,
-        bias: &[f32],
-    ) -> Self {
-        assert_eq!(rows.len(), bias.len(), "one bias per row");
-        let (n, d) = (rows.len(), cols.len());
-        let mut out = Vec::new();
-        pack_columns_into(&mut out, table, stride, rows, cols);
-        Self::with_panels(n, d, PanelData::F32(out.into()), bias)
-    }
-
-    /// The transpose of that sub-matrix as items: item `c` is column `cols.start + c`, its features
-    /// the rows `rows` (`d = rows.len()`): what [`Self::from_f32`] makes of the transposed copy,
-    /// without making it (attention's per-head values, `bias` one per column).
-    pub fn from_f32_columns_transposed(
-        table: &[f32],
-        stride: usize,
-        rows: std::ops::Range<usize>,
-        cols: std::ops::Range<usize>,
-        bias: &[f32],
-    ) -> Self {
-        assert_eq!(cols.len(), bias.len(), "one bias per column");
-        let (n, d) = (cols.len(), rows.len());
-        let mut out = Vec::new();
-        pack_columns_transposed_into(&mut out, table, stride, rows, cols);
-        Self::with_panels(n, d, PanelData::F32(out.into()), bias)
     }
 
     /// From row-major half-precision bits `[n, d]`.
@@ -495,9 +463,10 @@ mod tests {
             .collect();
         let row_bias: Vec<f32> = (0..r.len()).map(|i| i as f32).collect();
         let want = PackedOutput::from_f32(&copy, &row_bias, c.len());
-        let got = PackedOutput::from_f32_columns(&table, stride, r.clone(), c.clone(), &row_bias);
-        assert_eq!((got.n, got.d), (want.n, want.d));
-        assert_eq!(f32_panels(&got), f32_panels(&want));
+        // Stale contents of a reused buffer must not survive.
+        let mut got = vec![7.0f32; 3];
+        pack_columns_into(&mut got, &table, stride, r.clone(), c.clone());
+        assert_eq!(got.as_slice(), f32_panels(&want).0);
 
         let transposed: Vec<f32> = c
             .clone()
@@ -506,9 +475,8 @@ mod tests {
             .collect();
         let col_bias: Vec<f32> = (0..c.len()).map(|j| -(j as f32)).collect();
         let want = PackedOutput::from_f32(&transposed, &col_bias, r.len());
-        let got = PackedOutput::from_f32_columns_transposed(&table, stride, r, c, &col_bias);
-        assert_eq!((got.n, got.d), (want.n, want.d));
-        assert_eq!(f32_panels(&got), f32_panels(&want));
+        pack_columns_transposed_into(&mut got, &table, stride, r, c);
+        assert_eq!(got.as_slice(), f32_panels(&want).0);
     }
 
     #[test]
