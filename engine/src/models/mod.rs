@@ -112,7 +112,7 @@ impl DenseLayer {
         })
     }
 
-    /// [`DenseLayer::forward_observed`] into `y` (resized to `[rows, out]`; every value
+    /// [`DenseLayer::forward`] after showing the input to `observe`, into `y` (resized to `[rows, out]`; every value
     /// overwritten), quantizing an int8 layer's input into `quantized`, its rows split over up to
     /// `threads` pool threads when the layer is large enough ([`fused::dense_pieces`]): the same
     /// bits whatever the split, and with one thread and buffers kept between calls, no allocation.
@@ -152,17 +152,6 @@ impl DenseLayer {
         crate::profile::account(crate::profile::Work::Dense, || {
             crate::kernels::fused::linear_into(kernels, self.packed.view(), x, y, quantized)
         })
-    }
-
-    /// [`DenseLayer::forward`], showing the input to `observe` first.
-    pub fn forward_observed(
-        &self,
-        kernels: &crate::kernels::KernelTable,
-        x: &[f32],
-        observe: ActivationObserver<'_>,
-    ) -> Vec<f32> {
-        observe(&self.name, x);
-        self.forward(kernels, x)
     }
 }
 
