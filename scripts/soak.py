@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 
@@ -47,8 +48,18 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def counters(metrics_url: str) -> dict[tuple[str, str], float]:
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+def counters(metrics_url: str, wait: float = 30.0) -> dict[tuple[str, str], float]:
+    # Triton answers ready on HTTP before its metrics endpoint listens, so the first read may find
+    # nothing there yet on a slow machine: retry within a bounded wait.
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
     out = {}
     for m in re.finditer(r'^(nv_inference_request_(?:success|failure))\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
@@ -206,10 +217,21 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, help="seconds before the RSS baseline (default: 20 %% of the run)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "soak")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        return soak(args)
+    except Exception:  # noqa: BLE001  (a crash is a failed soak, and the summary says where it happened)
+        crash = traceback.format_exc()
+        print(crash, file=sys.stderr)
+        (args.out / "summary.json").write_text(json.dumps(
+            {"seconds": args.seconds, "ok": False, "problems": [f"soak.py crashed:\n{crash}"]}, indent=2) + "\n")
+        return 1
+
+
+def soak(args: argparse.Namespace) -> int:
     recsys = ROOT / "target" / "release" / "recsys"
     backend = Path(os.environ.get("RECSYS_BACKEND_DIR", ROOT / "build" / "backends"))
     warmup = args.warmup if args.warmup is not None else 0.2 * args.seconds
-    args.out.mkdir(parents=True, exist_ok=True)
     events: list[str] = []
     problems: list[str] = []
 

@@ -22,9 +22,12 @@ def test_short_soak_has_no_unexpected_errors_and_flat_memory(tmp_path, backend_d
         capture_output=True, text=True, timeout=seconds + 300,
         env={**os.environ, "RECSYS_BACKEND_DIR": str(backend_dir)},
     )
-    summary = json.loads((out / "summary.json").read_text())
-    print(json.dumps({k: summary[k] for k in ["requests_succeeded", "requests_failed", "mixed_invalid_sent", "rss_mib",
-                                              "events", "problems"]}, indent=1))
+    summary_path = out / "summary.json"
+    # A crash before the summary is written says why in the script's own output, not as a missing file.
+    assert summary_path.exists(), f"soak.py exited {run.returncode} without a summary:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    summary = json.loads(summary_path.read_text())
+    print(json.dumps({k: summary.get(k) for k in ["requests_succeeded", "requests_failed", "mixed_invalid_sent",
+                                                  "rss_mib", "events", "problems"]}, indent=1))
     assert run.returncode == 0 and summary["ok"], summary["problems"] or run.stdout[-3000:] + run.stderr[-3000:]
     assert all(n > 100 for n in summary["requests_succeeded"].values())
     assert summary["mixed_invalid_sent"] > 10

@@ -102,7 +102,9 @@ class TritonServer:
                 raise RuntimeError(
                     f"tritonserver exited with {self.process.returncode}; log:\n{self.log()}"
                 )
-            if self._get("/v2/health/ready") == 200:
+            # Triton answers ready on HTTP before its metrics endpoint listens: wait for both, so
+            # a caller that reads the metrics right away finds them.
+            if self._get("/v2/health/ready") == 200 and (not self.metrics_enabled() or self._metrics_up()):
                 return self
             time.sleep(0.1)
         self.stop()
@@ -114,6 +116,16 @@ class TritonServer:
                 return r.status
         except Exception:  # noqa: BLE001  (not up yet, or not ready)
             return None
+
+    def metrics_enabled(self) -> bool:
+        return "--allow-metrics=false" not in self.extra_args
+
+    def _metrics_up(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                return r.status == 200
+        except Exception:  # noqa: BLE001  (not listening yet)
+            return False
 
     def is_ready(self) -> bool:
         return self._get("/v2/health/ready") == 200
