@@ -244,6 +244,18 @@ unsafe fn softmax_avx2(x: &mut [f32]) {
     super::cpu::softmax(x)
 }
 
+/// # Safety
+/// As for [`gelu_avx2`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn layer_norm_avx2(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64) {
+    super::cpu::layer_norm_rows(x, width, gamma, beta, eps)
+}
+
+fn layer_norm(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64) {
+    // SAFETY: as for gelu.
+    unsafe { layer_norm_avx2(x, width, gamma, beta, eps) }
+}
+
 fn gelu(x: &mut [f32]) {
     // SAFETY: TABLE is only reachable after AVX2/FMA/F16C were detected (KernelTable::for_isa).
     unsafe { gelu_avx2(x) }
@@ -268,6 +280,7 @@ pub(super) static TABLE: KernelTable = kernel_table!(
         gelu,
         tanh,
         softmax,
+        layer_norm,
     }
 );
 

@@ -142,6 +142,9 @@ pub struct Elementwise {
     pub tanh: fn(&mut [f32]),
     /// A numerically stable softmax ([`cpu::softmax`]).
     pub softmax: fn(&mut [f32]),
+    /// LayerNorm of every row of a matrix ([`cpu::layer_norm_rows`]: rows `width` wide, gamma,
+    /// beta, eps).
+    pub layer_norm: fn(&mut [f32], usize, &[f32], &[f32], f64),
 }
 
 /// The micro-kernels of one ISA, indexed by `[rows - 1][log2(panels)]` for rows in {1, 2, 4}
@@ -236,6 +239,16 @@ mod elementwise_tests {
                 (scalar.softmax)(&mut want);
                 (e.softmax)(&mut got);
                 assert_eq!(got, want, "softmax of {len} on {isa:?}");
+            }
+            // LayerNorm over rows of the widths the encoders use (and an odd one).
+            for width in [7, 64, 256] {
+                let rows: Vec<f32> = xs.iter().step_by(13).take(width * 9).copied().collect();
+                let gamma: Vec<f32> = (0..width).map(|i| 0.5 + i as f32 / 100.0).collect();
+                let beta: Vec<f32> = (0..width).map(|i| i as f32 / 300.0 - 0.2).collect();
+                let (mut want, mut got) = (rows.clone(), rows.clone());
+                (scalar.layer_norm)(&mut want, width, &gamma, &beta, 1e-12);
+                (e.layer_norm)(&mut got, width, &gamma, &beta, 1e-12);
+                assert_eq!(got, want, "layer norm of width {width} on {isa:?}");
             }
         }
     }

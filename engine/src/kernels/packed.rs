@@ -66,9 +66,39 @@ pub struct LayerRef<'a> {
     pub activation_scale: Option<f32>,
 }
 
-impl LayerRef<'_> {
+impl<'a> LayerRef<'a> {
     pub fn panels(&self) -> usize {
         self.n.div_ceil(8)
+    }
+
+    /// Outputs `outputs` of the layer as a layer of their own, borrowed: whole panels, so the
+    /// range starts at a multiple of 8 (one of the projections packed side by side in a
+    /// [`PackedOutput::side_by_side`] layer). Each output is computed as in the whole layer.
+    pub fn outputs(self, outputs: std::ops::Range<usize>) -> LayerRef<'a> {
+        assert!(
+            outputs.start.is_multiple_of(8)
+                && outputs.start <= outputs.end
+                && outputs.end <= self.n,
+            "outputs {outputs:?} of a layer of {} are not whole panels",
+            self.n
+        );
+        let (first, last) = (outputs.start / 8, outputs.end.div_ceil(8));
+        let per_panel = |bytes_per_value: usize| self.panel_bytes() / bytes_per_value;
+        let data = match self.data {
+            PanelRef::F32(w) => PanelRef::F32(&w[first * per_panel(4)..last * per_panel(4)]),
+            PanelRef::F16(w) => PanelRef::F16(&w[first * per_panel(2)..last * per_panel(2)]),
+            PanelRef::I8 { q, scales } => PanelRef::I8 {
+                q: &q[first * per_panel(1)..last * per_panel(1)],
+                scales: &scales[first * 8..last * 8],
+            },
+        };
+        LayerRef {
+            n: outputs.len(),
+            d: self.d,
+            data,
+            bias: &self.bias[first * 8..last * 8],
+            activation_scale: self.activation_scale,
+        }
     }
 
     /// Bytes of one panel's weights as the micro-kernels read them (8 items x d).
@@ -115,13 +145,28 @@ fn pack_into<'a, T: Copy + Default + 'a>(
     row: impl Fn(usize) -> &'a [T],
 ) {
     let panels = n.div_ceil(8);
-    out.clear();
-    out.reserve(panels * d * 8);
-    for p in 0..panels {
-        let lanes: [Option<&[T]>; 8] =
-            std::array::from_fn(|l| (p * 8 + l < n).then(|| row(p * 8 + l)));
-        for j in 0..d {
-            out.extend(lanes.iter().map(|lane| lane.map_or(T::default(), |r| r[j])));
+    // Every value is written below (whole panels by feature, the last one cleared first), so the
+    // buffer is only resized, not cleared: filling it would cost a pass of its own.
+    out.resize(panels * d * 8, T::default());
+    for (p, panel) in out.chunks_exact_mut((d * 8).max(1)).enumerate() {
+        let lanes = (n - p * 8).min(8);
+        if lanes == 8 {
+            // A whole panel: each feature's 8 values gathered from the 8 rows (8 sequential
+            // read streams) and written as one contiguous run.
+            let rows: [&[T]; 8] = std::array::from_fn(|lane| &row(p * 8 + lane)[..d]);
+            for (j, slot) in panel.chunks_exact_mut(8).enumerate() {
+                let run: [T; 8] = std::array::from_fn(|lane| rows[lane][j]);
+                slot.copy_from_slice(&run);
+            }
+            continue;
+        }
+        // The last, partial panel: row by row into its lane, padding lanes left at the default.
+        panel.fill(T::default());
+        for lane in 0..lanes {
+            let values = &row(p * 8 + lane)[..d];
+            for (slot, &v) in panel.chunks_exact_mut(8).zip(values) {
+                slot[lane] = v;
+            }
         }
     }
 }
@@ -248,14 +293,22 @@ pub fn pack_columns_transposed_into(
 ) {
     assert!(cols.end <= stride && rows.end * stride <= table.len());
     let n = cols.len();
-    out.clear();
-    for p in 0..n.div_ceil(8) {
+    let d = rows.len();
+    // Resized, not cleared: every value is written below.
+    out.resize(n.div_ceil(8) * d * 8, 0.0);
+    for (p, panel) in out.chunks_exact_mut((d * 8).max(1)).enumerate() {
         let lanes = (n - p * 8).min(8);
-        for j in rows.clone() {
+        for (j, slot) in rows.clone().zip(panel.chunks_exact_mut(8)) {
             // Feature j of items 8p.. is row j's run of columns: contiguous in the table.
             let start = j * stride + cols.start + p * 8;
-            out.extend_from_slice(&table[start..start + lanes]);
-            out.extend(std::iter::repeat_n(0.0, 8 - lanes));
+            if lanes == 8 {
+                // A fixed-size copy: two vector moves, not a call to memcpy.
+                let run: &[f32; 8] = table[start..start + 8].try_into().expect("8 lanes");
+                slot.copy_from_slice(run);
+            } else {
+                slot[..lanes].copy_from_slice(&table[start..start + lanes]);
+                slot[lanes..].fill(0.0);
+            }
         }
     }
 }
@@ -267,6 +320,70 @@ fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
 }
 
 impl PackedOutput {
+    /// The layers `parts` (same input width and precision) as one layer whose outputs are theirs
+    /// side by side, each part padded to whole panels: part `i`'s output `j` is output
+    /// `offset_i + j`, `offset_i` the lanes of the parts before it (padding lanes included, whose
+    /// outputs are never read). The panels are the parts' own, so every output is computed with
+    /// the same bits as in its part. `None` when the parts differ in width or precision. The
+    /// result has no static activation scale of its own.
+    pub fn side_by_side(parts: &[&PackedOutput]) -> Option<PackedOutput> {
+        let first = parts.first()?;
+        if parts
+            .iter()
+            .any(|p| p.d != first.d || p.precision() != first.precision())
+        {
+            return None;
+        }
+        let lanes = |p: &&PackedOutput| p.panels() * 8;
+        let mut bias = Vec::new();
+        for p in parts {
+            bias.extend_from_slice(&p.bias[..lanes(p)]);
+        }
+        let data = match &first.data {
+            PanelData::F32(_) => PanelData::F32(
+                parts
+                    .iter()
+                    .flat_map(|p| match &p.data {
+                        PanelData::F32(w) => w.iter().copied(),
+                        _ => unreachable!("the parts share a precision"),
+                    })
+                    .collect::<Vec<f32>>()
+                    .into(),
+            ),
+            PanelData::F16(_) => PanelData::F16(
+                parts
+                    .iter()
+                    .flat_map(|p| match &p.data {
+                        PanelData::F16(w) => w.iter().copied(),
+                        _ => unreachable!("the parts share a precision"),
+                    })
+                    .collect::<Vec<u16>>()
+                    .into(),
+            ),
+            PanelData::I8 { .. } => {
+                let (mut q, mut scales) = (Vec::new(), Vec::new());
+                for p in parts {
+                    let PanelData::I8 { q: pq, scales: ps } = &p.data else {
+                        unreachable!("the parts share a precision")
+                    };
+                    q.extend_from_slice(pq);
+                    scales.extend_from_slice(&ps[..lanes(p)]);
+                }
+                PanelData::I8 {
+                    q: q.into(),
+                    scales: scales.into(),
+                }
+            }
+        };
+        Some(PackedOutput {
+            n: bias.len(),
+            d: first.d,
+            data,
+            bias: bias.into(),
+            activation_scale: None,
+        })
+    }
+
     /// From row-major f32 weights `[n, d]`.
     pub fn from_f32(weight: &[f32], bias: &[f32], d: usize) -> Self {
         assert_eq!(weight.len(), bias.len() * d, "weight must be [n, d]");

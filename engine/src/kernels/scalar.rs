@@ -122,5 +122,6 @@ pub(super) static TABLE: KernelTable = kernel_table!(
         gelu: super::cpu::gelu_erf_inplace,
         tanh: super::cpu::tanh_inplace,
         softmax: super::cpu::softmax,
+        layer_norm: super::cpu::layer_norm_rows,
     }
 );

@@ -9,8 +9,7 @@ use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::Bert4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
-use crate::kernels::cpu;
-use crate::kernels::packed::{self, LayerRef, PanelRef, QuantizedActivations};
+use crate::kernels::packed::{self, LayerRef, PackedOutput, PanelRef, QuantizedActivations};
 use crate::kernels::{fused, KernelTable};
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
@@ -42,8 +41,8 @@ impl LayerNorm {
         })
     }
 
-    fn apply(&self, x: &mut [f32], eps: f64) {
-        cpu::layer_norm_rows(
+    fn apply(&self, kernels: &KernelTable, x: &mut [f32], eps: f64) {
+        (kernels.elementwise.layer_norm)(
             x,
             self.gamma.len(),
             self.gamma.as_slice(),
@@ -53,11 +52,130 @@ impl LayerNorm {
     }
 }
 
+/// A layer's key, value and query projections packed side by side as one layer (keys, values,
+/// then queries, each padded to whole panels): one kernel pass over a block of tokens computes
+/// all three, reading the tokens once instead of three times. The panels are each projection's
+/// own, so every output has the bits of its own layer.
+#[derive(Clone, Debug)]
+struct Projections {
+    packed: PackedOutput,
+    /// Lanes per projection: the hidden size rounded up to a whole panel.
+    width: usize,
+    /// W8A8: the static scale the keys' and values' input is quantized at (they read the same
+    /// rows, so calibration gives them the same scale), and the queries'. The queries of the last
+    /// layer read only the [MASK] rows, so theirs may differ.
+    kv_scale: Option<f32>,
+    q_scale: Option<f32>,
+}
+
+impl Projections {
+    fn new(key: &DenseLayer, value: &DenseLayer, query: &DenseLayer) -> Result<Projections> {
+        let packed = PackedOutput::side_by_side(&[&key.packed, &value.packed, &query.packed])
+            .ok_or_else(|| {
+                crate::error::EngineError::Config(format!(
+                    "{}, {} and {} differ in shape or precision",
+                    key.name(),
+                    value.name(),
+                    query.name()
+                ))
+            })?;
+        let (kv_scale, q_scale) = (
+            key.static_activation_scale(),
+            query.static_activation_scale(),
+        );
+        if value.static_activation_scale() != kv_scale {
+            return Err(crate::error::EngineError::Config(format!(
+                "{} and {} read the same input but have different static activation scales",
+                key.name(),
+                value.name()
+            )));
+        }
+        Ok(Projections {
+            width: key.packed.panels() * 8,
+            packed,
+            kv_scale,
+            q_scale,
+        })
+    }
+
+    /// Keys, values and queries of the same rows in one call: when their input is quantized alike.
+    fn all(&self) -> Option<LayerRef<'_>> {
+        (self.kv_scale == self.q_scale).then(|| LayerRef {
+            activation_scale: self.kv_scale,
+            ..self.packed.view()
+        })
+    }
+
+    /// Keys and values (`[rows, 2 x width]`).
+    fn keys_values(&self) -> LayerRef<'_> {
+        LayerRef {
+            activation_scale: self.kv_scale,
+            ..self.packed.view().outputs(0..2 * self.width)
+        }
+    }
+
+    /// Queries (`[rows, width]`).
+    fn queries(&self) -> LayerRef<'_> {
+        LayerRef {
+            activation_scale: self.q_scale,
+            ..self.packed.view().outputs(2 * self.width..3 * self.width)
+        }
+    }
+}
+
+/// One projection (keys, values or queries) in a row-major matrix whose rows are `stride` long:
+/// the projection's columns start at `offset`.
+#[derive(Clone, Copy, Debug)]
+struct Columns<'a> {
+    data: &'a [f32],
+    stride: usize,
+    offset: usize,
+}
+
+impl<'a> Columns<'a> {
+    /// Rows `rows` only (row 0 of the result is row `rows.start`).
+    fn rows(self, rows: std::ops::Range<usize>) -> Columns<'a> {
+        Columns {
+            data: &self.data[rows.start * self.stride..rows.end * self.stride],
+            ..self
+        }
+    }
+
+    /// Row `r`'s columns `cols` of the projection.
+    fn row(&self, r: usize, cols: std::ops::Range<usize>) -> &'a [f32] {
+        let start = r * self.stride + self.offset;
+        &self.data[start + cols.start..start + cols.end]
+    }
+}
+
+/// `x @ W^T + b` of a borrowed layer into `y` (resized to `[rows, n]`), accounted as dense work.
+fn project(
+    kernels: &KernelTable,
+    layer: LayerRef<'_>,
+    x: &[f32],
+    y: &mut Vec<f32>,
+    quantized: &mut QuantizedActivations,
+    threads: usize,
+) {
+    y.resize(x.len() / layer.d * layer.n, 0.0);
+    fused::linear_into_threads(
+        kernels,
+        layer,
+        x,
+        y,
+        quantized,
+        threads,
+        crate::profile::Work::Dense,
+    );
+}
+
 #[derive(Clone, Debug)]
 struct TransformerLayer {
     query: Dense,
     key: Dense,
     value: Dense,
+    /// `key`, `value` and `query` as one layer, which is what runs on the CPU.
+    projections: Projections,
     attn_out: Dense,
     attn_ln: LayerNorm,
     ffn_in: Dense,
@@ -141,10 +259,14 @@ impl Bert4Rec {
         let mut layers = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers {
             let p = format!("trm_encoder.layer.{l}");
+            let query = Dense::load(t, &format!("{p}.multi_head_attention.query"), h, h)?;
+            let key = Dense::load(t, &format!("{p}.multi_head_attention.key"), h, h)?;
+            let value = Dense::load(t, &format!("{p}.multi_head_attention.value"), h, h)?;
             layers.push(TransformerLayer {
-                query: Dense::load(t, &format!("{p}.multi_head_attention.query"), h, h)?,
-                key: Dense::load(t, &format!("{p}.multi_head_attention.key"), h, h)?,
-                value: Dense::load(t, &format!("{p}.multi_head_attention.value"), h, h)?,
+                projections: Projections::new(&key.0, &value.0, &query.0)?,
+                query,
+                key,
+                value,
                 attn_out: Dense::load(t, &format!("{p}.multi_head_attention.dense"), h, h)?,
                 attn_ln: LayerNorm::load(t, &format!("{p}.multi_head_attention.LayerNorm"), h)?,
                 ffn_in: Dense::load(t, &format!("{p}.feed_forward.dense_1"), i, h)?,
@@ -187,6 +309,8 @@ impl Bert4Rec {
             .iter()
             .map(|d| d.0.packed_bytes())
             .sum::<usize>()
+                + l.projections.packed.weight_bytes()
+                + 4 * l.projections.packed.bias.len()
         };
         self.layers.iter().map(layer).sum::<usize>() + self.head_dense.0.packed_bytes()
     }
@@ -276,6 +400,15 @@ impl Bert4Rec {
         out
     }
 
+    /// Packs each layer's projections again from its key, value and query layers: after their
+    /// static activation scales change.
+    pub(crate) fn repack_projections(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            l.projections = Projections::new(&l.key.0, &l.value.0, &l.query.0)?;
+        }
+        Ok(())
+    }
+
     /// [`Bert4Rec::encode`], showing every dense layer's input to `observe`.
     pub fn encode_observed(
         &self,
@@ -303,6 +436,7 @@ impl Bert4Rec {
     ) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
+        let k = self.kernels;
         notes.clear();
         let s = scratch;
         // Token ranges of each sequence in the stacked matrix.
@@ -321,7 +455,7 @@ impl Bert4Rec {
             }
             s.spans.push(start..s.x.len() / h);
         }
-        self.embedding_ln.apply(&mut s.x, eps);
+        self.embedding_ln.apply(k, &mut s.x, eps);
 
         let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
@@ -356,7 +490,7 @@ impl Bert4Rec {
             std::mem::swap(&mut s.x, &mut s.out);
         }
         (self.kernels.elementwise.gelu)(hidden);
-        self.head_ln.apply(hidden, eps);
+        self.head_ln.apply(k, hidden, eps);
     }
 
     /// One post-LN transformer layer over `s.x`, the rows `s.query_rows` of its output into
@@ -369,21 +503,12 @@ impl Bert4Rec {
         observe: ActivationObserver<'_>,
     ) {
         let h = self.config.hidden_size;
-        let eps = self.config.layer_norm_eps;
         let k = self.kernels;
         let pieces = self.row_pieces(s.x.len() / h, s.query_rows.len(), threads);
         if pieces != (1, 1) {
             return self.transformer_layer_split(layer, s, pieces);
         }
 
-        layer
-            .key
-            .0
-            .forward_into(k, &s.x, &mut s.keys, &mut s.quantized, threads, observe);
-        layer
-            .value
-            .0
-            .forward_into(k, &s.x, &mut s.values, &mut s.quantized, threads, observe);
         // Every row is a query except in the last layer; only then are the query rows gathered.
         let every_row = s.query_rows.len() * h == s.x.len();
         if !every_row {
@@ -393,15 +518,50 @@ impl Bert4Rec {
             }
         }
         let x_q: &[f32] = if every_row { &s.x } else { &s.x_q };
-        layer
-            .query
-            .0
-            .forward_into(k, x_q, &mut s.queries, &mut s.quantized, threads, observe);
+        observe(layer.key.0.name(), &s.x);
+        observe(layer.value.0.name(), &s.x);
+        observe(layer.query.0.name(), x_q);
+        let p = &layer.projections;
+        let w = p.width;
+        let (keys, values, queries) = match p.all().filter(|_| every_row) {
+            Some(all) => {
+                project(k, all, &s.x, &mut s.projected, &mut s.quantized, threads);
+                let at = |offset| Columns {
+                    data: &s.projected,
+                    stride: 3 * w,
+                    offset,
+                };
+                (at(0), at(w), at(2 * w))
+            }
+            None => {
+                let kv = p.keys_values();
+                project(k, kv, &s.x, &mut s.projected, &mut s.quantized, threads);
+                project(
+                    k,
+                    p.queries(),
+                    x_q,
+                    &mut s.queries,
+                    &mut s.quantized,
+                    threads,
+                );
+                let at = |offset| Columns {
+                    data: &s.projected,
+                    stride: 2 * w,
+                    offset,
+                };
+                let queries = Columns {
+                    data: &s.queries,
+                    stride: w,
+                    offset: 0,
+                };
+                (at(0), at(w), queries)
+            }
+        };
 
         self.attention(
-            &s.keys,
-            &s.values,
-            &s.queries,
+            keys,
+            values,
+            queries,
             &s.spans,
             &s.query_rows,
             &mut s.context,
@@ -409,36 +569,68 @@ impl Bert4Rec {
             threads,
         );
 
-        layer.attn_out.0.forward_into(
-            k,
+        s.out.resize(s.query_rows.len() * h, 0.0);
+        self.finish_rows(
+            layer,
             &s.context,
+            x_q,
+            &mut s.out,
             &mut s.attended,
-            &mut s.quantized,
-            threads,
-            observe,
-        );
-        for (a, r) in s.attended.iter_mut().zip(x_q) {
-            *a += r;
-        }
-        layer.attn_ln.apply(&mut s.attended, eps);
-
-        layer.ffn_in.0.forward_into(
-            k,
-            &s.attended,
             &mut s.inner,
             &mut s.quantized,
-            threads,
             observe,
         );
-        (k.elementwise.gelu)(&mut s.inner);
-        layer
-            .ffn_out
-            .0
-            .forward_into(k, &s.inner, &mut s.out, &mut s.quantized, threads, observe);
-        for (o, r) in s.out.iter_mut().zip(&s.attended) {
-            *o += r;
+    }
+
+    /// The rest of a transformer layer after attention, for a run of query rows: the output
+    /// projection plus `residual`, its norm, the feed-forward with GELU, its residual and norm,
+    /// into `out` (`[rows, hidden]`). It runs block by block of [`FINISH_BLOCK_ROWS`] rows, so
+    /// that each block's feed-forward activations are made, passed through GELU and read back
+    /// while they sit in cache (`[rows, inner]` of a whole batch does not fit in it); every row
+    /// is computed by the same kernels as in one call, so blocking changes no bit.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_rows(
+        &self,
+        layer: &TransformerLayer,
+        context: &[f32],
+        residual: &[f32],
+        out: &mut [f32],
+        attended: &mut Vec<f32>,
+        inner: &mut Vec<f32>,
+        quantized: &mut QuantizedActivations,
+        observe: ActivationObserver<'_>,
+    ) {
+        let (h, width) = (self.config.hidden_size, self.config.inner_size);
+        let eps = self.config.layer_norm_eps;
+        let k = self.kernels;
+        let block = FINISH_BLOCK_ROWS * h;
+        for ((context, residual), out) in context
+            .chunks(block)
+            .zip(residual.chunks(block))
+            .zip(out.chunks_mut(block))
+        {
+            let rows = context.len() / h;
+            attended.resize(rows * h, 0.0);
+            observe(layer.attn_out.0.name(), context);
+            layer
+                .attn_out
+                .0
+                .forward_rows(k, context, attended, quantized);
+            for (a, r) in attended.iter_mut().zip(residual) {
+                *a += r;
+            }
+            layer.attn_ln.apply(k, attended, eps);
+            inner.resize(rows * width, 0.0);
+            observe(layer.ffn_in.0.name(), attended);
+            layer.ffn_in.0.forward_rows(k, attended, inner, quantized);
+            (k.elementwise.gelu)(inner);
+            observe(layer.ffn_out.0.name(), inner);
+            layer.ffn_out.0.forward_rows(k, inner, out, quantized);
+            for (o, r) in out.iter_mut().zip(attended.iter()) {
+                *o += r;
+            }
+            layer.ffn_ln.apply(k, out, eps);
         }
-        layer.ffn_ln.apply(&mut s.out, eps);
     }
 
     /// Pieces each step of a layer over `tokens` rows with `queries` query rows is split into on
@@ -478,7 +670,6 @@ impl Bert4Rec {
         (projection_pieces, rest_pieces): (usize, usize),
     ) {
         let h = self.config.hidden_size;
-        let eps = self.config.layer_norm_eps;
         let k = self.kernels;
         let tokens = s.x.len() / h;
         let n_queries = s.query_rows.len();
@@ -489,9 +680,15 @@ impl Bert4Rec {
                 s.x_q.extend_from_slice(&s.x[r * h..(r + 1) * h]);
             }
         }
-        s.keys.resize(tokens * h, 0.0);
-        s.values.resize(tokens * h, 0.0);
-        s.queries.resize(n_queries * h, 0.0);
+        let p = &layer.projections;
+        let w = p.width;
+        // Keys, values and queries in one layer when every row is a query and their input is
+        // quantized alike; otherwise keys and values for every row, queries for the query rows.
+        let all = p.all().filter(|_| every_row);
+        let projected_width = if all.is_some() { 3 * w } else { 2 * w };
+        s.projected.resize(tokens * projected_width, 0.0);
+        s.queries
+            .resize(if all.is_some() { 0 } else { n_queries * w }, 0.0);
         s.out.resize(n_queries * h, 0.0);
         let pieces = projection_pieces.max(rest_pieces);
         if s.row_pieces.len() < pieces {
@@ -506,43 +703,52 @@ impl Bert4Rec {
         // Step 1: keys, values and queries, by rows.
         {
             let mut parts: Vec<ProjectionPiece<'_>> = Vec::new();
-            let (mut keys, mut values, mut queries) =
-                (&mut s.keys[..], &mut s.values[..], &mut s.queries[..]);
+            let (mut projected, mut queries) = (&mut s.projected[..], &mut s.queries[..]);
             for ((t, q), piece) in token_ranges
                 .iter()
                 .zip(&projected_queries)
                 .zip(s.row_pieces.iter_mut())
             {
-                let (key_rows, rest) = std::mem::take(&mut keys).split_at_mut(t.len() * h);
-                let (value_rows, rest_v) = std::mem::take(&mut values).split_at_mut(t.len() * h);
-                let (query_rows, rest_q) = std::mem::take(&mut queries).split_at_mut(q.len() * h);
-                (keys, values, queries) = (rest, rest_v, rest_q);
-                parts.push((key_rows, value_rows, query_rows, piece));
+                let (token_rows, rest) =
+                    std::mem::take(&mut projected).split_at_mut(t.len() * projected_width);
+                let query_len = if all.is_some() { 0 } else { q.len() * w };
+                let (query_rows, rest_q) = std::mem::take(&mut queries).split_at_mut(query_len);
+                (projected, queries) = (rest, rest_q);
+                parts.push((token_rows, query_rows, piece));
             }
-            crate::parallel::for_each_mut(
-                &mut parts,
-                |i, (key_rows, value_rows, query_rows, piece)| {
-                    let (t, q) = (&token_ranges[i], &projected_queries[i]);
-                    let x_rows = &x[t.start * h..t.end * h];
-                    layer
-                        .key
-                        .0
-                        .forward_rows(k, x_rows, key_rows, &mut piece.quantized);
-                    layer
-                        .value
-                        .0
-                        .forward_rows(k, x_rows, value_rows, &mut piece.quantized);
-                    let xq_rows = &x_q[q.start * h..q.end * h];
-                    layer
-                        .query
-                        .0
-                        .forward_rows(k, xq_rows, query_rows, &mut piece.quantized);
-                },
-            );
+            crate::parallel::for_each_mut(&mut parts, |i, (token_rows, query_rows, piece)| {
+                let (t, q) = (&token_ranges[i], &projected_queries[i]);
+                let x_rows = &x[t.start * h..t.end * h];
+                crate::profile::account(crate::profile::Work::Dense, || match all {
+                    Some(all) => {
+                        fused::linear_into(k, all, x_rows, token_rows, &mut piece.quantized)
+                    }
+                    None => {
+                        let kv = p.keys_values();
+                        fused::linear_into(k, kv, x_rows, token_rows, &mut piece.quantized);
+                        let xq_rows = &x_q[q.start * h..q.end * h];
+                        let queries = p.queries();
+                        fused::linear_into(k, queries, xq_rows, query_rows, &mut piece.quantized);
+                    }
+                })
+            });
         }
 
         // Step 2: the rest of the layer, by query rows.
-        let (keys, values, queries) = (&s.keys[..], &s.values[..], &s.queries[..]);
+        let at = |offset| Columns {
+            data: &s.projected,
+            stride: projected_width,
+            offset,
+        };
+        let (keys, values) = (at(0), at(w));
+        let queries = match all {
+            Some(_) => at(2 * w),
+            None => Columns {
+                data: &s.queries,
+                stride: w,
+                offset: 0,
+            },
+        };
         let (spans, all_query_rows) = (&s.spans[..], &s.query_rows[..]);
         let mut parts: Vec<(&mut [f32], &mut RowPiece)> = Vec::new();
         let mut out = &mut s.out[..];
@@ -557,36 +763,23 @@ impl Bert4Rec {
             self.attention(
                 keys,
                 values,
-                &queries[q.start * h..q.end * h],
+                queries.rows(q.clone()),
                 spans,
                 &all_query_rows[q.clone()],
                 &mut p.context,
                 &mut p.attention,
                 1,
             );
-            p.attended.resize(q.len() * h, 0.0);
-            layer
-                .attn_out
-                .0
-                .forward_rows(k, &p.context, &mut p.attended, &mut p.quantized);
-            for (a, r) in p.attended.iter_mut().zip(&x_q[q.start * h..q.end * h]) {
-                *a += r;
-            }
-            layer.attn_ln.apply(&mut p.attended, eps);
-            p.inner.resize(q.len() * self.config.inner_size, 0.0);
-            layer
-                .ffn_in
-                .0
-                .forward_rows(k, &p.attended, &mut p.inner, &mut p.quantized);
-            (k.elementwise.gelu)(&mut p.inner);
-            layer
-                .ffn_out
-                .0
-                .forward_rows(k, &p.inner, out, &mut p.quantized);
-            for (o, r) in out.iter_mut().zip(&p.attended) {
-                *o += r;
-            }
-            layer.ffn_ln.apply(out, eps);
+            self.finish_rows(
+                layer,
+                &p.context,
+                &x_q[q.start * h..q.end * h],
+                out,
+                &mut p.attended,
+                &mut p.inner,
+                &mut p.quantized,
+                &mut |_, _| {},
+            );
         });
     }
 
@@ -598,9 +791,9 @@ impl Bert4Rec {
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        keys: &[f32],
-        values: &[f32],
-        queries: &[f32],
+        keys: Columns<'_>,
+        values: Columns<'_>,
+        queries: Columns<'_>,
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
         context: &mut Vec<f32>,
@@ -661,9 +854,9 @@ impl Bert4Rec {
     fn attention_head(
         &self,
         head: usize,
-        keys: &[f32],
-        values: &[f32],
-        queries: &[f32],
+        keys: Columns<'_>,
+        values: Columns<'_>,
+        queries: Columns<'_>,
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
         slot: usize,
@@ -689,12 +882,12 @@ impl Bert4Rec {
                 continue;
             }
             // Keys and values are packed straight from the layer outputs (no per-head copy).
-            packed::pack_columns_into(&mut a.keys, keys, h, span.clone(), cols.clone());
+            let key_cols = keys.offset + cols.start..keys.offset + cols.end;
+            packed::pack_columns_into(&mut a.keys, keys.data, keys.stride, span.clone(), key_cols);
             let keys_h = dense_panels(&a.keys, t, d, &a.zeros);
             a.q_h.clear();
             for qi in first_query..first_query + n_queries {
-                a.q_h
-                    .extend_from_slice(&queries[qi * h + cols.start..qi * h + cols.end]);
+                a.q_h.extend_from_slice(queries.row(qi, cols.clone()));
             }
             a.scores.resize(n_queries * t, 0.0);
             fused::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
@@ -706,10 +899,10 @@ impl Bert4Rec {
             }
             packed::pack_columns_transposed_into(
                 &mut a.values,
-                values,
-                h,
+                values.data,
+                values.stride,
                 span.clone(),
-                cols.clone(),
+                values.offset + cols.start..values.offset + cols.end,
             );
             let values_h = dense_panels(&a.values, d, t, &a.zeros);
             let out = &mut a.out[block + first_query * d..block + (first_query + n_queries) * d];
@@ -718,6 +911,11 @@ impl Bert4Rec {
         }
     }
 }
+
+/// Query rows the post-attention part of a layer runs at a time ([`Bert4Rec::finish_rows`]): a
+/// block's feed-forward activations (`rows x inner`, 64 KiB at 64 x 256) stay in L2 beside the
+/// three layers' weights.
+const FINISH_BLOCK_ROWS: usize = 64;
 
 /// `n` items of width `d` packed in `panels` (f32), with no bias, as the kernels take them.
 fn dense_panels<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> LayerRef<'a> {
@@ -740,9 +938,10 @@ pub struct Bert4RecScratch {
     /// A layer's input, `[tokens, hidden]`; its output goes to `out` and the two swap.
     x: Vec<f32>,
     out: Vec<f32>,
-    keys: Vec<f32>,
-    values: Vec<f32>,
-    /// The query rows of `x` when not every row is one.
+    /// A layer's projections by token: keys and values, and the queries too when every row is one
+    /// (see [`Projections`]).
+    projected: Vec<f32>,
+    /// The query rows of `x` when not every row is one, and their queries.
     x_q: Vec<f32>,
     queries: Vec<f32>,
     context: Vec<f32>,
@@ -767,13 +966,9 @@ struct RowPiece {
     attention: Vec<AttentionScratch>,
 }
 
-/// One piece of a layer's projections: its rows of the keys, values and queries, and its buffers.
-type ProjectionPiece<'a> = (
-    &'a mut [f32],
-    &'a mut [f32],
-    &'a mut [f32],
-    &'a mut RowPiece,
-);
+/// One piece of a layer's projections: its token rows of the projections, its query rows'
+/// queries (when computed apart), and its buffers.
+type ProjectionPiece<'a> = (&'a mut [f32], &'a mut [f32], &'a mut RowPiece);
 
 /// `0..n` in `pieces` contiguous ranges whose lengths differ by at most one.
 fn even_ranges(n: usize, pieces: usize) -> Vec<std::ops::Range<usize>> {
@@ -800,7 +995,89 @@ struct AttentionScratch {
 mod tests {
     use crate::config::ModelKind;
     use crate::engine_dir::Precision;
+    use crate::kernels::fused;
+    use crate::kernels::packed::{LayerRef, QuantizedActivations};
     use crate::models::Model;
+
+    /// Each layer's keys, values and queries computed as one packed layer carry the bits of the
+    /// three layers run apart, at every precision and with W8A8 static scales, whether the
+    /// queries share the keys' scale (one call) or not (two).
+    #[test]
+    fn projections_packed_as_one_layer_keep_each_layers_bits() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut models = Vec::new();
+        for precision in [Precision::Fp32, Precision::Fp16, Precision::Int8] {
+            let dir = tmp.path().join(format!("{precision:?}"));
+            let engine =
+                crate::fixtures::convert(ModelKind::Bert4rec, "model.safetensors", &dir, precision)
+                    .unwrap();
+            models.push(engine.model.clone());
+            if precision == Precision::Int8 {
+                // W8A8: layer 0's queries at a scale of their own, layer 1's at the keys'.
+                let mut m = engine.model.clone();
+                let names: Vec<String> = m
+                    .dense_layers_mut()
+                    .iter()
+                    .map(|l| l.name().to_string())
+                    .collect();
+                let scales = names
+                    .iter()
+                    .map(|n| {
+                        let own = n.contains("layer.0") && n.ends_with("query");
+                        (n.clone(), if own { 0.031 } else { 0.047 })
+                    })
+                    .collect();
+                m.set_static_activation_scales(&scales).unwrap();
+                models.push(m);
+            }
+        }
+        let mut next = 0x9e37_79b9_u32;
+        let mut value = || {
+            next = next.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (next >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+        };
+        let mut fused_calls = 0;
+        for model in &models {
+            let Model::Bert4rec(model) = model else {
+                unreachable!("a BERT4Rec fixture")
+            };
+            let (h, k) = (model.config.hidden_size, model.kernels);
+            let rows = 37;
+            let x: Vec<f32> = (0..rows * h).map(|_| value()).collect();
+            for layer in &model.layers {
+                let p = &layer.projections;
+                let want = [&layer.key, &layer.value, &layer.query].map(|d| d.0.forward(k, &x));
+                let run = |view: LayerRef<'_>| {
+                    let mut y = vec![0f32; rows * view.n];
+                    fused::linear_into(k, view, &x, &mut y, &mut QuantizedActivations::default());
+                    y
+                };
+                let same = |got: &[f32], stride: usize, offset: usize, want: &[f32]| {
+                    (0..rows).all(|r| {
+                        got[r * stride + offset..r * stride + offset + h]
+                            .iter()
+                            .zip(&want[r * h..(r + 1) * h])
+                            .all(|(a, b)| a.to_bits() == b.to_bits())
+                    })
+                };
+                let w = p.width;
+                let kv = run(p.keys_values());
+                assert!(same(&kv, 2 * w, 0, &want[0]) && same(&kv, 2 * w, w, &want[1]));
+                assert!(same(&run(p.queries()), w, 0, &want[2]));
+                if let Some(all) = p.all() {
+                    fused_calls += 1;
+                    let got = run(all);
+                    for (i, want) in want.iter().enumerate() {
+                        assert!(same(&got, 3 * w, i * w, want), "projection {i}");
+                    }
+                } else {
+                    assert_ne!(p.kv_scale, p.q_scale);
+                }
+            }
+        }
+        // fp32, fp16, int8: every layer in one call; W8A8: layer 1 only.
+        assert_eq!(fused_calls, 3 * 2 + 1);
+    }
 
     /// Long sequences split the heads over threads: every bit as on one thread, for the full
     /// layer (every row a query) and the last (one query row per sequence).
@@ -835,10 +1112,15 @@ mod tests {
             let queries: Vec<f32> = (0..query_rows.len() * h).map(|_| value()).collect();
             let run = |threads: usize| {
                 let (mut context, mut pieces) = (Vec::new(), Vec::new());
+                let columns = |data| super::Columns {
+                    data,
+                    stride: h,
+                    offset: 0,
+                };
                 model.attention(
-                    &keys,
-                    &values,
-                    &queries,
+                    columns(&keys),
+                    columns(&values),
+                    columns(&queries),
                     &spans,
                     &query_rows,
                     &mut context,

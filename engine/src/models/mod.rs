@@ -321,7 +321,7 @@ impl Model {
     }
 
     /// The dense layers (not the output layer), in the order they run.
-    pub fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
+    pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
         match self {
             Model::Bert4rec(m) => m.dense_layers_mut(),
             Model::Vaecf(m) => m.dense_layers_mut(),
@@ -342,6 +342,10 @@ impl Model {
                 ))
             })?;
             layer.set_static_activation_scale(scale)?;
+        }
+        // BERT4Rec runs its projections as one packed layer, which takes the scales too.
+        if let Model::Bert4rec(m) = self {
+            m.repack_projections()?;
         }
         Ok(())
     }
