@@ -166,6 +166,34 @@ def vaecf_session(w, n_out, latent, threads):
     return g.session(inputs, logits, threads)
 
 
+def bert4rec_feeds(batch_hist: list[list[int]], ext_to_int: dict, L: int, N: int) -> dict:
+    """Inputs of `bert4rec_session` for histories of external ids: the last L-1 items and [MASK],
+    the MASK slot as a one-hot, PAD and the history excluded."""
+    seq = np.zeros((len(batch_hist), L), dtype=np.int64)
+    onehot = np.zeros((len(batch_hist), L), dtype=np.float32)
+    excl = np.zeros((len(batch_hist), N + 1), dtype=np.float32)
+    for i, h in enumerate(batch_hist):
+        ids = [ext_to_int[x] for x in h][-(L - 1):]
+        seq[i, : len(ids)] = ids
+        seq[i, len(ids)] = N + 1
+        onehot[i, len(ids)] = 1.0
+        excl[i, 0] = -np.inf
+        excl[i, [ext_to_int[x] for x in h]] = -np.inf
+    return {"item_seq": seq, "mask_onehot": onehot, "exclude": excl}
+
+
+def vaecf_feeds(batch_hist: list[list[int]], index: dict, n_items: int) -> dict:
+    """Inputs of `vaecf_session`: the multi-hot of each history, PAD and the history excluded."""
+    x = np.zeros((len(batch_hist), n_items + 1), dtype=np.float32)
+    excl = np.zeros_like(x)
+    for i, h in enumerate(batch_hist):
+        idx = [index[e] for e in h]
+        x[i, idx] = 1.0
+        excl[i, idx] = -np.inf
+        excl[i, 0] = -np.inf
+    return {"multihot": x, "exclude": excl}
+
+
 def probe(engine: Path, histories: list[list[int]], batch: int, threads: int, reps: int, tmp: Path) -> dict:
     path = tmp / "histories.json"
     path.write_text(json.dumps(histories))
@@ -235,6 +263,27 @@ def ml1m_bert4rec(tmp: Path, rng) -> tuple[Path, Path, Path]:
                                "hidden_size": h, "inner_size": inner, "layer_norm_eps": 1e-12}))
     item_map.write_text("internal_index\texternal_item_id\n" + "".join(f"{i + 1}\t{2_000_001 + i}\n" for i in range(n)))
     return ckpt, cfg, item_map
+
+
+def random_multivae(tmp: Path, rng, n_items: int):
+    """A Mult-VAE as RecBole builds it with latent_dimension 400 (items -> 600 -> 200 mu -> 600 ->
+    items) with random weights: its weights, checkpoint, config, item map and external ids."""
+    w = {
+        "encoder.0.weight": rng.standard_normal((600, n_items + 1), dtype=np.float32) * 0.02,
+        "encoder.0.bias": rng.standard_normal(600, dtype=np.float32) * 0.02,
+        "encoder.2.weight": rng.standard_normal((400, 600), dtype=np.float32) * 0.05,
+        "encoder.2.bias": rng.standard_normal(400, dtype=np.float32) * 0.02,
+        "decoder.0.weight": rng.standard_normal((600, 200), dtype=np.float32) * 0.05,
+        "decoder.0.bias": rng.standard_normal(600, dtype=np.float32) * 0.02,
+        "decoder.2.weight": rng.standard_normal((n_items + 1, 600), dtype=np.float32) * 0.05,
+        "decoder.2.bias": rng.standard_normal(n_items + 1, dtype=np.float32) * 0.02,
+    }
+    ckpt, cfg_path, map_path = tmp / f"vae{n_items}.safetensors", tmp / f"vae{n_items}.json", tmp / f"vae{n_items}_map.tsv"
+    write_safetensors(ckpt, w)
+    cfg_path.write_text(json.dumps({"n_real_items": n_items, "mlp_hidden_size": [600], "latent_dimension": 400}))
+    ext_ids = list(range(1_000_001, 1_000_001 + n_items))
+    map_path.write_text("internal_index\texternal_item_id\n" + "".join(f"{i + 1}\t{e}\n" for i, e in enumerate(ext_ids)))
+    return w, ckpt, cfg_path, map_path, ext_ids
 
 
 def ml1m_histories(ext_ids: list[int], rng, count: int = 640) -> list[list[int]]:
@@ -315,17 +364,7 @@ def main() -> None:
             sess = bert4rec_session(w, cfg, threads)
 
             def bert_feeds(batch_hist):
-                seq = np.zeros((len(batch_hist), L), dtype=np.int64)
-                onehot = np.zeros((len(batch_hist), L), dtype=np.float32)
-                excl = np.zeros((len(batch_hist), N + 1), dtype=np.float32)
-                for i, h in enumerate(batch_hist):
-                    ids = [ext_to_int[x] for x in h][-(L - 1):]
-                    seq[i, : len(ids)] = ids
-                    seq[i, len(ids)] = N + 1
-                    onehot[i, len(ids)] = 1.0
-                    excl[i, 0] = -np.inf
-                    excl[i, [ext_to_int[x] for x in h]] = -np.inf
-                return {"item_seq": seq, "mask_onehot": onehot, "exclude": excl}
+                return bert4rec_feeds(batch_hist, ext_to_int, L, N)
 
             for batch in [1, 64]:
                 feeds = [bert_feeds(histories[i * batch:(i + 1) * batch]) for i in range(max(1, min(10, len(histories) // batch)))]
@@ -350,21 +389,7 @@ def main() -> None:
                 ckpt, cfg_path, map_path = FIX / "multivae/model.safetensors", FIX / "multivae/config.json", FIX / "multivae/item_id_map.tsv"
                 ext_ids = [int(l.split("\t")[1]) for l in map_path.read_text().splitlines()[1:]]
             else:
-                w = {
-                    "encoder.0.weight": rng.standard_normal((600, n_items + 1), dtype=np.float32) * 0.02,
-                    "encoder.0.bias": rng.standard_normal(600, dtype=np.float32) * 0.02,
-                    "encoder.2.weight": rng.standard_normal((400, 600), dtype=np.float32) * 0.05,
-                    "encoder.2.bias": rng.standard_normal(400, dtype=np.float32) * 0.02,
-                    "decoder.0.weight": rng.standard_normal((600, 200), dtype=np.float32) * 0.05,
-                    "decoder.0.bias": rng.standard_normal(600, dtype=np.float32) * 0.02,
-                    "decoder.2.weight": rng.standard_normal((n_items + 1, 600), dtype=np.float32) * 0.05,
-                    "decoder.2.bias": rng.standard_normal(n_items + 1, dtype=np.float32) * 0.02,
-                }
-                ckpt, cfg_path, map_path = tmp / "vae.safetensors", tmp / "vae.json", tmp / "vae_map.tsv"
-                write_safetensors(ckpt, w)
-                cfg_path.write_text(json.dumps({"n_real_items": n_items, "mlp_hidden_size": [600], "latent_dimension": 400}))
-                ext_ids = list(range(1_000_001, 1_000_001 + n_items))
-                map_path.write_text("".join(f"{i + 1}\t{e}\n" for i, e in enumerate(ext_ids)))
+                w, ckpt, cfg_path, map_path, ext_ids = random_multivae(tmp, rng, n_items)
             engine = tmp / f"vae{n_items}"
             subprocess.run([str(RECSYS), "convert", "--kind", "vaecf", "--checkpoint", str(ckpt), "--config", str(cfg_path),
                             "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
@@ -384,14 +409,7 @@ def main() -> None:
             index = {e: i + 1 for i, e in enumerate(ext_ids)}
 
             def vae_feeds(batch_hist):
-                x = np.zeros((len(batch_hist), n_items + 1), dtype=np.float32)
-                excl = np.zeros_like(x)
-                for i, h in enumerate(batch_hist):
-                    idx = [index[e] for e in h]
-                    x[i, idx] = 1.0
-                    excl[i, idx] = -np.inf
-                    excl[i, 0] = -np.inf
-                return {"multihot": x, "exclude": excl}
+                return vaecf_feeds(batch_hist, index, n_items)
 
             for batch in [1, 64]:
                 feeds = [vae_feeds(histories[i * batch:(i + 1) * batch]) for i in range(max(1, min(10, len(histories) // batch)))]

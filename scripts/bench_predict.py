@@ -1,8 +1,13 @@
 """Offline batch scoring: `recsys predict` against a Python loop over ONNX Runtime on the same
 exported model (`recsys export-onnx --k 10` of the same engine), same JSONL input, same output
-content (top-10 ids and scores per line), 2 threads each.
+content (top-10 ids and scores per line), 2 threads each. The peer's time is given whole (reading,
+id mapping, padding, writing) and for its `session.run` calls alone.
 
-    scripts/bench.sh predict [--lines 20000] [--out FILE.md]
+    scripts/bench.sh predict [--lines 20000] [--shape fixture|ml1m] [--batch-size 256] [--out FILE.md]
+
+--shape fixture: the trained fixtures (2,000 items) on the fixture's test histories. --shape ml1m:
+MovieLens-1M's shapes with random weights (BERT4Rec 3,416 items, L = 200, 2 layers, 2 heads, 64/256;
+Mult-VAE 3,416 items, 600-200-600) on histories with MovieLens-1M's lengths (median 96, mean 165).
 """
 
 from __future__ import annotations
@@ -23,16 +28,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import onnxruntime as ort  # noqa: E402
 
-from bench_models import FIX, RECSYS, K  # noqa: E402
+from bench_models import (FIX, RECSYS, K, bert4rec_feeds, bert4rec_session, ml1m_bert4rec, ml1m_histories,  # noqa: E402
+                          random_multivae, read_safetensors, vaecf_feeds, vaecf_session)
 
 
 def python_loop(model: str, sess, src: Path, dst: Path, ext_to_int: dict, int_to_ext: list, n: int, max_len: int,
-                batch: int) -> None:
-    """What a team would write around the exported graph: read lines, map ids, pad, run ORT, write JSON lines."""
+                batch: int) -> float:
+    """What a team would write around the exported graph: read lines, map ids, pad, run ORT, write JSON
+    lines. Returns the seconds spent in `session.run`."""
+    in_run = 0.0
     with open(src) as f, open(dst, "w") as out:
         lines = []
 
         def flush():
+            nonlocal in_run
             histories = [[ext_to_int[x] for x in json.loads(l)["item_ids"] if x in ext_to_int] for l in lines]
             width = max(1, max(len(h) for h in histories))
             exclude = np.zeros((len(histories), width), dtype=np.int64)
@@ -47,7 +56,9 @@ def python_loop(model: str, sess, src: Path, dst: Path, ext_to_int: dict, int_to
                 feeds = {"item_seq": seq, "exclude_ids": exclude}
             else:
                 feeds = {"items": exclude, "exclude_ids": exclude}
+            start = time.perf_counter()
             values, indices = sess.run(None, feeds)
+            in_run += time.perf_counter() - start
             for v, ix in zip(values, indices):
                 out.write(json.dumps({"item_ids": [int_to_ext[i] for i in ix], "scores": [float(s) for s in v]}) + "\n")
             lines.clear()
@@ -58,33 +69,51 @@ def python_loop(model: str, sess, src: Path, dst: Path, ext_to_int: dict, int_to
                 flush()
         if lines:
             flush()
+    return in_run
+
+
+def models(shape: str, tmp: Path) -> list[tuple[str, Path, Path, Path, list[list[int]]]]:
+    """(kind, checkpoint, config, item map, histories) of each model of `shape`."""
+    if shape == "fixture":
+        test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
+        histories = [[int(x) for x in t[2].split()] for t in test]
+        return [(kind, FIX / sub / "model.safetensors", FIX / sub / "config.json", FIX / sub / "item_id_map.tsv", histories)
+                for kind, sub in [("bert4rec", "bert4rec"), ("vaecf", "multivae")]]
+    rng = np.random.default_rng(11)
+    out = []
+    ckpt, cfg, item_map = ml1m_bert4rec(tmp, rng)
+    ext = [int(l.split("\t")[1]) for l in item_map.read_text().splitlines()[1:]]
+    out.append(("bert4rec", ckpt, cfg, item_map, ml1m_histories(ext, rng)))
+    _, ckpt, cfg, item_map, ext = random_multivae(tmp, rng, 3416)
+    out.append(("vaecf", ckpt, cfg, item_map, ml1m_histories(ext, rng)))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lines", type=int, default=20000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shape", choices=["fixture", "ml1m"], default="fixture")
+    parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        src = tmp / "users.jsonl"
-        with open(src, "w") as f:
-            for i in range(args.lines):
-                t = test[i % len(test)]
-                f.write(json.dumps({"user_id": i, "item_ids": [int(x) for x in t[2].split()]}) + "\n")
-        for model, fixture in [("bert4rec", "bert4rec"), ("vaecf", "multivae")]:
+        for model, ckpt, cfg, item_map, histories in models(args.shape, tmp):
+            src = tmp / f"{model}_users.jsonl"
+            with open(src, "w") as f:
+                for i in range(args.lines):
+                    f.write(json.dumps({"user_id": i, "item_ids": histories[i % len(histories)]}) + "\n")
             engine = tmp / model
-            subprocess.run([str(RECSYS), "convert", "--kind", model, "--checkpoint", str(FIX / fixture / "model.safetensors"),
-                            "--config", str(FIX / fixture / "config.json"), "--item-map", str(FIX / fixture / "item_id_map.tsv"),
-                            "--out", str(engine)], check=True, capture_output=True)
+            subprocess.run([str(RECSYS), "convert", "--kind", model, "--checkpoint", str(ckpt), "--config", str(cfg),
+                            "--item-map", str(item_map), "--out", str(engine)], check=True, capture_output=True)
             start = time.perf_counter()
             subprocess.run([str(RECSYS), "predict", "--engine", str(engine), "--input", str(src), "--output", str(tmp / "ours.jsonl"),
-                            "--k", str(K), "--threads", str(args.threads), "--batch-size", "256"], check=True, capture_output=True)
+                            "--k", str(K), "--threads", str(args.threads), "--batch-size", str(args.batch_size)],
+                           check=True, capture_output=True)
             ours = time.perf_counter() - start
-            mapping = [l.split("\t") for l in (FIX / fixture / "item_id_map.tsv").read_text().splitlines()[1:]]
+            mapping = [l.split("\t") for l in item_map.read_text().splitlines()[1:]]
             ext_to_int = {int(e): int(i) for i, e in mapping}
             int_to_ext = [0] * (len(mapping) + 1)
             for i, e in mapping:
@@ -98,21 +127,45 @@ def main() -> None:
             sess = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
             max_len = int(sess.get_modelmeta().custom_metadata_map.get("recsys.max_len", "0"))
             start = time.perf_counter()
-            python_loop(model, sess, src, tmp / "theirs.jsonl", ext_to_int, int_to_ext, n, max_len, 256)
+            in_run = python_loop(model, sess, src, tmp / "theirs.jsonl", ext_to_int, int_to_ext, n, max_len, args.batch_size)
             theirs = time.perf_counter() - start
+            # The model as a user exports it from PyTorch (dense inputs, TopK-free logits), its
+            # session.run alone over the same histories in the same batches, inputs built untimed.
+            w = read_safetensors(ckpt)
+            config = json.loads(cfg.read_text())
+            if model == "bert4rec":
+                user_sess = bert4rec_session(w, config, args.threads)
+                feed = lambda hs: bert4rec_feeds(hs, ext_to_int, config["max_seq_length"], n)  # noqa: E731
+            else:
+                user_sess = vaecf_session(w, n + 1, 200, args.threads)
+                feed = lambda hs: vaecf_feeds(hs, ext_to_int, n)  # noqa: E731
+            user_run = 0.0
+            every = [histories[i % len(histories)] for i in range(args.lines)]
+            for first in range(0, args.lines, args.batch_size):
+                feeds = feed(every[first:first + args.batch_size])
+                start = time.perf_counter()
+                user_sess.run(None, feeds)
+                user_run += time.perf_counter() - start
             a = [json.loads(l)["item_ids"] for l in open(tmp / "ours.jsonl")]
             b = [json.loads(l)["item_ids"] for l in open(tmp / "theirs.jsonl")]
             agree = sum(x == y for x, y in zip(a, b)) / len(a)
-            rows.append((model, args.lines, ours, theirs, agree))
+            rows.append((model, n, args.lines, ours, theirs, in_run, user_run, agree))
     lines = [
         f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores; {args.threads} threads each; "
-        f"batches of 256; top-{K}; times include reading and writing JSON lines (and, for recsys, loading the engine)",
+        f"{args.shape} shapes; batches of {args.batch_size}; top-{K}; times include reading and writing JSON lines "
+        "(and, for recsys, loading the engine); Python + ORT runs the graph `recsys export-onnx --k 10` writes, "
+        "its session.run calls also timed alone; 'PyTorch-style graph' is the model as a user exports it from "
+        "PyTorch (dense multi-hot or padded sequence and an exclusion mask in, TopK in the graph), session.run alone",
         "",
-        "| model | lines | recsys predict s | histories/s | Python + ORT s | histories/s | speed-up | identical top-10 lines |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | items | lines | recsys predict s | histories/s | Python + ORT s | speed-up | "
+        "its session.run alone s | speed-up | PyTorch-style graph, session.run alone s | speed-up | "
+        "identical top-10 lines (exported graph) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model, n, ours, theirs, agree in rows:
-        lines.append(f"| {model} | {n} | {ours:.2f} | {n / ours:.0f} | {theirs:.2f} | {n / theirs:.0f} | {theirs / ours:.1f}x | {100 * agree:.1f} % |")
+    for model, items, n, ours, theirs, in_run, user_run, agree in rows:
+        lines.append(f"| {model} | {items} | {n} | {ours:.2f} | {n / ours:.0f} | {theirs:.2f} | {theirs / ours:.2f}x | "
+                     f"{in_run:.2f} | {in_run / ours:.2f}x | {user_run:.2f} | {user_run / ours:.2f}x | "
+                     f"{100 * agree:.1f} % |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
