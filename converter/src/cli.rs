@@ -158,6 +158,11 @@ pub struct ExportOnnxArgs {
     /// Put the weights in a side file (FILE.data) even when the model is small.
     #[arg(long)]
     pub external_data: bool,
+    /// Mult-VAE: how the graph drops duplicate history items. scatter: one [batch, N+1] int64
+    /// row per history, linear in the history's length; pairs: [batch, T, T] comparisons, no
+    /// memory per item but quadratic in the padded length T; auto: scatter below 65,536 items.
+    #[arg(long, value_enum, default_value_t = DedupArg::Auto)]
+    pub dedup: DedupArg,
     /// Replace an existing output file or version directory.
     #[arg(long)]
     pub force: bool,
@@ -549,4 +554,12 @@ pub fn default_threads(threads: Option<u32>) -> usize {
     threads.map(|t| t as usize).unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     })
+}
+
+/// `recsys export-onnx --dedup`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DedupArg {
+    Auto,
+    Scatter,
+    Pairs,
 }

@@ -23,6 +23,11 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
         external_data: args.external_data,
         candidates: args.candidates,
         embedding: args.embedding,
+        dedup: match args.dedup {
+            crate::cli::DedupArg::Auto => recsys_onnx::Dedup::Auto,
+            crate::cli::DedupArg::Scatter => recsys_onnx::Dedup::Scatter,
+            crate::cli::DedupArg::Pairs => recsys_onnx::Dedup::Pairs,
+        },
     };
     let summary = match (&args.output, &args.model_repository) {
         (_, Some(repository)) => {

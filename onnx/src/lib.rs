@@ -83,6 +83,21 @@ pub enum GraphOutput {
     Scores,
 }
 
+/// How a Mult-VAE graph drops duplicate items from the padded history it is given (each
+/// distinct item counts once, as in the engine).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dedup {
+    /// [`Dedup::Scatter`] below 65,536 items, [`Dedup::Pairs`] from there.
+    #[default]
+    Auto,
+    /// A scatter over one row of the catalogue per history (`[batch, N+1]` int64 each run):
+    /// linear in the history's length.
+    Scatter,
+    /// Pairwise comparison of the history's slots (`[batch, T, T]`): no memory per catalogue
+    /// item, but quadratic in the padded history's length T.
+    Pairs,
+}
+
 #[derive(Clone, Debug)]
 pub struct ExportOptions {
     pub output: GraphOutput,
@@ -94,6 +109,8 @@ pub struct ExportOptions {
     pub candidates: bool,
     /// Add the `user_embedding` output, `[batch, d + 1]`.
     pub embedding: bool,
+    /// Mult-VAE only: how the graph drops duplicate history items.
+    pub dedup: Dedup,
 }
 
 impl Default for ExportOptions {
@@ -103,6 +120,7 @@ impl Default for ExportOptions {
             external_data: false,
             candidates: false,
             embedding: false,
+            dedup: Dedup::Auto,
         }
     }
 }
@@ -204,7 +222,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
     let mut g = GraphBuilder::new(float);
     let mut model = match &manifest.model {
         ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights, &scales)?,
-        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, &scales)?,
+        ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, &scales, options.dedup)?,
     };
     let n_outputs = model.n_outputs;
     if let GraphOutput::TopK(k) = options.output {

@@ -261,41 +261,60 @@ pub(crate) fn bert4rec(
     })
 }
 
-pub(crate) fn vaecf(
+/// With [`crate::Dedup::Auto`], catalogues below this many items drop a history's duplicates with a scatter over a row of
+/// the catalogue per history (`[B, N+1]` int64, 512 KiB per history at the limit); larger ones
+/// compare the history's slots pairwise (`[B, T, T]`), whose cost grows with the history's length
+/// squared instead: with MovieLens-1M's lengths (hundreds to thousands of slots once a batch is
+/// padded to its longest) the pairwise graph ran 40x slower in ONNX Runtime than the scatter.
+const DEDUP_BY_SCATTER_MAX_ITEMS: usize = 1 << 16;
+
+/// Per slot of `items` (`[B, T]`), whether it is the slot that counts for its item: each slot
+/// writes its position into its item's cell of a `[B, N+1]` row (duplicates: one of them wins,
+/// whichever the runtime lets), then reads its item's cell back; exactly the winner reads its own
+/// position, so every distinct item counts once whatever the order of the writes.
+fn first_of_each_item_by_scatter(
     g: &mut GraphBuilder,
-    c: &VaeCfConfig,
-    w: &Weights,
-    scales: &ActivationScales,
-) -> Result<ModelGraph> {
-    let n = c.n_items;
-    let items = "items";
-    let (encoder, decoder) = layer_shapes(c);
-
-    // The first layer is a gather-sum, as in the engine: the rows of the history's distinct items
-    // of the by-item weight ([N+1, hidden_0] = W^T), summed, divided by the multi-hot's L2 norm
-    // sqrt(count). Its cost is the history's, not the catalogue's, and the int8 table's per-row
-    // DequantizeLinear feeds the Gather directly.
-    let (first_prefix, first_shape) = &encoder[0];
-    let first = w.matrix(FIRST_LAYER_BY_ITEM, [first_shape[1], first_shape[0]])?;
-    let first = g.weight(FIRST_LAYER_BY_ITEM, &first);
-    let rows = g.op("Gather", &[&first, items], vec![("axis", Attr::Int(0))]);
-
-    // A slot counts when it is not PAD and no earlier slot holds the same item (duplicates count
-    // once): [B, T, T] equalities masked to earlier slots, any over the last axis.
+    items: &str,
+    positions: &str,
+    n: usize,
+) -> String {
     let zero = g.scalar_i64("zero", 0);
-    let one = g.scalar_i64("one", 1);
-    let is_pad = g.op("Equal", &[items, &zero], vec![]);
-    let real = g.op("Not", &[&is_pad], vec![]);
-    let shape = g.op("Shape", &[items], vec![]);
-    let slots = g.op("Gather", &[&shape, &one], vec![("axis", Attr::Int(0))]);
-    let positions = g.op("Range", &[&zero, &slots, &one], vec![]);
+    // [B, T] positions and a [B, N+1] row of -1 per history, both shaped from `items` by
+    // broadcasting (no shape arithmetic).
+    let zeros = g.op("Mul", &[items, &zero], vec![]);
+    let slot_positions = g.op("Add", &[&zeros, positions], vec![]);
+    let (starts, ends, axes) = (
+        g.init_i64("starts", &[0]),
+        g.init_i64("ends", &[1]),
+        g.init_i64("axes", &[1]),
+    );
+    let first_column = g.op("Slice", &[&zeros, &starts, &ends, &axes], vec![]);
+    let empty_row = g.init_i64("empty_row", &vec![-1; n + 1]);
+    let cells = g.op("Add", &[&first_column, &empty_row], vec![]);
+    let owners = g.op(
+        "ScatterElements",
+        &[&cells, items, &slot_positions],
+        vec![("axis", Attr::Int(1))],
+    );
+    let owner = g.op(
+        "GatherElements",
+        &[&owners, items],
+        vec![("axis", Attr::Int(1))],
+    );
+    g.op("Equal", &[&owner, &slot_positions], vec![])
+}
+
+/// [`first_of_each_item_by_scatter`] for large catalogues: a slot counts when no earlier slot
+/// holds the same item, from `[B, T, T]` equalities masked to earlier slots, any over the last
+/// axis.
+fn first_of_each_item_by_pairs(g: &mut GraphBuilder, items: &str, positions: &str) -> String {
     let (axes0, axes1, axes2) = (
         g.init_i64("axes", &[0]),
         g.init_i64("axes", &[1]),
         g.init_i64("axes", &[2]),
     );
-    let later = g.op("Unsqueeze", &[&positions, &axes1], vec![]);
-    let sooner = g.op("Unsqueeze", &[&positions, &axes0], vec![]);
+    let later = g.op("Unsqueeze", &[positions, &axes1], vec![]);
+    let sooner = g.op("Unsqueeze", &[positions, &axes0], vec![]);
     let earlier = g.op("Less", &[&sooner, &later], vec![]);
     let column = g.op("Unsqueeze", &[items, &axes2], vec![]);
     let row = g.op("Unsqueeze", &[items, &axes1], vec![]);
@@ -312,8 +331,48 @@ pub(crate) fn vaecf(
         &[&repeated],
         vec![("to", Attr::Int(DataType::BOOL as i64))],
     );
-    let fresh = g.op("Not", &[&repeated], vec![]);
+    g.op("Not", &[&repeated], vec![])
+}
+
+pub(crate) fn vaecf(
+    g: &mut GraphBuilder,
+    c: &VaeCfConfig,
+    w: &Weights,
+    scales: &ActivationScales,
+    dedup: crate::Dedup,
+) -> Result<ModelGraph> {
+    let n = c.n_items;
+    let items = "items";
+    let (encoder, decoder) = layer_shapes(c);
+
+    // The first layer is a gather-sum, as in the engine: the rows of the history's distinct items
+    // of the by-item weight ([N+1, hidden_0] = W^T), summed, divided by the multi-hot's L2 norm
+    // sqrt(count). Its cost is the history's, not the catalogue's, and the int8 table's per-row
+    // DequantizeLinear feeds the Gather directly.
+    let (first_prefix, first_shape) = &encoder[0];
+    let first = w.matrix(FIRST_LAYER_BY_ITEM, [first_shape[1], first_shape[0]])?;
+    let first = g.weight(FIRST_LAYER_BY_ITEM, &first);
+    let rows = g.op("Gather", &[&first, items], vec![("axis", Attr::Int(0))]);
+
+    let zero = g.scalar_i64("zero", 0);
+    let one = g.scalar_i64("one", 1);
+    let is_pad = g.op("Equal", &[items, &zero], vec![]);
+    let real = g.op("Not", &[&is_pad], vec![]);
+    let shape = g.op("Shape", &[items], vec![]);
+    let slots = g.op("Gather", &[&shape, &one], vec![("axis", Attr::Int(0))]);
+    let positions = g.op("Range", &[&zero, &slots, &one], vec![]);
+    let scatter = match dedup {
+        crate::Dedup::Auto => n < DEDUP_BY_SCATTER_MAX_ITEMS,
+        crate::Dedup::Scatter => true,
+        crate::Dedup::Pairs => false,
+    };
+    let fresh = if scatter {
+        first_of_each_item_by_scatter(g, items, &positions, n)
+    } else {
+        first_of_each_item_by_pairs(g, items, &positions)
+    };
     let keep = g.op("And", &[&real, &fresh], vec![]);
+    let (axes1, axes2) = (g.init_i64("axes", &[1]), g.init_i64("axes", &[2]));
 
     let weight = g.cast_to_compute(&keep);
     let weight = g.op("Unsqueeze", &[&weight, &axes2], vec![]);

@@ -266,6 +266,38 @@ def test_topk_agrees_with_the_engine(recsys_bin, exports, users, tmp_path, model
         assert identical10 >= 0.98 * len(ours), line
 
 
+@pytest.mark.parametrize("dedup", ["scatter", "pairs"])
+def test_mult_vae_duplicate_history_items_count_once_with_either_dedup(recsys_bin, exports, users, tmp_path, dedup):
+    """Mult-VAE's input is a set: a history given with repeated items (in any slots, padded to the
+    batch's longest) ranks as the same history without them, in the graph of either duplicate
+    rule (`--dedup`) as in the engine."""
+    engine, _, _ = exports[("vaecf", "fp32")]
+    onnx_file = tmp_path / f"vaecf_{dedup}.onnx"
+    subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(onnx_file), "--k", str(K),
+                    "--dedup", dedup], check=True, capture_output=True, text=True)
+    _, histories = users
+    histories = histories[:64]
+    rng = np.random.default_rng(7)
+    repeated = []
+    for h in histories:
+        extra = [h[int(i)] for i in rng.integers(0, len(h), size=1 + len(h) // 2)]
+        mixed = h + extra
+        rng.shuffle(mixed)
+        repeated.append(mixed)
+    users_file = tmp_path / "repeated.jsonl"
+    users_file.write_text("".join(json.dumps({"user_id": i, "item_ids": h}) + "\n" for i, h in enumerate(histories)))
+    ours = engine_topk(recsys_bin, engine, users_file, tmp_path)
+    scores, items = run_graph(onnx_file, graph_inputs("vaecf", engine, repeated))
+    plain_scores, plain_items = run_graph(onnx_file, graph_inputs("vaecf", engine, histories))
+    ext = {idx: e for e, idx in item_index(engine).items()}
+    for i, rec in enumerate(ours):
+        graph_ids = [ext[int(j)] for j in items[i]]
+        assert graph_ids[:10] == rec["item_ids"][:10], f"history {i}: repeated items changed the top-10"
+        assert float(np.abs(scores[i] - np.asarray(rec["scores"])).max()) <= TOPK_SCORE_ABS_TOL, i
+        assert float(np.abs(scores[i] - plain_scores[i]).max()) <= TOPK_SCORE_ABS_TOL, i
+        assert list(items[i][:10]) == list(plain_items[i][:10]), i
+
+
 def test_model_repository_for_the_onnxruntime_backend(recsys_bin, exports, tmp_path):
     engine, _, _ = exports[("bert4rec", "int8-w8a8-all")]
     repo = tmp_path / "repo"
