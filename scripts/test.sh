@@ -27,7 +27,10 @@ if ! command -v "${RECSYS_CXX:-c++}" >/dev/null; then
 fi
 
 # The FFI drift test runs bindgen over Triton's headers; bindgen loads libclang at run time.
-if ! compgen -G "/usr/lib/llvm-*/lib/libclang*.so*" >/dev/null && ! ldconfig -p | grep -q 'libclang'; then
+# (libclang itself: libclang-cpp, which some images carry alone, is not what bindgen loads.)
+if ! compgen -G "/usr/lib/llvm-*/lib/libclang.so*" >/dev/null \
+  && ! compgen -G "/usr/lib/llvm-*/lib/libclang-[0-9]*.so*" >/dev/null \
+  && ! ldconfig -p | grep -qE 'libclang(-[0-9.]+)?\.so'; then
   if [[ $(id -u) -eq 0 ]]; then
     apt-get update -qq && apt-get install -y -qq libclang-dev >/dev/null
   else
