@@ -193,8 +193,7 @@ fn quantize(
                 let bytes = to_f16_bits(tensor.as_slice())
                     .iter()
                     .flat_map(|b| b.to_le_bytes())
-                    .collect::<Vec<u8>>()
-                    .into();
+                    .collect();
                 raw.push((
                     name,
                     RawTensor {
@@ -215,7 +214,7 @@ fn quantize(
                     RawTensor {
                         dtype: safetensors::Dtype::I8,
                         shape,
-                        bytes: q.iter().map(|&v| v as u8).collect::<Vec<u8>>().into(),
+                        bytes: q.iter().map(|&v| v as u8).collect(),
                     },
                 ));
             }
