@@ -27,12 +27,12 @@ fi
 cargo build --release -p recsys-converter
 ./scripts/python-env.sh
 .venv/bin/python fuzz/seed.py
+# Converted by this build every run (under a second): an engine left by another build may be in a
+# format this one refuses, and the targets would fail on loading it rather than on their input.
 engine=fuzz/work/engine
-if [[ ! -f $engine/manifest.json ]]; then
-  target/release/recsys convert --kind bert4rec --checkpoint tests/fixtures/bert4rec/model.safetensors \
-    --config tests/fixtures/bert4rec/config.json --item-map tests/fixtures/bert4rec/item_id_map.tsv \
-    --out "$engine" --force >/dev/null
-fi
+target/release/recsys convert --kind bert4rec --checkpoint tests/fixtures/bert4rec/model.safetensors \
+  --config tests/fixtures/bert4rec/config.json --item-map tests/fixtures/bert4rec/item_id_map.tsv \
+  --out "$engine" --force >/dev/null
 export RECSYS_FUZZ_ENGINE=$PWD/$engine
 status=0
 for t in "${targets[@]}"; do
