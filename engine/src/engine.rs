@@ -31,6 +31,15 @@ pub struct Scorer {
 /// Each row's best items, best first.
 pub type RankedRows = Vec<Vec<Scored>>;
 
+/// How a ranking among some of the output layer's rows reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowAccess {
+    /// Through the mapping: candidate lists, which the caller picked and may repeat.
+    Mapped,
+    /// By positioned reads of the file when the table is large: a screen's survivors.
+    Scattered,
+}
+
 impl BatchRecommender for Engine {
     fn recommend_batch(&self, batch: &[InternalRequest]) -> Result<Vec<RowAnswer>> {
         Ok(self.recommend_internal_with_embeddings(batch))
@@ -141,7 +150,18 @@ impl Engine {
 
     /// [`Engine::load`] refusing engines whose files hold more than `max_engine_bytes`.
     pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<Engine> {
-        let loaded = engine_dir::load_limited(dir, max_engine_bytes)?;
+        Engine::load_with(
+            dir,
+            &engine_dir::LoadOptions {
+                max_engine_bytes,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// [`Engine::load`] with explicit [`engine_dir::LoadOptions`].
+    pub fn load_with(dir: &Path, options: &engine_dir::LoadOptions) -> Result<Engine> {
+        let loaded = engine_dir::load_with(dir, options)?;
         let packed = packed_output(&loaded)?;
         let screen = screen_table(&loaded)?;
         Ok(Engine {
@@ -463,13 +483,16 @@ impl Engine {
             &queries,
             self.scorer.threads.max(1),
             |row, items| {
-                // Survivors are eligible already: nothing left to exclude.
-                self.top_k_among_rows(
+                // Survivors are eligible already: nothing left to exclude. They are a few
+                // scattered rows of a table the screen exists not to read, so a large table
+                // gives them by reads of its file rather than by mapping its pages.
+                self.rank_rows(
                     &hidden[row * d..(row + 1) * d],
                     items,
                     &[ks[row]],
                     &[vec![]],
                     1,
+                    RowAccess::Scattered,
                 )
                 .remove(0)
             },
@@ -576,6 +599,19 @@ impl Engine {
         excluded: &[Vec<u32>],
         threads: usize,
     ) -> RankedRows {
+        self.rank_rows(hidden, candidates, ks, excluded, threads, RowAccess::Mapped)
+    }
+
+    /// [`Self::top_k_among_rows`], reading the candidates' rows as `access` says.
+    fn rank_rows(
+        &self,
+        hidden: &[f32],
+        candidates: &[u32],
+        ks: &[usize],
+        excluded: &[Vec<u32>],
+        threads: usize,
+        access: RowAccess,
+    ) -> RankedRows {
         if candidates.is_empty() {
             return vec![Vec::new(); ks.len()];
         }
@@ -584,7 +620,10 @@ impl Engine {
             .iter()
             .map(|&c| out.bias.as_slice()[c as usize])
             .collect();
-        let mut packed = out.weight.pack_rows(candidates, &bias);
+        let mut packed = match access {
+            RowAccess::Mapped => out.weight.pack_rows(candidates, &bias),
+            RowAccess::Scattered => out.weight.pack_scattered_rows(candidates, &bias),
+        };
         if let Some(scale) = self.scorer.packed.activation_scale {
             packed = packed.with_static_activation_scale(scale);
         }

@@ -344,9 +344,45 @@ pub fn load(dir: &Path) -> Result<LoadedDir> {
     load_limited(dir, DEFAULT_MAX_ENGINE_BYTES)
 }
 
+/// Weight tables of at least this many bytes (16 MiB) read the few scattered rows a request needs
+/// by positioned reads of the weights file instead of through its mapping (see
+/// [`crate::tensor::Tensor::copy_row_into`]): below it, mapping a whole table costs at most this
+/// much memory and is cheaper than a read per row (MovieLens-1M's tables are under 9 MiB).
+pub const DEFAULT_ROW_READS_MIN_BYTES: usize = 16 << 20;
+
+/// How an engine directory is loaded.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Largest engine (all files of the manifest together) accepted.
+    pub max_engine_bytes: u64,
+    /// Tables of at least this many bytes read scattered rows from the file, not the mapping.
+    pub row_reads_min_bytes: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            max_engine_bytes: DEFAULT_MAX_ENGINE_BYTES,
+            row_reads_min_bytes: DEFAULT_ROW_READS_MIN_BYTES,
+        }
+    }
+}
+
 /// [`load`] with an explicit limit on the engine's total file size, checked before reading. Files
 /// must live inside the directory: a symlink that resolves outside it is refused.
 pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<LoadedDir> {
+    load_with(
+        dir,
+        &LoadOptions {
+            max_engine_bytes,
+            ..LoadOptions::default()
+        },
+    )
+}
+
+/// [`load`] with explicit [`LoadOptions`].
+pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
+    let max_engine_bytes = options.max_engine_bytes;
     let bad = |reason: String| EngineError::EngineDir {
         path: dir.to_path_buf(),
         reason,
@@ -421,7 +457,7 @@ pub fn load_limited(dir: &Path, max_engine_bytes: u64) -> Result<LoadedDir> {
     // Hashed by reading the file, not the mapping: the pages stay out of this process' resident
     // set until the model touches them.
     verify_file(&weights_path, &manifest.files[WEIGHTS_FILE].sha256)?;
-    let storage = Storage::mapped(map);
+    let storage = Storage::mapped(map, file, options.row_reads_min_bytes);
     let kernels = match &manifest.kernel_layout {
         None => None,
         Some(_) => {

@@ -4,15 +4,25 @@
 //! a [`Tensor`] is a cheap handle (an `Arc` and a range) that can also be a row slice of another tensor
 //! (BERT4Rec's output layer is a view of its item embedding).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
 
 enum Backing {
     /// A read-only mapping of a whole file; tensors index into it by element range.
-    Mapped(memmap2::Mmap),
+    Mapped {
+        map: memmap2::Mmap,
+        /// The mapped file, for positioned reads of the rows of large tables (see
+        /// [`Tensor::copy_row_into`]).
+        file: std::fs::File,
+        /// Tables of at least this many bytes are read by row from `file`, not through `map`.
+        row_reads_min_bytes: usize,
+    },
     Owned(Vec<f32>),
     /// Arbitrary bytes copied into f32-aligned memory; `len` is the byte length.
     Bytes {
@@ -46,15 +56,21 @@ impl Storage {
         }
     }
 
-    pub(crate) fn mapped(map: memmap2::Mmap) -> Self {
+    /// The mapping `map` of the whole of `file`; tensors of at least `row_reads_min_bytes` read
+    /// their rows from `file` (see [`Tensor::copy_row_into`]).
+    pub(crate) fn mapped(map: memmap2::Mmap, file: File, row_reads_min_bytes: usize) -> Self {
         Storage {
-            backing: Arc::new(Backing::Mapped(map)),
+            backing: Arc::new(Backing::Mapped {
+                map,
+                file,
+                row_reads_min_bytes,
+            }),
         }
     }
 
     pub(crate) fn bytes(&self) -> &[u8] {
         match &*self.backing {
-            Backing::Mapped(map) => map,
+            Backing::Mapped { map, .. } => map,
             Backing::Owned(values) => bytemuck::cast_slice(values),
             Backing::Bytes { words, len } => &bytemuck::cast_slice(words)[..*len],
         }
@@ -159,6 +175,74 @@ impl Tensor {
     pub fn row(&self, i: usize) -> &[f32] {
         let cols = self.shape[1];
         &self.as_slice()[i * cols..(i + 1) * cols]
+    }
+
+    /// The file a 2-D tensor's rows are read from when it is a large table in a mapped file.
+    ///
+    /// Why not the mapping: Linux maps whole page-cache folios (up to 2 MiB on this project's
+    /// kernels, whatever `madvise` says) around every page a mapping touches, so a table read a
+    /// few scattered rows at a time (a Mult-VAE's history rows, the rows a screen rescores) ends
+    /// up mapped almost whole into the process after a few hundred requests, although each one
+    /// reads a few hundred KiB of it. A positioned read copies the row and maps nothing; it costs
+    /// a system call (under a microsecond here), which is why small tables, read many rows per
+    /// request, stay on the mapping.
+    fn row_file(&self) -> Option<&File> {
+        match &*self.storage.backing {
+            Backing::Mapped {
+                file,
+                row_reads_min_bytes,
+                ..
+            } if 4 * self.len() >= *row_reads_min_bytes => Some(file),
+            _ => None,
+        }
+    }
+
+    /// Whether [`Self::copy_row_into`] reads rows from the file rather than the mapping.
+    pub fn reads_rows_from_file(&self) -> bool {
+        self.row_file().is_some()
+    }
+
+    /// Row `i` of a 2-D tensor copied into `out` (`cols` long): by a positioned read of the file
+    /// for a large mapped table (see [`Self::row_file`]), else from the mapping. The same bytes
+    /// either way; a read that fails (the file replaced under a running server) falls back to the
+    /// mapping.
+    pub fn copy_row_into(&self, i: usize, out: &mut [f32]) {
+        let cols = self.shape[1];
+        assert_eq!(out.len(), cols, "the row buffer must be one row long");
+        assert!(i < self.shape[0], "row {i} out of bounds");
+        if let Some(file) = self.row_file() {
+            let offset = (self.byte_offset + 4 * i * cols) as u64;
+            if file
+                .read_exact_at(bytemuck::cast_slice_mut(out), offset)
+                .is_ok()
+            {
+                return;
+            }
+        }
+        out.copy_from_slice(self.row(i));
+    }
+
+    /// Row `i` of a 2-D tensor added into `out` (`cols` long), read as [`Self::copy_row_into`]
+    /// reads it.
+    pub fn add_row_into(&self, i: usize, out: &mut [f32]) {
+        if self.row_file().is_none() {
+            for (o, w) in out.iter_mut().zip(self.row(i)) {
+                *o += w;
+            }
+            return;
+        }
+        thread_local! {
+            /// One row of a table read from its file, reused by every read on this thread.
+            static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        ROW.with(|row| {
+            let mut row = row.borrow_mut();
+            row.resize(out.len(), 0.0);
+            self.copy_row_into(i, &mut row);
+            for (o, w) in out.iter_mut().zip(row.iter()) {
+                *o += w;
+            }
+        });
     }
 
     /// A transposed owned copy of a 2-D tensor.

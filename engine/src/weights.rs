@@ -86,11 +86,7 @@ impl Matrix {
     /// Row `i` as f32 (dequantized), added into `out` (which must be `cols` long).
     pub fn add_row_into(&self, i: usize, out: &mut [f32]) {
         match self {
-            Matrix::F32(t) => {
-                for (o, w) in out.iter_mut().zip(t.row(i)) {
-                    *o += w;
-                }
-            }
+            Matrix::F32(t) => t.add_row_into(i, out),
             Matrix::F16 {
                 bits, start, cols, ..
             } => {
@@ -151,6 +147,24 @@ impl Matrix {
                     rows.iter().map(|&r| scales[start + r as usize]).collect();
                 PackedOutput::gathered_i8(&q[start * cols..], rows, &row_scales, bias, cols)
             }
+        }
+    }
+
+    /// [`Matrix::pack_rows`] for a few scattered rows of the table (the survivors a screen
+    /// rescores): a large fp32 table in a mapped file gives them by positioned reads (see
+    /// [`Tensor::copy_row_into`]) so that scanning never maps the table it screens out. The
+    /// same layout and bits as [`Matrix::pack_rows`].
+    pub fn pack_scattered_rows(&self, rows: &[u32], bias: &[f32]) -> PackedOutput {
+        match self {
+            Matrix::F32(t) if t.reads_rows_from_file() => {
+                let cols = self.cols();
+                let mut compact = vec![0f32; rows.len() * cols];
+                for (out, &r) in compact.chunks_exact_mut(cols.max(1)).zip(rows) {
+                    t.copy_row_into(r as usize, out);
+                }
+                PackedOutput::from_f32(&compact, bias, cols)
+            }
+            _ => self.pack_rows(rows, bias),
         }
     }
 

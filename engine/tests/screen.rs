@@ -195,3 +195,45 @@ fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
         }
     }
 }
+
+#[test]
+fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
+    // Large tables read a screen's survivors and a history's rows by positioned reads of the
+    // weights file (so scanning does not map the table it screens out); the fixtures are small,
+    // so a threshold of 0 bytes makes every table read that way, and the answers must not change.
+    let by_read = recsys_engine::engine_dir::LoadOptions {
+        row_reads_min_bytes: 0,
+        ..Default::default()
+    };
+    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+        let tmp = tempfile::tempdir().unwrap();
+        for (name, screen) in [("screened", Screen::Int8), ("plain", Screen::None)] {
+            let dir = tmp.path().join(name);
+            let mut mapped = convert_fixture_screened(kind, &dir, Precision::Fp32, screen).unwrap();
+            let mut read = Engine::load_with(&dir, &by_read).unwrap();
+            let recsys_engine::weights::Matrix::F32(table) = &read.model.output().weight else {
+                panic!("an fp32 engine's output layer is fp32");
+            };
+            assert!(table.reads_rows_from_file(), "{kind} {name}");
+            let recsys_engine::weights::Matrix::F32(table) = &mapped.model.output().weight else {
+                panic!("an fp32 engine's output layer is fp32");
+            };
+            assert!(
+                !table.reads_rows_from_file(),
+                "{kind} {name}: fixture under 16 MiB"
+            );
+            let batch = requests(&mapped, 64);
+            for threads in [1, 2] {
+                mapped.set_threads(threads);
+                read.set_threads(threads);
+                for size in [1, 7, 64] {
+                    assert_eq!(
+                        read.recommend_internal_with_embeddings(&batch[..size]),
+                        mapped.recommend_internal_with_embeddings(&batch[..size]),
+                        "{kind} {name} batch {size}, {threads} thread(s)"
+                    );
+                }
+            }
+        }
+    }
+}
