@@ -2,10 +2,12 @@
 the engine file (`kernels.bin`, mapped at load) against the same engines in the previous format
 (no kernels file: the layout packed into owned memory at every load), at catalogue scale.
 
-    scripts/bench.sh load [--items 100000,1000000] [--models vaecf,bert4rec] [--out FILE.md]
+    scripts/bench.sh load [--items 100000,1000000] [--models vaecf,bert4rec] [--precisions fp32,fp16,int8]
+                          [--out FILE.md]
 
 Random-weight models as scripts/bench_catalogue.py builds them (Mult-VAE 600-200-600; BERT4Rec
-the fixture's encoder with a random item table), fp32 with and without the int8 screen. Each
+the fixture's encoder with a random item table), at each precision asked (fp32 by default), with
+and without the int8 screen (fp32 and fp16; int8 engines are not screened). Each
 measurement is a fresh process that loads the engine with the Python package (`recsys.Engine`,
 2 threads; the page cache warm, as when a server reloads) and reads its own /proc/self/smaps: the
 load's seconds, the memory it owns after loading (anonymous pages: copies), and the engine files'
@@ -96,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", default="100000")
     parser.add_argument("--models", default="vaecf,bert4rec")
+    parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, fp16, int8")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
@@ -112,16 +115,19 @@ def main() -> None:
                 users = work / "users.json"
                 users.write_text(json.dumps([[int(FIRST_ID + i) for i in rng.integers(0, items, 20)]
                                              for _ in range(257)]))
-                for screen in ("none", "int8"):
-                    new = work / f"engine-{screen}"
-                    convert(kind, ckpt, cfg, item_map, new, ["--screen", screen])
-                    old = work / f"engine-{screen}-previous"
+                variants = [(p, screen) for p in args.precisions.split(",")
+                            for screen in (("none",) if p == "int8" else ("none", "int8"))]
+                for precision, screen in variants:
+                    new = work / f"engine-{precision}-{screen}"
+                    convert(kind, ckpt, cfg, item_map, new, ["--precision", precision, "--screen", screen])
+                    old = work / f"engine-{precision}-{screen}-previous"
                     previous_format(new, old)
                     size = sum(f.stat().st_size for f in new.iterdir())
                     for label, engine in (("mapped", new), ("packed at load", old)):
                         run(engine, users)  # warm the page cache: both read the same files
                         m = run(engine, users)
-                        rows.append((kind, items, screen, label, size / 2**20, kernel_bytes(new) / 2**20, m))
+                        rows.append((kind, items, precision, screen, label, size / 2**20,
+                                     kernel_bytes(new) / 2**20, m))
                         print(rows[-1], flush=True)
                     for engine in (new, old):
                         for f in engine.iterdir():
@@ -130,20 +136,21 @@ def main() -> None:
                 for f in (ckpt, cfg, item_map):
                     f.unlink()
     lines = [
-        f"## {datetime.date.today()} — loading by mapping (`scripts/bench.sh load --items {args.items}`)",
+        f"## {datetime.date.today()} — loading by mapping (`scripts/bench.sh load --items {args.items} "
+        f"--models {args.models} --precisions {args.precisions}`)",
         "",
         f"{platform.processor() or platform.machine()}, `recsys.Engine(threads=2)` in a fresh process, page cache "
         "warm. Engine = all its files; kernel = what one scan reads (the packed output layer, or the int8 "
         "screen with its scales and bound terms); owned = anonymous memory the load added; resident = the "
         "engine files' pages in the process after 1 history and after 257 (20 random items each).",
         "",
-        "| model | items | screen | layout | engine MiB | kernel MiB | load s | owned MiB | resident MiB, "
-        "loaded / 1 / 257 histories | (owned + resident at 1) / kernel |",
-        "|---|---:|---|---|---:|---:|---:|---:|---|---:|",
+        "| model | items | precision | screen | layout | engine MiB | kernel MiB | load s | owned MiB | "
+        "resident MiB, loaded / 1 / 257 histories | (owned + resident at 1) / kernel |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---|---:|",
     ]
-    for kind, items, screen, label, size, kern, m in rows:
+    for kind, items, precision, screen, label, size, kern, m in rows:
         lines.append(
-            f"| {kind} | {items:,} | {screen} | {label} | {size:,.0f} | {kern:,.0f} | {m['load_s']:.2f} | "
+            f"| {kind} | {items:,} | {precision} | {screen} | {label} | {size:,.0f} | {kern:,.0f} | {m['load_s']:.2f} | "
             f"{m['owned']:,.0f} | {m['files_loaded']:,.0f} / {m['files_one']:,.0f} / {m['files_all']:,.0f} | "
             f"{(m['owned'] + m['files_one']) / kern:.2f} |")
     text = "\n".join(lines) + "\n"

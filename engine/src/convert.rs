@@ -193,7 +193,8 @@ fn quantize(
                 let bytes = to_f16_bits(tensor.as_slice())
                     .iter()
                     .flat_map(|b| b.to_le_bytes())
-                    .collect();
+                    .collect::<Vec<u8>>()
+                    .into();
                 raw.push((
                     name,
                     RawTensor {
@@ -214,7 +215,7 @@ fn quantize(
                     RawTensor {
                         dtype: safetensors::Dtype::I8,
                         shape,
-                        bytes: q.iter().map(|&v| v as u8).collect(),
+                        bytes: q.iter().map(|&v| v as u8).collect::<Vec<u8>>().into(),
                     },
                 ));
             }

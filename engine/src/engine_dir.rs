@@ -645,12 +645,13 @@ fn tensor_map(storage: &Storage) -> Result<Tensors, String> {
         match view.dtype() {
             safetensors::Dtype::F32 => {}
             safetensors::Dtype::F16 | safetensors::Dtype::I8 => {
+                let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
                 raw.insert(
                     name,
                     RawTensor {
                         dtype: view.dtype(),
                         shape: view.shape().to_vec(),
-                        bytes: view.data().to_vec(),
+                        bytes: crate::elements::Elements::view(storage, offset, view.data().len())?,
                     },
                 );
                 continue;

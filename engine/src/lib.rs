@@ -7,6 +7,7 @@
 pub mod calibration;
 pub mod config;
 pub mod convert;
+pub mod elements;
 pub mod engine;
 pub mod engine_dir;
 pub mod error;

@@ -68,6 +68,40 @@ impl Storage {
         }
     }
 
+    /// The file to read a table of `table_bytes` from, row by row, when it is a large table in a
+    /// mapped file.
+    ///
+    /// Why not the mapping: Linux maps whole page-cache folios (up to 2 MiB on this project's
+    /// kernels, whatever `madvise` says) around every page a mapping touches, so a table read a
+    /// few scattered rows at a time (a Mult-VAE's history rows, the rows a screen rescores) ends
+    /// up mapped almost whole into the process after a few hundred requests, although each one
+    /// reads a few hundred KiB of it. A positioned read copies the row and maps nothing; it costs
+    /// a system call (under a microsecond here), which is why small tables, read many rows per
+    /// request, stay on the mapping.
+    pub(crate) fn row_file(&self, table_bytes: usize) -> Option<&File> {
+        match &*self.backing {
+            Backing::Mapped {
+                file,
+                row_reads_min_bytes,
+                ..
+            } if table_bytes >= *row_reads_min_bytes => Some(file),
+            _ => None,
+        }
+    }
+
+    /// Copies the bytes at `offset..offset + out.len()` (inside a table of `table_bytes`) into
+    /// `out`: by a positioned read of the file when [`Self::row_file`] says so, else from memory.
+    /// The same bytes either way; a read that fails (the file replaced under a running server)
+    /// falls back to the mapping.
+    pub(crate) fn read_into(&self, table_bytes: usize, offset: usize, out: &mut [u8]) {
+        if let Some(file) = self.row_file(table_bytes) {
+            if file.read_exact_at(out, offset as u64).is_ok() {
+                return;
+            }
+        }
+        out.copy_from_slice(&self.bytes()[offset..offset + out.len()]);
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
         match &*self.backing {
             Backing::Mapped { map, .. } => map,
@@ -133,6 +167,11 @@ impl Tensor {
         })
     }
 
+    /// The storage this tensor views and the byte offset of its first element.
+    pub(crate) fn storage_at(&self) -> (&Storage, usize) {
+        (&self.storage, self.byte_offset)
+    }
+
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
@@ -177,55 +216,27 @@ impl Tensor {
         &self.as_slice()[i * cols..(i + 1) * cols]
     }
 
-    /// The file a 2-D tensor's rows are read from when it is a large table in a mapped file.
-    ///
-    /// Why not the mapping: Linux maps whole page-cache folios (up to 2 MiB on this project's
-    /// kernels, whatever `madvise` says) around every page a mapping touches, so a table read a
-    /// few scattered rows at a time (a Mult-VAE's history rows, the rows a screen rescores) ends
-    /// up mapped almost whole into the process after a few hundred requests, although each one
-    /// reads a few hundred KiB of it. A positioned read copies the row and maps nothing; it costs
-    /// a system call (under a microsecond here), which is why small tables, read many rows per
-    /// request, stay on the mapping.
-    fn row_file(&self) -> Option<&File> {
-        match &*self.storage.backing {
-            Backing::Mapped {
-                file,
-                row_reads_min_bytes,
-                ..
-            } if 4 * self.len() >= *row_reads_min_bytes => Some(file),
-            _ => None,
-        }
-    }
-
-    /// Whether [`Self::copy_row_into`] reads rows from the file rather than the mapping.
+    /// Whether [`Self::copy_row_into`] reads rows from the file rather than the mapping (see
+    /// [`Storage::row_file`]).
     pub fn reads_rows_from_file(&self) -> bool {
-        self.row_file().is_some()
+        self.storage.row_file(4 * self.len()).is_some()
     }
 
     /// Row `i` of a 2-D tensor copied into `out` (`cols` long): by a positioned read of the file
-    /// for a large mapped table (see [`Self::row_file`]), else from the mapping. The same bytes
-    /// either way; a read that fails (the file replaced under a running server) falls back to the
-    /// mapping.
+    /// for a large mapped table, else from the mapping (see [`Storage::read_into`]).
     pub fn copy_row_into(&self, i: usize, out: &mut [f32]) {
         let cols = self.shape[1];
         assert_eq!(out.len(), cols, "the row buffer must be one row long");
         assert!(i < self.shape[0], "row {i} out of bounds");
-        if let Some(file) = self.row_file() {
-            let offset = (self.byte_offset + 4 * i * cols) as u64;
-            if file
-                .read_exact_at(bytemuck::cast_slice_mut(out), offset)
-                .is_ok()
-            {
-                return;
-            }
-        }
-        out.copy_from_slice(self.row(i));
+        let offset = self.byte_offset + 4 * i * cols;
+        self.storage
+            .read_into(4 * self.len(), offset, bytemuck::cast_slice_mut(out));
     }
 
     /// Row `i` of a 2-D tensor added into `out` (`cols` long), read as [`Self::copy_row_into`]
     /// reads it.
     pub fn add_row_into(&self, i: usize, out: &mut [f32]) {
-        if self.row_file().is_none() {
+        if !self.reads_rows_from_file() {
             for (o, w) in out.iter_mut().zip(self.row(i)) {
                 *o += w;
             }

@@ -1,11 +1,10 @@
-//! Weight matrices at the engine's precision. fp32 matrices are views of the memory-mapped weights
-//! file; fp16 and int8 matrices are read into memory (they are packed for the kernels at load
-//! anyway). Every model reads its 2-D weights through [`Matrix`], so one model code path serves
-//! every precision.
+//! Weight matrices at the engine's precision, views of the memory-mapped weights file at every
+//! precision (fp32 as [`Tensor`]s, fp16 and int8 as [`Elements`]). Every model reads its 2-D
+//! weights through [`Matrix`], so one model code path serves every precision.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
+use crate::elements::Elements;
 use crate::error::{EngineError, Result};
 use crate::kernels::packed::PackedOutput;
 use crate::tensor::Tensor;
@@ -15,7 +14,8 @@ use crate::tensor::Tensor;
 pub struct RawTensor {
     pub dtype: safetensors::Dtype,
     pub shape: Vec<usize>,
-    pub bytes: Vec<u8>,
+    /// In memory when converting; where the weights file is mapped when loading.
+    pub bytes: Elements<u8>,
 }
 
 /// A row-major `[rows, cols]` weight matrix.
@@ -24,15 +24,15 @@ pub enum Matrix {
     F32(Tensor),
     /// IEEE half bits; `start` is the first row of this view into the shared storage.
     F16 {
-        bits: Arc<Vec<u16>>,
+        bits: Elements<u16>,
         start: usize,
         rows: usize,
         cols: usize,
     },
     /// Symmetric int8 with one scale per row.
     I8 {
-        q: Arc<Vec<i8>>,
-        scales: Arc<Vec<f32>>,
+        q: Elements<i8>,
+        scales: Elements<f32>,
         start: usize,
         rows: usize,
         cols: usize,
@@ -89,12 +89,11 @@ impl Matrix {
             Matrix::F32(t) => t.add_row_into(i, out),
             Matrix::F16 {
                 bits, start, cols, ..
-            } => {
-                let row = &bits[(start + i) * cols..(start + i + 1) * cols];
+            } => bits.with_values((start + i) * cols, *cols, |row| {
                 for (o, &b) in out.iter_mut().zip(row) {
                     *o += half::f16::from_bits(b).to_f32();
                 }
-            }
+            }),
             Matrix::I8 {
                 q,
                 scales,
@@ -102,11 +101,12 @@ impl Matrix {
                 cols,
                 ..
             } => {
-                let row = &q[(start + i) * cols..(start + i + 1) * cols];
                 let scale = scales[start + i];
-                for (o, &v) in out.iter_mut().zip(row) {
-                    *o += v as f32 * scale;
-                }
+                q.with_values((start + i) * cols, *cols, |row| {
+                    for (o, &v) in out.iter_mut().zip(row) {
+                        *o += v as f32 * scale;
+                    }
+                })
             }
         }
     }
@@ -155,14 +155,32 @@ impl Matrix {
     /// [`Tensor::copy_row_into`]) so that scanning never maps the table it screens out. The
     /// same layout and bits as [`Matrix::pack_rows`].
     pub fn pack_scattered_rows(&self, rows: &[u32], bias: &[f32]) -> PackedOutput {
+        let cols = self.cols();
         match self {
             Matrix::F32(t) if t.reads_rows_from_file() => {
-                let cols = self.cols();
                 let mut compact = vec![0f32; rows.len() * cols];
                 for (out, &r) in compact.chunks_exact_mut(cols.max(1)).zip(rows) {
                     t.copy_row_into(r as usize, out);
                 }
                 PackedOutput::from_f32(&compact, bias, cols)
+            }
+            Matrix::F16 { bits, start, .. } if bits.reads_from_file() => {
+                let mut compact = vec![0u16; rows.len() * cols];
+                for (out, &r) in compact.chunks_exact_mut(cols.max(1)).zip(rows) {
+                    bits.copy_into((start + r as usize) * cols, out);
+                }
+                PackedOutput::from_f16_bits(&compact, bias, cols)
+            }
+            Matrix::I8 {
+                q, scales, start, ..
+            } if q.reads_from_file() => {
+                let mut compact = vec![0i8; rows.len() * cols];
+                for (out, &r) in compact.chunks_exact_mut(cols.max(1)).zip(rows) {
+                    q.copy_into((start + r as usize) * cols, out);
+                }
+                let row_scales: Vec<f32> =
+                    rows.iter().map(|&r| scales[start + r as usize]).collect();
+                PackedOutput::from_i8(&compact, &row_scales, bias, cols)
             }
             _ => self.pack_rows(rows, bias),
         }
@@ -176,6 +194,12 @@ impl Matrix {
             Matrix::I8 { .. } => "int8",
         }
     }
+}
+
+fn odd_bytes(name: &str) -> EngineError {
+    EngineError::Config(format!(
+        "tensor {name}'s bytes are not a whole number of its values"
+    ))
 }
 
 /// Name of the per-row scales of an int8 matrix.
@@ -208,13 +232,10 @@ impl Weights {
             }
             let [rows, cols] = shape;
             return match raw.dtype {
+                // Views of the stored bytes (little-endian, as every target of this crate is):
+                // where the weights file is mapped, no copy.
                 safetensors::Dtype::F16 => Ok(Matrix::F16 {
-                    bits: Arc::new(
-                        raw.bytes
-                            .chunks_exact(2)
-                            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                            .collect(),
-                    ),
+                    bits: raw.bytes.cast().ok_or_else(|| odd_bytes(name))?,
                     start: 0,
                     rows,
                     cols,
@@ -222,8 +243,8 @@ impl Weights {
                 safetensors::Dtype::I8 => {
                     let scales = self.tensor(&scale_name(name), &[rows])?;
                     Ok(Matrix::I8 {
-                        q: Arc::new(raw.bytes.iter().map(|&b| b as i8).collect()),
-                        scales: Arc::new(scales.as_slice().to_vec()),
+                        q: raw.bytes.cast().ok_or_else(|| odd_bytes(name))?,
+                        scales: Elements::of_tensor(&scales),
                         start: 0,
                         rows,
                         cols,

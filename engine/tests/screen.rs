@@ -201,26 +201,37 @@ fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
     // Large tables read a screen's survivors and a history's rows by positioned reads of the
     // weights file (so scanning does not map the table it screens out); the fixtures are small,
     // so a threshold of 0 bytes makes every table read that way, and the answers must not change.
+    // fp16 and int8 tables are views of the mapped file too (no copy), read the same way.
+    use recsys_engine::weights::Matrix;
     let by_read = recsys_engine::engine_dir::LoadOptions {
         row_reads_min_bytes: 0,
         ..Default::default()
     };
+    let reads_from_file = |m: &Matrix| match m {
+        Matrix::F32(t) => t.reads_rows_from_file(),
+        Matrix::F16 { bits, .. } => bits.reads_from_file(),
+        Matrix::I8 { q, .. } => q.reads_from_file(),
+    };
     for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
         let tmp = tempfile::tempdir().unwrap();
-        for (name, screen) in [("screened", Screen::Int8), ("plain", Screen::None)] {
-            let dir = tmp.path().join(name);
-            let mut mapped = convert_fixture_screened(kind, &dir, Precision::Fp32, screen).unwrap();
+        for (precision, screen) in [
+            (Precision::Fp32, Screen::Int8),
+            (Precision::Fp32, Screen::None),
+            (Precision::Fp16, Screen::Int8),
+            (Precision::Fp16, Screen::None),
+            (Precision::Int8, Screen::None),
+        ] {
+            let name = format!("{precision:?} {screen:?}");
+            let dir = tmp.path().join(name.replace(' ', "_"));
+            let mut mapped = convert_fixture_screened(kind, &dir, precision, screen).unwrap();
             let mut read = Engine::load_with(&dir, &by_read).unwrap();
-            let recsys_engine::weights::Matrix::F32(table) = &read.model.output().weight else {
-                panic!("an fp32 engine's output layer is fp32");
-            };
-            assert!(table.reads_rows_from_file(), "{kind} {name}");
-            let recsys_engine::weights::Matrix::F32(table) = &mapped.model.output().weight else {
-                panic!("an fp32 engine's output layer is fp32");
-            };
             assert!(
-                !table.reads_rows_from_file(),
-                "{kind} {name}: fixture under 16 MiB"
+                reads_from_file(&read.model.output().weight),
+                "{kind} {name}"
+            );
+            assert!(
+                !reads_from_file(&mapped.model.output().weight),
+                "{kind} {name}: the fixture is under 16 MiB"
             );
             let batch = requests(&mapped, 64);
             for threads in [1, 2] {

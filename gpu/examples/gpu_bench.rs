@@ -11,7 +11,6 @@
 
 use std::io::{BufWriter, Write};
 use std::path::Path;
-use std::sync::Arc;
 
 #[path = "common/timing.rs"]
 mod timing;
@@ -124,7 +123,7 @@ fn stored(weights: &[f32], dim: usize, precision: &str) -> (Matrix, usize) {
         ),
         "fp16" => (
             Matrix::F16 {
-                bits: Arc::new(
+                bits: recsys_engine::elements::Elements::from_vec(
                     weights
                         .iter()
                         .map(|v| half::f16::from_f32(*v).to_bits())
@@ -150,8 +149,8 @@ fn stored(weights: &[f32], dim: usize, precision: &str) -> (Matrix, usize) {
             }
             (
                 Matrix::I8 {
-                    q: Arc::new(q),
-                    scales: Arc::new(scales),
+                    q: recsys_engine::elements::Elements::from_vec(q),
+                    scales: recsys_engine::elements::Elements::from_vec(scales),
                     start: 0,
                     rows: N_ITEMS,
                     cols: dim,

@@ -484,7 +484,6 @@ pub(crate) fn value_info(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use super::*;
 
@@ -492,8 +491,8 @@ mod tests {
     fn int8_scales_are_exported_positive_even_when_the_engine_stored_zero() {
         // An all-zero row as engines converted before scales were kept positive stored it.
         let matrix = Matrix::I8 {
-            q: Arc::new(vec![0, 0, 5, -3]),
-            scales: Arc::new(vec![0.0, 0.5]),
+            q: recsys_engine::elements::Elements::from_vec(vec![0, 0, 5, -3]),
+            scales: recsys_engine::elements::Elements::from_vec(vec![0.0, 0.5]),
             start: 0,
             rows: 2,
             cols: 2,

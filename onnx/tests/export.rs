@@ -183,7 +183,7 @@ fn int8_weights_are_the_engines_bytes_and_scales() {
             .unwrap()
     };
     let raw = &loaded.weights.raw["decoder.2.weight"];
-    assert_eq!(find("decoder.2.weight_int8").raw_data, raw.bytes);
+    assert_eq!(find("decoder.2.weight_int8").raw_data, raw.bytes.as_slice());
     let scales = loaded.weights.f32["decoder.2.weight.scale"]
         .as_slice()
         .to_vec();

@@ -384,7 +384,6 @@ impl Model {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use super::*;
     use crate::kernels::{Isa, KernelTable};
@@ -401,8 +400,8 @@ mod tests {
             .collect();
         let scales: Vec<f32> = (0..rows).map(|r| 0.01 + 0.003 * r as f32).collect();
         let weight = Matrix::I8 {
-            q: Arc::new(q.clone()),
-            scales: Arc::new(scales.clone()),
+            q: crate::elements::Elements::from_vec(q.clone()),
+            scales: crate::elements::Elements::from_vec(scales.clone()),
             start: 0,
             rows,
             cols,

@@ -2,8 +2,6 @@
 //! they are checked against.
 #![allow(dead_code)] // each test binary uses its own part
 
-use std::sync::Arc;
-
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 
@@ -30,7 +28,7 @@ pub fn matrix(kind: &str, n: usize, d: usize, rng: &mut Rng) -> Matrix {
     match kind {
         "f32" => Matrix::F32(Tensor::from_vec(vec![n, d], values)),
         "f16" => Matrix::F16 {
-            bits: Arc::new(
+            bits: recsys_engine::elements::Elements::from_vec(
                 values
                     .iter()
                     .map(|v| half::f16::from_f32(*v).to_bits())
@@ -43,8 +41,12 @@ pub fn matrix(kind: &str, n: usize, d: usize, rng: &mut Rng) -> Matrix {
         _ => {
             let scales: Vec<f32> = (0..n).map(|_| 0.5 + rng.uniform().abs()).collect();
             Matrix::I8 {
-                q: Arc::new((0..n * d).map(|_| (rng.next() % 255) as i8).collect()),
-                scales: Arc::new(scales.iter().map(|s| s / 127.0).collect()),
+                q: recsys_engine::elements::Elements::from_vec(
+                    (0..n * d).map(|_| (rng.next() % 255) as i8).collect(),
+                ),
+                scales: recsys_engine::elements::Elements::from_vec(
+                    scales.iter().map(|s| s / 127.0).collect(),
+                ),
                 start: 0,
                 rows: n,
                 cols: d,
