@@ -22,8 +22,10 @@ use crate::kernels::screen::ScreenTable;
 use crate::kernels::shared::{Backing, Shared};
 
 pub const KERNELS_FILE: &str = "kernels.bin";
-/// The layout of the sections below; a reader refuses layouts it does not know.
-pub const LAYOUT_VERSION: u32 = 1;
+/// The layout of the sections below; a reader refuses layouts it does not know. Version 2 stores
+/// a screen's four per-item bound terms side by side in one section (`screen.bounds`); version 1
+/// (one section per term) still loads.
+pub const LAYOUT_VERSION: u32 = 2;
 const ALIGN: u64 = 64;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -61,9 +63,7 @@ pub fn write(
     let mut sections = output_sections("output", packed);
     if let Some(screen) = screen {
         sections.extend(output_sections("screen", &screen.packed));
-        for (name, values) in screen.bound_terms() {
-            sections.push((format!("screen.{name}"), values.as_bytes()));
-        }
+        sections.push(("screen.bounds".to_string(), screen.bound_terms().as_bytes()));
     }
     let path = dir.join(KERNELS_FILE);
     let io = |e| EngineError::io(format!("cannot write {}", path.display()), e);
@@ -164,9 +164,9 @@ impl Reader<'_> {
 }
 
 fn check_version(layout: &KernelLayout) -> std::result::Result<(), String> {
-    if layout.layout_version != LAYOUT_VERSION {
+    if !(1..=LAYOUT_VERSION).contains(&layout.layout_version) {
         return Err(format!(
-            "kernel layout version {} is not supported by this recsys (it reads version \
+            "kernel layout version {} is not supported by this recsys (it reads versions 1 to \
              {LAYOUT_VERSION}); re-convert the model with this version",
             layout.layout_version
         ));
@@ -196,14 +196,23 @@ pub fn map_screen(
     check_version(layout)?;
     let reader = Reader { backing, layout };
     let packed = reader.output("screen", n, d, Precision::Int8)?;
+    if layout.layout_version >= 2 {
+        return Ok(ScreenTable::from_parts(
+            packed,
+            reader.section::<[f32; 4]>("screen.bounds", n)?,
+        ));
+    }
+    // Layout 1 stored each bound term in a section of its own; they are read side by side, so
+    // they are interleaved into memory (16 bytes per item) as the table is built.
     let term = |name: &str| reader.section::<f32>(&format!("screen.{name}"), n);
-    Ok(ScreenTable::from_parts(
-        packed,
-        [
-            term("weight_error")?,
-            term("scaled_q_l1")?,
-            term("max_weight")?,
-            term("abs_bias")?,
-        ],
-    ))
+    let columns = [
+        term("weight_error")?,
+        term("scaled_q_l1")?,
+        term("max_weight")?,
+        term("abs_bias")?,
+    ];
+    let interleaved: Vec<[f32; 4]> = (0..n)
+        .map(|i| std::array::from_fn(|t| columns[t][i]))
+        .collect();
+    Ok(ScreenTable::from_parts(packed, interleaved.into()))
 }

@@ -143,3 +143,74 @@ fn a_damaged_or_mismatched_kernels_file_is_refused_by_name() {
     let err = Engine::load(&dir).err().unwrap().to_string();
     assert!(err.contains("does not list kernels.bin"), "{err}");
 }
+
+/// Rewrites a screened engine's `kernels.bin` as layout 1 wrote it: the four per-item bound terms
+/// in a section each (appended at 64-byte offsets) instead of side by side in `screen.bounds`.
+fn as_layout_1(dir: &std::path::Path) {
+    use sha2::Digest;
+    let manifest = dir.join("manifest.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    let mut bytes = std::fs::read(dir.join(KERNELS_FILE)).unwrap();
+    let layout = &mut json["kernel_layout"];
+    let bounds = layout["sections"]
+        .as_object_mut()
+        .unwrap()
+        .remove("screen.bounds")
+        .expect("a layout-2 screen stores screen.bounds");
+    let (offset, len) = (
+        bounds["offset"].as_u64().unwrap() as usize,
+        bounds["bytes"].as_u64().unwrap() as usize,
+    );
+    let records = bytes[offset..offset + len].to_vec();
+    for (t, name) in ["weight_error", "scaled_q_l1", "max_weight", "abs_bias"]
+        .iter()
+        .enumerate()
+    {
+        bytes.resize(bytes.len().next_multiple_of(64), 0);
+        let at = bytes.len();
+        for record in records.chunks_exact(16) {
+            bytes.extend_from_slice(&record[4 * t..4 * t + 4]);
+        }
+        layout["sections"][format!("screen.{name}")] =
+            serde_json::json!({"offset": at, "bytes": records.len() / 4});
+    }
+    layout["layout_version"] = serde_json::json!(1);
+    std::fs::write(dir.join(KERNELS_FILE), &bytes).unwrap();
+    let entry = &mut json["files"][KERNELS_FILE];
+    entry["bytes"] = serde_json::json!(bytes.len());
+    entry["sha256"] = serde_json::json!(hex::encode(sha2::Sha256::digest(&bytes)));
+    std::fs::write(&manifest, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+}
+
+#[test]
+fn a_screen_stored_by_the_previous_layout_loads_and_answers_the_same() {
+    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("engine");
+        let current = convert(kind, &dir, Precision::Fp32, Screen::Int8);
+        as_layout_1(&dir);
+        let previous = Engine::load(&dir).unwrap();
+        assert_eq!(
+            previous
+                .manifest
+                .kernel_layout
+                .as_ref()
+                .unwrap()
+                .layout_version,
+            1
+        );
+        let terms = |e: &Engine| e.scorer.screen.as_ref().unwrap().bound_terms().to_vec();
+        assert_eq!(
+            terms(&previous),
+            terms(&current),
+            "{kind}: the same bound terms"
+        );
+        let batch = requests(&current);
+        assert_eq!(
+            previous.recommend_internal_with_embeddings(&batch),
+            current.recommend_internal_with_embeddings(&batch),
+            "{kind}"
+        );
+    }
+}

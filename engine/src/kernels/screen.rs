@@ -39,14 +39,10 @@ const U: f64 = 1.0 / (1u64 << 24) as f64;
 pub struct ScreenTable {
     /// int8 weights with per-item scales, the reference bias; activations quantized per row.
     pub packed: PackedOutput,
-    /// Per item (PAD included): max_j |w_ij - s_i q_ij|.
-    weight_error: Shared<f32>,
-    /// Per item: s_i ||q_i||_1.
-    scaled_q_l1: Shared<f32>,
-    /// Per item: max_j |w_ij|.
-    max_weight: Shared<f32>,
-    /// Per item: |b_i| (0 for -inf padding, never offered).
-    abs_bias: Shared<f32>,
+    /// Per item (PAD included), side by side so an item's bound costs one cache line:
+    /// `[max_j |w_ij - s_i q_ij|, s_i ||q_i||_1, max_j |w_ij|, |b_i|]` (`|b_i|` is 0 for -inf
+    /// padding, never offered).
+    terms: Shared<[f32; 4]>,
     /// Largest of each per-item quantity, for one conservative bar per row in the kernel.
     max_of: [f32; 4],
 }
@@ -57,70 +53,49 @@ impl ScreenTable {
     pub fn new(reference: &[f32], bias: &[f32], d: usize) -> Self {
         assert_eq!(reference.len(), bias.len() * d, "weights must be [n, d]");
         let (q, scales) = quantize_int8_per_row(reference, d);
-        let n = bias.len();
-        let mut weight_error = Vec::with_capacity(n);
-        let mut scaled_q_l1 = Vec::with_capacity(n);
-        let mut max_weight = Vec::with_capacity(n);
-        for ((w, q), &s) in reference
+        let mut terms = Vec::with_capacity(bias.len());
+        for (((w, q), &s), &b) in reference
             .chunks_exact(d)
             .zip(q.chunks_exact(d))
             .zip(&scales)
+            .zip(bias)
         {
-            let s = s as f64;
+            let s64 = s as f64;
             let error = w
                 .iter()
                 .zip(q)
-                .map(|(&w, &q)| (w as f64 - s * q as f64).abs())
+                .map(|(&w, &q)| (w as f64 - s64 * q as f64).abs())
                 .fold(0f64, f64::max);
             let l1: f64 = q.iter().map(|&q| (q as f64).abs()).sum();
-            weight_error.push(round_up(error));
-            scaled_q_l1.push(round_up(s * l1));
-            max_weight.push(w.iter().fold(0f32, |m, &w| m.max(w.abs())));
+            terms.push([
+                round_up(error),
+                round_up(s64 * l1),
+                w.iter().fold(0f32, |m, &w| m.max(w.abs())),
+                if b.is_finite() { b.abs() } else { 0.0 },
+            ]);
         }
-        let abs_bias: Vec<f32> = bias
-            .iter()
-            .map(|b| if b.is_finite() { b.abs() } else { 0.0 })
-            .collect();
-        Self::from_parts(
-            PackedOutput::from_i8(&q, &scales, bias, d),
-            [
-                weight_error.into(),
-                scaled_q_l1.into(),
-                max_weight.into(),
-                abs_bias.into(),
-            ],
-        )
+        Self::from_parts(PackedOutput::from_i8(&q, &scales, bias, d), terms.into())
     }
 
     /// From its stored parts (an engine's kernels file): the packed int8 table and the per-item
-    /// bound terms in [`Self::bound_terms`]' order, each of `packed.n` values.
-    pub fn from_parts(packed: PackedOutput, terms: [Shared<f32>; 4]) -> Self {
-        let largest = |v: &[f32]| v.iter().fold(0f32, |m, &x| m.max(x));
-        let max_of = [
-            largest(&terms[0]),
-            largest(&terms[1]),
-            largest(&terms[2]),
-            largest(&terms[3]),
-        ];
-        let [weight_error, scaled_q_l1, max_weight, abs_bias] = terms;
+    /// bound terms in [`Self::bound_terms`]' order, one `[f32; 4]` per item of `packed.n`.
+    pub fn from_parts(packed: PackedOutput, terms: Shared<[f32; 4]>) -> Self {
+        let mut max_of = [0f32; 4];
+        for t in terms.iter() {
+            for (m, &x) in max_of.iter_mut().zip(t) {
+                *m = m.max(x);
+            }
+        }
         ScreenTable {
             packed,
-            weight_error,
-            scaled_q_l1,
-            max_weight,
-            abs_bias,
+            terms,
             max_of,
         }
     }
 
-    /// The per-item bound terms, named as an engine's kernels file stores them.
-    pub fn bound_terms(&self) -> [(&'static str, &Shared<f32>); 4] {
-        [
-            ("weight_error", &self.weight_error),
-            ("scaled_q_l1", &self.scaled_q_l1),
-            ("max_weight", &self.max_weight),
-            ("abs_bias", &self.abs_bias),
-        ]
+    /// The per-item bound terms, `[weight_error, scaled_q_l1, max_weight, abs_bias]` per item.
+    pub fn bound_terms(&self) -> &Shared<[f32; 4]> {
+        &self.terms
     }
 
     /// Bytes the screen reads per scan (int8 weights and scales).
@@ -130,7 +105,7 @@ impl ScreenTable {
 
     /// Bytes the screen holds: its int8 table and scales, the bias and the per-item bound terms.
     pub fn memory_bytes(&self) -> usize {
-        self.packed.weight_bytes() + 4 * (self.packed.bias.len() + 4 * self.weight_error.len())
+        self.packed.weight_bytes() + 4 * self.packed.bias.len() + 16 * self.terms.len()
     }
 }
 
@@ -205,14 +180,8 @@ impl ScreenRow<'_> {
         if self.k == 0 || self.excluded.contains(index) {
             return;
         }
-        let i = index as usize;
-        let bound = self.terms.bound(
-            d,
-            screen.weight_error[i],
-            screen.scaled_q_l1[i],
-            screen.max_weight[i],
-            screen.abs_bias[i],
-        );
+        let [e, sq, wm, b] = screen.terms[index as usize];
+        let bound = self.terms.bound(d, e, sq, wm, b);
         let (lower, upper) = (score as f64 - bound, score as f64 + bound);
         if upper < self.level {
             return;
