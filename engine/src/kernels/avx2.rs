@@ -199,6 +199,26 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
             }
         }
     }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { i8_epilogue::<R, P>(&acc, epilogue, out, masks) }
+}
+
+/// The int8 kernels' epilogue (shared with `avx512`): each exact i32 sum converted once, times
+/// the item's scale and the row's activation scale, plus the bias; stored, and flagged against
+/// the row's bar.
+///
+/// # Safety
+/// The CPU must support AVX2. Bounds are asserted.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn i8_epilogue<const R: usize, const P: usize>(
+    acc: &[[__m256i; P]; R],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    assert!(out.len() >= R * P * 8 && masks.len() >= R * P);
+    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
     for (r, acc_r) in acc.iter().enumerate() {
         let bar = _mm256_set1_ps(epilogue.bars[r]);
         let row_scale = _mm256_set1_ps(epilogue.row_scales[r]);
@@ -271,7 +291,8 @@ fn softmax(x: &mut [f32]) {
     unsafe { softmax_avx2(x) }
 }
 
-pub(super) static TABLE: KernelTable = kernel_table!(
+/// This ISA's kernels as a value, from which `avx512` builds its table.
+pub(super) const KERNELS: KernelTable = kernel_table!(
     Isa::Avx2,
     f32_k,
     f16_k,
@@ -283,6 +304,8 @@ pub(super) static TABLE: KernelTable = kernel_table!(
         layer_norm,
     }
 );
+
+pub(super) static TABLE: KernelTable = KERNELS;
 
 /// FLOPs per second of one core running independent 8-wide FMA chains: the compute ceiling the
 /// benchmarks compare against. Runs `iterations` x 10 FMAs per chain.

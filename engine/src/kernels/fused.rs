@@ -731,20 +731,31 @@ mod tests {
 
     #[test]
     fn int8_scores_are_bit_identical_on_every_isa() {
-        let (n, d) = (777, 61);
-        let mut next = lcg(9);
-        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
-        let b: Vec<f32> = (0..n).map(|_| next()).collect();
-        let hidden: Vec<f32> = (0..5 * d).map(|_| next() * 3.0).collect();
-        let (q, s) = quantize_int8_per_row(&w, d);
-        let packed = PackedOutput::from_i8(&q, &s, &b, d);
-        let reference = score_all(KernelTable::for_isa(Isa::Scalar), &packed, &hidden);
-        for isa in Isa::available() {
-            assert_eq!(
-                score_all(KernelTable::for_isa(isa), &packed, &hidden),
-                reference,
-                "{isa:?}"
-            );
+        // Widths with an odd and an even number of feature pairs, fewer than two pairs (the
+        // AVX-512 kernel's two-pair steps never run), and the encoders' widths; 7 rows run as row
+        // groups of 4, 2 and 1; dynamic (full int16 range) and static activation scales.
+        for d in [1, 2, 3, 4, 5, 61, 64, 66, 600] {
+            let n = 777;
+            let mut next = lcg(9 + d as u64);
+            let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..7 * d).map(|_| next() * 3.0).collect();
+            let (q, s) = quantize_int8_per_row(&w, d);
+            for packed in [
+                PackedOutput::from_i8(&q, &s, &b, d),
+                PackedOutput::from_i8(&q, &s, &b, d).with_static_activation_scale(0.01),
+            ] {
+                let reference = score_all(KernelTable::for_isa(Isa::Scalar), &packed, &hidden);
+                for isa in Isa::available() {
+                    let got = score_all(KernelTable::for_isa(isa), &packed, &hidden);
+                    assert!(
+                        got.iter()
+                            .zip(&reference)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} at d = {d}"
+                    );
+                }
+            }
         }
     }
 

@@ -4,8 +4,9 @@
 //! item, the dominant cost) runs through `fused`: packed weight panels (`packed`), a micro-kernel per
 //! precision chosen from a [`KernelTable`] at engine load, and a bounded top-k selection that never
 //! materialises the batch x items score matrix. The table is portable scalar code, overlaid by the
-//! AVX2 + FMA + F16C kernels of `avx2` when the CPU has them; `RECSYS_FORCE_ISA=scalar|avx2` forces a
-//! path so every path can be tested.
+//! AVX2 + FMA + F16C kernels of `avx2` when the CPU has them, and by the AVX-512 (F, BW, VNNI) int8
+//! kernel of `avx512` on top of those when it has that too; `RECSYS_FORCE_ISA=scalar|avx2|avx512`
+//! forces a path so every path can be tested.
 
 pub mod cpu;
 pub mod fused;
@@ -45,6 +46,8 @@ macro_rules! kernel_table {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod scalar;
 
 /// Measures one core's FMA throughput (FLOP/s) with AVX2, for the benchmarks' compute floor; `None`
@@ -64,6 +67,8 @@ pub enum Isa {
     Scalar,
     /// AVX2 with FMA and F16C (x86-64).
     Avx2,
+    /// AVX2's kernels with an AVX-512 (F, BW, VNNI) int8 kernel (x86-64).
+    Avx512,
 }
 
 impl Isa {
@@ -76,6 +81,13 @@ impl Isa {
             && is_x86_feature_detected!("f16c")
         {
             out.push(Isa::Avx2);
+            // Exactly the features `avx512::panels_i8` enables.
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                out.push(Isa::Avx512);
+            }
         }
         out
     }
@@ -87,6 +99,7 @@ impl Isa {
         match std::env::var("RECSYS_FORCE_ISA").ok().as_deref() {
             Some("scalar") => Isa::Scalar,
             Some("avx2") if available.contains(&Isa::Avx2) => Isa::Avx2,
+            Some("avx512") if available.contains(&Isa::Avx512) => Isa::Avx512,
             Some(other) => {
                 eprintln!("recsys: RECSYS_FORCE_ISA={other} is not available on this CPU (have {available:?}); using scalar");
                 Isa::Scalar
@@ -99,6 +112,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
     }
 }
@@ -175,8 +189,16 @@ impl KernelTable {
                 );
                 &avx2::TABLE
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                assert!(
+                    Isa::available().contains(&Isa::Avx512),
+                    "AVX-512 kernels requested on a CPU without AVX2/FMA/F16C and AVX-512 F/BW/VNNI"
+                );
+                &avx512::TABLE
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => &scalar::TABLE,
+            Isa::Avx2 | Isa::Avx512 => &scalar::TABLE,
         }
     }
 
@@ -255,7 +277,7 @@ mod elementwise_tests {
 }
 
 #[cfg(test)]
-mod require_avx2 {
+mod require_isa {
     /// The kernel tests run on every ISA `Isa::available()` reports; on a CPU without AVX2 they
     /// would pass on the scalar path alone. CI sets REQUIRE_AVX2=1, so that cannot happen there
     /// unnoticed.
@@ -265,6 +287,28 @@ mod require_avx2 {
             assert!(
                 super::Isa::available().contains(&super::Isa::Avx2),
                 "REQUIRE_AVX2=1 but this CPU lacks AVX2/FMA/F16C: the AVX2 kernels would go untested"
+            );
+        }
+    }
+
+    /// Where the CPU reports AVX-512 F, BW and VNNI (Linux's /proc/cpuinfo, read independently of
+    /// the runtime detection), the AVX-512 kernel must be among the paths the tests run.
+    #[test]
+    fn avx512_is_available_where_the_cpu_reports_it() {
+        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+            return;
+        };
+        let Some(flags) = info.lines().find(|l| l.starts_with("flags")) else {
+            return;
+        };
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        if ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"]
+            .iter()
+            .all(|f| flags.contains(f))
+        {
+            assert!(
+                super::Isa::available().contains(&super::Isa::Avx512),
+                "the CPU reports AVX-512 F/BW/VNNI but the AVX-512 kernel is not available"
             );
         }
     }

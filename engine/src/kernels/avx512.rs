@@ -1,0 +1,133 @@
+//! The int8 micro-kernel on AVX-512 (F, BW and VNNI); every other kernel of this ISA is AVX2's.
+//!
+//! Why only int8: the fp32 and fp16 kernels must add each item's products over `d` in increasing
+//! order (bit-identical on every ISA), so a wider register only helps them by spanning two panels,
+//! which costs a shuffle per load; the int8 kernel sums exactly in i32, where the order of the
+//! additions cannot change a bit. So a 512-bit register here holds two consecutive feature pairs
+//! of one panel (8 items x 4 features, widened to 32 x i16), and one `vpdpwssd` does what AVX2
+//! does with a `vpmaddwd` and a `vpaddd` on half the width: 32 multiply-adds per instruction
+//! instead of 16 per two. The two halves of each accumulator (even and odd pairs) are added at the
+//! end, and an odd last pair runs at 256 bits.
+//!
+//! `unsafe` is confined here as in `avx2`: the kernel is a `#[target_feature]` function reached
+//! only through `TABLE`, which `KernelTable::for_isa` hands out only after `Isa::available()`
+//! has seen every feature it enables.
+
+use std::arch::x86_64::*;
+
+use super::avx2;
+use super::{Epilogue, Isa, KernelTable};
+
+fn i8_k<const R: usize, const P: usize>(
+    h: &[i16],
+    d: usize,
+    w: &[i8],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    // SAFETY: TABLE is only reachable after AVX2/FMA/F16C and AVX-512 F/BW/VNNI were detected
+    // (KernelTable::for_isa).
+    unsafe { panels_i8::<R, P>(h, d, w, e, out, m) }
+}
+
+/// int16 activations x int8 weights, two feature pairs per instruction: the 32 bytes of pairs
+/// 2q and 2q+1 of a panel are widened to 32 x i16 (i32 lanes 0-7: pair 2q of items 0-7; lanes
+/// 8-15: pair 2q+1), and multiplied by the row's activation pairs placed the same way (lanes 0-7
+/// hold activations 4q, 4q+1; lanes 8-15 hold 4q+2, 4q+3). Sums are exact in i32 (no overflow:
+/// `packed::activation_levels`), so the scores equal every other ISA's bit for bit.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F/BW/VNNI. Bounds are asserted.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn panels_i8<const R: usize, const P: usize>(
+    hidden: &[i16],
+    d: usize,
+    w: &[i8],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    let pairs = d.div_ceil(2);
+    let width = pairs * 2;
+    assert!(
+        hidden.len() >= R * width
+            && w.len() >= P * pairs * 16
+            && out.len() >= R * P * 8
+            && masks.len() >= R * P
+    );
+    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
+    let mut acc = [[_mm512_setzero_si512(); P]; R];
+    let hp = hidden.as_ptr().cast::<u8>();
+    let wp = w.as_ptr();
+    // As in `avx2::panels`: a later call's panels requested ahead (never faults, may lie past `w`).
+    let ahead = wp.wrapping_add(epilogue.prefetch);
+    let prefetch = epilogue.prefetch != 0;
+    // Lanes 0-7 take the first i32 of the loaded activations (pair 2q), lanes 8-15 the second.
+    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let quads = pairs / 2;
+    for q in 0..quads {
+        if prefetch {
+            for line in (0..P * 32).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(q * P * 32 + line));
+            }
+        }
+        let mut wv = [_mm512_setzero_si512(); P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            // SAFETY: in bounds: pairs 2q and 2q+1 of panel p end at p*pairs*16 + (2q+2)*16 <=
+            // P*pairs*16 <= w.len() (asserted), since 2q+2 <= pairs.
+            *v = _mm512_cvtepi8_epi16(unsafe {
+                _mm256_loadu_si256(wp.add(p * pairs * 16 + q * 32) as *const __m256i)
+            });
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // The four i16 activations 4q..4q+4 of row r, as two i32 pairs.
+            // SAFETY: in bounds: r*width + 4q + 4 <= r*width + 2*pairs = (r+1)*width <=
+            // hidden.len() (asserted); the load needs no alignment.
+            let two = unsafe { _mm_loadl_epi64(hp.add(2 * (r * width + 4 * q)) as *const __m128i) };
+            let act = _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two));
+            for (a, v) in acc_r.iter_mut().zip(&wv) {
+                *a = _mm512_dpwssd_epi32(*a, *v, act);
+            }
+        }
+    }
+    // Even and odd pairs' sums added, then the odd last pair (if any) at 256 bits.
+    let mut folded = [[_mm256_setzero_si256(); P]; R];
+    for (f_r, acc_r) in folded.iter_mut().zip(&acc) {
+        for (f, a) in f_r.iter_mut().zip(acc_r) {
+            *f = _mm256_add_epi32(
+                _mm512_castsi512_si256(*a),
+                _mm512_extracti64x4_epi64::<1>(*a),
+            );
+        }
+    }
+    if pairs % 2 == 1 {
+        let jp = pairs - 1;
+        let mut wv = [_mm256_setzero_si256(); P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            // SAFETY: in bounds: p*pairs*16 + jp*16 + 16 <= P*pairs*16 <= w.len() (asserted).
+            *v = _mm256_cvtepi8_epi16(unsafe {
+                _mm_loadu_si128(wp.add(p * pairs * 16 + jp * 16) as *const __m128i)
+            });
+        }
+        for (r, f_r) in folded.iter_mut().enumerate() {
+            // SAFETY: in bounds: r*width + 2jp + 2 = (r+1)*width <= hidden.len() (asserted).
+            let pair = _mm256_set1_epi32(unsafe {
+                hp.add(2 * (r * width + 2 * jp))
+                    .cast::<i32>()
+                    .read_unaligned()
+            });
+            for (f, v) in f_r.iter_mut().zip(&wv) {
+                *f = _mm256_add_epi32(*f, _mm256_madd_epi16(*v, pair));
+            }
+        }
+    }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { avx2::i8_epilogue::<R, P>(&folded, epilogue, out, masks) }
+}
+
+pub(super) static TABLE: KernelTable = KernelTable {
+    isa: Isa::Avx512,
+    i8: kernel_table!(@rows i8_k, super::PanelI8),
+    ..avx2::KERNELS
+};
