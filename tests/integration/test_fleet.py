@@ -45,13 +45,18 @@ class Load:
     def run(self):
         items = np.array([[10011403, 10011207, 10011739]], dtype=np.int64)
         deadline = time.monotonic() + 240
-        while not self.stop.is_set() and time.monotonic() < deadline and len(self.seen) < 100_000:
-            inp = httpclient.InferInput("ITEM_IDS", [1, 3], "INT64")
-            inp.set_data_from_numpy(items)
-            try:
-                self.seen.append(self.client.infer("bert4rec", [inp]).get_response()["model_version"])
-            except Exception as e:  # noqa: BLE001  (every failure counts)
-                self.failures.append(repr(e))
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline and len(self.seen) < 100_000:
+                inp = httpclient.InferInput("ITEM_IDS", [1, 3], "INT64")
+                inp.set_data_from_numpy(items)
+                try:
+                    self.seen.append(self.client.infer("bert4rec", [inp]).get_response()["model_version"])
+                except Exception as e:  # noqa: BLE001  (every failure counts)
+                    self.failures.append(repr(e))
+        finally:
+            # A kept-alive connection left open holds a stopping tritonserver in its graceful wait
+            # ("Found 1 HTTP service connections") until the harness kills it.
+            self.client.close()
 
     def versions_since(self, mark: int) -> set[str]:
         return set(self.seen[mark:])
