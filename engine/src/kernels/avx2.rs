@@ -156,15 +156,7 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     out: &mut [f32],
     masks: &mut [u8],
 ) {
-    let pairs = d.div_ceil(2);
-    let width = pairs * 2;
-    assert!(
-        hidden.len() >= R * width
-            && w.len() >= P * pairs * 16
-            && out.len() >= R * P * 8
-            && masks.len() >= R * P
-    );
-    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
+    let (pairs, width) = super::assert_i8_call::<R, P>(hidden, d, w, epilogue, out, masks);
     let mut acc = [[_mm256_setzero_si256(); P]; R];
     let hp = hidden.as_ptr() as *const i32;
     let wp = w.as_ptr();

@@ -48,15 +48,7 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     out: &mut [f32],
     masks: &mut [u8],
 ) {
-    let pairs = d.div_ceil(2);
-    let width = pairs * 2;
-    assert!(
-        hidden.len() >= R * width
-            && w.len() >= P * pairs * 16
-            && out.len() >= R * P * 8
-            && masks.len() >= R * P
-    );
-    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
+    let (pairs, width) = super::assert_i8_call::<R, P>(hidden, d, w, epilogue, out, masks);
     let mut acc = [[_mm512_setzero_si512(); P]; R];
     let hp = hidden.as_ptr().cast::<u8>();
     let wp = w.as_ptr();

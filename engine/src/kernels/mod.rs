@@ -146,6 +146,32 @@ pub type PanelF16 = fn(&[f32], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u
 /// accumulate exactly in i32: 16 multiply-adds per instruction, and bit-identical on every ISA.
 pub type PanelI8 = fn(&[i16], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
 
+/// The bounds every SIMD int8 kernel's memory accesses rely on, asserted once per call (their
+/// `// SAFETY:` comments cite them): `R` rows of activations `width` wide, `P` panels of `pairs`
+/// feature pairs, and the epilogue's per-item data and outputs for `P * 8` items. Returns
+/// `(pairs, width)`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn assert_i8_call<const R: usize, const P: usize>(
+    hidden: &[i16],
+    d: usize,
+    w: &[i8],
+    epilogue: &Epilogue<'_>,
+    out: &[f32],
+    masks: &[u8],
+) -> (usize, usize) {
+    let pairs = d.div_ceil(2);
+    let width = pairs * 2;
+    assert!(
+        hidden.len() >= R * width
+            && w.len() >= P * pairs * 16
+            && out.len() >= R * P * 8
+            && masks.len() >= R * P
+    );
+    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
+    (pairs, width)
+}
+
 /// The activations of the encoders over a slice, in place: `cpu`'s portable code, compiled once
 /// more per ISA (the arithmetic is the same plain f32 code, never contracted into FMAs, so every
 /// ISA gives the same bits; tested).
