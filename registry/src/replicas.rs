@@ -227,14 +227,32 @@ fn ready_versions(agent: &ureq::Agent, base: &str, model: &str) -> Result<Vec<St
         .unwrap_or_default())
 }
 
+/// How long a replica may take to answer its liveness probe before the rollout counts it failed
+/// and moves on. The reload itself may take minutes (a large engine loading), so its own timeout
+/// cannot tell a dead replica from a busy one; a server that accepts connections but answers
+/// nothing (hung, or stopping) would otherwise hold the whole rollout for that long.
+pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Asks one tritonserver (explicit model control) to reload `model`, then waits until it serves
-/// `version` and no other. `server` is like `http://127.0.0.1:8000`.
+/// `version` and no other. `server` is like `http://127.0.0.1:8000`. A replica that does not
+/// answer `/v2/health/live` within [`LIVENESS_TIMEOUT`] fails at once.
 pub fn reload_and_wait(server: &str, model: &str, version: u64, timeout: Duration) -> Result<()> {
     let base = server.trim_end_matches('/');
     let agent = ureq::AgentBuilder::new()
         .timeout_connect(Duration::from_secs(5))
         .timeout(timeout)
         .build();
+    agent
+        .get(&format!("{base}/v2/health/live"))
+        .timeout(LIVENESS_TIMEOUT.min(timeout))
+        .call()
+        .map_err(|e| {
+            RegistryError::Input(format!(
+                "the server is not live (no answer to /v2/health/live within {:?}): {}",
+                LIVENESS_TIMEOUT.min(timeout),
+                describe(e)
+            ))
+        })?;
     agent
         .post(&format!("{base}/v2/repository/models/{model}/load"))
         .send_string("")
@@ -342,5 +360,41 @@ mod tests {
             .iter()
             .all(|r| matches!(r.outcome, Outcome::Failed(_))));
         assert_eq!(go_on.to_json()["replicas"][2]["outcome"], "failed");
+    }
+
+    #[test]
+    fn a_replica_that_accepts_but_never_answers_fails_within_the_liveness_timeout() {
+        // A listener that takes connections and reads them but never writes a byte: a hung or
+        // stopping server. The reload's own timeout (here 120 s) must not be what ends the wait.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            // Every connection is kept open, unanswered, until the test process exits.
+            let mut open = Vec::new();
+            for stream in listener.incoming().flatten() {
+                open.push(stream);
+            }
+        });
+        let started = Instant::now();
+        let report = roll_out(
+            std::slice::from_ref(&server),
+            "m",
+            2,
+            false,
+            Duration::from_secs(120),
+            &mut |_| {},
+        );
+        let waited = started.elapsed();
+        let Outcome::Failed(error) = &report.replicas[0].outcome else {
+            panic!(
+                "a silent replica must fail: {:?}",
+                report.replicas[0].outcome
+            );
+        };
+        assert!(error.contains("not live"), "{error}");
+        assert!(
+            waited < LIVENESS_TIMEOUT + Duration::from_secs(5),
+            "the rollout waited {waited:?} on a silent replica"
+        );
     }
 }
