@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use super::{Epilogue, Isa, KernelTable};
 
 /// Loads 8 weights of the panel element range starting at `offset` as f32.
-trait Load8: Copy {
+pub(super) trait Load8: Copy {
     /// # Safety
     /// `ptr.add(offset)` must have 8 readable elements, and the CPU must support AVX2/FMA/F16C.
     unsafe fn load8(ptr: *const Self, offset: usize) -> __m256;
@@ -37,7 +37,7 @@ impl Load8 for u16 {
 /// The CPU must support AVX2, FMA and F16C. Bounds are checked below with assertions, so any slice
 /// lengths are safe.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panels<const R: usize, const P: usize, T: Load8>(
+pub(super) unsafe fn panels<const R: usize, const P: usize, T: Load8>(
     hidden: &[f32],
     d: usize,
     w: &[T],
@@ -83,6 +83,28 @@ unsafe fn panels<const R: usize, const P: usize, T: Load8>(
             }
         }
     }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { f32_epilogue::<R, P>(&acc, epilogue, out, masks) }
+}
+
+/// The fp32 and fp16 kernels' epilogue (shared with `avx512`): each sum times the item's scale
+/// when there are scales, plus the bias; stored, and flagged against the row's bar.
+///
+/// # Safety
+/// The CPU must support AVX2. Bounds are asserted.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn f32_epilogue<const R: usize, const P: usize>(
+    acc: &[[__m256; P]; R],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    assert!(out.len() >= R * P * 8 && masks.len() >= R * P);
+    assert!(
+        epilogue.bias.len() >= P * 8
+            && (epilogue.scales.is_empty() || epilogue.scales.len() >= P * 8)
+    );
     let scaled = !epilogue.scales.is_empty();
     for (r, acc_r) in acc.iter().enumerate() {
         let bar = _mm256_set1_ps(epilogue.bars[r]);

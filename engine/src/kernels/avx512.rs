@@ -1,13 +1,17 @@
-//! The int8 micro-kernel on AVX-512 (F, BW and VNNI); every other kernel of this ISA is AVX2's.
+//! AVX-512 micro-kernels (F, BW and VNNI); the activations are AVX2's.
 //!
-//! Why only int8: the fp32 and fp16 kernels must add each item's products over `d` in increasing
-//! order (bit-identical on every ISA), so a wider register only helps them by spanning two panels,
-//! which costs a shuffle per load; the int8 kernel sums exactly in i32, where the order of the
-//! additions cannot change a bit. So a 512-bit register here holds two consecutive feature pairs
-//! of one panel (8 items x 4 features, widened to 32 x i16), and one `vpdpwssd` does what AVX2
-//! does with a `vpmaddwd` and a `vpaddd` on half the width: 32 multiply-adds per instruction
-//! instead of 16 per two. The two halves of each accumulator (even and odd pairs) are added at the
-//! end, and an odd last pair runs at 256 bits.
+//! int8: each item's sum is exact in i32, where the order of the additions cannot change a bit,
+//! so a 512-bit register holds two consecutive feature pairs of one panel (8 items x 4 features,
+//! widened to 32 x i16), and one `vpdpwssd` does what AVX2 does with a `vpmaddwd` and a `vpaddd`
+//! on half the width: 32 multiply-adds per instruction instead of 16 per two. The two halves of
+//! each accumulator (even and odd pairs) are added at the end, and an odd last pair runs at 256
+//! bits.
+//!
+//! fp32 and fp16: each item must add its products over `d` in increasing order (the bits of
+//! AVX2's kernel), so a register holds feature j of two panels (16 items) and gets one fused
+//! multiply-add per row, the same operation AVX2 applies to each half; the halves go to AVX2's
+//! epilogue. The table asks for calls of 8, 8 and 4 panels (1, 2, 4 rows) for these, so that a
+//! call still keeps 8 accumulators in flight.
 //!
 //! `unsafe` is confined here as in `avx2`: the kernel is a `#[target_feature]` function reached
 //! only through `TABLE`, which `KernelTable::for_isa` hands out only after `Isa::available()`
@@ -118,8 +122,110 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     unsafe { avx2::i8_epilogue::<R, P>(&folded, epilogue, out, masks) }
 }
 
+fn f32_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[f32],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    // SAFETY: TABLE is only reachable after AVX2/FMA/F16C and AVX-512 F/BW/VNNI were detected
+    // (KernelTable::for_isa).
+    unsafe { panels::<R, P, f32>(h, d, w, e, out, m) }
+}
+
+fn f16_k<const R: usize, const P: usize>(
+    h: &[f32],
+    d: usize,
+    w: &[u16],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    // SAFETY: as above.
+    unsafe { panels::<R, P, u16>(h, d, w, e, out, m) }
+}
+
+/// fp32 (and fp16, widened) weights, two panels per register: feature j of panels 2q and 2q+1
+/// (16 items) side by side, one fused multiply-add per row for both. Each item still adds its
+/// products over `d` in increasing order with the same fused multiply-add as AVX2's kernel, so
+/// the scores are AVX2's bit for bit; what changes is that one instruction does 16 items. The
+/// halves are split again for AVX2's epilogue. A call of one panel is AVX2's.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F. Bounds are asserted.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
+    hidden: &[f32],
+    d: usize,
+    w: &[T],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    if P % 2 == 1 {
+        // SAFETY: this function has every feature AVX2's kernel needs; it asserts its bounds.
+        return unsafe { avx2::panels::<R, P, T>(hidden, d, w, epilogue, out, masks) };
+    }
+    assert!(hidden.len() >= R * d && w.len() >= P * d * 8);
+    // Only the first P / 2 of each row's registers are used (P / 2 cannot size an array here).
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    let hp = hidden.as_ptr();
+    let wp = w.as_ptr();
+    // As in `avx2::panels`: a later call's panels requested ahead (never faults).
+    let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);
+    let prefetch = epilogue.prefetch != 0;
+    let elem = std::mem::size_of::<T>();
+    for j in 0..d {
+        if prefetch {
+            for line in (0..P * 8 * elem).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * P * 8 * elem + line));
+            }
+        }
+        let mut wv = [_mm512_setzero_ps(); P];
+        for (q, v) in wv.iter_mut().take(P / 2).enumerate() {
+            // SAFETY: in bounds: panels 2q, 2q+1 < P and j < d, so each 8-element load ends at
+            // most at P*d*8 <= w.len() (asserted above); the features load8 needs are enabled.
+            let (lo, hi) = unsafe {
+                (
+                    T::load8(wp, 2 * q * d * 8 + j * 8),
+                    T::load8(wp, (2 * q + 1) * d * 8 + j * 8),
+                )
+            };
+            *v = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                _mm256_castps_pd(hi),
+            ));
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: in bounds: r*d + j < R*d <= hidden.len() (asserted above).
+            let h = _mm512_set1_ps(unsafe { *hp.add(r * d + j) });
+            for (a, v) in acc_r.iter_mut().zip(&wv).take(P / 2) {
+                *a = _mm512_fmadd_ps(h, *v, *a);
+            }
+        }
+    }
+    let mut split = [[_mm256_setzero_ps(); P]; R];
+    for (s_r, acc_r) in split.iter_mut().zip(&acc) {
+        for (q, a) in acc_r.iter().take(P / 2).enumerate() {
+            s_r[2 * q] = _mm512_castps512_ps256(*a);
+            s_r[2 * q + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
+        }
+    }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { avx2::f32_epilogue::<R, P>(&split, epilogue, out, masks) }
+}
+
 pub(super) static TABLE: KernelTable = KernelTable {
     isa: Isa::Avx512,
+    f32: kernel_table!(@rows f32_k, super::PanelF32),
+    f16: kernel_table!(@rows f16_k, super::PanelF16),
     i8: kernel_table!(@rows i8_k, super::PanelI8),
+    panels_per_call: super::PanelsPerCall {
+        f32: [8, 8, 4],
+        f16: [8, 8, 4],
+        ..super::PanelsPerCall::EIGHT_ACCUMULATORS
+    },
     ..avx2::KERNELS
 };

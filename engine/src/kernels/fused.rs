@@ -99,28 +99,33 @@ impl<'a> Selection<'a> {
 }
 
 /// Rows computed together by one micro-kernel call when `left` rows remain, and the panels per
-/// call for that row count: 8 accumulators either way (1x8, 2x4, 4x2).
-fn row_group_at(left: usize) -> (usize, usize) {
-    if left >= 4 {
-        (4, 2)
+/// call for that row count (`panels_per_call`, by row group of 1, 2 and 4 rows: the table's).
+fn row_group_at(left: usize, panels_per_call: [usize; 3]) -> (usize, usize) {
+    let size = if left >= 4 {
+        4
     } else if left >= 2 {
-        (2, 4)
+        2
     } else {
-        (1, 8)
-    }
+        1
+    };
+    (size, panels_per_call[rows_slot(size)])
 }
 
 /// Every row group of a batch of `rows`: `(first row, rows, panels per call)`.
-fn row_groups(rows: usize) -> Vec<(usize, usize, usize)> {
+fn row_groups(rows: usize, panels_per_call: [usize; 3]) -> Vec<(usize, usize, usize)> {
     let mut groups = Vec::new();
     let mut start = 0;
     while start < rows {
-        let (size, panels) = row_group_at(rows - start);
+        let (size, panels) = row_group_at(rows - start, panels_per_call);
         groups.push((start, size, panels));
         start += size;
     }
     groups
 }
+
+/// Scores and flag bytes of the largest call a table can make: 4 rows x 8 panels of 8 items.
+const MAX_CALL_SCORES: usize = 4 * 8 * 8;
+const MAX_CALL_PANELS: usize = 4 * 8;
 
 /// Panels per tile: about 96 KiB of weights, so a tile stays in L2 while every row group uses it.
 fn tile_panels(out: &PackedOutput) -> usize {
@@ -172,10 +177,15 @@ pub(super) fn scan(
 ) {
     let d = out.d;
     let rows = hidden.len() / d;
-    let groups = row_groups(rows);
+    let per_call = match &out.data {
+        PanelData::F32(_) => table.panels_per_call.f32,
+        PanelData::F16(_) => table.panels_per_call.f16,
+        PanelData::I8 { .. } => table.panels_per_call.i8,
+    };
+    let groups = row_groups(rows, per_call);
     let tile = tile_panels(out);
-    let mut scores = [0f32; 64];
-    let mut masks = [0u8; 8];
+    let mut scores = [0f32; MAX_CALL_SCORES];
+    let mut masks = [0u8; MAX_CALL_PANELS];
     // int8 weights multiply int16 activations: quantize each row once per scan.
     let (hidden_q, hidden_scales) = match (&out.data, out.activation_scale) {
         (PanelData::I8 { .. }, None) => quantize_activations(hidden, d),
@@ -236,13 +246,16 @@ pub(super) fn scan(
                 // call that flagged nothing, almost every call once the bars have risen, costs one
                 // test instead of a loop over its bytes; set bits come out row by row, each row's
                 // items in increasing order.
-                let valid_bits = 8 * size * count;
-                let mut flags = u64::from_le_bytes(masks) & (u64::MAX >> (64 - valid_bits));
-                while flags != 0 {
-                    let bit = flags.trailing_zeros() as usize;
-                    flags &= flags - 1;
-                    let (r, c, l) = (bit / 8 / count, bit / 8 % count, bit % 8);
-                    sink.take(row0 + r, ((p + c) * 8 + l) as u32, scores[bit]);
+                for (word, bytes) in masks[..size * count].chunks(8).enumerate() {
+                    let mut eight = [0u8; 8];
+                    eight[..bytes.len()].copy_from_slice(bytes);
+                    let mut flags = u64::from_le_bytes(eight);
+                    while flags != 0 {
+                        let bit = 64 * word + flags.trailing_zeros() as usize;
+                        flags &= flags - 1;
+                        let (r, c, l) = (bit / 8 / count, bit / 8 % count, bit % 8);
+                        sink.take(row0 + r, ((p + c) * 8 + l) as u32, scores[bit]);
+                    }
                 }
                 p += count;
             }
@@ -414,10 +427,15 @@ fn linear_rows(
 ) {
     let d = layer.d;
     let n = layer.n;
-    let mut scores = [0f32; 64];
-    let mut masks = [0u8; 8];
+    let mut scores = [0f32; MAX_CALL_SCORES];
+    let mut masks = [0u8; MAX_CALL_PANELS];
     let width_q = d.div_ceil(2) * 2;
     let pairs = d.div_ceil(2);
+    let panels_per_call = match layer.data {
+        PanelRef::F32(_) => table.panels_per_call.f32,
+        PanelRef::F16(_) => table.panels_per_call.f16,
+        PanelRef::I8 { .. } => table.panels_per_call.i8,
+    };
     let panels = layer.panels();
     let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
     // A call covers `per_call` panels or, at the end of a row, one: their prefetch distances,
@@ -426,7 +444,7 @@ fn linear_rows(
     let prefetch_by_count: [usize; 9] = std::array::from_fn(prefetch_for);
     let mut row0 = rows.start;
     while row0 < rows.end {
-        let (size, per_call) = row_group_at(rows.end - row0);
+        let (size, per_call) = row_group_at(rows.end - row0, panels_per_call);
         let h = &x[row0 * d..(row0 + size) * d];
         let mut row_scales = [1f32; 4];
         for (r, scale) in row_scales.iter_mut().enumerate().take(size) {
@@ -756,6 +774,43 @@ mod tests {
                         "{isa:?} at d = {d}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_float_scores_are_avx2_bits() {
+        // The AVX-512 fp32/fp16 kernels run two panels per register with AVX2's fused
+        // multiply-add per item in the same order: the same bits, at every row group (7 rows:
+        // 4, 2, 1) and panel count (777 items end in single-panel calls).
+        let available = Isa::available();
+        if !available.contains(&Isa::Avx512) {
+            return;
+        }
+        for d in [1, 2, 7, 64, 600] {
+            let n = 777;
+            let mut next = lcg(31 + d as u64);
+            let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..7 * d).map(|_| next() * 3.0).collect();
+            for packed in [
+                PackedOutput::from_f32(&w, &b, d),
+                PackedOutput::from_f16_bits(&to_f16_bits(&w), &b, d),
+            ] {
+                let want = score_all(KernelTable::for_isa(Isa::Avx2), &packed, &hidden);
+                let got = score_all(KernelTable::for_isa(Isa::Avx512), &packed, &hidden);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{:?} at d = {d}",
+                    packed.precision()
+                );
+                let layer = linear(KernelTable::for_isa(Isa::Avx512), &packed, &hidden);
+                assert_eq!(
+                    layer,
+                    linear(KernelTable::for_isa(Isa::Avx2), &packed, &hidden)
+                );
             }
         }
     }

@@ -24,6 +24,7 @@ macro_rules! kernel_table {
             f32: kernel_table!(@rows $f32, $crate::kernels::PanelF32),
             f16: kernel_table!(@rows $f16, $crate::kernels::PanelF16),
             i8: kernel_table!(@rows $i8, $crate::kernels::PanelI8),
+            panels_per_call: $crate::kernels::PanelsPerCall::EIGHT_ACCUMULATORS,
             elementwise: $elementwise,
         }
     };
@@ -194,7 +195,27 @@ pub struct KernelTable {
     pub f32: [[PanelF32; 4]; 3],
     pub f16: [[PanelF16; 4]; 3],
     pub i8: [[PanelI8; 4]; 3],
+    /// Panels per call for each precision's row groups.
+    pub panels_per_call: PanelsPerCall,
     pub elementwise: Elementwise,
+}
+
+/// Panels per micro-kernel call for row groups of 1, 2 and 4 rows, per precision: what keeps
+/// enough independent accumulators in flight to cover the multiply-add latency on two ports.
+#[derive(Clone, Copy, Debug)]
+pub struct PanelsPerCall {
+    pub f32: [usize; 3],
+    pub f16: [usize; 3],
+    pub i8: [usize; 3],
+}
+
+impl PanelsPerCall {
+    /// 1x8, 2x4 and 4x2 panels: 8 accumulators of 8 items, AVX2's 16 registers' worth.
+    pub const EIGHT_ACCUMULATORS: PanelsPerCall = PanelsPerCall {
+        f32: [8, 4, 2],
+        f16: [8, 4, 2],
+        i8: [8, 4, 2],
+    };
 }
 
 impl std::fmt::Debug for KernelTable {
