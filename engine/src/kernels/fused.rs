@@ -177,12 +177,7 @@ pub(super) fn scan(
 ) {
     let d = out.d;
     let rows = hidden.len() / d;
-    let per_call = match &out.data {
-        PanelData::F32(_) => table.panels_per_call.f32,
-        PanelData::F16(_) => table.panels_per_call.f16,
-        PanelData::I8 { .. } => table.panels_per_call.i8,
-    };
-    let groups = row_groups(rows, per_call);
+    let groups = row_groups(rows, table.panels_per_call.of(out.precision()));
     let tile = tile_panels(out);
     let mut scores = [0f32; MAX_CALL_SCORES];
     let mut masks = [0u8; MAX_CALL_PANELS];
@@ -431,11 +426,7 @@ fn linear_rows(
     let mut masks = [0u8; MAX_CALL_PANELS];
     let width_q = d.div_ceil(2) * 2;
     let pairs = d.div_ceil(2);
-    let panels_per_call = match layer.data {
-        PanelRef::F32(_) => table.panels_per_call.f32,
-        PanelRef::F16(_) => table.panels_per_call.f16,
-        PanelRef::I8 { .. } => table.panels_per_call.i8,
-    };
+    let panels_per_call = table.panels_per_call.of(layer.precision());
     let panels = layer.panels();
     let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
     // A call covers `per_call` panels or, at the end of a row, one: their prefetch distances,

@@ -210,6 +210,15 @@ pub struct PanelsPerCall {
 }
 
 impl PanelsPerCall {
+    /// The row groups' panels per call for the kernels of `precision`.
+    pub fn of(&self, precision: packed::OutputPrecision) -> [usize; 3] {
+        match precision {
+            packed::OutputPrecision::F32 => self.f32,
+            packed::OutputPrecision::F16 => self.f16,
+            packed::OutputPrecision::Int8 => self.i8,
+        }
+    }
+
     /// 1x8, 2x4 and 4x2 panels: 8 accumulators of 8 items, AVX2's 16 registers' worth.
     pub const EIGHT_ACCUMULATORS: PanelsPerCall = PanelsPerCall {
         f32: [8, 4, 2],

@@ -71,6 +71,14 @@ impl<'a> LayerRef<'a> {
         self.n.div_ceil(8)
     }
 
+    pub fn precision(&self) -> OutputPrecision {
+        match self.data {
+            PanelRef::F32(_) => OutputPrecision::F32,
+            PanelRef::F16(_) => OutputPrecision::F16,
+            PanelRef::I8 { .. } => OutputPrecision::Int8,
+        }
+    }
+
     /// Outputs `outputs` of the layer as a layer of their own, borrowed: whole panels, so the
     /// range starts at a multiple of 8 (one of the projections packed side by side in a
     /// [`PackedOutput::side_by_side`] layer). Each output is computed as in the whole layer.
@@ -503,11 +511,7 @@ impl PackedOutput {
     }
 
     pub fn precision(&self) -> OutputPrecision {
-        match self.data {
-            PanelData::F32(_) => OutputPrecision::F32,
-            PanelData::F16(_) => OutputPrecision::F16,
-            PanelData::I8 { .. } => OutputPrecision::Int8,
-        }
+        self.view().precision()
     }
 
     /// Bytes of one panel's weights as the micro-kernels read them (8 items x d).
