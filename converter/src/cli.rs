@@ -32,11 +32,16 @@ pub enum Command {
     /// Upload an engine to a Triton model repository (a directory, S3 or GCS) as the model's next
     /// version.
     Publish(PublishArgs),
-    /// Approve a version: the newest approved version is the one every replica serves.
+    /// Approve a version after verifying it (every file's SHA-256, then a canary replica's
+    /// self-check): the newest approved version is the one every replica serves.
     Approve(StatusArgs),
-    /// Reject a version; rejecting the serving version rolls back to the previous approved one.
+    /// Reject a version; rejecting the serving version goes back to the previous approved one.
     Reject(StatusArgs),
-    /// List a model's versions with their status, precision, metrics and creation time.
+    /// Serve an earlier approved version (the previous one, or --to): the newer approved versions
+    /// are marked rolled back.
+    Rollback(RollbackArgs),
+    /// List a model's versions with their status, precision, metrics, creation time and the last
+    /// gate failure; --prune --keep N removes old versions.
     Versions(VersionsArgs),
     /// Convert at every precision, measure quality against fp32 and latency, recommend one.
     Sweep(SweepArgs),
@@ -262,17 +267,27 @@ web identity, instance metadata; GOOGLE_APPLICATION_CREDENTIALS) and AWS's share
 (~/.aws/credentials and ~/.aws/config, profile AWS_PROFILE).\n\n\
 No lock is taken: a publish claims its version number with a create-if-absent write of \
 <model>/<version>/recsys-version.json (two concurrent publishers get distinct versions), uploads \
-the engine under it, checks every file and size, and only then marks it pending or approved. \
+the engine under it, checks every file and size, and only then marks it pending. \
 config.pbtxt's version_policy names the newest approved version and changes by one atomic write. \
-A command killed at any point leaves the config on a complete version (the old or the new one); \
-an interrupted upload stays an incomplete version that never serves.\n\n\
+A command killed at any point leaves the config on a complete, approved version (the old or the \
+new one); an interrupted upload stays an incomplete version that never serves.\n\n\
+Gates: before the config names a version, approve (and publish --approve) reads every stored \
+file of it back and checks its size and SHA-256 against what was published; with --server, one \
+live replica (the canary) then loads the version without the repository changing (Triton's load \
+API with a config override) and must answer the version's self-check request as the \
+publisher's engine did, with finite scores; it is then put back on the serving version. A \
+failed gate changes nothing and records the reason on the version (`recsys versions`). reject \
+and rollback verify the version they go back to.\n\n\
 Replicas: --server may be repeated, and a name that resolves to several addresses (a Kubernetes \
 headless Service) stands for one replica per address. Each replica (tritonserver in explicit \
 model-control mode) reloads the model in turn and counts when it serves the version and no \
-other; the command reports each replica. The first failure stops the rollout (--rollout \
-continue goes on to the rest). Exit status: 0 every replica serves the version, 4 the \
-repository changed but not every replica serves it (run the command again once they are back, \
-or reject to roll back), 1 nothing changed or the repository could not be read, 2 bad flags.";
+other; the command reports each replica. The first failure stops the rollout and an approve \
+then rolls itself back: the version is marked rolled-back, the config names the previous \
+approved version again and the replicas already reached reload it (--rollout continue goes on \
+to the rest instead and never rolls back). Exit status: 0 every replica serves the version, \
+1 nothing changed (an unreadable repository, an unknown version), 2 bad flags, 3 a gate refused \
+the version (nothing changed), 4 the repository changed but not every replica serves it (run \
+the command again once they are back), 5 a replica failed and the approve rolled back.";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum RolloutArg {
@@ -330,8 +345,37 @@ pub struct StatusArgs {
     /// The version to approve or reject.
     #[arg(long)]
     pub version: u64,
+    /// max_batch_size of the config.pbtxt written when the model has none yet (its first
+    /// approval).
+    #[arg(long, default_value_t = recsys_registry::config::DEFAULT_MAX_BATCH_SIZE)]
+    pub max_batch_size: u32,
     /// A replica to reload onto the version the repository then names, e.g.
     /// http://127.0.0.1:8000; repeat for a fleet, or name a headless Service.
+    #[arg(long = "server", value_name = "URL")]
+    pub servers: Vec<String>,
+    /// What a failed replica does to the rest of the rollout.
+    #[arg(long, value_enum, default_value = "stop")]
+    pub rollout: RolloutArg,
+    /// Print the outcome as one JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(after_help = REPOSITORY_HELP)]
+pub struct RollbackArgs {
+    /// The Triton model repository: a directory, s3://... or gs://... (see below).
+    #[arg(long)]
+    pub repository: String,
+    /// Model name (a folder of the repository).
+    #[arg(long)]
+    pub model: String,
+    /// The approved version to serve (default: the newest approved version older than the
+    /// serving one).
+    #[arg(long)]
+    pub to: Option<u64>,
+    /// A replica to reload onto that version, e.g. http://127.0.0.1:8000; repeat for a fleet, or
+    /// name a headless Service.
     #[arg(long = "server", value_name = "URL")]
     pub servers: Vec<String>,
     /// What a failed replica does to the rest of the rollout.
@@ -351,6 +395,17 @@ pub struct VersionsArgs {
     /// Model name (a folder of the repository).
     #[arg(long)]
     pub model: String,
+    /// Remove old versions: tritonserver copies every version folder of a model at each load,
+    /// so old versions of large engines slow every reload. Needs --keep.
+    #[arg(long, requires = "keep")]
+    pub prune: bool,
+    /// With --prune: keep the N newest versions; older ones go, except the serving version, the
+    /// previous approved one (the rollback target), pending and incomplete ones.
+    #[arg(long, value_name = "N", requires = "prune", value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep: Option<u64>,
+    /// With --prune: print what would be removed, remove nothing.
+    #[arg(long, requires = "prune")]
+    pub dry_run: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

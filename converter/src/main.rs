@@ -24,6 +24,7 @@ fn main() {
         cli::Command::Publish(args) => versions::publish(&args),
         cli::Command::Approve(args) => versions::set(&args, recsys_registry::Status::Approved),
         cli::Command::Reject(args) => versions::set(&args, recsys_registry::Status::Rejected),
+        cli::Command::Rollback(args) => versions::rollback(&args),
         cli::Command::Versions(args) => versions::list(&args),
         cli::Command::Sweep(args) => sweep::run(&args),
         cli::Command::ExportOnnx(args) => export_onnx::run(&args),

@@ -573,6 +573,55 @@ fn publish_approve_reject_keep_the_newest_approved_version_serving() {
         .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // A corrupted version is refused with exit 3, nothing changes, and `versions` says why.
+    assert_eq!(run(&["publish", "--engine", engine_arg]).0, Some(0));
+    let weights = repo.join("bert4rec/3/weights.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x80;
+    std::fs::write(&weights, bytes).unwrap();
+    let (code, out, err) = run(&["approve", "--version", "3"]);
+    assert_eq!(code, Some(3), "{out}{err}");
+    assert!(
+        err.contains("SHA-256") && err.contains("nothing changed"),
+        "{err}"
+    );
+    assert_eq!(policy(), "1");
+    let (_, out, _) = run(&["versions"]);
+    assert!(
+        out.lines().nth(3).unwrap().contains("approve refused"),
+        "{out}"
+    );
+    // rollback: 4 approved over 1, then back to 1; prune keeps what may serve.
+    assert_eq!(
+        run(&["publish", "--approve", "--engine", engine_arg]).0,
+        Some(0)
+    );
+    assert_eq!(policy(), "4");
+    let (code, out, err) = run(&["rollback"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("rolled back from version 4 to version 1"),
+        "{out}"
+    );
+    assert_eq!(policy(), "1");
+    let (code, _, err) = run(&["rollback"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no approved version older"), "{err}");
+    let (code, out, _) = run(&["versions", "--prune", "--keep", "1", "--dry-run"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("would remove bert4rec version 2"), "{out}");
+    assert!(out.contains("kept bert4rec version 1: serving"), "{out}");
+    assert!(out.contains("kept bert4rec version 3: pending"), "{out}");
+    assert!(
+        repo.join("bert4rec/2").exists(),
+        "a dry run removes nothing"
+    );
+    assert_eq!(run(&["versions", "--prune", "--keep", "1"]).0, Some(0));
+    assert!(!repo.join("bert4rec/2").exists());
+    let (code, _, err) = run(&["versions", "--prune"]);
+    assert_eq!(code, Some(2), "--prune needs --keep: {err}");
 }
 
 /// Runs `recsys ARGS` and parses its standard output as one JSON object.

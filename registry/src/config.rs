@@ -16,7 +16,7 @@ const MANAGED_COMMENT: &str =
 /// dynamic batching from the engine (README, "Serve with Triton").
 pub fn minimal(max_batch_size: u32) -> String {
     format!(
-        "# Written by `recsys publish`; the recsys backend completes the rest from the engine.\n\
+        "# Written by `recsys approve`; the recsys backend completes the rest from the engine.\n\
          backend: \"recsys\"\nmax_batch_size: {max_batch_size}\n"
     )
 }
@@ -55,6 +55,94 @@ pub fn policy_versions(config: &str) -> Option<Vec<u64>> {
         .collect()
 }
 
+/// The fields a config sets at its top level, in order, each with its value when that is a
+/// scalar (`max_batch_size: 8` -> ("max_batch_size", Some("8")); `backend: "recsys"` ->
+/// ("backend", Some("recsys")); `input [ ... ]` -> ("input", None)). Comments and strings are
+/// skipped, nested messages are not entered: enough to know what the file itself declares
+/// (as opposed to what a backend completed) without a protobuf text parser.
+pub fn top_level_fields(config: &str) -> Vec<(String, Option<String>)> {
+    let mut fields = Vec::new();
+    let mut depth = 0usize;
+    let mut chars = config.chars().peekable();
+    let mut word = String::new();
+    // A field name seen at depth 0, waiting for its value.
+    let mut pending: Option<String> = None;
+    let mut after_colon = false;
+    let finish_word = |word: &mut String,
+                       pending: &mut Option<String>,
+                       after_colon: &mut bool,
+                       fields: &mut Vec<(String, Option<String>)>| {
+        if word.is_empty() {
+            return;
+        }
+        if let (Some(name), true) = (pending.as_ref(), *after_colon) {
+            fields.push((name.clone(), Some(std::mem::take(word))));
+            *pending = None;
+            *after_colon = false;
+        } else {
+            if let Some(name) = pending.take() {
+                fields.push((name, None));
+            }
+            *pending = Some(std::mem::take(word));
+        }
+    };
+    while let Some(c) = chars.next() {
+        match c {
+            '#' => {
+                finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
+                for c in chars.by_ref() {
+                    if c == '\n' {
+                        break;
+                    }
+                }
+            }
+            '"' | '\'' => {
+                let mut value = String::new();
+                while let Some(d) = chars.next() {
+                    match d {
+                        '\\' => {
+                            if let Some(e) = chars.next() {
+                                value.push(e);
+                            }
+                        }
+                        d if d == c => break,
+                        d => value.push(d),
+                    }
+                }
+                if depth == 0 {
+                    if let (Some(name), true) = (pending.take(), after_colon) {
+                        fields.push((name, Some(value)));
+                        after_colon = false;
+                    }
+                }
+            }
+            '{' | '[' | '<' => {
+                if depth == 0 {
+                    finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
+                    if let Some(name) = pending.take() {
+                        fields.push((name, None));
+                    }
+                    after_colon = false;
+                }
+                depth += 1;
+            }
+            '}' | ']' | '>' => depth = depth.saturating_sub(1),
+            ':' if depth == 0 => {
+                finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
+                after_colon = true;
+            }
+            c if depth == 0 && (c.is_alphanumeric() || "_.-+".contains(c)) => word.push(c),
+            _ if depth == 0 => finish_word(&mut word, &mut pending, &mut after_colon, &mut fields),
+            _ => {}
+        }
+    }
+    finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
+    if let Some(name) = pending {
+        fields.push((name, None));
+    }
+    fields
+}
+
 /// `config` with its policy replaced by one naming exactly `version`, the rest kept as it was.
 pub fn with_version(config: &str, version: u64) -> String {
     let stripped = match policy_span(config) {
@@ -73,24 +161,52 @@ pub fn with_version(config: &str, version: u64) -> String {
     text
 }
 
+/// max_batch_size of the minimal config written when a model's first version is approved and the
+/// model has no config yet (`publish --max-batch-size` sets its own).
+pub const DEFAULT_MAX_BATCH_SIZE: u32 = 64;
+
+/// What a switch did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Switched {
+    /// The version the config names now.
+    pub serving: u64,
+    /// The model had no config.pbtxt: a minimal one was written.
+    pub created: bool,
+}
+
 /// Points `model`'s config at the newest approved version and returns it. Re-reads after every
 /// write until the config and the version records agree, so concurrent switches converge on
 /// the same answer (with conditional replace a stale writer is refused; without it, the last
 /// writer re-checks and repairs).
 pub fn switch(repo: &Repository, model: &str) -> Result<u64> {
+    Ok(switch_creating(repo, model, DEFAULT_MAX_BATCH_SIZE)?.serving)
+}
+
+/// [`switch`], writing a minimal config (with `max_batch_size`) when the model has none. The
+/// config is written only here, naming an approved version: a model folder never holds a config
+/// that would let a replica load an unapproved version (Triton's default policy serves the
+/// newest folder).
+pub fn switch_creating(repo: &Repository, model: &str, max_batch_size: u32) -> Result<Switched> {
     let key = format!("{model}/{CONFIG_FILE}");
+    let mut created = false;
     for _ in 0..32 {
         let listed = versions::list(repo, model)?;
         let target = versions::serving(&listed).ok_or_else(|| {
             RegistryError::Input(format!("{model} has no approved version to serve"))
         })?;
-        let config = repo
-            .read(&key)?
-            .ok_or_else(|| RegistryError::Input(format!("{} has no {key}", repo.uri())))?;
+        let Some(config) = repo.read(&key)? else {
+            // Of two first approvers one creates it; the other finds it on its next pass.
+            let text = with_version(&minimal(max_batch_size), target);
+            created |= repo.create(&key, text.as_bytes())?;
+            continue;
+        };
         let text = String::from_utf8(config.bytes.clone())
             .map_err(|_| RegistryError::Input(format!("{key} is not UTF-8 text")))?;
         if policy_versions(&text).as_deref() == Some(&[target]) {
-            return Ok(target);
+            return Ok(Switched {
+                serving: target,
+                created,
+            });
         }
         repo.replace(&key, with_version(&text, target).as_bytes(), &config)?;
     }
@@ -123,5 +239,32 @@ mod tests {
             policy_versions("version_policy: { specific: { versions: [1, 2] } }"),
             Some(vec![1, 2])
         );
+    }
+
+    #[test]
+    fn top_level_fields_are_what_the_file_declares_not_what_is_nested() {
+        let text = "# a comment: input\nname: \"m\" backend: \"recsys\"\nmax_batch_size: 8\n\
+                    input [ { name: \"ITEM_IDS\" dims: [ -1 ] } ]\n\
+                    parameters { key: \"top_k\" value { string_value: \"5\" } }\n\
+                    version_policy: { specific: { versions: [ 2 ] } }\n";
+        let fields = top_level_fields(text);
+        let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "name",
+                "backend",
+                "max_batch_size",
+                "input",
+                "parameters",
+                "version_policy"
+            ]
+        );
+        assert_eq!(fields[1].1.as_deref(), Some("recsys"));
+        assert_eq!(fields[2].1.as_deref(), Some("8"));
+        assert_eq!(fields[3].1, None);
+        assert!(top_level_fields(&minimal(4))
+            .iter()
+            .any(|(n, v)| n == "max_batch_size" && v.as_deref() == Some("4")));
     }
 }

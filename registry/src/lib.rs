@@ -3,22 +3,35 @@
 //! - [`location`]: the repository string, in tritonserver's own `--model-repository` syntax;
 //! - [`store`]: the few object operations the registry needs, over object_store;
 //! - [`versions`]: the per-version records (`<model>/<v>/recsys-version.json`);
-//! - [`publish`]: an engine becomes the next version, without a lock;
-//! - [`status`]: approve and reject;
+//! - [`publish`]: an engine becomes the next version (pending), without a lock;
+//! - [`release`]: approve, reject and rollback, each verifying what would serve before anything
+//!   changes and undoing a failed rollout by itself;
+//! - [`integrity`]: the gate that reads every stored file back against its published SHA-256;
+//! - [`self_check`] and [`canary`]: the request a version must answer on one replica, loaded
+//!   without the repository changing, before it may serve;
+//! - [`status`]: a version's status changed alone (no gate, no rollout);
+//! - [`prune`]: old versions removed, never one that serves or may serve next;
 //! - [`config`]: `config.pbtxt`'s version policy, switched by one atomic write;
 //! - [`replicas`]: reloading every replica and reporting each one;
+//! - [`triton`]: the calls of Triton's HTTP API that loading a version needs;
 //! - [`transfer`]: single files and folders to and from object storage.
 #![forbid(unsafe_code)]
 
 mod aws_files;
+pub mod canary;
 pub mod config;
 pub mod error;
+pub mod integrity;
 pub mod location;
+pub mod prune;
 pub mod publish;
+pub mod release;
 pub mod replicas;
+pub mod self_check;
 pub mod status;
 pub mod store;
 pub mod transfer;
+pub mod triton;
 pub mod versions;
 
 pub use error::{RegistryError, Result};

@@ -1,14 +1,19 @@
 //! `publish`: an engine becomes the model's next version without any lock. The version number is
 //! claimed by creating its record (create-if-absent: of two concurrent publishers one gets `n`,
 //! the other `n + 1`); the files are uploaded under it; the upload is checked against the local
-//! engine (every file, every size); only then does the record say `pending` or `approved`, and
-//! only then may the config name it. A publish killed at any point leaves at most an incomplete
-//! version that no config names.
+//! engine (every file, every size); only then does the record say `pending`. A publish killed at
+//! any point leaves at most an incomplete version that no config names. Serving it is approve's
+//! job ([`crate::release`]), which verifies the version first; `publish --approve` is a publish
+//! followed by that approve.
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{self, CONFIG_FILE};
+use std::collections::BTreeMap;
+
+use sha2::{Digest, Sha256};
+
 use crate::error::{RegistryError, Result};
+use crate::self_check::SelfCheck;
 use crate::store::Repository;
 use crate::versions::{self, Status, VersionInfo, VERSION_FILE};
 use recsys_engine::Engine;
@@ -20,20 +25,10 @@ const CLAIM_ATTEMPTS: u64 = 1000;
 pub struct PublishRequest<'a> {
     pub model: &'a str,
     pub engine_dir: &'a Path,
-    /// Approve at once (otherwise the version is pending and does not serve).
+    /// The caller approves the version right after (`publish --approve`); without it the model
+    /// must already have an approved version to serve.
     pub approve: bool,
     pub metrics: Option<serde_json::Value>,
-    /// max_batch_size of the minimal config written when the model has none.
-    pub max_batch_size: u32,
-}
-
-/// What `publish` did.
-pub struct Published {
-    pub info: VersionInfo,
-    /// Whether this publish wrote the model's (minimal) config.pbtxt.
-    pub created_config: bool,
-    /// The version the config names afterwards.
-    pub serving: u64,
 }
 
 /// Every file of the engine folder but a stray version record, as (relative path, local path,
@@ -54,13 +49,28 @@ fn publisher() -> String {
     format!("{host} pid {}", std::process::id())
 }
 
-/// Publishes `request.engine_dir` as the next version of `request.model`; `progress` gets
-/// (bytes uploaded, bytes in all).
+/// The SHA-256 (hex) of every file, read from the local engine before the upload.
+fn checksums(files: &[(String, PathBuf, u64)]) -> Result<BTreeMap<String, String>> {
+    files
+        .iter()
+        .map(|(name, path, _)| {
+            let mut file = std::fs::File::open(path)
+                .map_err(RegistryError::io(format!("cannot read {}", path.display())))?;
+            let mut hasher = Sha256::new();
+            std::io::copy(&mut file, &mut hasher)
+                .map_err(RegistryError::io(format!("cannot read {}", path.display())))?;
+            Ok((name.clone(), hex::encode(hasher.finalize())))
+        })
+        .collect()
+}
+
+/// Publishes `request.engine_dir` as the next version of `request.model`, pending; `progress`
+/// gets (bytes uploaded, bytes in all).
 pub fn publish(
     repo: &Repository,
     request: &PublishRequest<'_>,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<Published> {
+) -> Result<VersionInfo> {
     let model = request.model;
     if model.is_empty() || model.contains('/') || model.starts_with('.') {
         return Err(RegistryError::Usage(format!(
@@ -80,16 +90,8 @@ pub fn publish(
                 .into(),
         ));
     }
-    let config_key = format!("{model}/{CONFIG_FILE}");
-    let created_config = match repo.read(&config_key)? {
-        Some(_) => false,
-        // Of two first publishers one writes it; the other finds it there.
-        None => repo.create(
-            &config_key,
-            config::minimal(request.max_batch_size).as_bytes(),
-        )?,
-    };
-
+    let checksums = checksums(&files)?;
+    let self_check = SelfCheck::from_engine(&engine)?;
     let now = recsys_engine::engine_dir::utc_now_rfc3339();
     let m = &engine.manifest;
     let mut info = VersionInfo {
@@ -107,6 +109,9 @@ pub fn publish(
         history: vec![format!("upload started at {now}")],
         publisher: Some(publisher()),
         files: Vec::new(),
+        checksums,
+        self_check: Some(self_check),
+        last_failure: None,
     };
 
     // Claim the next free number.
@@ -163,28 +168,14 @@ pub fn publish(
     }
 
     let now = recsys_engine::engine_dir::utc_now_rfc3339();
-    info.status = if request.approve {
-        Status::Approved
-    } else {
-        Status::Pending
-    };
+    info.status = Status::Pending;
     info.files = files.iter().map(|(n, _, s)| (n.clone(), *s)).collect();
-    info.history
-        .push(format!("published {} at {now}", info.status));
+    info.history.push(format!("published pending at {now}"));
     if !repo.replace(&record_key, &info.to_json(), &claim)? {
         return Err(RegistryError::Input(format!(
             "the record of {model} version {version} was changed by another command during the \
              upload; see `recsys versions`"
         )));
     }
-    let serving = if request.approve {
-        config::switch(repo, model)?
-    } else {
-        versions::serving(&versions::list(repo, model)?).unwrap_or(version)
-    };
-    Ok(Published {
-        info,
-        created_config,
-        serving,
-    })
+    Ok(info)
 }

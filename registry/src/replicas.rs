@@ -8,6 +8,10 @@ use std::net::{IpAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::error::{RegistryError, Result};
+use crate::triton::{
+    describe, loaded_config, override_config, post_load, ready_versions, wait_for_versions,
+    LIVENESS_TIMEOUT,
+};
 
 /// `http://host:port` split into its parts (the scheme defaults to http).
 fn split_url(server: &str) -> Result<(String, String, u16)> {
@@ -160,6 +164,7 @@ pub fn roll_out(
     replicas: &[String],
     model: &str,
     version: u64,
+    repository_config: Option<&str>,
     continue_after_failure: bool,
     timeout: Duration,
     on_replica: &mut dyn FnMut(&ReplicaReport),
@@ -171,7 +176,7 @@ pub fn roll_out(
         let outcome = if failed && !continue_after_failure {
             Outcome::NotAttempted
         } else {
-            match reload_and_wait(server, model, version, timeout) {
+            match reload_and_wait(server, model, version, repository_config, timeout) {
                 Ok(()) => Outcome::Serving,
                 Err(e) => {
                     failed = true;
@@ -194,49 +199,25 @@ pub fn roll_out(
     }
 }
 
-fn describe(e: ureq::Error) -> String {
-    match e {
-        ureq::Error::Status(code, response) => {
-            format!(
-                "HTTP {code}: {}",
-                response.into_string().unwrap_or_default()
-            )
-        }
-        other => other.to_string(),
-    }
-}
-
-/// The versions of `model` that `server` reports ready (its model metadata).
-fn ready_versions(agent: &ureq::Agent, base: &str, model: &str) -> Result<Vec<String>> {
-    let response = agent
-        .get(&format!("{base}/v2/models/{model}"))
-        .call()
-        .map_err(|e| RegistryError::Input(describe(e)))?;
-    let text = response
-        .into_string()
-        .map_err(|e| RegistryError::Input(format!("unreadable model metadata: {e}")))?;
-    let body: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| RegistryError::Input(format!("unreadable model metadata: {e}")))?;
-    Ok(body["versions"]
-        .as_array()
-        .map(|v| {
-            v.iter()
-                .filter_map(|x| x.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default())
-}
-
-/// How long a replica may take to answer its liveness probe before the rollout counts it failed
-/// and moves on. The reload itself may take minutes (a large engine loading), so its own timeout
-/// cannot tell a dead replica from a busy one; a server that accepts connections but answers
-/// nothing (hung, or stopping) would otherwise hold the whole rollout for that long.
-pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a replica may keep serving another version after its reload returned before the
+/// rollout loads the version by a config override. Triton's load call returns once the load is
+/// done; a replica still on the old version then did not see the repository change (Triton
+/// decides by modification times, which an object store keeps to the second: a config written in
+/// the same second as the replica's previous load, e.g. right after a canary, looks unchanged).
+const RELOAD_GRACE: Duration = Duration::from_secs(3);
 
 /// Asks one tritonserver (explicit model control) to reload `model`, then waits until it serves
 /// `version` and no other. `server` is like `http://127.0.0.1:8000`. A replica that does not
-/// answer `/v2/health/live` within [`LIVENESS_TIMEOUT`] fails at once.
-pub fn reload_and_wait(server: &str, model: &str, version: u64, timeout: Duration) -> Result<()> {
+/// answer `/v2/health/live` within [`LIVENESS_TIMEOUT`] fails at once. A replica that reloads but
+/// keeps the old version is loaded with a config override naming `version`
+/// ([`override_config`], from `repository_config`: the repository's config.pbtxt).
+pub fn reload_and_wait(
+    server: &str,
+    model: &str,
+    version: u64,
+    repository_config: Option<&str>,
+    timeout: Duration,
+) -> Result<()> {
     let base = server.trim_end_matches('/');
     let agent = ureq::AgentBuilder::new()
         .timeout_connect(Duration::from_secs(5))
@@ -253,33 +234,31 @@ pub fn reload_and_wait(server: &str, model: &str, version: u64, timeout: Duratio
                 describe(e)
             ))
         })?;
-    agent
-        .post(&format!("{base}/v2/repository/models/{model}/load"))
-        .send_string("")
-        .map_err(|e| {
+    post_load(&agent, base, model, None)
+        .map_err(|e| RegistryError::Input(format!("the server refused to reload {model}: {e}")))?;
+    if wait_for_versions(&agent, base, model, &[version], RELOAD_GRACE.min(timeout)).is_ok() {
+        return Ok(());
+    }
+    let still = ready_versions(&agent, base, model).unwrap_or_default();
+    if !still.is_empty() && !still.contains(&version.to_string()) {
+        let config = override_config(
+            model,
+            version,
+            repository_config,
+            loaded_config(&agent, base, model).as_ref(),
+        );
+        post_load(&agent, base, model, Some(&config)).map_err(|e| {
             RegistryError::Input(format!(
-                "the server refused to reload {model}: {}",
-                describe(e)
+                "the server kept versions {still:?} after the reload and refused to load \
+                 version {version} by override: {e}"
             ))
         })?;
-    let started = Instant::now();
-    let want = vec![version.to_string()];
-    loop {
-        let seen = ready_versions(&agent, base, model);
-        if matches!(&seen, Ok(v) if *v == want) {
-            return Ok(());
-        }
-        if started.elapsed() > timeout {
-            let seen = match seen {
-                Ok(v) => format!("it serves versions {v:?}"),
-                Err(e) => format!("its metadata: {e}"),
-            };
-            return Err(RegistryError::Input(format!(
-                "{model} version {version} was not the only ready version after {timeout:?} ({seen})"
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(100));
     }
+    wait_for_versions(&agent, base, model, &[version], timeout).map_err(|e| {
+        RegistryError::Input(format!(
+            "{model} version {version} was not the only ready version: {e}"
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -347,14 +326,28 @@ mod tests {
             })
             .collect();
         let mut heard = 0;
-        let stop = roll_out(&dead, "m", 2, false, Duration::from_secs(2), &mut |_| {
-            heard += 1
-        });
+        let stop = roll_out(
+            &dead,
+            "m",
+            2,
+            None,
+            false,
+            Duration::from_secs(2),
+            &mut |_| heard += 1,
+        );
         assert_eq!(heard, 3);
         assert!(!stop.complete());
         assert!(matches!(stop.replicas[0].outcome, Outcome::Failed(_)));
         assert_eq!(stop.replicas[1].outcome, Outcome::NotAttempted);
-        let go_on = roll_out(&dead, "m", 2, true, Duration::from_secs(2), &mut |_| {});
+        let go_on = roll_out(
+            &dead,
+            "m",
+            2,
+            None,
+            true,
+            Duration::from_secs(2),
+            &mut |_| {},
+        );
         assert!(go_on
             .replicas
             .iter()
@@ -380,6 +373,7 @@ mod tests {
             std::slice::from_ref(&server),
             "m",
             2,
+            None,
             false,
             Duration::from_secs(120),
             &mut |_| {},

@@ -328,6 +328,32 @@ impl Repository {
         })
     }
 
+    /// The size and SHA-256 (hex) of the object at `key`, read as a stream (memory stays bounded
+    /// for any size); `None` when there is no such object.
+    pub fn sha256(&self, key: &str) -> Result<Option<(u64, String)>> {
+        use sha2::{Digest, Sha256};
+        let context = || format!("cannot read {}", self.describe(key));
+        self.runtime.block_on(async {
+            let result = match self.store.get(&Path::from(key)).await {
+                Ok(result) => result,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(e) => return Err(RegistryError::store(context())(e)),
+            };
+            let mut stream = result.into_stream();
+            let mut hasher = Sha256::new();
+            let mut size = 0u64;
+            while let Some(chunk) = stream
+                .try_next()
+                .await
+                .map_err(RegistryError::store(context()))?
+            {
+                hasher.update(&chunk);
+                size += chunk.len() as u64;
+            }
+            Ok(Some((size, hex::encode(hasher.finalize()))))
+        })
+    }
+
     /// The names of the folders directly under `key` (`bert4rec` -> `["1", "2"]`).
     pub fn folders(&self, key: &str) -> Result<Vec<String>> {
         let prefix = Path::from(key);
@@ -368,6 +394,19 @@ impl Repository {
             .collect();
         out.sort();
         Ok(out)
+    }
+
+    /// Removes the folder `key` once it holds nothing: a local directory keeps empty folders,
+    /// which would still list as a (recordless, incomplete) version; object stores have no
+    /// folders to remove.
+    pub fn remove_empty_folder(&self, key: &str) -> Result<()> {
+        if let Location::Local(dir) = &self.location {
+            let path = dir.join(key);
+            if path.is_dir() {
+                let _ = std::fs::remove_dir(&path);
+            }
+        }
+        Ok(())
     }
 
     /// Removes the object at `key` (absent is fine).

@@ -4,6 +4,8 @@
 //! verified (status `pending` or `approved`). A version whose record still says `incomplete` is
 //! incomplete, in progress or abandoned by a killed publish: it never serves.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{RegistryError, Result};
@@ -20,6 +22,10 @@ pub enum Status {
     Pending,
     Approved,
     Rejected,
+    /// Was approved and serving, and was taken off: by `recsys rollback`, or automatically when a
+    /// replica failed to load it during the rollout. Approving it again runs its gates again.
+    #[serde(rename = "rolled-back")]
+    RolledBack,
 }
 
 impl std::fmt::Display for Status {
@@ -29,6 +35,7 @@ impl std::fmt::Display for Status {
             Status::Pending => "pending",
             Status::Approved => "approved",
             Status::Rejected => "rejected",
+            Status::RolledBack => "rolled-back",
         })
     }
 }
@@ -53,6 +60,18 @@ pub struct VersionInfo {
     /// The engine's files and sizes, recorded when the upload was verified.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub files: Vec<(String, u64)>,
+    /// Every file's SHA-256 (hex) as the publisher hashed it before the upload: the integrity gate
+    /// checks the stored objects against it (records written before it existed: against the
+    /// engine manifest's own checksums).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub checksums: BTreeMap<String, String>,
+    /// The request the canary replica must answer, with the answer the publisher's engine gave.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub self_check: Option<crate::self_check::SelfCheck>,
+    /// Why the last approve refused this version or why it was rolled back, with the time;
+    /// cleared when it is approved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<String>,
 }
 
 impl VersionInfo {
@@ -71,6 +90,9 @@ impl VersionInfo {
             history: vec!["found without registry metadata; treated as approved".into()],
             publisher: None,
             files: Vec::new(),
+            checksums: BTreeMap::new(),
+            self_check: None,
+            last_failure: None,
         }
     }
 
@@ -129,6 +151,61 @@ pub fn list(repo: &Repository, model: &str) -> Result<Vec<VersionInfo>> {
             }
         })
         .collect()
+}
+
+/// The error for a version `listed` does not hold, naming the ones it does.
+pub fn no_such_version(
+    repo: &Repository,
+    model: &str,
+    version: u64,
+    listed: &[VersionInfo],
+) -> RegistryError {
+    RegistryError::Input(format!(
+        "{}/{model} has no version {version} (versions: {})",
+        repo.uri().trim_end_matches('/'),
+        listed
+            .iter()
+            .map(|v| v.version.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+}
+
+/// Rewrites `version`'s record with `change` (which may refuse by returning an error), retrying
+/// when another command changed the record between the read and the conditional write. Returns
+/// the record as written.
+pub fn update(
+    repo: &Repository,
+    model: &str,
+    version: u64,
+    change: &mut dyn FnMut(&[VersionInfo], &mut VersionInfo) -> Result<()>,
+) -> Result<VersionInfo> {
+    for _ in 0..16 {
+        // The object is read first: the conditional write below then refuses if anything changed
+        // it after this read.
+        let key = record_key(model, version);
+        let object = repo.read(&key)?;
+        let listed = list(repo, model)?;
+        let Some(listed_current) = listed.iter().find(|v| v.version == version) else {
+            return Err(no_such_version(repo, model, version, &listed));
+        };
+        let mut changed = match &object {
+            Some(object) => parse(repo, &key, &object.bytes)?,
+            None => listed_current.clone(),
+        };
+        change(&listed, &mut changed)?;
+        let written = match &object {
+            Some(object) => repo.replace(&key, &changed.to_json(), object)?,
+            None => repo.create(&key, &changed.to_json())?,
+        };
+        if written {
+            return Ok(changed);
+        }
+    }
+    Err(RegistryError::Input(format!(
+        "the record of {model} version {version} kept changing under concurrent commands; run \
+         the command again"
+    )))
 }
 
 /// The version every replica should serve: the newest approved one.

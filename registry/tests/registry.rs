@@ -9,6 +9,7 @@ use recsys_engine::engine_dir::Precision;
 use recsys_engine::{fixtures, ModelKind};
 use recsys_registry::config::{policy_versions, CONFIG_FILE};
 use recsys_registry::publish::{publish, PublishRequest};
+use recsys_registry::release::{self, Fleet, Release};
 use recsys_registry::status::set_status;
 use recsys_registry::versions::{self, record_key};
 use recsys_registry::{Repository, Status};
@@ -25,8 +26,20 @@ fn request<'a>(engine: &'a Path, approve: bool) -> PublishRequest<'a> {
         engine_dir: engine,
         approve,
         metrics: None,
-        max_batch_size: 32,
     }
+}
+
+/// `publish --approve` with no replicas: the integrity gate, then the switch.
+fn publish_approved(repo: &Repository, engine: &Path) -> (versions::VersionInfo, Release) {
+    release::publish_and_approve(
+        repo,
+        &request(engine, true),
+        32,
+        &Fleet::none(),
+        &mut |_, _| {},
+        &mut |_| {},
+    )
+    .unwrap()
 }
 
 fn served(repo: &Repository) -> Vec<u64> {
@@ -50,9 +63,11 @@ fn publish_approve_reject_move_the_config_to_the_newest_approved_version() {
             .err()
             .unwrap();
         assert!(err.to_string().contains("--approve"), "{err}");
-        let first = publish(&repo, &request(&engine, true), &mut |_, _| {}).unwrap();
-        assert_eq!(first.info.version, 1);
-        assert!(first.created_config);
+        let (first, release) = publish_approved(&repo, &engine);
+        assert_eq!(first.version, 1);
+        assert_eq!(first.status, Status::Approved);
+        assert!(release.created_config);
+        assert!(release.verified.is_some());
         assert_eq!(served(&repo), [1]);
         let mut last = 0;
         let second = publish(&repo, &request(&engine, false), &mut |sent, total| {
@@ -61,13 +76,11 @@ fn publish_approve_reject_move_the_config_to_the_newest_approved_version() {
         })
         .unwrap();
         assert!(last > 0);
-        assert_eq!(
-            (second.info.version, second.info.status),
-            (2, Status::Pending)
-        );
-        assert!(!second.created_config);
+        assert_eq!((second.version, second.status), (2, Status::Pending));
         assert_eq!(served(&repo), [1], "a pending version must not serve");
-        assert!(!second.info.files.is_empty());
+        assert!(!second.files.is_empty());
+        assert_eq!(second.checksums.len(), second.files.len());
+        assert!(second.self_check.is_some());
         assert_eq!(set_status(&repo, "vaecf", 2, Status::Approved).unwrap(), 2);
         assert_eq!(served(&repo), [2]);
         assert_eq!(set_status(&repo, "vaecf", 2, Status::Rejected).unwrap(), 1);
@@ -82,6 +95,7 @@ fn publish_approve_reject_move_the_config_to_the_newest_approved_version() {
         let listed = versions::list(&repo, "vaecf").unwrap();
         assert_eq!(listed[1].status, Status::Rejected);
         assert_eq!(listed[1].history.len(), 4, "{:?}", listed[1].history);
+        assert!(listed[0].history[0].starts_with("upload started"));
         // The uploaded files are the engine's, byte for byte.
         for (name, size) in &listed[0].files {
             let object = repo.read(&format!("vaecf/1/{name}")).unwrap().unwrap();
@@ -96,7 +110,7 @@ fn an_incomplete_version_never_serves_and_is_not_reused() {
     let tmp = tempfile::tempdir().unwrap();
     let engine = engine(tmp.path());
     for repo in repositories(tmp.path()) {
-        publish(&repo, &request(&engine, true), &mut |_, _| {}).unwrap();
+        publish_approved(&repo, &engine);
         // What a publish killed mid-upload leaves: a claimed record and part of the files.
         let mut claim = versions::list(&repo, "vaecf").unwrap()[0].clone();
         claim.version = 2;
@@ -108,8 +122,8 @@ fn an_incomplete_version_never_serves_and_is_not_reused() {
         let err = set_status(&repo, "vaecf", 2, Status::Approved).unwrap_err();
         assert!(err.to_string().contains("incomplete"), "{err}");
         assert_eq!(served(&repo), [1]);
-        let next = publish(&repo, &request(&engine, true), &mut |_, _| {}).unwrap();
-        assert_eq!(next.info.version, 3);
+        let (next, _) = publish_approved(&repo, &engine);
+        assert_eq!(next.version, 3);
         assert_eq!(served(&repo), [3]);
         // Rejecting the newest falls back past the incomplete one.
         assert_eq!(set_status(&repo, "vaecf", 3, Status::Rejected).unwrap(), 1);
@@ -134,7 +148,7 @@ fn concurrent_publishers_get_distinct_versions() {
     let engine = engine(tmp.path());
     let repo_dir = tmp.path().join("shared");
     let first = Repository::open(repo_dir.to_str().unwrap()).unwrap();
-    publish(&first, &request(&engine, true), &mut |_, _| {}).unwrap();
+    publish_approved(&first, &engine);
     let engine = Arc::new(engine);
     let publishers: Vec<_> = (0..4)
         .map(|_| {
@@ -145,7 +159,6 @@ fn concurrent_publishers_get_distinct_versions() {
                 let repo = Repository::open(repo_dir.to_str().unwrap()).unwrap();
                 publish(&repo, &request(&engine, false), &mut |_, _| {})
                     .unwrap()
-                    .info
                     .version
             })
         })
@@ -156,4 +169,125 @@ fn concurrent_publishers_get_distinct_versions() {
     let listed = versions::list(&first, "vaecf").unwrap();
     assert_eq!(listed.len(), 5);
     assert!(listed[1..].iter().all(|v| v.status == Status::Pending));
+}
+
+#[test]
+fn a_corrupted_version_is_refused_before_anything_changes_and_the_reason_is_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        let pending = publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        let key = format!("vaecf/{}/weights.safetensors", pending.version);
+        let mut bytes = repo.read(&key).unwrap().unwrap().bytes;
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x01;
+        repo.overwrite(&key, &bytes).unwrap();
+        let config_before = repo.read(&format!("vaecf/{CONFIG_FILE}")).unwrap().unwrap();
+        let refused = release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        let reason = refused.refused.expect("the integrity gate refuses");
+        assert!(
+            reason.contains("weights.safetensors") && reason.contains("SHA-256"),
+            "{reason}"
+        );
+        let config_after = repo.read(&format!("vaecf/{CONFIG_FILE}")).unwrap().unwrap();
+        assert_eq!(config_before.bytes, config_after.bytes, "nothing changes");
+        let listed = versions::list(&repo, "vaecf").unwrap();
+        assert_eq!(listed[1].status, Status::Pending);
+        assert!(listed[1]
+            .last_failure
+            .as_deref()
+            .is_some_and(|f| f.contains("approve refused")));
+        // A missing file and an extra one are named too.
+        repo.delete(&key).unwrap();
+        let reason = release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {})
+            .unwrap()
+            .refused
+            .unwrap();
+        assert!(
+            reason.contains("weights.safetensors is missing"),
+            "{reason}"
+        );
+        repo.overwrite("vaecf/1/stray.bin", b"x").unwrap();
+        let err = release::approve(&repo, "vaecf", 1, &Fleet::none(), 32, &mut |_| {});
+        // v1 already serves: re-approving it changes nothing and runs no gate.
+        assert!(err.unwrap().refused.is_none());
+        assert_eq!(served(&repo), [1]);
+    }
+}
+
+#[test]
+fn rollback_serves_an_earlier_approved_version_and_reject_verifies_where_it_goes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        for _ in 0..3 {
+            publish_approved(&repo, &engine);
+        }
+        assert_eq!(served(&repo), [3]);
+        let back = release::rollback(&repo, "vaecf", None, &Fleet::none(), &mut |_| {}).unwrap();
+        assert_eq!((back.serving_before, back.serving), (Some(3), Some(2)));
+        assert_eq!(served(&repo), [2]);
+        let back = release::rollback(&repo, "vaecf", Some(1), &Fleet::none(), &mut |_| {}).unwrap();
+        assert_eq!(back.serving, Some(1));
+        let statuses: Vec<Status> = versions::list(&repo, "vaecf")
+            .unwrap()
+            .iter()
+            .map(|v| v.status)
+            .collect();
+        assert_eq!(
+            statuses,
+            [Status::Approved, Status::RolledBack, Status::RolledBack]
+        );
+        let err = release::rollback(&repo, "vaecf", None, &Fleet::none(), &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no approved version older"), "{err}");
+        let err = release::rollback(&repo, "vaecf", Some(3), &Fleet::none(), &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rolled-back, not approved"), "{err}");
+        // Approving 3 again runs its gates and serves it; rejecting it goes back to 1, verified.
+        release::approve(&repo, "vaecf", 3, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        assert_eq!(served(&repo), [3]);
+        repo.overwrite("vaecf/1/item_ids.tsv", b"corrupt").unwrap();
+        let refused = release::reject(&repo, "vaecf", 3, &Fleet::none(), &mut |_| {}).unwrap();
+        assert!(
+            refused
+                .refused
+                .as_deref()
+                .is_some_and(|r| r.contains("version 1")),
+            "{:?}",
+            refused.refused
+        );
+        assert_eq!(served(&repo), [3], "a refused reject changes nothing");
+        assert_eq!(
+            versions::list(&repo, "vaecf").unwrap()[2].status,
+            Status::Approved
+        );
+    }
+}
+
+#[test]
+fn prune_removes_old_versions_but_never_one_that_serves_or_may_serve_next() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        for _ in 0..4 {
+            publish_approved(&repo, &engine);
+        }
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        set_status(&repo, "vaecf", 2, Status::Rejected).unwrap();
+        // 1 approved, 2 rejected, 3 approved (previous), 4 approved (serving), 5 pending.
+        let dry = recsys_registry::prune::prune(&repo, "vaecf", 1, true, &mut |_| {}).unwrap();
+        assert_eq!(dry.removed, [1, 2]);
+        assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [1, 2, 3, 4, 5]);
+        let mut heard = Vec::new();
+        let done = recsys_registry::prune::prune(&repo, "vaecf", 1, false, &mut |v| heard.push(v))
+            .unwrap();
+        assert_eq!((done.removed.clone(), heard), (vec![1, 2], vec![1, 2]));
+        assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [3, 4, 5]);
+        assert!(repo.files("vaecf/1").unwrap().is_empty());
+        assert_eq!(served(&repo), [4]);
+    }
 }

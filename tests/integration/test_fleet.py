@@ -1,26 +1,33 @@
 """A fleet on object storage: two tritonservers (explicit model control) load the same s3://
 repository from a real S3-compatible server on 127.0.0.1. Under continuous load on both replicas:
 publish v2 (pending: v1 keeps serving), approve it (both replicas serve v2), reject it (both back on
-v1), with zero failed requests. Then one replica down during an approve: a per-replica report, the
-reachable replica on the new version, exit status 4."""
+v1), with zero failed requests. Then one replica down during an approve: a per-replica report and
+the approve rolled back by itself (exit 5), or with --rollout continue the reachable replica on the
+new version (exit 4). And the gates: corrupted and self-check-failing versions refused with nothing
+changed, a broken rollout undone, rollback and prune."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import struct
 import subprocess
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import convert
+from conftest import FIXTURES, convert
 from s3_harness import CREDENTIALS, S3Server
 from triton_harness import TritonServer
 
+REFUSED_EXIT = 3
 PARTIAL_ROLLOUT_EXIT = 4
+ROLLED_BACK_EXIT = 5
 
 
 @pytest.fixture
@@ -133,11 +140,24 @@ def test_two_replicas_on_one_s3_repository_switch_together_without_failed_reques
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
             assert len(load.seen) > 100, f"replica {i} answered only {len(load.seen)} requests"
 
-        # One replica down during an approve: the rollout stops there and says so per replica.
+        # One replica down during an approve: the canary runs on the live one and passes, the
+        # rollout fails on the dead one, and the approve rolls itself back.
         servers[1].stop()
-        run = recsys("approve", "--version", "2", *server_flags, expect=PARTIAL_ROLLOUT_EXIT)
+        run = recsys("approve", "--version", "2", *server_flags, expect=ROLLED_BACK_EXIT)
+        assert f"canary {urls[0]} loaded the version and passed its self-check" in run.stdout, run.stdout
         assert f"{urls[0]} now serves bert4rec version 2" in run.stdout, run.stdout
         assert f"{urls[1]} FAILED" in run.stdout, run.stdout
+        assert f"rolling back to bert4rec version 1" in run.stdout, run.stdout
+        assert f"{urls[0]} now serves bert4rec version 1" in run.stdout.split("rolling back")[1], run.stdout
+        assert "rolled back:" in run.stderr and "names version 1 again" in run.stderr, run.stderr
+        assert ready_versions(servers[0]) == ["1"]
+        table = recsys("versions").stdout
+        assert table.splitlines()[2].split()[:2] == ["2", "rolled-back"], table
+        assert "rolled back automatically" in table, table
+        # --rollout continue never rolls back: the reachable replica moves, exit 4 says not all did.
+        run = recsys("approve", "--version", "2", *server_flags, "--rollout", "continue",
+                     expect=PARTIAL_ROLLOUT_EXIT)
+        assert f"{urls[0]} now serves bert4rec version 2" in run.stdout, run.stdout
         assert "partial rollout: 1 of 2 replicas serve bert4rec version 2" in run.stderr, run.stderr
         assert "recsys approve --repository" in run.stderr, run.stderr
         # The dead replica first: by default the healthy one is left alone ...
@@ -154,6 +174,139 @@ def test_two_replicas_on_one_s3_repository_switch_together_without_failed_reques
 
     table = recsys("versions").stdout
     assert "rejected" in table and table.splitlines()[1].split()[:3] == ["1", "approved", "yes"], table
+
+
+def ready_versions(server: TritonServer, model: str = "bert4rec") -> list[str]:
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}", timeout=5) as r:
+        return json.loads(r.read())["versions"]
+
+
+def overflowing_checkpoint(out: Path) -> Path:
+    """The BERT4Rec fixture with its output LayerNorm's gain blown up to +-1e38: every weight finite
+    (the importer accepts it), every score infinite or NaN, as a diverged training run gives."""
+    src = (FIXTURES / "bert4rec" / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", src[:8])[0]
+    header = json.loads(src[8:8 + n])
+    data = bytearray(src[8 + n:])
+    start, end = header["output_ln.weight"]["data_offsets"]
+    original = np.frombuffer(bytes(data[start:end]), dtype="<f4")
+    gain = np.where(original < 0, np.float32(-1e38), np.float32(1e38)).astype("<f4")
+    assert np.isfinite(gain).all()
+    data[start:end] = gain.astype("<f4").tobytes()
+    out.write_bytes(src[:8 + n] + bytes(data))
+    return out
+
+
+def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, recsys_bin, backend_dir, s3):
+    """Two replicas under load on one s3:// repository. A version with a flipped byte in the bucket
+    and a version that loads but answers non-finite scores are both refused by approve: zero failed
+    requests, the repository unchanged, and a third tritonserver started afterwards with default
+    flags serves v1. A good version then approves normally, and a rollout broken mid-way (one
+    replica killed) rolls back by itself."""
+    uri = s3.uri("models", "gated/repo")
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", tmp_path / "fp32")
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.safetensors", tmp_path / "int8", extra=["--precision", "int8"])
+    src = FIXTURES / "bert4rec"
+    subprocess.run([str(recsys_bin), "convert", "--force", "--kind", "bert4rec",
+                    "--checkpoint", str(overflowing_checkpoint(tmp_path / "overflow.safetensors")),
+                    "--config", str(src / "config.json"), "--item-map", str(src / "item_id_map.tsv"),
+                    "--output", str(tmp_path / "overflow")], check=True, capture_output=True, timeout=300)
+
+    def recsys(*args, expect=0):
+        run = subprocess.run([str(recsys_bin), *args, "--repository", uri, "--model", "bert4rec"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == expect, f"{args}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+        return run
+
+    def config_text() -> bytes:
+        return s3.client().get_object(Bucket="models", Key="gated/repo/bert4rec/config.pbtxt")["Body"].read()
+
+    recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
+                                                    log_path=tmp_path / f"replica{i}.log"))
+                   for i in range(2)]
+        urls = [f"http://{s.http_url}" for s in servers]
+        server_flags = [flag for url in urls for flag in ("--server", url)]
+        loads = [Load(s) for s in servers]
+        for load in loads:
+            load.thread.start()
+        try:
+            wait_for(lambda: all(len(load.seen) > 5 for load in loads), "both replicas answering")
+            config_v1 = config_text()
+
+            # v2: one byte flipped in the bucket after the publish.
+            recsys("publish", "--engine", str(tmp_path / "int8"))
+            key = "gated/repo/bert4rec/2/weights.safetensors"
+            body = bytearray(s3.client().get_object(Bucket="models", Key=key)["Body"].read())
+            body[len(body) // 2] ^= 0x01
+            s3.client().put_object(Bucket="models", Key=key, Body=bytes(body))
+            run = recsys("approve", "--version", "2", *server_flags, expect=REFUSED_EXIT)
+            assert "weights.safetensors: SHA-256" in run.stderr and "nothing changed" in run.stderr, run.stderr
+            assert "canary" not in run.stdout, "the integrity gate runs before any replica is touched"
+            assert config_text() == config_v1
+
+            # v3: loads, but every score overflows: the canary's self-check refuses it.
+            recsys("publish", "--engine", str(tmp_path / "overflow"))
+            run = recsys("approve", "--version", "3", *server_flags, "--json", expect=REFUSED_EXIT)
+            outcome = json.loads(run.stdout)
+            assert outcome["canary"]["server"] == urls[0] and outcome["canary"]["restored"] is True, outcome
+            assert "non-finite score" in outcome["refused"], outcome
+            assert config_text() == config_v1
+            assert all(ready_versions(s) == ["1"] for s in servers)
+            listed = json.loads(recsys("versions", "--json").stdout)["versions"]
+            assert [v["status"] for v in listed] == ["approved", "pending", "pending"], listed
+            assert "SHA-256" in listed[1]["last_failure"] and "self-check" in listed[2]["last_failure"], listed
+            table = recsys("versions").stdout
+            assert "approve refused" in table, table
+
+            # A replica started now, with tritonserver's default flags, serves v1.
+            with TritonServer(uri, backend_dir, log_path=tmp_path / "fresh.log") as fresh:
+                assert ready_versions(fresh) == ["1"]
+
+            # A good version approves normally.
+            recsys("publish", "--engine", str(tmp_path / "int8"))
+            approved = json.loads(recsys("approve", "--version", "4", *server_flags, "--json").stdout)
+            assert approved["canary"]["passed"] is True and approved["rollout"]["complete"] is True, approved
+            assert approved["serving_version"] == 4
+            marks = [len(load.seen) for load in loads]
+            wait_for(lambda: all(len(load.seen) > m + 20 for load, m in zip(loads, marks)), "answers after approve")
+            assert all(load.versions_since(m) == {"4"} for load, m in zip(loads, marks))
+        finally:
+            for load in loads:
+                load.stop.set()
+            for load in loads:
+                load.thread.join(30)
+        for i, load in enumerate(loads):
+            assert load.failures == [], f"replica {i}: {load.failures[:5]}"
+            # The canary served the candidates on replica 0 for a moment; v3's answers there were
+            # refused by the self-check, and no replica served v2 at all.
+            assert "2" not in load.seen, f"replica {i} served the corrupted version"
+            assert set(load.seen) <= {"1", "3", "4"}
+        assert "3" not in loads[1].seen, "only the canary replica may load a candidate"
+
+        # A rollout broken mid-way: replica 1 killed; the approve of v5 rolls back to v4 by itself.
+        recsys("publish", "--engine", str(tmp_path / "fp32"))
+        servers[1].process.kill()
+        servers[1].process.wait(10)
+        run = recsys("approve", "--version", "5", *server_flags, "--json", expect=ROLLED_BACK_EXIT)
+        outcome = json.loads(run.stdout)
+        assert [r["outcome"] for r in outcome["rollout"]["replicas"]] == ["serving", "failed"], json.dumps(outcome, indent=1)
+        assert [r["outcome"] for r in outcome["rolled_back"]["replicas"]] == ["serving"], outcome
+        assert outcome["serving_version"] == 4 and outcome["rolled_back"]["version"] == 4, outcome
+        assert ready_versions(servers[0]) == ["4"]
+        assert b"versions: [ 4 ]" in config_text()
+        listed = json.loads(recsys("versions", "--json").stdout)["versions"]
+        assert listed[4]["status"] == "rolled-back" and urls[1] in listed[4]["last_failure"], listed[4]
+
+        # Explicit rollback to v1 (v4 marked rolled back), then prune keeps what may serve.
+        servers[1].process = None
+        back = json.loads(recsys("rollback", "--to", "1", "--server", urls[0], "--json").stdout)
+        assert back["serving_version"] == 1 and back["rollout"]["complete"] is True, back
+        assert ready_versions(servers[0]) == ["1"]
+        pruned = json.loads(recsys("versions", "--prune", "--keep", "1", "--json").stdout)
+        assert pruned["removed"] == [4], pruned
+        assert sorted(k["version"] for k in pruned["kept"]) == [1, 2, 3], pruned
 
 
 def test_convert_predict_and_export_read_and_write_object_storage(tmp_path, recsys_bin, s3):

@@ -1,4 +1,4 @@
-"""Crash safety of publish, approve and reject: each is killed with SIGKILL at a random moment (a
+"""Crash safety of publish, approve (with its integrity gate), reject and rollback: each is killed with SIGKILL at a random moment (a
 seeded generator, the seed printed) over a local directory and over a real S3-compatible server.
 After every kill the repository must be one that every replica can load: config.pbtxt names one
 version, that version is approved and complete (every file of its manifest present, with its size
@@ -62,7 +62,9 @@ def loadable_version(reader, *, settled: bool = False) -> int:
     assert len(versions) == 1, versions
     version = versions[0]
     record = json.loads(reader.read(f"{MODEL}/{version}/recsys-version.json"))
-    allowed = ("approved",) if settled else ("approved", "rejected")
+    # Killed between its record write and its config write, a reject or rollback leaves the config
+    # on the version it was taking off (rejected / rolled-back, still complete).
+    allowed = ("approved",) if settled else ("approved", "rejected", "rolled-back")
     assert record["status"] in allowed, f"config names version {version}, which is {record['status']}"
     manifest_bytes = reader.read(f"{MODEL}/{version}/manifest.json")
     assert manifest_bytes is not None, f"version {version} has no manifest"
@@ -106,7 +108,7 @@ def test_sigkill_at_any_moment_leaves_a_repository_every_replica_can_load(
         def next_command(i: int) -> list[str]:
             listed = versions()
             approved = [v["version"] for v in listed if v["status"] == "approved"]
-            complete = [v["version"] for v in listed if v["status"] in ("pending", "rejected")]
+            complete = [v["version"] for v in listed if v["status"] in ("pending", "rejected", "rolled-back")]
             step = i % 4
             if step == 0 or (step == 2 and not complete):
                 return ["publish", "--engine", str(engines[i % 2])]
@@ -115,15 +117,18 @@ def test_sigkill_at_any_moment_leaves_a_repository_every_replica_can_load(
             if step == 2:
                 return ["approve", "--version", str(complete[-1])]
             if len(approved) > 1:
-                return ["reject", "--version", str(max(approved))]
+                return ["reject", "--version", str(max(approved))] if i % 8 == 3 else ["rollback"]
             return ["publish", "--approve", "--engine", str(engines[0])]
 
         # How long each command takes when left alone: kills land anywhere inside that span.
         durations = {}
-        for verb in ("publish", "approve", "reject"):
+        for verb in ("publish", "approve", "reject", "rollback"):
+            if verb == "rollback":
+                assert run("approve", "--version", str(versions()[-1]["version"])).returncode == 0
             args = {"publish": ["publish", "--engine", str(engines[1])],
                     "approve": ["approve", "--version", str(versions()[-1]["version"])],
-                    "reject": ["reject", "--version", str(versions()[-1]["version"])]}[verb]
+                    "reject": ["reject", "--version", str(versions()[-1]["version"])],
+                    "rollback": ["rollback"]}[verb]
             started = time.monotonic()
             done = run(*args)
             assert done.returncode == 0, done.stderr
