@@ -34,9 +34,12 @@ TRITONSERVER=$(.venv/bin/python -c 'import pytriton, pathlib; print(pathlib.Path
 mkdir -p build
 LOG=build/tritonserver.log
 echo "==> starting tritonserver on 127.0.0.1 (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT; log: $LOG)"
+# A model that cannot load leaves the server up and not ready, its log naming the reason, rather
+# than exiting (--exit-on-error=false with --strict-readiness): the next approve's reload, or a
+# fixed repository and a reload, brings it back without a restart.
 setsid "$TRITONSERVER" \
   --model-repository="$PWD/model_repository" --backend-directory="$PWD/build/backends" \
-  --model-control-mode=explicit --load-model='*' \
+  --model-control-mode=explicit --load-model='*' --exit-on-error=false --strict-readiness=true \
   --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
   --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" \
   --pinned-memory-pool-byte-size=0 --allow-gpu-metrics=false >"$LOG" 2>&1 &
@@ -56,7 +59,11 @@ for _ in $(seq 600); do
   if ! kill -0 "$SERVER" 2>/dev/null; then echo "tritonserver exited; see $LOG" >&2; tail -20 "$LOG" >&2; exit 1; fi
   sleep 0.1
 done
-curl -sf "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null || { echo "tritonserver not ready after 60 s; see $LOG" >&2; exit 1; }
+curl -sf "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null || {
+  echo "tritonserver not ready after 60 s (a model that cannot load; see $LOG):" >&2
+  grep -iE "failed to load|error" "$LOG" | tail -5 >&2
+  exit 1
+}
 
 CURL_EXAMPLE="curl -s -X POST http://127.0.0.1:$HTTP_PORT/v2/models/bert4rec/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 3], \"data\": [10011403, 10011207, 10011739]}, {\"name\": \"K\", \"datatype\": \"INT32\", \"shape\": [1, 1], \"data\": [5]}]}'"
 PY_EXAMPLE=".venv/bin/python examples/client.py --http 127.0.0.1:$HTTP_PORT --grpc 127.0.0.1:$GRPC_PORT"

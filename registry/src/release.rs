@@ -258,7 +258,13 @@ pub fn approve(
                 version,
                 serving: release.serving_before,
                 check: &check,
-                repository_config: config_text.as_deref(),
+                // No config yet (the first approval): the one the switch will write.
+                repository_config: Some(
+                    config_text
+                        .clone()
+                        .unwrap_or_else(|| config::minimal(max_batch_size))
+                        .as_str(),
+                ),
                 timeout: fleet.reload_timeout,
             },
         );

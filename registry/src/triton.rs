@@ -96,6 +96,13 @@ pub fn wait_for_versions(
             Err(_) if want.is_empty() => return Ok(()),
             _ => {}
         }
+        // Triton's load call returns once the load is over: a version that failed says why in
+        // the repository index, and waiting longer would not change it.
+        for version in &want {
+            if let Some(reason) = load_failure(agent, base, model, version) {
+                return Err(format!("version {version} failed to load: {reason}"));
+            }
+        }
         if started.elapsed() > timeout {
             return Err(match seen {
                 Ok(v) => format!("it serves versions {v:?} after {timeout:?}, not {want:?}"),
@@ -104,6 +111,47 @@ pub fn wait_for_versions(
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The repository index's entries for `model`: (version, state, reason).
+fn index_entries(agent: &ureq::Agent, base: &str, model: &str) -> Vec<(String, String, String)> {
+    let Some(index) = agent
+        .post(&format!("{base}/v2/repository/index"))
+        .set("Content-Type", "application/json")
+        .send_string("{}")
+        .ok()
+        .and_then(|r| r.into_string().ok())
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+    else {
+        return Vec::new();
+    };
+    let text = |entry: &Value, key: &str| entry[key].as_str().unwrap_or_default().to_string();
+    index
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|entry| entry["name"].as_str() == Some(model))
+        .map(|entry| {
+            (
+                text(entry, "version"),
+                text(entry, "state"),
+                text(entry, "reason"),
+            )
+        })
+        .collect()
+}
+
+/// A failed load is UNAVAILABLE with its error as the reason; an unloaded version says "unloaded".
+fn is_failure(state: &str, reason: &str) -> bool {
+    state == "UNAVAILABLE" && !reason.is_empty() && reason != "unloaded"
+}
+
+/// Why `version` of `model` failed to load on `base` (`None`: it did not fail).
+pub fn load_failure(agent: &ureq::Agent, base: &str, model: &str, version: &str) -> Option<String> {
+    index_entries(agent, base, model)
+        .into_iter()
+        .find(|(v, state, reason)| v == version && is_failure(state, reason))
+        .map(|(_, _, reason)| reason)
 }
 
 /// `model`'s config as `base` has it loaded (after the backend completed it), if it has one.

@@ -309,6 +309,70 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
         assert sorted(k["version"] for k in pruned["kept"]) == [1, 2, 3], pruned
 
 
+def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_approve(
+        tmp_path, recsys_bin, backend_dir, s3):
+    """Started with serve.sh's and the manifests' flags (--exit-on-error=false, strict readiness)
+    on a repository with nothing approved yet (a fresh cluster: apply, then publish), a replica is
+    alive without the model, and the first `publish --approve --server` makes it ready; started again
+    after its version rotted in the bucket, it is alive and not ready with the reason in its log,
+    the next approve's reload has it serve the new version at once, and (Triton keeping the old
+    version's failed load in its readiness) a restart, which the manifests' liveness probe on
+    readiness makes after 10 minutes, is ready on it."""
+    uri = s3.uri("models", "startup/repo")
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", tmp_path / "fp32")
+    flags = ["--exit-on-error=false", "--strict-readiness=true"]
+    # The repository exists (tritonserver is not even live on a path that does not), with no model.
+    s3.client().put_object(Bucket="models", Key="startup/repo/README", Body=b"recsys model repository\n")
+
+    def recsys(*args, expect=0):
+        run = subprocess.run([str(recsys_bin), *args, "--repository", uri, "--model", "bert4rec"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == expect, f"{args}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+        return run
+
+    server = TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
+                          log_path=tmp_path / "first.log", extra_args=flags).start(until="live")
+    try:
+        time.sleep(1)
+        # Up, and the model not ready. (Triton counts a model it never found as no model, so the
+        # server itself reads ready here; a model that fails to load makes it unready, below.)
+        assert server.process.poll() is None and server.is_live()
+        assert server._get("/v2/models/bert4rec/ready") != 200
+        recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--server", f"http://{server.http_url}")
+        wait_for(server.is_ready, "the replica ready after the first approve", timeout=30)
+        assert ready_versions(server) == ["1"]
+    finally:
+        server.stop()
+
+    key = "startup/repo/bert4rec/1/weights.safetensors"
+    body = bytearray(s3.client().get_object(Bucket="models", Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    s3.client().put_object(Bucket="models", Key=key, Body=bytes(body))
+    server = TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
+                          log_path=tmp_path / "second.log", extra_args=flags).start(until="live")
+    try:
+        time.sleep(2)
+        assert server.process.poll() is None, "the replica exited on a model it cannot load"
+        assert server.is_live() and not server.is_ready()
+        assert "sha256" in server.log().lower() or "checksum" in server.log().lower(), server.log()[-2000:]
+        started = time.monotonic()
+        out = recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--server",
+                     f"http://{server.http_url}").stdout
+        # The canary could not be put back on the rotted version; it says so at once.
+        assert "not put back: version 1 failed to load" in out and "checksum mismatch" in out, out
+        assert time.monotonic() - started < 60, "a failed load is reported when it happens, not after a timeout"
+        assert ready_versions(server) == ["2"]
+        assert server._get("/v2/models/bert4rec/ready") == 200
+        # Triton keeps version 1's failed load in its strict readiness until the process restarts:
+        # the manifests' liveness probe on readiness (10 minutes) is that bounded retry.
+        assert not server.is_ready()
+    finally:
+        server.stop()
+    with TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
+                      log_path=tmp_path / "restarted.log", extra_args=flags) as restarted:
+        assert ready_versions(restarted) == ["2"]
+
+
 def test_convert_predict_and_export_read_and_write_object_storage(tmp_path, recsys_bin, s3):
     """The batch path of deploy/kubernetes/predict-job.yaml: an engine converted straight into the
     bucket, scored in two shards from there, the parts equal to a local run of the same engine."""

@@ -88,7 +88,9 @@ class TritonServer:
             cmd += [f"--load-model={m}" for m in self.load_models]
         return cmd + self.extra_args
 
-    def start(self, timeout: float = 60.0) -> "TritonServer":
+    def start(self, timeout: float = 60.0, *, until: str = "ready") -> "TritonServer":
+        """Starts the server and waits until it is ready (`until="live"`: only live, for a server
+        expected to stay up without a loadable model)."""
         self.log_file = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
             self.command(),
@@ -104,7 +106,7 @@ class TritonServer:
                 )
             # Triton answers ready on HTTP before its metrics endpoint listens: wait for both, so
             # a caller that reads the metrics right away finds them.
-            if self._get("/v2/health/ready") == 200 and (not self.metrics_enabled() or self._metrics_up()):
+            if self._get(f"/v2/health/{until}") == 200 and (not self.metrics_enabled() or self._metrics_up()):
                 return self
             time.sleep(0.1)
         self.stop()
