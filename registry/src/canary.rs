@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use crate::self_check::{Ranked, SelfCheck};
 use crate::triton::{
-    describe, is_live, loaded_config, override_config, post_load, wait_for_versions,
+    admin, describe, is_live, loaded_config, override_config, post_load, wait_for_versions,
 };
 
 /// How one canary went.
@@ -119,8 +119,7 @@ fn restore(
 ) -> std::result::Result<(), String> {
     let model = canary.model;
     let Some(serving) = canary.serving else {
-        agent
-            .post(&format!("{base}/v2/repository/models/{model}/unload"))
+        admin(agent.post(&format!("{base}/v2/repository/models/{model}/unload")))
             .send_string("")
             .map_err(|e| format!("could not unload the candidate: {}", describe(e)))?;
         return wait_for_versions(agent, base, model, &[], canary.timeout);

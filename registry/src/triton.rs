@@ -7,6 +7,33 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::config::top_level_fields;
+
+/// The header Triton's restricted model-repository and model-config APIs expect
+/// (`--http-restricted-api=model-repository,model-config:recsys-admin-key=<key>`).
+pub const ADMIN_HEADER: &str = "recsys-admin-key";
+
+/// The key sent in [`ADMIN_HEADER`]: `RECSYS_TRITON_ADMIN_KEY`, or the first line of the file
+/// `RECSYS_TRITON_ADMIN_KEY_FILE` names (a mounted Secret).
+fn admin_key() -> Option<String> {
+    if let Ok(key) = std::env::var("RECSYS_TRITON_ADMIN_KEY") {
+        return Some(key.trim().to_string()).filter(|k| !k.is_empty());
+    }
+    let path = std::env::var_os("RECSYS_TRITON_ADMIN_KEY_FILE")?;
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| text.lines().next().map(|l| l.trim().to_string()))
+        .filter(|k| !k.is_empty())
+}
+
+/// `request` with the admin key, when one is configured: the calls that change or read a
+/// replica's models go through it, so a fleet whose model control is restricted to the approver's
+/// key can be rolled out.
+pub fn admin(request: ureq::Request) -> ureq::Request {
+    match admin_key() {
+        Some(key) => request.set(ADMIN_HEADER, &key),
+        None => request,
+    }
+}
 use crate::error::{RegistryError, Result};
 
 pub fn describe(e: ureq::Error) -> String {
@@ -70,8 +97,7 @@ pub fn post_load(
         Some(config) => json!({ "parameters": { "config": config.to_string() } }),
         None => json!({}),
     };
-    agent
-        .post(&format!("{base}/v2/repository/models/{model}/load"))
+    admin(agent.post(&format!("{base}/v2/repository/models/{model}/load")))
         .set("Content-Type", "application/json")
         .send_string(&body.to_string())
         .map(|_| ())
@@ -115,8 +141,7 @@ pub fn wait_for_versions(
 
 /// The repository index's entries for `model`: (version, state, reason).
 fn index_entries(agent: &ureq::Agent, base: &str, model: &str) -> Vec<(String, String, String)> {
-    let Some(index) = agent
-        .post(&format!("{base}/v2/repository/index"))
+    let Some(index) = admin(agent.post(&format!("{base}/v2/repository/index")))
         .set("Content-Type", "application/json")
         .send_string("{}")
         .ok()
@@ -156,8 +181,7 @@ pub fn load_failure(agent: &ureq::Agent, base: &str, model: &str, version: &str)
 
 /// `model`'s config as `base` has it loaded (after the backend completed it), if it has one.
 pub fn loaded_config(agent: &ureq::Agent, base: &str, model: &str) -> Option<Value> {
-    agent
-        .get(&format!("{base}/v2/models/{model}/config"))
+    admin(agent.get(&format!("{base}/v2/models/{model}/config")))
         .call()
         .ok()
         .and_then(|r| r.into_string().ok())

@@ -9,6 +9,7 @@ changed, a broken rollout undone, rollback and prune."""
 from __future__ import annotations
 
 import contextlib
+import os
 import json
 import struct
 import subprocess
@@ -444,3 +445,33 @@ def test_concurrent_publishers_on_s3_get_distinct_versions(tmp_path, recsys_bin,
                                         "--json"], capture_output=True, text=True, check=True).stdout)
     assert [v["status"] for v in listed["versions"]] == ["approved"] + ["pending"] * 4
     assert listed["config_versions"] == [1]
+
+
+def test_model_control_restricted_to_the_approvers_key(tmp_path, recsys_bin, backend_dir):
+    """tritonserver with its model-repository and model-config APIs restricted to a key (as the
+    manifests run it): an approve without the key is refused by the canary with nothing changed;
+    with RECSYS_TRITON_ADMIN_KEY (or _FILE, as the approver's Secret is mounted) it rolls out."""
+    repo = tmp_path / "repo"
+    convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", tmp_path / "fp32")
+    base = ["--repository", str(repo), "--model", "bert4rec"]
+
+    def recsys(*args, expect=0, env=None):
+        run = subprocess.run([str(recsys_bin), *args, *base], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, **(env or {})})
+        assert run.returncode == expect, f"{args}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+        return run
+
+    recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
+    recsys("publish", "--engine", str(tmp_path / "fp32"))
+    restricted = ["--http-restricted-api=model-repository,model-config:recsys-admin-key=s3cret"]
+    with TritonServer(repo, backend_dir, explicit=True, load_models=["bert4rec"],
+                      log_path=tmp_path / "server.log", extra_args=restricted) as server:
+        url = f"http://{server.http_url}"
+        run = recsys("approve", "--version", "2", "--server", url, expect=3)
+        assert "recsys-admin-key" in run.stderr, run.stderr
+        assert ready_versions(server) == ["1"]
+        recsys("approve", "--version", "2", "--server", url, env={"RECSYS_TRITON_ADMIN_KEY": "wrong"}, expect=3)
+        key_file = tmp_path / "admin-key"
+        key_file.write_text("s3cret\n")
+        recsys("approve", "--version", "2", "--server", url, env={"RECSYS_TRITON_ADMIN_KEY_FILE": str(key_file)})
+        assert ready_versions(server) == ["2"]
