@@ -415,7 +415,9 @@ pub struct VersionsArgs {
 pub enum Kind {
     /// RecBole BERT4Rec (sequential; order of the history matters).
     Bert4rec,
-    /// RecBole MultiVAE / Mult-VAE (collaborative filtering; the history is a set).
+    /// RecBole MultiVAE / Mult-VAE (collaborative filtering; the history is a set); RecBole's
+    /// own names `multivae` and `mult-vae` are accepted too.
+    #[value(alias = "multivae", alias = "mult-vae")]
     Vaecf,
 }
 

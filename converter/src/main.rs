@@ -15,8 +15,32 @@ mod versions;
 
 use clap::Parser;
 
+/// Whether the command line asks for JSON output: then a failure is one JSON object on stdout
+/// too, so a script reading stdout always gets something parseable.
+fn wants_json() -> bool {
+    std::env::args().skip(1).any(|a| a == "--json")
+}
+
+fn fail_json(error: &str, exit_code: i32) {
+    if wants_json() {
+        println!(
+            "{}",
+            serde_json::json!({ "error": error, "exit_code": exit_code })
+        );
+    }
+}
+
 fn main() {
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = e.exit_code();
+            if e.use_stderr() {
+                fail_json(e.render().to_string().trim(), code);
+            }
+            e.exit();
+        }
+    };
     let code = match cli.command {
         cli::Command::Convert(args) => convert::run(&args),
         cli::Command::Predict(args) => predict::run(&args),
@@ -33,6 +57,7 @@ fn main() {
     match code {
         Ok(code) => std::process::exit(code),
         Err(e) => {
+            fail_json(&e.to_string(), e.exit_code());
             eprintln!("error: {e}");
             let mut source = std::error::Error::source(&e);
             while let Some(cause) = source {

@@ -1499,3 +1499,53 @@ fn versions_names_a_config_that_lags_the_records_and_the_command_that_finishes_t
         .contains("versions: [ 2 ]"));
     assert!(run(&["versions"]).stderr.is_empty());
 }
+
+#[test]
+fn json_failures_are_one_json_object_and_recboles_model_name_is_a_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A failure with --json: stdout is one object naming the error and the exit status.
+    let out = recsys()
+        .args(["versions", "--json", "--model", "m", "--repository"])
+        .arg(tmp.path().join("repo"))
+        .args(["--prune"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let failure: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "no JSON on stdout ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
+    assert_eq!(failure["exit_code"], 2);
+    assert!(
+        failure["error"].as_str().unwrap().contains("--keep"),
+        "{failure}"
+    );
+    let out = recsys()
+        .args([
+            "approve",
+            "--json",
+            "--model",
+            "m",
+            "--version",
+            "3",
+            "--repository",
+        ])
+        .arg(tmp.path().join("repo"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let failure: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(failure["exit_code"], 1);
+    assert!(
+        failure["error"].as_str().unwrap().contains("no version 3"),
+        "{failure}"
+    );
+    // RecBole calls the model MultiVAE: `--kind multivae` and `mult-vae` are VAE-CF.
+    for kind in ["multivae", "mult-vae"] {
+        let engine = tmp.path().join(kind);
+        convert("multivae", kind, "model.safetensors", &engine);
+        assert!(engine.join("manifest.json").is_file(), "{kind}");
+    }
+}

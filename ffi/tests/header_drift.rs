@@ -88,7 +88,23 @@ fn headers_dir() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
+/// Fails with what to install when libclang cannot be loaded, rather than with bindgen's own panic
+/// from inside its loader.
+fn require_libclang() {
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let loaded = std::panic::catch_unwind(bindgen::clang_version);
+    std::panic::set_hook(quiet);
+    if loaded.is_err() {
+        panic!(
+            "the FFI drift test needs libclang, which bindgen loads at run time and could not find: \
+             install libclang (apt-get install libclang-dev) or run scripts/test.sh, which installs it"
+        );
+    }
+}
+
 fn header_bindings() -> String {
+    require_libclang();
     let include = headers_dir();
     let header = include.join("triton/core/tritonbackend.h");
     assert!(header.is_file(), "{} missing", header.display());
