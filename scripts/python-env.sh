@@ -14,18 +14,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RECSYS_VENV:-.venv}
+# --serve: only what serving the demo needs (tritonserver, tritonclient and numpy for the example
+# client), no root and no apt; scripts/serve.sh uses it. Without it: everything the tests use.
+MODE=full
+if [[ "${1:-}" == "--serve" ]]; then
+  MODE=serve
+fi
 STAMP="$VENV/.recsys-python-env-v10"
-if [[ -f "$STAMP" ]]; then
+SERVE_STAMP="$VENV/.recsys-serve-env-v1"
+if [[ -f "$STAMP" || ( $MODE == serve && -f "$SERVE_STAMP" ) ]]; then
   exit 0
 fi
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if (3, 9) <= sys.version_info[:2] < (3, 13) else 1)'; then
-  echo "error: $PYTHON is $("$PYTHON" --version 2>&1); the tests need Python 3.9..3.12 (tritonclient 2.51: up to 3.12; the recsys package: 3.9 on)" >&2
+  echo "error: $PYTHON is $("$PYTHON" --version 2>&1); recsys needs Python 3.9..3.12 (tritonclient 2.51: up to 3.12; the recsys package: 3.9 on); point PYTHON= at one" >&2
   exit 1
 fi
-echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a few minutes once)"
-"$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
+if [[ ! -f "$SERVE_STAMP" ]]; then
+  echo "==> creating $VENV (tritonserver and tritonclient from PyPI; this takes a few minutes once)"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+  "$VENV/bin/pip" install --quiet "nvidia-pytriton==0.7.0" "tritonclient[http,grpc]==2.51.0" "numpy<2"
+  touch "$SERVE_STAMP"
+fi
+if [[ $MODE == serve ]]; then
+  exit 0
+fi
+echo "==> adding the test environment to $VENV (checkers, peers, Ray, CUDA compilers, moto)"
 "$VENV/bin/pip" install --quiet \
   "nvidia-pytriton==0.7.0" \
   "tritonclient[http,grpc]==2.51.0" \
