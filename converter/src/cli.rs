@@ -297,6 +297,19 @@ pub enum RolloutArg {
     Continue,
 }
 
+/// The replicas a release command reaches (publish --approve, approve, reject, rollback).
+#[derive(Args, Debug)]
+pub struct FleetArgs {
+    /// A replica to reload onto the version the repository names afterwards, e.g.
+    /// http://127.0.0.1:8000; repeat for a fleet, or name a headless Service. The first live one
+    /// is also the canary of an approve.
+    #[arg(long = "server", value_name = "URL")]
+    pub servers: Vec<String>,
+    /// What a failed replica does to the rest of the rollout.
+    #[arg(long, value_enum, default_value = "stop")]
+    pub rollout: RolloutArg,
+}
+
 #[derive(Args, Debug)]
 #[command(after_help = REPOSITORY_HELP)]
 pub struct PublishArgs {
@@ -317,16 +330,11 @@ pub struct PublishArgs {
     /// JSON metrics to record with the version (e.g. the output of `recsys eval --output`).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// A replica to reload once the version is approved, e.g. http://127.0.0.1:8000; repeat for
-    /// a fleet, or name a headless Service.
-    #[arg(long = "server", value_name = "URL")]
-    pub servers: Vec<String>,
-    /// What a failed replica does to the rest of the rollout.
-    #[arg(long, value_enum, default_value = "stop")]
-    pub rollout: RolloutArg,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// max_batch_size of the config.pbtxt written when the model has none yet (a minimal config
     /// that the backend completes from the engine).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = recsys_registry::config::DEFAULT_MAX_BATCH_SIZE)]
     pub max_batch_size: u32,
     /// Print the outcome as one JSON object on stdout (for scripts).
     #[arg(long)]
@@ -349,13 +357,8 @@ pub struct StatusArgs {
     /// approval).
     #[arg(long, default_value_t = recsys_registry::config::DEFAULT_MAX_BATCH_SIZE)]
     pub max_batch_size: u32,
-    /// A replica to reload onto the version the repository then names, e.g.
-    /// http://127.0.0.1:8000; repeat for a fleet, or name a headless Service.
-    #[arg(long = "server", value_name = "URL")]
-    pub servers: Vec<String>,
-    /// What a failed replica does to the rest of the rollout.
-    #[arg(long, value_enum, default_value = "stop")]
-    pub rollout: RolloutArg,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// Print the outcome as one JSON object on stdout (for scripts).
     #[arg(long)]
     pub json: bool,
@@ -374,13 +377,8 @@ pub struct RollbackArgs {
     /// serving one).
     #[arg(long)]
     pub to: Option<u64>,
-    /// A replica to reload onto that version, e.g. http://127.0.0.1:8000; repeat for a fleet, or
-    /// name a headless Service.
-    #[arg(long = "server", value_name = "URL")]
-    pub servers: Vec<String>,
-    /// What a failed replica does to the rest of the rollout.
-    #[arg(long, value_enum, default_value = "stop")]
-    pub rollout: RolloutArg,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// Print the outcome as one JSON object on stdout (for scripts).
     #[arg(long)]
     pub json: bool,

@@ -180,7 +180,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
     };
     let repo = Repository::open(&args.repository)?;
     let replicas = if args.approve {
-        replicas::expand(&args.servers)?
+        replicas::expand(&args.fleet.servers)?
     } else {
         Vec::new()
     };
@@ -203,7 +203,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
             &repo,
             &request,
             args.max_batch_size,
-            &fleet(&replicas, args.rollout),
+            &fleet(&replicas, args.fleet.rollout),
             &mut upload_progress,
             &mut |step| {
                 if std::mem::take(&mut first_step) {
@@ -224,7 +224,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
         &args.repository,
         &args.model,
         info.version,
-        &args.servers,
+        &args.fleet.servers,
     );
     let code = match &release {
         Some(release) => finish(release, args.json, &approve_command),
@@ -300,8 +300,8 @@ fn conclude(release: &Release, json: bool, what: &str, retry: &str) -> i32 {
 
 pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
     let repo = Repository::open(&args.repository)?;
-    let replicas = replicas::expand(&args.servers)?;
-    let fleet = fleet(&replicas, args.rollout);
+    let replicas = replicas::expand(&args.fleet.servers)?;
+    let fleet = fleet(&replicas, args.fleet.rollout);
     let mut report = reporter(&args.model, args.json);
     let (release, verb) = if status == Status::Approved {
         (
@@ -326,7 +326,7 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
         &args.repository,
         &args.model,
         args.version,
-        &args.servers,
+        &args.fleet.servers,
     );
     let what = if release.rollback_reason.is_some() {
         "rolled-back".to_string()
@@ -338,13 +338,13 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
 
 pub fn rollback(args: &RollbackArgs) -> Result<i32> {
     let repo = Repository::open(&args.repository)?;
-    let replicas = replicas::expand(&args.servers)?;
+    let replicas = replicas::expand(&args.fleet.servers)?;
     let mut report = reporter(&args.model, args.json);
     let release = release::rollback(
         &repo,
         &args.model,
         args.to,
-        &fleet(&replicas, args.rollout),
+        &fleet(&replicas, args.fleet.rollout),
         &mut report,
     )?;
     let mut retry = format!(
@@ -355,7 +355,7 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
     if let Some(to) = release.serving {
         retry.push_str(&format!(" --to {to}"));
     }
-    for server in &args.servers {
+    for server in &args.fleet.servers {
         retry.push_str(&format!(" --server {}", shell_word(server)));
     }
     if !args.json && release.refused.is_none() {
