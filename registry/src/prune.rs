@@ -82,7 +82,7 @@ pub fn prune(
         return Ok(planned);
     }
     for &version in &planned.removed {
-        let marked = versions::update(repo, model, version, &mut |listed, info| {
+        versions::update(repo, model, version, &mut |listed, info| {
             // Re-checked on the fresh listing: a concurrent approve may have made it the
             // serving or previous version since the plan.
             if !plan(listed, keep).removed.contains(&version) {
@@ -98,8 +98,7 @@ pub fn prune(
                 ));
             }
             Ok(())
-        });
-        marked?;
+        })?;
         let folder = format!("{model}/{version}");
         for (name, _) in repo.files(&folder)? {
             if name != VERSION_FILE {

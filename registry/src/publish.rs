@@ -49,11 +49,19 @@ fn publisher() -> String {
     format!("{host} pid {}", std::process::id())
 }
 
-/// The SHA-256 (hex) of every file, read from the local engine before the upload.
-fn checksums(files: &[(String, PathBuf, u64)]) -> Result<BTreeMap<String, String>> {
+/// The SHA-256 (hex) of every file before the upload. Files the engine manifest lists were just
+/// verified against it by `Engine::load`, so their checksums are the manifest's; only the others
+/// (the manifest itself) are read and hashed here.
+fn checksums(
+    files: &[(String, PathBuf, u64)],
+    manifest: &BTreeMap<String, recsys_engine::engine_dir::FileEntry>,
+) -> Result<BTreeMap<String, String>> {
     files
         .iter()
-        .map(|(name, path, _)| {
+        .map(|(name, path, size)| {
+            if let Some(entry) = manifest.get(name).filter(|e| e.bytes == *size) {
+                return Ok((name.clone(), entry.sha256.to_lowercase()));
+            }
             let mut file = std::fs::File::open(path)
                 .map_err(RegistryError::io(format!("cannot read {}", path.display())))?;
             let mut hasher = Sha256::new();
@@ -90,7 +98,7 @@ pub fn publish(
                 .into(),
         ));
     }
-    let checksums = checksums(&files)?;
+    let checksums = checksums(&files, &engine.manifest.files)?;
     let self_check = SelfCheck::from_engine(&engine)?;
     let now = recsys_engine::engine_dir::utc_now_rfc3339();
     let m = &engine.manifest;
