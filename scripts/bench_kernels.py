@@ -72,7 +72,7 @@ def ort_session(w: np.ndarray, b: np.ndarray, d: int, k: int, threads: int) -> o
         ],
         [wt, bias, kk],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1

@@ -406,6 +406,10 @@ impl Engine {
         if batch.is_empty() {
             return Vec::new();
         }
+        if self.scorer.threads > 1 {
+            // The worker wakes while the encoder runs, ready for the output layer's pieces.
+            crate::parallel::prewake();
+        }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, mut notes) = self.encode(&histories);
         let width = self.model.output().input_size();

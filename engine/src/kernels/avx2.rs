@@ -290,6 +290,18 @@ fn layer_norm(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64
     unsafe { layer_norm_avx2(x, width, gamma, beta, eps) }
 }
 
+/// # Safety
+/// As for [`gelu_avx2`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_rows_avx2(table: &[f32], width: usize, rows: &[u32], acc: &mut [f32]) {
+    super::cpu::add_rows(table, width, rows, acc)
+}
+
+fn add_rows(table: &[f32], width: usize, rows: &[u32], acc: &mut [f32]) {
+    // SAFETY: as for gelu.
+    unsafe { add_rows_avx2(table, width, rows, acc) }
+}
+
 fn gelu(x: &mut [f32]) {
     // SAFETY: TABLE is only reachable after AVX2/FMA/F16C were detected (KernelTable::for_isa).
     unsafe { gelu_avx2(x) }
@@ -316,6 +328,7 @@ pub(super) const KERNELS: KernelTable = kernel_table!(
         tanh,
         softmax,
         layer_norm,
+        add_rows,
     }
 );
 

@@ -123,5 +123,6 @@ pub(super) static TABLE: KernelTable = kernel_table!(
         tanh: super::cpu::tanh_inplace,
         softmax: super::cpu::softmax,
         layer_norm: super::cpu::layer_norm_rows,
+        add_rows: super::cpu::add_rows,
     }
 );

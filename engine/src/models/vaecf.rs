@@ -233,7 +233,7 @@ impl VaeCf {
         s.x.clear();
         s.x.resize(histories.len() * width, 0.0);
         // The first dense layer, as a gather-sum of each history's weight rows.
-        crate::profile::account(crate::profile::Work::Dense, || self.gather_first_layer(s));
+        self.gather_first_layer(s, threads);
         for (h, acc) in s.x.chunks_exact_mut(width).enumerate() {
             let count = s.item_ends[h] - if h == 0 { 0 } else { s.item_ends[h - 1] };
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
@@ -275,33 +275,87 @@ impl VaeCf {
 
 impl VaeCf {
     /// Adds each history's first-layer rows (`s.items`, ranges ending at `s.item_ends`) into its
-    /// row of `s.x`, walking the catalogue in blocks of rows that stay in L2 while every history
-    /// adds the ones it holds. A batch of long histories reads the table about once instead of
-    /// once per history (Mult-VAE on MovieLens-1M's histories, ~165 items each, read 25 MB per
-    /// batch of 64 from an 8 MB table, a quarter of its time). Each history still adds its rows
-    /// in increasing item order, so the sums keep their bits.
-    fn gather_first_layer(&self, s: &mut VaeCfScratch) {
+    /// row of `s.x`, the histories split over up to `threads` threads by the work they hold (a
+    /// history is summed by one thread alone, so the split changes no bit).
+    fn gather_first_layer(&self, s: &mut VaeCfScratch, threads: usize) {
         let width = self.first_bias.len();
-        // About 256 KiB of weight rows per block (fp32; fewer bytes at lower precisions).
-        let block_items = (256 * 1024 / (4 * width).max(1)).max(1) as u32;
+        let histories = s.item_ends.len();
         s.cursors.clear();
         let mut start = 0;
         for &end in &s.item_ends {
             s.cursors.push(start);
             start = end;
         }
-        let Some(&last_item) = s.items.iter().max() else {
+        let adds_per_history = s.items.len() * width / histories.max(1);
+        let pieces = crate::kernels::fused::dense_pieces(histories, adds_per_history, threads);
+        let (items, ends) = (&s.items, &s.item_ends);
+        if pieces <= 1 {
+            // One thread: no piece list (a warm batch allocates nothing).
+            return crate::profile::account(crate::profile::Work::Dense, || {
+                self.gather_histories(items, ends, &mut s.cursors, &mut s.x)
+            });
+        }
+        let per_piece = histories.div_ceil(pieces);
+        let mut parts: Vec<(&mut [f32], &mut [usize])> =
+            s.x.chunks_mut(per_piece * width)
+                .zip(s.cursors.chunks_mut(per_piece))
+                .collect();
+        crate::parallel::for_each_mut(&mut parts, |i, (x, cursors)| {
+            let ends = &ends[i * per_piece..i * per_piece + cursors.len()];
+            crate::profile::account(crate::profile::Work::Dense, || {
+                self.gather_histories(items, ends, cursors, x)
+            })
+        });
+    }
+
+    /// The gather for a run of histories (their rows `x`, each history's items from its cursor up
+    /// to its end in `ends`), walking the catalogue in blocks of rows that stay in L2 while every
+    /// history adds the ones it holds. A batch of long histories reads the table about once
+    /// instead of once per history (Mult-VAE on MovieLens-1M's histories, ~165 items each, read
+    /// 25 MB per batch of 64 from an 8 MB table, a quarter of its time). Each history still adds
+    /// its rows in increasing item order, so the sums keep their bits.
+    fn gather_histories(
+        &self,
+        items: &[u32],
+        ends: &[usize],
+        cursors: &mut [usize],
+        x: &mut [f32],
+    ) {
+        let width = self.first_bias.len();
+        // About 256 KiB of weight rows per block (fp32; fewer bytes at lower precisions).
+        let block_items = (256 * 1024 / (4 * width).max(1)).max(1) as u32;
+        let last_item = cursors
+            .iter()
+            .zip(ends)
+            .filter(|(c, e)| c < e)
+            .map(|(_, &e)| items[e - 1])
+            .max();
+        let Some(last_item) = last_item else {
             return;
+        };
+        // An fp32 table in memory is summed by the ISA's kernel (the rows' columns held in
+        // registers); fp16, int8 and tables read from the file row by row through the matrix.
+        let in_memory = match &self.first_by_item {
+            Matrix::F32(t) if !t.reads_rows_from_file() => Some(t.as_slice()),
+            _ => None,
         };
         let mut block_end = 0u32;
         while block_end <= last_item {
             block_end = block_end.saturating_add(block_items);
-            for (h, acc) in s.x.chunks_exact_mut(width).enumerate() {
-                let (cursor, end) = (&mut s.cursors[h], s.item_ends[h]);
-                while *cursor < end && s.items[*cursor] < block_end {
-                    self.first_by_item
-                        .add_row_into(s.items[*cursor] as usize, acc);
+            for ((acc, cursor), &end) in x.chunks_exact_mut(width).zip(cursors.iter_mut()).zip(ends)
+            {
+                let first = *cursor;
+                while *cursor < end && items[*cursor] < block_end {
                     *cursor += 1;
+                }
+                let rows = &items[first..*cursor];
+                match in_memory {
+                    Some(table) => (self.kernels.elementwise.add_rows)(table, width, rows, acc),
+                    None => {
+                        for &row in rows {
+                            self.first_by_item.add_row_into(row as usize, acc);
+                        }
+                    }
                 }
             }
         }
