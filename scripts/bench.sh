@@ -5,7 +5,8 @@
 #
 #   scripts/bench.sh kernels [ARGS]   fused score + top-k against ONNX Runtime, numpy and the measured
 #                                     memory/FMA floor on the same weights (scripts/bench_kernels.py)
-#   scripts/bench.sh models [ARGS]    whole models against ONNX Runtime (scripts/bench_models.py)
+#   scripts/bench.sh models [ARGS]    whole models against ONNX Runtime and OpenVINO (f32 and its
+#                                     default precision) (scripts/bench_models.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -54,6 +55,8 @@ serving_setup() {
 }
 
 python=.venv/bin/python
+# The peer runtimes at their latest releases (scripts/python-env.sh --peers).
+peers_python=.venv/peers/bin/python
 case "$kind" in
   kernels)
     ./scripts/python-env.sh
@@ -63,9 +66,9 @@ case "$kind" in
     exec env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$python" scripts/bench_kernels.py "$@"
     ;;
   models)
-    ./scripts/python-env.sh
-    release_build -p recsys-converter -p recsys-benches --bin model_probe
-    exec "$python" scripts/bench_models.py "$@"
+    ./scripts/python-env.sh --peers
+    release_build -p recsys-converter -p recsys-benches --bin model_probe --bin kernel_probe
+    exec "$peers_python" scripts/bench_models.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh

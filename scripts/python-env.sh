@@ -20,6 +20,20 @@ MODE=full
 if [[ "${1:-}" == "--serve" ]]; then
   MODE=serve
 fi
+# --peers: the benchmarks' peer runtimes at their latest releases, in $VENV/peers (numpy 2, which
+# the Triton client pins below 2, so they cannot share the test venv): ONNX Runtime, OpenVINO and
+# FAISS. No server, no root.
+if [[ "${1:-}" == "--peers" ]]; then
+  PEERS="$VENV/peers"
+  [[ -f "$PEERS/.recsys-peers-v1" ]] && exit 0
+  echo "==> creating $PEERS (ONNX Runtime, OpenVINO, FAISS: the benchmarks' peers)"
+  "${PYTHON:-python3}" -m venv "$PEERS"
+  "$PEERS/bin/pip" install --quiet --upgrade pip
+  "$PEERS/bin/pip" install --quiet "numpy==2.3.*" "onnx==1.23.2" "onnxruntime==1.31.1" \
+    "openvino==2026.4.1" "faiss-cpu==1.15.1"
+  touch "$PEERS/.recsys-peers-v1"
+  exit 0
+fi
 STAMP="$VENV/.recsys-python-env-v10"
 SERVE_STAMP="$VENV/.recsys-serve-env-v1"
 if [[ -f "$STAMP" || ( $MODE == serve && -f "$SERVE_STAMP" ) ]]; then
