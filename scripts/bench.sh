@@ -8,7 +8,7 @@
 #   scripts/bench.sh models [ARGS]    whole models against ONNX Runtime and OpenVINO (f32 and its
 #                                     default precision) (scripts/bench_models.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
-#                                     (scripts/bench_predict.py)
+#                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
 #   scripts/bench.sh peers [ARGS]     recsys against the Python backend + onnxruntime peer in the same
 #                                     server, and the dynamic-batching study (scripts/bench_peers.py)
@@ -71,9 +71,9 @@ case "$kind" in
     exec "$peers_python" scripts/bench_models.py "$@"
     ;;
   predict)
-    ./scripts/python-env.sh
+    ./scripts/python-env.sh --peers
     release_build -p recsys-converter
-    exec "$python" scripts/bench_predict.py "$@"
+    exec "$peers_python" scripts/bench_predict.py "$@"
     ;;
   serving | peers)
     # perf_analyzer's runtime needs (libb64, libcudart) are installed by scripts/python-env.sh.

@@ -1,7 +1,9 @@
 """Offline batch scoring: `recsys predict` against a Python loop over ONNX Runtime on the same
 exported model (`recsys export-onnx --k 10` of the same engine), same JSONL input, same output
 content (top-10 ids and scores per line), 2 threads each. The peer's time is given whole (reading,
-id mapping, padding, writing) and for its `session.run` calls alone.
+id mapping, padding, writing) and for its `session.run` calls alone; the model as a user exports
+it from PyTorch runs in ONNX Runtime and OpenVINO (f32 forced, and its default precision) on the
+same batches, inference alone.
 
     scripts/bench.sh predict [--lines 20000] [--shape fixture|ml1m] [--batch-size 256] [--out FILE.md]
 
@@ -28,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import onnxruntime as ort  # noqa: E402
 
-from bench_models import (FIX, RECSYS, K, bert4rec_feeds, bert4rec_session, ml1m_bert4rec, ml1m_histories,  # noqa: E402
+from bench_models import (FIX, RECSYS, K, bert4rec_feeds, ov, bert4rec_session, ml1m_bert4rec, ml1m_histories,  # noqa: E402
                           random_multivae, read_safetensors, vaecf_feeds, vaecf_session)
 
 
@@ -134,38 +136,46 @@ def main() -> None:
             w = read_safetensors(ckpt)
             config = json.loads(cfg.read_text())
             if model == "bert4rec":
-                user_sess = bert4rec_session(w, config, args.threads)
+                peers = bert4rec_session(w, config, args.threads)
                 feed = lambda hs: bert4rec_feeds(hs, ext_to_int, config["max_seq_length"], n)  # noqa: E731
             else:
-                user_sess = vaecf_session(w, n + 1, 200, args.threads)
+                peers = vaecf_session(w, n + 1, 200, args.threads)
                 feed = lambda hs: vaecf_feeds(hs, ext_to_int, n)  # noqa: E731
-            user_run = 0.0
+            # Every peer runtime (ONNX Runtime, OpenVINO f32 and default) on the same batches.
+            user_run = {name: 0.0 for name in peers.runners}
             every = [histories[i % len(histories)] for i in range(args.lines)]
             for first in range(0, args.lines, args.batch_size):
                 feeds = feed(every[first:first + args.batch_size])
-                start = time.perf_counter()
-                user_sess.run(None, feeds)
-                user_run += time.perf_counter() - start
+                for name, run in peers.runners.items():
+                    start = time.perf_counter()
+                    run(feeds)
+                    user_run[name] += time.perf_counter() - start
             a = [json.loads(l)["item_ids"] for l in open(tmp / "ours.jsonl")]
             b = [json.loads(l)["item_ids"] for l in open(tmp / "theirs.jsonl")]
             agree = sum(x == y for x, y in zip(a, b)) / len(a)
             rows.append((model, n, args.lines, ours, theirs, in_run, user_run, agree))
+    peer_names = list(rows[0][6]) if rows else ["ORT"]
     lines = [
         f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores; {args.threads} threads each; "
-        f"{args.shape} shapes; batches of {args.batch_size}; top-{K}; times include reading and writing JSON lines "
+        f"{args.shape} shapes; batches of {args.batch_size}; top-{K}; onnxruntime {ort.__version__}"
+        + (f", OpenVINO {ov.__version__.split('-')[0]}" if ov is not None else "")
+        + "; times include reading and writing JSON lines "
         "(and, for recsys, loading the engine); Python + ORT runs the graph `recsys export-onnx --k 10` writes, "
         "its session.run calls also timed alone; 'PyTorch-style graph' is the model as a user exports it from "
-        "PyTorch (dense multi-hot or padded sequence and an exclusion mask in, TopK in the graph), session.run alone",
+        "PyTorch (dense multi-hot or padded sequence and an exclusion mask in, TopK in the graph), inference alone, "
+        "in ONNX Runtime, OpenVINO with f32 forced, and OpenVINO at its default precision",
         "",
         "| model | items | lines | recsys predict s | histories/s | Python + ORT s | speed-up | "
-        "its session.run alone s | speed-up | PyTorch-style graph, session.run alone s | speed-up | "
-        "identical top-10 lines (exported graph) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "its session.run alone s | speed-up | "
+        + " | ".join(f"PyTorch-style graph, {p} alone s" for p in peer_names)
+        + " | faster f32 peer alone / recsys | identical top-10 lines (exported graph) |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(peer_names) + "---|---|",
     ]
     for model, items, n, ours, theirs, in_run, user_run, agree in rows:
+        fastest = min(t for p, t in user_run.items() if p != "OV default")
         lines.append(f"| {model} | {items} | {n} | {ours:.2f} | {n / ours:.0f} | {theirs:.2f} | {theirs / ours:.2f}x | "
-                     f"{in_run:.2f} | {in_run / ours:.2f}x | {user_run:.2f} | {user_run / ours:.2f}x | "
-                     f"{100 * agree:.1f} % |")
+                     f"{in_run:.2f} | {in_run / ours:.2f}x | " + " | ".join(f"{user_run[p]:.2f}" for p in peer_names)
+                     + f" | {fastest / ours:.2f}x | {100 * agree:.1f} % |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
