@@ -82,7 +82,16 @@ case "$kind" in
     if [[ $kind == serving ]]; then
       exec "$python" scripts/bench_serving.py "$@"
     fi
-    exec "$python" scripts/bench_peers.py "$@"
+    # The Python-backend peers run inside tritonserver on the test venv's interpreter (numpy < 2);
+    # their runtimes at the latest releases go to a folder of their own on its path, so the test
+    # venv's pinned onnxruntime is left as it is.
+    peer_site=.venv/serving-peers
+    if [[ ! -f $peer_site/.recsys-serving-peers-v1 ]]; then
+      "$python" -m pip install --quiet --no-deps --target "$peer_site" \
+        "onnxruntime==1.31.1" "openvino==2026.4.1" "openvino-telemetry==2025.2.0" "flatbuffers==25.12.19"
+      touch "$peer_site/.recsys-serving-peers-v1"
+    fi
+    RECSYS_PEER_SITE=$PWD/$peer_site exec "$python" scripts/bench_peers.py "$@"
     ;;
   candidates)
     ./scripts/python-env.sh

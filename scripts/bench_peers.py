@@ -4,9 +4,10 @@
 
 One tritonserver serves, from a temporary repository:
   - <model>: the recsys backend on the demo engine (model_repository/<model>/1), as shipped;
-  - <model>_peer: the same engine exported with `recsys export-onnx --k 10`, run by Triton's Python
-    backend in onnxruntime (benches/triton_peer/model.py), same inputs/outputs, same dynamic batching
-    (100 us), one instance, one intra-op thread (recsys: one scoring thread);
+  - <model>_peer, <model>_peer_ov, <model>_peer_ovd: the same engine exported with `recsys
+    export-onnx --k 10`, run by Triton's Python backend (benches/triton_peer/model.py) in onnxruntime,
+    in OpenVINO with f32 forced and in OpenVINO at its default precision; same inputs/outputs, same
+    dynamic batching (100 us), one instance, one intra-op thread (recsys: one scoring thread);
   - <model>_q<delay>[_pref]: recsys with max_queue_delay_microseconds 0/100/500/2000, without and with
     preferred_batch_size [8, 16] (the batching study, at the highest concurrency).
 Every perf_analyzer run is bounded (2 s windows, at most 8 trials, a timeout) and the server is always
@@ -61,8 +62,14 @@ output [
 ]
 dynamic_batching {{ max_queue_delay_microseconds: 100 }}
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-parameters [ {{ key: "top_k" value {{ string_value: "10" }} }}, {{ key: "threads" value {{ string_value: "1" }} }} ]
+parameters [ {{ key: "top_k" value {{ string_value: "10" }} }}, {{ key: "threads" value {{ string_value: "1" }} }},
+  {{ key: "runtime" value {{ string_value: "{runtime}" }} }}, {{ key: "precision" value {{ string_value: "{precision}" }} }},
+  {{ key: "site_packages" value {{ string_value: "{site}" }} }} ]
 """
+
+# The peers: (model-name suffix, label, runtime, precision).
+PEERS = [("_peer", "Python + ORT", "onnxruntime", "f32"), ("_peer_ov", "Python + OpenVINO f32", "openvino", "f32"),
+         ("_peer_ovd", "Python + OpenVINO default", "openvino", "default")]
 
 
 def backend_directory(tmp: Path) -> Path:
@@ -91,17 +98,20 @@ def build_repository(tmp: Path, models: list[str], batching: bool) -> Path:
             (repo / name).mkdir(parents=True)
             (repo / name / "1").symlink_to(engine)
             (repo / name / "config.pbtxt").write_text(recsys_config(name, model, delay, preferred))
-        peer = repo / f"{model}_peer"
-        subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out",
-                        str(peer / "1" / "model.onnx"), "--k", "10"], check=True, capture_output=True)
-        shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", peer / "1" / "model.py")
-        shutil.copy2(engine / "item_ids.tsv", peer / "item_ids.tsv")
-        (peer / "config.pbtxt").write_text(PEER_CONFIG.format(name=f"{model}_peer"))
+        for suffix, _, runtime, precision in PEERS:
+            peer = repo / f"{model}{suffix}"
+            subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out",
+                            str(peer / "1" / "model.onnx"), "--k", "10"], check=True, capture_output=True)
+            shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", peer / "1" / "model.py")
+            shutil.copy2(engine / "item_ids.tsv", peer / "item_ids.tsv")
+            (peer / "config.pbtxt").write_text(PEER_CONFIG.format(name=f"{model}{suffix}", runtime=runtime,
+                                                                  precision=precision,
+                                                                  site=os.environ.get("RECSYS_PEER_SITE", "")))
     return repo
 
 
-def same_answers(server: TritonServer, model: str, users: int = 50) -> float:
-    """Share of users for whom recsys and the peer return the same top-10 (the peer is only a peer if
+def same_answers(server: TritonServer, model: str, suffix: str, users: int = 50) -> float:
+    """Share of users for whom recsys and a peer return the same top-10 (the peer is only a peer if
     it computes the same thing)."""
     import numpy as np  # noqa: PLC0415
     import tritonclient.grpc as grpcclient  # noqa: PLC0415
@@ -112,7 +122,7 @@ def same_answers(server: TritonServer, model: str, users: int = 50) -> float:
     for line in lines:
         history = np.array([[int(x) for x in line.split("\t")[2].split()]], dtype=np.int64)
         answers = []
-        for name in (model, f"{model}_peer"):
+        for name in (model, f"{model}{suffix}"):
             inp = grpcclient.InferInput("ITEM_IDS", list(history.shape), "INT64")
             inp.set_data_from_numpy(history)
             answers.append(client.infer(name, [inp]).as_numpy("TOP_ITEM_IDS").reshape(-1).tolist())
@@ -136,6 +146,7 @@ def main() -> None:
     os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     # The stub's own runtime libraries ship in the wheel; its RPATH is relative to where pip put it.
     os.environ["LD_LIBRARY_PATH"] = f"{site}/nvidia_pytriton.libs:{os.environ.get('LD_LIBRARY_PATH', '')}"
+
     peer_rows, batch_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -154,11 +165,12 @@ def main() -> None:
                     return perf_analyzer(server, model, "grpc", c, data, tmp / f"{model}-{c}.csv",
                                          window_ms=4000, stability_pct=30)
 
-            agreement = {m: same_answers(server, m) for m in models}
+            agreement = {(m, suffix): same_answers(server, m, suffix) for m in models for suffix, *_ in PEERS}
             for model in models:
                 for c in concurrency:
-                    ours, peer = measure(model, c), measure(f"{model}_peer", c)
-                    peer_rows.append((model, c, ours, peer))
+                    ours = measure(model, c)
+                    for suffix, label, *_ in PEERS:
+                        peer_rows.append((model, c, label, ours, measure(f"{model}{suffix}", c)))
             if not args.skip_batching:
                 c = max(concurrency)
                 for model in models:
@@ -167,19 +179,22 @@ def main() -> None:
                             name = f"{model}_q{d}{'_pref' if pref else ''}"
                             batch_rows.append((model, d, pref, c, measure(name, c)))
     today = datetime.date.today().isoformat()
+    labels = {suffix: label for suffix, label, *_ in PEERS}
     out = [
         f"{today}, {platform.node()}: {os.cpu_count()} cores, tritonserver 2.51.0, gRPC, perf_analyzer -p 2000 -s 20 "
         "--max-trials 8, 256 real histories (ragged); recsys fp32 engine vs the same engine exported to ONNX "
-        "and run by the Python backend in onnxruntime; 1 instance, 1 thread, max_queue_delay 100 us for both; "
-        "identical top-10 on 50 users: " + ", ".join(f"{m} {100 * a:.0f} %" for m, a in agreement.items()),
+        "and run by the Python backend in onnxruntime, in OpenVINO with f32 forced and in OpenVINO at its default "
+        "precision; 1 instance, 1 thread, max_queue_delay 100 us for all; identical top-10 on 50 users: "
+        + ", ".join(f"{m} vs {labels[s]} {100 * a:.0f} %" for (m, s), a in agreement.items()),
         "",
-        "| model | concurrency | recsys infer/s | peer infer/s | throughput ratio | recsys p50 ms | peer p50 ms | "
+        "| model | concurrency | peer | recsys infer/s | peer infer/s | throughput ratio | recsys p50 ms | peer p50 ms | "
         "recsys p99 ms | peer p99 ms | p99 ratio (recsys/peer) | recsys compute share | peer compute share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model, c, a, b in peer_rows:
+    for model, c, label, a, b in peer_rows:
         out.append(
-            f"| {model} | {c} | {a['throughput']:.0f} | {b['throughput']:.0f} | {a['throughput'] / b['throughput']:.2f} | "
+            f"| {model} | {c} | {label} | {a['throughput']:.0f} | {b['throughput']:.0f} | "
+            f"{a['throughput'] / b['throughput']:.2f} | "
             f"{a['p50_ms']:.3f} | {b['p50_ms']:.3f} | {a['p99_ms']:.3f} | {b['p99_ms']:.3f} | "
             f"{a['p99_ms'] / b['p99_ms']:.2f} | {100 * a['compute_share']:.0f} % | {100 * b['compute_share']:.0f} % |")
     if batch_rows:
