@@ -17,7 +17,9 @@
 #                                     (scripts/bench_candidates.py)
 #   scripts/bench.sh ray [ARGS]       recsys.ray.predict (1 and 2 actors) against recsys predict
 #                                     --threads 1/2 on the same users (scripts/bench_ray.py)
-#   scripts/bench.sh catalogue [ARGS] whole models at 1e6 items in tritonserver, recsys (screened and
+#   scripts/bench.sh catalogue [ARGS] the catalogue scan against recsys's own embedding + FAISS
+#                                     IndexFlatIP over export-items (scripts/bench_faiss.py), then
+#                                     whole models at 1e6 items in tritonserver, recsys (screened and
 #                                     not) against the Python backend + onnxruntime peer, concurrency
 #                                     1 and 8, with and without dynamic batching (scripts/bench_catalogue.py)
 #   scripts/bench.sh load [ARGS]      load time, owned and resident memory of engines whose kernels'
@@ -28,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -101,7 +103,11 @@ case "$kind" in
     ;;
   catalogue)
     ./scripts/python-env.sh
+    ./scripts/python-env.sh --peers
     backend_setup
+    release_build -p recsys-benches --bin model_probe
+    # The catalogue scan against FAISS over export-items first (in process), then the servers.
+    "$peers_python" scripts/bench_faiss.py "$@"
     exec "$python" scripts/bench_catalogue.py "$@"
     ;;
   load)

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from bench_models import read_safetensors  # noqa: E402
-from bench_peers import PEER_CONFIG, backend_directory  # noqa: E402
+from bench_peers import backend_directory, peer_config  # noqa: E402
 from bench_serving import perf_analyzer  # noqa: E402
 from triton_harness import TritonServer  # noqa: E402
 
@@ -63,7 +63,7 @@ USERS = 256
 
 def recsys_config(name: str, max_batch: int, threads: int) -> str:
     """The peer's config (same inputs, outputs, batching and instance) for the recsys backend."""
-    return (PEER_CONFIG.format(name=name)
+    return (peer_config(name, runtime=None)
             .replace('backend: "python"', 'backend: "recsys"')
             .replace("max_batch_size: 64", f"max_batch_size: {max_batch}")
             .replace('string_value: "1"', f'string_value: "{threads}"'))
@@ -252,7 +252,7 @@ def main() -> None:
                     shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", repo / name / "1" / "model.py")
                     shutil.copy2(plain / "item_ids.tsv", repo / name / "item_ids.tsv")
                     (repo / name / "config.pbtxt").write_text(
-                        PEER_CONFIG.format(name=name).replace('string_value: "1"', f'string_value: "{args.threads}"'))
+                        peer_config(name).replace('string_value: "1"', f'string_value: "{args.threads}"'))
                 print(f"{name}: starting tritonserver ...", file=sys.stderr, flush=True)
                 started = time.monotonic()
                 server = TritonServer(repo, backends, log_path=work / f"{name}.log")

@@ -62,10 +62,21 @@ output [
 ]
 dynamic_batching {{ max_queue_delay_microseconds: 100 }}
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-parameters [ {{ key: "top_k" value {{ string_value: "10" }} }}, {{ key: "threads" value {{ string_value: "1" }} }},
-  {{ key: "runtime" value {{ string_value: "{runtime}" }} }}, {{ key: "precision" value {{ string_value: "{precision}" }} }},
-  {{ key: "site_packages" value {{ string_value: "{site}" }} }} ]
+parameters [ {{ key: "top_k" value {{ string_value: "10" }} }}, {{ key: "threads" value {{ string_value: "1" }} }}{runtime} ]
 """
+# The Python-backend peer's own parameters (benches/triton_peer/model.py).
+RUNTIME_PARAMETERS = """,
+  {{ key: "runtime" value {{ string_value: "{runtime}" }} }}, {{ key: "precision" value {{ string_value: "{precision}" }} }},
+  {{ key: "site_packages" value {{ string_value: "{site}" }} }}"""
+
+def peer_config(name: str, runtime: str | None = "onnxruntime", precision: str = "f32") -> str:
+    """The Python-backend peer's config.pbtxt (the runtimes' folder from RECSYS_PEER_SITE); with
+    `runtime` None, only what the recsys backend shares with it (the serving benchmarks derive the
+    recsys model's config from it)."""
+    extra = "" if runtime is None else RUNTIME_PARAMETERS.format(
+        runtime=runtime, precision=precision, site=os.environ.get("RECSYS_PEER_SITE", ""))
+    return PEER_CONFIG.format(name=name, runtime=extra)
+
 
 # The peers: (model-name suffix, label, runtime, precision).
 PEERS = [("_peer", "Python + ORT", "onnxruntime", "f32"), ("_peer_ov", "Python + OpenVINO f32", "openvino", "f32"),
@@ -104,9 +115,7 @@ def build_repository(tmp: Path, models: list[str], batching: bool) -> Path:
                             str(peer / "1" / "model.onnx"), "--k", "10"], check=True, capture_output=True)
             shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", peer / "1" / "model.py")
             shutil.copy2(engine / "item_ids.tsv", peer / "item_ids.tsv")
-            (peer / "config.pbtxt").write_text(PEER_CONFIG.format(name=f"{model}{suffix}", runtime=runtime,
-                                                                  precision=precision,
-                                                                  site=os.environ.get("RECSYS_PEER_SITE", "")))
+            (peer / "config.pbtxt").write_text(peer_config(f"{model}{suffix}", runtime, precision))
     return repo
 
 
