@@ -414,10 +414,8 @@ impl Engine {
         if batch.is_empty() {
             return Vec::new();
         }
-        if self.scorer.splits_output(batch.len()) {
-            // The worker wakes while the encoder runs, ready for the output layer's pieces.
-            crate::parallel::prewake();
-        }
+        // A pool worker wakes while the batch starts, and stays awake between its split steps.
+        let _awake = (self.scorer.threads > 1).then(crate::parallel::Batch::begin);
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, mut notes) = self.encode(&histories);
         let width = self.model.output().input_size();

@@ -15,7 +15,7 @@
 //! the cores. Should the pool's threads fail to start, pieces run one after the other on the
 //! calling thread (same answers).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -46,6 +46,9 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
 static HANDED_OUT: AtomicU64 = AtomicU64::new(0);
 /// Whether a [`prewake`] spinner is queued or spinning (never more than one at a time).
 static SPINNER: AtomicBool = AtomicBool::new(false);
+/// Batches between [`Batch::begin`] and its drop: while any runs, the pool is kept awake between
+/// its split steps.
+static BATCHES: AtomicUsize = AtomicUsize::new(0);
 
 /// Longest a prewoken worker waits for the pieces it was woken for.
 const SPIN_LIMIT: Duration = Duration::from_micros(300);
@@ -53,11 +56,11 @@ const SPIN_LIMIT: Duration = Duration::from_micros(300);
 /// and so was not needed to wake the pool: it returns at once instead of spinning.
 const LATE_START: Duration = Duration::from_micros(150);
 
-/// Wakes a pool worker now, for pieces a batch is about to hand out (its output layer, after the
-/// encoder): waking a sleeping worker costs 30-55 us on the 2-core VM the project is measured on,
-/// as long as a whole batch-1 scan of a few thousand items, so a batch split over 2 threads ran
-/// slower than on 1. The worker spins until the next pieces are handed out, at most
-/// [`SPIN_LIMIT`], and not at all if it only gets to run late (the pool was busy, hence awake).
+/// Wakes a pool worker now, for pieces a batch is about to hand out: waking a sleeping worker
+/// costs 30-55 us on the 2-core VM the project is measured on, as long as a whole batch-1 scan of
+/// a few thousand items, so a batch split over 2 threads ran slower than on 1. The worker spins
+/// until the next pieces are handed out, at most [`SPIN_LIMIT`], not after the batches that woke
+/// it have ended, and not at all if it only gets to run late (the pool was busy, hence awake).
 /// Answers never depend on it.
 pub fn prewake() {
     let Some(pool) = pool() else {
@@ -70,12 +73,52 @@ pub fn prewake() {
     pool.spawn(move || {
         let started = Instant::now();
         if started.duration_since(queued) < LATE_START {
-            while HANDED_OUT.load(Ordering::Acquire) == seen && started.elapsed() < SPIN_LIMIT {
+            while HANDED_OUT.load(Ordering::Acquire) == seen
+                && BATCHES.load(Ordering::Acquire) > 0
+                && started.elapsed() < SPIN_LIMIT
+            {
                 std::hint::spin_loop();
             }
         }
         SPINNER.store(false, Ordering::Release);
     });
+}
+
+/// One batch that splits its steps over the pool: from [`Batch::begin`] to the guard's drop, a
+/// worker is woken ahead of the first step and again after each step, so a batch of several
+/// split steps (BERT4Rec's layers, then the output layer) pays no wake-up between them.
+pub struct Batch(());
+
+impl Batch {
+    pub fn begin() -> Batch {
+        BATCHES.fetch_add(1, Ordering::AcqRel);
+        prewake();
+        Batch(())
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        BATCHES.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The calling thread, its own piece done, waits for the pool's `count` pieces by spinning, at
+/// most [`SPIN_LIMIT`]: the scope's own wait puts a thread that is not a pool worker to sleep,
+/// and waking it again costs what waking a worker costs (the pieces of a batch-1 layer take a
+/// few microseconds each). Past the limit the scope's blocking wait takes over.
+fn await_briefly(finished: &AtomicUsize, count: usize) {
+    let started = Instant::now();
+    while finished.load(Ordering::Acquire) < count && started.elapsed() < SPIN_LIMIT {
+        std::hint::spin_loop();
+    }
+}
+
+/// After a split step: the next step of a running batch finds a worker awake.
+fn rearm() {
+    if BATCHES.load(Ordering::Acquire) > 0 {
+        prewake();
+    }
 }
 
 /// `run(0), run(1), ..., run(pieces - 1)`, in order. Pieces after the first go to the pool while
@@ -89,15 +132,21 @@ pub fn map_pieces<T: Send>(pieces: usize, run: impl Fn(usize) -> T + Sync + Send
         return (0..pieces).map(run).collect();
     };
     let mut results: Vec<Option<T>> = (0..pieces).map(|_| None).collect();
+    let finished = AtomicUsize::new(0);
     pool.in_place_scope(|scope| {
         let (first, rest) = results.split_first_mut().expect("at least two pieces");
-        let run = &run;
+        let (run, finished) = (&run, &finished);
         HANDED_OUT.fetch_add(1, Ordering::AcqRel);
         for (i, slot) in rest.iter_mut().enumerate() {
-            scope.spawn(move |_| *slot = Some(run(i + 1)));
+            scope.spawn(move |_| {
+                *slot = Some(run(i + 1));
+                finished.fetch_add(1, Ordering::Release);
+            });
         }
         *first = Some(run(0));
+        await_briefly(finished, pieces - 1);
     });
+    rearm();
     results
         .into_iter()
         .map(|r| r.expect("the scope ends after every piece has run"))
@@ -120,19 +169,25 @@ pub fn for_each_mut<T: Send>(items: &mut [T], run: impl Fn(usize, &mut T) + Sync
         }
         return;
     };
+    let (finished, others) = (AtomicUsize::new(0), rest.len());
     pool.in_place_scope(|scope| {
-        let run = &run;
+        let (run, finished) = (&run, &finished);
         HANDED_OUT.fetch_add(1, Ordering::AcqRel);
         for (i, item) in rest.iter_mut().enumerate() {
-            scope.spawn(move |_| run(i + 1, item));
+            scope.spawn(move |_| {
+                run(i + 1, item);
+                finished.fetch_add(1, Ordering::Release);
+            });
         }
         run(0, first);
+        await_briefly(finished, others);
     });
+    rearm();
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{for_each_mut, map_pieces, prewake, SPINNER};
+    use super::{for_each_mut, map_pieces, prewake, Batch, SPINNER};
     use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
 
@@ -152,6 +207,22 @@ mod tests {
         prewake();
         prewake();
         assert_eq!(map_pieces(3, |i| i * 2), vec![0, 2, 4]);
+        // A batch of several steps: each runs; once the batch is over, no spinner is left.
+        {
+            let _batch = Batch::begin();
+            assert_eq!(map_pieces(2, |i| i + 1), vec![1, 2]);
+            let mut items = vec![0usize; 3];
+            for_each_mut(&mut items, |i, item| *item = i);
+            assert_eq!(items, vec![0, 1, 2]);
+        }
+        let start = Instant::now();
+        while SPINNER.load(Ordering::Acquire) {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "a spinner outlived its batch"
+            );
+            std::thread::yield_now();
+        }
     }
 
     #[test]
