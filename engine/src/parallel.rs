@@ -103,14 +103,36 @@ impl Drop for Batch {
     }
 }
 
-/// The calling thread, its own piece done, waits for the pool's `count` pieces by spinning, at
-/// most [`SPIN_LIMIT`]: the scope's own wait puts a thread that is not a pool worker to sleep,
-/// and waking it again costs what waking a worker costs (the pieces of a batch-1 layer take a
-/// few microseconds each). Past the limit the scope's blocking wait takes over.
-fn await_briefly(finished: &AtomicUsize, count: usize) {
-    let started = Instant::now();
-    while finished.load(Ordering::Acquire) < count && started.elapsed() < SPIN_LIMIT {
-        std::hint::spin_loop();
+/// How far the pool's pieces of one split step have got.
+#[derive(Default)]
+struct Progress {
+    started: AtomicUsize,
+    finished: AtomicUsize,
+}
+
+/// Longest the calling thread spins for pieces that no worker has started yet: longer than a
+/// sleeping worker takes to wake (30-55 us here; at 20 us batch-1 BERT4Rec lost half its gain),
+/// so past it the pieces are queued behind other work (another model instance's), and spinning
+/// would only take a core from whoever holds the workers.
+const UNSTARTED_SPIN: Duration = Duration::from_micros(100);
+
+impl Progress {
+    /// The calling thread, its own piece done, waits for the pool's `count` pieces by spinning
+    /// while they run, at most [`SPIN_LIMIT`]: the scope's own wait puts a thread that is not a
+    /// pool worker to sleep, and waking it again costs what waking a worker costs (the pieces
+    /// of a batch-1 layer take a few microseconds each). Past the limit, or when the pieces have
+    /// not even started, the scope's blocking wait takes over.
+    fn await_briefly(&self, count: usize) {
+        let started = Instant::now();
+        while self.finished.load(Ordering::Acquire) < count {
+            let waited = started.elapsed();
+            if waited >= SPIN_LIMIT
+                || (waited >= UNSTARTED_SPIN && self.started.load(Ordering::Acquire) < count)
+            {
+                return;
+            }
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -132,19 +154,20 @@ pub fn map_pieces<T: Send>(pieces: usize, run: impl Fn(usize) -> T + Sync + Send
         return (0..pieces).map(run).collect();
     };
     let mut results: Vec<Option<T>> = (0..pieces).map(|_| None).collect();
-    let finished = AtomicUsize::new(0);
+    let progress = Progress::default();
     pool.in_place_scope(|scope| {
         let (first, rest) = results.split_first_mut().expect("at least two pieces");
-        let (run, finished) = (&run, &finished);
+        let (run, progress) = (&run, &progress);
         HANDED_OUT.fetch_add(1, Ordering::AcqRel);
         for (i, slot) in rest.iter_mut().enumerate() {
             scope.spawn(move |_| {
+                progress.started.fetch_add(1, Ordering::Release);
                 *slot = Some(run(i + 1));
-                finished.fetch_add(1, Ordering::Release);
+                progress.finished.fetch_add(1, Ordering::Release);
             });
         }
         *first = Some(run(0));
-        await_briefly(finished, pieces - 1);
+        progress.await_briefly(pieces - 1);
     });
     rearm();
     results
@@ -169,18 +192,19 @@ pub fn for_each_mut<T: Send>(items: &mut [T], run: impl Fn(usize, &mut T) + Sync
         }
         return;
     };
-    let (finished, others) = (AtomicUsize::new(0), rest.len());
+    let (progress, others) = (Progress::default(), rest.len());
     pool.in_place_scope(|scope| {
-        let (run, finished) = (&run, &finished);
+        let (run, progress) = (&run, &progress);
         HANDED_OUT.fetch_add(1, Ordering::AcqRel);
         for (i, item) in rest.iter_mut().enumerate() {
             scope.spawn(move |_| {
+                progress.started.fetch_add(1, Ordering::Release);
                 run(i + 1, item);
-                finished.fetch_add(1, Ordering::Release);
+                progress.finished.fetch_add(1, Ordering::Release);
             });
         }
         run(0, first);
-        await_briefly(finished, others);
+        progress.await_briefly(others);
     });
     rearm();
 }
