@@ -6,6 +6,8 @@
     .venv/bin/python examples/retrieve_then_rank.py --grpc 127.0.0.1:8001 --items items \\
         --retriever vaecf --ranker bert4rec --history 10011403 10011207
 
+The retriever's config must declare the USER_EMBEDDING output: the demo configs carry it as a
+commented line (model_repository/vaecf/config.pbtxt) to uncomment before the server starts.
 Needs numpy, faiss-cpu and tritonclient[grpc].
 """
 

@@ -100,6 +100,13 @@ parameters [
 """
 
 
+def with_user_embedding(demo_config: str) -> str:
+    """A demo config with its USER_EMBEDDING line uncommented, as its comment tells users to do."""
+    line = '  # , { name: "USER_EMBEDDING"'
+    assert demo_config.count(line) == 1, "the demo config no longer carries the line to uncomment"
+    return demo_config.replace(line, '  , { name: "USER_EMBEDDING"')
+
+
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory, recsys_bin) -> Path:
     repo = tmp_path_factory.mktemp("triton") / "model_repository"
@@ -124,9 +131,13 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     string_map.write_text("".join(f"{i}\tsku-{e}\n" for i, e in (l.split("\t") for l in lines)))
     convert(recsys_bin, "bert4rec", "bert4rec", "model.safetensors", engines / "bert4rec_str", string_map)
 
-    # The demo configs as shipped, so the tests cover what users deploy.
+    # The demo configs as shipped, so the tests cover what users deploy; and each with the one line
+    # its comment says to uncomment for a retrieval stage (the USER_EMBEDDING output).
     for name in ["bert4rec", "vaecf"]:
-        model(name, (ROOT / "model_repository" / name / "config.pbtxt").read_text(), engines / name)
+        config = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
+        model(name, config, engines / name)
+        model(f"{name}_emb", with_user_embedding(config).replace(f'name: "{name}"', f'name: "{name}_emb"'),
+              engines / name)
     model("bert4rec_str", contract_config("bert4rec_str", id_type="TYPE_STRING"), engines / "bert4rec_str")
     model("vaecf_int8", contract_config("vaecf_int8"), engines / "vaecf_int8")
     model("vaecf_screened", contract_config("vaecf_screened"), engines / "vaecf_screened")

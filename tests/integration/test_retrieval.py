@@ -44,7 +44,7 @@ def outputs(module, *names):
     return [module.InferRequestedOutput(n) for n in names]
 
 
-@pytest.mark.parametrize("model,model_dir,width", [("bert4rec", "bert4rec", 65), ("vaecf", "multivae", 601)])
+@pytest.mark.parametrize("model,model_dir,width", [("bert4rec_emb", "bert4rec", 65), ("vaecf_emb", "multivae", 601)])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_the_user_embedding_scores_items_as_the_model_does(model, model_dir, width, protocol, http, grpc,
                                                            item_table):
@@ -75,12 +75,29 @@ def test_the_user_embedding_scores_items_as_the_model_does(model, model_dir, wid
     assert plain.as_numpy("USER_EMBEDDING") is None and len(top(plain)[0]) == 5
 
 
+def test_the_demo_configs_send_only_the_ranking_to_a_client_that_names_no_outputs(server):
+    """The README's curl example: a request naming no outputs gets every output the config
+    declares, and the demo configs declare the ranking alone (USER_EMBEDDING is a line to
+    uncomment); the same model with that line sends the embedding too."""
+    import requests
+
+    body = {"inputs": [{"name": "ITEM_IDS", "datatype": "INT64", "shape": [1, 2], "data": [10011403, 10011207]}]}
+    for model, width in [("bert4rec", 65), ("vaecf", 601)]:
+        plain = requests.post(f"http://{server.http_url}/v2/models/{model}/infer", json=body, timeout=30)
+        assert plain.status_code == 200, plain.text
+        assert {o["name"] for o in plain.json()["outputs"]} == {"TOP_ITEM_IDS", "TOP_SCORES"}
+        with_embedding = requests.post(f"http://{server.http_url}/v2/models/{model}_emb/infer", json=body, timeout=30)
+        outputs = {o["name"]: o for o in with_embedding.json()["outputs"]}
+        assert set(outputs) == {"TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING"}
+        assert outputs["USER_EMBEDDING"]["shape"] == [1, width]
+
+
 def test_faiss_over_the_exported_items_queried_with_served_embeddings_returns_the_served_top100(grpc, item_table):
     """Retrieval as a deployment runs it: the embeddings come from the server, the index is a real
     exact inner-product index (FAISS IndexFlatIP), the history is left out afterwards."""
     import faiss
 
-    for model, model_dir in [("bert4rec", "bert4rec"), ("vaecf", "multivae")]:
+    for model, model_dir in [("bert4rec_emb", "bert4rec"), ("vaecf_emb", "multivae")]:
         table, ids = item_table(model)
         index = faiss.IndexFlatIP(table.shape[1])
         index.add(table)
@@ -181,17 +198,18 @@ def test_one_execute_mixes_every_kind_of_request_and_refusal(grpc, server):
 
 
 def test_the_retrieve_then_rank_example_runs_as_written(server, grpc, item_table, repository, tmp_path):
-    """examples/retrieve_then_rank.py against the served demo models: the ranked items come from the
-    retrieved pool, exactly as the ranker ranks that pool when asked directly."""
+    """examples/retrieve_then_rank.py against the served demo models (the retriever with its
+    USER_EMBEDDING line uncommented, as the README says): the ranked items come from the retrieved
+    pool, exactly as the ranker ranks that pool when asked directly."""
     import sys
 
-    table, _ = item_table("vaecf")
+    table, _ = item_table("vaecf_emb")
     prefix = tmp_path / "items"
     np.save(f"{prefix}.npy", table)
-    (tmp_path / "items.ids.txt").write_text("\n".join(item_table("vaecf")[1]) + "\n")
+    (tmp_path / "items.ids.txt").write_text("\n".join(item_table("vaecf_emb")[1]) + "\n")
     histories = [case["history_ext"] for case in golden_cases("bert4rec")[:3] if not case["unknown_ext"]]
     cmd = [sys.executable, "examples/retrieve_then_rank.py", "--grpc", server.grpc_url, "--items", str(prefix),
-           "--retriever", "vaecf", "--ranker", "bert4rec", "--candidates", "150", "--k", "10"]
+           "--retriever", "vaecf_emb", "--ranker", "bert4rec", "--candidates", "150", "--k", "10"]
     for h in histories:
         cmd += ["--history", *map(str, h)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])

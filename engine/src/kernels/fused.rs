@@ -268,7 +268,8 @@ pub(super) const MIN_MACS_PER_THREAD: usize = 1 << 19;
 /// Threads a scan of `panels` panels gets when each panel costs `macs_per_panel` multiply-adds:
 /// at most `threads`, each with at least [`MIN_MACS_PER_THREAD`] of work and one panel.
 pub fn scan_threads(panels: usize, macs_per_panel: usize, threads: usize) -> usize {
-    let by_work = panels.saturating_mul(macs_per_panel) / MIN_MACS_PER_THREAD;
+    let by_work = panels.saturating_mul(macs_per_panel)
+        / crate::parallel::min_macs_per_piece(MIN_MACS_PER_THREAD);
     threads.min(by_work).min(panels).max(1)
 }
 
@@ -374,7 +375,8 @@ pub const MIN_MACS_PER_DENSE_PIECE: usize = 1 << 17;
 /// Pieces a dense layer of `rows` rows and `macs_per_row` multiply-adds per row is split into on
 /// `threads` threads: whole groups of 4 rows each, and at least [`MIN_MACS_PER_DENSE_PIECE`].
 pub fn dense_pieces(rows: usize, macs_per_row: usize, threads: usize) -> usize {
-    let by_work = rows.saturating_mul(macs_per_row) / MIN_MACS_PER_DENSE_PIECE;
+    let by_work = rows.saturating_mul(macs_per_row)
+        / crate::parallel::min_macs_per_piece(MIN_MACS_PER_DENSE_PIECE);
     threads.min(by_work).min(rows / 4).max(1)
 }
 

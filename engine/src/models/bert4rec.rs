@@ -645,7 +645,7 @@ impl Bert4Rec {
         let d_head = h / self.config.n_heads;
         let pieces = |macs: usize, rows: usize| {
             threads
-                .min(macs / fused::MIN_MACS_PER_DENSE_PIECE)
+                .min(macs / crate::parallel::min_macs_per_piece(fused::MIN_MACS_PER_DENSE_PIECE))
                 .min(rows / 8)
                 .max(1)
         };
@@ -819,7 +819,8 @@ impl Bert4Rec {
                 })
                 .sum()
         };
-        let by_work = heads * head_macs / fused::MIN_MACS_PER_DENSE_PIECE;
+        let by_work = heads * head_macs
+            / crate::parallel::min_macs_per_piece(fused::MIN_MACS_PER_DENSE_PIECE);
         let n_pieces = threads.min(heads).min(by_work).max(1);
         if pieces.len() < n_pieces {
             pieces.resize_with(n_pieces, AttentionScratch::default);
