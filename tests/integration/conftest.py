@@ -19,7 +19,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
-               "vaecf_int8", "bert4rec_mixed", "vaecf_screened"]
+               "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
