@@ -99,11 +99,7 @@ cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
 # build environment; it reuses the release build of the engine above), installed for
 # tests/integration/test_python.py and test_ray.py.
 rm -rf build/wheels
-.venv/bin/pip wheel --quiet --no-deps --wheel-dir build/wheels ./python
-if ! wheel=$(compgen -G "build/wheels/recsys-*-cp39-abi3-*.whl"); then
-  echo "error: the recsys wheel is not an abi3 wheel for CPython 3.9+: $(ls build/wheels)" >&2
-  exit 1
-fi
+wheel=$(PYTHON=.venv/bin/python scripts/build-wheel.sh build/wheels)
 .venv/bin/pip install --quiet --force-reinstall --no-deps "$wheel"
 py_status=0
 .venv/bin/pytest tests/integration -q -p no:cacheprovider 2>&1 | tee "$logs/py.log" || py_status=$?

@@ -201,3 +201,20 @@ def test_convert_and_evaluate_mirror_the_command_line(recsys_bin, engines, tmp_p
                                     check=True, capture_output=True, text=True).stdout)
     assert report["metrics"] == cli["metrics"]
     assert report["unknown_targets"] == cli["unknown_targets"]
+
+
+def test_the_installed_wheel_carries_the_package_metadata():
+    """What pip and PyPI show of the wheel scripts/build-wheel.sh built: the package README as its
+    long description, the supported Pythons, the licence and the typing marker."""
+    from importlib import metadata
+
+    meta = metadata.metadata("recsys")
+    assert meta["Requires-Python"] == ">=3.9"
+    assert meta["Description-Content-Type"].startswith("text/markdown")
+    assert "engine.recommend(" in meta["Description"] or "engine.recommend(" in (meta.get_payload() or "")
+    classifiers = meta.get_all("Classifier")
+    for version in ("3.9", "3.10", "3.11", "3.12"):
+        assert f"Programming Language :: Python :: {version}" in classifiers
+    assert "License :: OSI Approved :: Apache Software License" in classifiers
+    files = [str(f) for f in metadata.files("recsys")]
+    assert any(f.endswith("recsys/py.typed") for f in files) and any(f.endswith("__init__.pyi") for f in files)
