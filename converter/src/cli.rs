@@ -542,7 +542,7 @@ pub struct PredictArgs {
     pub input: PathBuf,
     /// JSON-lines output; `-` writes standard output; s3://... or gs://... is written locally and
     /// uploaded whole once every line is scored (so a reader never sees a partial file).
-    #[arg(long)]
+    #[arg(long, visible_alias = "out")]
     pub output: PathBuf,
     /// Items to return per user (a line's own "k" wins).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
@@ -597,7 +597,7 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub batch_size: u64,
     /// Also write the JSON report to this file.
-    #[arg(long)]
+    #[arg(long, visible_alias = "out")]
     pub output: Option<PathBuf>,
     /// Scoring threads (default: the available cores).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
