@@ -9,7 +9,12 @@ import numpy.typing as npt
 __version__: str
 
 ItemId = Union[int, str]
-Histories = Sequence[Sequence[ItemId]]
+#: A 1-D array of int64 ids (a history, candidates), or a 2-D one (one history per row).
+IdArray = npt.NDArray[np.int64]
+#: One history (or exclusion or candidate list): ids in a sequence or a numpy array.
+History = Union[Sequence[ItemId], IdArray]
+#: One per user: a sequence of histories, or a 2-D int64 array with a history per row.
+Histories = Union[Sequence[History], IdArray]
 Ids = Union[npt.NDArray[np.int64], list[list[str]]]
 
 class RecsysError(Exception):

@@ -218,3 +218,25 @@ def test_the_installed_wheel_carries_the_package_metadata():
     assert "License :: OSI Approved :: Apache Software License" in classifiers
     files = [str(f) for f in metadata.files("recsys")]
     assert any(f.endswith("recsys/py.typed") for f in files) and any(f.endswith("__init__.pyi") for f in files)
+
+
+def test_the_stubs_accept_the_numpy_histories_the_engine_accepts(engines, users):
+    """tests/typing/usage.py passes lists, lists of int64 arrays and 2-D int64 arrays, and mypy
+    --strict accepts them against the installed stubs; the engine answers all three alike."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    check = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", "tests/typing/usage.py"],
+                           cwd=root, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    engine = recsys.Engine(engines["vaecf"], threads=1)
+    width = 5
+    lists = [u[:width] for u in users[:8] if len(u) >= width]
+    arrays = [np.array(u, dtype=np.int64) for u in lists]
+    matrix = np.array(lists, dtype=np.int64)
+    want_ids, want_scores = engine.recommend(lists, k=10)
+    for histories in (arrays, matrix):
+        ids, scores = engine.recommend(histories, k=10)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(scores, want_scores)
+    np.testing.assert_array_equal(engine.embed(matrix), engine.embed(lists))

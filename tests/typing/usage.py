@@ -1,0 +1,33 @@
+"""How the README and the package's docs call recsys, type-checked against its stubs (mypy --strict
+in tests/integration/test_python.py): lists, numpy arrays of ids and rows of a 2-D array are all
+histories. Never run, only checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+import recsys
+
+
+def calls(engine: recsys.Engine) -> None:
+    lists = [[10011403, 10011207], [10011739]]
+    arrays = [np.array([10011403, 10011207], dtype=np.int64), np.array([10011739], dtype=np.int64)]
+    matrix = np.array([[10011403, 10011207], [10011739, 10011207]], dtype=np.int64)
+    strings = [["sku-1", "sku-2"]]
+    for histories in (lists, arrays, matrix, strings):
+        ids, scores = engine.recommend(histories, k=10)
+        top: npt.NDArray[np.float32] = scores
+        engine.embed(histories)
+        engine.score(histories)
+    engine.rerank(lists, candidates=arrays, k=5, exclude=matrix)
+    engine.predict(arrays, k=[5, None], candidates=lists, embedding=True)
+    n: int = engine.num_items
+    _ = (ids, top, n)
+
+
+def conversions(path: str) -> recsys.Engine:
+    engine = recsys.convert("vaecf", "model.safetensors", "item_id_map.tsv", path, precision="fp16")
+    report = recsys.evaluate(engine, "test_set.tsv", k=(10, 20))
+    assert isinstance(report["metrics"], dict)
+    return recsys.Engine(path, threads=2)
