@@ -470,9 +470,10 @@ The engine directory holds manifest.json (hyper-parameters, precision, source ch
 sha256), weights.safetensors and item_ids.tsv; loading it verifies every checksum."
 )]
 pub struct ConvertArgs {
-    /// Model architecture of the checkpoint.
+    /// Model architecture of the checkpoint. Optional for a RecBole checkpoint, whose own config
+    /// names it (BERT4Rec, MultiVAE); checked against that config when given.
     #[arg(long, value_enum)]
-    pub kind: Kind,
+    pub kind: Option<Kind>,
     /// Trained weights: .safetensors, a torch.save state dict (.pt/.pth), or a RecBole checkpoint.
     #[arg(long)]
     pub checkpoint: PathBuf,

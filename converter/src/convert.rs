@@ -63,10 +63,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             }
         }
     };
-    let kind = match args.kind {
+    let kind = args.kind.map(|kind| match kind {
         Kind::Bert4rec => ModelKind::Bert4rec,
         Kind::Vaecf => ModelKind::Vaecf,
-    };
+    });
     let w8a8 = matches!(
         (args.precision, args.int8_mode),
         (Precision::Int8, Int8Mode::W8a8 | Int8Mode::W8a8All)

@@ -277,7 +277,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         bar.set_message(variant.name.clone());
         let dir = args.output.join("engines").join(&variant.name);
         let mut engine = recsys_engine::convert(&ConvertRequest {
-            kind,
+            kind: Some(kind),
             checkpoint: &args.checkpoint,
             config: config.as_ref(),
             item_map: &args.item_map,

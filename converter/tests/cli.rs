@@ -251,6 +251,39 @@ fn convert_refuses_to_overwrite_and_explains_errors() {
 
     let help = recsys().args(["predict", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&help.stdout).contains("Exit status"));
+
+    // A RecBole checkpoint needs neither --kind nor --config: its own config names both.
+    let dir = fixtures().join("bert4rec");
+    let recbole = tmp.path().join("recbole");
+    let out = recsys()
+        .args(["convert", "--checkpoint"])
+        .arg(dir.join("recbole_checkpoint.pth"))
+        .arg("--item-map")
+        .arg(&item_map)
+        .arg("--out")
+        .arg(&recbole)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("wrote bert4rec engine"));
+    // A state dict without --kind: exit 1 with what to pass.
+    let out = recsys()
+        .args(["convert", "--checkpoint"])
+        .arg(dir.join("model.pt"))
+        .args(["--config"])
+        .arg(dir.join("config.json"))
+        .arg("--item-map")
+        .arg(&item_map)
+        .arg("--out")
+        .arg(tmp.path().join("plain"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pass --kind bert4rec or --kind vaecf"));
 }
 
 #[test]

@@ -17,7 +17,8 @@ use crate::weights::scale_name;
 
 /// Inputs of a conversion.
 pub struct ConvertRequest<'a> {
-    pub kind: ModelKind,
+    /// The architecture; `None` to take it from a RecBole checkpoint's own config (its `model`).
+    pub kind: Option<ModelKind>,
     pub checkpoint: &'a Path,
     /// A JSON object of hyper-parameters; `None` to use the checkpoint's own (RecBole) config.
     pub config: Option<&'a serde_json::Map<String, serde_json::Value>>,
@@ -45,6 +46,42 @@ pub enum W8a8Layers {
     All,
 }
 
+/// The architecture to convert: the one asked for, checked against a RecBole checkpoint's own
+/// `model` when it names one, or, when none is asked for, that `model` (RecBole's names:
+/// `BERT4Rec`, `MultiVAE`).
+fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Result<ModelKind> {
+    let recorded = ckpt
+        .embedded_config
+        .as_ref()
+        .and_then(|c| c.get("model"))
+        .and_then(|m| m.as_str());
+    let of_recbole = |name: &str| match name {
+        "BERT4Rec" => Some(ModelKind::Bert4rec),
+        "MultiVAE" => Some(ModelKind::Vaecf),
+        _ => None,
+    };
+    match (asked, recorded) {
+        (Some(kind), Some(name)) => match of_recbole(name) {
+            Some(recorded_kind) if recorded_kind != kind => Err(EngineError::Config(format!(
+                "{} is a RecBole {name} checkpoint (its config's model), but the conversion asks                  for {kind}: pass --kind {recorded_kind} or leave --kind out",
+                path.display()
+            ))),
+            _ => Ok(kind),
+        },
+        (Some(kind), None) => Ok(kind),
+        (None, Some(name)) => of_recbole(name).ok_or_else(|| {
+            EngineError::Config(format!(
+                "{} is a RecBole {name} checkpoint; recsys converts BERT4Rec and MultiVAE                  (Mult-VAE, VAE-CF)",
+                path.display()
+            ))
+        }),
+        (None, None) => Err(EngineError::Config(format!(
+            "{} does not say which model it holds (only a RecBole checkpoint's config does):              pass --kind bert4rec or --kind vaecf",
+            path.display()
+        ))),
+    }
+}
+
 /// Reads a checkpoint and writes a verified engine directory; returns the loaded engine.
 pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
     convert_limited(request, crate::import::DEFAULT_MAX_CHECKPOINT_BYTES)
@@ -53,6 +90,7 @@ pub fn convert(request: &ConvertRequest<'_>) -> Result<Engine> {
 /// [`convert`] refusing checkpoints larger than `max_checkpoint_bytes`.
 pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) -> Result<Engine> {
     let ckpt = Checkpoint::load_limited(request.checkpoint, max_checkpoint_bytes)?;
+    let kind = model_kind(request.kind, &ckpt, request.checkpoint)?;
     let json = match (request.config, &ckpt.embedded_config) {
         (Some(json), _) => json.clone(),
         (None, Some(embedded)) => embedded.clone(),
@@ -63,7 +101,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             )))
         }
     };
-    let config = ModelConfig::resolve(request.kind, &json, &ckpt)?;
+    let config = ModelConfig::resolve(kind, &json, &ckpt)?;
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
     let ids = IdMap::read_tsv(request.item_map)?;
     if request.w8a8_layers == W8a8Layers::All && request.calibration.is_none() {

@@ -47,7 +47,7 @@ pub fn convert(
 ) -> Result<Engine> {
     let config = config(kind)?;
     convert_checkpoint(&ConvertRequest {
-        kind,
+        kind: Some(kind),
         checkpoint: &model_dir(kind).join(checkpoint),
         config: Some(&config),
         item_map: &model_dir(kind).join("item_id_map.tsv"),

@@ -32,7 +32,7 @@ fn recbole_checkpoint_carries_its_own_config() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(ModelKind::Bert4rec);
     let engine = convert(&ConvertRequest {
-        kind: ModelKind::Bert4rec,
+        kind: Some(ModelKind::Bert4rec),
         checkpoint: &dir.join("recbole_checkpoint.pth"),
         config: None,
         item_map: &dir.join("item_id_map.tsv"),
@@ -56,7 +56,7 @@ fn plain_state_dict_needs_a_config() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(ModelKind::Bert4rec);
     let err = convert(&ConvertRequest {
-        kind: ModelKind::Bert4rec,
+        kind: Some(ModelKind::Bert4rec),
         checkpoint: &dir.join("model.pt"),
         config: None,
         item_map: &dir.join("item_id_map.tsv"),
@@ -102,7 +102,7 @@ fn convert_file(
 ) -> Result<Engine, EngineError> {
     let out = path.with_extension("engine");
     convert(&ConvertRequest {
-        kind: ModelKind::Bert4rec,
+        kind: Some(ModelKind::Bert4rec),
         checkpoint: path,
         config: Some(&config),
         item_map: &model_dir(ModelKind::Bert4rec).join("item_id_map.tsv"),
@@ -240,7 +240,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
     config.insert("mlp_hidden_size".into(), serde_json::json!([300]));
     let dir = model_dir(ModelKind::Vaecf);
     let err = convert(&ConvertRequest {
-        kind: ModelKind::Vaecf,
+        kind: Some(ModelKind::Vaecf),
         checkpoint: &dir.join("model.safetensors"),
         config: Some(&config),
         item_map: &dir.join("item_id_map.tsv"),
@@ -255,7 +255,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
     assert!(err.to_string().contains("mlp_hidden_size = [300]"), "{err}");
     // A BERT4Rec checkpoint handed in as VAE-CF is missing VAE-CF's first tensor.
     let err = convert(&ConvertRequest {
-        kind: ModelKind::Vaecf,
+        kind: Some(ModelKind::Vaecf),
         checkpoint: &model_dir(ModelKind::Bert4rec).join("model.pt"),
         config: Some(&config_json(ModelKind::Bert4rec)),
         item_map: &dir.join("item_id_map.tsv"),
@@ -374,4 +374,66 @@ fn engine_load_verifies_checksums_and_format() {
         Engine::load(&tmp.path().join("nope")).err().unwrap(),
         EngineError::NotFound { .. }
     ));
+}
+
+fn convert_kind(
+    kind: Option<ModelKind>,
+    checkpoint: &Path,
+    out: &Path,
+) -> Result<recsys_engine::Engine, EngineError> {
+    let dir = model_dir(ModelKind::Bert4rec);
+    convert(&ConvertRequest {
+        kind,
+        checkpoint,
+        config: None,
+        item_map: &dir.join("item_id_map.tsv"),
+        out,
+        precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
+        screen: Default::default(),
+        w8a8_layers: Default::default(),
+    })
+}
+
+#[test]
+fn a_recbole_checkpoint_names_its_own_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recbole = model_dir(ModelKind::Bert4rec).join("recbole_checkpoint.pth");
+    // No kind asked: the checkpoint's config says BERT4Rec.
+    let inferred = convert_kind(None, &recbole, &tmp.path().join("a")).unwrap();
+    let asked = convert_kind(Some(ModelKind::Bert4rec), &recbole, &tmp.path().join("b")).unwrap();
+    assert_eq!(inferred.kind(), ModelKind::Bert4rec);
+    assert_eq!(inferred.manifest.model, asked.manifest.model);
+    // A kind contradicting the checkpoint's own is refused, naming both and the fix.
+    let err = convert_kind(Some(ModelKind::Vaecf), &recbole, &tmp.path().join("c"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("RecBole BERT4Rec checkpoint") && err.contains("--kind bert4rec"),
+        "{err}"
+    );
+    // A plain state dict says nothing of its model.
+    let err = convert_kind(
+        None,
+        &model_dir(ModelKind::Bert4rec).join("model.pt"),
+        &tmp.path().join("d"),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("pass --kind bert4rec or --kind vaecf"),
+        "{err}"
+    );
+    // A RecBole model recsys does not convert is named.
+    let sasrec = fixtures().join("sasrec").join("recbole_checkpoint.pth");
+    let err = convert_kind(None, &sasrec, &tmp.path().join("e"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("RecBole SASRec checkpoint") && err.contains("BERT4Rec and MultiVAE"),
+        "{err}"
+    );
 }

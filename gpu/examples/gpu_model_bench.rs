@@ -52,7 +52,7 @@ fn main() {
             let out = tmp.path().join(format!("{name}-{precision:?}"));
             let engine = Arc::new(
                 convert(&ConvertRequest {
-                    kind,
+                    kind: Some(kind),
                     checkpoint: &model.join("model.safetensors"),
                     config: Some(&config),
                     item_map: &model.join("item_id_map.tsv"),

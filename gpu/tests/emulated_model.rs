@@ -122,7 +122,7 @@ fn engines_with_static_dense_activations_are_refused_with_the_reason() {
     let cases = read_test_set(&parity::fixtures().join("test_set.tsv")).unwrap();
     let calibration: Vec<Vec<String>> = cases.iter().take(64).map(|c| c.history.clone()).collect();
     let engine = recsys_engine::convert(&ConvertRequest {
-        kind,
+        kind: Some(kind),
         checkpoint: &model.join("model.safetensors"),
         config: Some(&config),
         item_map: &model.join("item_id_map.tsv"),

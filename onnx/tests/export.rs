@@ -41,7 +41,7 @@ fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> Path
     let out = dir.join(format!("{sub}_{precision:?}_{w8a8}"));
     let histories = calibration_histories();
     recsys_engine::convert(&ConvertRequest {
-        kind,
+        kind: Some(kind),
         checkpoint: &src.join("model.safetensors"),
         config: Some(&config),
         item_map: &src.join("item_id_map.tsv"),

@@ -674,7 +674,7 @@ fn convert(
     let engine = py
         .detach(|| {
             recsys_engine::convert(&ConvertRequest {
-                kind,
+                kind: Some(kind),
                 checkpoint: &checkpoint,
                 config: config.as_ref(),
                 item_map: &item_map,

@@ -42,7 +42,7 @@ pub fn convert_fixture_screened(
 ) -> recsys_engine::Result<Engine> {
     let config = config_json(kind);
     recsys_engine::convert(&recsys_engine::ConvertRequest {
-        kind,
+        kind: Some(kind),
         checkpoint: &model_dir(kind).join("model.safetensors"),
         config: Some(&config),
         item_map: &model_dir(kind).join("item_id_map.tsv"),
@@ -63,7 +63,7 @@ pub fn convert_fixture_w8a8(
 ) -> Engine {
     let config = config_json(kind);
     convert(&ConvertRequest {
-        kind,
+        kind: Some(kind),
         checkpoint: &model_dir(kind).join("model.safetensors"),
         config: Some(&config),
         item_map: &model_dir(kind).join("item_id_map.tsv"),

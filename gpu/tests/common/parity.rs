@@ -33,7 +33,7 @@ pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
     let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
     let calibration: Vec<Vec<String>> = cases.iter().take(64).map(|c| c.history.clone()).collect();
     convert(&ConvertRequest {
-        kind,
+        kind: Some(kind),
         checkpoint: &model.join("model.safetensors"),
         config: Some(&config),
         item_map: &model.join("item_id_map.tsv"),
