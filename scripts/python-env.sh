@@ -80,11 +80,16 @@ echo "==> adding the test environment to $VENV (checkers, peers, Ray, CUDA compi
   "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*"
 # perf_analyzer (in the tritonclient wheel; the soak test and the benchmarks drive it) links
 # libb64.so.0d from Debian and libcudart.so.12 (the wheel above) even without a GPU.
-if ! ldconfig -p | grep -q libb64.so.0d; then
+# The Grafana dashboard's test scrapes the server with a real Prometheus (Debian's; its service is
+# not started by the package here).
+apt_packages=()
+ldconfig -p | grep -q libb64.so.0d || apt_packages+=(libb64-0d)
+command -v prometheus >/dev/null || apt_packages+=(prometheus)
+if [[ ${#apt_packages[@]} -gt 0 ]]; then
   if [[ $(id -u) -eq 0 ]]; then
-    apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}" >/dev/null
   else
-    echo "warning: perf_analyzer needs libb64.so.0d: sudo apt-get install libb64-0d" >&2
+    echo "warning: perf_analyzer needs libb64.so.0d and the dashboard test prometheus: sudo apt-get install ${apt_packages[*]}" >&2
   fi
 fi
 touch "$STAMP"
