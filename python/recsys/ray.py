@@ -15,9 +15,11 @@ row the engine refuses, the message ``recsys predict`` would print, with null ``
 ``scores``. Ray retries the batches of a failed actor on a restarted one (its defaults: restarts
 and task retries unbounded), so no user is lost or answered twice.
 
-The pool has ``concurrency`` actors of ``threads`` scoring threads (and CPUs) each; Ray Data's
-read and write tasks need CPUs of their own, so a pool that would hold every CPU of the cluster
-is refused rather than left waiting.
+The pool has ``concurrency`` actors of ``threads`` scoring threads (and CPUs) each, or, with
+``concurrency=(min, max)``, from ``min`` actors growing to ``max`` as Ray Data finds room (an
+autoscaling cluster adds nodes for it). Ray Data's read and write tasks need CPUs of their own, so a
+pool whose starting size would hold every CPU the cluster has now is refused rather than left
+waiting; a ``max`` beyond today's CPUs is what autoscaling is for and is accepted.
 
 Multi-node: ``engine_path`` must name the same engine directory on every node (shared storage, or
 copied there from object storage before the job); run ``cores / threads`` actors per node.
@@ -50,7 +52,7 @@ def predict(
     k: int = 10,
     *,
     batch_size: int = 1024,
-    concurrency: int = 1,
+    concurrency: "int | tuple[int, int]" = 1,
     threads: int = 1,
     exclude_seen: bool = True,
     strict_ids: bool = False,
@@ -60,8 +62,8 @@ def predict(
     """Recommendations for every row of ``dataset`` (lazy, like any Ray Data transform).
 
     ``k``: the default number of items per row (a row's own ``k`` overrides it). ``batch_size``
-    rows go to the engine as one batch. ``concurrency`` actors, each with ``threads`` scoring
-    threads (and as many CPUs reserved). ``exclude_seen`` leaves a history's own items out;
+    rows go to the engine as one batch. ``concurrency`` actors (or ``(min, max)``: an autoscaling
+    pool), each with ``threads`` scoring threads (and as many CPUs reserved). ``exclude_seen`` leaves a history's own items out;
     ``strict_ids`` refuses rows whose ids are unknown to the model instead of dropping those ids;
     ``return_embedding`` adds every row's user embedding. Other keyword arguments go to Ray with
     the actors (e.g. ``max_restarts=0`` to fail fast instead of retrying).
@@ -70,9 +72,10 @@ def predict(
 
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
-    for name, value in (("batch_size", batch_size), ("concurrency", concurrency), ("threads", threads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    for name, value in (("batch_size", batch_size), ("threads", threads)):
+        if not _positive_integer(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    smallest, largest = _pool_sizes(concurrency)
     # Actors may start in another working directory: they get an absolute path.
     engine_path = os.path.abspath(os.fspath(engine_path))
     if not os.path.isfile(os.path.join(engine_path, "manifest.json")):
@@ -80,7 +83,7 @@ def predict(
             f"{engine_path} is not an engine directory (no manifest.json): give the directory "
             "`recsys convert` wrote, at the same path on every node"
         )
-    _check_room_for_io(concurrency, threads)
+    _check_room_for_io(smallest, threads, autoscaling=largest > smallest)
     options = dict(ray_remote_args)
     # Rows in = rows out, which lets Ray push limits past the scoring (newer Ray versions).
     if "udf_modifying_row_count" in inspect.signature(dataset.map_batches).parameters:
@@ -97,26 +100,43 @@ def predict(
         },
         batch_size=batch_size,
         batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=concurrency),
+        compute=(ActorPoolStrategy(size=smallest) if smallest == largest
+                 else ActorPoolStrategy(min_size=smallest, max_size=largest)),
         num_cpus=threads,
         **options,
     )
 
 
-def _check_room_for_io(concurrency: int, threads: int) -> None:
-    """Refuses a pool that would hold every CPU of the cluster: Ray Data would then find none for
-    the tasks that read and write the dataset and wait forever."""
+def _pool_sizes(concurrency: Any) -> tuple[int, int]:
+    """``concurrency`` as (smallest, largest) pool: an int n is (n, n), a pair is (min, max)."""
+    if _positive_integer(concurrency):
+        return concurrency, concurrency
+    if (isinstance(concurrency, (tuple, list)) and len(concurrency) == 2
+            and all(_positive_integer(v) for v in concurrency) and concurrency[0] <= concurrency[1]):
+        return concurrency[0], concurrency[1]
+    raise ValueError(
+        f"concurrency must be a positive integer or a (min, max) pair of them with min <= max, "
+        f"got {concurrency!r}"
+    )
+
+
+def _check_room_for_io(actors: int, threads: int, autoscaling: bool = False) -> None:
+    """Refuses a pool whose starting size would hold every CPU the cluster has now: Ray Data would
+    then find none for the tasks that read and write the dataset and wait forever. An autoscaling
+    pool is judged by its minimum: its maximum may wait for nodes an autoscaler adds."""
     import ray
 
     if not ray.is_initialized():
         return  # map_batches starts (or joins) the cluster; Ray's own checks apply then.
     cpus = ray.cluster_resources().get("CPU", 0)
-    if cpus and concurrency * threads >= cpus:
+    if cpus and actors * threads >= cpus:
         room = max(int(cpus) - 1, 0) // threads
+        what = f"the pool's minimum of {actors}" if autoscaling else f"{actors}"
         raise ValueError(
-            f"{concurrency} actor(s) x {threads} thread(s) would hold all {cpus:g} CPUs of the Ray "
+            f"{what} actor(s) x {threads} thread(s) would hold all {cpus:g} CPUs of the Ray "
             f"cluster and leave none to read and write the dataset (the job would never finish): "
-            f"use at most {room} actor(s) of {threads} thread(s) here, or a cluster with more CPUs"
+            f"start with at most {room} actor(s) of {threads} thread(s) here (concurrency=(min, max) "
+            f"lets the pool grow with the cluster), or use a cluster with more CPUs"
         )
 
 

@@ -198,8 +198,14 @@ def test_bad_input_gets_clear_errors(cluster, engine, tmp_path):
     with pytest.raises(ValueError, match="concurrency must be a positive integer"):
         recsys.ray.predict(ray.data.from_items([{"item_ids": [1]}]), engine, concurrency=0)
     # Two one-thread actors would hold both CPUs and starve Ray's read and write tasks forever.
-    with pytest.raises(ValueError, match=r"hold all 2 CPUs .* use at most 1 actor"):
+    with pytest.raises(ValueError, match=r"hold all 2 CPUs .* start with at most 1 actor"):
         recsys.ray.predict(ray.data.from_items([{"item_ids": [1]}]), engine, concurrency=2)
+    # An autoscaling pool is judged by its minimum, and its bounds must be a (min, max) pair.
+    with pytest.raises(ValueError, match=r"the pool's minimum of 2 actor\(s\) .* hold all 2 CPUs"):
+        recsys.ray.predict(ray.data.from_items([{"item_ids": [1]}]), engine, concurrency=(2, 4))
+    for bad in [(3, 1), (0, 2), (1, 2, 3), "2"]:
+        with pytest.raises(ValueError, match=r"a \(min, max\) pair"):
+            recsys.ray.predict(ray.data.from_items([{"item_ids": [1]}]), engine, concurrency=bad)
     # A dataset without histories: the job fails naming the column it lacks and those it has.
     with pytest.raises(Exception, match='no "item_ids" column.*history_ids'):
         recsys.ray.predict(ray.data.from_items([{"history_ids": [1]}]), engine, max_restarts=0).take_all()
@@ -234,3 +240,18 @@ def test_the_example_job_writes_what_recsys_predict_writes(cluster, engine, user
             continue  # recsys predict ran with --strict-ids for the others' sake
         record["scores"] = [float(np.float32(s)) for s in record["scores"]]
         assert record == expected[user], f"user {user}"
+
+
+def test_an_autoscaling_pool_larger_than_the_cluster_runs_and_answers_as_recsys_predict(cluster, engine, users,
+                                                                                        expected, tmp_path):
+    """concurrency=(1, 4) on a 2-CPU cluster: the maximum waits for CPUs an autoscaler would add
+    (none here), the pool starts with one actor, and every user gets recsys predict's answer."""
+    lines = users.read_text().splitlines(keepends=True)[:3000]
+    source = tmp_path / "users.jsonl"
+    source.write_text("".join(lines))
+    rows = recsys.ray.predict(ray.data.read_json(str(source)), engine, k=10, strict_ids=True,
+                              concurrency=(1, 4), batch_size=256).take_all()
+    got = as_records(rows)
+    assert_same(got, {user: expected[user] for user in got})
+    assert len(got) == len(lines)
+
