@@ -24,7 +24,9 @@ class Engine:
     """A loaded engine directory (written by `recsys convert`)."""
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None) -> None:
-        """Loads and verifies the engine; `threads` scoring threads per call (default: the cores)."""
+        """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
+        `path`: an engine directory, or its folder in object storage (s3://..., gs://..., as the
+        command line takes them, with the same credentials), fetched into TMPDIR first."""
     @property
     def kind(self) -> str:
         """"bert4rec" or "vaecf"."""

@@ -21,8 +21,10 @@ autoscaling cluster adds nodes for it). Ray Data's read and write tasks need CPU
 pool whose starting size would hold every CPU the cluster has now is refused rather than left
 waiting; a ``max`` beyond today's CPUs is what autoscaling is for and is accepted.
 
-Multi-node: ``engine_path`` must name the same engine directory on every node (shared storage, or
-copied there from object storage before the job); run ``cores / threads`` actors per node.
+``engine_path`` is a local engine directory (the same path on every node: shared storage) or its
+folder in object storage (``s3://...``, ``gs://...``, as ``recsys predict --engine`` takes them, with
+the same credential chains): each actor then fetches its own copy into its temporary directory.
+Run ``cores / threads`` actors per node.
 """
 
 from __future__ import annotations
@@ -76,13 +78,15 @@ def predict(
         if not _positive_integer(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     smallest, largest = _pool_sizes(concurrency)
-    # Actors may start in another working directory: they get an absolute path.
-    engine_path = os.path.abspath(os.fspath(engine_path))
-    if not os.path.isfile(os.path.join(engine_path, "manifest.json")):
-        raise FileNotFoundError(
-            f"{engine_path} is not an engine directory (no manifest.json): give the directory "
-            "`recsys convert` wrote, at the same path on every node"
-        )
+    engine_path = os.fspath(engine_path)
+    if not engine_path.startswith(("s3://", "gs://")):
+        # Actors may start in another working directory: they get an absolute path.
+        engine_path = os.path.abspath(engine_path)
+        if not os.path.isfile(os.path.join(engine_path, "manifest.json")):
+            raise FileNotFoundError(
+                f"{engine_path} is not an engine directory (no manifest.json): give the directory "
+                "`recsys convert` wrote, at the same path on every node, or its s3:// or gs:// folder"
+            )
     _check_room_for_io(smallest, threads, autoscaling=largest > smallest)
     options = dict(ray_remote_args)
     # Rows in = rows out, which lets Ray push limits past the scoring (newer Ray versions).

@@ -38,6 +38,24 @@ fn engine_error(e: EngineError) -> PyErr {
     }
 }
 
+/// Downloads the engine directory at `uri` (s3://..., gs://..., as `recsys predict --engine`
+/// takes them, with the same credential chains) into a new folder under the temporary directory
+/// (TMPDIR), the GIL released; the engine is then loaded, and so verified, from there.
+fn download_engine(py: Python<'_>, uri: &str) -> PyResult<tempfile::TempDir> {
+    let copy = tempfile::Builder::new()
+        .prefix("recsys-engine-")
+        .tempdir()
+        .map_err(|e| {
+            RecsysError::new_err(format!(
+                "cannot create a folder for {uri}'s engine (set TMPDIR): {e}"
+            ))
+        })?;
+    let target = copy.path().to_path_buf();
+    py.detach(|| recsys_registry::transfer::download_folder(uri, &target))
+        .map_err(|e| RecsysError::new_err(format!("cannot fetch the engine at {uri}: {e}")))?;
+    Ok(copy)
+}
+
 /// Per-user lists of item ids as Python passed them: within one argument, all ints or all strings.
 enum IdLists {
     Int(Vec<Vec<i64>>),
@@ -158,6 +176,9 @@ type PredictTuple = (
 struct PyEngine {
     engine: Engine,
     path: PathBuf,
+    /// The local copy of an engine loaded from object storage, removed with the engine (the
+    /// engine maps its files).
+    _copy: Option<tempfile::TempDir>,
 }
 
 impl PyEngine {
@@ -316,7 +337,16 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (path, threads = None))]
     fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>) -> PyResult<Self> {
-        let dir = path.clone();
+        let (dir, copy) = match path
+            .to_str()
+            .filter(|p| recsys_registry::transfer::is_remote(p))
+        {
+            Some(uri) => {
+                let copy = download_engine(py, uri)?;
+                (copy.path().to_path_buf(), Some(copy))
+            }
+            None => (path.clone(), None),
+        };
         let mut engine = py.detach(|| Engine::load(&dir)).map_err(engine_error)?;
         let threads = match threads {
             Some(0) => return Err(PyValueError::new_err("threads must be at least 1")),
@@ -324,7 +354,11 @@ impl PyEngine {
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
         engine.set_threads(threads);
-        Ok(PyEngine { engine, path })
+        Ok(PyEngine {
+            engine,
+            path,
+            _copy: copy,
+        })
     }
 
     /// "bert4rec" or "vaecf".
@@ -693,6 +727,7 @@ fn convert(
     Ok(PyEngine {
         engine,
         path: output,
+        _copy: None,
     })
 }
 

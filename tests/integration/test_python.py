@@ -240,3 +240,26 @@ def test_the_stubs_accept_the_numpy_histories_the_engine_accepts(engines, users)
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(scores, want_scores)
     np.testing.assert_array_equal(engine.embed(matrix), engine.embed(lists))
+
+
+def test_an_engine_in_object_storage_answers_as_the_local_one(engines, users, tmp_path, monkeypatch):
+    """recsys.Engine("s3://...") on a real S3-compatible server (moto), through the command line's
+    object-store code and credential chain (the environment's keys here): the same answers as the
+    same engine loaded from disk; a folder without an engine is an error naming the address."""
+    from s3_harness import CREDENTIALS, S3Server
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    with S3Server(tmp_path / "moto.log") as s3:
+        client = s3.client()
+        client.create_bucket(Bucket="models")
+        for f in sorted(engines["vaecf"].iterdir()):
+            client.upload_file(str(f), "models", f"engines/vaecf/1/{f.name}")
+        remote = recsys.Engine(s3.uri("models", "engines/vaecf/1"), threads=1)
+        local = recsys.Engine(engines["vaecf"], threads=1)
+        want_ids, want_scores = local.recommend(users[:64], k=20)
+        got_ids, got_scores = remote.recommend(users[:64], k=20)
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_array_equal(got_scores, want_scores)
+        with pytest.raises(recsys.RecsysError, match=r"cannot fetch the engine at s3://.*nothing/here"):
+            recsys.Engine(s3.uri("models", "nothing/here"))

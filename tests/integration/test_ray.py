@@ -255,3 +255,24 @@ def test_an_autoscaling_pool_larger_than_the_cluster_runs_and_answers_as_recsys_
     assert_same(got, {user: expected[user] for user in got})
     assert len(got) == len(lines)
 
+
+
+def test_an_engine_in_object_storage_serves_every_actor(cluster, engine, users, expected, tmp_path):
+    """engine_path="s3://..." (a real S3-compatible server): each actor fetches the engine with the
+    credentials Ray hands it, and the answers are recsys predict's on the local engine."""
+    from s3_harness import CREDENTIALS, S3Server
+
+    lines = users.read_text().splitlines(keepends=True)[:1000]
+    source = tmp_path / "users.jsonl"
+    source.write_text("".join(lines))
+    with S3Server(tmp_path / "moto.log") as s3:
+        client = s3.client()
+        client.create_bucket(Bucket="models")
+        for f in sorted(engine.iterdir()):
+            client.upload_file(str(f), "models", f"bert4rec/1/{f.name}")
+        rows = recsys.ray.predict(ray.data.read_json(str(source)), s3.uri("models", "bert4rec/1"), k=10,
+                                  strict_ids=True, batch_size=256,
+                                  runtime_env={"env_vars": dict(CREDENTIALS)}).take_all()
+    got = as_records(rows)
+    assert len(got) == len(lines)
+    assert_same(got, {user: expected[user] for user in got})
