@@ -57,6 +57,19 @@ serving_setup() {
 }
 
 python=.venv/bin/python
+
+# The Python-backend peers run inside tritonserver on the test venv's interpreter (numpy < 2);
+# their runtimes at the latest releases go to a folder of their own that the peer puts first on
+# its path (RECSYS_PEER_SITE), so the test venv's pinned onnxruntime is left as it is.
+serving_peers_setup() {
+  local site=.venv/serving-peers
+  if [[ ! -f $site/.recsys-serving-peers-v1 ]]; then
+    "$python" -m pip install --quiet --no-deps --target "$site" \
+      "onnxruntime==1.31.1" "openvino==2026.4.1" "openvino-telemetry==2025.2.0" "flatbuffers==25.12.19"
+    touch "$site/.recsys-serving-peers-v1"
+  fi
+  export RECSYS_PEER_SITE=$PWD/$site
+}
 # The peer runtimes at their latest releases (scripts/python-env.sh --peers).
 peers_python=.venv/peers/bin/python
 case "$kind" in
@@ -84,16 +97,8 @@ case "$kind" in
     if [[ $kind == serving ]]; then
       exec "$python" scripts/bench_serving.py "$@"
     fi
-    # The Python-backend peers run inside tritonserver on the test venv's interpreter (numpy < 2);
-    # their runtimes at the latest releases go to a folder of their own on its path, so the test
-    # venv's pinned onnxruntime is left as it is.
-    peer_site=.venv/serving-peers
-    if [[ ! -f $peer_site/.recsys-serving-peers-v1 ]]; then
-      "$python" -m pip install --quiet --no-deps --target "$peer_site" \
-        "onnxruntime==1.31.1" "openvino==2026.4.1" "openvino-telemetry==2025.2.0" "flatbuffers==25.12.19"
-      touch "$peer_site/.recsys-serving-peers-v1"
-    fi
-    RECSYS_PEER_SITE=$PWD/$peer_site exec "$python" scripts/bench_peers.py "$@"
+    serving_peers_setup
+    exec "$python" scripts/bench_peers.py "$@"
     ;;
   candidates)
     ./scripts/python-env.sh
@@ -106,6 +111,7 @@ case "$kind" in
     ./scripts/python-env.sh --peers
     backend_setup
     release_build -p recsys-benches --bin model_probe
+    serving_peers_setup
     # The catalogue scan against FAISS over export-items first (in process), then the servers.
     "$peers_python" scripts/bench_faiss.py "$@"
     exec "$python" scripts/bench_catalogue.py "$@"

@@ -23,9 +23,10 @@ model's memory at a time is resident (a 1e6-item Mult-VAE is 4.8 GB of fp32 weig
   - <model>_plain: recsys, the same engine without the screen;
   - <model>_screen_b1: the screened engine with max_batch_size 1 (every request alone: the batch 1
     side of what dynamic batching buys);
-  - <model>_peer: the plain engine exported with `recsys export-onnx --k 10` (external data above
-    1 GiB), benches/triton_peer/model.py, onnxruntime with --threads intra-op threads, dynamic
-    batching (100 us), 1 instance.
+  - <model>_peer, <model>_peer_ov, <model>_peer_ovd: the plain engine exported with `recsys
+    export-onnx --k 10` (external data above 1 GiB), benches/triton_peer/model.py, in ONNX Runtime,
+    OpenVINO with f32 forced and OpenVINO at its default precision, --threads intra-op threads,
+    dynamic batching (100 us), 1 instance.
 Requests: 256 random histories of 5-100 catalogue items (ragged), gRPC. Every perf_analyzer run is
 bounded (2 s windows, at most 8 trials, a timeout) and every server is stopped.
 """
@@ -237,22 +238,29 @@ def main() -> None:
                 (f"{kind}_screen", screened, 64, concurrency),
                 (f"{kind}_plain", plain, 64, concurrency),
                 (f"{kind}_screen_b1", screened, 1, [max(concurrency)]),
-                (f"{kind}_peer", None, None, concurrency),
+                (f"{kind}_peer", "onnxruntime", None, concurrency),
+                (f"{kind}_peer_ov", "openvino", None, concurrency),
+                (f"{kind}_peer_ovd", "openvino-default", None, concurrency),
             ]
             answers = {}
             for name, engine, max_batch, levels in variants:
                 repo = work / f"repo_{name}"
                 (repo / name).mkdir(parents=True)
-                if engine is not None:
+                if isinstance(engine, Path):
                     (repo / name / "1").symlink_to(engine)
                     (repo / name / "config.pbtxt").write_text(
                         recsys_config(name, max_batch, args.threads))
                 else:
-                    shutil.move(str(work / "peer" / "1"), repo / name / "1")
+                    # The one export (and its external data), linked into each peer's version folder.
+                    (repo / name / "1").mkdir()
+                    for f in (work / "peer" / "1").iterdir():
+                        (repo / name / "1" / f.name).symlink_to(f)
                     shutil.copy2(ROOT / "benches" / "triton_peer" / "model.py", repo / name / "1" / "model.py")
                     shutil.copy2(plain / "item_ids.tsv", repo / name / "item_ids.tsv")
+                    runtime, precision = (engine, "f32") if engine != "openvino-default" else ("openvino", "default")
                     (repo / name / "config.pbtxt").write_text(
-                        peer_config(name).replace('string_value: "1"', f'string_value: "{args.threads}"'))
+                        peer_config(name, runtime, precision).replace('string_value: "1"',
+                                                                      f'string_value: "{args.threads}"', 1))
                 print(f"{name}: starting tritonserver ...", file=sys.stderr, flush=True)
                 started = time.monotonic()
                 server = TritonServer(repo, backends, log_path=work / f"{name}.log")
@@ -264,7 +272,7 @@ def main() -> None:
                     for c in levels:
                         print(f"perf_analyzer {name} grpc concurrency {c} ...", file=sys.stderr, flush=True)
                         sampler = None
-                        if args.profile and engine is not None and c == min(levels):
+                        if args.profile and isinstance(engine, Path) and c == min(levels):
                             sampler = start_sampling(server, work / f"{name}.perf.data")
                         try:
                             r = perf_analyzer(server, name, "grpc", c, data, work / f"{name}-{c}.csv")
@@ -289,20 +297,24 @@ def main() -> None:
     out = [
         f"{today}, {platform.node()}: {os.cpu_count()} cores, tritonserver 2.51.0, gRPC, perf_analyzer -p 2000 -s 20 "
         f"--max-trials 8, {USERS} random histories of 5-100 items (ragged), random weights, {args.threads} threads for "
-        "recsys and for onnxruntime, 1 instance each, one server per variant.",
+        "recsys and for each peer (ONNX Runtime, OpenVINO f32, OpenVINO default), 1 instance each, one server per "
+        "variant.",
         "",
         *[f"- {n}" for n in notes],
         "",
-        "| model | items | variant | concurrency | infer/s | vs peer | p50 ms | p99 ms | p99 vs peer | compute share | "
-        "mean survivors | load s | resident MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | items | variant | concurrency | infer/s | vs ORT peer | vs OpenVINO f32 peer | vs OpenVINO default peer | "
+        "p50 ms | p99 ms | p99 vs ORT peer | compute share | mean survivors | load s | resident MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, items, name, c, r in results:
         peer = by.get((kind, f"{kind}_peer", c))
         ratio = f"{r['throughput'] / peer['throughput']:.2f}" if peer else "-"
+        ov = [by.get((kind, f"{kind}_peer_{s}", c)) for s in ("ov", "ovd")]
+        ov_ratio = [f"{r['throughput'] / o['throughput']:.2f}" if o else "-" for o in ov]
         p99 = f"{r['p99_ms'] / peer['p99_ms']:.2f}" if peer else "-"
         surv = f"{r['survivors'][1]:.0f}" if r["survivors"] else "-"
         out.append(f"| {kind} | {items:,} | {name.removeprefix(kind + '_')} | {c} | {r['throughput']:.0f} | {ratio} | "
+                   f"{ov_ratio[0]} | {ov_ratio[1]} | "
                    f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {p99} | {100 * r['compute_share']:.0f} % | {surv} | "
                    f"{r['load_s']:.1f} | {r['rss_mib']:.0f} |")
     for name, c, report in profiles:
