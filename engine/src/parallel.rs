@@ -352,18 +352,20 @@ mod tests {
         assert!(handoff::estimate() > Duration::ZERO);
     }
 
+    /// Waits (at most 5 s) for the spinner to stop.
+    fn spinner_stops(what: &str) {
+        let start = Instant::now();
+        while SPINNER.load(Ordering::Acquire) {
+            assert!(start.elapsed() < Duration::from_secs(5), "{what}");
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn a_prewoken_worker_stops_by_itself_and_pieces_still_run() {
         // Woken with no pieces to follow: the spinner gives up on its own.
         prewake();
-        let start = Instant::now();
-        while SPINNER.load(Ordering::Acquire) {
-            assert!(
-                start.elapsed() < Duration::from_secs(5),
-                "the spinner never stopped"
-            );
-            std::thread::yield_now();
-        }
+        spinner_stops("the spinner never stopped");
         // Woken, then pieces: they run, in order.
         prewake();
         prewake();
@@ -376,14 +378,7 @@ mod tests {
             for_each_mut(&mut items, |i, item| *item = i);
             assert_eq!(items, vec![0, 1, 2]);
         }
-        let start = Instant::now();
-        while SPINNER.load(Ordering::Acquire) {
-            assert!(
-                start.elapsed() < Duration::from_secs(5),
-                "a spinner outlived its batch"
-            );
-            std::thread::yield_now();
-        }
+        spinner_stops("a spinner outlived its batch");
     }
 
     #[test]
