@@ -59,10 +59,10 @@ const LATE_START: Duration = Duration::from_micros(150);
 /// Wakes a pool worker now, for pieces a batch is about to hand out: waking a sleeping worker
 /// costs 30-55 us on the 2-core VM the project is measured on, as long as a whole batch-1 scan of
 /// a few thousand items, so a batch split over 2 threads ran slower than on 1. The worker spins
-/// until the next pieces are handed out, at most [`SPIN_LIMIT`], not after the batches that woke
-/// it have ended, and not at all if it only gets to run late (the pool was busy, hence awake).
-/// Answers never depend on it.
-pub fn prewake() {
+/// until the next pieces are handed out, at most [`SPIN_LIMIT`], only while some [`Batch`] runs,
+/// and not at all if it only gets to run late (the pool was busy, hence awake). Answers never
+/// depend on it.
+fn prewake() {
     let Some(pool) = pool() else {
         return;
     };
