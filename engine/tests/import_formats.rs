@@ -31,17 +31,11 @@ fn pt_safetensors_and_recbole_give_identical_engines() {
 fn recbole_checkpoint_carries_its_own_config() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(ModelKind::Bert4rec);
-    let engine = convert(&ConvertRequest {
-        kind: Some(ModelKind::Bert4rec),
-        checkpoint: &dir.join("recbole_checkpoint.pth"),
-        config: None,
-        item_map: &dir.join("item_id_map.tsv"),
-        out: &tmp.path().join("e"),
-        precision: recsys_engine::engine_dir::Precision::Fp32,
-        calibration: None,
-        screen: Default::default(),
-        w8a8_layers: Default::default(),
-    })
+    let engine = convert_kind(
+        Some(ModelKind::Bert4rec),
+        &dir.join("recbole_checkpoint.pth"),
+        &tmp.path().join("e"),
+    )
     .unwrap();
     let from_json = convert_fixture(ModelKind::Bert4rec, "model.pt", &tmp.path().join("f"));
     assert_eq!(engine.manifest.model, from_json.manifest.model);
@@ -55,17 +49,11 @@ fn recbole_checkpoint_carries_its_own_config() {
 fn plain_state_dict_needs_a_config() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(ModelKind::Bert4rec);
-    let err = convert(&ConvertRequest {
-        kind: Some(ModelKind::Bert4rec),
-        checkpoint: &dir.join("model.pt"),
-        config: None,
-        item_map: &dir.join("item_id_map.tsv"),
-        out: &tmp.path().join("e"),
-        precision: recsys_engine::engine_dir::Precision::Fp32,
-        calibration: None,
-        screen: Default::default(),
-        w8a8_layers: Default::default(),
-    })
+    let err = convert_kind(
+        Some(ModelKind::Bert4rec),
+        &dir.join("model.pt"),
+        &tmp.path().join("e"),
+    )
     .err()
     .unwrap();
     assert!(err.to_string().contains("--config"), "{err}");
