@@ -65,14 +65,6 @@ fn queries_of<'a>(ks: &[usize], exclusions: &'a [Exclusions]) -> Vec<RowQuery<'a
 }
 
 impl Scorer {
-    /// Whether a whole-catalogue scan of `rows` rows runs on more than one thread (whether a
-    /// pool worker is worth waking ahead of it).
-    pub fn splits_output(&self, rows: usize) -> bool {
-        let packed = &self.packed;
-        self.threads > 1
-            && fused::scan_threads(packed.panels(), rows * 8 * packed.d, self.threads) > 1
-    }
-
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
     /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
     pub fn top_k(&self, hidden: &[f32], ks: &[usize], excluded: Vec<Vec<u32>>) -> RankedRows {

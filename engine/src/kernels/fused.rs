@@ -267,7 +267,7 @@ pub(super) const MIN_MACS_PER_THREAD: usize = 1 << 19;
 
 /// Threads a scan of `panels` panels gets when each panel costs `macs_per_panel` multiply-adds:
 /// at most `threads`, each with at least [`MIN_MACS_PER_THREAD`] of work and one panel.
-pub fn scan_threads(panels: usize, macs_per_panel: usize, threads: usize) -> usize {
+pub(super) fn scan_threads(panels: usize, macs_per_panel: usize, threads: usize) -> usize {
     let by_work = panels.saturating_mul(macs_per_panel)
         / crate::parallel::min_macs_per_piece(MIN_MACS_PER_THREAD);
     threads.min(by_work).min(panels).max(1)
