@@ -417,6 +417,21 @@ pub enum Kind {
     /// own names `multivae` and `mult-vae` are accepted too.
     #[value(alias = "multivae", alias = "mult-vae")]
     Vaecf,
+    /// RecBole SASRec (sequential; causal self-attention, answers from the last item).
+    Sasrec,
+    /// RecBole GRU4Rec (sequential; a GRU over the history, answers from the last item).
+    Gru4rec,
+}
+
+impl From<Kind> for recsys_engine::ModelKind {
+    fn from(kind: Kind) -> Self {
+        match kind {
+            Kind::Bert4rec => recsys_engine::ModelKind::Bert4rec,
+            Kind::Vaecf => recsys_engine::ModelKind::Vaecf,
+            Kind::Sasrec => recsys_engine::ModelKind::Sasrec,
+            Kind::Gru4rec => recsys_engine::ModelKind::Gru4rec,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

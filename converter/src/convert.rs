@@ -1,6 +1,6 @@
 //! `recsys convert`.
 
-use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Kind, Precision, ScreenArg};
+use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Precision, ScreenArg};
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
@@ -63,10 +63,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             }
         }
     };
-    let kind = args.kind.map(|kind| match kind {
-        Kind::Bert4rec => ModelKind::Bert4rec,
-        Kind::Vaecf => ModelKind::Vaecf,
-    });
+    let kind = args.kind.map(ModelKind::from);
     let w8a8 = matches!(
         (args.precision, args.int8_mode),
         (Precision::Int8, Int8Mode::W8a8 | Int8Mode::W8a8All)

@@ -219,10 +219,7 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
 
 pub fn run(args: &SweepArgs) -> Result<i32> {
     let variants = parse_variants(args)?;
-    let kind = match args.kind {
-        crate::cli::Kind::Bert4rec => ModelKind::Bert4rec,
-        crate::cli::Kind::Vaecf => ModelKind::Vaecf,
-    };
+    let kind = ModelKind::from(args.kind);
     // A budget below zero would exclude even fp32, leaving nothing to recommend.
     let budget = args
         .budget_ndcg10

@@ -283,7 +283,8 @@ fn convert_refuses_to_overwrite_and_explains_errors() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("pass --kind bert4rec or --kind vaecf"));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("pass --kind bert4rec, vaecf, sasrec or gru4rec"));
 }
 
 #[test]

@@ -12,6 +12,8 @@ use crate::import::Checkpoint;
 pub enum ModelKind {
     Bert4rec,
     Vaecf,
+    Sasrec,
+    Gru4rec,
 }
 
 impl ModelKind {
@@ -20,7 +22,34 @@ impl ModelKind {
         match self {
             ModelKind::Bert4rec => "bert4rec",
             ModelKind::Vaecf => "vaecf",
+            ModelKind::Sasrec => "sasrec",
+            ModelKind::Gru4rec => "gru4rec",
         }
+    }
+
+    /// Every kind, in the order the command line lists them.
+    pub const ALL: [ModelKind; 4] = [
+        ModelKind::Bert4rec,
+        ModelKind::Vaecf,
+        ModelKind::Sasrec,
+        ModelKind::Gru4rec,
+    ];
+
+    /// The kind of a RecBole model class (a checkpoint config's `model`), when recsys runs it.
+    pub fn of_recbole_class(name: &str) -> Option<ModelKind> {
+        match name {
+            "BERT4Rec" => Some(ModelKind::Bert4rec),
+            "MultiVAE" => Some(ModelKind::Vaecf),
+            "SASRec" => Some(ModelKind::Sasrec),
+            "GRU4Rec" => Some(ModelKind::Gru4rec),
+            _ => None,
+        }
+    }
+
+    /// Models that read the history in order and answer from its last item: they keep the most
+    /// recent `max_len` items and need at least one.
+    pub fn needs_history(self) -> bool {
+        matches!(self, ModelKind::Sasrec | ModelKind::Gru4rec)
     }
 }
 
@@ -30,8 +59,10 @@ impl std::str::FromStr for ModelKind {
         match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
             "bert4rec" => Ok(ModelKind::Bert4rec),
             "vaecf" | "multivae" => Ok(ModelKind::Vaecf),
+            "sasrec" => Ok(ModelKind::Sasrec),
+            "gru4rec" => Ok(ModelKind::Gru4rec),
             _ => Err(format!(
-                "unknown model kind {s:?} (expected bert4rec or vaecf)"
+                "unknown model kind {s:?} (expected bert4rec, vaecf, sasrec or gru4rec)"
             )),
         }
     }
@@ -39,25 +70,39 @@ impl std::str::FromStr for ModelKind {
 
 impl std::fmt::Display for ModelKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ModelKind::Bert4rec => "bert4rec",
-            ModelKind::Vaecf => "vaecf",
-        })
+        f.write_str(self.as_str())
     }
 }
 
-/// BERT4Rec as RecBole builds it.
+/// A transformer recommender as RecBole builds it: BERT4Rec or SASRec (the same post-LN layers;
+/// which of the two is the [`ModelConfig`] variant).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Bert4RecConfig {
-    /// Real items N (internal indices 1..=N; 0 is PAD, N+1 is MASK).
+pub struct TransformerConfig {
+    /// Real items N (internal indices 1..=N; 0 is PAD; BERT4Rec's MASK is N+1).
     pub n_items: usize,
-    /// Sequence length L including the MASK slot, so histories keep their last L-1 items.
+    /// Positions L (rows of the position embedding): BERT4Rec keeps the last L-1 items and its
+    /// MASK slot, SASRec the last L items.
     pub max_len: usize,
     pub hidden_size: usize,
     pub n_layers: usize,
     pub n_heads: usize,
     pub inner_size: usize,
     pub layer_norm_eps: f64,
+}
+
+/// GRU4Rec as RecBole's `GRU4Rec` builds it: item embedding, a stacked GRU, a dense layer back
+/// to the embedding width, and scores against the item embedding.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Gru4RecConfig {
+    pub n_items: usize,
+    /// Most recent items kept (RecBole's `MAX_ITEM_LIST_LENGTH`).
+    pub max_len: usize,
+    pub embedding_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    /// The GRU carries `bias_ih`/`bias_hh` (RecBole builds it with `bias=False`; other
+    /// implementations keep them).
+    pub gru_bias: bool,
 }
 
 /// Mult-VAE as RecBole's `MultiVAE` builds it.
@@ -73,8 +118,10 @@ pub struct VaeCfConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum ModelConfig {
-    Bert4rec(Bert4RecConfig),
+    Bert4rec(TransformerConfig),
     Vaecf(VaeCfConfig),
+    Sasrec(TransformerConfig),
+    Gru4rec(Gru4RecConfig),
 }
 
 impl ModelConfig {
@@ -82,13 +129,26 @@ impl ModelConfig {
         match self {
             ModelConfig::Bert4rec(_) => ModelKind::Bert4rec,
             ModelConfig::Vaecf(_) => ModelKind::Vaecf,
+            ModelConfig::Sasrec(_) => ModelKind::Sasrec,
+            ModelConfig::Gru4rec(_) => ModelKind::Gru4rec,
         }
     }
 
     pub fn n_items(&self) -> usize {
         match self {
-            ModelConfig::Bert4rec(c) => c.n_items,
+            ModelConfig::Bert4rec(c) | ModelConfig::Sasrec(c) => c.n_items,
             ModelConfig::Vaecf(c) => c.n_items,
+            ModelConfig::Gru4rec(c) => c.n_items,
+        }
+    }
+
+    /// The most recent history items the model reads (`None`: all of them, as a set).
+    pub fn history_window(&self) -> Option<usize> {
+        match self {
+            ModelConfig::Bert4rec(c) => Some(c.max_len - 1),
+            ModelConfig::Sasrec(c) => Some(c.max_len),
+            ModelConfig::Gru4rec(c) => Some(c.max_len),
+            ModelConfig::Vaecf(_) => None,
         }
     }
 
@@ -97,8 +157,14 @@ impl ModelConfig {
     /// value that contradicts the weights.
     pub fn resolve(kind: ModelKind, json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Self> {
         match kind {
-            ModelKind::Bert4rec => resolve_bert4rec(json, ckpt).map(ModelConfig::Bert4rec),
+            ModelKind::Bert4rec => {
+                resolve_transformer(json, ckpt, ModelKind::Bert4rec).map(ModelConfig::Bert4rec)
+            }
+            ModelKind::Sasrec => {
+                resolve_transformer(json, ckpt, ModelKind::Sasrec).map(ModelConfig::Sasrec)
+            }
             ModelKind::Vaecf => resolve_vaecf(json, ckpt).map(ModelConfig::Vaecf),
+            ModelKind::Gru4rec => resolve_gru4rec(json, ckpt).map(ModelConfig::Gru4rec),
         }
     }
 }
@@ -131,20 +197,42 @@ fn agree(
     }
 }
 
-fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert4RecConfig> {
+/// The item count from the item embedding, which has a PAD row, the items and, for BERT4Rec, a
+/// MASK row: `extra_rows` rows beside the items.
+fn items_of_embedding(
+    json: &Map<String, Value>,
+    ckpt: &Checkpoint,
+    extra_rows: usize,
+) -> Result<(usize, usize)> {
     let emb = ckpt.require_shape("item_embedding.weight")?;
-    if emb.len() != 2 || emb[0] < 3 {
+    let layout = if extra_rows == 2 {
+        "N+2 rows: PAD, items, MASK"
+    } else {
+        "N+1 rows: PAD, then the items"
+    };
+    if emb.len() != 2 || emb[0] < extra_rows + 1 {
         return Err(EngineError::Config(format!(
-            "item_embedding.weight must be [N+2, hidden] with N >= 1, found {emb:?}"
+            "item_embedding.weight must be [{layout}; width] with N >= 1, found {emb:?}"
         )));
     }
-    let (emb_rows, hidden) = (emb[0], emb[1]);
     let n_items = agree(
         "n_items",
         usize_field(json, &["n_real_items", "n_items"])?,
-        emb_rows - 2,
-        "item_embedding.weight (N+2 rows: PAD, items, MASK)",
+        emb[0] - extra_rows,
+        &format!("item_embedding.weight ({layout})"),
     )?;
+    Ok((n_items, emb[1]))
+}
+
+/// BERT4Rec or SASRec (`kind`): the same layers; BERT4Rec's embedding has a MASK row and it has
+/// an output head (`output_ffn`, `output_ln`), SASRec neither.
+fn resolve_transformer(
+    json: &Map<String, Value>,
+    ckpt: &Checkpoint,
+    kind: ModelKind,
+) -> Result<TransformerConfig> {
+    let extra_rows = if kind == ModelKind::Bert4rec { 2 } else { 1 };
+    let (n_items, hidden) = items_of_embedding(json, ckpt, extra_rows)?;
     let hidden_size = agree(
         "hidden_size",
         usize_field(json, &["hidden_size"])?,
@@ -201,7 +289,7 @@ fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert
         )));
     }
     let layer_norm_eps = match json.get("layer_norm_eps") {
-        None => 1e-12, // RecBole's BERT4Rec default
+        None => 1e-12, // RecBole's default for both models
         Some(v) => v
             .as_f64()
             .filter(|e| *e >= 0.0 && e.is_finite())
@@ -215,12 +303,18 @@ fn resolve_bert4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Bert
         if let Some(act) = json.get(key).and_then(Value::as_str) {
             if !act.starts_with("gelu") || act.contains("tanh") {
                 return Err(EngineError::Config(format!(
-                    "{key} = {act:?} is not supported: BERT4Rec here uses the exact (erf) GELU"
+                    "{key} = {act:?} is not supported: {kind} here uses the exact (erf) GELU \
+                     (RecBole's 'gelu')"
                 )));
             }
         }
     }
-    Ok(Bert4RecConfig {
+    if kind == ModelKind::Sasrec && ckpt.shape("output_ffn.weight").is_some() {
+        return Err(EngineError::Config(
+            "the checkpoint has an output head (output_ffn): it is a BERT4Rec, not a SASRec".into(),
+        ));
+    }
+    Ok(TransformerConfig {
         n_items,
         max_len,
         hidden_size,
@@ -298,5 +392,83 @@ fn resolve_vaecf(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<VaeCfCo
         n_items,
         hidden_sizes,
         latent_size,
+    })
+}
+
+fn resolve_gru4rec(json: &Map<String, Value>, ckpt: &Checkpoint) -> Result<Gru4RecConfig> {
+    let (n_items, embedding_size) = items_of_embedding(json, ckpt, 1)?;
+    let embedding_size = agree(
+        "embedding_size",
+        usize_field(json, &["embedding_size"])?,
+        embedding_size,
+        "item_embedding.weight",
+    )?;
+    let hh = ckpt.require_shape("gru_layers.weight_hh_l0")?;
+    if hh.len() != 2 || hh[0] != 3 * hh[1] {
+        return Err(EngineError::Config(format!(
+            "gru_layers.weight_hh_l0 must be [3 x hidden, hidden] (the reset, update and new \
+             gates), found {hh:?}"
+        )));
+    }
+    let hidden_size = agree(
+        "hidden_size",
+        usize_field(json, &["hidden_size"])?,
+        hh[1],
+        "gru_layers.weight_hh_l0",
+    )?;
+    let layers_in_weights = (0..)
+        .take_while(|l| ckpt.shape(&format!("gru_layers.weight_ih_l{l}")).is_some())
+        .count();
+    let num_layers = agree(
+        "num_layers",
+        usize_field(json, &["num_layers"])?,
+        layers_in_weights,
+        "the gru_layers.weight_ih_l* tensors",
+    )?;
+    if num_layers == 0 {
+        return Err(EngineError::MissingTensor {
+            name: "gru_layers.weight_ih_l0".into(),
+        });
+    }
+    for key in ckpt.tensors.keys() {
+        if key.starts_with("gru_layers.") && key.contains("_reverse") {
+            return Err(EngineError::Config(format!(
+                "{key}: a bidirectional GRU is not supported (GRU4Rec reads the history forwards)"
+            )));
+        }
+    }
+    let gru_bias = ckpt.shape("gru_layers.bias_ih_l0").is_some();
+    for l in 0..num_layers {
+        for part in ["bias_ih", "bias_hh"] {
+            let name = format!("gru_layers.{part}_l{l}");
+            if ckpt.shape(&name).is_some() != gru_bias {
+                return Err(EngineError::Config(format!(
+                    "{name} is {}, unlike gru_layers.bias_ih_l0: every GRU layer has both \
+                     biases or none",
+                    if gru_bias { "missing" } else { "present" }
+                )));
+            }
+        }
+    }
+    let max_len = usize_field(json, &["max_seq_length", "MAX_ITEM_LIST_LENGTH", "max_len"])?
+        .ok_or_else(|| {
+            EngineError::Config(
+                "'MAX_ITEM_LIST_LENGTH' (or 'max_seq_length') is required: a GRU's weights do not \
+                 say how many recent items it was trained on"
+                    .into(),
+            )
+        })?;
+    if max_len == 0 {
+        return Err(EngineError::Config(
+            "max_seq_length must be at least 1".into(),
+        ));
+    }
+    Ok(Gru4RecConfig {
+        n_items,
+        max_len,
+        embedding_size,
+        hidden_size,
+        num_layers,
+        gru_bias,
     })
 }

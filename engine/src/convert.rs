@@ -48,22 +48,19 @@ pub enum W8a8Layers {
 
 /// The architecture to convert: the one asked for, checked against a RecBole checkpoint's own
 /// `model` when it names one, or, when none is asked for, that `model` (RecBole's names:
-/// `BERT4Rec`, `MultiVAE`).
+/// `BERT4Rec`, `MultiVAE`, `SASRec`, `GRU4Rec`).
 fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Result<ModelKind> {
     let recorded = ckpt
         .embedded_config
         .as_ref()
         .and_then(|c| c.get("model"))
         .and_then(|m| m.as_str());
-    let of_recbole = |name: &str| match name {
-        "BERT4Rec" => Some(ModelKind::Bert4rec),
-        "MultiVAE" => Some(ModelKind::Vaecf),
-        _ => None,
-    };
+    let of_recbole = ModelKind::of_recbole_class;
     match (asked, recorded) {
         (Some(kind), Some(name)) => match of_recbole(name) {
             Some(recorded_kind) if recorded_kind != kind => Err(EngineError::Config(format!(
-                "{} is a RecBole {name} checkpoint (its config's model), but the conversion asks                  for {kind}: pass --kind {recorded_kind} or leave --kind out",
+                "{} is a RecBole {name} checkpoint (its config's model), but the conversion asks \
+                 for {kind}: pass --kind {recorded_kind} or leave --kind out",
                 path.display()
             ))),
             _ => Ok(kind),
@@ -71,12 +68,14 @@ fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Resul
         (Some(kind), None) => Ok(kind),
         (None, Some(name)) => of_recbole(name).ok_or_else(|| {
             EngineError::Config(format!(
-                "{} is a RecBole {name} checkpoint; recsys converts BERT4Rec and MultiVAE                  (Mult-VAE, VAE-CF)",
+                "{} is a RecBole {name} checkpoint; recsys converts BERT4Rec, \
+                 SASRec, GRU4Rec and MultiVAE (Mult-VAE, VAE-CF)",
                 path.display()
             ))
         }),
         (None, None) => Err(EngineError::Config(format!(
-            "{} does not say which model it holds (only a RecBole checkpoint's config does):              pass --kind bert4rec or --kind vaecf",
+            "{} does not say which model it holds (only a RecBole checkpoint's \
+             config does): pass --kind bert4rec, vaecf, sasrec or gru4rec",
             path.display()
         ))),
     }
@@ -328,4 +327,44 @@ fn quantize(
             serde_json::json!(if static_dense { "static" } else { "dynamic" });
     }
     Ok((raw, Some(quantization), summary))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recbole_checkpoint_of(model: &str) -> Checkpoint {
+        let mut config = serde_json::Map::new();
+        config.insert("model".into(), model.into());
+        Checkpoint {
+            format: crate::import::CheckpointFormat::Recbole,
+            tensors: Default::default(),
+            embedded_config: Some(config),
+            sha256: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_recbole_model_recsys_does_not_run_is_named_with_the_ones_it_does() {
+        let path = Path::new("lightgcn.pth");
+        let err = model_kind(None, &recbole_checkpoint_of("LightGCN"), path)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("RecBole LightGCN checkpoint")
+                && err.contains("BERT4Rec, SASRec, GRU4Rec and MultiVAE"),
+            "{err}"
+        );
+        for kind in ModelKind::ALL {
+            let name = match kind {
+                ModelKind::Bert4rec => "BERT4Rec",
+                ModelKind::Vaecf => "MultiVAE",
+                ModelKind::Sasrec => "SASRec",
+                ModelKind::Gru4rec => "GRU4Rec",
+            };
+            let ckpt = recbole_checkpoint_of(name);
+            assert_eq!(model_kind(None, &ckpt, path).unwrap(), kind);
+            assert_eq!(model_kind(Some(kind), &ckpt, path).unwrap(), kind);
+        }
+    }
 }

@@ -253,6 +253,15 @@ impl Engine {
                 history.unknown
             )));
         }
+        if history.indices.is_empty() && self.kind().needs_history() {
+            return Err(EngineError::InvalidRequest(format!(
+                "ITEM_IDS holds no item known to the model ({} id(s), {} unknown): {} answers \
+                 from the history's last item, so it needs at least one",
+                history.indices.len() + history.unknown,
+                history.unknown,
+                self.kind()
+            )));
+        }
         let exclude = request
             .exclude
             .map(|e| self.ids.map(e).indices)

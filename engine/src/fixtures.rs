@@ -24,6 +24,8 @@ pub fn model_dir(kind: ModelKind) -> PathBuf {
     dir().join(match kind {
         ModelKind::Bert4rec => "bert4rec",
         ModelKind::Vaecf => "multivae",
+        ModelKind::Sasrec => "sasrec",
+        ModelKind::Gru4rec => "gru4rec",
     })
 }
 

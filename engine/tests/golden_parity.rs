@@ -1,4 +1,5 @@
-//! The engine against PyTorch: logits, top-100 and the test-set metrics of both fixture models.
+//! The engine against PyTorch: logits and top-100 of BERT4Rec and Mult-VAE, and the test-set
+//! metrics of all four fixture models (SASRec's and GRU4Rec's top-100: `sequential_parity.rs`).
 
 mod common;
 
@@ -178,6 +179,16 @@ fn bert4rec_eval_reproduces_pytorch_metrics() {
 #[test]
 fn vaecf_eval_reproduces_pytorch_metrics() {
     check_metrics(ModelKind::Vaecf);
+}
+
+#[test]
+fn sasrec_eval_reproduces_recbole_metrics() {
+    check_metrics(ModelKind::Sasrec);
+}
+
+#[test]
+fn gru4rec_eval_reproduces_recbole_metrics() {
+    check_metrics(ModelKind::Gru4rec);
 }
 
 #[test]

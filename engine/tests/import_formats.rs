@@ -411,17 +411,23 @@ fn a_recbole_checkpoint_names_its_own_kind() {
     .unwrap()
     .to_string();
     assert!(
-        err.contains("pass --kind bert4rec or --kind vaecf"),
+        err.contains("pass --kind bert4rec, vaecf, sasrec or gru4rec"),
         "{err}"
     );
-    // A RecBole model recsys does not convert is named.
-    let sasrec = fixtures().join("sasrec").join("recbole_checkpoint.pth");
-    let err = convert_kind(None, &sasrec, &tmp.path().join("e"))
+    // SASRec and GRU4Rec checkpoints name theirs too.
+    for kind in [ModelKind::Sasrec, ModelKind::Gru4rec] {
+        let recbole = model_dir(kind).join("recbole_checkpoint.pth");
+        let engine = convert_kind(None, &recbole, &tmp.path().join(kind.as_str())).unwrap();
+        assert_eq!(engine.kind(), kind);
+    }
+    // A SASRec checkpoint converted as BERT4Rec is refused before its shapes are read.
+    let sasrec = model_dir(ModelKind::Sasrec).join("recbole_checkpoint.pth");
+    let err = convert_kind(Some(ModelKind::Bert4rec), &sasrec, &tmp.path().join("e"))
         .err()
         .unwrap()
         .to_string();
     assert!(
-        err.contains("RecBole SASRec checkpoint") && err.contains("BERT4Rec and MultiVAE"),
+        err.contains("RecBole SASRec checkpoint") && err.contains("--kind sasrec"),
         "{err}"
     );
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use recsys_engine::models::{
-    Bert4Rec, Bert4RecView, DenseLayer, HistoryNote, Model, ModelView, NormView, OutputLayer,
+    DenseLayer, HistoryNote, Model, ModelView, NormView, OutputLayer, Transformer, TransformerView,
     VaeCf, VaeCfView,
 };
 use recsys_engine::tensor::Tensor;
@@ -414,6 +414,13 @@ impl<D: Device> DeviceModel<D> {
         let encoder = match engine.model.view() {
             ModelView::Bert4rec(view) => DeviceEncoder::Bert4rec(Self::bert4rec(&device, &view)?),
             ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),
+            ModelView::Sasrec(_) | ModelView::Gru4rec(_) => {
+                return Err(GpuError::Invalid(format!(
+                    "{} has no GPU kernels yet (causal attention and the GRU step run on the \
+                     CPU only): serve it with KIND_CPU",
+                    engine.kind()
+                )))
+            }
         };
         let OutputLayer { weight, bias } = engine.model.output();
         let activation_scale = engine
@@ -442,8 +449,13 @@ impl<D: Device> DeviceModel<D> {
         })
     }
 
-    fn bert4rec(device: &D, view: &Bert4RecView<'_>) -> Result<DeviceBert4Rec<D>> {
+    fn bert4rec(device: &D, view: &TransformerView<'_>) -> Result<DeviceBert4Rec<D>> {
         let config = view.model.config();
+        let Some(head) = view.head else {
+            return Err(GpuError::Invalid(
+                "a transformer without BERT4Rec's output head".into(),
+            ));
+        };
         let head_dim = config.hidden_size / config.n_heads.max(1);
         if head_dim == 0
             || head_dim > MAX_HEAD_DIM
@@ -476,8 +488,8 @@ impl<D: Device> DeviceModel<D> {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?,
-            head_dense: dense(view.head_dense)?,
-            head_norm: norm(view.head_norm)?,
+            head_dense: dense(head.dense)?,
+            head_norm: norm(head.norm)?,
             hidden: config.hidden_size as u32,
             heads: config.n_heads as u32,
             eps: config.layer_norm_eps,
@@ -518,7 +530,7 @@ impl<D: Device> DeviceModel<D> {
     fn encode_bert4rec(
         &self,
         m: &DeviceBert4Rec<D>,
-        model: &Bert4Rec,
+        model: &Transformer,
         histories: &[&[u32]],
     ) -> Result<(D::F32, Vec<HistoryNote>)> {
         let d = &self.device;

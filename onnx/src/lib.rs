@@ -221,7 +221,15 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
     };
     let mut g = GraphBuilder::new(float);
     let mut model = match &manifest.model {
-        ModelConfig::Bert4rec(c) => models::bert4rec(&mut g, c, &loaded.weights, &scales)?,
+        ModelConfig::Bert4rec(c) => {
+            let kind = models::Transformer::Bert4Rec;
+            models::transformer(&mut g, kind, c, &loaded.weights, &scales)?
+        }
+        ModelConfig::Sasrec(c) => {
+            let kind = models::Transformer::SasRec;
+            models::transformer(&mut g, kind, c, &loaded.weights, &scales)?
+        }
+        ModelConfig::Gru4rec(c) => models::gru4rec(&mut g, c, &loaded.weights, &scales)?,
         ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, &scales, options.dedup)?,
     };
     let n_outputs = model.n_outputs;
@@ -410,10 +418,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         })
         .collect();
 
-    let kind = match &manifest.model {
-        ModelConfig::Bert4rec(_) => "bert4rec",
-        ModelConfig::Vaecf(_) => "vaecf",
-    };
+    let kind = manifest.model.kind().as_str();
     let precision = match manifest.precision {
         Precision::Fp32 => "fp32",
         Precision::Fp16 => "fp16",
@@ -434,7 +439,13 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
     }
     if let ModelConfig::Bert4rec(c) = &manifest.model {
         metadata.push(("recsys.mask_index", (c.n_items + 1).to_string()));
-        metadata.push(("recsys.max_len", c.max_len.to_string()));
+    }
+    match &manifest.model {
+        ModelConfig::Bert4rec(c) | ModelConfig::Sasrec(c) => {
+            metadata.push(("recsys.max_len", c.max_len.to_string()))
+        }
+        ModelConfig::Gru4rec(c) => metadata.push(("recsys.max_len", c.max_len.to_string())),
+        ModelConfig::Vaecf(_) => {}
     }
     let summary = ExportSummary {
         path: PathBuf::new(),

@@ -1,4 +1,4 @@
-//! The two recommenders as ONNX graphs, computing what the engine computes (same weights at the
+//! The recommenders as ONNX graphs, computing what the engine computes (same weights at the
 //! same precision). Both end in the output layer's input (the user's hidden vector) and the output
 //! layer itself, whose bias has PAD (column 0) at -inf, so the shared tail scores the whole
 //! catalogue or just a request's candidates, then applies the caller's exclusions and top-k.
@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 
 use onnx_protobuf as pb;
 use pb::tensor_proto::DataType;
-use recsys_engine::config::{Bert4RecConfig, VaeCfConfig};
+use recsys_engine::config::{Gru4RecConfig, TransformerConfig, VaeCfConfig};
 use recsys_engine::models::vaecf::{layer_shapes, FIRST_LAYER_BY_ITEM};
+use recsys_engine::weights::Matrix;
 use recsys_engine::weights::Weights;
 
 use crate::graph::{value_info, Attr, GraphBuilder, FP32_NORMALIZE_PREFIX};
@@ -117,13 +118,62 @@ fn output_bias(
     Ok(g.init_float(&format!("{name}_pad_excluded"), &[rows], &bias))
 }
 
-pub(crate) fn bert4rec(
+/// Which transformer recommender [`transformer`] builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transformer {
+    /// The history then [MASK], bidirectional attention, the MASK slot's output through the
+    /// head, an output bias.
+    Bert4Rec,
+    /// The history alone, causal attention, the last item's slot, no head and no bias.
+    SasRec,
+}
+
+/// The answer slot of each sequence as a one-hot row, `[B, 1, L]`, in the compute type.
+fn answer_slot(g: &mut GraphBuilder, seq: &str, kind: Transformer, n: usize) -> String {
+    let axes1 = g.init_i64("axes", &[1]);
+    let one_hot = match kind {
+        Transformer::Bert4Rec => {
+            let mask_index = g.scalar_i64("mask_index", n as i64 + 1);
+            let at_mask = g.op("Equal", &[seq, &mask_index], vec![]);
+            g.cast_to_compute(&at_mask)
+        }
+        Transformer::SasRec => {
+            // Histories are left-aligned: the last item is the slot holding an item whose next
+            // slot does not (the last slot's "next" is a PAD appended here).
+            let zero = g.scalar_i64("pad_index", 0);
+            let is_pad = g.op("Equal", &[seq, &zero], vec![]);
+            let is_item = g.op("Not", &[&is_pad], vec![]);
+            let (starts, ends) = (g.init_i64("starts", &[1]), g.init_i64("ends", &[i64::MAX]));
+            let next = g.op("Slice", &[&is_pad, &starts, &ends, &axes1], vec![]);
+            let (s0, s1) = (g.init_i64("starts", &[0]), g.init_i64("ends", &[1]));
+            let first = g.op("Slice", &[&is_pad, &s0, &s1, &axes1], vec![]);
+            let pad_column = g.op("Not", &[&first], vec![]);
+            let pad_column = g.op("Or", &[&pad_column, &first], vec![]);
+            let next_is_pad = g.op(
+                "Concat",
+                &[&next, &pad_column],
+                vec![("axis", Attr::Int(1))],
+            );
+            let last = g.op("And", &[&is_item, &next_is_pad], vec![]);
+            g.cast_to_compute(&last)
+        }
+    };
+    g.op("Unsqueeze", &[&one_hot, &axes1], vec![])
+}
+
+/// BERT4Rec or SASRec (`kind`): the same post-LN layers as the engine runs them.
+pub(crate) fn transformer(
     g: &mut GraphBuilder,
-    c: &Bert4RecConfig,
+    kind: Transformer,
+    c: &TransformerConfig,
     w: &Weights,
     scales: &ActivationScales,
 ) -> Result<ModelGraph> {
     let (h, inner, n, l) = (c.hidden_size, c.inner_size, c.n_items, c.max_len);
+    let table_rows = match kind {
+        Transformer::Bert4Rec => n + 2,
+        Transformer::SasRec => n + 1,
+    };
     let heads = c.n_heads;
     let head_dim = h / heads;
     let eps = c.layer_norm_eps;
@@ -132,7 +182,7 @@ pub(crate) fn bert4rec(
 
     // One table for the embedding Gather and the tied output Gemm (each reads its
     // DequantizeLinear directly when int8).
-    let table = w.matrix("item_embedding.weight", [n + 2, h])?;
+    let table = w.matrix("item_embedding.weight", [table_rows, h])?;
     let table = g.weight("item_embedding.weight", &table);
     let tokens = g.op("Gather", &[&table, seq], vec![("axis", Attr::Int(0))]);
     let pos = w.tensor("position_embedding.weight", &[l, h])?;
@@ -154,12 +204,18 @@ pub(crate) fn bert4rec(
     let axes12 = g.init_i64("axes", &[1, 2]);
     let key_mask = g.op("Unsqueeze", &[&key_mask, &axes12], vec![]);
 
-    // One-hot of the MASK slot, [B, 1, L]: selects the row the answer is read from.
-    let mask_index = g.scalar_i64("mask_index", n as i64 + 1);
-    let at_mask = g.op("Equal", &[seq, &mask_index], vec![]);
-    let at_mask = g.cast_to_compute(&at_mask);
-    let axes1 = g.init_i64("axes", &[1]);
-    let select_mask = g.op("Unsqueeze", &[&at_mask, &axes1], vec![]);
+    // SASRec's causal mask, [1, 1, L, L]: -10000 on keys after the query's slot (only the
+    // layers before the last need it: the last one's query is the last item, after which every
+    // key is PAD).
+    let causal_mask = (kind == Transformer::SasRec).then(|| {
+        let values: Vec<f32> = (0..l * l)
+            .map(|i| if i % l > i / l { -10000.0 } else { 0.0 })
+            .collect();
+        g.init_float("causal_mask", &[1, 1, l, l], &values)
+    });
+
+    // One-hot of the answer slot, [B, 1, L]: selects the row the answer is read from.
+    let select_mask = answer_slot(g, seq, kind, n);
 
     let split_heads = g.init_i64("split_heads", &[0, 0, heads as i64, head_dim as i64]);
     let merge_heads = g.init_i64("merge_heads", &[0, 0, h as i64]);
@@ -175,9 +231,11 @@ pub(crate) fn bert4rec(
     for layer in 0..c.n_layers {
         let p = format!("trm_encoder.layer.{layer}");
         let a = format!("{p}.multi_head_attention");
-        // Only the MASK row is read after the last layer, so its queries, attention output and
-        // feed-forward run for that row alone (as in the engine); keys and values see every slot.
-        let x_q = if layer + 1 == c.n_layers {
+        // Only the answer row is read after the last layer, so its queries, attention output
+        // and feed-forward run for that row alone (as in the engine); keys and values see every
+        // slot.
+        let last_layer = layer + 1 == c.n_layers;
+        let x_q = if last_layer {
             g.op("MatMul", &[&select_mask, &x], vec![])
         } else {
             x.clone()
@@ -206,6 +264,10 @@ pub(crate) fn bert4rec(
         let scores = g.op("MatMul", &[&q, &k], vec![]);
         let scores = g.op("Div", &[&scores, &sqrt_d], vec![]);
         let scores = g.op("Add", &[&scores, &key_mask], vec![]);
+        let scores = match &causal_mask {
+            Some(mask) if !last_layer => g.op("Add", &[&scores, mask], vec![]),
+            _ => scores,
+        };
         let probs = g.softmax(&scores);
         let ctx = g.op("MatMul", &[&probs, &v], vec![]);
         let ctx = g.op(
@@ -228,35 +290,165 @@ pub(crate) fn bert4rec(
         x = g.op("MatMul", &[&select_mask, &x], vec![]);
     }
     let flat = g.init_i64("rows", &[-1, h as i64]);
-    let head = g.op("Reshape", &[&x, &flat], vec![]);
-    let head = dense(g, &head, "output_ffn", h, h)?;
-    let head = g.gelu(&head);
-    let head = ln(g, &head, "output_ln")?;
+    let mut hidden = g.op("Reshape", &[&x, &flat], vec![]);
+    if kind == Transformer::Bert4Rec {
+        hidden = dense(g, &hidden, "output_ffn", h, h)?;
+        hidden = g.gelu(&hidden);
+        hidden = ln(g, &hidden, "output_ln")?;
+    }
 
-    // Tied output layer: the whole table (N+2 rows); the MASK row's logit (bias -inf) is sliced
-    // off the Gemm's result.
-    let bias = output_bias(g, w, "output_bias", n + 1, n + 2)?;
+    // Tied output layer: the whole table; BERT4Rec's MASK row's logit (bias -inf) is sliced off
+    // the Gemm's result.
+    let bias = match kind {
+        Transformer::Bert4Rec => output_bias(g, w, "output_bias", n + 1, n + 2)?,
+        Transformer::SasRec => no_output_bias(g, n + 1),
+    };
     debug_assert_eq!(float, g.float);
 
+    let meaning = match kind {
+        Transformer::Bert4Rec => format!(
+            "internal item indices (1..={n}): the history's last {} items oldest first, then the \
+             MASK index {}, right-padded with 0 to {l} slots",
+            l - 1,
+            n + 1
+        ),
+        Transformer::SasRec => format!(
+            "internal item indices (1..={n}): the history's last {l} items oldest first (at least \
+             one), right-padded with 0 to {l} slots"
+        ),
+    };
+    let inputs = vec![value_info(
+        seq,
+        DataType::INT64,
+        &[None, Some(l)],
+        &["batch"],
+        &meaning,
+    )];
+    Ok(ModelGraph {
+        inputs,
+        hidden,
+        hidden_size: h,
+        out_weight: table,
+        out_bias: bias,
+        out_rows: table_rows,
+        n_outputs: n + 1,
+    })
+}
+
+/// A zero output bias over `rows` outputs with PAD (index 0) at -inf: the models whose scores
+/// are the bare dot product (SASRec, GRU4Rec).
+fn no_output_bias(g: &mut GraphBuilder, rows: usize) -> String {
+    let mut bias = vec![0.0; rows];
+    bias[0] = f32::NEG_INFINITY;
+    g.init_float("output_bias_pad_excluded", &[rows], &bias)
+}
+
+/// The rows of a `[3 x hidden, width]` GRU weight (or `[3 x hidden]` bias, `width` 1) in ONNX's
+/// gate order (update, reset, new) from PyTorch's (reset, update, new), dequantized to f32.
+fn onnx_gate_order(m: &Matrix, hidden: usize) -> Vec<f32> {
+    let width = m.cols();
+    let mut out = vec![0f32; 3 * hidden * width];
+    for (to, from) in [(0, 1), (1, 0), (2, 2)] {
+        for r in 0..hidden {
+            let row = &mut out[(to * hidden + r) * width..(to * hidden + r + 1) * width];
+            m.add_row_into(from * hidden + r, row);
+        }
+    }
+    out
+}
+
+/// GRU4Rec: item embedding, ONNX `GRU` layers (`linear_before_reset = 1`, PyTorch's form of the
+/// new gate), the dense layer, scores against the item embedding. The GRU runs over all L slots
+/// without `sequence_lens` (padding comes after each history's items, so the output at its last
+/// item is unaffected) and the answer is read at the last item's slot.
+pub(crate) fn gru4rec(
+    g: &mut GraphBuilder,
+    c: &Gru4RecConfig,
+    w: &Weights,
+    scales: &ActivationScales,
+) -> Result<ModelGraph> {
+    let (e, h, n, l) = (c.embedding_size, c.hidden_size, c.n_items, c.max_len);
+    let seq = "item_seq";
+    let table = w.matrix("item_embedding.weight", [n + 1, e])?;
+    let table = g.weight("item_embedding.weight", &table);
+    let tokens = g.op("Gather", &[&table, seq], vec![("axis", Attr::Int(0))]);
+    // [B, L, E] -> [L, B, E]: the GRU's default layout is time first.
+    let mut x = g.op(
+        "Transpose",
+        &[&tokens],
+        vec![("perm", Attr::Ints(vec![1, 0, 2]))],
+    );
+    let axes1 = g.init_i64("axes", &[1]);
+    for layer in 0..c.num_layers {
+        let input = if layer == 0 { e } else { h };
+        let weight = |name: &str, cols: usize| -> Result<Vec<f32>> {
+            Ok(onnx_gate_order(&w.matrix(name, [3 * h, cols])?, h))
+        };
+        let bias = |name: &str| -> Result<Matrix> {
+            let t = w.tensor(name, &[3 * h])?;
+            Ok(Matrix::F32(recsys_engine::tensor::Tensor::from_vec(
+                vec![3 * h, 1],
+                t.as_slice().to_vec(),
+            )))
+        };
+        let p = format!("gru_layers.l{layer}");
+        let wi = weight(&format!("gru_layers.weight_ih_l{layer}"), input)?;
+        let wi = g.init_float(&format!("{p}.W"), &[1, 3 * h, input], &wi);
+        let wh = weight(&format!("gru_layers.weight_hh_l{layer}"), h)?;
+        let wh = g.init_float(&format!("{p}.R"), &[1, 3 * h, h], &wh);
+        let mut b = onnx_gate_order(&bias(&format!("gru_layers.bias_ih_l{layer}"))?, h);
+        b.extend(onnx_gate_order(
+            &bias(&format!("gru_layers.bias_hh_l{layer}"))?,
+            h,
+        ));
+        let b = g.init_float(&format!("{p}.B"), &[1, 6 * h], &b);
+        // All-layer W8A8 quantizes the input side at its static scale; the recurrent state stays
+        // float (the GRU operator has no quantized form).
+        if let Some(scale) = scales.dense(&format!("gru_layers.weight_ih_l{layer}")) {
+            x = g.fake_quantize(&x, &format!("{p}.input"), scale);
+        }
+        let y = g.op(
+            "GRU",
+            &[&x, &wi, &wh, &b],
+            vec![
+                ("hidden_size", Attr::Int(h as i64)),
+                ("linear_before_reset", Attr::Int(1)),
+            ],
+        );
+        // Y is [L, directions = 1, B, H].
+        x = g.op("Squeeze", &[&y, &axes1], vec![]);
+    }
+    // [L, B, H] -> [B, L, H], then the last item's row.
+    let by_history = g.op(
+        "Transpose",
+        &[&x],
+        vec![("perm", Attr::Ints(vec![1, 0, 2]))],
+    );
+    let select = answer_slot(g, seq, Transformer::SasRec, n);
+    let last = g.op("MatMul", &[&select, &by_history], vec![]);
+    let flat = g.init_i64("rows", &[-1, h as i64]);
+    let last = g.op("Reshape", &[&last, &flat], vec![]);
+    let weight = w.matrix("dense.weight", [e, h])?;
+    let bias = w.tensor("dense.bias", &[e])?;
+    let hidden = g.linear(&last, "dense", &weight, &bias, scales.dense("dense"));
+    let out_bias = no_output_bias(g, n + 1);
     let inputs = vec![value_info(
         seq,
         DataType::INT64,
         &[None, Some(l)],
         &["batch"],
         &format!(
-            "internal item indices (1..={n}): the history's last {} items oldest first, then the \
-             MASK index {}, right-padded with 0 to {l} slots",
-            l - 1,
-            n + 1
+            "internal item indices (1..={n}): the history's last {l} items oldest first (at least \
+             one), right-padded with 0 to {l} slots"
         ),
     )];
     Ok(ModelGraph {
         inputs,
-        hidden: head,
-        hidden_size: h,
+        hidden,
+        hidden_size: e,
         out_weight: table,
-        out_bias: bias,
-        out_rows: n + 2,
+        out_bias,
+        out_rows: n + 1,
         n_outputs: n + 1,
     })
 }

@@ -42,13 +42,18 @@ USERS = 500
 # Measured (500 users): fp16 0.997-0.999, int8-wo 1.0, int8-w8a8 0.980-0.988, int8-w8a8-all 1.0.
 MIN_TOP10_OVERLAP = {"fp16": 0.99, "int8-wo": 0.98, "int8-w8a8": 0.97, "int8-w8a8-all": 0.995}
 # Dense layers whose inputs an all-layer W8A8 graph quantizes: BERT4Rec 2 x 6 + the head, Mult-VAE
-# the mu layer and the decoder's hidden layer (the first layer is a gather-sum).
-DENSE_LAYERS = {"bert4rec": 13, "vaecf": 2}
+# the mu layer and the decoder's hidden layer (the first layer is a gather-sum), SASRec 2 x 6,
+# GRU4Rec the GRU's input side and the dense layer (the GRU operator keeps its state float).
+DENSE_LAYERS = {"bert4rec": 13, "vaecf": 2, "sasrec": 12, "gru4rec": 2}
 
 MODELS = {
     "bert4rec": ("bert4rec", "bert4rec", "model.safetensors"),
     "vaecf": ("vaecf", "multivae", "model.safetensors"),
+    "sasrec": ("sasrec", "sasrec", "model.safetensors"),
+    "gru4rec": ("gru4rec", "gru4rec", "model.safetensors"),
 }
+# The models that read an ordered history (`item_seq`) rather than a set of items (`items`).
+SEQUENTIAL = ("bert4rec", "sasrec", "gru4rec")
 PRECISIONS = {
     "fp32": ["--precision", "fp32"],
     "fp16": ["--precision", "fp16"],
@@ -128,6 +133,13 @@ def graph_inputs(model: str, engine: Path, histories: list[list[int]]) -> dict[s
             seq[i, : len(tail)] = tail
             seq[i, len(tail)] = mask
         return {"item_seq": seq, "exclude_ids": exclude}
+    if model in ("sasrec", "gru4rec"):
+        length = json.loads((engine / "manifest.json").read_text())["model"]["max_len"]
+        seq = np.zeros((len(mapped), length), dtype=np.int64)
+        for i, h in enumerate(mapped):
+            tail = h[-length:]
+            seq[i, : len(tail)] = tail
+        return {"item_seq": seq, "exclude_ids": exclude}
     return {"items": exclude.copy(), "exclude_ids": exclude}
 
 
@@ -157,7 +169,7 @@ def test_export_is_valid_onnx_with_the_documented_interface(exports, model, prec
     onnx.checker.check_model(proto, full_check=True)
     assert proto.opset_import[0].version >= 17
     names = [i.name for i in proto.graph.input]
-    assert names == (["item_seq", "exclude_ids"] if model == "bert4rec" else ["items", "exclude_ids"])
+    assert names == (["item_seq", "exclude_ids"] if model in SEQUENTIAL else ["items", "exclude_ids"])
     assert [o.name for o in proto.graph.output] == ["topk_scores", "topk_items"]
     ops = [n.op_type for n in proto.graph.node]
     init_types = {t.data_type for t in proto.graph.initializer}
@@ -219,6 +231,29 @@ def test_fp32_scores_match_pytorch(recsys_bin, exports, tmp_path, model, fixture
     diff = np.abs(scores[:, 1:] - golden["logits_f32"][:, 1:]).max()
     print(f"{model}: max |ONNX fp32 - PyTorch f32| over {len(scores)} golden cases = {diff:.2e}")
     assert diff <= LOGIT_ABS_TOL
+
+
+@pytest.mark.parametrize("model", ["sasrec", "gru4rec"])
+def test_fp32_top100_matches_recbole(recsys_bin, exports, tmp_path, model):
+    """RecBole's own SASRec and GRU4Rec gave the fixtures' golden top-100 (with scores): the fp32
+    graph ranks the same items with the same scores."""
+    engine, onnx_file, _ = exports[(model, "fp32")]
+    cases = [c for c in json.loads((FIXTURES / model / "golden.json").read_text())["cases"] if c["topk"]]
+    ext = {idx: e for e, idx in item_index(engine).items()}
+    histories = [[ext[i] for i in c["effective_history_internal"]] for c in cases]
+    scores, items = run_graph(onnx_file, graph_inputs(model, engine, histories))
+    max_diff = 0.0
+    for i, case in enumerate(cases):
+        want = case["topk"]
+        want_scores = np.array([w["score"] for w in want], dtype=np.float64)
+        max_diff = max(max_diff, float(np.abs(scores[i] - want_scores).max()))
+        for r, (got, w) in enumerate(zip(items[i], want)):
+            if int(got) != w["internal"]:
+                # Only where RecBole's own scores tie within the tolerance.
+                assert abs(want_scores[r] - next(x["score"] for x in want if x["internal"] == int(got))) \
+                    <= LOGIT_ABS_TOL, (case["case"], r)
+    print(f"{model}: max |ONNX fp32 - RecBole| over the top-100 of {len(cases)} golden cases = {max_diff:.2e}")
+    assert max_diff <= LOGIT_ABS_TOL
 
 
 @pytest.mark.parametrize("model", MODELS)

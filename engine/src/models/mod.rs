@@ -2,7 +2,8 @@
 //! per history; an [`OutputLayer`] then scores every item from it. Splitting there lets the scoring
 //! and top-k step, which dominates the cost, be shared (and fused) across models.
 
-pub mod bert4rec;
+pub mod gru4rec;
+pub mod transformer;
 pub mod vaecf;
 
 use crate::config::ModelConfig;
@@ -11,16 +12,18 @@ use crate::import::Checkpoint;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-pub use bert4rec::{Bert4Rec, Bert4RecScratch};
+pub use gru4rec::{Gru4Rec, Gru4RecScratch};
+pub use transformer::{Flavor, Transformer, TransformerScratch};
 pub use vaecf::{VaeCf, VaeCfScratch};
 
-/// The buffers an encoder pass works in, for either model, kept from batch to batch by whoever
+/// The buffers an encoder pass works in, for any model, kept from batch to batch by whoever
 /// runs batches (the engine keeps one per thread): [`Model::encode_into`] then allocates nothing
 /// once they have grown to the largest batch seen.
 #[derive(Debug, Default)]
 pub struct EncodeScratch {
-    bert4rec: Bert4RecScratch,
+    transformer: TransformerScratch,
     vaecf: VaeCfScratch,
+    gru4rec: Gru4RecScratch,
 }
 
 /// `scores = hidden @ weight^T + bias` over all N+1 outputs (index 0 is PAD); the engine packs it
@@ -162,7 +165,7 @@ pub struct NormView<'a> {
     pub beta: &'a Tensor,
 }
 
-/// One post-LN transformer layer of BERT4Rec.
+/// One post-LN transformer layer (BERT4Rec's and SASRec's).
 #[derive(Clone, Copy, Debug)]
 pub struct TransformerLayerView<'a> {
     pub query: &'a DenseLayer,
@@ -175,16 +178,43 @@ pub struct TransformerLayerView<'a> {
     pub ffn_norm: NormView<'a>,
 }
 
-/// Every tensor BERT4Rec runs with, by role; [`Bert4Rec::model_input`] gives its tokens.
+/// BERT4Rec's output head, `LayerNorm(gelu(dense(h)))`.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadView<'a> {
+    pub dense: &'a DenseLayer,
+    pub norm: NormView<'a>,
+}
+
+/// Every tensor a transformer recommender runs with, by role; [`Transformer::model_input`] gives
+/// its tokens.
 #[derive(Clone, Debug)]
-pub struct Bert4RecView<'a> {
-    pub model: &'a Bert4Rec,
+pub struct TransformerView<'a> {
+    pub model: &'a Transformer,
+    /// SASRec: each slot attends to itself and the slots before it (BERT4Rec: to every slot).
+    pub causal: bool,
     pub item_embedding: &'a Matrix,
     pub position_embedding: &'a Tensor,
     pub embedding_norm: NormView<'a>,
     pub layers: Vec<TransformerLayerView<'a>>,
-    pub head_dense: &'a DenseLayer,
-    pub head_norm: NormView<'a>,
+    /// BERT4Rec only.
+    pub head: Option<HeadView<'a>>,
+}
+
+/// One GRU layer: `x W_ih^T + b_ih` and `h W_hh^T + b_hh`, gates in PyTorch's order (reset,
+/// update, new).
+#[derive(Clone, Copy, Debug)]
+pub struct GruLayerView<'a> {
+    pub input: &'a DenseLayer,
+    pub recurrent: &'a DenseLayer,
+}
+
+/// Every tensor GRU4Rec runs with, by role; [`Gru4Rec::model_input`] gives its items.
+#[derive(Clone, Debug)]
+pub struct Gru4RecView<'a> {
+    pub model: &'a Gru4Rec,
+    pub item_embedding: &'a Matrix,
+    pub layers: Vec<GruLayerView<'a>>,
+    pub dense: &'a DenseLayer,
 }
 
 /// Every tensor Mult-VAE runs with, by role; [`VaeCf::model_input`] gives its items.
@@ -202,8 +232,10 @@ pub struct VaeCfView<'a> {
 
 #[derive(Clone, Debug)]
 pub enum ModelView<'a> {
-    Bert4rec(Bert4RecView<'a>),
+    Bert4rec(TransformerView<'a>),
     Vaecf(VaeCfView<'a>),
+    Sasrec(TransformerView<'a>),
+    Gru4rec(Gru4RecView<'a>),
 }
 
 pub use crate::tensor::{take, TensorMap};
@@ -211,8 +243,10 @@ pub use crate::tensor::{take, TensorMap};
 /// A model ready to run.
 #[derive(Clone, Debug)]
 pub enum Model {
-    Bert4rec(Box<Bert4Rec>),
+    Bert4rec(Box<Transformer>),
     Vaecf(Box<VaeCf>),
+    Sasrec(Box<Transformer>),
+    Gru4rec(Box<Gru4Rec>),
 }
 
 /// What a model reports about one history besides its hidden vector.
@@ -225,6 +259,19 @@ pub struct HistoryNote {
     pub screen_survivors: Option<u32>,
 }
 
+/// A sequential model's window on a history: its last `keep` items, and whether older ones were
+/// left out.
+fn most_recent(history: &[u32], keep: usize) -> (&[u32], HistoryNote) {
+    let start = history.len().saturating_sub(keep);
+    (
+        &history[start..],
+        HistoryNote {
+            truncated: start > 0,
+            ..Default::default()
+        },
+    )
+}
+
 impl Model {
     /// Picks, checks and re-lays-out the checkpoint tensors the model needs, under engine names.
     pub fn engine_tensors(
@@ -232,26 +279,40 @@ impl Model {
         ckpt: &Checkpoint,
     ) -> Result<Vec<(String, Tensor)>> {
         match config {
-            ModelConfig::Bert4rec(c) => bert4rec::engine_tensors(c, ckpt),
+            ModelConfig::Bert4rec(c) => transformer::engine_tensors(Flavor::Bert4Rec, c, ckpt),
+            ModelConfig::Sasrec(c) => transformer::engine_tensors(Flavor::SasRec, c, ckpt),
             ModelConfig::Vaecf(c) => vaecf::engine_tensors(c, ckpt),
+            ModelConfig::Gru4rec(c) => gru4rec::engine_tensors(c, ckpt),
         }
     }
 
     /// The 2-D weights that `--precision fp16|int8` stores at that precision.
     pub fn quantizable(config: &ModelConfig) -> Vec<String> {
         match config {
-            ModelConfig::Bert4rec(c) => bert4rec::quantizable(c),
+            ModelConfig::Bert4rec(c) => transformer::quantizable(Flavor::Bert4Rec, c),
+            ModelConfig::Sasrec(c) => transformer::quantizable(Flavor::SasRec, c),
             ModelConfig::Vaecf(c) => vaecf::quantizable(c),
+            ModelConfig::Gru4rec(c) => gru4rec::quantizable(c),
         }
     }
 
     pub fn from_tensors(config: &ModelConfig, tensors: &Weights) -> Result<Model> {
         Ok(match config {
-            ModelConfig::Bert4rec(c) => {
-                Model::Bert4rec(Box::new(Bert4Rec::from_tensors(c.clone(), tensors)?))
-            }
+            ModelConfig::Bert4rec(c) => Model::Bert4rec(Box::new(Transformer::from_tensors(
+                Flavor::Bert4Rec,
+                c.clone(),
+                tensors,
+            )?)),
+            ModelConfig::Sasrec(c) => Model::Sasrec(Box::new(Transformer::from_tensors(
+                Flavor::SasRec,
+                c.clone(),
+                tensors,
+            )?)),
             ModelConfig::Vaecf(c) => {
                 Model::Vaecf(Box::new(VaeCf::from_tensors(c.clone(), tensors)?))
+            }
+            ModelConfig::Gru4rec(c) => {
+                Model::Gru4rec(Box::new(Gru4Rec::from_tensors(c.clone(), tensors)?))
             }
         })
     }
@@ -267,10 +328,10 @@ impl Model {
         histories: &[&[u32]],
         observe: ActivationObserver<'_>,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
-        match self {
-            Model::Bert4rec(m) => m.encode_observed(histories, observe),
-            Model::Vaecf(m) => m.encode_observed(histories, observe),
-        }
+        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+        let mut scratch = EncodeScratch::default();
+        self.encode_in(histories, &mut scratch, &mut hidden, &mut notes, 1, observe);
+        (hidden, notes)
     }
 
     /// [`Model::encode`] into `hidden` (`[B, d]`) and `notes` (one per history), replacing what
@@ -299,11 +360,23 @@ impl Model {
         threads: usize,
     ) {
         let observe = &mut |_: &str, _: &[f32]| {};
-        let threads = threads.max(1);
+        self.encode_in(histories, scratch, hidden, notes, threads.max(1), observe)
+    }
+
+    /// The one place a batch is dispatched to its model's encoder.
+    fn encode_in(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut EncodeScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+        observe: ActivationObserver<'_>,
+    ) {
         match self {
-            Model::Bert4rec(m) => m.encode_into(
+            Model::Bert4rec(m) | Model::Sasrec(m) => m.encode_into(
                 histories,
-                &mut scratch.bert4rec,
+                &mut scratch.transformer,
                 hidden,
                 notes,
                 threads,
@@ -317,14 +390,23 @@ impl Model {
                 threads,
                 observe,
             ),
+            Model::Gru4rec(m) => m.encode_into(
+                histories,
+                &mut scratch.gru4rec,
+                hidden,
+                notes,
+                threads,
+                observe,
+            ),
         }
     }
 
     /// The dense layers (not the output layer), in the order they run.
     pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
         match self {
-            Model::Bert4rec(m) => m.dense_layers_mut(),
+            Model::Bert4rec(m) | Model::Sasrec(m) => m.dense_layers_mut(),
             Model::Vaecf(m) => m.dense_layers_mut(),
+            Model::Gru4rec(m) => m.dense_layers_mut(),
         }
     }
 
@@ -334,7 +416,14 @@ impl Model {
         &mut self,
         scales: &std::collections::BTreeMap<String, f32>,
     ) -> Result<()> {
-        for layer in self.dense_layers_mut() {
+        let is_gru = matches!(self, Model::Gru4rec(_));
+        let mut layers = self.dense_layers_mut();
+        if is_gru {
+            // The recurrent state stays float: an explicit-quantization graph's GRU operator has
+            // no quantized form, and all-layer W8A8 computes what that graph computes.
+            layers.retain(|layer| !layer.name().starts_with(gru4rec::RECURRENT_PREFIX));
+        }
+        for layer in layers {
             let scale = scales.get(layer.name()).copied().ok_or_else(|| {
                 crate::error::EngineError::Config(format!(
                     "no static activation scale for dense layer {}",
@@ -343,8 +432,8 @@ impl Model {
             })?;
             layer.set_static_activation_scale(scale)?;
         }
-        // BERT4Rec runs its projections as one packed layer, which takes the scales too.
-        if let Model::Bert4rec(m) = self {
+        // A transformer runs its projections as one packed layer, which takes the scales too.
+        if let Model::Bert4rec(m) | Model::Sasrec(m) = self {
             m.repack_projections()?;
         }
         Ok(())
@@ -353,16 +442,18 @@ impl Model {
     /// Runs the dense layers on `kernels` (the engine's single dispatch point calls this at load).
     pub fn set_kernels(&mut self, kernels: &'static crate::kernels::KernelTable) {
         match self {
-            Model::Bert4rec(m) => m.set_kernels(kernels),
+            Model::Bert4rec(m) | Model::Sasrec(m) => m.set_kernels(kernels),
             Model::Vaecf(m) => m.set_kernels(kernels),
+            Model::Gru4rec(m) => m.set_kernels(kernels),
         }
     }
 
     /// Bytes of the packed copies of the dense layers (held in memory next to the mapped file).
     pub fn packed_bytes(&self) -> usize {
         match self {
-            Model::Bert4rec(m) => m.packed_bytes(),
+            Model::Bert4rec(m) | Model::Sasrec(m) => m.packed_bytes(),
             Model::Vaecf(m) => m.packed_bytes(),
+            Model::Gru4rec(m) => m.packed_bytes(),
         }
     }
 
@@ -370,14 +461,17 @@ impl Model {
     pub fn view(&self) -> ModelView<'_> {
         match self {
             Model::Bert4rec(m) => ModelView::Bert4rec(m.view()),
+            Model::Sasrec(m) => ModelView::Sasrec(m.view()),
             Model::Vaecf(m) => ModelView::Vaecf(m.view()),
+            Model::Gru4rec(m) => ModelView::Gru4rec(m.view()),
         }
     }
 
     pub fn output(&self) -> &OutputLayer {
         match self {
-            Model::Bert4rec(m) => &m.output,
+            Model::Bert4rec(m) | Model::Sasrec(m) => &m.output,
             Model::Vaecf(m) => &m.output,
+            Model::Gru4rec(m) => &m.output,
         }
     }
 }

@@ -183,11 +183,6 @@ impl VaeCf {
         items.dedup();
     }
 
-    /// Decoder activations before the output layer, `[B, hidden_0]`.
-    pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
-        self.encode_observed(histories, &mut |_, _| {})
-    }
-
     /// The dense layers after the first (a gather-sum), in the order they run.
     pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
         self.encoder_rest
@@ -196,19 +191,7 @@ impl VaeCf {
             .collect()
     }
 
-    /// [`VaeCf::encode`], showing every dense layer's input to `observe`.
-    pub fn encode_observed(
-        &self,
-        histories: &[&[u32]],
-        observe: ActivationObserver<'_>,
-    ) -> (Vec<f32>, Vec<HistoryNote>) {
-        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
-        let mut scratch = VaeCfScratch::default();
-        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, 1, observe);
-        (hidden, notes)
-    }
-
-    /// [`VaeCf::encode_observed`] into `hidden` and `notes` (replacing what they held), working in
+    /// The hidden vectors of `histories` into `hidden` and `notes` (replacing what they held), working in
     /// `scratch`, the dense layers' rows split over up to `threads` threads: once the buffers have
     /// grown to a batch's size, batches no larger allocate nothing (on one thread).
     pub fn encode_into(

@@ -1,12 +1,21 @@
-//! BERT4Rec as RecBole 1.2.1 runs it in eval mode.
+//! The transformer recommenders as RecBole 1.2.1 runs them in eval mode: BERT4Rec and SASRec,
+//! which share their post-LN layers.
 //!
-//! The request's last L-1 items get a [MASK] appended; the model's answer is the output at the MASK
-//! slot. Sequences are run unpadded: RecBole's padded keys get -10000 before the softmax, which is
-//! exactly 0 after it, so leaving them out changes nothing. Tokens of all histories in a batch are
-//! stacked for the dense layers; attention stays within each history.
+//! BERT4Rec: the request's last L-1 items get a [MASK] appended, every slot attends to every slot,
+//! and the answer is the MASK slot's output after a head (dense, GELU, LayerNorm), scored against
+//! the item embedding plus an output bias. SASRec: the last L items, each slot attends to itself
+//! and the slots before it (causal), and the answer is the last slot's output, scored against the
+//! item embedding with no bias.
+//!
+//! Sequences are run unpadded: RecBole's padded keys get -10000 before the softmax, which is
+//! exactly 0 after it, so leaving them out changes nothing (SASRec's histories are left-aligned,
+//! so its causal mask never reaches a padded slot either). Tokens of all histories in a batch are
+//! stacked for the dense layers; attention stays within each history. Only the answer slot's
+//! output is used, so the last layer computes queries, attention and the feed-forward for that
+//! one row per history.
 
 use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
-use crate::config::Bert4RecConfig;
+use crate::config::{ModelKind, TransformerConfig};
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::packed::{self, LayerRef, PackedOutput, PanelRef, QuantizedActivations};
@@ -183,44 +192,94 @@ struct TransformerLayer {
     ffn_ln: LayerNorm,
 }
 
+/// Which of RecBole's transformer recommenders a [`Transformer`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// Bidirectional attention over the history and a trailing [MASK]; an output head and bias.
+    Bert4Rec,
+    /// Causal attention over the history; the last slot's output is the answer.
+    SasRec,
+}
+
+impl Flavor {
+    pub fn of(kind: ModelKind) -> Flavor {
+        match kind {
+            ModelKind::Sasrec => Flavor::SasRec,
+            _ => Flavor::Bert4Rec,
+        }
+    }
+
+    /// Items kept from a history: BERT4Rec's last slot is its MASK.
+    fn items_kept(self, max_len: usize) -> usize {
+        match self {
+            Flavor::Bert4Rec => max_len - 1,
+            Flavor::SasRec => max_len,
+        }
+    }
+
+    /// Rows of the item embedding beside the N items: PAD, and BERT4Rec's MASK.
+    fn extra_embedding_rows(self) -> usize {
+        match self {
+            Flavor::Bert4Rec => 2,
+            Flavor::SasRec => 1,
+        }
+    }
+}
+
+/// BERT4Rec's output head: `LayerNorm(gelu(dense(h)))`.
 #[derive(Clone, Debug)]
-pub struct Bert4Rec {
-    config: Bert4RecConfig,
+struct Head {
+    dense: Dense,
+    norm: LayerNorm,
+}
+
+#[derive(Clone, Debug)]
+pub struct Transformer {
+    flavor: Flavor,
+    config: TransformerConfig,
     item_embedding: Matrix,
     position_embedding: Tensor,
     embedding_ln: LayerNorm,
     layers: Vec<TransformerLayer>,
-    head_dense: Dense,
-    head_ln: LayerNorm,
-    /// Tied to `item_embedding` rows 0..=N (the MASK row has no output).
+    /// BERT4Rec only.
+    head: Option<Head>,
+    /// Tied to `item_embedding` rows 0..=N (BERT4Rec's MASK row has no output); SASRec's bias is
+    /// zero.
     pub output: OutputLayer,
     kernels: &'static KernelTable,
 }
 
 /// The 2-D weights a reduced precision applies to: the item embedding (and so the tied output
 /// layer) and every dense layer. The position embedding, biases and norms stay fp32.
-pub(super) fn quantizable(c: &Bert4RecConfig) -> Vec<String> {
-    tensor_shapes(c)
+pub(super) fn quantizable(flavor: Flavor, c: &TransformerConfig) -> Vec<String> {
+    tensor_shapes(flavor, c)
         .into_iter()
         .filter(|(name, shape)| shape.len() == 2 && name != "position_embedding.weight")
         .map(|(name, _)| name)
         .collect()
 }
 
-/// The state-dict names, with their shapes, that BERT4Rec reads.
-fn tensor_shapes(c: &Bert4RecConfig) -> Vec<(String, Vec<usize>)> {
+/// The state-dict names, with their shapes, that the model reads.
+fn tensor_shapes(flavor: Flavor, c: &TransformerConfig) -> Vec<(String, Vec<usize>)> {
     let (h, i, n) = (c.hidden_size, c.inner_size, c.n_items);
     let mut shapes = vec![
-        ("output_bias".to_string(), vec![n + 1]),
-        ("item_embedding.weight".into(), vec![n + 2, h]),
+        (
+            "item_embedding.weight".to_string(),
+            vec![n + flavor.extra_embedding_rows(), h],
+        ),
         ("position_embedding.weight".into(), vec![c.max_len, h]),
         ("LayerNorm.weight".into(), vec![h]),
         ("LayerNorm.bias".into(), vec![h]),
-        ("output_ffn.weight".into(), vec![h, h]),
-        ("output_ffn.bias".into(), vec![h]),
-        ("output_ln.weight".into(), vec![h]),
-        ("output_ln.bias".into(), vec![h]),
     ];
+    if flavor == Flavor::Bert4Rec {
+        shapes.extend([
+            ("output_bias".to_string(), vec![n + 1]),
+            ("output_ffn.weight".into(), vec![h, h]),
+            ("output_ffn.bias".into(), vec![h]),
+            ("output_ln.weight".into(), vec![h]),
+            ("output_ln.bias".into(), vec![h]),
+        ]);
+    }
     for l in 0..c.n_layers {
         let p = format!("trm_encoder.layer.{l}");
         for m in ["query", "key", "value", "dense"] {
@@ -239,12 +298,13 @@ fn tensor_shapes(c: &Bert4RecConfig) -> Vec<(String, Vec<usize>)> {
     shapes
 }
 
-/// BERT4Rec's engine tensors are the state-dict tensors under their own names.
+/// The engine tensors are the state-dict tensors under their own names.
 pub(super) fn engine_tensors(
-    c: &Bert4RecConfig,
+    flavor: Flavor,
+    c: &TransformerConfig,
     ckpt: &Checkpoint,
 ) -> Result<Vec<(String, Tensor)>> {
-    tensor_shapes(c)
+    tensor_shapes(flavor, c)
         .into_iter()
         .map(|(name, shape)| {
             let t = ckpt.tensor_f32(&name, &shape)?;
@@ -253,8 +313,12 @@ pub(super) fn engine_tensors(
         .collect()
 }
 
-impl Bert4Rec {
-    pub fn from_tensors(config: Bert4RecConfig, t: &Weights) -> Result<Bert4Rec> {
+impl Transformer {
+    pub fn from_tensors(
+        flavor: Flavor,
+        config: TransformerConfig,
+        t: &Weights,
+    ) -> Result<Transformer> {
         let (h, i, n) = (config.hidden_size, config.inner_size, config.n_items);
         let mut layers = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers {
@@ -274,16 +338,29 @@ impl Bert4Rec {
                 ffn_ln: LayerNorm::load(t, &format!("{p}.feed_forward.LayerNorm"), h)?,
             });
         }
-        let item_embedding = t.matrix("item_embedding.weight", [n + 2, h])?;
+        let item_embedding = t.matrix(
+            "item_embedding.weight",
+            [n + flavor.extra_embedding_rows(), h],
+        )?;
+        let (head, bias) = match flavor {
+            Flavor::Bert4Rec => (
+                Some(Head {
+                    dense: Dense::load(t, "output_ffn", h, h)?,
+                    norm: LayerNorm::load(t, "output_ln", h)?,
+                }),
+                t.tensor("output_bias", &[n + 1])?,
+            ),
+            Flavor::SasRec => (None, Tensor::from_vec(vec![n + 1], vec![0.0; n + 1])),
+        };
         let output = OutputLayer {
             weight: item_embedding.slice_rows(0, n + 1),
-            bias: t.tensor("output_bias", &[n + 1])?,
+            bias,
         };
-        Ok(Bert4Rec {
+        Ok(Transformer {
+            flavor,
             position_embedding: t.tensor("position_embedding.weight", &[config.max_len, h])?,
             embedding_ln: LayerNorm::load(t, "LayerNorm", h)?,
-            head_dense: Dense::load(t, "output_ffn", h, h)?,
-            head_ln: LayerNorm::load(t, "output_ln", h)?,
+            head,
             item_embedding,
             layers,
             output,
@@ -292,7 +369,7 @@ impl Bert4Rec {
         })
     }
 
-    pub fn config(&self) -> &Bert4RecConfig {
+    pub fn config(&self) -> &TransformerConfig {
         &self.config
     }
 
@@ -312,7 +389,15 @@ impl Bert4Rec {
                 + l.projections.packed.weight_bytes()
                 + 4 * l.projections.packed.bias.len()
         };
-        self.layers.iter().map(layer).sum::<usize>() + self.head_dense.0.packed_bytes()
+        self.layers.iter().map(layer).sum::<usize>()
+            + self
+                .head
+                .as_ref()
+                .map_or(0, |head| head.dense.0.packed_bytes())
+    }
+
+    pub fn flavor(&self) -> Flavor {
+        self.flavor
     }
 
     pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
@@ -320,15 +405,16 @@ impl Bert4Rec {
     }
 
     /// The layers by role, for a device that runs the whole model.
-    pub fn view(&self) -> super::Bert4RecView<'_> {
+    pub fn view(&self) -> super::TransformerView<'_> {
         fn norm(n: &LayerNorm) -> super::NormView<'_> {
             super::NormView {
                 gamma: &n.gamma,
                 beta: &n.beta,
             }
         }
-        super::Bert4RecView {
+        super::TransformerView {
             model: self,
+            causal: self.flavor == Flavor::SasRec,
             item_embedding: &self.item_embedding,
             position_embedding: &self.position_embedding,
             embedding_norm: norm(&self.embedding_ln),
@@ -346,8 +432,10 @@ impl Bert4Rec {
                     ffn_norm: norm(&l.ffn_ln),
                 })
                 .collect(),
-            head_dense: &self.head_dense.0,
-            head_norm: norm(&self.head_ln),
+            head: self.head.as_ref().map(|head| super::HeadView {
+                dense: &head.dense.0,
+                norm: norm(&head.norm),
+            }),
         }
     }
 
@@ -355,30 +443,24 @@ impl Bert4Rec {
         self.config.n_items as u32 + 1
     }
 
-    /// The model input for one history: its last L-1 items, then [MASK].
+    /// The model input for one history: BERT4Rec's last L-1 items, then [MASK]; SASRec's last L
+    /// items (an empty history, which has no answer and which serving refuses, runs as one PAD
+    /// slot so that the pass still has a row to give).
     pub fn model_input(&self, history: &[u32]) -> (Vec<u32>, HistoryNote) {
         let (kept, note) = self.kept_history(history);
         let mut tokens = kept.to_vec();
-        tokens.push(self.mask_index());
+        match self.flavor {
+            Flavor::Bert4Rec => tokens.push(self.mask_index()),
+            Flavor::SasRec if tokens.is_empty() => tokens.push(0),
+            Flavor::SasRec => {}
+        }
         (tokens, note)
     }
 
-    /// The part of `history` the model sees (its last L-1 items; [MASK] follows them).
+    /// The part of `history` the model sees (BERT4Rec's last L-1 items, which [MASK] follows;
+    /// SASRec's last L).
     fn kept_history<'h>(&self, history: &'h [u32]) -> (&'h [u32], HistoryNote) {
-        let keep = self.config.max_len - 1;
-        let start = history.len().saturating_sub(keep);
-        (
-            &history[start..],
-            HistoryNote {
-                truncated: start > 0,
-                ..Default::default()
-            },
-        )
-    }
-
-    /// Hidden vector at the MASK slot after the output head, `[B, hidden]`.
-    pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
-        self.encode_observed(histories, &mut |_, _| {})
+        super::most_recent(history, self.flavor.items_kept(self.config.max_len))
     }
 
     /// The dense layers in the order they run.
@@ -396,7 +478,9 @@ impl Bert4Rec {
                 out.push(&mut dense.0);
             }
         }
-        out.push(&mut self.head_dense.0);
+        if let Some(head) = &mut self.head {
+            out.push(&mut head.dense.0);
+        }
         out
     }
 
@@ -409,26 +493,14 @@ impl Bert4Rec {
         Ok(())
     }
 
-    /// [`Bert4Rec::encode`], showing every dense layer's input to `observe`.
-    pub fn encode_observed(
-        &self,
-        histories: &[&[u32]],
-        observe: ActivationObserver<'_>,
-    ) -> (Vec<f32>, Vec<HistoryNote>) {
-        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
-        let mut scratch = Bert4RecScratch::default();
-        self.encode_into(histories, &mut scratch, &mut hidden, &mut notes, 1, observe);
-        (hidden, notes)
-    }
-
-    /// [`Bert4Rec::encode_observed`] into `hidden` and `notes` (replacing what they held), working
+    /// The hidden vectors of `histories` into `hidden` and `notes` (replacing what they held), working
     /// in `scratch`, the dense layers' rows and the attention heads split over up to `threads`
     /// threads: once the buffers have grown to a batch's size, batches no larger allocate nothing
     /// (on one thread).
     pub fn encode_into(
         &self,
         histories: &[&[u32]],
-        scratch: &mut Bert4RecScratch,
+        scratch: &mut TransformerScratch,
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
         threads: usize,
@@ -446,7 +518,12 @@ impl Bert4Rec {
             let (kept, note) = self.kept_history(history);
             notes.push(note);
             let start = s.x.len() / h;
-            let tokens = kept.iter().copied().chain([self.mask_index()]);
+            let last = match self.flavor {
+                Flavor::Bert4Rec => Some(self.mask_index()),
+                Flavor::SasRec if kept.is_empty() => Some(0),
+                Flavor::SasRec => None,
+            };
+            let tokens = kept.iter().copied().chain(last);
             for (slot, id) in tokens.enumerate() {
                 let start = s.x.len();
                 s.x.extend_from_slice(self.position_embedding.row(slot));
@@ -459,8 +536,8 @@ impl Bert4Rec {
 
         let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
-            // Only the MASK slot's output is used, so the last layer computes its query, attention
-            // output and feed-forward for that one row per sequence.
+            // Only the answer slot's output is used, so the last layer computes its query,
+            // attention output and feed-forward for that one row per sequence.
             s.query_rows.clear();
             if l + 1 == n_layers {
                 s.query_rows.extend(s.spans.iter().map(|span| span.end - 1));
@@ -476,21 +553,29 @@ impl Bert4Rec {
             "one row per sequence after the last layer"
         );
 
-        self.head_dense.0.forward_into(
-            self.kernels,
-            &s.x,
-            hidden,
-            &mut s.quantized,
-            threads,
-            observe,
-        );
+        match &self.head {
+            Some(head) => {
+                head.dense.0.forward_into(
+                    self.kernels,
+                    &s.x,
+                    hidden,
+                    &mut s.quantized,
+                    threads,
+                    observe,
+                );
+                (self.kernels.elementwise.gelu)(hidden);
+                head.norm.apply(k, hidden, eps);
+            }
+            None => {
+                hidden.clear();
+                hidden.extend_from_slice(&s.x);
+            }
+        }
         // Give `x` and `out` back their roles, so the next batch finds each grown to the size its
         // role needs whatever the number of layers.
         if !n_layers.is_multiple_of(2) {
             std::mem::swap(&mut s.x, &mut s.out);
         }
-        (self.kernels.elementwise.gelu)(hidden);
-        self.head_ln.apply(k, hidden, eps);
     }
 
     /// One post-LN transformer layer over `s.x`, the rows `s.query_rows` of its output into
@@ -498,7 +583,7 @@ impl Bert4Rec {
     fn transformer_layer(
         &self,
         layer: &TransformerLayer,
-        s: &mut Bert4RecScratch,
+        s: &mut TransformerScratch,
         threads: usize,
         observe: ActivationObserver<'_>,
     ) {
@@ -634,7 +719,7 @@ impl Bert4Rec {
     }
 
     /// Pieces each step of a layer over `tokens` rows with `queries` query rows is split into on
-    /// `threads` threads ([`Bert4Rec::transformer_layer_split`]): the projections to keys, values
+    /// `threads` threads ([`Transformer::transformer_layer_split`]): the projections to keys, values
     /// and queries, then the rest of the layer. A step gets one piece per thread while each
     /// piece has at least [`fused::MIN_MACS_PER_DENSE_PIECE`] multiply-adds and 8 rows.
     fn row_pieces(&self, tokens: usize, queries: usize, threads: usize) -> (usize, usize) {
@@ -656,7 +741,7 @@ impl Bert4Rec {
         (pieces(projections, tokens), pieces(rest, queries))
     }
 
-    /// [`Bert4Rec::transformer_layer`] split by rows into `pieces` running on the worker pool, in
+    /// [`Transformer::transformer_layer`] split by rows into `pieces` running on the worker pool, in
     /// two steps: every piece projects its share of the tokens to keys and values (and its share
     /// of the query rows to queries); then, once all keys and values exist, every piece runs the
     /// rest of the layer (attention over the whole sequence, the output projection, the
@@ -666,7 +751,7 @@ impl Bert4Rec {
     fn transformer_layer_split(
         &self,
         layer: &TransformerLayer,
-        s: &mut Bert4RecScratch,
+        s: &mut TransformerScratch,
         (projection_pieces, rest_pieces): (usize, usize),
     ) {
         let h = self.config.hidden_size;
@@ -849,7 +934,7 @@ impl Bert4Rec {
         }
     }
 
-    /// One head of [`Bert4Rec::attention`] over every sequence, into block `slot` of `a.out`
+    /// One head of [`Transformer::attention`] over every sequence, into block `slot` of `a.out`
     /// (`[query rows, head width]`).
     #[allow(clippy::too_many_arguments)]
     fn attention_head(
@@ -892,11 +977,20 @@ impl Bert4Rec {
             }
             a.scores.resize(n_queries * t, 0.0);
             fused::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
-            for row in a.scores.chunks_exact_mut(t) {
-                for v in row.iter_mut() {
+            let query_slots = &query_rows[first_query..first_query + n_queries];
+            for (row, &query_row) in a.scores.chunks_exact_mut(t).zip(query_slots) {
+                // SASRec: a slot sees itself and the slots before it. The later ones weigh exactly
+                // 0, as RecBole's -10000 does after its softmax.
+                let seen = match self.flavor {
+                    Flavor::Bert4Rec => t,
+                    Flavor::SasRec => query_row - span.start + 1,
+                };
+                let (visible, later) = row.split_at_mut(seen);
+                for v in visible.iter_mut() {
                     *v /= sqrt_d;
                 }
-                (self.kernels.elementwise.softmax)(row);
+                (self.kernels.elementwise.softmax)(visible);
+                later.fill(0.0);
             }
             packed::pack_columns_transposed_into(
                 &mut a.values,
@@ -913,7 +1007,7 @@ impl Bert4Rec {
     }
 }
 
-/// Query rows the post-attention part of a layer runs at a time ([`Bert4Rec::finish_rows`]): a
+/// Query rows the post-attention part of a layer runs at a time ([`Transformer::finish_rows`]): a
 /// block's feed-forward activations (`rows x inner`, 64 KiB at 64 x 256) stay in L2 beside the
 /// three layers' weights.
 const FINISH_BLOCK_ROWS: usize = 64;
@@ -929,9 +1023,9 @@ fn dense_panels<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> 
     }
 }
 
-/// The buffers one BERT4Rec pass works in (see [`Bert4Rec::encode_into`]).
+/// The buffers one transformer pass works in (see [`Transformer::encode_into`]).
 #[derive(Debug, Default)]
-pub struct Bert4RecScratch {
+pub struct TransformerScratch {
     /// Token ranges of each sequence in the stacked activations.
     spans: Vec<std::ops::Range<usize>>,
     /// The rows whose outputs a layer computes.
@@ -956,7 +1050,7 @@ pub struct Bert4RecScratch {
     row_pieces: Vec<RowPiece>,
 }
 
-/// The buffers of one row piece of [`Bert4Rec::transformer_layer_split`]: its query rows'
+/// The buffers of one row piece of [`Transformer::transformer_layer_split`]: its query rows'
 /// context, attention output and feed-forward activations.
 #[derive(Debug, Default)]
 struct RowPiece {

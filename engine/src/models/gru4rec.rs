@@ -1,0 +1,376 @@
+//! GRU4Rec as RecBole 1.2.1 runs it in eval mode: the last L items' embeddings go through a
+//! stacked GRU (PyTorch's gate order: reset, update, new), the hidden state after the last item
+//! through a dense layer back to the embedding width, and that vector is scored against the item
+//! embedding (no bias).
+//!
+//! A history's answer is the state after its own last item, so right padding never reaches it and
+//! histories run unpadded. The recurrence is batched over histories of different lengths: the
+//! histories are ordered longest first and laid out time step after time step, so the ones still
+//! running at step t are a prefix of the batch, and each step is one GEMM of those rows' states
+//! against the recurrent weights. The input side (every token's `x W_ih^T + b_ih`) is one GEMM over
+//! all tokens of a layer before its recurrence starts.
+
+use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
+use crate::config::Gru4RecConfig;
+use crate::error::Result;
+use crate::import::Checkpoint;
+use crate::kernels::packed::QuantizedActivations;
+use crate::kernels::KernelTable;
+use crate::tensor::Tensor;
+use crate::weights::{Matrix, Weights};
+
+/// One GRU layer: its input and recurrent projections to the three gates' pre-activations
+/// (`[3 x hidden]`: reset, update, new).
+#[derive(Clone, Debug)]
+struct GruLayer {
+    input: DenseLayer,
+    recurrent: DenseLayer,
+}
+
+#[derive(Clone, Debug)]
+pub struct Gru4Rec {
+    config: Gru4RecConfig,
+    item_embedding: Matrix,
+    layers: Vec<GruLayer>,
+    /// `Linear(hidden, embedding)` after the last GRU layer.
+    dense: DenseLayer,
+    /// The item embedding, rows 0..=N, with a zero bias.
+    pub output: OutputLayer,
+    kernels: &'static KernelTable,
+}
+
+/// The name every recurrent (`h W_hh^T + b_hh`) layer's starts with.
+pub const RECURRENT_PREFIX: &str = "gru_layers.weight_hh_l";
+
+/// The state-dict names of GRU layer `l`'s weights and biases.
+fn gru_names(l: usize) -> [String; 4] {
+    [
+        format!("gru_layers.weight_ih_l{l}"),
+        format!("gru_layers.weight_hh_l{l}"),
+        format!("gru_layers.bias_ih_l{l}"),
+        format!("gru_layers.bias_hh_l{l}"),
+    ]
+}
+
+/// The engine's tensors with their shapes: the state dict's, with every GRU layer's two biases
+/// (zeros when the checkpoint's GRU has none, as RecBole's does) so that every layer has the same
+/// form downstream.
+fn tensor_shapes(c: &Gru4RecConfig) -> Vec<(String, Vec<usize>)> {
+    let (e, h) = (c.embedding_size, c.hidden_size);
+    let mut shapes = vec![("item_embedding.weight".to_string(), vec![c.n_items + 1, e])];
+    for l in 0..c.num_layers {
+        let input = if l == 0 { e } else { h };
+        let [ih, hh, bih, bhh] = gru_names(l);
+        shapes.extend([
+            (ih, vec![3 * h, input]),
+            (hh, vec![3 * h, h]),
+            (bih, vec![3 * h]),
+            (bhh, vec![3 * h]),
+        ]);
+    }
+    shapes.push(("dense.weight".into(), vec![e, h]));
+    shapes.push(("dense.bias".into(), vec![e]));
+    shapes
+}
+
+/// The 2-D weights a reduced precision applies to: the item embedding (and so the tied output
+/// layer), the GRU's weights and the dense layer. Biases stay fp32.
+pub(super) fn quantizable(c: &Gru4RecConfig) -> Vec<String> {
+    tensor_shapes(c)
+        .into_iter()
+        .filter(|(_, shape)| shape.len() == 2)
+        .map(|(name, _)| name)
+        .collect()
+}
+
+pub(super) fn engine_tensors(
+    c: &Gru4RecConfig,
+    ckpt: &Checkpoint,
+) -> Result<Vec<(String, Tensor)>> {
+    tensor_shapes(c)
+        .into_iter()
+        .map(|(name, shape)| {
+            let is_bias = name.starts_with("gru_layers.bias_");
+            let t = if is_bias && !c.gru_bias {
+                Tensor::from_vec(shape.clone(), vec![0.0; shape[0]])
+            } else {
+                ckpt.tensor_f32(&name, &shape)?
+            };
+            Ok((name, t))
+        })
+        .collect()
+}
+
+impl Gru4Rec {
+    pub fn from_tensors(config: Gru4RecConfig, t: &Weights) -> Result<Gru4Rec> {
+        let (e, h, n) = (config.embedding_size, config.hidden_size, config.n_items);
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let input_width = if l == 0 { e } else { h };
+            let [ih, hh, bih, bhh] = gru_names(l);
+            layers.push(GruLayer {
+                input: DenseLayer::new(
+                    &ih,
+                    &t.matrix(&ih, [3 * h, input_width])?,
+                    &t.tensor(&bih, &[3 * h])?,
+                ),
+                recurrent: DenseLayer::new(
+                    &hh,
+                    &t.matrix(&hh, [3 * h, h])?,
+                    &t.tensor(&bhh, &[3 * h])?,
+                ),
+            });
+        }
+        let item_embedding = t.matrix("item_embedding.weight", [n + 1, e])?;
+        Ok(Gru4Rec {
+            dense: DenseLayer::new(
+                "dense",
+                &t.matrix("dense.weight", [e, h])?,
+                &t.tensor("dense.bias", &[e])?,
+            ),
+            output: OutputLayer {
+                weight: item_embedding.clone(),
+                bias: Tensor::from_vec(vec![n + 1], vec![0.0; n + 1]),
+            },
+            item_embedding,
+            layers,
+            config,
+            kernels: KernelTable::detect(),
+        })
+    }
+
+    pub fn config(&self) -> &Gru4RecConfig {
+        &self.config
+    }
+
+    pub(crate) fn packed_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.input.packed_bytes() + l.recurrent.packed_bytes())
+            .sum::<usize>()
+            + self.dense.packed_bytes()
+    }
+
+    pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
+        self.kernels = kernels;
+    }
+
+    /// The layers by role, for a device that runs the whole model.
+    pub fn view(&self) -> super::Gru4RecView<'_> {
+        super::Gru4RecView {
+            model: self,
+            item_embedding: &self.item_embedding,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| super::GruLayerView {
+                    input: &l.input,
+                    recurrent: &l.recurrent,
+                })
+                .collect(),
+            dense: &self.dense,
+        }
+    }
+
+    /// The part of `history` the model reads: its last L items.
+    pub fn model_input<'h>(&self, history: &'h [u32]) -> (&'h [u32], HistoryNote) {
+        super::most_recent(history, self.config.max_len)
+    }
+
+    /// The dense layers in the order they run.
+    pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
+        let mut out = Vec::new();
+        for layer in &mut self.layers {
+            out.push(&mut layer.input);
+            out.push(&mut layer.recurrent);
+        }
+        out.push(&mut self.dense);
+        out
+    }
+
+    /// The hidden vectors of `histories` into `hidden` and `notes` (replacing what they held), working
+    /// in `scratch`, the GEMMs' rows split over up to `threads` threads when large enough: once
+    /// the buffers have grown to a batch's size, batches no larger allocate nothing (on one
+    /// thread). An empty history's state stays at the GRU's initial zeros.
+    pub fn encode_into(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut Gru4RecScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+        observe: ActivationObserver<'_>,
+    ) {
+        let (e, h) = (self.config.embedding_size, self.config.hidden_size);
+        let s = scratch;
+        let batch = histories.len();
+        notes.clear();
+        s.kept.clear();
+        for history in histories {
+            let (kept, note) = self.model_input(history);
+            notes.push(note);
+            s.kept.push(kept.len());
+        }
+        // Longest first (stable), so the histories still running at any step are a prefix.
+        s.order.clear();
+        s.order.extend(0..batch);
+        s.order.sort_by_key(|&b| std::cmp::Reverse(s.kept[b]));
+        let steps = s.order.first().map_or(0, |&b| s.kept[b]);
+        // Histories still running at each step, and where each step's rows start.
+        s.running.clear();
+        s.step_starts.clear();
+        let mut tokens = 0;
+        for t in 0..steps {
+            let running = s.order.iter().take_while(|&&b| s.kept[b] > t).count();
+            s.step_starts.push(tokens);
+            s.running.push(running);
+            tokens += running;
+        }
+        // The embeddings, step after step, each step's rows in the batch's order.
+        s.x.clear();
+        s.x.resize(tokens * e, 0.0);
+        for t in 0..steps {
+            for (i, &b) in s.order[..s.running[t]].iter().enumerate() {
+                let history = histories[b];
+                let item = history[history.len() - s.kept[b] + t];
+                let row = s.step_starts[t] + i;
+                self.item_embedding
+                    .add_row_into(item as usize, &mut s.x[row * e..(row + 1) * e]);
+            }
+        }
+        s.state.clear();
+        s.state.resize(batch * h, 0.0);
+        let n_layers = self.layers.len();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let last = l + 1 == n_layers;
+            layer.input.forward_into(
+                self.kernels,
+                &s.x,
+                &mut s.input_gates,
+                &mut s.quantized,
+                threads,
+                observe,
+            );
+            s.state.fill(0.0);
+            if !last {
+                s.next.resize(tokens * h, 0.0);
+            }
+            for t in 0..steps {
+                let running = s.running[t];
+                let state = &mut s.state[..running * h];
+                layer.recurrent.forward_into(
+                    self.kernels,
+                    state,
+                    &mut s.recurrent_gates,
+                    &mut s.quantized,
+                    threads,
+                    observe,
+                );
+                let start = s.step_starts[t];
+                let input_gates = &s.input_gates[start * 3 * h..(start + running) * 3 * h];
+                self.gru_step(
+                    input_gates,
+                    &s.recurrent_gates,
+                    state,
+                    &mut s.reset_update,
+                    &mut s.candidate,
+                );
+                if !last {
+                    s.next[start * h..(start + running) * h].copy_from_slice(state);
+                }
+            }
+            if !last {
+                std::mem::swap(&mut s.x, &mut s.next);
+            }
+        }
+        // The dense layer on the final states, then back into the batch's order.
+        self.dense.forward_into(
+            self.kernels,
+            &s.state,
+            &mut s.projected,
+            &mut s.quantized,
+            threads,
+            observe,
+        );
+        hidden.clear();
+        hidden.resize(batch * e, 0.0);
+        for (i, &b) in s.order.iter().enumerate() {
+            hidden[b * e..(b + 1) * e].copy_from_slice(&s.projected[i * e..(i + 1) * e]);
+        }
+    }
+
+    /// One GRU step for the running rows, from their gates' pre-activations (`[rows, 3 x hidden]`
+    /// from the input and from the state, biases included), updating `state` in place:
+    /// `r = σ(i_r + h_r)`, `z = σ(i_z + h_z)`, `n = tanh(i_n + r h_n)`, `h = (1 - z) n + z h`.
+    /// The sigmoid is `(1 + tanh(x / 2)) / 2`, on the ISA's vectorised tanh.
+    fn gru_step(
+        &self,
+        input_gates: &[f32],
+        recurrent_gates: &[f32],
+        state: &mut [f32],
+        reset_update: &mut Vec<f32>,
+        candidate: &mut Vec<f32>,
+    ) {
+        let h = self.config.hidden_size;
+        let rows = state.len() / h;
+        let tanh = self.kernels.elementwise.tanh;
+        reset_update.clear();
+        for r in 0..rows {
+            let (i, g) = (
+                &input_gates[r * 3 * h..r * 3 * h + 2 * h],
+                &recurrent_gates[r * 3 * h..r * 3 * h + 2 * h],
+            );
+            reset_update.extend(i.iter().zip(g).map(|(a, b)| 0.5 * (a + b)));
+        }
+        tanh(reset_update);
+        for v in reset_update.iter_mut() {
+            *v = 0.5 + 0.5 * *v;
+        }
+        candidate.clear();
+        for r in 0..rows {
+            let reset = &reset_update[r * 2 * h..r * 2 * h + h];
+            let i_n = &input_gates[r * 3 * h + 2 * h..(r + 1) * 3 * h];
+            let h_n = &recurrent_gates[r * 3 * h + 2 * h..(r + 1) * 3 * h];
+            candidate.extend(
+                i_n.iter()
+                    .zip(h_n)
+                    .zip(reset)
+                    .map(|((a, b), reset)| a + reset * b),
+            );
+        }
+        tanh(candidate);
+        for r in 0..rows {
+            let update = &reset_update[r * 2 * h + h..(r + 1) * 2 * h];
+            let new = &candidate[r * h..(r + 1) * h];
+            for ((s, z), n) in state[r * h..(r + 1) * h].iter_mut().zip(update).zip(new) {
+                *s = (1.0 - z) * n + z * *s;
+            }
+        }
+    }
+}
+
+/// The buffers one GRU4Rec pass works in (see [`Gru4Rec::encode_into`]).
+#[derive(Debug, Default)]
+pub struct Gru4RecScratch {
+    /// Items kept per history, in the batch's order.
+    kept: Vec<usize>,
+    /// The batch's histories, longest first.
+    order: Vec<usize>,
+    /// Per step: how many histories are still running, and the row their tokens start at.
+    running: Vec<usize>,
+    step_starts: Vec<usize>,
+    /// A layer's input by token (`[tokens, width]`, step after step) and the next layer's.
+    x: Vec<f32>,
+    next: Vec<f32>,
+    /// The input side of every token's gates, `[tokens, 3 x hidden]`.
+    input_gates: Vec<f32>,
+    /// The state side of one step's gates, `[running, 3 x hidden]`.
+    recurrent_gates: Vec<f32>,
+    reset_update: Vec<f32>,
+    candidate: Vec<f32>,
+    /// The state of every history, longest first, `[B, hidden]`.
+    state: Vec<f32>,
+    /// The dense layer's output, longest first.
+    projected: Vec<f32>,
+    quantized: QuantizedActivations,
+}
