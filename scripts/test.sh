@@ -53,7 +53,7 @@ echo "==> cargo test"
 rust_status=0
 cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log" || rust_status=$?
 echo "==> PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
-RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity --test sequential_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
 echo "==> CUDA kernels: NVRTC compile for sm_80 and sm_90, ptxas spill check, clean load errors (no GPU needed)"
 # The spill check runs on NVRTC 12.6 (the oldest 12.x the CUDA 12 build takes), 12.9 (the newest

@@ -103,7 +103,7 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
 
 #[test]
 fn candidates_rank_exactly_as_the_whole_catalogue_at_every_precision() {
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         // W8A8 among them: its static activation scale travels with the candidates' packed rows.
         for (variant, mut engine) in engines_at_every_precision(kind, tmp.path()) {
@@ -114,7 +114,7 @@ fn candidates_rank_exactly_as_the_whole_catalogue_at_every_precision() {
 
 #[test]
 fn candidate_scores_are_pytorchs_logits_and_unknown_candidates_follow_the_policy() {
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
         let golden = golden(kind);

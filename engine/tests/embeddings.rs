@@ -22,7 +22,7 @@ fn request(history: &[i64], k: Option<i64>, embedding: bool) -> Request<'_> {
 
 #[test]
 fn embeddings_give_pytorchs_logits_with_or_without_items() {
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
         let golden = golden(kind);

@@ -239,3 +239,15 @@ fn bert4rec_fp16_and_int8_stay_close_to_fp32() {
 fn vaecf_fp16_and_int8_stay_close_to_fp32() {
     check(ModelKind::Vaecf);
 }
+
+#[test]
+fn sasrec_and_gru4rec_fp16_and_int8_stay_close_to_fp32() {
+    check(ModelKind::Sasrec);
+    check(ModelKind::Gru4rec);
+}
+
+#[test]
+fn sasrec_and_gru4rec_w8a8_calibrations_stay_close_to_fp32() {
+    check_w8a8(ModelKind::Sasrec);
+    check_w8a8(ModelKind::Gru4rec);
+}

@@ -46,7 +46,7 @@ fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
 
 #[test]
 fn screened_engines_answer_exactly_as_unscreened_ones() {
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         for precision in [Precision::Fp32, Precision::Fp16] {
             let mut plain =
@@ -123,7 +123,7 @@ fn screened_engines_answer_exactly_as_unscreened_ones() {
 #[test]
 fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
     let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("fp32"));
         let out = engine.model.output();
@@ -212,7 +212,7 @@ fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
         Matrix::F16 { bits, .. } => bits.reads_from_file(),
         Matrix::I8 { q, .. } => q.reads_from_file(),
     };
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         for (precision, screen) in [
             (Precision::Fp32, Screen::Int8),

@@ -198,3 +198,52 @@ fn long_histories_keep_their_most_recent_items() {
         assert!(notes[0].truncated && !window_notes[0].truncated, "{kind}");
     }
 }
+
+/// The f64 reference the other tests take every logit from agrees with RecBole's golden top 100
+/// (so those tests check the engine against RecBole, not against itself).
+#[test]
+fn the_f64_reference_reproduces_recbole_top100_scores() {
+    for kind in KINDS {
+        let golden = golden(kind);
+        let mut max_diff = 0f64;
+        for (no, case) in golden.cases.iter().enumerate() {
+            let Some(top) = case["topk"].as_array() else {
+                continue;
+            };
+            let logits = &golden.logits_f32[no * golden.n_outputs..(no + 1) * golden.n_outputs];
+            for want in top {
+                let item = want["internal"].as_u64().unwrap() as usize;
+                let diff = (logits[item] as f64 - want["score"].as_f64().unwrap()).abs();
+                max_diff = max_diff.max(diff);
+            }
+        }
+        eprintln!("{kind}: max |f64 reference (as f32) - RecBole| over the golden top 100: {max_diff:.2e}");
+        assert!(max_diff <= 1e-5, "{kind}: {max_diff}");
+    }
+}
+
+/// Every logit of every golden case (not only the top 100) within [`LOGIT_ABS_TOL`] of the f64
+/// reference.
+#[test]
+fn every_logit_matches_the_f64_reference() {
+    for kind in KINDS {
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
+        let golden = golden(kind);
+        let mut max_diff = 0f32;
+        for (no, case) in golden.cases.iter().enumerate() {
+            let history = u32s(&case["effective_history_internal"]);
+            if history.is_empty() {
+                continue;
+            }
+            let got = engine.score_all(&[history.as_slice()]);
+            let want = &golden.logits_f32[no * golden.n_outputs..(no + 1) * golden.n_outputs];
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want).skip(1) {
+                max_diff = max_diff.max((g - w).abs());
+            }
+        }
+        eprintln!("{kind}: max |engine - f64 reference| over every logit: {max_diff:.2e}");
+        assert!(max_diff <= LOGIT_ABS_TOL, "{kind}: {max_diff}");
+    }
+}

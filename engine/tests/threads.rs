@@ -86,7 +86,7 @@ fn check(kind: ModelKind, engine: &mut Engine, variant: &str) {
 
 #[test]
 fn threads_change_no_bit_of_any_answer_at_every_precision() {
-    for kind in [ModelKind::Bert4rec, ModelKind::Vaecf] {
+    for kind in ModelKind::ALL {
         let tmp = tempfile::tempdir().unwrap();
         for (variant, mut engine) in engines_at_every_precision(kind, tmp.path()) {
             check(kind, &mut engine, variant);
