@@ -32,7 +32,7 @@ def main():
 
     history = [10011403, 10011207, 10011739]  # a user's items, oldest first
     http = httpclient.InferenceServerClient(args.http)
-    for model in ["bert4rec", "vaecf"]:
+    for model in ["bert4rec", "vaecf", "sasrec", "gru4rec"]:
         result = http.infer(model, request(httpclient, history))
         print(f"{model} (HTTP): items {result.as_numpy('TOP_ITEM_IDS')[0].tolist()}")
         scores = ", ".join(f"{s:.3f}" for s in result.as_numpy("TOP_SCORES")[0])

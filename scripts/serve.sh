@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main command: builds recsys (release), sets up the Python venv with the real Triton server and
 # client, converts the demo checkpoints into model_repository/, installs libtriton_recsys.so, and
-# serves both demo models from tritonserver on 127.0.0.1 (HOST) until Ctrl-C (which stops everything).
+# serves the four demo models from tritonserver on 127.0.0.1 (HOST) until Ctrl-C (which stops everything).
 #
 #   scripts/serve.sh            serve in the foreground
 #   scripts/serve.sh --check    start, run the printed examples once, stop (used by the tests)
@@ -37,6 +37,12 @@ target/release/recsys convert --force --kind bert4rec \
 target/release/recsys convert --force --kind vaecf \
   --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
   --item-map tests/fixtures/multivae/item_id_map.tsv --output model_repository/vaecf/1
+# SASRec and GRU4Rec from RecBole's own checkpoints: the kind and hyper-parameters are the
+# checkpoint's (read as data; nothing in it is executed).
+for model in sasrec gru4rec; do
+  target/release/recsys convert --force --checkpoint "tests/fixtures/$model/recbole_checkpoint.pth" \
+    --item-map "tests/fixtures/$model/item_id_map.tsv" --output "model_repository/$model/1"
+done
 
 TRITONSERVER=$("$VENV/bin/python" -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver/bin/tritonserver")')
 mkdir -p build
@@ -77,7 +83,7 @@ CURL_EXAMPLE="curl -s -X POST http://$CLIENT_HOST:$HTTP_PORT/v2/models/bert4rec/
 PY_EXAMPLE="$VENV/bin/python examples/client.py --http $CLIENT_HOST:$HTTP_PORT --grpc $CLIENT_HOST:$GRPC_PORT"
 cat <<MSG
 
-recsys is serving bert4rec and vaecf. Try:
+recsys is serving bert4rec, vaecf, sasrec and gru4rec. Try:
 
   $CURL_EXAMPLE
 

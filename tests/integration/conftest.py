@@ -19,7 +19,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
-               "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb"]
+               "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
+               "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -125,6 +126,11 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf")
     convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf_int8", extra=["--precision", "int8"])
     convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf_screened", extra=["--screen", "int8"])
+    # SASRec from RecBole's own checkpoint (kind and config read from it), GRU4Rec from its state dict.
+    subprocess.run([str(recsys_bin), "convert", "--force", "--checkpoint", str(FIXTURES / "sasrec" / "recbole_checkpoint.pth"),
+                    "--item-map", str(FIXTURES / "sasrec" / "item_id_map.tsv"), "--output", str(engines / "sasrec")],
+                   check=True, capture_output=True)
+    convert(recsys_bin, "gru4rec", "gru4rec", "model.pt", engines / "gru4rec")
     # The same BERT4Rec with a catalogue keyed by strings ("sku-<id>").
     lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
     string_map = repo.parent / "string_map.tsv"
@@ -133,7 +139,7 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
 
     # The demo configs as shipped, so the tests cover what users deploy; and each with the one line
     # its comment says to uncomment for a retrieval stage (the USER_EMBEDDING output).
-    for name in ["bert4rec", "vaecf"]:
+    for name in ["bert4rec", "vaecf", "sasrec", "gru4rec"]:
         config = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
         model(name, config, engines / name)
         model(f"{name}_emb", with_user_embedding(config).replace(f'name: "{name}"', f'name: "{name}_emb"'),
@@ -148,8 +154,9 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     model("bert4rec_batching", contract_config("bert4rec_batching", queue_delay_us=20000), engines / "bert4rec")
     # The same window, unknown ids refused, and the USER_EMBEDDING output: one Execute mixes every
     # kind of request (whole catalogue, candidates, embeddings) and every kind of refusal.
-    model("bert4rec_mixed", contract_config("bert4rec_mixed", queue_delay_us=20000, embedding_width=65,
-                                            params={"unknown_item_policy": "error"}), engines / "bert4rec")
+    for name in ["bert4rec", "sasrec", "gru4rec"]:
+        model(f"{name}_mixed", contract_config(f"{name}_mixed", queue_delay_us=20000, embedding_width=65,
+                                               params={"unknown_item_policy": "error"}), engines / name)
 
     # Models that must fail to load, each for one reason.
     model("missing_engine", contract_config("missing_engine"), None)

@@ -44,12 +44,16 @@ def outputs(module, *names):
     return [module.InferRequestedOutput(n) for n in names]
 
 
-@pytest.mark.parametrize("model,model_dir,width", [("bert4rec_emb", "bert4rec", 65), ("vaecf_emb", "multivae", 601)])
+@pytest.mark.parametrize("model,model_dir,width", [("bert4rec_emb", "bert4rec", 65), ("vaecf_emb", "multivae", 601),
+                                                   ("sasrec_emb", "sasrec", 65), ("gru4rec_emb", "gru4rec", 65)])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_the_user_embedding_scores_items_as_the_model_does(model, model_dir, width, protocol, http, grpc,
                                                            item_table):
     client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
     table, ids = item_table(model)
+    if model_dir in ("sasrec", "gru4rec"):
+        # Scores are the bare dot product: the bias column says so.
+        assert not table[:, -1].any()
     row_of = {external: r for r, external in enumerate(ids)}
     for case in golden_cases(model_dir)[:8]:
         both = client.infer(model, make_inputs(module, case["history_ext"], k=100),
@@ -82,7 +86,7 @@ def test_the_demo_configs_send_only_the_ranking_to_a_client_that_names_no_output
     import requests
 
     body = {"inputs": [{"name": "ITEM_IDS", "datatype": "INT64", "shape": [1, 2], "data": [10011403, 10011207]}]}
-    for model, width in [("bert4rec", 65), ("vaecf", 601)]:
+    for model, width in [("bert4rec", 65), ("vaecf", 601), ("sasrec", 65), ("gru4rec", 65)]:
         plain = requests.post(f"http://{server.http_url}/v2/models/{model}/infer", json=body, timeout=30)
         assert plain.status_code == 200, plain.text
         assert {o["name"] for o in plain.json()["outputs"]} == {"TOP_ITEM_IDS", "TOP_SCORES"}
@@ -97,7 +101,8 @@ def test_faiss_over_the_exported_items_queried_with_served_embeddings_returns_th
     exact inner-product index (FAISS IndexFlatIP), the history is left out afterwards."""
     import faiss
 
-    for model, model_dir in [("bert4rec_emb", "bert4rec"), ("vaecf_emb", "multivae")]:
+    for model, model_dir in [("bert4rec_emb", "bert4rec"), ("vaecf_emb", "multivae"), ("sasrec_emb", "sasrec"),
+                             ("gru4rec_emb", "gru4rec")]:
         table, ids = item_table(model)
         index = faiss.IndexFlatIP(table.shape[1])
         index.add(table)
@@ -118,11 +123,13 @@ def test_faiss_over_the_exported_items_queried_with_served_embeddings_returns_th
         assert same >= 0.999 * 100 * len(cases), (model, same)
 
 
-def test_one_execute_mixes_every_kind_of_request_and_refusal(grpc, server):
-    """bert4rec_mixed batches whatever arrives within 20 ms, refuses unknown ids and declares
-    USER_EMBEDDING: every request below is sent at once, so they share Execute calls."""
-    model = "bert4rec_mixed"
-    cases = [c for c in golden_cases("bert4rec") if not c["unknown_ext"]][:6]
+@pytest.mark.parametrize("name", ["bert4rec", "sasrec", "gru4rec"])
+def test_one_execute_mixes_every_kind_of_request_and_refusal(grpc, server, name):
+    """<name>_mixed batches whatever arrives within 20 ms, refuses unknown ids and declares
+    USER_EMBEDDING: every request below is sent at once, so they share Execute calls (ragged
+    histories of every length, whole-catalogue, candidate and embedding rows together)."""
+    model = f"{name}_mixed"
+    cases = [c for c in golden_cases(name) if not c["unknown_ext"] and c["topk"]][:6]
     all_outputs = ("TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING")
     # The reference answers, each request alone.
     alone_user = {}
