@@ -29,7 +29,7 @@ class Engine:
         command line takes them, with the same credentials), fetched into TMPDIR first."""
     @property
     def kind(self) -> str:
-        """"bert4rec" or "vaecf"."""
+        """"bert4rec", "vaecf", "sasrec" or "gru4rec"."""
     @property
     def precision(self) -> str:
         """"fp32", "fp16" or "int8"."""

@@ -361,7 +361,7 @@ impl PyEngine {
         })
     }
 
-    /// "bert4rec" or "vaecf".
+    /// "bert4rec", "vaecf", "sasrec" or "gru4rec".
     #[getter]
     fn kind(&self) -> &'static str {
         self.engine.kind().as_str()

@@ -34,6 +34,8 @@ def engines(recsys_bin, tmp_path_factory):
         ("bert4rec", "bert4rec", "bert4rec", []),
         ("vaecf", "vaecf", "multivae", []),
         ("vaecf_int8", "vaecf", "multivae", ["--precision", "int8"]),
+        ("sasrec", "sasrec", "sasrec", []),
+        ("gru4rec", "gru4rec", "gru4rec", []),
     ]:
         convert(recsys_bin, kind, model_dir, "model.safetensors", root / name, extra=extra)
         out[name] = root / name
@@ -54,7 +56,7 @@ def predict(recsys_bin, engine, lines: list[dict], tmp_path, *flags) -> list[dic
     return [json.loads(line) for line in dst.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", ["bert4rec", "vaecf", "vaecf_int8"])
+@pytest.mark.parametrize("name", ["bert4rec", "vaecf", "vaecf_int8", "sasrec", "gru4rec"])
 def test_recommend_equals_recsys_predict_bit_for_bit(recsys_bin, engines, users, tmp_path, name):
     engine = recsys.Engine(engines[name], threads=2)
     assert (engine.kind, engine.num_items, engine.threads) == (name.split("_")[0], 2000, 2)
@@ -94,7 +96,8 @@ def test_rerank_and_embed_equal_recsys_predict_bit_for_bit(recsys_bin, engines, 
         np.testing.assert_array_equal(embeddings[row], np.float32(line["embedding"]))
 
 
-@pytest.mark.parametrize("name,model_dir", [("bert4rec", "bert4rec"), ("vaecf", "multivae")])
+@pytest.mark.parametrize("name,model_dir", [("bert4rec", "bert4rec"), ("vaecf", "multivae"), ("sasrec", "sasrec"),
+                                            ("gru4rec", "gru4rec")])
 def test_score_is_pytorchs_logits(engines, name, model_dir):
     engine = recsys.Engine(engines[name])
     cases = golden_cases(model_dir)[:16]

@@ -127,6 +127,28 @@ def test_json_lines_in_parquet_out_equal_recsys_predict(cluster, engine, users, 
     assert_same(as_records(table.to_pylist()), expected)
 
 
+@pytest.mark.parametrize("kind", ["sasrec", "gru4rec"])
+def test_sasrec_and_gru4rec_equal_recsys_predict(cluster, recsys_bin, users, kind, tmp_path):
+    """The two sequential models run by Ray exactly as by `recsys predict` (2,000 of the users, their
+    per-user k, exclusions, candidates and refused ids included)."""
+    engine = tmp_path / kind
+    convert(recsys_bin, kind, kind, "model.safetensors", engine)
+    subset = tmp_path / "users.jsonl"
+    subset.write_text("".join(users.read_text().splitlines(keepends=True)[:2_000]))
+    out = tmp_path / "expected.jsonl"
+    subprocess.run([str(recsys_bin), "predict", "--engine", str(engine), "--input", str(subset), "--output", str(out),
+                    "--strict-ids", "--batch-size", "256"], capture_output=True, text=True)
+    want = {}
+    for text in out.read_text().splitlines():
+        record = json.loads(text)
+        record.pop("line", None)
+        want[record["user_id"]] = record
+    assert len(want) == 2_000 and sum("error" in r for r in want.values()) == 3
+    dataset = ray.data.read_json(str(subset))
+    rows = recsys.ray.predict(dataset, engine, k=10, batch_size=256, concurrency=1, strict_ids=True).take_all()
+    assert_same(as_records(rows), want)
+
+
 def test_parquet_in_json_lines_out_equal_recsys_predict(cluster, engine, users, expected, tmp_path):
     source = tmp_path / "users.parquet"
     pq.write_table(pa.Table.from_pylist([json.loads(t) for t in users.read_text().splitlines()]), source)
