@@ -7,6 +7,8 @@
 #                                     memory/FMA floor on the same weights (scripts/bench_kernels.py)
 #   scripts/bench.sh models [ARGS]    whole models against ONNX Runtime and OpenVINO (f32 and its
 #                                     default precision) (scripts/bench_models.py)
+#   scripts/bench.sh sequential [ARGS] SASRec and GRU4Rec against ONNX Runtime and OpenVINO on their
+#                                     PyTorch-style exports (scripts/bench_sequential.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -30,7 +32,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -84,6 +86,11 @@ case "$kind" in
     ./scripts/python-env.sh --peers
     release_build -p recsys-converter -p recsys-benches --bin model_probe --bin kernel_probe
     exec "$peers_python" scripts/bench_models.py "$@"
+    ;;
+  sequential)
+    ./scripts/python-env.sh --peers
+    release_build -p recsys-converter -p recsys-benches --bin model_probe --bin kernel_probe
+    exec "$peers_python" scripts/bench_sequential.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh --peers

@@ -350,7 +350,8 @@ impl Engine {
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let threads = self.scorer.threads.max(1);
-        let runs = split_into_runs(histories, threads);
+        let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
+        let runs = split_into_runs(histories, threads, window);
         if runs.len() <= 1 {
             return self.encode_run(histories, threads);
         }
@@ -683,15 +684,20 @@ impl Engine {
 }
 
 /// Splits `histories` into at most `threads` contiguous runs of about equal encoder work (a
-/// history costs about its length plus a fixed part: the [MASK] row, the first layer's bias,
-/// the output of the last layer).
-fn split_into_runs(histories: &[&[u32]], threads: usize) -> Vec<std::ops::Range<usize>> {
+/// history costs about its length, up to the model's `window` of most recent items, plus a fixed
+/// part: the [MASK] row, the first layer's bias, the output of the last layer).
+fn split_into_runs(
+    histories: &[&[u32]],
+    threads: usize,
+    window: usize,
+) -> Vec<std::ops::Range<usize>> {
     const FIXED_COST: usize = 8;
     let runs = threads.min(histories.len());
     if runs <= 1 {
         return std::iter::once(0..histories.len()).collect();
     }
-    let cost = |h: &&[u32]| h.len() + FIXED_COST;
+    // A sequential model reads at most its window of each history.
+    let cost = |h: &&[u32]| h.len().min(window) + FIXED_COST;
     let total: usize = histories.iter().map(cost).sum();
     let mut ranges = Vec::with_capacity(runs);
     let (mut start, mut done) = (0, 0);
@@ -724,7 +730,7 @@ mod split_tests {
             .map(|i| if i % 4 == 0 { &long[..] } else { &short[..] })
             .collect();
         for threads in 1..=8 {
-            let runs = split_into_runs(&batch, threads);
+            let runs = split_into_runs(&batch, threads, usize::MAX);
             assert_eq!(runs.len(), threads.min(batch.len()));
             assert_eq!(runs.first().unwrap().start, 0);
             assert_eq!(runs.last().unwrap().end, batch.len());
@@ -746,10 +752,10 @@ mod split_tests {
         }
         // The work at the end of the batch: still one run per thread.
         let tail: Vec<&[u32]> = vec![&short, &short, &long];
-        assert_eq!(split_into_runs(&tail, 2), [0..2, 2..3]);
+        assert_eq!(split_into_runs(&tail, 2, usize::MAX), [0..2, 2..3]);
         // Fewer histories than threads: one run each.
-        assert_eq!(split_into_runs(&batch[..3], 8).len(), 3);
-        let empty = split_into_runs(&[], 4);
+        assert_eq!(split_into_runs(&batch[..3], 8, usize::MAX).len(), 3);
+        let empty = split_into_runs(&[], 4, usize::MAX);
         assert_eq!((empty.len(), empty[0].is_empty()), (1, true));
     }
 }

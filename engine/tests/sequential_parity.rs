@@ -247,3 +247,29 @@ fn every_logit_matches_the_f64_reference() {
         assert!(max_diff <= LOGIT_ABS_TOL, "{kind}: {max_diff}");
     }
 }
+
+/// GRU4Rec reads its first layer's input side from a per-item table when serving and computes it
+/// per token when an observer must see the layer's input (calibration): the same bits, at every
+/// precision.
+#[test]
+fn gru4rec_input_table_gives_the_per_token_bits_at_every_precision() {
+    let tmp = tempfile::tempdir().unwrap();
+    let histories: Vec<Vec<u32>> = golden_cases(ModelKind::Gru4rec)
+        .iter()
+        .map(|c| u32s(&c["effective_history_internal"]))
+        .filter(|h| !h.is_empty())
+        .collect();
+    let refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+    for (variant, engine) in engines_at_every_precision(ModelKind::Gru4rec, tmp.path()) {
+        let (served, _) = engine.model.encode(&refs);
+        let (observed, _) = engine.model.encode_observed(&refs, &mut |_, _| {});
+        assert_eq!(served.len(), observed.len());
+        assert!(
+            served
+                .iter()
+                .zip(&observed)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{variant}: the input table changes the bits"
+        );
+    }
+}

@@ -1,4 +1,5 @@
-//! AVX-512 micro-kernels (F, BW and VNNI); the activations are AVX2's.
+//! AVX-512 micro-kernels (F, BW and VNNI); tanh and GELU are `cpu`'s compiled 16 wide, the other
+//! activations AVX2's.
 //!
 //! int8: each item's sum is exact in i32, where the order of the additions cannot change a bit,
 //! so a 512-bit register holds two consecutive feature pairs of one panel (8 items x 4 features,
@@ -219,6 +220,34 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
     unsafe { avx2::f32_epilogue::<R, P>(&split, epilogue, out, masks) }
 }
 
+/// `cpu`'s tanh and GELU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
+/// (the same operations in the same order, so AVX2's and the scalar path's bits). GRU4Rec runs
+/// three gates' worth of them per token and step.
+///
+/// # Safety
+/// The CPU must support AVX-512 F (with AVX2 and FMA).
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn tanh_avx512(x: &mut [f32]) {
+    super::cpu::tanh_inplace(x)
+}
+
+/// # Safety
+/// As for [`tanh_avx512`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn gelu_avx512(x: &mut [f32]) {
+    super::cpu::gelu_erf_inplace(x)
+}
+
+fn tanh(x: &mut [f32]) {
+    // SAFETY: TABLE is only reachable after AVX-512 F was detected (KernelTable::for_isa).
+    unsafe { tanh_avx512(x) }
+}
+
+fn gelu(x: &mut [f32]) {
+    // SAFETY: as for tanh.
+    unsafe { gelu_avx512(x) }
+}
+
 pub(super) static TABLE: KernelTable = KernelTable {
     isa: Isa::Avx512,
     f32: kernel_table!(@rows f32_k, super::PanelF32),
@@ -229,5 +258,9 @@ pub(super) static TABLE: KernelTable = KernelTable {
         f16: [8, 8, 4],
         ..super::PanelsPerCall::EIGHT_ACCUMULATORS
     },
-    ..avx2::KERNELS
+    elementwise: super::Elementwise {
+        tanh,
+        gelu,
+        ..avx2::KERNELS.elementwise
+    },
 };

@@ -8,7 +8,9 @@
 //! histories are ordered longest first and laid out time step after time step, so the ones still
 //! running at step t are a prefix of the batch, and each step is one GEMM of those rows' states
 //! against the recurrent weights. The input side (every token's `x W_ih^T + b_ih`) is one GEMM over
-//! all tokens of a layer before its recurrence starts.
+//! all tokens of a layer before its recurrence starts; for the first layer, whose input is an item
+//! embedding, it depends on the item alone, so it is computed once per item (by the same kernels,
+//! so with the same bits) and each token copies its item's row.
 
 use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::Gru4RecConfig;
@@ -27,9 +29,17 @@ struct GruLayer {
     recurrent: DenseLayer,
 }
 
+/// Largest first-layer input table ([`Gru4Rec::input_table`]) kept in memory: `[N+1, 3 x hidden]`
+/// floats, 5 MiB at MovieLens-1M's 3,416 items and hidden 128. Larger catalogues compute the
+/// input side per token (a 1e6-item catalogue's table would be 1.5 GiB).
+const INPUT_TABLE_MAX_BYTES: usize = 64 << 20;
+
 #[derive(Clone, Debug)]
 pub struct Gru4Rec {
     config: Gru4RecConfig,
+    /// Every item's first-layer input gates, built on first use with the serving kernels (and
+    /// dropped when the kernels or the layers change).
+    input_table: std::sync::OnceLock<Vec<f32>>,
     item_embedding: Matrix,
     layers: Vec<GruLayer>,
     /// `Linear(hidden, embedding)` after the last GRU layer.
@@ -135,8 +145,41 @@ impl Gru4Rec {
             item_embedding,
             layers,
             config,
+            input_table: Default::default(),
             kernels: KernelTable::detect(),
         })
+    }
+
+    /// The first layer's input gates of every item (`[N+1, 3 x hidden]`, `x W_ih^T + b_ih` of its
+    /// embedding), when small enough to keep ([`INPUT_TABLE_MAX_BYTES`]). Each row is what the
+    /// layer gives that item's token in a batch: the kernels compute a row the same way whatever
+    /// rows surround it.
+    fn input_table(&self) -> Option<&[f32]> {
+        let (rows, e, h) = (
+            self.config.n_items + 1,
+            self.config.embedding_size,
+            self.config.hidden_size,
+        );
+        if rows * 3 * h * 4 > INPUT_TABLE_MAX_BYTES {
+            return None;
+        }
+        let table = self.input_table.get_or_init(|| {
+            let mut x = vec![0f32; rows * e];
+            for (item, row) in x.chunks_exact_mut(e).enumerate() {
+                self.item_embedding.add_row_into(item, row);
+            }
+            let (mut y, mut quantized) = (Vec::new(), QuantizedActivations::default());
+            self.layers[0].input.forward_into(
+                self.kernels,
+                &x,
+                &mut y,
+                &mut quantized,
+                1,
+                &mut |_, _| {},
+            );
+            y
+        });
+        Some(table)
     }
 
     pub fn config(&self) -> &Gru4RecConfig {
@@ -153,6 +196,7 @@ impl Gru4Rec {
 
     pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
         self.kernels = kernels;
+        self.input_table = Default::default();
     }
 
     /// The layers by role, for a device that runs the whole model.
@@ -179,6 +223,8 @@ impl Gru4Rec {
 
     /// The dense layers in the order they run.
     pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
+        // The caller may change them (static activation scales): the table follows.
+        self.input_table = Default::default();
         let mut out = Vec::new();
         for layer in &mut self.layers {
             out.push(&mut layer.input);
@@ -191,7 +237,10 @@ impl Gru4Rec {
     /// The hidden vectors of `histories` into `hidden` and `notes` (replacing what they held), working
     /// in `scratch`, the GEMMs' rows split over up to `threads` threads when large enough: once
     /// the buffers have grown to a batch's size, batches no larger allocate nothing (on one
-    /// thread). An empty history's state stays at the GRU's initial zeros.
+    /// thread). An empty history's state stays at the GRU's initial zeros. `observing`: `observe`
+    /// must see the first layer's input (calibration), so it is computed per token rather than
+    /// read from [`Gru4Rec::input_table`] (the same bits either way).
+    #[allow(clippy::too_many_arguments)]
     pub fn encode_into(
         &self,
         histories: &[&[u32]],
@@ -199,6 +248,7 @@ impl Gru4Rec {
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
         threads: usize,
+        observing: bool,
         observe: ActivationObserver<'_>,
     ) {
         let (e, h) = (self.config.embedding_size, self.config.hidden_size);
@@ -226,16 +276,20 @@ impl Gru4Rec {
             s.running.push(running);
             tokens += running;
         }
-        // The embeddings, step after step, each step's rows in the batch's order.
-        s.x.clear();
-        s.x.resize(tokens * e, 0.0);
+        // The tokens' items, step after step, each step's rows in the batch's order.
+        s.items.clear();
         for t in 0..steps {
-            for (i, &b) in s.order[..s.running[t]].iter().enumerate() {
+            s.items.extend(s.order[..s.running[t]].iter().map(|&b| {
                 let history = histories[b];
-                let item = history[history.len() - s.kept[b] + t];
-                let row = s.step_starts[t] + i;
-                self.item_embedding
-                    .add_row_into(item as usize, &mut s.x[row * e..(row + 1) * e]);
+                history[history.len() - s.kept[b] + t]
+            }));
+        }
+        let table = if observing { None } else { self.input_table() };
+        if table.is_none() {
+            s.x.clear();
+            s.x.resize(tokens * e, 0.0);
+            for (&item, row) in s.items.iter().zip(s.x.chunks_exact_mut(e)) {
+                self.item_embedding.add_row_into(item as usize, row);
             }
         }
         s.state.clear();
@@ -243,14 +297,18 @@ impl Gru4Rec {
         let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
             let last = l + 1 == n_layers;
-            layer.input.forward_into(
-                self.kernels,
-                &s.x,
-                &mut s.input_gates,
-                &mut s.quantized,
-                threads,
-                observe,
-            );
+            // The input side: read from the first layer's table by item, else computed per token.
+            let from_table = table.filter(|_| l == 0);
+            if from_table.is_none() {
+                layer.input.forward_into(
+                    self.kernels,
+                    &s.x,
+                    &mut s.input_gates,
+                    &mut s.quantized,
+                    threads,
+                    observe,
+                );
+            }
             s.state.fill(0.0);
             if !last {
                 s.next.resize(tokens * h, 0.0);
@@ -267,7 +325,15 @@ impl Gru4Rec {
                     observe,
                 );
                 let start = s.step_starts[t];
-                let input_gates = &s.input_gates[start * 3 * h..(start + running) * 3 * h];
+                let input_gates = |r: usize| -> &[f32] {
+                    match from_table {
+                        Some(table) => {
+                            let item = s.items[start + r] as usize;
+                            &table[item * 3 * h..(item + 1) * 3 * h]
+                        }
+                        None => &s.input_gates[(start + r) * 3 * h..(start + r + 1) * 3 * h],
+                    }
+                };
                 self.gru_step(
                     input_gates,
                     &s.recurrent_gates,
@@ -303,9 +369,9 @@ impl Gru4Rec {
     /// from the input and from the state, biases included), updating `state` in place:
     /// `r = σ(i_r + h_r)`, `z = σ(i_z + h_z)`, `n = tanh(i_n + r h_n)`, `h = (1 - z) n + z h`.
     /// The sigmoid is `(1 + tanh(x / 2)) / 2`, on the ISA's vectorised tanh.
-    fn gru_step(
+    fn gru_step<'a>(
         &self,
-        input_gates: &[f32],
+        input_gates: impl Fn(usize) -> &'a [f32],
         recurrent_gates: &[f32],
         state: &mut [f32],
         reset_update: &mut Vec<f32>,
@@ -314,35 +380,32 @@ impl Gru4Rec {
         let h = self.config.hidden_size;
         let rows = state.len() / h;
         let tanh = self.kernels.elementwise.tanh;
-        reset_update.clear();
-        for r in 0..rows {
+        reset_update.resize(rows * 2 * h, 0.0);
+        for (r, out) in reset_update.chunks_exact_mut(2 * h).enumerate() {
             let (i, g) = (
-                &input_gates[r * 3 * h..r * 3 * h + 2 * h],
+                &input_gates(r)[..2 * h],
                 &recurrent_gates[r * 3 * h..r * 3 * h + 2 * h],
             );
-            reset_update.extend(i.iter().zip(g).map(|(a, b)| 0.5 * (a + b)));
+            for ((o, a), b) in out.iter_mut().zip(i).zip(g) {
+                *o = 0.5 * (a + b);
+            }
         }
         tanh(reset_update);
-        for v in reset_update.iter_mut() {
-            *v = 0.5 + 0.5 * *v;
-        }
-        candidate.clear();
-        for r in 0..rows {
+        candidate.resize(rows * h, 0.0);
+        for (r, out) in candidate.chunks_exact_mut(h).enumerate() {
             let reset = &reset_update[r * 2 * h..r * 2 * h + h];
-            let i_n = &input_gates[r * 3 * h + 2 * h..(r + 1) * 3 * h];
+            let i_n = &input_gates(r)[2 * h..];
             let h_n = &recurrent_gates[r * 3 * h + 2 * h..(r + 1) * 3 * h];
-            candidate.extend(
-                i_n.iter()
-                    .zip(h_n)
-                    .zip(reset)
-                    .map(|((a, b), reset)| a + reset * b),
-            );
+            for (((o, a), b), t) in out.iter_mut().zip(i_n).zip(h_n).zip(reset) {
+                *o = a + (0.5 + 0.5 * t) * b;
+            }
         }
         tanh(candidate);
-        for r in 0..rows {
+        for (r, state) in state.chunks_exact_mut(h).enumerate() {
             let update = &reset_update[r * 2 * h + h..(r + 1) * 2 * h];
             let new = &candidate[r * h..(r + 1) * h];
-            for ((s, z), n) in state[r * h..(r + 1) * h].iter_mut().zip(update).zip(new) {
+            for ((s, t), n) in state.iter_mut().zip(update).zip(new) {
+                let z = 0.5 + 0.5 * t;
                 *s = (1.0 - z) * n + z * *s;
             }
         }
@@ -356,6 +419,8 @@ pub struct Gru4RecScratch {
     kept: Vec<usize>,
     /// The batch's histories, longest first.
     order: Vec<usize>,
+    /// The tokens' items, step after step.
+    items: Vec<u32>,
     /// Per step: how many histories are still running, and the row their tokens start at.
     running: Vec<usize>,
     step_starts: Vec<usize>,

@@ -319,7 +319,10 @@ impl Model {
 
     /// Hidden vectors `[B, d]` for a batch of histories of internal indices (1..=N, oldest first).
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
-        self.encode_observed(histories, &mut |_, _| {})
+        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+        let mut scratch = EncodeScratch::default();
+        self.encode_in(histories, &mut scratch, &mut hidden, &mut notes, 1, None);
+        (hidden, notes)
     }
 
     /// [`Model::encode`], showing every dense layer's input to `observe`.
@@ -330,7 +333,14 @@ impl Model {
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
         let mut scratch = EncodeScratch::default();
-        self.encode_in(histories, &mut scratch, &mut hidden, &mut notes, 1, observe);
+        self.encode_in(
+            histories,
+            &mut scratch,
+            &mut hidden,
+            &mut notes,
+            1,
+            Some(observe),
+        );
         (hidden, notes)
     }
 
@@ -359,8 +369,7 @@ impl Model {
         notes: &mut Vec<HistoryNote>,
         threads: usize,
     ) {
-        let observe = &mut |_: &str, _: &[f32]| {};
-        self.encode_in(histories, scratch, hidden, notes, threads.max(1), observe)
+        self.encode_in(histories, scratch, hidden, notes, threads.max(1), None)
     }
 
     /// The one place a batch is dispatched to its model's encoder.
@@ -371,8 +380,14 @@ impl Model {
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
         threads: usize,
-        observe: ActivationObserver<'_>,
+        observer: Option<ActivationObserver<'_>>,
     ) {
+        let observing = observer.is_some();
+        let mut unobserved = |_: &str, _: &[f32]| {};
+        let observe: ActivationObserver<'_> = match observer {
+            Some(observe) => observe,
+            None => &mut unobserved,
+        };
         match self {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.encode_into(
                 histories,
@@ -396,6 +411,7 @@ impl Model {
                 hidden,
                 notes,
                 threads,
+                observing,
                 observe,
             ),
         }

@@ -1,0 +1,240 @@
+"""SASRec and GRU4Rec against ONNX Runtime and OpenVINO, same weights and histories, same
+invocation, same threads.
+
+    scripts/bench.sh sequential [--threads 2] [--out FILE.md]
+
+recsys: `model_probe` (the engine: encode + fused score + top-k with the history excluded).
+Peers: each model as `torch.onnx.export` writes it from RecBole's module, built here with
+onnx.helper from the same weights. SASRec: the padded sequence (the last L items, left-aligned)
+through every layer at every position, RecBole's additive mask (-10000 on PAD keys and on keys
+after the query), the last item's row gathered, the tied output layer, TopK. GRU4Rec: the item
+embedding, the ONNX `GRU` operator over the padded sequence (`linear_before_reset = 1`, as PyTorch
+exports `nn.GRU`), the dense layer at every slot, the last item's row, the output layer, TopK. The
+exclusion of the history is an additive -inf mask input. That one ONNX model runs in ONNX Runtime,
+in OpenVINO with f32 inference forced and in OpenVINO at its default precision, each with one
+stream and the same threads; peer timings cover inference only. recsys and the peers alternate for
+two rounds; each side keeps its best median. Batch-1 rows also give recsys on one thread.
+
+Models: the trained fixtures (N = 2000, L = 50) and MovieLens-1M's shapes with random weights
+(3,416 items; SASRec hidden 64, 2 layers, 2 heads, inner 256, max_len 200; GRU4Rec embedding 64,
+hidden 128, 1 layer, max_len 200), on histories with MovieLens-1M's lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from bench_models import (FIX, K, RECSYS, Graph, alternating, ml1m_histories, one_thread, probe,
+                          read_safetensors, write_safetensors)
+
+ML1M_ITEMS = 3416
+
+
+def last_row(g: Graph, x: str, width: int) -> str:
+    """The last item's row of `x` ([B, L, width]) by the `last_onehot` input ([B, L])."""
+    axes = g.const(np.array([1], dtype=np.int64))
+    picked = g.op("MatMul", g.op("Unsqueeze", "last_onehot", axes), x)
+    return g.op("Reshape", picked, g.const(np.array([0, width], dtype=np.int64)))
+
+
+def scores_and_session(g: Graph, h: str, table: np.ndarray, n_out: int, seq_len: int, threads: int):
+    logits = g.op("Add", g.op("MatMul", h, g.const(np.ascontiguousarray(table[:n_out].T))), "exclude")
+    inputs = [helper.make_tensor_value_info("item_seq", TensorProto.INT64, ["B", seq_len]),
+              helper.make_tensor_value_info("last_onehot", TensorProto.FLOAT, ["B", seq_len]),
+              helper.make_tensor_value_info("exclude", TensorProto.FLOAT, ["B", n_out])]
+    return g.session(inputs, logits, threads)
+
+
+def sasrec_session(w, cfg, threads):
+    H, L, heads = cfg["hidden_size"], cfg["max_seq_length"], cfg["n_heads"]
+    dh, n_out = H // heads, cfg["n_real_items"] + 1
+    g = Graph()
+    x = g.op("Add", g.op("Gather", g.const(w["item_embedding.weight"]), "item_seq"), g.const(w["position_embedding.weight"]))
+    x = g.ln(x, w["LayerNorm.weight"], w["LayerNorm.bias"], 1e-12)
+    # RecBole's extended mask: (key is an item) and (key <= query), else -10000; [B, 1, L, L].
+    is_item = g.op("Not", g.op("Equal", "item_seq", g.const(np.int64(0))))
+    causal = g.const(np.tril(np.ones((L, L), dtype=bool)))
+    keys = g.op("Unsqueeze", is_item, g.const(np.array([1, 2], dtype=np.int64)))
+    allowed = g.op("And", keys, causal)
+    mask = g.op("Where", allowed, g.const(np.float32(0.0)), g.const(np.float32(-10000.0)))
+    split = g.const(np.array([0, 0, heads, dh], dtype=np.int64))
+    merge = g.const(np.array([0, 0, H], dtype=np.int64))
+    for l in range(cfg["n_layers"]):
+        p = f"trm_encoder.layer.{l}."
+        a = p + "multi_head_attention."
+        heads_of = lambda t, perm: g.op("Transpose", g.op("Reshape", t, split), perm=perm)  # noqa: E731
+        q = heads_of(g.linear(x, w[a + "query.weight"], w[a + "query.bias"]), [0, 2, 1, 3])
+        k = heads_of(g.linear(x, w[a + "key.weight"], w[a + "key.bias"]), [0, 2, 3, 1])
+        v = heads_of(g.linear(x, w[a + "value.weight"], w[a + "value.bias"]), [0, 2, 1, 3])
+        s = g.op("Add", g.op("Div", g.op("MatMul", q, k), g.const(np.float32(math.sqrt(dh)))), mask)
+        c = g.op("Reshape", g.op("Transpose", g.op("MatMul", g.op("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3]), merge)
+        x = g.ln(g.op("Add", g.linear(c, w[a + "dense.weight"], w[a + "dense.bias"]), x),
+                 w[a + "LayerNorm.weight"], w[a + "LayerNorm.bias"], 1e-12)
+        f = p + "feed_forward."
+        inner = g.gelu(g.linear(x, w[f + "dense_1.weight"], w[f + "dense_1.bias"]))
+        x = g.ln(g.op("Add", g.linear(inner, w[f + "dense_2.weight"], w[f + "dense_2.bias"]), x),
+                 w[f + "LayerNorm.weight"], w[f + "LayerNorm.bias"], 1e-12)
+    return scores_and_session(g, last_row(g, x, H), w["item_embedding.weight"], n_out, L, threads)
+
+
+def gru_gates_onnx_order(m: np.ndarray, hidden: int) -> np.ndarray:
+    """PyTorch's (reset, update, new) rows as ONNX's (update, reset, new)."""
+    r, z, n = m[:hidden], m[hidden:2 * hidden], m[2 * hidden:]
+    return np.concatenate([z, r, n])
+
+
+def gru4rec_session(w, cfg, threads):
+    E, G, L, n_out = cfg["embedding_size"], cfg["hidden_size"], cfg["max_seq_length"], cfg["n_real_items"] + 1
+    g = Graph()
+    x = g.op("Transpose", g.op("Gather", g.const(w["item_embedding.weight"]), "item_seq"), perm=[1, 0, 2])
+    for l in range(cfg["num_layers"]):
+        wi = gru_gates_onnx_order(w[f"gru_layers.weight_ih_l{l}"], G)[None]
+        wh = gru_gates_onnx_order(w[f"gru_layers.weight_hh_l{l}"], G)[None]
+        bias = np.zeros((1, 6 * G), dtype=np.float32)
+        y = g.op("GRU", x, g.const(wi), g.const(wh), g.const(bias), hidden_size=G, linear_before_reset=1)
+        x = g.op("Squeeze", y, g.const(np.array([1], dtype=np.int64)))
+    x = g.op("Transpose", x, perm=[1, 0, 2])
+    # RecBole applies the dense layer at every slot, then gathers the last item's.
+    dense = g.linear(x, w["dense.weight"], w["dense.bias"])
+    return scores_and_session(g, last_row(g, dense, E), w["item_embedding.weight"], n_out, L, threads)
+
+
+def feeds(batch_hist: list[list[int]], ext_to_int: dict, L: int, N: int) -> dict:
+    """The last L items, left-aligned; the last item's slot as a one-hot; PAD and the history
+    excluded."""
+    seq = np.zeros((len(batch_hist), L), dtype=np.int64)
+    onehot = np.zeros((len(batch_hist), L), dtype=np.float32)
+    excl = np.zeros((len(batch_hist), N + 1), dtype=np.float32)
+    for i, h in enumerate(batch_hist):
+        ids = [ext_to_int[x] for x in h]
+        tail = ids[-L:]
+        seq[i, : len(tail)] = tail
+        onehot[i, len(tail) - 1] = 1.0
+        excl[i, 0] = -np.inf
+        excl[i, ids] = -np.inf
+    return {"item_seq": seq, "last_onehot": onehot, "exclude": excl}
+
+
+def ml1m_model(kind: str, tmp: Path, rng) -> tuple[Path, Path, Path]:
+    """A SASRec or GRU4Rec of MovieLens-1M's shape with random weights: checkpoint, config, item map."""
+    n, L = ML1M_ITEMS, 200
+    normal = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.05)  # noqa: E731
+    if kind == "sasrec":
+        h, inner = 64, 256
+        w = {"item_embedding.weight": normal(n + 1, h), "position_embedding.weight": normal(L, h),
+             "LayerNorm.weight": np.ones(h, np.float32), "LayerNorm.bias": np.zeros(h, np.float32)}
+        for l in range(2):
+            p = f"trm_encoder.layer.{l}."
+            for m in ["query", "key", "value", "dense"]:
+                w[p + f"multi_head_attention.{m}.weight"] = normal(h, h)
+                w[p + f"multi_head_attention.{m}.bias"] = normal(h)
+            for ln in ["multi_head_attention.LayerNorm", "feed_forward.LayerNorm"]:
+                w[p + ln + ".weight"] = np.ones(h, np.float32)
+                w[p + ln + ".bias"] = np.zeros(h, np.float32)
+            w[p + "feed_forward.dense_1.weight"] = normal(inner, h)
+            w[p + "feed_forward.dense_1.bias"] = normal(inner)
+            w[p + "feed_forward.dense_2.weight"] = normal(h, inner)
+            w[p + "feed_forward.dense_2.bias"] = normal(h)
+        cfg = {"n_real_items": n, "max_seq_length": L, "n_layers": 2, "n_heads": 2, "hidden_size": h,
+               "inner_size": inner, "layer_norm_eps": 1e-12}
+    else:
+        e, hidden = 64, 128
+        w = {"item_embedding.weight": normal(n + 1, e), "gru_layers.weight_ih_l0": normal(3 * hidden, e),
+             "gru_layers.weight_hh_l0": normal(3 * hidden, hidden), "dense.weight": normal(e, hidden),
+             "dense.bias": normal(e)}
+        cfg = {"n_real_items": n, "max_seq_length": L, "embedding_size": e, "hidden_size": hidden, "num_layers": 1}
+    ckpt, cfg_path, item_map = tmp / f"ml1m_{kind}.safetensors", tmp / f"ml1m_{kind}.json", tmp / "ml1m_map.tsv"
+    write_safetensors(ckpt, w)
+    cfg_path.write_text(json.dumps(cfg))
+    item_map.write_text("internal_index\texternal_item_id\n" + "".join(f"{i + 1}\t{2_000_001 + i}\n" for i in range(n)))
+    return ckpt, cfg_path, item_map
+
+
+def main() -> None:
+    import onnxruntime as ort
+
+    try:
+        import openvino as ov
+    except ImportError:  # pragma: no cover
+        ov = None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    threads = args.threads
+    rows = []
+    ov_default = "-"
+    test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        rng = np.random.default_rng(33)
+        for kind, label in [("sasrec", "SASRec"), ("gru4rec", "GRU4Rec")]:
+            specs = [(f"{label} (fixture)", FIX / kind / "model.safetensors", FIX / kind / "config.json",
+                      FIX / kind / "item_id_map.tsv", None),
+                     (f"{label} (ML-1M shape, random weights)", *ml1m_model(kind, tmp, rng), "ml1m")]
+            for row_label, ckpt, cfg_path, map_path, synthetic in specs:
+                cfg = json.loads(cfg_path.read_text())
+                w = read_safetensors(ckpt)
+                if kind == "gru4rec" and "gru_layers.bias_ih_l0" in w:
+                    raise SystemExit("the peer graph here assumes RecBole's bias-free GRU")
+                engine = tmp / f"{kind}_{synthetic or 'fixture'}"
+                subprocess.run([str(RECSYS), "convert", "--kind", kind, "--checkpoint", str(ckpt),
+                                "--config", str(cfg_path), "--item-map", str(map_path), "--out", str(engine)],
+                               check=True, capture_output=True)
+                ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
+                if synthetic:
+                    histories = ml1m_histories(sorted(ext_to_int), rng)
+                else:
+                    histories = [[int(x) for x in t[2].split()] for t in test[:640]]
+                L, N = cfg["max_seq_length"], cfg["n_real_items"]
+                sess = (sasrec_session if kind == "sasrec" else gru4rec_session)(w, cfg, threads)
+                ov_default = sess.ov_default_precision
+                int_to_ext = {v: k for k, v in ext_to_int.items()}
+                for batch in [1, 64]:
+                    batches = [feeds(histories[i * batch:(i + 1) * batch], ext_to_int, L, N)
+                               for i in range(max(1, min(10, len(histories) // batch)))]
+                    reps = (300 if batch == 1 else 30) // (3 if synthetic else 1)
+                    ours, theirs = alternating(lambda: probe(engine, histories, batch, threads, reps, tmp), sess,
+                                               batches, reps)
+                    ort_top = sess.runners["ORT"](batches[0])[0].tolist()
+                    agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
+                    rows.append((row_label, N, batch, ours["median_s"], theirs, agree,
+                                 one_thread(engine, histories, batch, reps)))
+
+    peer_names = ["ORT", "OV f32", "OV default"] if ov is not None else ["ORT"]
+    versions = f"onnxruntime {ort.__version__}" + (f", OpenVINO {ov.__version__.split('-')[0]} (default precision here: "
+                                                  f"{ov_default})" if ov is not None else "")
+    lines = [
+        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for everyone; "
+        f"{versions}; recsys fp32 ({ours['isa']} kernels); top-{K} with the history excluded; each side's best "
+        "median of two alternating rounds",
+        "",
+        "| model | items | batch | recsys ms/batch | recsys on 1 thread ms | " + " | ".join(f"{p} ms" for p in peer_names)
+        + " | faster f32 peer / recsys | " + ("OV default / recsys | " if ov is not None else "")
+        + "top-10 agreement, first history |",
+        "|---|---|---|---|---|" + "---|" * len(peer_names) + "---|" + ("---|" if ov is not None else "") + "---|",
+    ]
+    for label, n, batch, ours_s, theirs, agree, single in rows:
+        fastest = min(theirs[p] for p in peer_names if p != "OV default")
+        cells = ["-" if single is None else f"{1000 * single:.3f}"] + [f"{1000 * theirs[p]:.3f}" for p in peer_names]
+        ratio = [f"**{fastest / ours_s:.2f}**"] + ([f"{theirs['OV default'] / ours_s:.2f}"] if ov is not None else [])
+        lines.append(f"| {label} | {n} | {batch} | {1000 * ours_s:.3f} | " + " | ".join(cells + ratio) + f" | {agree:.1f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
