@@ -185,9 +185,10 @@ per batch size. The recommendation is the fastest variant (p50 at the first --ba
 within --budget-ndcg10, with the command that converts it."
 )]
 pub struct SweepArgs {
-    /// Model architecture of the checkpoint (as for `recsys convert`).
+    /// Model architecture of the checkpoint (as for `recsys convert`: optional for a RecBole
+    /// checkpoint, whose own config names it).
     #[arg(long, value_enum)]
-    pub kind: Kind,
+    pub kind: Option<Kind>,
     /// Trained weights (as for `recsys convert`).
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -486,7 +487,7 @@ sha256), weights.safetensors and item_ids.tsv; loading it verifies every checksu
 )]
 pub struct ConvertArgs {
     /// Model architecture of the checkpoint. Optional for a RecBole checkpoint, whose own config
-    /// names it (BERT4Rec, MultiVAE); checked against that config when given.
+    /// names it (BERT4Rec, MultiVAE, SASRec, GRU4Rec); checked against that config when given.
     #[arg(long, value_enum)]
     pub kind: Option<Kind>,
     /// Trained weights: .safetensors, a torch.save state dict (.pt/.pth), or a RecBole checkpoint.

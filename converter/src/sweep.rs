@@ -219,7 +219,8 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
 
 pub fn run(args: &SweepArgs) -> Result<i32> {
     let variants = parse_variants(args)?;
-    let kind = ModelKind::from(args.kind);
+    // None: a RecBole checkpoint names its own model (the first conversion reads it).
+    let mut kind = args.kind.map(ModelKind::from);
     // A budget below zero would exclude even fp32, leaving nothing to recommend.
     let budget = args
         .budget_ndcg10
@@ -274,7 +275,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         bar.set_message(variant.name.clone());
         let dir = args.output.join("engines").join(&variant.name);
         let mut engine = recsys_engine::convert(&ConvertRequest {
-            kind: Some(kind),
+            kind,
             checkpoint: &args.checkpoint,
             config: config.as_ref(),
             item_map: &args.item_map,
@@ -289,6 +290,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             screen: variant.screen,
             w8a8_layers: variant.layers,
         })?;
+        kind = Some(engine.kind());
         engine.set_threads(crate::cli::default_threads(args.threads));
         let resident = engine.memory_bytes() as u64;
         let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
@@ -363,6 +365,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
                 .expect("finite")
         })
         .expect("fp32 is always within the budget");
+    let kind = kind.expect("at least one variant was converted");
     let command = format!(
         "recsys convert --kind {} --checkpoint {} {} --item-map {} --out ENGINE_DIR {}",
         kind,

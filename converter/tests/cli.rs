@@ -1107,6 +1107,46 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("non-negative percentage"));
 }
 
+/// A RecBole checkpoint names its model, so a sweep of one needs no --kind (SASRec here); its
+/// fp32 row is RecBole's metrics and the recommended command names the kind it read.
+#[test]
+fn sweep_of_a_recbole_checkpoint_reads_its_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("sasrec");
+    let out = tmp.path().join("sweep");
+    let run = recsys()
+        .args(["sweep", "--precisions", "fp32,fp16", "--batch-size", "1"])
+        .args(["--seconds", "0.05", "--compare-users", "50", "--checkpoint"])
+        .arg(dir.join("recbole_checkpoint.pth"))
+        .arg("--item-map")
+        .arg(dir.join("item_id_map.tsv"))
+        .arg("--test")
+        .arg(fixtures().join("test_set.tsv"))
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["model"], "sasrec");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("metrics.json")).unwrap()).unwrap();
+    let got = report["variants"][0]["metrics"]["ndcg@10"]
+        .as_f64()
+        .unwrap();
+    let want = expected["test_float64"]["ndcg@10"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-6, "{got} vs {want}");
+    assert!(report["recommendation"]["command"]
+        .as_str()
+        .unwrap()
+        .starts_with("recsys convert --kind sasrec"));
+}
+
 #[test]
 fn every_flag_of_every_command_has_help() {
     for command in [
