@@ -60,7 +60,7 @@ trap 'rm -f "$build_log"' EXIT
 } >"$build_log"
 
 rm -rf "$dir"
-mkdir -p "$dir/bin" "$dir/fixtures/bert4rec" "$dir/fixtures/multivae"
+mkdir -p "$dir/bin" "$dir/fixtures/bert4rec" "$dir/fixtures/multivae" "$dir/fixtures/sasrec" "$dir/fixtures/gru4rec"
 # Bundle names: gpu_lib, gpu_kernels, gpu_model, nvrtc_compile, backend_lib, gpu_bench, gpu_model_bench.
 while read -r name path; do
   case "$name" in
@@ -76,7 +76,7 @@ for needed in gpu_lib gpu_kernels gpu_model nvrtc_compile backend_lib gpu_bench 
 done
 
 cp tests/fixtures/test_set.tsv "$dir/fixtures/"
-for model in bert4rec multivae; do
+for model in bert4rec multivae sasrec gru4rec; do
   cp tests/fixtures/$model/{config.json,item_id_map.tsv,model.safetensors} "$dir/fixtures/$model/"
 done
 cp gpu/bundle/run.sh "$dir/run.sh"

@@ -77,9 +77,16 @@ TABLE_ENTRIES(embedding_bag,
 
 int recsys_emu_attention(unsigned sequences, unsigned heads, const float* q, const float* k,
                          const float* v, const u32* seq_offsets, float* out, u32 head_dim,
-                         u32 width) {
+                         u32 width, u32 causal) {
     return emu::launch("attention", dim3(sequences, heads), dim3(ENC_THREADS), 0,
-                       [=] { attention(q, k, v, seq_offsets, out, head_dim, width); });
+                       [=] { attention(q, k, v, seq_offsets, out, head_dim, width, causal); });
+}
+
+int recsys_emu_gru_gates(unsigned rows, const float* input_gates, const float* state_gates,
+                         float* state, float* outputs, u32 first_token, u32 hidden) {
+    return emu::launch("gru_gates", dim3(rows), dim3(ENC_THREADS), 0, [=] {
+        gru_gates(input_gates, state_gates, state, outputs, first_token, hidden);
+    });
 }
 
 int recsys_emu_gather_rows(unsigned count, const float* src, const u32* rows, float* dst,

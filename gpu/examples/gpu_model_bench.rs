@@ -21,14 +21,14 @@ fn main() {
     let fixtures = recsys_engine::fixtures::dir();
     let cases = read_test_set(&fixtures.join("test_set.tsv")).expect("fixture test set");
     if dry_run {
-        for dir in ["bert4rec", "multivae"] {
+        for dir in ["bert4rec", "multivae", "sasrec", "gru4rec"] {
             for file in ["config.json", "item_id_map.tsv", "model.safetensors"] {
                 let path = fixtures.join(dir).join(file);
                 assert!(path.is_file(), "fixture {} missing", path.display());
             }
         }
         println!(
-            "gpu_model_bench: starts; {} test histories and both fixtures found; CUDA driver {}",
+            "gpu_model_bench: starts; {} test histories and the four fixtures found; CUDA driver {}",
             cases.len(),
             if recsys_gpu::cuda::driver_present() {
                 "present"
@@ -43,6 +43,8 @@ fn main() {
     for (kind, name, dir) in [
         (ModelKind::Bert4rec, "bert4rec", "bert4rec"),
         (ModelKind::Vaecf, "vaecf", "multivae"),
+        (ModelKind::Sasrec, "sasrec", "sasrec"),
+        (ModelKind::Gru4rec, "gru4rec", "gru4rec"),
     ] {
         let model = fixtures.join(dir);
         let config: serde_json::Map<String, serde_json::Value> =

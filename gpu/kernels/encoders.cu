@@ -126,14 +126,17 @@ __device__ __forceinline__ float enc_warp_sum(float v) {
     return v;
 }
 
-// Bidirectional self-attention within each sequence: out = softmax(q k^T / sqrt(d)) v per head.
+// Self-attention within each sequence: out = softmax(q k^T / sqrt(d)) v per head, over every key
+// of the sequence (BERT4Rec) or, when `causal` (SASRec), over the keys up to the query's own slot
+// (RecBole's -10000 on the later ones weighs exactly 0 after its softmax).
 // Block (sequence, head); each warp takes one query at a time, its lanes splitting the head's
 // dimensions (two each at most), and walks the sequence's keys with a running (online) softmax.
 // Rows are tokens of the stacked batch, [tokens, width] with width = heads * head_dim;
 // seq_offsets[s]..seq_offsets[s + 1] are sequence s's tokens.
 extern "C" __global__ void __launch_bounds__(ENC_THREADS) attention(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    const u32* __restrict__ seq_offsets, float* __restrict__ out, u32 head_dim, u32 width) {
+    const u32* __restrict__ seq_offsets, float* __restrict__ out, u32 head_dim, u32 width,
+    u32 causal) {
     const u32 seq = blockIdx.x, head = blockIdx.y;
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const u32 begin = seq_offsets[seq], end = seq_offsets[seq + 1];
@@ -144,7 +147,8 @@ extern "C" __global__ void __launch_bounds__(ENC_THREADS) attention(
         const float q0 = has0 ? q[(size_t)query * width + c0] : 0.0f;
         const float q1 = has1 ? q[(size_t)query * width + c1] : 0.0f;
         float running_max = __int_as_float(0xff800000), denominator = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
-        for (u32 key = begin; key < end; ++key) {
+        const u32 keys_end = causal ? query + 1 : end;
+        for (u32 key = begin; key < keys_end; ++key) {
             float part = (has0 ? q0 * k[(size_t)key * width + c0] : 0.0f) +
                          (has1 ? q1 * k[(size_t)key * width + c1] : 0.0f);
             const float score = enc_warp_sum(part) * scale;
@@ -161,7 +165,31 @@ extern "C" __global__ void __launch_bounds__(ENC_THREADS) attention(
     }
 }
 
-// dst[i] = src[rows[i]] (BERT4Rec's [MASK] rows), one block per row.
+// One GRU step (GRU4Rec) for the histories still running, rows 0..gridDim.x of `state`, in
+// PyTorch's gate order (reset, update, new): r = sigmoid(i_r + h_r), z = sigmoid(i_z + h_z),
+// n = tanh(i_n + r h_n), h = (1 - z) n + z h. `input_gates` holds the input side of every token's
+// gates ([tokens, 3 hidden], biases included), this step's rows from `first_token` on;
+// `state_gates` the state side of the running rows ([rows, 3 hidden]). The new state is also
+// written to outputs[first_token + row] (the next layer's input). One block per row.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) gru_gates(
+    const float* __restrict__ input_gates, const float* __restrict__ state_gates,
+    float* __restrict__ state, float* __restrict__ outputs, u32 first_token, u32 hidden) {
+    const u32 row = blockIdx.x;
+    const float* i = input_gates + (size_t)(first_token + row) * 3 * hidden;
+    const float* g = state_gates + (size_t)row * 3 * hidden;
+    for (u32 c = threadIdx.x; c < hidden; c += ENC_THREADS) {
+        const float reset = 1.0f / (1.0f + expf(-(i[c] + g[c])));
+        const float update = 1.0f / (1.0f + expf(-(i[hidden + c] + g[hidden + c])));
+        const float candidate = tanhf(i[2 * hidden + c] + reset * g[2 * hidden + c]);
+        const size_t at = (size_t)row * hidden + c;
+        const float next = (1.0f - update) * candidate + update * state[at];
+        state[at] = next;
+        outputs[(size_t)(first_token + row) * hidden + c] = next;
+    }
+}
+
+// dst[i] = src[rows[i]] (the answer rows of the transformers, GRU4Rec's batch order), one block
+// per row.
 extern "C" __global__ void __launch_bounds__(ENC_THREADS) gather_rows(
     const float* __restrict__ src, const u32* __restrict__ rows, float* __restrict__ dst, u32 width) {
     const size_t from = (size_t)rows[blockIdx.x] * width, to = (size_t)blockIdx.x * width;

@@ -84,8 +84,18 @@ pub trait Device {
         x: &mut Self::F32,
     ) -> Result<()>;
 
-    /// `attention`: per sequence and head, `softmax(q k^T / sqrt(head_dim)) v`.
+    /// `attention`: per sequence and head, `softmax(q k^T / sqrt(head_dim)) v` (over the keys up
+    /// to each query's slot when causal).
     fn attention(&self, a: &AttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()>;
+
+    /// `gru_gates`: one GRU step of the running rows of `state`, the new state also into
+    /// `outputs` at the step's token rows.
+    fn gru_gates(
+        &self,
+        a: &GruGatesArgs<'_, Self>,
+        state: &mut Self::F32,
+        outputs: &mut Self::F32,
+    ) -> Result<()>;
 
     /// `gather_rows`: `dst[i] = src[rows[i]]`.
     fn gather_rows(
@@ -171,6 +181,18 @@ pub struct AttentionArgs<'a, D: Device + ?Sized> {
     pub sequences: u32,
     pub heads: u32,
     pub head_dim: u32,
+    /// SASRec: each query sees its own and earlier slots only.
+    pub causal: bool,
+}
+
+/// One GRU step: `rows` running histories, whose input-side gates are the rows of `input_gates`
+/// from `first_token` on and whose state-side gates are `state_gates` (`[rows, 3 x hidden]`).
+pub struct GruGatesArgs<'a, D: Device + ?Sized> {
+    pub input_gates: &'a D::F32,
+    pub state_gates: &'a D::F32,
+    pub rows: u32,
+    pub first_token: u32,
+    pub hidden: u32,
 }
 
 /// Mult-VAE's first layer over `rows` histories: their distinct items as CSR, and the bias.
@@ -203,5 +225,6 @@ copy_args!(
     NormArgs,
     TokenArgs,
     AttentionArgs,
+    GruGatesArgs,
     BagArgs
 );

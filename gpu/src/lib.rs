@@ -38,6 +38,7 @@ pub const ENCODER_KERNELS: &[&str] = &[
     "embed_tokens_f16",
     "embed_tokens_i8",
     "attention",
+    "gru_gates",
     "gather_rows",
     "embedding_bag_f32",
     "embedding_bag_f16",

@@ -1,13 +1,14 @@
 //! A whole model on a [`Device`]: the weights uploaded once, then per batch the encoder
-//! (BERT4Rec's transformer or Mult-VAE's MLP) and the fused score + top-k, so only ids go in and
+//! (BERT4Rec's or SASRec's transformer, GRU4Rec's GRU or Mult-VAE's MLP) and the fused score +
+//! top-k, so only ids go in and
 //! only the top-k comes back. The sequencing mirrors the CPU engine's models line by line; the
 //! CPU engine stays the reference (tests compare the two on the trained fixtures).
 
 use std::sync::Arc;
 
 use recsys_engine::models::{
-    DenseLayer, HistoryNote, Model, ModelView, NormView, OutputLayer, Transformer, TransformerView,
-    VaeCf, VaeCfView,
+    DenseLayer, Gru4Rec, Gru4RecView, HistoryNote, Model, ModelView, NormView, OutputLayer,
+    Transformer, TransformerView, VaeCf, VaeCfView,
 };
 use recsys_engine::tensor::Tensor;
 use recsys_engine::topk::Scored;
@@ -17,7 +18,7 @@ use recsys_engine::InternalRequest;
 
 use crate::device::{
     Activation, AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
-    NormArgs, Stage1Inputs, TokenArgs,
+    GruGatesArgs, NormArgs, Stage1Inputs, TokenArgs,
 };
 use crate::{
     exclusion_csr, merge_plan, ranked_rows, stage1_launch, GpuError, Ranked, Result, TILE,
@@ -366,17 +367,44 @@ struct DeviceTransformerLayer<D: Device> {
     ffn_norm: DeviceNorm<D>,
 }
 
-struct DeviceBert4Rec<D: Device> {
-    /// `[N+2, d]`; its first N+1 rows are also the output layer's weights.
+/// BERT4Rec's output head: `LayerNorm(gelu(dense(h)))`.
+struct DeviceHead<D: Device> {
+    dense: DeviceDense<D>,
+    norm: DeviceNorm<D>,
+}
+
+/// BERT4Rec or SASRec.
+struct DeviceTransformer<D: Device> {
+    /// `[N+2, d]` (BERT4Rec) or `[N+1, d]` (SASRec); its first N+1 rows are also the output
+    /// layer's weights.
     item_embedding: Arc<DeviceMatrix<D>>,
     position_embedding: D::F32,
     embedding_norm: DeviceNorm<D>,
     layers: Vec<DeviceTransformerLayer<D>>,
-    head_dense: DeviceDense<D>,
-    head_norm: DeviceNorm<D>,
+    /// BERT4Rec only.
+    head: Option<DeviceHead<D>>,
+    /// SASRec's attention.
+    causal: bool,
     hidden: u32,
     heads: u32,
     eps: f64,
+}
+
+/// One GRU layer's input and recurrent projections (`[3 x hidden, in]` and `[3 x hidden, hidden]`).
+struct DeviceGruLayer<D: Device> {
+    input: DeviceDense<D>,
+    recurrent: DeviceDense<D>,
+}
+
+struct DeviceGru4Rec<D: Device> {
+    /// `[N+1, embedding]`: the input table and the output layer's weights.
+    item_embedding: Arc<DeviceMatrix<D>>,
+    /// One row of zeros: the position table of `embed_tokens`, which GRU4Rec has none of.
+    no_positions: D::F32,
+    layers: Vec<DeviceGruLayer<D>>,
+    dense: DeviceDense<D>,
+    embedding: u32,
+    hidden: u32,
 }
 
 struct DeviceVaeCf<D: Device> {
@@ -388,8 +416,9 @@ struct DeviceVaeCf<D: Device> {
 }
 
 enum DeviceEncoder<D: Device> {
-    Bert4rec(DeviceBert4Rec<D>),
+    Transformer(DeviceTransformer<D>),
     Vaecf(DeviceVaeCf<D>),
+    Gru4rec(DeviceGru4Rec<D>),
 }
 
 /// A whole engine on a device.
@@ -412,34 +441,34 @@ impl<D: Device> DeviceModel<D> {
             ));
         }
         let encoder = match engine.model.view() {
-            ModelView::Bert4rec(view) => DeviceEncoder::Bert4rec(Self::bert4rec(&device, &view)?),
-            ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),
-            ModelView::Sasrec(_) | ModelView::Gru4rec(_) => {
-                return Err(GpuError::Invalid(format!(
-                    "{} has no GPU kernels yet (causal attention and the GRU step run on the \
-                     CPU only): serve it with KIND_CPU",
-                    engine.kind()
-                )))
+            ModelView::Bert4rec(view) | ModelView::Sasrec(view) => {
+                DeviceEncoder::Transformer(Self::transformer(&device, &view)?)
             }
+            ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),
+            ModelView::Gru4rec(view) => DeviceEncoder::Gru4rec(Self::gru4rec(&device, &view)?),
         };
         let OutputLayer { weight, bias } = engine.model.output();
         let activation_scale = engine
             .manifest
             .output_activation_scale()
             .map_err(GpuError::Invalid)?;
-        let output = match &encoder {
-            // BERT4Rec's output layer is its item embedding without the [MASK] row (tied weights,
-            // the engine's output matrix is a view of the same rows): one upload serves both.
-            DeviceEncoder::Bert4rec(m) => DeviceOutputLayer::sharing(
+        // The sequential models' output layer is their item embedding (BERT4Rec's without the
+        // [MASK] row; tied weights, the engine's output matrix is a view of the same rows): one
+        // upload serves both.
+        let shared = match &encoder {
+            DeviceEncoder::Transformer(m) => Some(&m.item_embedding),
+            DeviceEncoder::Gru4rec(m) => Some(&m.item_embedding),
+            DeviceEncoder::Vaecf(_) => None,
+        };
+        let output = match shared {
+            Some(table) => DeviceOutputLayer::sharing(
                 &device,
-                Arc::clone(&m.item_embedding),
+                Arc::clone(table),
                 weight,
                 bias,
                 activation_scale,
             )?,
-            DeviceEncoder::Vaecf(_) => {
-                DeviceOutputLayer::new(&device, weight, bias, activation_scale)?
-            }
+            None => DeviceOutputLayer::new(&device, weight, bias, activation_scale)?,
         };
         Ok(DeviceModel {
             device,
@@ -449,26 +478,21 @@ impl<D: Device> DeviceModel<D> {
         })
     }
 
-    fn bert4rec(device: &D, view: &TransformerView<'_>) -> Result<DeviceBert4Rec<D>> {
+    fn transformer(device: &D, view: &TransformerView<'_>) -> Result<DeviceTransformer<D>> {
         let config = view.model.config();
-        let Some(head) = view.head else {
-            return Err(GpuError::Invalid(
-                "a transformer without BERT4Rec's output head".into(),
-            ));
-        };
         let head_dim = config.hidden_size / config.n_heads.max(1);
         if head_dim == 0
             || head_dim > MAX_HEAD_DIM
             || head_dim * config.n_heads != config.hidden_size
         {
             return Err(GpuError::Invalid(format!(
-                "BERT4Rec with hidden size {} and {} heads: the GPU attention takes heads of 1..={MAX_HEAD_DIM}",
+                "a transformer with hidden size {} and {} heads: the GPU attention takes heads of 1..={MAX_HEAD_DIM}",
                 config.hidden_size, config.n_heads
             )));
         }
         let dense = |l: &DenseLayer| DeviceDense::new(device, l);
         let norm = |n: NormView<'_>| DeviceNorm::new(device, n);
-        Ok(DeviceBert4Rec {
+        Ok(DeviceTransformer {
             item_embedding: Arc::new(upload_matrix(device, view.item_embedding)?),
             position_embedding: device.upload_f32(view.position_embedding.as_slice())?,
             embedding_norm: norm(view.embedding_norm)?,
@@ -488,11 +512,40 @@ impl<D: Device> DeviceModel<D> {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?,
-            head_dense: dense(head.dense)?,
-            head_norm: norm(head.norm)?,
+            head: view
+                .head
+                .map(|head| {
+                    Ok::<_, GpuError>(DeviceHead {
+                        dense: dense(head.dense)?,
+                        norm: norm(head.norm)?,
+                    })
+                })
+                .transpose()?,
+            causal: view.causal,
             hidden: config.hidden_size as u32,
             heads: config.n_heads as u32,
             eps: config.layer_norm_eps,
+        })
+    }
+
+    fn gru4rec(device: &D, view: &Gru4RecView<'_>) -> Result<DeviceGru4Rec<D>> {
+        let config = view.model.config();
+        Ok(DeviceGru4Rec {
+            item_embedding: Arc::new(upload_matrix(device, view.item_embedding)?),
+            no_positions: device.upload_f32(&vec![0.0; config.embedding_size])?,
+            layers: view
+                .layers
+                .iter()
+                .map(|l| {
+                    Ok(DeviceGruLayer {
+                        input: DeviceDense::new(device, l.input)?,
+                        recurrent: DeviceDense::new(device, l.recurrent)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+            dense: DeviceDense::new(device, view.dense)?,
+            embedding: config.embedding_size as u32,
+            hidden: config.hidden_size as u32,
         })
     }
 
@@ -517,19 +570,22 @@ impl<D: Device> DeviceModel<D> {
     /// The hidden vectors `[B, d]` the output layer scores, left on the device.
     pub fn encode(&self, histories: &[&[u32]]) -> Result<(D::F32, Vec<HistoryNote>)> {
         match (&self.encoder, &self.engine.model) {
-            (DeviceEncoder::Bert4rec(m), Model::Bert4rec(model)) => {
-                self.encode_bert4rec(m, model, histories)
+            (DeviceEncoder::Transformer(m), Model::Bert4rec(model) | Model::Sasrec(model)) => {
+                self.encode_transformer(m, model, histories)
             }
             (DeviceEncoder::Vaecf(m), Model::Vaecf(model)) => {
                 self.encode_vaecf(m, model, histories)
+            }
+            (DeviceEncoder::Gru4rec(m), Model::Gru4rec(model)) => {
+                self.encode_gru4rec(m, model, histories)
             }
             _ => unreachable!("the device encoder is built from the engine's model"),
         }
     }
 
-    fn encode_bert4rec(
+    fn encode_transformer(
         &self,
-        m: &DeviceBert4Rec<D>,
+        m: &DeviceTransformer<D>,
         model: &Transformer,
         histories: &[&[u32]],
     ) -> Result<(D::F32, Vec<HistoryNote>)> {
@@ -580,6 +636,7 @@ impl<D: Device> DeviceModel<D> {
                 sequences: histories.len() as u32,
                 heads: m.heads,
                 head_dim: width / m.heads,
+                causal: m.causal,
             };
             d.attention(&attention, &mut context)?;
             let projected = layer
@@ -596,11 +653,113 @@ impl<D: Device> DeviceModel<D> {
                 .ffn_norm
                 .apply(d, &out, Some(&attended), tokens, width, m.eps)?;
         }
+        // Each sequence's answer row: its last token ([MASK] for BERT4Rec, the last item for
+        // SASRec).
         let rows = histories.len() as u32;
-        let mut masked = d.alloc_f32(histories.len() * width as usize)?;
-        d.gather_rows(&x, &d.upload_u32(&mask_rows)?, &mut masked, rows, width)?;
-        let head = m.head_dense.forward(d, &masked, rows, Activation::Gelu)?;
-        let hidden = m.head_norm.apply(d, &head, None, rows, width, m.eps)?;
+        let mut answers = d.alloc_f32(histories.len() * width as usize)?;
+        d.gather_rows(&x, &d.upload_u32(&mask_rows)?, &mut answers, rows, width)?;
+        let hidden = match &m.head {
+            Some(head) => {
+                let dense = head.dense.forward(d, &answers, rows, Activation::Gelu)?;
+                head.norm.apply(d, &dense, None, rows, width, m.eps)?
+            }
+            None => answers,
+        };
+        Ok((hidden, notes))
+    }
+
+    /// GRU4Rec as the CPU engine runs it: the histories longest first, their tokens step after
+    /// step, so the ones still running at step t are a prefix; each step one dense layer over
+    /// those rows' states and one `gru_gates`; then the dense layer, and the rows back into the
+    /// batch's order.
+    fn encode_gru4rec(
+        &self,
+        m: &DeviceGru4Rec<D>,
+        model: &Gru4Rec,
+        histories: &[&[u32]],
+    ) -> Result<(D::F32, Vec<HistoryNote>)> {
+        let d = &self.device;
+        let (e, h) = (m.embedding as usize, m.hidden as usize);
+        let mut notes = Vec::with_capacity(histories.len());
+        let kept: Vec<&[u32]> = histories
+            .iter()
+            .map(|history| {
+                let (kept, note) = model.model_input(history);
+                notes.push(note);
+                kept
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..histories.len()).collect();
+        order.sort_by_key(|&b| std::cmp::Reverse(kept[b].len()));
+        let steps = order.first().map_or(0, |&b| kept[b].len());
+        let (mut items, mut running, mut starts) = (Vec::new(), Vec::new(), Vec::new());
+        for t in 0..steps {
+            starts.push(items.len() as u32);
+            let now: Vec<usize> = order
+                .iter()
+                .copied()
+                .take_while(|&b| kept[b].len() > t)
+                .collect();
+            running.push(now.len() as u32);
+            items.extend(now.iter().map(|&b| kept[b][t]));
+        }
+        let tokens = items.len();
+        if tokens > crate::MAX_GRID_Y * crate::LINEAR_TILE as usize {
+            return Err(GpuError::Invalid(format!(
+                "{tokens} tokens in one batch: the GPU dense layers take at most {}",
+                crate::MAX_GRID_Y * crate::LINEAR_TILE as usize
+            )));
+        }
+        let batch = histories.len();
+        let mut state = d.upload_f32(&vec![0.0; batch * h])?;
+        if tokens > 0 {
+            let mut x = d.alloc_f32(tokens * e)?;
+            let (items_on_device, positions) =
+                (d.upload_u32(&items)?, d.upload_u32(&vec![0; tokens])?);
+            let token_args = TokenArgs {
+                items: &items_on_device,
+                positions: &positions,
+                position_table: &m.no_positions,
+                tokens: tokens as u32,
+                width: m.embedding,
+            };
+            d.embed_tokens(&m.item_embedding, &token_args, &mut x)?;
+            for (l, layer) in m.layers.iter().enumerate() {
+                let input_gates = layer
+                    .input
+                    .forward(d, &x, tokens as u32, Activation::None)?;
+                if l > 0 {
+                    state = d.upload_f32(&vec![0.0; batch * h])?;
+                }
+                let mut outputs = d.alloc_f32(tokens * h)?;
+                for (&rows, &first_token) in running.iter().zip(&starts) {
+                    let state_gates = layer.recurrent.forward(d, &state, rows, Activation::None)?;
+                    let step = GruGatesArgs {
+                        input_gates: &input_gates,
+                        state_gates: &state_gates,
+                        rows,
+                        first_token,
+                        hidden: m.hidden,
+                    };
+                    d.gru_gates(&step, &mut state, &mut outputs)?;
+                }
+                x = outputs;
+            }
+        }
+        let projected = m.dense.forward(d, &state, batch as u32, Activation::None)?;
+        // Row i of the answer is the state of history i, at position `rank[i]` of `order`.
+        let mut rank = vec![0u32; batch];
+        for (position, &b) in order.iter().enumerate() {
+            rank[b] = position as u32;
+        }
+        let mut hidden = d.alloc_f32(batch * e)?;
+        d.gather_rows(
+            &projected,
+            &d.upload_u32(&rank)?,
+            &mut hidden,
+            batch as u32,
+            m.embedding,
+        )?;
         Ok((hidden, notes))
     }
 

@@ -1,5 +1,5 @@
 //! Whole models on the device path, run through the emulation (tests/emulated): the trained
-//! PyTorch fixtures converted at every precision, then [`DeviceModel`] (the CUDA path's own
+//! PyTorch/RecBole fixtures (all four models) converted at every precision, then [`DeviceModel`] (the CUDA path's own
 //! sequencing of the encoder and top-k kernels) against the CPU engine, which the golden tests
 //! tie to PyTorch. Histories are the fixture test set's, batched ragged as the server batches them.
 //!
@@ -76,13 +76,55 @@ fn multvae_on_the_device_path_answers_like_the_cpu_engine_at_every_precision() {
 }
 
 #[test]
+fn sasrec_and_gru4rec_on_the_device_path_answer_like_the_cpu_engine_at_every_precision() {
+    for (kind, name) in [
+        (ModelKind::Sasrec, "sasrec"),
+        (ModelKind::Gru4rec, "gru4rec"),
+    ] {
+        compare(
+            EmulatedDevice::default(),
+            kind,
+            Precision::Fp32,
+            &format!("{name}-fp32"),
+            6,
+        );
+        compare(
+            EmulatedDevice::default(),
+            kind,
+            Precision::Fp16,
+            &format!("{name}-fp16"),
+            3,
+        );
+        compare(
+            EmulatedDevice::default(),
+            kind,
+            Precision::Int8,
+            &format!("{name}-int8"),
+            6,
+        );
+    }
+    compare(
+        EmulatedDevice::default(),
+        ModelKind::Gru4rec,
+        Precision::Int8,
+        "w8a8",
+        3,
+    );
+}
+
+#[test]
 fn a_device_that_computes_wrongly_fails_its_self_check() {
     use parity::engine;
     use recsys_gpu::model::DeviceModel;
     use recsys_gpu::GpuError;
     use std::sync::Arc;
     let tmp = tempfile::tempdir().unwrap();
-    for (kind, error) in [(ModelKind::Vaecf, 0.05f32), (ModelKind::Bert4rec, 0.05)] {
+    for (kind, error) in [
+        (ModelKind::Vaecf, 0.05f32),
+        (ModelKind::Bert4rec, 0.05),
+        (ModelKind::Sasrec, 0.05),
+        (ModelKind::Gru4rec, 0.05),
+    ] {
         let engine = Arc::new(engine(
             kind,
             Precision::Fp32,

@@ -23,6 +23,8 @@ fn whole_models_on_the_gpu_answer_like_the_cpu_engine() {
     for (kind, name) in [
         (ModelKind::Bert4rec, "bert4rec"),
         (ModelKind::Vaecf, "vaecf"),
+        (ModelKind::Sasrec, "sasrec"),
+        (ModelKind::Gru4rec, "gru4rec"),
     ] {
         compare(gpu(), kind, Precision::Fp32, &format!("{name}-fp32"), 200);
         compare(gpu(), kind, Precision::Fp16, &format!("{name}-fp16"), 200);

@@ -12,8 +12,8 @@ use cudarc::nvrtc::Ptx;
 
 use super::compile::{check_nvrtc_against_driver, compile_source, driver_present};
 use crate::device::{
-    AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix, NormArgs,
-    Stage1Inputs, TokenArgs,
+    AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
+    GruGatesArgs, NormArgs, Stage1Inputs, TokenArgs,
 };
 use crate::{GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
 
@@ -453,8 +453,10 @@ impl Device for CudaDevice {
             sequences,
             heads,
             head_dim,
+            causal,
         } = *a;
         let width = heads * head_dim;
+        let causal = u32::from(causal);
         let mut b = self.stream.launch_builder(self.function("attention"));
         b.arg(q)
             .arg(k)
@@ -462,12 +464,43 @@ impl Device for CudaDevice {
             .arg(seq_offsets)
             .arg(out)
             .arg(&head_dim)
-            .arg(&width);
+            .arg(&width)
+            .arg(&causal);
         // SAFETY: matches attention(const float* q, const float* k, const float* v,
-        // const u32* seq_offsets, float* out, u32 head_dim, u32 width): q, k, v and out are
-        // tokens x width, seq_offsets sequences + 1 ascending token offsets; head_dim <= 64.
+        // const u32* seq_offsets, float* out, u32 head_dim, u32 width, u32 causal): q, k, v and
+        // out are tokens x width, seq_offsets sequences + 1 ascending token offsets;
+        // head_dim <= 64.
         unsafe { b.launch(Self::grid(sequences, heads, ENC_THREADS, 0)) }
             .map_err(cuda_err("launching attention"))?;
+        Ok(())
+    }
+
+    fn gru_gates(
+        &self,
+        a: &GruGatesArgs<'_, Self>,
+        state: &mut Self::F32,
+        outputs: &mut Self::F32,
+    ) -> Result<()> {
+        let GruGatesArgs {
+            input_gates,
+            state_gates,
+            rows,
+            first_token,
+            hidden,
+        } = *a;
+        let mut b = self.stream.launch_builder(self.function("gru_gates"));
+        b.arg(input_gates)
+            .arg(state_gates)
+            .arg(state)
+            .arg(outputs)
+            .arg(&first_token)
+            .arg(&hidden);
+        // SAFETY: matches gru_gates(const float* input_gates, const float* state_gates,
+        // float* state, float* outputs, u32 first_token, u32 hidden): input_gates and outputs
+        // hold at least first_token + rows rows (3 x hidden and hidden wide), state_gates rows
+        // x 3 hidden, state at least rows x hidden.
+        unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching a GRU step"))?;
         Ok(())
     }
 

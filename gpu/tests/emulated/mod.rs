@@ -15,8 +15,8 @@ use std::sync::OnceLock;
 
 use libloading::{Library, Symbol};
 use recsys_gpu::device::{
-    AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix, NormArgs,
-    Stage1Inputs, TokenArgs,
+    AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
+    GruGatesArgs, NormArgs, Stage1Inputs, TokenArgs,
 };
 use recsys_gpu::{Result, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
 
@@ -528,6 +528,7 @@ impl Device for EmulatedDevice {
             sequences,
             heads,
             head_dim,
+            causal,
         } = *a;
         let width = heads * head_dim;
         assert_len(seq_offsets, sequences as usize + 1, "sequence offsets");
@@ -536,8 +537,18 @@ impl Device for EmulatedDevice {
             assert_len(buffer, tokens * width as usize, "q/k/v");
         }
         assert_len(out, tokens * width as usize, "attention output");
-        type F =
-            unsafe extern "C" fn(u32, u32, P<f32>, P<f32>, P<f32>, P<u32>, M<f32>, u32, u32) -> i32;
+        type F = unsafe extern "C" fn(
+            u32,
+            u32,
+            P<f32>,
+            P<f32>,
+            P<f32>,
+            P<u32>,
+            M<f32>,
+            u32,
+            u32,
+            u32,
+        ) -> i32;
         // SAFETY: the signature of recsys_emu_attention; buffer sizes checked above.
         check(unsafe {
             symbol::<F>("recsys_emu_attention")(
@@ -550,9 +561,45 @@ impl Device for EmulatedDevice {
                 out.as_mut_ptr(),
                 head_dim,
                 width,
+                u32::from(causal),
             )
         });
         assert_written(&out[..tokens * width as usize], "attention");
+        Ok(())
+    }
+
+    fn gru_gates(
+        &self,
+        a: &GruGatesArgs<'_, Self>,
+        state: &mut Self::F32,
+        outputs: &mut Self::F32,
+    ) -> Result<()> {
+        let GruGatesArgs {
+            input_gates,
+            state_gates,
+            rows,
+            first_token,
+            hidden,
+        } = *a;
+        let (rows_end, h) = ((first_token + rows) as usize, hidden as usize);
+        assert_len(input_gates, rows_end * 3 * h, "input-side gates");
+        assert_len(state_gates, rows as usize * 3 * h, "state-side gates");
+        assert_len(state, rows as usize * h, "GRU state");
+        assert_len(outputs, rows_end * h, "GRU outputs");
+        type F = unsafe extern "C" fn(u32, P<f32>, P<f32>, M<f32>, M<f32>, u32, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_gru_gates; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_gru_gates")(
+                rows,
+                input_gates.as_ptr(),
+                state_gates.as_ptr(),
+                state.as_mut_ptr(),
+                outputs.as_mut_ptr(),
+                first_token,
+                hidden,
+            )
+        });
+        assert_written(&state[..rows as usize * h], "gru_gates");
         Ok(())
     }
 
