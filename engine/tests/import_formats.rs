@@ -431,3 +431,181 @@ fn a_recbole_checkpoint_names_its_own_kind() {
         "{err}"
     );
 }
+
+/// The fixture tensors of `kind`, altered, saved and converted with its config (itself altered).
+fn convert_altered_kind(
+    kind: ModelKind,
+    dir: &Path,
+    alter: impl FnOnce(&mut Raw),
+    alter_config: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<Engine, EngineError> {
+    let bytes = std::fs::read(model_dir(kind).join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut raw: Raw = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect();
+    alter(&mut raw);
+    let path = dir.join("altered.safetensors");
+    save(&raw, &path);
+    let mut config = config_json(kind);
+    alter_config(&mut config);
+    convert(&ConvertRequest {
+        kind: Some(kind),
+        checkpoint: &path,
+        config: Some(&config),
+        item_map: &model_dir(kind).join("item_id_map.tsv"),
+        out: &dir.join("engine"),
+        precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
+        screen: Default::default(),
+        w8a8_layers: Default::default(),
+    })
+}
+
+fn f32_tensor(shape: Vec<usize>, seed: u32) -> (safetensors::Dtype, Vec<usize>, Vec<u8>) {
+    let n: usize = shape.iter().product();
+    let bytes = (0..n as u32)
+        .flat_map(|i| {
+            let v = ((i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) % 1000) as f32;
+            (v / 1000.0 - 0.5).to_le_bytes()
+        })
+        .collect();
+    (safetensors::Dtype::F32, shape, bytes)
+}
+
+#[test]
+fn sasrec_and_gru4rec_bad_checkpoints_and_configs_are_named() {
+    let fails = |kind, alter: &dyn Fn(&mut Raw), config: &dyn Fn(&mut serde_json::Map<_, _>)| {
+        let tmp = tempfile::tempdir().unwrap();
+        convert_altered_kind(kind, tmp.path(), alter, config)
+            .err()
+            .expect("conversion must fail")
+            .to_string()
+    };
+    let keep = |_: &mut Raw| {};
+    let same = |_: &mut serde_json::Map<String, serde_json::Value>| {};
+    // An activation the engine does not run.
+    let err = fails(ModelKind::Sasrec, &keep, &|c| {
+        c.insert("hidden_act".into(), "relu".into());
+    });
+    assert!(err.contains("hidden_act") && err.contains("relu"), "{err}");
+    // A config contradicting the weights.
+    let err = fails(ModelKind::Sasrec, &keep, &|c| {
+        c.insert("max_seq_length".into(), 60.into());
+    });
+    assert!(
+        err.contains("max_len = 60") && err.contains("position_embedding.weight"),
+        "{err}"
+    );
+    // A tensor of the wrong shape, named with both shapes.
+    let err = fails(
+        ModelKind::Sasrec,
+        &|raw| {
+            raw.insert(
+                "trm_encoder.layer.1.multi_head_attention.query.weight".into(),
+                f32_tensor(vec![64, 32], 1),
+            );
+        },
+        &same,
+    );
+    assert!(
+        err.contains("trm_encoder.layer.1.multi_head_attention.query.weight")
+            && err.contains("64")
+            && err.contains("32"),
+        "{err}"
+    );
+    // A BERT4Rec's head in a SASRec checkpoint.
+    let err = fails(
+        ModelKind::Sasrec,
+        &|raw| {
+            raw.insert("output_ffn.weight".into(), f32_tensor(vec![64, 64], 2));
+        },
+        &same,
+    );
+    assert!(err.contains("BERT4Rec"), "{err}");
+    // GRU layer shapes the engine does not run.
+    let err = fails(
+        ModelKind::Gru4rec,
+        &|raw| {
+            raw.insert(
+                "gru_layers.weight_hh_l0".into(),
+                f32_tensor(vec![128, 128], 3),
+            );
+        },
+        &same,
+    );
+    assert!(
+        err.contains("gru_layers.weight_hh_l0") && err.contains("3 x hidden"),
+        "{err}"
+    );
+    let err = fails(
+        ModelKind::Gru4rec,
+        &|raw| {
+            raw.insert(
+                "gru_layers.weight_ih_l0_reverse".into(),
+                f32_tensor(vec![384, 64], 4),
+            );
+        },
+        &same,
+    );
+    assert!(err.contains("bidirectional"), "{err}");
+    let err = fails(
+        ModelKind::Gru4rec,
+        &|raw| {
+            raw.insert("gru_layers.bias_ih_l0".into(), f32_tensor(vec![384], 5));
+        },
+        &same,
+    );
+    assert!(err.contains("gru_layers.bias_hh_l0"), "{err}");
+    let err = fails(ModelKind::Gru4rec, &keep, &|c| {
+        c.remove("max_seq_length");
+    });
+    assert!(err.contains("MAX_ITEM_LIST_LENGTH"), "{err}");
+    let err = fails(ModelKind::Gru4rec, &keep, &|c| {
+        c.insert("hidden_size".into(), 64.into());
+    });
+    assert!(
+        err.contains("hidden_size = 64") && err.contains("128"),
+        "{err}"
+    );
+}
+
+/// GRUs with biases (PyTorch's default, kept by implementations other than RecBole's) convert
+/// and run them: every logit against the f64 reference on the same state dict.
+#[test]
+fn a_gru_with_biases_runs_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = convert_altered_kind(
+        ModelKind::Gru4rec,
+        tmp.path(),
+        |raw| {
+            raw.insert("gru_layers.bias_ih_l0".into(), f32_tensor(vec![384], 6));
+            raw.insert("gru_layers.bias_hh_l0".into(), f32_tensor(vec![384], 7));
+        },
+        |_| {},
+    )
+    .unwrap();
+    let sd = reference::StateDict::read(&tmp.path().join("altered.safetensors"));
+    let history: Vec<u32> = (0..30).map(|i| 1 + (i * 61) % 2000).collect();
+    let want = reference::dot_logits(&sd, &reference::gru4rec_hidden(&sd, &history, 50));
+    let got = engine.score_all(&[history.as_slice()]);
+    let without = convert_fixture(
+        ModelKind::Gru4rec,
+        "model.safetensors",
+        &tmp.path().join("b"),
+    )
+    .score_all(&[history.as_slice()]);
+    let max_diff = got
+        .iter()
+        .zip(&want)
+        .skip(1)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0f64, f64::max);
+    assert!(max_diff <= LOGIT_ABS_TOL as f64, "{max_diff}");
+    assert!(
+        got.iter().zip(&without).any(|(a, b)| (a - b).abs() > 1e-3),
+        "the biases change the answer"
+    );
+}

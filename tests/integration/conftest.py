@@ -20,7 +20,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
-               "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed"]
+               "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -149,6 +149,7 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     model("vaecf_screened", contract_config("vaecf_screened"), engines / "vaecf_screened")
     model("bert4rec_strict", contract_config("bert4rec_strict", params={"unknown_item_policy": "error"}), engines / "bert4rec")
     model("minimal", 'backend: "recsys"\nmax_batch_size: 16\n', engines / "bert4rec")
+    model("gru4rec_minimal", 'backend: "recsys"\nmax_batch_size: 16\n', engines / "gru4rec")
     model("bert4rec_x2", contract_config("bert4rec_x2", count=2), engines / "bert4rec")
     # A 20 ms queue delay: requests sent together are certain to be batched, however fast the engine.
     model("bert4rec_batching", contract_config("bert4rec_batching", queue_delay_us=20000), engines / "bert4rec")

@@ -243,19 +243,20 @@ def test_load_errors_are_clear_and_leave_the_server_serving(model, needle, serve
     assert all(http.is_model_ready(m) for m in ["bert4rec", "vaecf"])
 
 
-def test_auto_complete_fills_a_minimal_config(http):
-    config = http.get_model_config("minimal")
+@pytest.mark.parametrize("minimal,full", [("minimal", "bert4rec"), ("gru4rec_minimal", "gru4rec")])
+def test_auto_complete_fills_a_minimal_config(http, minimal, full):
+    config = http.get_model_config(minimal)
     names = {i["name"]: i for i in config["input"]}
     assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS"}
     assert names["CANDIDATE_ITEM_IDS"]["optional"] and names["CANDIDATE_ITEM_IDS"]["allow_ragged_batch"]
     assert names["ITEM_IDS"]["data_type"] == "TYPE_INT64" and names["ITEM_IDS"]["allow_ragged_batch"]
     outputs = {o["name"]: o for o in config["output"]}
     assert set(outputs) == {"TOP_ITEM_IDS", "TOP_SCORES", "USER_EMBEDDING"}
-    # BERT4Rec's hidden size (64) plus the 1 that carries the item bias.
+    # BERT4Rec's hidden size (GRU4Rec's embedding size), 64, plus the 1 that carries the item bias.
     assert [int(d) for d in outputs["USER_EMBEDDING"]["dims"]] == [65]
     assert outputs["USER_EMBEDDING"]["data_type"] == "TYPE_FP32"
-    a, _ = top(http.infer("minimal", make_inputs(httpclient, [10011403, 10011207], k=7)))
-    b, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403, 10011207], k=7)))
+    a, _ = top(http.infer(minimal, make_inputs(httpclient, [10011403, 10011207], k=7)))
+    b, _ = top(http.infer(full, make_inputs(httpclient, [10011403, 10011207], k=7)))
     assert a == b
 
 
