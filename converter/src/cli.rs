@@ -2,7 +2,10 @@
 
 use std::path::PathBuf;
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use recsys_engine::engine_dir::{Precision, Screen};
+use recsys_engine::{CalibrationChoice, ConvertOptions, Int8Mode};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -208,7 +211,7 @@ pub struct SweepArgs {
     /// reference of every comparison).
     #[arg(
         long,
-        value_enum,
+        value_parser = precision_parser(),
         value_delimiter = ',',
         default_value = "fp32,fp16,int8"
     )]
@@ -217,7 +220,7 @@ pub struct SweepArgs {
     /// and w8a8-all: one per calibration method).
     #[arg(
         long,
-        value_enum,
+        value_parser = int8_mode_parser(),
         value_delimiter = ',',
         default_value = "weight-only,w8a8,w8a8-all"
     )]
@@ -225,15 +228,15 @@ pub struct SweepArgs {
     /// Calibration methods for the w8a8 variants.
     #[arg(
         long,
-        value_enum,
+        value_parser = calibration_method_parser(),
         value_delimiter = ',',
         default_value = "minmax,percentile,entropy"
     )]
-    pub calibration_methods: Vec<CalibrationMethodArg>,
+    pub calibration_methods: Vec<CalibrationChoice>,
     /// Top-k screens, as `recsys convert --screen` takes them: `int8` adds a screened variant of
     /// each fp32 and fp16 variant (the same answers; the timing shows whether it pays).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "none,int8")]
-    pub screens: Vec<ScreenArg>,
+    #[arg(long, value_parser = screen_parser(), value_delimiter = ',', default_value = "none,int8")]
+    pub screens: Vec<Screen>,
     /// Batch sizes to time.
     #[arg(
         long,
@@ -435,47 +438,71 @@ impl From<Kind> for recsys_engine::ModelKind {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ScreenArg {
-    /// Score every item at the engine's precision.
-    None,
-    /// Screen with int8 weights, rescore the survivors exactly.
-    Int8,
+// The conversion options' values are the engine's own types (`ConvertOptions` holds their
+// defaults and the combinations refused, for the CLI and the Python package alike); these parsers
+// give clap their names and the help shown for each.
+
+/// `--screen`.
+fn screen_parser() -> impl TypedValueParser<Value = Screen> {
+    PossibleValuesParser::new([
+        PossibleValue::new("none").help("Score every item at the engine's precision"),
+        PossibleValue::new("int8").help("Screen with int8 weights, rescore the survivors exactly"),
+    ])
+    .map(|s| s.parse().expect("one of the listed values"))
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Precision {
-    /// 32-bit floats, PyTorch-exact within f32 rounding.
-    Fp32,
-    /// Every weight matrix stored as IEEE half (half the bytes), widened to f32 to compute.
-    Fp16,
-    /// Every weight matrix stored as int8 with one scale per row (a quarter of the bytes),
-    /// multiplied in integer arithmetic against int16 (weight-only) or int8 (w8a8) activations.
-    Int8,
+/// `--precision`.
+fn precision_parser() -> impl TypedValueParser<Value = Precision> {
+    PossibleValuesParser::new([
+        PossibleValue::new("fp32").help("32-bit floats, PyTorch-exact within f32 rounding"),
+        PossibleValue::new("fp16").help(
+            "Every weight matrix stored as IEEE half (half the bytes), widened to f32 to compute",
+        ),
+        PossibleValue::new("int8").help(
+            "Every weight matrix stored as int8 with one scale per row (a quarter of the bytes), \
+             multiplied in integer arithmetic against int16 (weight-only) or int8 (w8a8) \
+             activations",
+        ),
+    ])
+    .map(|s| s.parse().expect("one of the listed values"))
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Int8Mode {
-    /// Quantize the weights; each request's activations get their own int16 scale (no calibration).
-    WeightOnly,
-    /// Weights and the output layer's activations in int8, with a static activation scale from
-    /// --calibration (every dense layer's scale is calibrated too and recorded for ONNX exports;
-    /// dense layers keep each request's own int16 scale).
-    W8a8,
-    /// As w8a8, and every dense layer's input also at its calibrated static int8 scale: what an
-    /// explicit-quantization ONNX export (`recsys export-onnx`, TensorRT INT8) computes.
-    #[value(name = "w8a8-all")]
-    W8a8All,
+/// `--int8-mode`.
+fn int8_mode_parser() -> impl TypedValueParser<Value = Int8Mode> {
+    PossibleValuesParser::new([
+        PossibleValue::new("weight-only").help(
+            "Quantize the weights; each request's activations get their own int16 scale (no \
+             calibration)",
+        ),
+        PossibleValue::new("w8a8").help(
+            "Weights and the output layer's activations in int8, with a static activation scale \
+             from --calibration (every dense layer's scale is calibrated too and recorded for \
+             ONNX exports; dense layers keep each request's own int16 scale)",
+        ),
+        PossibleValue::new("w8a8-all").help(
+            "As w8a8, and every dense layer's input also at its calibrated static int8 scale: \
+             what an explicit-quantization ONNX export (`recsys export-onnx`, TensorRT INT8) \
+             computes",
+        ),
+    ])
+    .map(|s| s.parse().expect("one of the listed values"))
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CalibrationMethodArg {
-    /// Clip at the largest activation magnitude seen (ONNX Runtime's default).
-    Minmax,
-    /// Clip at a high percentile of the magnitudes (--calibration-percentile), ignoring rare outliers.
-    Percentile,
-    /// Clip where the 8-bit histogram loses the least information (KL divergence; TensorRT's default).
-    Entropy,
+/// `--calibration-method`.
+fn calibration_method_parser() -> impl TypedValueParser<Value = CalibrationChoice> {
+    PossibleValuesParser::new([
+        PossibleValue::new("minmax")
+            .help("Clip at the largest activation magnitude seen (ONNX Runtime's default)"),
+        PossibleValue::new("percentile").help(
+            "Clip at a high percentile of the magnitudes (--calibration-percentile), ignoring \
+             rare outliers",
+        ),
+        PossibleValue::new("entropy").help(
+            "Clip where the 8-bit histogram loses the least information (KL divergence; \
+             TensorRT's default)",
+        ),
+    ])
+    .map(|s| s.parse().expect("one of the listed values"))
 }
 
 #[derive(Args, Debug)]
@@ -507,25 +534,29 @@ pub struct ConvertArgs {
     pub output: PathBuf,
     /// Numeric precision of every weight matrix (item embedding, dense layers, output layer);
     /// biases and norms stay fp32. `recsys sweep` shows what each costs in ranking quality.
-    #[arg(long, value_enum, default_value = "fp32")]
+    #[arg(long, value_parser = precision_parser(), default_value_t = ConvertOptions::default().precision)]
     pub precision: Precision,
     /// How int8 is applied (with --precision int8).
-    #[arg(long, value_enum, default_value = "weight-only")]
+    #[arg(long, value_parser = int8_mode_parser(), default_value_t = ConvertOptions::default().int8_mode)]
     pub int8_mode: Int8Mode,
     /// Find each top k by screening an int8 copy of the output layer and rescoring the survivors
     /// from the fp32/fp16 weights: the same answers, bit for bit, reading a quarter of the bytes
     /// (fp32 and fp16 engines; see docs/QUANTIZATION.md).
-    #[arg(long, value_enum, default_value = "none")]
-    pub screen: ScreenArg,
+    #[arg(long, value_parser = screen_parser(), default_value_t = ConvertOptions::default().screen)]
+    pub screen: Screen,
     /// Calibration histories for --int8-mode w8a8: JSON lines in the `recsys predict` input format.
     /// Use a few thousand real histories; their activations set the static scale.
     #[arg(long)]
     pub calibration: Option<PathBuf>,
     /// How the calibration picks the activation clipping threshold.
-    #[arg(long, value_enum, default_value = "entropy")]
-    pub calibration_method: CalibrationMethodArg,
+    #[arg(
+        long,
+        value_parser = calibration_method_parser(),
+        default_value_t = ConvertOptions::default().calibration_method
+    )]
+    pub calibration_method: CalibrationChoice,
     /// Percentile for --calibration-method percentile.
-    #[arg(long, default_value_t = 99.99)]
+    #[arg(long, default_value_t = ConvertOptions::default().calibration_percentile)]
     pub calibration_percentile: f64,
     /// Refuse checkpoints larger than this many bytes (they are read into memory whole).
     #[arg(long, default_value_t = recsys_engine::import::DEFAULT_MAX_CHECKPOINT_BYTES)]

@@ -1,12 +1,31 @@
 //! `recsys convert`.
 
-use crate::cli::{CalibrationMethodArg, ConvertArgs, Int8Mode, Precision, ScreenArg};
+use crate::cli::ConvertArgs;
 use crate::error::{CliError, Result};
 use crate::progress;
-use recsys_engine::calibration::{read_histories, CalibrationMethod};
-use recsys_engine::{ConvertRequest, ModelKind, W8a8Layers};
+use recsys_engine::calibration::read_histories;
+use recsys_engine::{ConvertOptions, ConvertRequest, ModelKind, Spelling};
+
+impl ConvertArgs {
+    /// The flags as the engine's conversion options (the same rules as every front end's).
+    fn options(&self) -> ConvertOptions {
+        ConvertOptions {
+            precision: self.precision,
+            int8_mode: self.int8_mode,
+            screen: self.screen,
+            calibration: self.calibration.is_some(),
+            calibration_method: self.calibration_method,
+            calibration_percentile: self.calibration_percentile,
+        }
+    }
+}
 
 pub fn run(args: &ConvertArgs) -> Result<i32> {
+    // Options that do not go together are refused before anything is read or written.
+    let plan = args
+        .options()
+        .plan(Spelling::Flags)
+        .map_err(CliError::Usage)?;
     let target = args.output.to_str().unwrap_or_default().to_string();
     let remote = recsys_registry::transfer::is_remote(&target);
     if remote && !args.force && !recsys_registry::transfer::list_folder(&target)?.is_empty() {
@@ -64,39 +83,9 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         }
     };
     let kind = args.kind.map(ModelKind::from);
-    let w8a8 = matches!(
-        (args.precision, args.int8_mode),
-        (Precision::Int8, Int8Mode::W8a8 | Int8Mode::W8a8All)
-    );
-    let calibration = match (&args.calibration, w8a8) {
-        (Some(path), true) => {
-            let method = match args.calibration_method {
-                CalibrationMethodArg::Minmax => "minmax",
-                CalibrationMethodArg::Percentile => "percentile",
-                CalibrationMethodArg::Entropy => "entropy",
-            };
-            let method = CalibrationMethod::parse(method, args.calibration_percentile)
-                .map_err(CliError::Usage)?;
-            Some((read_histories(path)?, method))
-        }
-        (None, true) => {
-            return Err(CliError::Usage(format!(
-                "--int8-mode {} needs --calibration FILE (histories in the predict JSONL \
-                     format)",
-                if args.int8_mode == Int8Mode::W8a8All {
-                    "w8a8-all"
-                } else {
-                    "w8a8"
-                }
-            )))
-        }
-        (Some(_), false) => {
-            return Err(CliError::Usage(
-                "--calibration applies to --precision int8 --int8-mode w8a8 or w8a8-all only"
-                    .into(),
-            ))
-        }
-        (None, false) => None,
+    let calibration = match (&args.calibration, plan.calibration) {
+        (Some(path), Some(method)) => Some((read_histories(path)?, method)),
+        _ => None,
     };
     let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
     let engine = recsys_engine::convert_limited(
@@ -106,20 +95,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             config: config.as_ref(),
             item_map: &args.item_map,
             out: &out_dir,
-            precision: match (args.precision, args.int8_mode) {
-                (Precision::Fp32, _) => recsys_engine::engine_dir::Precision::Fp32,
-                (Precision::Fp16, _) => recsys_engine::engine_dir::Precision::Fp16,
-                (Precision::Int8, _) => recsys_engine::engine_dir::Precision::Int8,
-            },
+            precision: plan.precision,
             calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
-            screen: match args.screen {
-                ScreenArg::None => recsys_engine::engine_dir::Screen::None,
-                ScreenArg::Int8 => recsys_engine::engine_dir::Screen::Int8,
-            },
-            w8a8_layers: match args.int8_mode {
-                Int8Mode::W8a8All => W8a8Layers::All,
-                _ => W8a8Layers::Output,
-            },
+            screen: plan.screen,
+            w8a8_layers: plan.w8a8_layers,
         },
         args.max_checkpoint_bytes,
     );

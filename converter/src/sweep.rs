@@ -6,13 +6,17 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::cli::{self, CalibrationMethodArg, Int8Mode, SweepArgs};
+use crate::cli::SweepArgs;
 use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::calibration::{read_histories, CalibrationMethod};
 use recsys_engine::engine_dir::{Precision, Screen};
 use recsys_engine::metrics::{evaluate, read_test_set, TestCase};
-use recsys_engine::{ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind, W8a8Layers};
+use recsys_engine::Int8Mode;
+use recsys_engine::{
+    ConvertOptions, ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind, Spelling,
+    W8a8Layers,
+};
 
 /// One precision variant to build.
 #[derive(Clone, Debug)]
@@ -59,7 +63,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
     let mut out = Vec::new();
     for precision in &args.precisions {
         match precision {
-            cli::Precision::Fp32 => out.push(Variant {
+            Precision::Fp32 => out.push(Variant {
                 name: "fp32".into(),
                 precision: Precision::Fp32,
                 method: None,
@@ -67,7 +71,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                 screen: Screen::None,
                 flags: "--precision fp32".into(),
             }),
-            cli::Precision::Fp16 => out.push(Variant {
+            Precision::Fp16 => out.push(Variant {
                 name: "fp16".into(),
                 precision: Precision::Fp16,
                 method: None,
@@ -75,7 +79,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                 screen: Screen::None,
                 flags: "--precision fp16".into(),
             }),
-            cli::Precision::Int8 => {
+            Precision::Int8 => {
                 for mode in &args.int8_modes {
                     match mode {
                         Int8Mode::WeightOnly => out.push(Variant {
@@ -94,24 +98,24 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
                                         .into(),
                                 ));
                             }
-                            let (mode, layers) = if *mode == Int8Mode::W8a8 {
-                                ("w8a8", W8a8Layers::Output)
-                            } else {
-                                ("w8a8-all", W8a8Layers::All)
-                            };
-                            for method in &args.calibration_methods {
-                                let name = match method {
-                                    CalibrationMethodArg::Minmax => "minmax",
-                                    CalibrationMethodArg::Percentile => "percentile",
-                                    CalibrationMethodArg::Entropy => "entropy",
-                                };
-                                let m = CalibrationMethod::parse(name, 99.99)
-                                    .map_err(CliError::Usage)?;
+                            for &calibration_method in &args.calibration_methods {
+                                // The variant as `recsys convert` would take it, checked by the
+                                // same rules.
+                                let plan = ConvertOptions {
+                                    precision: Precision::Int8,
+                                    int8_mode: *mode,
+                                    calibration: true,
+                                    calibration_method,
+                                    ..Default::default()
+                                }
+                                .plan(Spelling::Flags)
+                                .map_err(CliError::Usage)?;
+                                let (mode, name) = (mode.as_str(), calibration_method.as_str());
                                 out.push(Variant {
                                     name: format!("int8-{mode}-{name}"),
                                     precision: Precision::Int8,
-                                    method: Some(m),
-                                    layers,
+                                    method: plan.calibration,
+                                    layers: plan.w8a8_layers,
                                     screen: Screen::None,
                                     flags: format!(
                                         "--precision int8 --int8-mode {mode} --calibration CAL --calibration-method {name}"
@@ -124,7 +128,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
             }
         }
     }
-    if args.screens.contains(&cli::ScreenArg::Int8) {
+    if args.screens.contains(&Screen::Int8) {
         // Each fp32 / fp16 variant again, screened; int8 variants already read int8 weights.
         let screened: Vec<Variant> = out
             .iter()
@@ -138,7 +142,7 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
             .collect();
         out.extend(screened);
     }
-    if !args.screens.contains(&cli::ScreenArg::None) {
+    if !args.screens.contains(&Screen::None) {
         // Unscreened fp32 stays: it is the reference every variant is compared with.
         out.retain(|v| {
             v.screen == Screen::Int8 || v.precision == Precision::Int8 || v.name == "fp32"

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
 use crate::config::{ModelConfig, ModelKind};
+use crate::convert_options::{ConvertOptions, Int8Mode, Spelling};
 use crate::engine::Engine;
 use crate::engine_dir::{self, EngineParts, Precision, RawTensor, Screen, SourceCheckpoint};
 use crate::error::{EngineError, Result};
@@ -33,6 +34,25 @@ pub struct ConvertRequest<'a> {
     /// With a calibration: which layers the engine runs at static int8 activation scales. Every
     /// dense layer's scale is calibrated and recorded either way (ONNX exports use them).
     pub w8a8_layers: W8a8Layers,
+}
+
+impl ConvertRequest<'_> {
+    /// The request as the options a user gives, so that it is checked by the same rules
+    /// ([`ConvertOptions::plan`]) as every front end's.
+    fn options(&self) -> ConvertOptions {
+        let int8_mode = match (self.calibration.is_some(), self.w8a8_layers) {
+            (_, W8a8Layers::All) => Int8Mode::W8a8All,
+            (true, W8a8Layers::Output) => Int8Mode::W8a8,
+            (false, W8a8Layers::Output) => Int8Mode::WeightOnly,
+        };
+        ConvertOptions {
+            precision: self.precision,
+            int8_mode,
+            screen: self.screen,
+            calibration: self.calibration.is_some(),
+            ..Default::default()
+        }
+    }
 }
 
 /// The layers a W8A8 engine quantizes activations of with calibrated static scales.
@@ -103,23 +123,10 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
     let config = ModelConfig::resolve(kind, &json, &ckpt)?;
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
     let ids = IdMap::read_tsv(request.item_map)?;
-    if request.w8a8_layers == W8a8Layers::All && request.calibration.is_none() {
-        return Err(EngineError::Config(
-            "static activation scales for every layer need calibration histories".into(),
-        ));
-    }
-    if request.calibration.is_some() && request.precision != Precision::Int8 {
-        return Err(EngineError::Config(
-            "calibration applies to int8 (W8A8) only".into(),
-        ));
-    }
-    if request.screen == Screen::Int8 && request.precision == Precision::Int8 {
-        return Err(EngineError::Config(
-            "--screen int8 screens fp32 and fp16 engines (their answers, at int8 cost); an int8 \
-             engine already scores from int8 weights"
-                .into(),
-        ));
-    }
+    request
+        .options()
+        .plan(Spelling::Keywords)
+        .map_err(EngineError::Config)?;
     let (raw_tensors, quantization, calibration) = quantize(
         &config,
         &mut tensors,

@@ -52,6 +52,39 @@ pub enum Screen {
     Int8,
 }
 
+impl Screen {
+    /// The name options and manifests use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Screen::None => "none",
+            Screen::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for Screen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Precision {
+    /// The name options and manifests use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16 => "fp16",
+            Precision::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl std::str::FromStr for Screen {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

@@ -7,6 +7,7 @@
 pub mod calibration;
 pub mod config;
 pub mod convert;
+pub mod convert_options;
 pub mod elements;
 pub mod engine;
 pub mod engine_dir;
@@ -28,6 +29,7 @@ pub mod weights;
 
 pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, ConvertRequest, W8a8Layers};
+pub use convert_options::{CalibrationChoice, ConvertOptions, ConvertPlan, Int8Mode, Spelling};
 pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap};

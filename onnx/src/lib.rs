@@ -419,11 +419,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         .collect();
 
     let kind = manifest.model.kind().as_str();
-    let precision = match manifest.precision {
-        Precision::Fp32 => "fp32",
-        Precision::Fp16 => "fp16",
-        Precision::Int8 => "int8",
-    };
+    let precision = manifest.precision.as_str();
     let mut metadata = vec![
         ("recsys.kind", kind.to_string()),
         ("recsys.precision", precision.to_string()),

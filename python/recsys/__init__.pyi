@@ -101,7 +101,7 @@ def convert(
     precision: str = "fp32",
     int8_mode: str = "weight-only",
     calibration: Union[str, PathLike[str], None] = None,
-    calibration_method: str = "percentile",
+    calibration_method: str = "entropy",
     calibration_percentile: float = 99.99,
     screen: str = "none",
     force: bool = False,

@@ -13,12 +13,11 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySequence};
-use recsys_engine::calibration::{read_histories, CalibrationMethod};
-use recsys_engine::engine_dir::Precision;
+use recsys_engine::calibration::read_histories;
 use recsys_engine::metrics::{evaluate as evaluate_engine, read_test_set};
 use recsys_engine::{
-    ConvertRequest, Engine, EngineError, ExternalId, ExternalIds, ModelKind, Recommendation,
-    Request, ServeOptions, UnknownItemPolicy, W8a8Layers,
+    ConvertOptions, ConvertRequest, Engine, EngineError, ExternalId, ExternalIds, ModelKind,
+    Recommendation, Request, ServeOptions, Spelling, UnknownItemPolicy,
 };
 
 pyo3::create_exception!(
@@ -370,11 +369,7 @@ impl PyEngine {
     /// "fp32", "fp16" or "int8".
     #[getter]
     fn precision(&self) -> &'static str {
-        match self.engine.manifest.precision {
-            Precision::Fp32 => "fp32",
-            Precision::Fp16 => "fp16",
-            Precision::Int8 => "int8",
-        }
+        self.engine.manifest.precision.as_str()
     }
 
     /// Items in the catalogue (N).
@@ -628,7 +623,7 @@ impl PyEngine {
 /// Converts a checkpoint into an engine directory, as `recsys convert` does; returns the engine.
 #[pyfunction]
 #[pyo3(signature = (kind, checkpoint, item_map, output, config = None, precision = "fp32",
-                    int8_mode = "weight-only", calibration = None, calibration_method = "percentile",
+                    int8_mode = "weight-only", calibration = None, calibration_method = "entropy",
                     calibration_percentile = 99.99, screen = "none", force = false))]
 #[allow(clippy::too_many_arguments)] // mirrors the command line's flags, keyword arguments
 fn convert(
@@ -646,25 +641,18 @@ fn convert(
     screen: &str,
     force: bool,
 ) -> PyResult<PyEngine> {
-    let screen: recsys_engine::engine_dir::Screen =
-        screen.parse().map_err(PyValueError::new_err)?;
     let kind: ModelKind = kind.parse().map_err(PyValueError::new_err)?;
-    let precision: Precision = precision.parse().map_err(PyValueError::new_err)?;
-    let (w8a8, w8a8_layers) = match int8_mode {
-        "weight-only" => (false, W8a8Layers::Output),
-        "w8a8" | "w8a8-all" if precision != Precision::Int8 => {
-            return Err(PyValueError::new_err(format!(
-                "int8_mode={int8_mode:?} needs precision=\"int8\""
-            )))
-        }
-        "w8a8" => (true, W8a8Layers::Output),
-        "w8a8-all" => (true, W8a8Layers::All),
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "int8_mode must be \"weight-only\", \"w8a8\" or \"w8a8-all\", got {other:?}"
-            )))
-        }
-    };
+    // The command line's options, defaults and refusals (`ConvertOptions`), spelled as keywords.
+    let plan = ConvertOptions {
+        precision: precision.parse().map_err(PyValueError::new_err)?,
+        int8_mode: int8_mode.parse().map_err(PyValueError::new_err)?,
+        screen: screen.parse().map_err(PyValueError::new_err)?,
+        calibration: calibration.is_some(),
+        calibration_method: calibration_method.parse().map_err(PyValueError::new_err)?,
+        calibration_percentile,
+    }
+    .plan(Spelling::Keywords)
+    .map_err(PyValueError::new_err)?;
     if output.exists() && !force && std::fs::read_dir(&output).is_ok_and(|mut d| d.next().is_some())
     {
         return Err(PyValueError::new_err(format!(
@@ -689,21 +677,9 @@ fn convert(
             }
         }
     };
-    let calibration = match (calibration, w8a8) {
-        (Some(path), true) => {
-            let method = CalibrationMethod::parse(calibration_method, calibration_percentile)
-                .map_err(PyValueError::new_err)?;
-            Some((read_histories(&path).map_err(engine_error)?, method))
-        }
-        (None, true) => {
-            return Err(PyValueError::new_err(format!(
-                "int8_mode={int8_mode:?} needs calibration= (histories in the predict JSONL format)"
-            )))
-        }
-        (Some(_), false) => return Err(PyValueError::new_err(
-            "calibration= applies to precision=\"int8\", int8_mode=\"w8a8\" or \"w8a8-all\" only",
-        )),
-        (None, false) => None,
+    let calibration = match (calibration, plan.calibration) {
+        (Some(path), Some(method)) => Some((read_histories(&path).map_err(engine_error)?, method)),
+        _ => None,
     };
     let engine = py
         .detach(|| {
@@ -713,12 +689,12 @@ fn convert(
                 config: config.as_ref(),
                 item_map: &item_map,
                 out: &output,
-                precision,
+                precision: plan.precision,
                 calibration: calibration
                     .as_ref()
                     .map(|(histories, method)| (histories.as_slice(), *method)),
-                screen,
-                w8a8_layers,
+                screen: plan.screen,
+                w8a8_layers: plan.w8a8_layers,
             })
         })
         .map_err(engine_error)?;

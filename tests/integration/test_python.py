@@ -5,6 +5,7 @@ logits, errors as Python exceptions, and the GIL released while the engine compu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 import subprocess
 import threading
@@ -204,6 +205,59 @@ def test_convert_and_evaluate_mirror_the_command_line(recsys_bin, engines, tmp_p
                                     check=True, capture_output=True, text=True).stdout)
     assert report["metrics"] == cli["metrics"]
     assert report["unknown_targets"] == cli["unknown_targets"]
+
+
+def _neutral(message: str) -> str:
+    """A refusal with its options spelled neither as flags nor as keywords: `--int8-mode w8a8` and
+    `int8_mode="w8a8"` both become `int8_mode w8a8`, `--calibration` and `calibration=` both
+    `calibration`."""
+    message = re.sub(r"--([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_"), message)
+    message = re.sub(r'([a-z0-9_]+)="([^"]*)"', r"\1 \2", message)
+    return re.sub(r"([a-z0-9_]+)=", r"\1", message)
+
+
+def test_the_command_line_and_python_take_the_same_options_to_the_same_engines(recsys_bin, tmp_path):
+    """Every combination of precision, int8 mode, calibration and screen through `recsys convert`
+    and `recsys.convert`: both accept it and write the same engine (weights, kernels, quantization,
+    calibration), or both refuse it with the same reason (exit 2 on the command line), each naming
+    the options in its own spelling. Defaults included: neither front end names the calibration
+    method."""
+    src = FIXTURES / "gru4rec"
+    cal = Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl"
+    accepted = refused = 0
+    for precision in ("fp32", "fp16", "int8"):
+        for mode in ("weight-only", "w8a8", "w8a8-all"):
+            for calibrated in (False, True):
+                for screen in ("none", "int8"):
+                    name = f"{precision}-{mode}-{'cal' if calibrated else 'nocal'}-{screen}"
+                    cli_out, py_out = tmp_path / "cli" / name, tmp_path / "py" / name
+                    flags = ["--precision", precision, "--int8-mode", mode, "--screen", screen]
+                    flags += ["--calibration", str(cal)] if calibrated else []
+                    cli = subprocess.run(
+                        [str(recsys_bin), "convert", "--kind", "gru4rec", "--checkpoint", str(src / "model.safetensors"),
+                         "--config", str(src / "config.json"), "--item-map", str(src / "item_id_map.tsv"),
+                         "--output", str(cli_out), *flags], capture_output=True, text=True)
+                    try:
+                        recsys.convert("gru4rec", src / "model.safetensors", src / "item_id_map.tsv", py_out,
+                                       config=src / "config.json", precision=precision, int8_mode=mode,
+                                       screen=screen, calibration=cal if calibrated else None)
+                        py_error = None
+                    except ValueError as error:
+                        py_error = str(error)
+                    if cli.returncode == 0:
+                        assert py_error is None, (name, py_error)
+                        a, b = (json.loads((d / "manifest.json").read_text()) for d in (cli_out, py_out))
+                        for key in ("precision", "screen", "quantization", "files"):
+                            assert a.get(key) == b.get(key), (name, key)
+                        accepted += 1
+                    else:
+                        assert cli.returncode == 2, (name, cli.returncode, cli.stderr)
+                        assert py_error is not None, (name, "Python accepted what the command line refused")
+                        assert _neutral(py_error) in _neutral(cli.stderr), (name, py_error, cli.stderr)
+                        refused += 1
+    # 7 valid: fp32 and fp16 with and without the screen, int8 weight-only, int8 w8a8 and w8a8-all
+    # (both calibrated, unscreened).
+    assert (accepted, refused) == (7, 29), (accepted, refused)
 
 
 def test_the_installed_wheel_carries_the_package_metadata():
