@@ -6,6 +6,7 @@ use std::path::Path;
 
 use crate::calibration::{self, CalibrationMethod, CalibrationSummary};
 use crate::config::{ModelConfig, ModelKind};
+pub use crate::convert_options::W8a8Layers;
 use crate::convert_options::{ConvertOptions, Int8Mode, Spelling};
 use crate::engine::Engine;
 use crate::engine_dir::{self, EngineParts, Precision, RawTensor, Screen, SourceCheckpoint};
@@ -53,17 +54,6 @@ impl ConvertRequest<'_> {
             ..Default::default()
         }
     }
-}
-
-/// The layers a W8A8 engine quantizes activations of with calibrated static scales.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum W8a8Layers {
-    /// The output layer; dense layers keep each request's own int16 scale.
-    #[default]
-    Output,
-    /// The output layer and every dense layer's input: what an explicit-quantization (all-layer
-    /// Q/DQ) graph computes.
-    All,
 }
 
 /// The architecture to convert: the one asked for, checked against a RecBole checkpoint's own

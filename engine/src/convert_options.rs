@@ -4,8 +4,18 @@
 //! same reason, each in its own spelling (`--int8-mode w8a8` or `int8_mode="w8a8"`).
 
 use crate::calibration::CalibrationMethod;
-use crate::convert::W8a8Layers;
 use crate::engine_dir::{Precision, Screen};
+
+/// The layers a W8A8 engine quantizes activations of with calibrated static scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum W8a8Layers {
+    /// The output layer; dense layers keep each request's own int16 scale.
+    #[default]
+    Output,
+    /// The output layer and every dense layer's input: what an explicit-quantization (all-layer
+    /// Q/DQ) graph computes.
+    All,
+}
 
 /// How int8 is applied (with precision int8).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -93,7 +93,7 @@ fn packed_output(loaded: &engine_dir::LoadedDir) -> Result<PackedOutput> {
     };
     let packed = match (&loaded.kernels, &loaded.manifest.kernel_layout) {
         // Stored laid out: mapped, not copied.
-        (Some(backing), Some(layout)) => crate::kernel_file::map_output(
+        (Some(backing), Some(layout)) => crate::engine_dir::kernel_file::map_output(
             backing,
             layout,
             out.n_outputs(),
@@ -127,7 +127,7 @@ fn screen_table(loaded: &engine_dir::LoadedDir) -> Result<Option<ScreenTable>> {
     }
     let (n, d) = (out.n_outputs(), out.input_size());
     if let (Some(backing), Some(layout)) = (&loaded.kernels, &loaded.manifest.kernel_layout) {
-        return crate::kernel_file::map_screen(backing, layout, n, d)
+        return crate::engine_dir::kernel_file::map_screen(backing, layout, n, d)
             .map(Some)
             .map_err(|reason| EngineError::EngineDir {
                 path: loaded.path.clone(),

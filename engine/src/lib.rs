@@ -11,12 +11,12 @@ pub mod convert_options;
 pub mod elements;
 pub mod engine;
 pub mod engine_dir;
+pub use engine_dir::kernel_file;
 pub mod error;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 pub mod idmap;
 pub mod import;
-pub mod kernel_file;
 pub mod kernels;
 pub mod metrics;
 pub mod models;

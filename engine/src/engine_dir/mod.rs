@@ -1,213 +1,32 @@
-//! The engine directory: what `recsys convert` writes and the server loads.
+//! The engine directory: what `recsys convert` writes and the server loads, in one place: the
+//! manifest's types ([`manifest`], the leaf the rest builds on), `kernels.bin` ([`kernel_file`]),
+//! and writing and loading the whole directory (here).
 //!
 //! ```text
 //! manifest.json          format version, model config, precision, source checkpoint, per-file sha256
 //! weights.safetensors    the model's tensors (f32), memory-mapped at load
 //! item_ids.tsv           internal index -> external id
+//! kernels.bin            the output layer (and screen) laid out for the kernels, mapped at load
 //! ```
 //! Loading checks the format version, every file's size and sha256, and the tensors' shapes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::idmap::{IdMap, IdType};
-use crate::import::CheckpointFormat;
+use crate::idmap::IdMap;
 use crate::models::Model;
 use crate::tensor::TensorMap;
 use crate::tensor::{Storage, Tensor};
 pub use crate::weights::RawTensor;
 
-pub const FORMAT_NAME: &str = "recsys-engine";
-pub const FORMAT_VERSION: u32 = 1;
-pub const MANIFEST_FILE: &str = "manifest.json";
-pub const WEIGHTS_FILE: &str = "weights.safetensors";
-pub const ITEM_IDS_FILE: &str = "item_ids.tsv";
+pub mod kernel_file;
+mod manifest;
 
-/// Numeric precision of the engine's output layer (the item-scoring step that dominates serving
-/// cost); the manifest's `quantization` field says exactly what is stored how.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    Fp32,
-    /// Weights stored as IEEE half, computed in f32.
-    Fp16,
-    /// Weights stored as symmetric int8 with one f32 scale per item, computed in f32 (weight-only).
-    Int8,
-}
-
-/// How the output layer's top k is found. `Int8`: screened from an int8 copy of the output layer
-/// and the survivors rescored from the reference weights, so the answers are the unscreened
-/// engine's bit for bit at the cost of reading int8 weights (`kernels::screen`); fp32 and fp16
-/// engines only. The screening table is derived from the stored weights at load.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Screen {
-    #[default]
-    None,
-    Int8,
-}
-
-impl Screen {
-    /// The name options and manifests use.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Screen::None => "none",
-            Screen::Int8 => "int8",
-        }
-    }
-}
-
-impl std::fmt::Display for Screen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl Precision {
-    /// The name options and manifests use.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Fp16 => "fp16",
-            Precision::Int8 => "int8",
-        }
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Screen {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" => Ok(Screen::None),
-            "int8" => Ok(Screen::Int8),
-            _ => Err(format!("unknown screen {s:?} (expected none or int8)")),
-        }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "fp32" => Ok(Precision::Fp32),
-            "fp16" => Ok(Precision::Fp16),
-            "int8" => Ok(Precision::Int8),
-            _ => Err(format!(
-                "unknown precision {s:?} (expected fp32, fp16 or int8)"
-            )),
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SourceCheckpoint {
-    /// File name of the checkpoint the engine was converted from.
-    pub file: String,
-    pub format: CheckpointFormat,
-    pub sha256: String,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct FileEntry {
-    pub bytes: u64,
-    pub sha256: String,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    pub format: String,
-    pub format_version: u32,
-    pub model: ModelConfig,
-    pub precision: Precision,
-    /// Quantization scheme and scales; `null` at fp32.
-    pub quantization: Option<serde_json::Value>,
-    /// Calibration summary; `null` when no calibration was run.
-    pub calibration: Option<serde_json::Value>,
-    /// The top-k screen (absent in engines written before it existed: none).
-    #[serde(default)]
-    pub screen: Screen,
-    pub id_type: IdType,
-    pub source: SourceCheckpoint,
-    pub files: BTreeMap<String, FileEntry>,
-    /// Where `kernels.bin` keeps the output layer (and screen) laid out for the kernels; absent in
-    /// engines written before it existed, which pack at load.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kernel_layout: Option<crate::kernel_file::KernelLayout>,
-    pub created_by: String,
-    pub created_at: String,
-}
-
-impl Manifest {
-    /// The output layer's calibrated static activation scale of a W8A8 engine; `None` for every
-    /// other scheme. A W8A8 manifest without a finite, non-negative scale is malformed.
-    pub fn output_activation_scale(&self) -> std::result::Result<Option<f32>, String> {
-        let layer = self.quantization.as_ref().map(|q| &q["output_layer"]);
-        if layer.and_then(|l| l["mode"].as_str()) != Some("w8a8") {
-            return Ok(None);
-        }
-        layer
-            .and_then(|l| l["activation_scale"].as_f64())
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .map(|s| Some(s as f32))
-            .ok_or_else(|| {
-                "w8a8 engine without a valid output_layer.activation_scale in the manifest".into()
-            })
-    }
-}
-
-impl Manifest {
-    /// Whether the dense layers run at their calibrated static activation scales (all-layer
-    /// W8A8, `quantization.dense_activations: "static"`) rather than each request's own.
-    pub fn static_dense_activations(&self) -> bool {
-        self.quantization
-            .as_ref()
-            .and_then(|q| q.get("dense_activations"))
-            .and_then(|v| v.as_str())
-            == Some("static")
-    }
-
-    /// The calibrated static activation scale of every dense layer's input of a W8A8 engine,
-    /// keyed by the layer's weight prefix (`quantization.dense_activation_scales`); empty for
-    /// other schemes and for W8A8 engines converted before dense layers were calibrated.
-    pub fn dense_activation_scales(&self) -> std::result::Result<BTreeMap<String, f32>, String> {
-        let Some(scales) = self
-            .quantization
-            .as_ref()
-            .and_then(|q| q.get("dense_activation_scales"))
-        else {
-            return Ok(BTreeMap::new());
-        };
-        let object = scales
-            .as_object()
-            .ok_or("quantization.dense_activation_scales must be an object")?;
-        object
-            .iter()
-            .map(|(layer, value)| {
-                value
-                    .as_f64()
-                    .filter(|s| s.is_finite() && *s >= 0.0)
-                    .map(|s| (layer.clone(), s as f32))
-                    .ok_or_else(|| {
-                        format!(
-                            "quantization.dense_activation_scales.{layer} must be a finite, \
-                             non-negative number"
-                        )
-                    })
-            })
-            .collect()
-    }
-}
+pub use manifest::*;
 
 /// Everything needed to write an engine directory.
 pub struct EngineParts<'a> {
@@ -338,14 +157,14 @@ pub fn add_kernels_file(
     packed: &crate::kernels::packed::PackedOutput,
     screen: Option<&crate::kernels::screen::ScreenTable>,
 ) -> Result<()> {
-    let (layout, entry) = crate::kernel_file::write(dir, packed, screen)?;
+    let (layout, entry) = kernel_file::write(dir, packed, screen)?;
     let manifest_path = dir.join(MANIFEST_FILE);
     let text = std::fs::read_to_string(&manifest_path)
         .map_err(|e| EngineError::io(format!("cannot read {}", manifest_path.display()), e))?;
     let mut manifest = parse_manifest(dir, &text)?;
     manifest
         .files
-        .insert(crate::kernel_file::KERNELS_FILE.to_string(), entry);
+        .insert(kernel_file::KERNELS_FILE.to_string(), entry);
     manifest.kernel_layout = Some(layout);
     let tmp = dir.join(format!("{MANIFEST_FILE}.tmp-{}", std::process::id()));
     let json = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
@@ -498,14 +317,14 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
         Some(_) => {
             let entry = manifest
                 .files
-                .get(crate::kernel_file::KERNELS_FILE)
+                .get(kernel_file::KERNELS_FILE)
                 .ok_or_else(|| {
                     bad(format!(
                         "the manifest has a kernel layout but does not list {}",
-                        crate::kernel_file::KERNELS_FILE
+                        kernel_file::KERNELS_FILE
                     ))
                 })?;
-            let path = dir.join(crate::kernel_file::KERNELS_FILE);
+            let path = dir.join(kernel_file::KERNELS_FILE);
             let file = EngineError::open(&path)?;
             // SAFETY: as for the weights above: read-only, never modified after writing, verified
             // against the manifest's sha256 right below.
@@ -524,36 +343,6 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
     let mut loaded = from_parts(dir, manifest, storage, ids_bytes)?;
     loaded.kernels = kernels;
     Ok(loaded)
-}
-
-/// Parses and checks a manifest's text (format name and version first, so an engine from a newer
-/// recsys gets a message saying so rather than a schema error).
-pub fn parse_manifest(dir: &Path, text: &str) -> Result<Manifest> {
-    let bad = |reason: String| EngineError::EngineDir {
-        path: dir.to_path_buf(),
-        reason,
-    };
-    let header: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| bad(format!("{MANIFEST_FILE} is not valid JSON: {e}")))?;
-    if header.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
-        return Err(bad(format!(
-            "{MANIFEST_FILE} is not a {FORMAT_NAME} manifest"
-        )));
-    }
-    match header.get("format_version").and_then(|v| v.as_u64()) {
-        Some(v) if v == FORMAT_VERSION as u64 => {}
-        Some(v) => {
-            return Err(bad(format!(
-                "format version {v} is not supported by this recsys (it reads version {FORMAT_VERSION}); \
-                 re-convert the model with this version"
-            )))
-        }
-        None => return Err(bad(format!("{MANIFEST_FILE} has no format_version"))),
-    }
-    let manifest: Manifest = serde_json::from_value(header)
-        .map_err(|e| bad(format!("{MANIFEST_FILE} is malformed: {e}")))?;
-
-    Ok(manifest)
 }
 
 /// The part of [`load`] after the files are read and their checksums verified: parses the weights
@@ -703,29 +492,4 @@ fn tensor_map(storage: &Storage) -> Result<Tensors, String> {
         map.insert(name, tensor);
     }
     Ok((map, raw))
-}
-
-/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
-pub fn utc_now_rfc3339() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }

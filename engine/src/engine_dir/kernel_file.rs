@@ -12,10 +12,9 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::engine_dir::{FileEntry, Precision};
+use super::manifest::{FileEntry, KernelLayout, Precision, Section};
 use crate::error::{EngineError, Result};
 use crate::kernels::packed::{PackedOutput, PanelData};
 use crate::kernels::screen::ScreenTable;
@@ -27,18 +26,6 @@ pub const KERNELS_FILE: &str = "kernels.bin";
 /// (one section per term) still loads.
 pub const LAYOUT_VERSION: u32 = 2;
 const ALIGN: u64 = 64;
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Section {
-    pub offset: u64,
-    pub bytes: u64,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct KernelLayout {
-    pub layout_version: u32,
-    pub sections: BTreeMap<String, Section>,
-}
 
 /// The sections of a packed output layer under `prefix` ("output" or "screen").
 fn output_sections<'a>(prefix: &str, packed: &'a PackedOutput) -> Vec<(String, &'a [u8])> {
