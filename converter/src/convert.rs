@@ -147,15 +147,19 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             name(serde_json::json!(m.precision))
         );
     }
-    if let Some(c) = &m.calibration {
+    if let Some(c) = m.calibration.as_ref().map(|c| &c.output_layer) {
+        let method = match c.method {
+            recsys_engine::calibration::CalibrationMethod::MinMax => "minmax",
+            recsys_engine::calibration::CalibrationMethod::Percentile { .. } => "percentile",
+            recsys_engine::calibration::CalibrationMethod::Entropy => "entropy",
+        };
         println!(
-            "calibration: {} over {} histories ({} values): |activation| max {:.4}, threshold {:.4}, {:.4}% clipped",
-            c["method"].as_str().unwrap_or("?"),
-            c["histories"],
-            c["values"],
-            c["abs_max"].as_f64().unwrap_or(0.0),
-            c["threshold"].as_f64().unwrap_or(0.0),
-            100.0 * c["clipped_fraction"].as_f64().unwrap_or(0.0)
+            "calibration: {method} over {} histories ({} values): |activation| max {:.4}, threshold {:.4}, {:.4}% clipped",
+            c.histories,
+            c.values,
+            c.abs_max,
+            c.threshold,
+            100.0 * c.clipped_fraction
         );
     }
     Ok(0)

@@ -9,7 +9,10 @@ use crate::config::{ModelConfig, ModelKind};
 pub use crate::convert_options::W8a8Layers;
 use crate::convert_options::{ConvertOptions, Int8Mode, Spelling};
 use crate::engine::Engine;
-use crate::engine_dir::{self, EngineParts, Precision, RawTensor, Screen, SourceCheckpoint};
+use crate::engine_dir::{
+    self, CalibrationRecord, DenseActivations, EngineParts, KernelParts, OutputLayerMode,
+    OutputLayerQuantization, Precision, Quantization, RawTensor, Screen, SourceCheckpoint,
+};
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalIds, IdMap};
 use crate::import::Checkpoint;
@@ -134,6 +137,18 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
         format: ckpt.format,
         sha256: ckpt.sha256.clone(),
     };
+    // The output layer (and screen) laid out for the kernels, from the model in memory: it goes
+    // into `kernels.bin` in the same atomic write as the rest, and the engine is loaded once.
+    let model = Model::from_tensors(
+        &config,
+        &crate::weights::Weights {
+            f32: tensors.iter().cloned().collect(),
+            raw: raw_tensors.iter().cloned().collect(),
+        },
+    )?;
+    let out = model.output();
+    let packed = out.weight.pack(out.bias.as_slice());
+    let screen = (request.screen == Screen::Int8).then(|| crate::engine::screen_of(out));
     engine_dir::write(
         request.out,
         &EngineParts {
@@ -146,16 +161,13 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             screen: request.screen,
             ids: &ids,
             source,
+            kernels: Some(KernelParts {
+                packed: &packed,
+                screen: screen.as_ref(),
+            }),
         },
     )?;
-    // The kernels' layout goes into the engine file, so every later load maps it.
-    let packed = Engine::load(request.out)?;
-    engine_dir::add_kernels_file(
-        request.out,
-        &packed.scorer.packed,
-        packed.scorer.screen.as_ref(),
-    )?;
-    drop(packed);
+    drop((model, packed, screen));
     Engine::load(request.out)
 }
 
@@ -191,8 +203,8 @@ fn calibration_activations(
 /// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
 type Quantized = (
     Vec<(String, RawTensor)>,
-    Option<serde_json::Value>,
-    Option<serde_json::Value>,
+    Option<Quantization>,
+    Option<CalibrationRecord>,
 );
 
 /// Stores every quantizable 2-D weight (embeddings, dense layers, output layer) at `precision`;
@@ -261,14 +273,27 @@ fn quantize(
         _ => "int8",
     };
     let mut output_layer = match precision {
-        Precision::Fp16 => {
-            serde_json::json!({"weights": "fp16", "compute": "fp32", "rounding": "nearest-even"})
-        }
-        _ => serde_json::json!({
-            "weights": "int8", "mode": "weight-only",
-            "compute": "int32 accumulation of int8 weights x int16 activations (each request's own scale)",
-            "scheme": "symmetric, one scale per output row: scale = max|w| / 127, q = round(w / scale)",
-        }),
+        Precision::Fp16 => OutputLayerQuantization {
+            weights: "fp16".into(),
+            mode: None,
+            compute: "fp32".into(),
+            rounding: Some("nearest-even".into()),
+            scheme: None,
+            activation_scale: None,
+        },
+        _ => OutputLayerQuantization {
+            weights: "int8".into(),
+            mode: Some(OutputLayerMode::WeightOnly),
+            compute: "int32 accumulation of int8 weights x int16 activations (each request's own \
+                      scale)"
+                .into(),
+            rounding: None,
+            scheme: Some(
+                "symmetric, one scale per output row: scale = max|w| / 127, q = round(w / scale)"
+                    .into(),
+            ),
+            activation_scale: None,
+        },
     };
     let mut summary = None;
     let mut dense_scales = None;
@@ -280,11 +305,18 @@ fn quantize(
         let model = Model::from_tensors(config, &weights)?;
         let (dense, values) = calibration_activations(&model, ids, histories);
         let s = calibration::summarize(&values, histories.len(), method);
-        output_layer = serde_json::json!({
-            "weights": "int8", "mode": "w8a8", "compute": "int32 accumulation of int8 x int8",
-            "scheme": "weights: symmetric, one scale per output row; activations: one static scale from calibration, saturating to [-128, 127] (QuantizeLinear)",
-            "activation_scale": s.scale,
-        });
+        output_layer = OutputLayerQuantization {
+            weights: "int8".into(),
+            mode: Some(OutputLayerMode::W8a8),
+            compute: "int32 accumulation of int8 x int8".into(),
+            rounding: None,
+            scheme: Some(
+                "weights: symmetric, one scale per output row; activations: one static scale \
+                 from calibration, saturating to [-128, 127] (QuantizeLinear)"
+                    .into(),
+            ),
+            activation_scale: Some(s.scale),
+        };
         let layers: BTreeMap<String, CalibrationSummary> = dense
             .iter()
             .map(|(name, v)| {
@@ -297,32 +329,45 @@ fn quantize(
         dense_scales = Some(
             layers
                 .iter()
-                .map(|(name, l)| (name.clone(), serde_json::json!(l.scale)))
-                .collect::<serde_json::Map<_, _>>(),
+                .map(|(name, l)| (name.clone(), l.scale))
+                .collect::<BTreeMap<_, _>>(),
         );
-        let mut value = serde_json::to_value(&s).expect("summary serialises");
-        value["dense_layers"] = serde_json::to_value(&layers).expect("summaries serialise");
-        summary = Some(value);
+        summary = Some(CalibrationRecord {
+            output_layer: s,
+            dense_layers: layers,
+        });
     }
     let static_dense = dense_scales.is_some() && w8a8_layers == W8a8Layers::All;
-    let quantization = serde_json::json!({
-        "weights": weights_name,
-        "tensors": targets,
-        "int8_scales": if precision == Precision::Int8 { "<tensor>.scale, one f32 per row" } else { "" },
-        "kept_fp32": "biases, LayerNorm parameters, BERT4Rec's position embedding",
-        "dense_layers": match (precision, static_dense) {
-            (Precision::Int8, true) => "int8 weights x int8 activations (each layer's calibrated static scale, saturating to [-128, 127])",
-            (Precision::Int8, false) => "int8 weights x int16 activations (each request's own scale)",
-            _ => "fp16 weights, fp32 compute",
+    let quantization = Quantization {
+        weights: weights_name.into(),
+        tensors: targets,
+        int8_scales: if precision == Precision::Int8 {
+            "<tensor>.scale, one f32 per row".into()
+        } else {
+            String::new()
         },
-        "output_layer": output_layer,
-    });
-    let mut quantization = quantization;
-    if let Some(scales) = dense_scales {
-        quantization["dense_activation_scales"] = serde_json::Value::Object(scales);
-        quantization["dense_activations"] =
-            serde_json::json!(if static_dense { "static" } else { "dynamic" });
-    }
+        kept_fp32: "biases, LayerNorm parameters, BERT4Rec's position embedding".into(),
+        dense_layers: match (precision, static_dense) {
+            (Precision::Int8, true) => {
+                "int8 weights x int8 activations (each layer's calibrated \
+                                       static scale, saturating to [-128, 127])"
+            }
+            (Precision::Int8, false) => {
+                "int8 weights x int16 activations (each request's own scale)"
+            }
+            _ => "fp16 weights, fp32 compute",
+        }
+        .into(),
+        output_layer,
+        dense_activations: dense_scales.as_ref().map(|_| {
+            if static_dense {
+                DenseActivations::Static
+            } else {
+                DenseActivations::Dynamic
+            }
+        }),
+        dense_activation_scales: dense_scales,
+    };
     Ok((raw, Some(quantization), summary))
 }
 

@@ -134,11 +134,19 @@ fn screen_table(loaded: &engine_dir::LoadedDir) -> Result<Option<ScreenTable>> {
                 reason,
             });
     }
+    Ok(Some(screen_of(out)))
+}
+
+/// The int8 screening table of an fp32 or fp16 output layer, from its reference weights (fp32,
+/// or fp16 widened: the values the dense kernel reads): what loading builds for an engine without
+/// `kernels.bin`, and what conversion stores in it.
+pub(crate) fn screen_of(out: &crate::models::OutputLayer) -> ScreenTable {
+    let (n, d) = (out.n_outputs(), out.input_size());
     let mut reference = vec![0f32; n * d];
     for (i, row) in reference.chunks_exact_mut(d).enumerate() {
         out.weight.add_row_into(i, row);
     }
-    Ok(Some(ScreenTable::new(&reference, out.bias.as_slice(), d)))
+    ScreenTable::new(&reference, out.bias.as_slice(), d)
 }
 
 impl Engine {

@@ -103,7 +103,15 @@ fn check(kind: ModelKind) {
         &tmp.path().join("int8"),
         Precision::Int8,
     );
-    assert!(int8.manifest.quantization.as_ref().unwrap()["output_layer"]["weights"] == "int8");
+    assert_eq!(
+        int8.manifest
+            .quantization
+            .as_ref()
+            .unwrap()
+            .output_layer
+            .weights,
+        "int8"
+    );
 
     // Every embedding and dense weight is stored at the precision: the weights file shrinks.
     let size = |e: &Engine| e.manifest.files["weights.safetensors"].bytes as f64;
@@ -113,10 +121,7 @@ fn check(kind: ModelKind) {
         size(&int8) / size(&fp32)
     );
     assert!(size(&fp16) < 0.6 * size(&fp32) && size(&int8) < 0.35 * size(&fp32));
-    let listed = int8.manifest.quantization.as_ref().unwrap()["tensors"]
-        .as_array()
-        .unwrap()
-        .len();
+    let listed = int8.manifest.quantization.as_ref().unwrap().tensors.len();
     assert!(listed >= 4, "{kind}: only {listed} tensors quantized");
 
     let c16 = compare(kind, &fp32, &fp16);
@@ -191,20 +196,27 @@ fn check_w8a8(kind: ModelKind) {
             .manifest
             .calibration
             .clone()
-            .expect("calibration recorded");
-        assert_eq!(summary["histories"], 1000);
+            .expect("calibration recorded")
+            .output_layer;
+        assert_eq!(summary.histories, 1000);
         assert_eq!(
-            engine.manifest.quantization.as_ref().unwrap()["output_layer"]["mode"],
-            "w8a8"
+            engine
+                .manifest
+                .quantization
+                .as_ref()
+                .unwrap()
+                .output_layer
+                .mode,
+            Some(recsys_engine::engine_dir::OutputLayerMode::W8a8)
         );
-        let threshold = summary["threshold"].as_f64().unwrap();
-        assert!(threshold > 0.0 && threshold <= summary["abs_max"].as_f64().unwrap() * 1.001);
+        let threshold = summary.threshold;
+        assert!(threshold > 0.0 && threshold <= summary.abs_max * 1.001);
         let c = compare(kind, &fp32, &engine);
         let ndcg = evaluate(&engine, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
         let loss = (base - ndcg) / base;
         eprintln!(
             "{kind} w8a8 {name}: threshold {threshold:.4} (max {:.4}), NDCG@10 {ndcg:.5} vs fp32 {base:.5} ({:+.2}%)",
-            summary["abs_max"].as_f64().unwrap(),
+            summary.abs_max,
             -100.0 * loss
         );
         assert!(

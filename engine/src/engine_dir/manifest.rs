@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::calibration::CalibrationSummary;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::idmap::IdType;
@@ -120,9 +121,9 @@ pub struct Manifest {
     pub model: ModelConfig,
     pub precision: Precision,
     /// Quantization scheme and scales; `null` at fp32.
-    pub quantization: Option<serde_json::Value>,
+    pub quantization: Option<Quantization>,
     /// Calibration summary; `null` when no calibration was run.
-    pub calibration: Option<serde_json::Value>,
+    pub calibration: Option<CalibrationRecord>,
     /// The top-k screen (absent in engines written before it existed: none).
     #[serde(default)]
     pub screen: Screen,
@@ -137,33 +138,103 @@ pub struct Manifest {
     pub created_at: String,
 }
 
+/// What a reduced precision stores how (`manifest.quantization`; absent at fp32). The prose
+/// fields say it for people reading the manifest; the engine reads the typed ones.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Quantization {
+    /// `fp16` or `int8`.
+    pub weights: String,
+    /// The 2-D weights stored at that precision.
+    pub tensors: Vec<String>,
+    /// Where int8 weights' row scales are (empty for fp16).
+    #[serde(default)]
+    pub int8_scales: String,
+    #[serde(default)]
+    pub kept_fp32: String,
+    /// How the dense layers compute.
+    #[serde(default)]
+    pub dense_layers: String,
+    pub output_layer: OutputLayerQuantization,
+    /// W8A8: every dense layer's calibrated static input scale, by the layer's weight prefix
+    /// (absent in W8A8 engines converted before dense layers were calibrated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dense_activation_scales: Option<BTreeMap<String, f32>>,
+    /// W8A8: whether the dense layers run at those scales or at each request's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dense_activations: Option<DenseActivations>,
+}
+
+/// How the output layer (the item scores) is quantized.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OutputLayerQuantization {
+    /// `fp16` or `int8`.
+    pub weights: String,
+    /// int8 only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<OutputLayerMode>,
+    pub compute: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounding: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheme: Option<String>,
+    /// W8A8: the calibrated static scale of the output layer's input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_scale: Option<f32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OutputLayerMode {
+    /// int8 weights against each request's own int16 activation scale.
+    WeightOnly,
+    /// int8 weights against the calibrated static int8 activation scale.
+    W8a8,
+}
+
+/// Where the dense layers' input scales come from in a W8A8 engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DenseActivations {
+    /// Each layer's calibrated static scale (all-layer W8A8).
+    Static,
+    /// Each request's own int16 scale.
+    Dynamic,
+}
+
+/// What calibration saw and chose (`manifest.calibration`): the output layer's input, and each
+/// dense layer's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationRecord {
+    #[serde(flatten)]
+    pub output_layer: CalibrationSummary,
+    #[serde(default)]
+    pub dense_layers: BTreeMap<String, CalibrationSummary>,
+}
+
 impl Manifest {
     /// The output layer's calibrated static activation scale of a W8A8 engine; `None` for every
     /// other scheme. A W8A8 manifest without a finite, non-negative scale is malformed.
     pub fn output_activation_scale(&self) -> std::result::Result<Option<f32>, String> {
-        let layer = self.quantization.as_ref().map(|q| &q["output_layer"]);
-        if layer.and_then(|l| l["mode"].as_str()) != Some("w8a8") {
+        let Some(layer) = self.quantization.as_ref().map(|q| &q.output_layer) else {
+            return Ok(None);
+        };
+        if layer.mode != Some(OutputLayerMode::W8a8) {
             return Ok(None);
         }
         layer
-            .and_then(|l| l["activation_scale"].as_f64())
+            .activation_scale
             .filter(|s| s.is_finite() && *s >= 0.0)
-            .map(|s| Some(s as f32))
+            .map(Some)
             .ok_or_else(|| {
                 "w8a8 engine without a valid output_layer.activation_scale in the manifest".into()
             })
     }
-}
 
-impl Manifest {
     /// Whether the dense layers run at their calibrated static activation scales (all-layer
     /// W8A8, `quantization.dense_activations: "static"`) rather than each request's own.
     pub fn static_dense_activations(&self) -> bool {
-        self.quantization
-            .as_ref()
-            .and_then(|q| q.get("dense_activations"))
-            .and_then(|v| v.as_str())
-            == Some("static")
+        self.quantization.as_ref().and_then(|q| q.dense_activations)
+            == Some(DenseActivations::Static)
     }
 
     /// The calibrated static activation scale of every dense layer's input of a W8A8 engine,
@@ -173,28 +244,17 @@ impl Manifest {
         let Some(scales) = self
             .quantization
             .as_ref()
-            .and_then(|q| q.get("dense_activation_scales"))
+            .and_then(|q| q.dense_activation_scales.as_ref())
         else {
             return Ok(BTreeMap::new());
         };
-        let object = scales
-            .as_object()
-            .ok_or("quantization.dense_activation_scales must be an object")?;
-        object
-            .iter()
-            .map(|(layer, value)| {
-                value
-                    .as_f64()
-                    .filter(|s| s.is_finite() && *s >= 0.0)
-                    .map(|s| (layer.clone(), s as f32))
-                    .ok_or_else(|| {
-                        format!(
-                            "quantization.dense_activation_scales.{layer} must be a finite, \
-                             non-negative number"
-                        )
-                    })
-            })
-            .collect()
+        match scales.iter().find(|(_, s)| !(s.is_finite() && **s >= 0.0)) {
+            Some((layer, _)) => Err(format!(
+                "quantization.dense_activation_scales.{layer} must be a finite, non-negative \
+                 number"
+            )),
+            None => Ok(scales.clone()),
+        }
     }
 }
 

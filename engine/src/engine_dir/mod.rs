@@ -35,15 +35,26 @@ pub struct EngineParts<'a> {
     /// Quantized tensors, stored in their own dtype.
     pub raw_tensors: &'a [(String, RawTensor)],
     pub precision: Precision,
-    pub quantization: Option<serde_json::Value>,
-    pub calibration: Option<serde_json::Value>,
+    pub quantization: Option<Quantization>,
+    pub calibration: Option<CalibrationRecord>,
     pub screen: Screen,
     pub ids: &'a IdMap,
     pub source: SourceCheckpoint,
+    /// The output layer (and screen) as the kernels read them, for `kernels.bin`; `None` writes
+    /// an engine without it (loading then packs, as for engines written before it existed).
+    pub kernels: Option<KernelParts<'a>>,
 }
 
-/// Writes an engine directory atomically: files go to a temporary sibling directory that is renamed
-/// into place, so a crash never leaves a half-written engine under the final name.
+/// What `kernels.bin` holds.
+#[derive(Clone, Copy)]
+pub struct KernelParts<'a> {
+    pub packed: &'a crate::kernels::packed::PackedOutput,
+    pub screen: Option<&'a crate::kernels::screen::ScreenTable>,
+}
+
+/// Writes an engine directory atomically: every file (`kernels.bin` included) goes to a temporary
+/// sibling directory that is renamed into place, so a crash never leaves a half-written engine
+/// under the final name.
 pub fn write(out: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
     if parts.ids.len() != parts.config.n_items() {
         return Err(EngineError::Config(format!(
@@ -117,6 +128,14 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         .map_err(|e| EngineError::io(format!("cannot write {}", ids_path.display()), e))?;
 
     let mut files = BTreeMap::new();
+    let kernel_layout = match parts.kernels {
+        Some(k) => {
+            let (layout, entry) = kernel_file::write(dir, k.packed, k.screen)?;
+            files.insert(kernel_file::KERNELS_FILE.to_string(), entry);
+            Some(layout)
+        }
+        None => None,
+    };
     for file in [WEIGHTS_FILE, ITEM_IDS_FILE] {
         let bytes = std::fs::read(dir.join(file))
             .map_err(|e| EngineError::io(format!("cannot read back {file}"), e))?;
@@ -139,7 +158,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         id_type: parts.ids.id_type(),
         source: parts.source.clone(),
         files,
-        kernel_layout: None,
+        kernel_layout,
         created_by: format!("recsys {}", env!("CARGO_PKG_VERSION")),
         created_at: utc_now_rfc3339(),
     };
@@ -147,31 +166,6 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
     std::fs::write(dir.join(MANIFEST_FILE), json + "\n")
         .map_err(|e| EngineError::io("cannot write the manifest", e))?;
     Ok(manifest)
-}
-
-/// Adds `kernels.bin` (the output layer and screen as the kernels read them) to the engine in
-/// `dir` and records it in the manifest, replaced in one rename: a crash before the rename leaves
-/// the engine as it was (a stray `kernels.bin` is not in the manifest and is ignored).
-pub fn add_kernels_file(
-    dir: &Path,
-    packed: &crate::kernels::packed::PackedOutput,
-    screen: Option<&crate::kernels::screen::ScreenTable>,
-) -> Result<()> {
-    let (layout, entry) = kernel_file::write(dir, packed, screen)?;
-    let manifest_path = dir.join(MANIFEST_FILE);
-    let text = std::fs::read_to_string(&manifest_path)
-        .map_err(|e| EngineError::io(format!("cannot read {}", manifest_path.display()), e))?;
-    let mut manifest = parse_manifest(dir, &text)?;
-    manifest
-        .files
-        .insert(kernel_file::KERNELS_FILE.to_string(), entry);
-    manifest.kernel_layout = Some(layout);
-    let tmp = dir.join(format!("{MANIFEST_FILE}.tmp-{}", std::process::id()));
-    let json = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
-    std::fs::write(&tmp, json + "\n")
-        .map_err(|e| EngineError::io(format!("cannot write {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, &manifest_path)
-        .map_err(|e| EngineError::io(format!("cannot replace {}", manifest_path.display()), e))
 }
 
 /// A loaded, verified engine directory.
