@@ -45,6 +45,7 @@ fn every_crate_root_module_is_described_in_its_section() {
         ("registry", &["src/lib.rs"][..]),
         ("onnx", &["src/lib.rs"][..]),
         ("gpu", &["src/lib.rs"][..]),
+        ("python", &["src/lib.rs"][..]),
     ] {
         let text = section(&doc, dir);
         for root in roots {

@@ -1,0 +1,511 @@
+//! `recsys.Engine`: an engine directory loaded once (memory-mapped, or downloaded from object
+//! storage first) answering recommendations, re-ranking, embeddings and score matrices for
+//! batches of histories, the GIL released while it computes.
+
+use std::path::PathBuf;
+
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use recsys_engine::{
+    Engine, EngineError, ExternalId, Recommendation, Request, ServeOptions, UnknownItemPolicy,
+};
+
+use crate::ids::IdLists;
+use crate::{engine_error, RecsysError};
+
+/// Downloads the engine directory at `uri` (s3://..., gs://..., as `recsys predict --engine`
+/// takes them, with the same credential chains) into a new folder under the temporary directory
+/// (TMPDIR), the GIL released; the engine is then loaded, and so verified, from there.
+pub(crate) fn download_engine(py: Python<'_>, uri: &str) -> PyResult<tempfile::TempDir> {
+    let copy = tempfile::Builder::new()
+        .prefix("recsys-engine-")
+        .tempdir()
+        .map_err(|e| {
+            RecsysError::new_err(format!(
+                "cannot create a folder for {uri}'s engine (set TMPDIR): {e}"
+            ))
+        })?;
+    let target = copy.path().to_path_buf();
+    py.detach(|| recsys_registry::transfer::download_folder(uri, &target))
+        .map_err(|e| RecsysError::new_err(format!("cannot fetch the engine at {uri}: {e}")))?;
+    Ok(copy)
+}
+
+/// What one call asks of every history.
+struct Ask {
+    k: Option<i64>,
+    /// The k of a history whose own k is `None`.
+    default_k: usize,
+    exclude_seen: bool,
+    strict: bool,
+    embedding: bool,
+}
+
+/// [`PyEngine::predict`]'s answer: four lists with one entry per history.
+#[derive(Default)]
+struct PredictRows {
+    ids: Vec<Py<PyAny>>,
+    scores: Vec<Py<PyAny>>,
+    embeddings: Vec<Option<Py<PyAny>>>,
+    errors: Vec<Option<String>>,
+}
+
+/// [`PredictRows`] as Python receives it: the tuple `(ids, scores, embeddings, errors)`.
+type PredictTuple = (
+    Vec<Py<PyAny>>,
+    Vec<Py<PyAny>>,
+    Vec<Option<Py<PyAny>>>,
+    Vec<Option<String>>,
+);
+
+/// A loaded engine directory (written by `recsys convert`).
+#[pyclass(name = "Engine", module = "recsys", frozen)]
+pub(crate) struct PyEngine {
+    pub(crate) engine: Engine,
+    pub(crate) path: PathBuf,
+    /// The local copy of an engine loaded from object storage, removed with the engine (the
+    /// engine maps its files).
+    pub(crate) _copy: Option<tempfile::TempDir>,
+}
+
+impl PyEngine {
+    /// Runs every history through the engine as one batch, the GIL released; each history's own
+    /// answer or refusal. `ks`, when given, holds each history's k (`None`: `ask.default_k`).
+    #[allow(clippy::too_many_arguments)] // one batch's inputs, each optional
+    fn answer_each(
+        &self,
+        py: Python<'_>,
+        histories: &IdLists,
+        ks: Option<&[Option<i64>]>,
+        exclude: Option<&IdLists>,
+        candidates: Option<&IdLists>,
+        ask: &Ask,
+    ) -> Vec<recsys_engine::Result<Recommendation>> {
+        let views = histories.str_views();
+        let exclude_views = exclude.map(IdLists::str_views).unwrap_or_default();
+        let candidate_views = candidates.map(IdLists::str_views).unwrap_or_default();
+        let requests: Vec<Request<'_>> = (0..histories.len())
+            .map(|i| Request {
+                history: histories.row(&views, i),
+                k: ks.map_or(ask.k, |ks| ks[i]),
+                exclude: exclude.map(|e| e.row(&exclude_views, i)),
+                candidates: candidates.map(|c| c.row(&candidate_views, i)),
+                embedding: ask.embedding,
+            })
+            .collect();
+        let options = ServeOptions {
+            default_k: ask.default_k,
+            exclude_seen: ask.exclude_seen,
+            unknown_items: if ask.strict {
+                UnknownItemPolicy::Error
+            } else {
+                UnknownItemPolicy::Drop
+            },
+        };
+        let engine = &self.engine;
+        py.detach(|| engine.recommend(&requests, &options))
+    }
+
+    /// [`Self::answer_each`] for calls that fail as a whole: the first refused history raises.
+    fn answer(
+        &self,
+        py: Python<'_>,
+        histories: &IdLists,
+        exclude: Option<&IdLists>,
+        candidates: Option<&IdLists>,
+        ask: &Ask,
+    ) -> PyResult<Vec<Recommendation>> {
+        self.answer_each(py, histories, None, exclude, candidates, ask)
+            .into_iter()
+            .enumerate()
+            .map(|(i, answer)| {
+                answer.map_err(|e| match e {
+                    EngineError::InvalidRequest(message) => {
+                        PyValueError::new_err(format!("history {i}: {message}"))
+                    }
+                    other => engine_error(other),
+                })
+            })
+            .collect()
+    }
+
+    /// `(ids, scores)` of ranked answers: scores `[B, width]` float32 padded with -inf; ids int64
+    /// `[B, width]` padded with -1 for int catalogues, lists of strings (each its own length) for
+    /// string catalogues.
+    fn ranked<'py>(
+        &self,
+        py: Python<'py>,
+        answers: &[Recommendation],
+        width: usize,
+    ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
+        let rows = answers.len();
+        let mut scores = vec![f32::NEG_INFINITY; rows * width];
+        for (r, answer) in answers.iter().enumerate() {
+            for (slot, item) in answer.items.iter().take(width).enumerate() {
+                scores[r * width + slot] = item.score;
+            }
+        }
+        let scores = Array2::from_shape_vec((rows, width), scores)
+            .expect("rows x width values")
+            .into_pyarray(py);
+        let external = |index: u32| {
+            self.engine.external_id(index).ok_or_else(|| {
+                RecsysError::new_err(format!(
+                    "the engine returned item index {index}, outside its catalogue"
+                ))
+            })
+        };
+        let ids = if self.engine.manifest.id_type == recsys_engine::idmap::IdType::String {
+            let mut lists = Vec::with_capacity(rows);
+            for answer in answers {
+                let row: Vec<String> = answer
+                    .items
+                    .iter()
+                    .map(|s| {
+                        external(s.index).map(|id| match id {
+                            ExternalId::Str(s) => s,
+                            ExternalId::Int(i) => i.to_string(),
+                        })
+                    })
+                    .collect::<PyResult<_>>()?;
+                lists.push(row);
+            }
+            lists.into_pyobject(py)?.into_any().unbind()
+        } else {
+            let mut ids = vec![-1i64; rows * width];
+            for (r, answer) in answers.iter().enumerate() {
+                for (slot, item) in answer.items.iter().take(width).enumerate() {
+                    ids[r * width + slot] = match external(item.index)? {
+                        ExternalId::Int(i) => i,
+                        ExternalId::Str(_) => unreachable!("int catalogue"),
+                    };
+                }
+            }
+            Array2::from_shape_vec((rows, width), ids)
+                .expect("rows x width ids")
+                .into_pyarray(py)
+                .into_any()
+                .unbind()
+        };
+        Ok((ids, scores))
+    }
+
+    /// `recommend` and `rerank`: each history's ranked answer, among its own candidates when
+    /// given.
+    fn rank<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        candidates: Option<&Bound<'py, PyAny>>,
+        exclude: Option<&Bound<'py, PyAny>>,
+        ask: &Ask,
+    ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
+        let width = self.width(ask.k.unwrap_or(10))?;
+        let histories = IdLists::extract(histories, "histories")?;
+        let candidates = IdLists::optional(candidates, "candidates", histories.len())?;
+        let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
+        let answers = self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), ask)?;
+        self.ranked(py, &answers, width)
+    }
+
+    fn width(&self, k: i64) -> PyResult<usize> {
+        if k < 1 {
+            return Err(PyValueError::new_err(format!(
+                "k must be at least 1, got {k}"
+            )));
+        }
+        Ok((k as usize).min(self.engine.n_items()))
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    /// Loads an engine directory; `threads` scoring threads per call (default: the available cores).
+    #[new]
+    #[pyo3(signature = (path, threads = None))]
+    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>) -> PyResult<Self> {
+        let (dir, copy) = match path
+            .to_str()
+            .filter(|p| recsys_registry::transfer::is_remote(p))
+        {
+            Some(uri) => {
+                let copy = download_engine(py, uri)?;
+                (copy.path().to_path_buf(), Some(copy))
+            }
+            None => (path.clone(), None),
+        };
+        let mut engine = py.detach(|| Engine::load(&dir)).map_err(engine_error)?;
+        let threads = match threads {
+            Some(0) => return Err(PyValueError::new_err("threads must be at least 1")),
+            Some(t) => t,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        engine.set_threads(threads);
+        Ok(PyEngine {
+            engine,
+            path,
+            _copy: copy,
+        })
+    }
+
+    /// "bert4rec", "vaecf", "sasrec" or "gru4rec".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.engine.kind().as_str()
+    }
+
+    /// "fp32", "fp16" or "int8".
+    #[getter]
+    fn precision(&self) -> &'static str {
+        self.engine.manifest.precision.as_str()
+    }
+
+    /// Items in the catalogue (N).
+    #[getter]
+    fn num_items(&self) -> usize {
+        self.engine.n_items()
+    }
+
+    /// Scoring threads per call.
+    #[getter]
+    fn threads(&self) -> usize {
+        self.engine.scorer.threads
+    }
+
+    /// Values in a user embedding: the model's hidden size plus the trailing 1.
+    #[getter]
+    fn embedding_dim(&self) -> usize {
+        self.engine.model.output().input_size() + 1
+    }
+
+    /// The external ids of items 1..=N (the columns of `score`): int64 array or list of str.
+    #[getter]
+    fn item_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let ids = (1..=self.engine.n_items() as u32).map(|i| self.engine.external_id(i));
+        if self.engine.manifest.id_type == recsys_engine::idmap::IdType::String {
+            let names: Vec<String> = ids
+                .map(|id| match id {
+                    Some(ExternalId::Str(s)) => s,
+                    Some(ExternalId::Int(i)) => i.to_string(),
+                    None => unreachable!("1..=N are items"),
+                })
+                .collect();
+            Ok(names.into_pyobject(py)?.into_any().unbind())
+        } else {
+            let ints: Vec<i64> = ids
+                .map(|id| match id {
+                    Some(ExternalId::Int(i)) => i,
+                    _ => unreachable!("int catalogue"),
+                })
+                .collect();
+            Ok(PyArray1::from_vec(py, ints).into_any().unbind())
+        }
+    }
+
+    /// The best `k` items of each history (oldest first, external ids), best first.
+    #[pyo3(signature = (histories, k = 10, exclude = None, exclude_seen = true, strict = false))]
+    fn recommend<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        k: i64,
+        exclude: Option<&Bound<'py, PyAny>>,
+        exclude_seen: bool,
+        strict: bool,
+    ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
+        let ask = Ask {
+            k: Some(k),
+            default_k: 10,
+            exclude_seen,
+            strict,
+            embedding: false,
+        };
+        self.rank(py, histories, None, exclude, &ask)
+    }
+
+    /// The best `k` of each history's own candidates, with exactly the scores the whole-catalogue
+    /// scan gives them.
+    #[pyo3(signature = (histories, candidates, k = 10, exclude = None, exclude_seen = true, strict = false))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
+    fn rerank<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        candidates: &Bound<'py, PyAny>,
+        k: i64,
+        exclude: Option<&Bound<'py, PyAny>>,
+        exclude_seen: bool,
+        strict: bool,
+    ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
+        let ask = Ask {
+            k: Some(k),
+            default_k: 10,
+            exclude_seen,
+            strict,
+            embedding: false,
+        };
+        self.rank(py, histories, Some(candidates), exclude, &ask)
+    }
+
+    /// Each history's user embedding `[h, 1]`, float32 `[B, embedding_dim]`.
+    #[pyo3(signature = (histories, strict = false))]
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        strict: bool,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let histories = IdLists::extract(histories, "histories")?;
+        let ask = Ask {
+            k: Some(0),
+            default_k: 10,
+            exclude_seen: true,
+            strict,
+            embedding: true,
+        };
+        let answers = self.answer(py, &histories, None, None, &ask)?;
+        let width = self.embedding_dim();
+        let values: Vec<f32> = answers.into_iter().flat_map(|a| a.embedding).collect();
+        Ok(Array2::from_shape_vec((histories.len(), width), values)
+            .expect("one embedding per history")
+            .into_pyarray(py))
+    }
+
+    /// Every item's score for each history, float32 `[B, N]` (column j is `item_ids[j]`), with
+    /// nothing left out: for evaluation. Unknown ids are dropped.
+    fn score<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let histories = IdLists::extract(histories, "histories")?;
+        let views = histories.str_views();
+        let engine = &self.engine;
+        let mapped: Vec<Vec<u32>> = (0..histories.len())
+            .map(|i| engine.ids.map(histories.row(&views, i)).indices)
+            .collect();
+        let n = engine.n_items();
+        let all = py.detach(|| {
+            let refs: Vec<&[u32]> = mapped.iter().map(Vec::as_slice).collect();
+            engine.score_all(&refs)
+        });
+        // Drop the PAD column (index 0, never an item).
+        let values: Vec<f32> = all
+            .chunks_exact(n + 1)
+            .flat_map(|row| row[1..].iter().copied())
+            .collect();
+        Ok(Array2::from_shape_vec((mapped.len(), n), values)
+            .expect("B x N scores")
+            .into_pyarray(py))
+    }
+
+    /// Per-history answers as `recsys predict` gives them, for batch jobs (`recsys.ray` uses it):
+    /// each history may carry its own k (`None`: `default_k`), and a history the engine refuses
+    /// gets its error message instead of failing the batch. Returns four lists, one entry per
+    /// history: ids (int64 array or list of str), float32 scores, float32 embeddings (`None`
+    /// unless `embedding`), and the error message (`None` when answered; the other three are then
+    /// empty, or `None` for the embedding).
+    #[pyo3(signature = (histories, k = None, exclude = None, candidates = None, default_k = 10,
+                        exclude_seen = true, strict = false, embedding = false))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
+    fn predict<'py>(
+        &self,
+        py: Python<'py>,
+        histories: &Bound<'py, PyAny>,
+        k: Option<Vec<Option<i64>>>,
+        exclude: Option<&Bound<'py, PyAny>>,
+        candidates: Option<&Bound<'py, PyAny>>,
+        default_k: i64,
+        exclude_seen: bool,
+        strict: bool,
+        embedding: bool,
+    ) -> PyResult<PredictTuple> {
+        let default_k = self.width(default_k)?;
+        let histories = IdLists::extract(histories, "histories")?;
+        let users = histories.len();
+        if let Some(ks) = &k {
+            if ks.len() != users {
+                return Err(PyValueError::new_err(format!(
+                    "k has {} values for {users} histories: give one per history (None: default_k)",
+                    ks.len()
+                )));
+            }
+        }
+        let candidates = IdLists::optional(candidates, "candidates", users)?;
+        let exclude = IdLists::optional(exclude, "exclude", users)?;
+        let ask = Ask {
+            k: None,
+            default_k,
+            exclude_seen,
+            strict,
+            embedding,
+        };
+        let answers = self.answer_each(
+            py,
+            &histories,
+            k.as_deref(),
+            exclude.as_ref(),
+            candidates.as_ref(),
+            &ask,
+        );
+        let string_ids = self.engine.manifest.id_type == recsys_engine::idmap::IdType::String;
+        let mut rows = PredictRows::default();
+        for answer in answers {
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(e) => {
+                    rows.ids.push(if string_ids {
+                        Vec::<String>::new().into_pyobject(py)?.into_any().unbind()
+                    } else {
+                        PyArray1::<i64>::zeros(py, 0, false).into_any().unbind()
+                    });
+                    rows.scores
+                        .push(PyArray1::<f32>::zeros(py, 0, false).into_any().unbind());
+                    rows.embeddings.push(None);
+                    rows.errors.push(Some(e.to_string()));
+                    continue;
+                }
+            };
+            let mut ints = Vec::with_capacity(answer.items.len());
+            let mut names = Vec::new();
+            for item in &answer.items {
+                match self.engine.external_id(item.index) {
+                    Some(ExternalId::Int(i)) => ints.push(i),
+                    Some(ExternalId::Str(s)) => names.push(s),
+                    None => {
+                        return Err(RecsysError::new_err(format!(
+                            "the engine returned item index {}, outside its catalogue",
+                            item.index
+                        )))
+                    }
+                }
+            }
+            rows.ids.push(if string_ids {
+                names.into_pyobject(py)?.into_any().unbind()
+            } else {
+                PyArray1::from_vec(py, ints).into_any().unbind()
+            });
+            let scores: Vec<f32> = answer.items.iter().map(|s| s.score).collect();
+            rows.scores
+                .push(PyArray1::from_vec(py, scores).into_any().unbind());
+            rows.embeddings.push(
+                embedding.then(|| PyArray1::from_vec(py, answer.embedding).into_any().unbind()),
+            );
+            rows.errors.push(None);
+        }
+        Ok((rows.ids, rows.scores, rows.embeddings, rows.errors))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "recsys.Engine({:?}, kind={}, precision={}, items={}, threads={})",
+            self.path.display().to_string(),
+            self.kind(),
+            self.precision(),
+            self.num_items(),
+            self.threads()
+        )
+    }
+}
