@@ -391,6 +391,31 @@ def alternating(ours_once, peers: Peers, feeds_list, reps, rounds: int = 2):
     return ours, theirs
 
 
+def peers_table(rows, threads: int, isa: str, ov_default: str) -> list[str]:
+    """The whole-model table: each row `(label, items, batch, recsys seconds, peer seconds by name,
+    top-10 agreement, recsys on 1 thread or None)` against every peer, with the ratio to the faster
+    f32 peer (and to OpenVINO's default precision) and the run's date, machine and versions."""
+    peer_names = ["ORT", "OV f32", "OV default"] if ov is not None else ["ORT"]
+    versions = f"onnxruntime {ort.__version__}" + (f", OpenVINO {ov.__version__.split('-')[0]} (default precision here: "
+                                                  f"{ov_default})" if ov is not None else "")
+    lines = [
+        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for everyone; "
+        f"{versions}; recsys fp32 ({isa} kernels); top-{K} with the history excluded; each side's best "
+        "median of two alternating rounds",
+        "",
+        "| model | items | batch | recsys ms/batch | recsys on 1 thread ms | " + " | ".join(f"{p} ms" for p in peer_names)
+        + " | faster f32 peer / recsys | " + ("OV default / recsys | " if ov is not None else "")
+        + "top-10 agreement, first history |",
+        "|---|---|---|---|---|" + "---|" * len(peer_names) + "---|" + ("---|" if ov is not None else "") + "---|",
+    ]
+    for label, n, batch, ours_s, theirs, agree, single in rows:
+        fastest = min(theirs[p] for p in peer_names if p != "OV default")
+        cells = ["-" if single is None else f"{1000 * single:.3f}"] + [f"{1000 * theirs[p]:.3f}" for p in peer_names]
+        ratio = [f"**{fastest / ours_s:.2f}**"] + ([f"{theirs['OV default'] / ours_s:.2f}"] if ov is not None else [])
+        lines.append(f"| {label} | {n} | {batch} | {1000 * ours_s:.3f} | " + " | ".join(cells + ratio) + f" | {agree:.1f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
@@ -494,24 +519,7 @@ def main() -> None:
                     rows.append((label.replace(")", ", screened: exact int8 screen)"), n_items, batch,
                                  ours["median_s"], theirs, agree, one_thread(screened, histories, batch, reps)))
 
-    peer_names = ["ORT", "OV f32", "OV default"] if ov is not None else ["ORT"]
-    versions = f"onnxruntime {ort.__version__}" + (f", OpenVINO {ov.__version__.split('-')[0]} (default precision here: "
-                                                  f"{ov_default})" if ov is not None else "")
-    lines = [
-        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for everyone; "
-        f"{versions}; recsys fp32 ({ours['isa']} kernels); top-{K} with the history excluded; each side's best "
-        "median of two alternating rounds",
-        "",
-        "| model | items | batch | recsys ms/batch | recsys on 1 thread ms | " + " | ".join(f"{p} ms" for p in peer_names)
-        + " | faster f32 peer / recsys | " + ("OV default / recsys | " if ov is not None else "")
-        + "top-10 agreement, first history |",
-        "|---|---|---|---|---|" + "---|" * len(peer_names) + "---|" + ("---|" if ov is not None else "") + "---|",
-    ]
-    for label, n, batch, ours_s, theirs, agree, single in rows:
-        fastest = min(theirs[p] for p in peer_names if p != "OV default")
-        cells = ["-" if single is None else f"{1000 * single:.3f}"] + [f"{1000 * theirs[p]:.3f}" for p in peer_names]
-        ratio = [f"**{fastest / ours_s:.2f}**"] + ([f"{theirs['OV default'] / ours_s:.2f}"] if ov is not None else [])
-        lines.append(f"| {label} | {n} | {batch} | {1000 * ours_s:.3f} | " + " | ".join(cells + ratio) + f" | {agree:.1f} |")
+    lines = peers_table(rows, threads, ours["isa"], ov_default)
     lines += [
         "",
         f"Roofline: achieved GFLOP/s per busy core (percent of one core's measured FMA peak, {peaks[0] / 1e9:.1f} GFLOP/s) by kind "

@@ -23,11 +23,8 @@ hidden 128, 1 layer, max_len 200), on histories with MovieLens-1M's lengths.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -35,8 +32,8 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
-from bench_models import (FIX, K, RECSYS, Graph, alternating, ml1m_histories, one_thread, probe,
-                          read_safetensors, write_safetensors)
+from bench_models import (FIX, K, RECSYS, Graph, alternating, ml1m_histories, one_thread, peers_table,
+                          probe, read_safetensors, write_safetensors)
 
 ML1M_ITEMS = 3416
 
@@ -162,12 +159,6 @@ def ml1m_model(kind: str, tmp: Path, rng) -> tuple[Path, Path, Path]:
 
 
 def main() -> None:
-    import onnxruntime as ort
-
-    try:
-        import openvino as ov
-    except ImportError:  # pragma: no cover
-        ov = None
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
@@ -212,24 +203,7 @@ def main() -> None:
                     rows.append((row_label, N, batch, ours["median_s"], theirs, agree,
                                  one_thread(engine, histories, batch, reps)))
 
-    peer_names = ["ORT", "OV f32", "OV default"] if ov is not None else ["ORT"]
-    versions = f"onnxruntime {ort.__version__}" + (f", OpenVINO {ov.__version__.split('-')[0]} (default precision here: "
-                                                  f"{ov_default})" if ov is not None else "")
-    lines = [
-        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for everyone; "
-        f"{versions}; recsys fp32 ({ours['isa']} kernels); top-{K} with the history excluded; each side's best "
-        "median of two alternating rounds",
-        "",
-        "| model | items | batch | recsys ms/batch | recsys on 1 thread ms | " + " | ".join(f"{p} ms" for p in peer_names)
-        + " | faster f32 peer / recsys | " + ("OV default / recsys | " if ov is not None else "")
-        + "top-10 agreement, first history |",
-        "|---|---|---|---|---|" + "---|" * len(peer_names) + "---|" + ("---|" if ov is not None else "") + "---|",
-    ]
-    for label, n, batch, ours_s, theirs, agree, single in rows:
-        fastest = min(theirs[p] for p in peer_names if p != "OV default")
-        cells = ["-" if single is None else f"{1000 * single:.3f}"] + [f"{1000 * theirs[p]:.3f}" for p in peer_names]
-        ratio = [f"**{fastest / ours_s:.2f}**"] + ([f"{theirs['OV default'] / ours_s:.2f}"] if ov is not None else [])
-        lines.append(f"| {label} | {n} | {batch} | {1000 * ours_s:.3f} | " + " | ".join(cells + ratio) + f" | {agree:.1f} |")
+    lines = peers_table(rows, threads, ours["isa"], ov_default)
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
