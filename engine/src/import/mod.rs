@@ -15,7 +15,7 @@ use crate::tensor::Tensor;
 
 /// Element types a checkpoint tensor may have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DType {
+pub enum ElementType {
     F32,
     F64,
     F16,
@@ -25,31 +25,31 @@ pub enum DType {
     Other(&'static str, usize),
 }
 
-impl DType {
+impl ElementType {
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
-            DType::F64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::Other(_, size) => size,
+            ElementType::F32 => 4,
+            ElementType::F64 => 8,
+            ElementType::F16 | ElementType::BF16 => 2,
+            ElementType::Other(_, size) => size,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            DType::F32 => "F32",
-            DType::F64 => "F64",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::Other(name, _) => name,
+            ElementType::F32 => "F32",
+            ElementType::F64 => "F64",
+            ElementType::F16 => "F16",
+            ElementType::BF16 => "BF16",
+            ElementType::Other(name, _) => name,
         }
     }
 }
 
 /// A tensor as stored in the checkpoint: contiguous little-endian bytes of `dtype`.
 #[derive(Clone, Debug)]
-pub struct RawTensor {
-    pub dtype: DType,
+pub struct CheckpointTensor {
+    pub dtype: ElementType,
     pub shape: Vec<usize>,
     pub bytes: Vec<u8>,
 }
@@ -68,7 +68,7 @@ pub enum CheckpointFormat {
 #[derive(Debug)]
 pub struct Checkpoint {
     pub format: CheckpointFormat,
-    pub tensors: BTreeMap<String, RawTensor>,
+    pub tensors: BTreeMap<String, CheckpointTensor>,
     /// RecBole's `final_config_dict`, with every plain value (numbers, strings, lists) kept.
     pub embedded_config: Option<serde_json::Map<String, serde_json::Value>>,
     /// SHA-256 of the checkpoint file, recorded in the engine manifest.
@@ -174,26 +174,26 @@ impl Checkpoint {
     }
 }
 
-fn to_f32(name: &str, raw: &RawTensor) -> Result<Vec<f32>> {
+fn to_f32(name: &str, raw: &CheckpointTensor) -> Result<Vec<f32>> {
     let b = &raw.bytes;
     Ok(match raw.dtype {
-        DType::F32 => b
+        ElementType::F32 => b
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect(),
-        DType::F64 => b
+        ElementType::F64 => b
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
             .collect(),
-        DType::F16 => b
+        ElementType::F16 => b
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
-        DType::BF16 => b
+        ElementType::BF16 => b
             .chunks_exact(2)
             .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
-        DType::Other(dtype, _) => {
+        ElementType::Other(dtype, _) => {
             return Err(EngineError::UnsupportedDtype {
                 name: name.into(),
                 dtype: dtype.into(),
@@ -202,28 +202,28 @@ fn to_f32(name: &str, raw: &RawTensor) -> Result<Vec<f32>> {
     })
 }
 
-fn read_safetensors(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, RawTensor>> {
+fn read_safetensors(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, CheckpointTensor>> {
     let st = safetensors::SafeTensors::deserialize(bytes)
         .map_err(|e| EngineError::checkpoint(path, format!("invalid safetensors file: {e}")))?;
     let mut tensors = BTreeMap::new();
     for (name, view) in st.tensors() {
         use safetensors::Dtype as S;
         let dtype = match view.dtype() {
-            S::F32 => DType::F32,
-            S::F64 => DType::F64,
-            S::F16 => DType::F16,
-            S::BF16 => DType::BF16,
-            S::I64 => DType::Other("I64", 8),
-            S::I32 => DType::Other("I32", 4),
-            S::I16 => DType::Other("I16", 2),
-            S::I8 => DType::Other("I8", 1),
-            S::U8 => DType::Other("U8", 1),
-            S::BOOL => DType::Other("BOOL", 1),
-            _ => DType::Other("unknown", 1),
+            S::F32 => ElementType::F32,
+            S::F64 => ElementType::F64,
+            S::F16 => ElementType::F16,
+            S::BF16 => ElementType::BF16,
+            S::I64 => ElementType::Other("I64", 8),
+            S::I32 => ElementType::Other("I32", 4),
+            S::I16 => ElementType::Other("I16", 2),
+            S::I8 => ElementType::Other("I8", 1),
+            S::U8 => ElementType::Other("U8", 1),
+            S::BOOL => ElementType::Other("BOOL", 1),
+            _ => ElementType::Other("unknown", 1),
         };
         tensors.insert(
             name,
-            RawTensor {
+            CheckpointTensor {
                 dtype,
                 shape: view.shape().to_vec(),
                 bytes: view.data().to_vec(),

@@ -7,12 +7,12 @@ use std::io::{Cursor, Read};
 use std::path::Path;
 
 use super::pickle::{self, Value};
-use super::{CheckpointFormat, DType, RawTensor};
+use super::{CheckpointFormat, CheckpointTensor, ElementType};
 use crate::error::{EngineError, Result};
 
 type Parsed = (
     CheckpointFormat,
-    BTreeMap<String, RawTensor>,
+    BTreeMap<String, CheckpointTensor>,
     Option<serde_json::Map<String, serde_json::Value>>,
 );
 
@@ -68,7 +68,7 @@ pub(super) fn read(path: &Path, bytes: &[u8]) -> Result<Parsed> {
             gather(&spec, &storage).map_err(|reason| bad(format!("tensor '{name}': {reason}")))?;
         tensors.insert(
             name.to_owned(),
-            RawTensor {
+            CheckpointTensor {
                 dtype: spec.dtype,
                 shape: spec.shape,
                 bytes,
@@ -130,7 +130,7 @@ fn find_state_dict(root: &Value) -> Option<(CheckpointFormat, &[(Value, Value)])
 }
 
 struct TensorSpec {
-    dtype: DType,
+    dtype: ElementType,
     storage_key: String,
     storage_numel: usize,
     offset: usize,
@@ -215,18 +215,18 @@ fn non_negative(v: &Value, what: &str) -> Result<usize, String> {
         .ok_or(format!("{what} is not a non-negative integer"))
 }
 
-fn storage_dtype(class: &str) -> Result<DType, String> {
+fn storage_dtype(class: &str) -> Result<ElementType, String> {
     Ok(match class {
-        "FloatStorage" => DType::F32,
-        "DoubleStorage" => DType::F64,
-        "HalfStorage" => DType::F16,
-        "BFloat16Storage" => DType::BF16,
-        "LongStorage" => DType::Other("I64", 8),
-        "IntStorage" => DType::Other("I32", 4),
-        "ShortStorage" => DType::Other("I16", 2),
-        "CharStorage" => DType::Other("I8", 1),
-        "ByteStorage" => DType::Other("U8", 1),
-        "BoolStorage" => DType::Other("BOOL", 1),
+        "FloatStorage" => ElementType::F32,
+        "DoubleStorage" => ElementType::F64,
+        "HalfStorage" => ElementType::F16,
+        "BFloat16Storage" => ElementType::BF16,
+        "LongStorage" => ElementType::Other("I64", 8),
+        "IntStorage" => ElementType::Other("I32", 4),
+        "ShortStorage" => ElementType::Other("I16", 2),
+        "CharStorage" => ElementType::Other("I8", 1),
+        "ByteStorage" => ElementType::Other("U8", 1),
+        "BoolStorage" => ElementType::Other("BOOL", 1),
         other => return Err(format!("unknown storage type torch.{other}")),
     })
 }

@@ -253,7 +253,7 @@ pub(super) unsafe fn i8_epilogue<const R: usize, const P: usize>(
     }
 }
 
-/// `cpu`'s activations compiled for AVX2: the portable bodies are `#[inline(always)]`, so they
+/// `portable`'s activations compiled for AVX2: the portable bodies are `#[inline(always)]`, so they
 /// are inlined into these and vectorised 8 wide instead of SSE's 4. The same operations in the
 /// same order (Rust never contracts a multiply and an add into an FMA), so the same bits.
 ///
@@ -261,28 +261,28 @@ pub(super) unsafe fn i8_epilogue<const R: usize, const P: usize>(
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gelu_avx2(x: &mut [f32]) {
-    super::cpu::gelu_erf_inplace(x)
+    super::portable::gelu_erf_inplace(x)
 }
 
 /// # Safety
 /// As for [`gelu_avx2`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tanh_avx2(x: &mut [f32]) {
-    super::cpu::tanh_inplace(x)
+    super::portable::tanh_inplace(x)
 }
 
 /// # Safety
 /// As for [`gelu_avx2`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn softmax_avx2(x: &mut [f32]) {
-    super::cpu::softmax(x)
+    super::portable::softmax(x)
 }
 
 /// # Safety
 /// As for [`gelu_avx2`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn layer_norm_avx2(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64) {
-    super::cpu::layer_norm_rows(x, width, gamma, beta, eps)
+    super::portable::layer_norm_rows(x, width, gamma, beta, eps)
 }
 
 fn layer_norm(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64) {
@@ -294,7 +294,7 @@ fn layer_norm(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64
 /// As for [`gelu_avx2`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn add_rows_avx2(table: &[f32], width: usize, rows: &[u32], acc: &mut [f32]) {
-    super::cpu::add_rows(table, width, rows, acc)
+    super::portable::add_rows(table, width, rows, acc)
 }
 
 fn add_rows(table: &[f32], width: usize, rows: &[u32], acc: &mut [f32]) {

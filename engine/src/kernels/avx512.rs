@@ -1,4 +1,4 @@
-//! AVX-512 micro-kernels (F, BW and VNNI); tanh and GELU are `cpu`'s compiled 16 wide, the other
+//! AVX-512 micro-kernels (F, BW and VNNI); tanh and GELU are `portable`'s compiled 16 wide, the other
 //! activations AVX2's.
 //!
 //! int8: each item's sum is exact in i32, where the order of the additions cannot change a bit,
@@ -220,7 +220,7 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
     unsafe { avx2::f32_epilogue::<R, P>(&split, epilogue, out, masks) }
 }
 
-/// `cpu`'s tanh and GELU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
+/// `portable`'s tanh and GELU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
 /// (the same operations in the same order, so AVX2's and the scalar path's bits). GRU4Rec runs
 /// three gates' worth of them per token and step.
 ///
@@ -228,14 +228,14 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
 /// The CPU must support AVX-512 F (with AVX2 and FMA).
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
 unsafe fn tanh_avx512(x: &mut [f32]) {
-    super::cpu::tanh_inplace(x)
+    super::portable::tanh_inplace(x)
 }
 
 /// # Safety
 /// As for [`tanh_avx512`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
 unsafe fn gelu_avx512(x: &mut [f32]) {
-    super::cpu::gelu_erf_inplace(x)
+    super::portable::gelu_erf_inplace(x)
 }
 
 fn tanh(x: &mut [f32]) {

@@ -1,6 +1,6 @@
 //! Numeric kernels and the one place that picks them.
 //!
-//! `cpu` holds the portable kernels used by the models' dense layers. The output layer (scoring every
+//! `portable` holds the portable kernels used by the models' dense layers. The output layer (scoring every
 //! item, the dominant cost) runs through `fused`: packed weight panels (`packed`), a micro-kernel per
 //! precision chosen from a [`KernelTable`] at engine load, and a bounded top-k selection that never
 //! materialises the batch x items score matrix. The table is portable scalar code, overlaid by the
@@ -8,9 +8,9 @@
 //! kernel of `avx512` on top of those when it has that too; `RECSYS_FORCE_ISA=scalar|avx2|avx512`
 //! forces a path so every path can be tested.
 
-pub mod cpu;
 pub mod fused;
 pub mod packed;
+pub mod portable;
 pub mod prefetch;
 pub mod screen;
 pub mod shared;
@@ -173,20 +173,20 @@ fn assert_i8_call<const R: usize, const P: usize>(
     (pairs, width)
 }
 
-/// The activations of the encoders over a slice, in place: `cpu`'s portable code, compiled once
+/// The activations of the encoders over a slice, in place: `portable`'s code, compiled once
 /// more per ISA (the arithmetic is the same plain f32 code, never contracted into FMAs, so every
 /// ISA gives the same bits; tested).
 pub struct Elementwise {
-    /// The exact-erf GELU ([`cpu::gelu_erf_inplace`]).
+    /// The exact-erf GELU ([`portable::gelu_erf_inplace`]).
     pub gelu: fn(&mut [f32]),
-    /// [`cpu::tanh_inplace`].
+    /// [`portable::tanh_inplace`].
     pub tanh: fn(&mut [f32]),
-    /// A numerically stable softmax ([`cpu::softmax`]).
+    /// A numerically stable softmax ([`portable::softmax`]).
     pub softmax: fn(&mut [f32]),
-    /// LayerNorm of every row of a matrix ([`cpu::layer_norm_rows`]: rows `width` wide, gamma,
+    /// LayerNorm of every row of a matrix ([`portable::layer_norm_rows`]: rows `width` wide, gamma,
     /// beta, eps).
     pub layer_norm: fn(&mut [f32], usize, &[f32], &[f32], f64),
-    /// Rows of a table summed into one row ([`cpu::add_rows`]: table, width, rows, accumulator).
+    /// Rows of a table summed into one row ([`portable::add_rows`]: table, width, rows, accumulator).
     pub add_rows: fn(&[f32], usize, &[u32], &mut [f32]),
 }
 

@@ -119,10 +119,10 @@ pub(super) static TABLE: KernelTable = kernel_table!(
     f16_k,
     i8_k,
     super::Elementwise {
-        gelu: super::cpu::gelu_erf_inplace,
-        tanh: super::cpu::tanh_inplace,
-        softmax: super::cpu::softmax,
-        layer_norm: super::cpu::layer_norm_rows,
-        add_rows: super::cpu::add_rows,
+        gelu: super::portable::gelu_erf_inplace,
+        tanh: super::portable::tanh_inplace,
+        softmax: super::portable::softmax,
+        layer_norm: super::portable::layer_norm_rows,
+        add_rows: super::portable::add_rows,
     }
 );

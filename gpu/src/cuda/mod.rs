@@ -1,10 +1,10 @@
 //! Host side of the CUDA kernels: finding the libraries and compiling the kernels (`compile`),
-//! [`CudaDevice`] (`device`: one context and stream, the typed launch of every kernel), and the two
+//! [`CudaDevice`] (`cuda_device`: one context and stream, the typed launch of every kernel), and the two
 //! things the rest of recsys uses: [`GpuModel`] (a whole engine on a GPU, what KIND_GPU instances
 //! serve) and [`GpuOutputLayer`] (the output layer alone, for benchmarks).
 
 mod compile;
-mod device;
+mod cuda_device;
 
 use std::sync::{Arc, Mutex};
 
@@ -17,8 +17,8 @@ pub use compile::{
     check_nvrtc_against_driver, compile, compile_source, driver_cuda_version, driver_present,
     nvrtc_check, nvrtc_present, nvrtc_version, BUILT_FOR_CUDA,
 };
-use device::cuda_err;
-pub use device::CudaDevice;
+use cuda_device::cuda_err;
+pub use cuda_device::CudaDevice;
 
 use crate::device::Device;
 use crate::model::{DeviceModel, DeviceOutputLayer};
