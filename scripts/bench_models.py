@@ -152,14 +152,11 @@ class Peers:
             self.runners[name] = lambda feeds, r=request: r.infer(feeds)[1]
 
 
-def bert4rec_session(w, cfg, threads):
-    H, L, heads = cfg["hidden_size"], cfg["max_seq_length"], cfg["n_heads"]
-    dh, eps, n_out = H // heads, cfg["layer_norm_eps"], cfg["n_real_items"] + 1
-    g = Graph()
-    x = g.op("Add", g.op("Gather", g.const(w["item_embedding.weight"]), "item_seq"), g.const(w["position_embedding.weight"]))
-    x = g.ln(x, w["LayerNorm.weight"], w["LayerNorm.bias"], eps)
-    pad = g.op("Cast", g.op("Equal", "item_seq", g.const(np.int64(0))), to=TensorProto.FLOAT)
-    mask = g.op("Unsqueeze", g.op("Mul", pad, g.const(np.float32(-10000.0))), g.const(np.array([1, 2], dtype=np.int64)))
+def transformer_layers(g: "Graph", w, cfg, x: str, mask: str, eps: float) -> str:
+    """RecBole's post-LN `TransformerEncoder` (BERT4Rec's and SASRec's) over every position of `x`,
+    the additive `mask` ([B, 1, L or 1, L]) on the attention scores."""
+    H, heads = cfg["hidden_size"], cfg["n_heads"]
+    dh = H // heads
     split = g.const(np.array([0, 0, heads, dh], dtype=np.int64))
     merge = g.const(np.array([0, 0, H], dtype=np.int64))
     for l in range(cfg["n_layers"]):
@@ -177,6 +174,18 @@ def bert4rec_session(w, cfg, threads):
         inner = g.gelu(g.linear(x, w[f + "dense_1.weight"], w[f + "dense_1.bias"]))
         x = g.ln(g.op("Add", g.linear(inner, w[f + "dense_2.weight"], w[f + "dense_2.bias"]), x),
                  w[f + "LayerNorm.weight"], w[f + "LayerNorm.bias"], eps)
+    return x
+
+
+def bert4rec_session(w, cfg, threads):
+    H, L = cfg["hidden_size"], cfg["max_seq_length"]
+    eps, n_out = cfg["layer_norm_eps"], cfg["n_real_items"] + 1
+    g = Graph()
+    x = g.op("Add", g.op("Gather", g.const(w["item_embedding.weight"]), "item_seq"), g.const(w["position_embedding.weight"]))
+    x = g.ln(x, w["LayerNorm.weight"], w["LayerNorm.bias"], eps)
+    pad = g.op("Cast", g.op("Equal", "item_seq", g.const(np.int64(0))), to=TensorProto.FLOAT)
+    mask = g.op("Unsqueeze", g.op("Mul", pad, g.const(np.float32(-10000.0))), g.const(np.array([1, 2], dtype=np.int64)))
+    x = transformer_layers(g, w, cfg, x, mask, eps)
     h = g.op("Reshape", g.op("MatMul", g.op("Unsqueeze", "mask_onehot", g.const(np.array([1], dtype=np.int64))), x),
              g.const(np.array([0, H], dtype=np.int64)))
     h = g.ln(g.gelu(g.linear(h, w["output_ffn.weight"], w["output_ffn.bias"])), w["output_ln.weight"], w["output_ln.bias"], eps)

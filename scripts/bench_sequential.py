@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from bench_models import (FIX, K, RECSYS, Graph, alternating, ml1m_histories, one_thread, peers_table,
-                          probe, read_safetensors, write_safetensors)
+                          probe, read_safetensors, transformer_layers, write_safetensors)
 
 ML1M_ITEMS = 3416
 
@@ -54,8 +53,7 @@ def scores_and_session(g: Graph, h: str, table: np.ndarray, n_out: int, seq_len:
 
 
 def sasrec_session(w, cfg, threads):
-    H, L, heads = cfg["hidden_size"], cfg["max_seq_length"], cfg["n_heads"]
-    dh, n_out = H // heads, cfg["n_real_items"] + 1
+    H, L, n_out = cfg["hidden_size"], cfg["max_seq_length"], cfg["n_real_items"] + 1
     g = Graph()
     x = g.op("Add", g.op("Gather", g.const(w["item_embedding.weight"]), "item_seq"), g.const(w["position_embedding.weight"]))
     x = g.ln(x, w["LayerNorm.weight"], w["LayerNorm.bias"], 1e-12)
@@ -65,23 +63,7 @@ def sasrec_session(w, cfg, threads):
     keys = g.op("Unsqueeze", is_item, g.const(np.array([1, 2], dtype=np.int64)))
     allowed = g.op("And", keys, causal)
     mask = g.op("Where", allowed, g.const(np.float32(0.0)), g.const(np.float32(-10000.0)))
-    split = g.const(np.array([0, 0, heads, dh], dtype=np.int64))
-    merge = g.const(np.array([0, 0, H], dtype=np.int64))
-    for l in range(cfg["n_layers"]):
-        p = f"trm_encoder.layer.{l}."
-        a = p + "multi_head_attention."
-        heads_of = lambda t, perm: g.op("Transpose", g.op("Reshape", t, split), perm=perm)  # noqa: E731
-        q = heads_of(g.linear(x, w[a + "query.weight"], w[a + "query.bias"]), [0, 2, 1, 3])
-        k = heads_of(g.linear(x, w[a + "key.weight"], w[a + "key.bias"]), [0, 2, 3, 1])
-        v = heads_of(g.linear(x, w[a + "value.weight"], w[a + "value.bias"]), [0, 2, 1, 3])
-        s = g.op("Add", g.op("Div", g.op("MatMul", q, k), g.const(np.float32(math.sqrt(dh)))), mask)
-        c = g.op("Reshape", g.op("Transpose", g.op("MatMul", g.op("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3]), merge)
-        x = g.ln(g.op("Add", g.linear(c, w[a + "dense.weight"], w[a + "dense.bias"]), x),
-                 w[a + "LayerNorm.weight"], w[a + "LayerNorm.bias"], 1e-12)
-        f = p + "feed_forward."
-        inner = g.gelu(g.linear(x, w[f + "dense_1.weight"], w[f + "dense_1.bias"]))
-        x = g.ln(g.op("Add", g.linear(inner, w[f + "dense_2.weight"], w[f + "dense_2.bias"]), x),
-                 w[f + "LayerNorm.weight"], w[f + "LayerNorm.bias"], 1e-12)
+    x = transformer_layers(g, w, cfg, x, mask, 1e-12)
     return scores_and_session(g, last_row(g, x, H), w["item_embedding.weight"], n_out, L, threads)
 
 
