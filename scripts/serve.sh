@@ -30,19 +30,7 @@ cargo build --release --locked -p recsys-converter -p recsys-backend
 mkdir -p build/backends/recsys
 cp target/release/libtriton_recsys.so build/backends/recsys/
 
-echo "==> converting the demo checkpoints into model_repository/"
-target/release/recsys convert --force --kind bert4rec \
-  --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
-  --item-map tests/fixtures/bert4rec/item_id_map.tsv --output model_repository/bert4rec/1
-target/release/recsys convert --force --kind vaecf \
-  --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
-  --item-map tests/fixtures/multivae/item_id_map.tsv --output model_repository/vaecf/1
-# SASRec and GRU4Rec from RecBole's own checkpoints: the kind and hyper-parameters are the
-# checkpoint's (read as data; nothing in it is executed).
-for model in sasrec gru4rec; do
-  target/release/recsys convert --force --checkpoint "tests/fixtures/$model/recbole_checkpoint.pth" \
-    --item-map "tests/fixtures/$model/item_id_map.tsv" --output "model_repository/$model/1"
-done
+./scripts/convert-demo-models.sh target/release/recsys
 
 TRITONSERVER=$("$VENV/bin/python" -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver/bin/tritonserver")')
 mkdir -p build
@@ -80,12 +68,16 @@ curl -sf "http://$CLIENT_HOST:$HTTP_PORT/v2/health/ready" >/dev/null || {
 }
 
 CURL_EXAMPLE="curl -s -X POST http://$CLIENT_HOST:$HTTP_PORT/v2/models/bert4rec/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 3], \"data\": [10011403, 10011207, 10011739]}, {\"name\": \"K\", \"datatype\": \"INT32\", \"shape\": [1, 1], \"data\": [5]}]}'"
+ENSEMBLE_EXAMPLE="curl -s -X POST http://$CLIENT_HOST:$HTTP_PORT/v2/models/retrieve_and_rank/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 3], \"data\": [10011403, 10011207, 10011739]}, {\"name\": \"K\", \"datatype\": \"INT32\", \"shape\": [1, 1], \"data\": [5]}]}'"
 PY_EXAMPLE="$VENV/bin/python examples/client.py --http $CLIENT_HOST:$HTTP_PORT --grpc $CLIENT_HOST:$GRPC_PORT"
 cat <<MSG
 
-recsys is serving bert4rec, vaecf, sasrec and gru4rec. Try:
+recsys is serving bert4rec, vaecf, sasrec and gru4rec, and retrieve_and_rank (VAE-CF's 500 best
+items ranked by BERT4Rec, one request). Try:
 
   $CURL_EXAMPLE
+
+  $ENSEMBLE_EXAMPLE
 
   $PY_EXAMPLE
 
@@ -94,6 +86,9 @@ MSG
 echo
 echo "--- curl example ---"
 eval "$CURL_EXAMPLE"
+echo
+echo "--- retrieval and ranking in one call (the retrieve_and_rank ensemble) ---"
+eval "$ENSEMBLE_EXAMPLE"
 echo
 echo "--- Python example ---"
 $PY_EXAMPLE

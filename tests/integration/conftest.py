@@ -20,7 +20,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
-               "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal"]
+               "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal",
+               "vaecf_candidates", "retrieve_and_rank"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -144,6 +145,11 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
         model(name, config, engines / name)
         model(f"{name}_emb", with_user_embedding(config).replace(f'name: "{name}"', f'name: "{name}_emb"'),
               engines / name)
+    # The demo repository's ensemble as shipped: VAE-CF's candidates ranked by BERT4Rec in one call.
+    model("vaecf_candidates", (ROOT / "model_repository" / "vaecf_candidates" / "config.pbtxt").read_text(),
+          engines / "vaecf")
+    model("retrieve_and_rank", (ROOT / "model_repository" / "retrieve_and_rank" / "config.pbtxt").read_text(), None)
+    (repo / "retrieve_and_rank" / "1").mkdir()
     model("bert4rec_str", contract_config("bert4rec_str", id_type="TYPE_STRING"), engines / "bert4rec_str")
     model("vaecf_int8", contract_config("vaecf_int8"), engines / "vaecf_int8")
     model("vaecf_screened", contract_config("vaecf_screened"), engines / "vaecf_screened")

@@ -229,3 +229,79 @@ def test_the_retrieve_then_rank_example_runs_as_written(server, grpc, item_table
         direct = grpc.infer("bert4rec", make_inputs(grpcclient, history, k=10, candidates=answer["candidates"]),
                             outputs=outputs(grpcclient, "TOP_ITEM_IDS", "TOP_SCORES"))
         assert top(direct)[0] == answer["item_ids"]
+
+
+def ensemble_inputs(module, history, *, k=None, candidate_count=None, exclude=None):
+    inputs = make_inputs(module, history, k=k, exclude=exclude)
+    if candidate_count is not None:
+        t = module.InferInput("CANDIDATE_COUNT", [1, 1], "INT32")
+        t.set_data_from_numpy(np.array([[candidate_count]], dtype=np.int32))
+        inputs.append(t)
+    return inputs
+
+
+def by_hand(client, module, history, *, k=None, candidate_count=None, exclude=None):
+    """The two calls the ensemble replaces: VAE-CF's candidates, then BERT4Rec ranking exactly those."""
+    retrieved = client.infer("vaecf_candidates", make_inputs(module, history, k=candidate_count, exclude=exclude),
+                             outputs=outputs(module, "TOP_ITEM_IDS"))
+    candidates = retrieved.as_numpy("TOP_ITEM_IDS")[0].tolist()
+    ranked = client.infer("bert4rec", make_inputs(module, history, k=k, exclude=exclude, candidates=candidates),
+                          outputs=outputs(module, "TOP_ITEM_IDS", "TOP_SCORES"))
+    return candidates, top(ranked)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_retrieve_and_rank_ensemble_answers_in_one_call_what_two_calls_answer(protocol, http, grpc, server):
+    """The demo repository's `retrieve_and_rank` (model_repository/retrieve_and_rank): VAE-CF's 500
+    best items re-ranked by BERT4Rec inside the server. Its answer is, bit for bit, the answer of the
+    two requests made by hand, with and without each optional input."""
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    cases = [c for c in golden_cases("bert4rec") if not c["unknown_ext"]][:12]
+    variants = [{}, {"k": 25}, {"candidate_count": 40}, {"k": 5, "candidate_count": 8}]
+    for n, case in enumerate(cases):
+        history = case["history_ext"]
+        options = dict(variants[n % len(variants)])
+        if n % 3 == 2:
+            options["exclude"] = case["history_ext"][:1] + [10011403]
+        candidates, (want_ids, want_scores) = by_hand(client, module, history, **options)
+        assert len(candidates) == options.get("candidate_count", 500)
+        answer = client.infer("retrieve_and_rank", ensemble_inputs(module, history, **options))
+        got_ids, got_scores = top(answer)
+        assert got_ids == want_ids, (n, options)
+        assert got_scores == want_scores, (n, options)
+        assert len(got_ids) == min(options.get("k", 10), len(candidates))
+        assert set(got_ids) <= set(candidates)
+        assert not set(got_ids) & set(options.get("exclude", []))
+    assert server.is_ready()
+
+
+def test_the_ensemble_answers_concurrent_requests_each_as_asked(http, server):
+    """32 requests in flight at once (the composing models batch them): each answer is its own
+    history's, as the two calls give it."""
+    cases = [c for c in golden_cases("bert4rec") if not c["unknown_ext"]][:32]
+    pending = [http.async_infer("retrieve_and_rank", ensemble_inputs(httpclient, c["history_ext"], k=10))
+               for c in cases]
+    answers = [top(p.get_result()) for p in pending]
+    for case, answer in zip(cases, answers):
+        _, want = by_hand(http, httpclient, case["history_ext"], k=10)
+        assert answer == want
+    assert server.is_ready()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_bad_ensemble_request_gets_the_stage_s_error_and_the_server_keeps_serving(protocol, http, grpc, server):
+    """A stage's refusal comes back through the ensemble, in the stage's own words (the retriever
+    calls its CANDIDATE_COUNT K, as the config's comment says)."""
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    invalid = "400" if protocol == "http" else "INVALID_ARGUMENT"
+    # Too many candidates asked of the retriever (its max_k is 1,000).
+    message = expect_error(lambda: client.infer("retrieve_and_rank",
+                                                ensemble_inputs(module, [10011403], candidate_count=5000)), invalid)
+    assert "in ensemble 'retrieve_and_rank'" in message and "K = 5000 is more than max_k 1000" in message, message
+    # Too many ranked items asked of the ranker.
+    message = expect_error(lambda: client.infer("retrieve_and_rank", ensemble_inputs(module, [10011403], k=5000)),
+                           invalid)
+    assert "in ensemble 'retrieve_and_rank'" in message and "K = 5000 is more than max_k 1000" in message, message
+    # The server goes on answering.
+    assert top(client.infer("retrieve_and_rank", ensemble_inputs(module, [10011403, 10011207])))[0]
+    assert server.is_ready()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Converts the demo checkpoints into the Triton model repository (model_repository/<model>/1) with
+# the recsys binary given as $1 (scripts/serve.sh and scripts/demo.sh build it first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RECSYS=${1:?usage: scripts/convert-demo-models.sh PATH/TO/recsys}
+
+echo "==> converting the demo checkpoints into model_repository/"
+"$RECSYS" convert --force --kind bert4rec \
+  --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
+  --item-map tests/fixtures/bert4rec/item_id_map.tsv --output model_repository/bert4rec/1
+"$RECSYS" convert --force --kind vaecf \
+  --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
+  --item-map tests/fixtures/multivae/item_id_map.tsv --output model_repository/vaecf/1
+# SASRec and GRU4Rec from RecBole's own checkpoints: the kind and hyper-parameters are the
+# checkpoint's (read as data; nothing in it is executed).
+for model in sasrec gru4rec; do
+  "$RECSYS" convert --force --checkpoint "tests/fixtures/$model/recbole_checkpoint.pth" \
+    --item-map "tests/fixtures/$model/item_id_map.tsv" --output "model_repository/$model/1"
+done
+# The retrieve_and_rank ensemble: its retrieval stage serves the VAE-CF engine under its own
+# config (hard links, not a second copy), and the ensemble itself needs an empty version directory.
+rm -rf model_repository/vaecf_candidates/1
+cp -al model_repository/vaecf/1 model_repository/vaecf_candidates/1
+mkdir -p model_repository/retrieve_and_rank/1
