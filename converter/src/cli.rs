@@ -198,9 +198,9 @@ pub struct SweepArgs {
     /// Hyper-parameters as JSON (as for `recsys convert`).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// TSV of `internal_index<TAB>external_item_id` (as for `recsys convert`).
-    #[arg(long)]
-    pub item_map: PathBuf,
+    /// The item map (as for `recsys convert`).
+    #[command(flatten)]
+    pub items: ItemMapArgs,
     /// Leave-one-out test file (as for `recsys eval`).
     #[arg(long)]
     pub test: PathBuf,
@@ -505,6 +505,41 @@ fn calibration_method_parser() -> impl TypedValueParser<Value = CalibrationChoic
     .map(|s| s.parse().expect("one of the listed values"))
 }
 
+/// Where the item map comes from: exactly one of the two flags.
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+pub struct ItemMapArgs {
+    /// TSV of `internal_index<TAB>external_item_id` for items 1..N (a header line is allowed).
+    #[arg(long, value_name = "TSV")]
+    pub item_map: Option<PathBuf>,
+    /// Instead of --item-map: the file RecBole saved for the training data, with
+    /// `save_dataset: True` (<dataset>-<DatasetClass>.pth) or `save_dataloaders: True`
+    /// (<dataset>-for-<model>-dataloader.pth). Its `field2id_token` for the item field is the map.
+    /// Read as data: nothing in the file is executed, and RecBole is not needed.
+    #[arg(long, value_name = "FILE")]
+    pub recbole_dataset: Option<PathBuf>,
+}
+
+impl ItemMapArgs {
+    pub fn source(&self) -> recsys_engine::ItemMapSource<'_> {
+        match (&self.item_map, &self.recbole_dataset) {
+            (Some(tsv), _) => recsys_engine::ItemMapSource::Tsv(tsv),
+            (None, Some(saved)) => recsys_engine::ItemMapSource::RecboleDataset(saved),
+            (None, None) => unreachable!("clap requires one of --item-map and --recbole-dataset"),
+        }
+    }
+
+    /// The flag and path, as a command line would give them.
+    pub fn flag(&self) -> String {
+        match self.source() {
+            recsys_engine::ItemMapSource::Tsv(p) => format!("--item-map {}", p.display()),
+            recsys_engine::ItemMapSource::RecboleDataset(p) => {
+                format!("--recbole-dataset {}", p.display())
+            }
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 #[command(
     after_help = "Checkpoints are read as data: pickle code in .pt/.pth files is never executed. \
@@ -524,9 +559,9 @@ pub struct ConvertArgs {
     /// which carry their own; anything the weights' shapes determine is checked against them.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// TSV of `internal_index<TAB>external_item_id` for items 1..N (a header line is allowed).
-    #[arg(long)]
-    pub item_map: PathBuf,
+    /// The item map: external item ids by the model's internal index.
+    #[command(flatten)]
+    pub items: ItemMapArgs,
     /// Engine directory to create (for serving: <model_repository>/<model>/<version>), or its
     /// folder in object storage (s3://..., gs://...: converted and verified locally, then
     /// uploaded). To add a version to a served model, prefer `recsys publish`.

@@ -93,7 +93,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             kind,
             checkpoint: &args.checkpoint,
             config: config.as_ref(),
-            item_map: &args.item_map,
+            item_map: args.items.source(),
             out: &out_dir,
             precision: plan.precision,
             calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),

@@ -282,7 +282,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             kind,
             checkpoint: &args.checkpoint,
             config: config.as_ref(),
-            item_map: &args.item_map,
+            item_map: args.items.source(),
             out: &dir,
             precision: variant.precision,
             calibration: variant.method.map(|m| {
@@ -371,14 +371,14 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         .expect("fp32 is always within the budget");
     let kind = kind.expect("at least one variant was converted");
     let command = format!(
-        "recsys convert --kind {} --checkpoint {} {} --item-map {} --out ENGINE_DIR {}",
+        "recsys convert --kind {} --checkpoint {} {} {} --out ENGINE_DIR {}",
         kind,
         args.checkpoint.display(),
         args.config
             .as_ref()
             .map(|c| format!("--config {}", c.display()))
             .unwrap_or_default(),
-        args.item_map.display(),
+        args.items.flag(),
         best.convert_flags.replace(
             "CAL",
             &args

@@ -1118,8 +1118,8 @@ fn sweep_of_a_recbole_checkpoint_reads_its_kind() {
         .args(["sweep", "--precisions", "fp32,fp16", "--batch-size", "1"])
         .args(["--seconds", "0.05", "--compare-users", "50", "--checkpoint"])
         .arg(dir.join("recbole_checkpoint.pth"))
-        .arg("--item-map")
-        .arg(dir.join("item_id_map.tsv"))
+        .arg("--recbole-dataset")
+        .arg(fixtures().join("recbole_dataset/recsys-demo-Dataset.pth"))
         .arg("--test")
         .arg(fixtures().join("test_set.tsv"))
         .arg("--output")
@@ -1145,6 +1145,87 @@ fn sweep_of_a_recbole_checkpoint_reads_its_kind() {
         .as_str()
         .unwrap()
         .starts_with("recsys convert --kind sasrec"));
+    assert!(report["recommendation"]["command"]
+        .as_str()
+        .unwrap()
+        .contains("--recbole-dataset "));
+}
+
+#[test]
+fn a_recbole_checkpoint_and_its_saved_dataset_convert_with_no_hand_made_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let checkpoint = fixtures().join("sasrec/recbole_checkpoint.pth");
+    let saved = fixtures().join("recbole_dataset/recsys-demo-Dataset.pth");
+    let engine = tmp.path().join("engine");
+    let run = recsys()
+        .args(["convert", "--checkpoint"])
+        .arg(&checkpoint)
+        .arg("--recbole-dataset")
+        .arg(&saved)
+        .arg("--output")
+        .arg(&engine)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // The engine's item ids are RecBole's numbering: the hand-made map's, line for line.
+    let ids = std::fs::read_to_string(engine.join("item_ids.tsv")).unwrap();
+    let hand_made = std::fs::read_to_string(fixtures().join("sasrec/item_id_map.tsv")).unwrap();
+    let rows = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with(|c: char| c.is_ascii_digit()))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(rows(&ids), rows(&hand_made));
+
+    // Exactly one of the two item-map flags.
+    let both = recsys()
+        .args(["convert", "--checkpoint"])
+        .arg(&checkpoint)
+        .arg("--recbole-dataset")
+        .arg(&saved)
+        .arg("--item-map")
+        .arg(fixtures().join("sasrec/item_id_map.tsv"))
+        .arg("--output")
+        .arg(tmp.path().join("both"))
+        .output()
+        .unwrap();
+    assert_eq!(both.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&both.stderr);
+    assert!(
+        stderr.contains("--item-map") && stderr.contains("--recbole-dataset"),
+        "{stderr}"
+    );
+    let neither = recsys()
+        .args(["convert", "--checkpoint"])
+        .arg(&checkpoint)
+        .arg("--output")
+        .arg(tmp.path().join("neither"))
+        .output()
+        .unwrap();
+    assert_eq!(neither.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&neither.stderr);
+    assert!(
+        stderr.contains("--item-map") && stderr.contains("--recbole-dataset"),
+        "{stderr}"
+    );
+    // A model checkpoint given as the dataset is named for what it is.
+    let wrong = recsys()
+        .args(["convert", "--checkpoint"])
+        .arg(&checkpoint)
+        .arg("--recbole-dataset")
+        .arg(&checkpoint)
+        .arg("--output")
+        .arg(tmp.path().join("wrong"))
+        .output()
+        .unwrap();
+    assert!(!wrong.status.success());
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(stderr.contains("zip archive"), "{stderr}");
 }
 
 #[test]

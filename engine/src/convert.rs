@@ -14,7 +14,7 @@ use crate::engine_dir::{
     OutputLayerQuantization, Precision, Quantization, RawTensor, Screen, SourceCheckpoint,
 };
 use crate::error::{EngineError, Result};
-use crate::idmap::{ExternalIds, IdMap};
+use crate::idmap::{ExternalIds, IdMap, ItemMapSource};
 use crate::import::Checkpoint;
 use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits};
 use crate::models::Model;
@@ -27,7 +27,8 @@ pub struct ConvertRequest<'a> {
     pub checkpoint: &'a Path,
     /// A JSON object of hyper-parameters; `None` to use the checkpoint's own (RecBole) config.
     pub config: Option<&'a serde_json::Map<String, serde_json::Value>>,
-    pub item_map: &'a Path,
+    /// The item map: a TSV, or the dataset RecBole saved.
+    pub item_map: ItemMapSource<'a>,
     pub out: &'a Path,
     pub precision: Precision,
     /// With `Precision::Int8`: calibration histories (external ids as text) and method, for W8A8
@@ -115,7 +116,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
     };
     let config = ModelConfig::resolve(kind, &json, &ckpt)?;
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
-    let ids = IdMap::read_tsv(request.item_map)?;
+    let ids = request.item_map.read(max_checkpoint_bytes)?;
     request
         .options()
         .plan(Spelling::Keywords)

@@ -52,7 +52,7 @@ pub fn convert(
         kind: Some(kind),
         checkpoint: &model_dir(kind).join(checkpoint),
         config: Some(&config),
-        item_map: &model_dir(kind).join("item_id_map.tsv"),
+        item_map: crate::ItemMapSource::Tsv(&model_dir(kind).join("item_id_map.tsv")),
         out,
         precision,
         calibration: None,

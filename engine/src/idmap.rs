@@ -119,6 +119,38 @@ impl IntLookup {
     }
 }
 
+/// Where a conversion takes its item map from.
+#[derive(Clone, Copy, Debug)]
+pub enum ItemMapSource<'a> {
+    /// A TSV of `internal_index<TAB>external_id` lines ([`IdMap::read_tsv`]).
+    Tsv(&'a Path),
+    /// The dataset or dataloaders file RecBole saved (`save_dataset` / `save_dataloaders`), whose
+    /// `field2id_token` is the map; read as data ([`crate::import::recbole_dataset`]).
+    RecboleDataset(&'a Path),
+}
+
+impl ItemMapSource<'_> {
+    /// Reads the map; a RecBole file larger than `max_bytes` is refused unread.
+    pub fn read(&self, max_bytes: u64) -> Result<IdMap> {
+        match *self {
+            ItemMapSource::Tsv(path) => IdMap::read_tsv(path),
+            ItemMapSource::RecboleDataset(path) => {
+                let tokens = crate::import::recbole_dataset::read_item_tokens(path, max_bytes)?;
+                IdMap::from_tokens(&tokens).map_err(|reason| EngineError::IdMap {
+                    path: path.to_path_buf(),
+                    reason: format!("RecBole's item tokens: {reason}"),
+                })
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        match *self {
+            ItemMapSource::Tsv(path) | ItemMapSource::RecboleDataset(path) => path,
+        }
+    }
+}
+
 /// Item id map for N items. Index `i` (1-based) maps to `by_index[i - 1]`.
 #[derive(Clone, Debug)]
 pub struct IdMap {
@@ -185,10 +217,20 @@ impl IdMap {
             }
         }
         let externals: Vec<&str> = slots.into_iter().map(|s| s.expect("all filled")).collect();
-        let ints: Option<Vec<i64>> = externals.iter().map(|s| s.parse::<i64>().ok()).collect();
+        IdMap::from_tokens(&externals)
+    }
+
+    /// Builds a map from the external ids of items 1..=N as text, in order: int64 ids if every one
+    /// parses as an integer, strings otherwise (the rule of [`IdMap::parse_tsv`], and of a RecBole
+    /// dataset's item tokens).
+    pub fn from_tokens<S: AsRef<str>>(tokens: &[S]) -> Result<IdMap, String> {
+        let ints: Option<Vec<i64>> = tokens
+            .iter()
+            .map(|s| s.as_ref().parse::<i64>().ok())
+            .collect();
         match ints {
             Some(ints) => IdMap::from_int_ids(ints),
-            None => IdMap::from_string_ids(externals.into_iter().map(str::to_owned).collect()),
+            None => IdMap::from_string_ids(tokens.iter().map(|s| s.as_ref().to_owned()).collect()),
         }
     }
 

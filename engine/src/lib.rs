@@ -32,7 +32,7 @@ pub use convert::{convert, convert_limited, ConvertRequest, W8a8Layers};
 pub use convert_options::{CalibrationChoice, ConvertOptions, ConvertPlan, Int8Mode, Spelling};
 pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
-pub use idmap::{ExternalId, ExternalIds, IdMap};
+pub use idmap::{ExternalId, ExternalIds, IdMap, ItemMapSource};
 pub use request::{
     excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
     ServeOptions, UnknownIds, UnknownItemPolicy,

@@ -17,7 +17,7 @@ fn fresh(kind: ModelKind, out: &std::path::Path, precision: Precision, w8a8: boo
         kind: Some(kind),
         checkpoint: &dir.join("model.safetensors"),
         config: Some(&config),
-        item_map: &dir.join("item_id_map.tsv"),
+        item_map: recsys_engine::ItemMapSource::Tsv(&dir.join("item_id_map.tsv")),
         out,
         precision,
         calibration: w8a8.then_some((&calibration[..], CalibrationMethod::Entropy)),

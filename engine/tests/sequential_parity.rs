@@ -19,7 +19,7 @@ fn convert_form(kind: ModelKind, checkpoint: &str, out: &std::path::Path) -> Eng
             kind: None,
             checkpoint: &model_dir(kind).join(checkpoint),
             config: None,
-            item_map: &model_dir(kind).join("item_id_map.tsv"),
+            item_map: recsys_engine::ItemMapSource::Tsv(&model_dir(kind).join("item_id_map.tsv")),
             out,
             precision: Precision::Fp32,
             calibration: None,

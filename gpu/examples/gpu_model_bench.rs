@@ -57,7 +57,7 @@ fn main() {
                     kind: Some(kind),
                     checkpoint: &model.join("model.safetensors"),
                     config: Some(&config),
-                    item_map: &model.join("item_id_map.tsv"),
+                    item_map: recsys_engine::ItemMapSource::Tsv(&model.join("item_id_map.tsv")),
                     out: &out,
                     precision,
                     calibration: None,

@@ -167,7 +167,7 @@ fn engines_with_static_dense_activations_are_refused_with_the_reason() {
         kind: Some(kind),
         checkpoint: &model.join("model.safetensors"),
         config: Some(&config),
-        item_map: &model.join("item_id_map.tsv"),
+        item_map: recsys_engine::ItemMapSource::Tsv(&model.join("item_id_map.tsv")),
         out: &tmp.path().join("w8a8-all"),
         precision: Precision::Int8,
         calibration: Some((&calibration[..], CalibrationMethod::MinMax)),

@@ -44,7 +44,7 @@ fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> Path
         kind: Some(kind),
         checkpoint: &src.join("model.safetensors"),
         config: Some(&config),
-        item_map: &src.join("item_id_map.tsv"),
+        item_map: recsys_engine::ItemMapSource::Tsv(&src.join("item_id_map.tsv")),
         out: &out,
         precision,
         calibration: w8a8.then_some((histories.as_slice(), CalibrationMethod::MinMax)),

@@ -80,7 +80,7 @@ pub(crate) fn convert(
                 kind: Some(kind),
                 checkpoint: &checkpoint,
                 config: config.as_ref(),
-                item_map: &item_map,
+                item_map: recsys_engine::ItemMapSource::Tsv(&item_map),
                 out: &output,
                 precision: plan.precision,
                 calibration: calibration

@@ -9,6 +9,7 @@
 mod commands;
 mod engine;
 mod ids;
+mod recbole;
 
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
@@ -38,6 +39,7 @@ fn _recsys(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(commands::convert, m)?)?;
     m.add_function(wrap_pyfunction!(commands::evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(recbole::recbole_item_tokens, m)?)?;
     m.add("RecsysError", m.py().get_type::<RecsysError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 import subprocess
+import sys
 import threading
 import time
 
@@ -320,3 +321,47 @@ def test_an_engine_in_object_storage_answers_as_the_local_one(engines, users, tm
         np.testing.assert_array_equal(got_scores, want_scores)
         with pytest.raises(recsys.RecsysError, match=r"cannot fetch the engine at s3://.*nothing/here"):
             recsys.Engine(s3.uri("models", "nothing/here"))
+
+
+def test_recbole_item_map_reads_the_files_recbole_saved(tmp_path):
+    """`recsys.recbole.item_map` on the files RecBole 1.2.1 saved (tests/fixtures/recbole_dataset,
+    made by scripts/make_recbole_dataset_fixture.py): RecBole's own field2id_token, taken from the
+    live Dataset when the files were made. The written TSV is the demo models' hand-made map, byte
+    for byte, and converts to the same engine."""
+    import recsys.recbole
+
+    saved = FIXTURES / "recbole_dataset"
+    for name, file in [("recsys-demo", "recsys-demo-Dataset.pth"),
+                       ("recsys-demo-sample", "recsys-demo-sample-for-MultiVAE-dataloader.pth")]:
+        golden = json.loads((saved / f"{name}.field2id_token.json").read_text())["field2id_token"]
+        assert golden[0] == "[PAD]"
+        mapping = recsys.recbole.item_map(saved / file, tmp_path / f"{name}.tsv")
+        assert mapping == {i: t for i, t in enumerate(golden) if i > 0}, name
+        assert recsys.recbole.item_map(str(saved / file)) == mapping
+    assert (tmp_path / "recsys-demo.tsv").read_bytes() == (FIXTURES / "sasrec" / "item_id_map.tsv").read_bytes()
+
+    engine_dir = tmp_path / "engine"
+    recsys.convert("sasrec", FIXTURES / "sasrec" / "recbole_checkpoint.pth", tmp_path / "recsys-demo.tsv", engine_dir)
+    case = golden_cases("sasrec")[0]
+    answer = recsys.Engine(engine_dir).recommend([case["history_ext"]], k=10)[0][0].tolist()
+    assert answer == [t["external"] for t in case["topk"][:10]]  # RecBole's own top 10
+
+    # The module as a command, for a shell without Python code.
+    run = subprocess.run([sys.executable, "-m", "recsys.recbole", str(saved / "recsys-demo-Dataset.pth"),
+                          str(tmp_path / "cli.tsv")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "2000 items written" in run.stdout
+    assert (tmp_path / "cli.tsv").read_bytes() == (tmp_path / "recsys-demo.tsv").read_bytes()
+
+
+def test_recbole_item_map_names_what_it_cannot_use(tmp_path):
+    import recsys.recbole
+
+    with pytest.raises(recsys.RecsysError, match="zip archive"):
+        recsys.recbole.item_map(FIXTURES / "sasrec" / "recbole_checkpoint.pth")
+    with pytest.raises(recsys.RecsysError, match="not a pickle"):
+        recsys.recbole.item_map(FIXTURES / "sasrec" / "item_id_map.tsv")
+    with pytest.raises(FileNotFoundError):
+        recsys.recbole.item_map(tmp_path / "missing.pth")
+    with pytest.raises(TypeError, match="RecBole Dataset or data loader"):
+        recsys.recbole.item_map({"item_id": [1, 2]})

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 import recsys
+import recsys.recbole
 
 
 def calls(engine: recsys.Engine) -> None:
@@ -31,3 +32,10 @@ def conversions(path: str) -> recsys.Engine:
     report = recsys.evaluate(engine, "test_set.tsv", k=(10, 20))
     assert isinstance(report["metrics"], dict)
     return recsys.Engine(path, threads=2)
+
+
+def recbole_maps(saved: str) -> dict[int, str]:
+    from pathlib import Path
+
+    recsys.recbole.item_map(Path(saved), "item_id_map.tsv")
+    return recsys.recbole.item_map(saved)

@@ -1,7 +1,9 @@
 //! Reading trained checkpoints: safetensors, PyTorch `torch.save` zip archives and RecBole
-//! checkpoints. Nothing in a checkpoint is executed (see [`pickle`]).
+//! checkpoints, and the item list of a dataset RecBole saved. Nothing in a checkpoint or a saved
+//! dataset is executed (see [`pickle`]).
 
 pub mod pickle;
+pub mod recbole_dataset;
 mod torch_zip;
 
 use std::collections::BTreeMap;

@@ -36,7 +36,7 @@ pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
         kind: Some(kind),
         checkpoint: &model.join("model.safetensors"),
         config: Some(&config),
-        item_map: &model.join("item_id_map.tsv"),
+        item_map: recsys_engine::ItemMapSource::Tsv(&model.join("item_id_map.tsv")),
         out: dir,
         precision,
         calibration: w8a8.then_some((
