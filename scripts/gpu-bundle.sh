@@ -8,8 +8,9 @@
 #   DIR/run.sh --dry-run RESULTS_DIR               anywhere: every binary starts and links, fixtures found
 #
 # DIR receives the release test binaries and examples built with the CUDA bindings for that major
-# version (kernel sources are embedded in them and compiled by NVRTC at load), the trained fixtures
-# they read, the Python peer and summary scripts, and run.sh (gpu/bundle/run.sh). The bundle must
+# version (kernel sources are embedded in them and compiled by NVRTC at load), the recsys Python
+# package built with the same bindings, the trained fixtures they read, the Python peer, check and
+# summary scripts, and run.sh (gpu/bundle/run.sh). The bundle must
 # stay under 48 MiB: 64 MiB travel to the GPU machine in all, the repository included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,16 @@ done <"$build_log"
 for needed in gpu_lib gpu_kernels gpu_model nvrtc_compile backend_lib gpu_bench gpu_model_bench; do
   [[ -x "$dir/bin/$needed" ]] || { echo "error: the build produced no $needed" >&2; exit 1; }
 done
+
+# The Python package with the GPU path, unpacked (run.sh puts it on PYTHONPATH): stripped, since
+# the wheel's debug information alone would not fit the budget.
+wheels=$(mktemp -d)
+MATURIN_PEP517_ARGS="--features cuda-$cuda --strip" python3 -m pip wheel --quiet --no-deps \
+  --wheel-dir "$wheels" ./python >&2
+mkdir -p "$dir/python"
+python3 -m zipfile -e "$wheels"/recsys-*.whl "$dir/python"
+rm -rf "$wheels"
+cp gpu/bundle/python_device_check.py "$dir/"
 
 cp tests/fixtures/test_set.tsv "$dir/fixtures/"
 for model in bert4rec multivae sasrec gru4rec; do

@@ -65,8 +65,8 @@ LD_LIBRARY_PATH="$nvidia_dir/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}" RECSYS_PTXAS="
 LD_LIBRARY_PATH="$PWD/.venv/cuda-12.9/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}" \
   RECSYS_PTXAS=$PWD/.venv/cuda-12.9/nvidia/cuda_nvcc/bin/ptxas RECSYS_EXPECT_NVRTC=12.9 \
   cargo test --locked -p recsys-gpu --features cuda-12 --test nvrtc_compile 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
-cargo clippy --locked -p recsys-gpu -p recsys-backend --features recsys-gpu/cuda-12,recsys-backend/cuda --all-targets -- -D warnings
-cargo clippy --locked -p recsys-gpu -p recsys-backend --features recsys-gpu/cuda-13,recsys-backend/cuda-13 --all-targets -- -D warnings
+cargo clippy --locked -p recsys-gpu -p recsys-backend -p recsys-python --features recsys-gpu/cuda-12,recsys-backend/cuda,recsys-python/cuda-12 --all-targets -- -D warnings
+cargo clippy --locked -p recsys-gpu -p recsys-backend -p recsys-python --features recsys-gpu/cuda-13,recsys-backend/cuda-13,recsys-python/cuda-13 --all-targets -- -D warnings
 
 echo "==> GPU bundle (CUDA 13): build, size budget, dry run; the spill check on NVRTC 13.0 from its binary"
 ./scripts/gpu-bundle.sh build/gpu-bundle --cuda 13

@@ -319,6 +319,18 @@ impl Engine {
         requests: &[Request<'_>],
         options: &ServeOptions,
     ) -> Vec<Result<Recommendation>> {
+        self.recommend_on(self, requests, options)
+    }
+
+    /// [`Self::recommend`] with the prepared batch answered by `recommender` (this engine's model
+    /// on a device, say): requests are checked and mapped here, on the CPU, as for every path. A
+    /// failure of the recommender is every good request's error.
+    pub fn recommend_on(
+        &self,
+        recommender: &dyn BatchRecommender,
+        requests: &[Request<'_>],
+        options: &ServeOptions,
+    ) -> Vec<Result<Recommendation>> {
         let mut results: Vec<Option<Result<Recommendation>>> = Vec::with_capacity(requests.len());
         let mut batch = Vec::new();
         let mut unknown = Vec::new();
@@ -334,7 +346,23 @@ impl Engine {
                 Err(e) => results.push(Some(Err(e))),
             }
         }
-        let answers = self.recommend_internal_with_embeddings(&batch);
+        let answers = if batch.is_empty() {
+            Vec::new()
+        } else {
+            match recommender.recommend_batch(&batch) {
+                Ok(answers) => answers,
+                Err(e) => {
+                    let message = e.to_string();
+                    for slot in slots {
+                        results[slot] = Some(Err(EngineError::Device(message.clone())));
+                    }
+                    return results
+                        .into_iter()
+                        .map(|r| r.expect("every slot is filled"))
+                        .collect();
+                }
+            }
+        };
         for ((slot, (items, note, embedding)), n_unknown) in
             slots.into_iter().zip(answers).zip(unknown)
         {

@@ -129,6 +129,12 @@ if [[ $dry_run -eq 1 ]]; then
   for b in gpu_bench gpu_model_bench; do
     "$here/bin/$b" --dry-run >>"$results/env.log" 2>&1 || { note "FAIL $b --dry-run"; failures=$((failures + 1)); }
   done
+  # The Python package imports (it needs numpy) and names a missing driver clearly.
+  if ! PYTHONPATH="$here/python" python3 -c 'import recsys, sys; print("recsys", recsys.__version__)' \
+    >>"$results/env.log" 2>&1; then
+    note "FAIL the bundled recsys Python package does not import: see env.log"
+    failures=$((failures + 1))
+  fi
   if [[ $failures -ne 0 ]]; then
     echo "dry run: $failures problem(s), see $results/env.log" >&2
     exit 1
@@ -172,6 +178,8 @@ step "tests: gpu_model (whole models, every precision, against the CPU engine)" 
   "$here/bin/gpu_model" --include-ignored --nocapture --test-threads=1
 step "tests: backend_lib device_choice (a KIND_GPU instance built as the backend does)" 90 tests.log \
   "$here/bin/backend_lib" device_choice --include-ignored --nocapture --test-threads=1
+step "tests: the Python package's device=\"cuda\" engine against its CPU engine" 120 tests.log \
+  env PYTHONPATH="$here/python" python3 "$here/python_device_check.py" "$here/fixtures"
 data=$(mktemp -d)
 step "bench: fused kernel" 150 bench.log \
   bash -c "'$here/bin/gpu_bench' '$data' > '$results/fused.json'"

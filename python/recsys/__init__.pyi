@@ -23,10 +23,16 @@ class RecsysError(Exception):
 class Engine:
     """A loaded engine directory (written by `recsys convert`)."""
 
-    def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None) -> None:
+    def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu") -> None:
         """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
         `path`: an engine directory, or its folder in object storage (s3://..., gs://..., as the
-        command line takes them, with the same credentials), fetched into TMPDIR first."""
+        command line takes them, with the same credentials), fetched into TMPDIR first.
+        `device`: "cpu", or "cuda" / "cuda:N" in a package built with CUDA support
+        (`scripts/build-wheel.sh --cuda 12|13`): the whole model on that GPU, checked against
+        the CPU engine at load (`score` stays on the CPU); a CPU-only package refuses it."""
+    @property
+    def device(self) -> str:
+        """Where batches run: "cpu" or "cuda:N"."""
     @property
     def kind(self) -> str:
         """"bert4rec", "vaecf", "sasrec" or "gru4rec"."""

@@ -18,8 +18,15 @@ and task retries unbounded), so no user is lost or answered twice.
 The pool has ``concurrency`` actors of ``threads`` scoring threads (and CPUs) each, or, with
 ``concurrency=(min, max)``, from ``min`` actors growing to ``max`` as Ray Data finds room (an
 autoscaling cluster adds nodes for it). Ray Data's read and write tasks need CPUs of their own, so a
-pool whose starting size would hold every CPU the cluster has now is refused rather than left
-waiting; a ``max`` beyond today's CPUs is what autoscaling is for and is accepted.
+pool whose starting size would hold every CPU the cluster can have is refused rather than left
+waiting: every CPU it has now or, where an autoscaler has told the cluster its limits (the cluster
+config Ray Data and Ray Train read too), every CPU it can grow to. A ``max`` beyond that is what
+autoscaling is for and is accepted.
+
+``num_gpus`` (per actor; fractions share a GPU, as Ray takes them) runs each actor's model on the
+GPU Ray gives it (``recsys.Engine(device="cuda")``): the package must be built with CUDA support
+(``scripts/build-wheel.sh --cuda 12|13``), and a pool needing more GPUs than the cluster has or can
+grow to is refused before anything starts.
 
 ``engine_path`` is a local engine directory (the same path on every node: shared storage) or its
 folder in object storage (``s3://...``, ``gs://...``, as ``recsys predict --engine`` takes them, with
@@ -59,6 +66,7 @@ def predict(
     exclude_seen: bool = True,
     strict_ids: bool = False,
     return_embedding: bool = False,
+    num_gpus: float = 0,
     **ray_remote_args: Any,
 ) -> "ray.data.Dataset":
     """Recommendations for every row of ``dataset`` (lazy, like any Ray Data transform).
@@ -67,7 +75,8 @@ def predict(
     rows go to the engine as one batch. ``concurrency`` actors (or ``(min, max)``: an autoscaling
     pool), each with ``threads`` scoring threads (and as many CPUs reserved). ``exclude_seen`` leaves a history's own items out;
     ``strict_ids`` refuses rows whose ids are unknown to the model instead of dropping those ids;
-    ``return_embedding`` adds every row's user embedding. Other keyword arguments go to Ray with
+    ``return_embedding`` adds every row's user embedding. ``num_gpus``: GPUs per actor (0: the
+    CPU engine); each actor's model then runs on its GPU. Other keyword arguments go to Ray with
     the actors (e.g. ``max_restarts=0`` to fail fast instead of retrying).
     """
     from ray.data import ActorPoolStrategy
@@ -77,6 +86,8 @@ def predict(
     for name, value in (("batch_size", batch_size), ("threads", threads)):
         if not _positive_integer(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)) or not num_gpus >= 0:
+        raise ValueError(f"num_gpus must be a number of GPUs per actor, 0 or more, got {num_gpus!r}")
     smallest, largest = _pool_sizes(concurrency)
     engine_path = os.fspath(engine_path)
     if not engine_path.startswith(("s3://", "gs://")):
@@ -87,7 +98,7 @@ def predict(
                 f"{engine_path} is not an engine directory (no manifest.json): give the directory "
                 "`recsys convert` wrote, at the same path on every node, or its s3:// or gs:// folder"
             )
-    _check_room_for_io(smallest, threads, autoscaling=largest > smallest)
+    _check_resources(smallest, threads, num_gpus, autoscaling=largest > smallest)
     options = dict(ray_remote_args)
     # Rows in = rows out, which lets Ray push limits past the scoring (newer Ray versions).
     if "udf_modifying_row_count" in inspect.signature(dataset.map_batches).parameters:
@@ -101,12 +112,14 @@ def predict(
             "exclude_seen": exclude_seen,
             "strict_ids": strict_ids,
             "return_embedding": return_embedding,
+            "device": "cuda" if num_gpus else "cpu",
         },
         batch_size=batch_size,
         batch_format="pyarrow",
         compute=(ActorPoolStrategy(size=smallest) if smallest == largest
                  else ActorPoolStrategy(min_size=smallest, max_size=largest)),
         num_cpus=threads,
+        **({"num_gpus": num_gpus} if num_gpus else {}),
         **options,
     )
 
@@ -124,24 +137,57 @@ def _pool_sizes(concurrency: Any) -> tuple[int, int]:
     )
 
 
-def _check_room_for_io(actors: int, threads: int, autoscaling: bool = False) -> None:
-    """Refuses a pool whose starting size would hold every CPU the cluster has now: Ray Data would
-    then find none for the tasks that read and write the dataset and wait forever. An autoscaling
-    pool is judged by its minimum: its maximum may wait for nodes an autoscaler adds."""
+def _autoscaler_maximum() -> Optional[dict[str, float]]:
+    """The most of each resource the cluster can grow to, where an autoscaler has reported its
+    node groups to the cluster (KubeRay's and Anyscale's do); None where none has. Ray has no
+    public call for it: this is the one Ray Data and Ray Train use, guarded, so a Ray without it
+    falls back to the cluster's current resources."""
+    try:
+        from ray._private.state import state
+
+        limits = state.get_max_resources_from_cluster_config()
+    except Exception:  # an older or newer Ray without it: judge by today's resources
+        return None
+    return {name: float(value) for name, value in limits.items()} if limits else None
+
+
+def _check_resources(actors: int, threads: int, num_gpus: float = 0, autoscaling: bool = False) -> None:
+    """Refuses a pool that could never start as asked: its starting size holding every CPU the
+    cluster can have (Ray Data would then find none for the tasks that read and write the dataset,
+    and wait forever), or needing more GPUs than the cluster can have. "Can have" is what the
+    cluster has now, or, where an autoscaler reported its limits, the most it can grow to. An
+    autoscaling pool is judged by its minimum: its maximum may wait for nodes."""
     import ray
 
     if not ray.is_initialized():
         return  # map_batches starts (or joins) the cluster; Ray's own checks apply then.
-    cpus = ray.cluster_resources().get("CPU", 0)
+    now = ray.cluster_resources()
+    most = _autoscaler_maximum()
+
+    def limit(resource: str) -> tuple[float, str]:
+        current = float(now.get(resource, 0))
+        if most is not None and most.get(resource, 0) > current:
+            return most[resource], f"the {most[resource]:g} its autoscaler can grow it to ({current:g} now)"
+        return current, f"all {current:g}"
+
+    cpus, cpus_said = limit("CPU")
+    what = f"the pool's minimum of {actors}" if autoscaling else f"{actors}"
     if cpus and actors * threads >= cpus:
         room = max(int(cpus) - 1, 0) // threads
-        what = f"the pool's minimum of {actors}" if autoscaling else f"{actors}"
         raise ValueError(
-            f"{what} actor(s) x {threads} thread(s) would hold all {cpus:g} CPUs of the Ray "
+            f"{what} actor(s) x {threads} thread(s) would hold {cpus_said} CPUs of the Ray "
             f"cluster and leave none to read and write the dataset (the job would never finish): "
             f"start with at most {room} actor(s) of {threads} thread(s) here (concurrency=(min, max) "
             f"lets the pool grow with the cluster), or use a cluster with more CPUs"
         )
+    if num_gpus:
+        gpus, gpus_said = limit("GPU")
+        if actors * num_gpus > gpus:
+            raise ValueError(
+                f"{what} actor(s) x {num_gpus:g} GPU(s) need {actors * num_gpus:g} GPUs, and the Ray "
+                f"cluster has {gpus_said if gpus else 'none'}: use fewer actors or a fraction of a GPU "
+                f"each (num_gpus=0.5 shares one between two), or a cluster with GPUs"
+            )
 
 
 class _Predictor:
@@ -155,10 +201,12 @@ class _Predictor:
         exclude_seen: bool,
         strict_ids: bool,
         return_embedding: bool,
+        device: str = "cpu",
     ) -> None:
         import recsys
 
-        self.engine = recsys.Engine(engine_path, threads=threads)
+        # Ray makes the actor's GPU its CUDA device 0 (CUDA_VISIBLE_DEVICES).
+        self.engine = recsys.Engine(engine_path, threads=threads, device=device)
         self.string_ids = not isinstance(self.engine.item_ids, np.ndarray)
         self.k = k
         self.exclude_seen = exclude_seen

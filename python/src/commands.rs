@@ -94,7 +94,9 @@ pub(crate) fn convert(
     let mut engine = engine;
     engine.set_threads(std::thread::available_parallelism().map_or(1, |n| n.get()));
     Ok(PyEngine {
-        engine,
+        engine: std::sync::Arc::new(engine),
+        on_device: None,
+        device: crate::device::DeviceChoice::Cpu,
         path: output,
         _copy: None,
     })

@@ -3,15 +3,18 @@
 //! batches of histories, the GIL released while it computes.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use recsys_engine::{
-    Engine, EngineError, ExternalId, Recommendation, Request, ServeOptions, UnknownItemPolicy,
+    BatchRecommender, Engine, EngineError, ExternalId, Recommendation, Request, ServeOptions,
+    UnknownItemPolicy,
 };
 
+use crate::device::{self, DeviceChoice};
 use crate::ids::IdLists;
 use crate::{engine_error, RecsysError};
 
@@ -63,7 +66,10 @@ type PredictTuple = (
 /// A loaded engine directory (written by `recsys convert`).
 #[pyclass(name = "Engine", module = "recsys", frozen)]
 pub(crate) struct PyEngine {
-    pub(crate) engine: Engine,
+    pub(crate) engine: Arc<Engine>,
+    /// Where batches run: `None` on the CPU engine itself, or the model on a GPU.
+    pub(crate) on_device: Option<Arc<dyn BatchRecommender>>,
+    pub(crate) device: DeviceChoice,
     pub(crate) path: PathBuf,
     /// The local copy of an engine loaded from object storage, removed with the engine (the
     /// engine maps its files).
@@ -105,7 +111,11 @@ impl PyEngine {
             },
         };
         let engine = &self.engine;
-        py.detach(|| engine.recommend(&requests, &options))
+        let recommender: &dyn BatchRecommender = match &self.on_device {
+            Some(device) => device.as_ref(),
+            None => engine.as_ref(),
+        };
+        py.detach(|| engine.recommend_on(recommender, &requests, &options))
     }
 
     /// [`Self::answer_each`] for calls that fail as a whole: the first refused history raises.
@@ -222,10 +232,13 @@ impl PyEngine {
 
 #[pymethods]
 impl PyEngine {
-    /// Loads an engine directory; `threads` scoring threads per call (default: the available cores).
+    /// Loads an engine directory; `threads` scoring threads per call (default: the available
+    /// cores); `device` "cpu", or "cuda"/"cuda:N" in a package built with CUDA support (the whole
+    /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
-    #[pyo3(signature = (path, threads = None))]
-    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>) -> PyResult<Self> {
+    #[pyo3(signature = (path, threads = None, device = "cpu"))]
+    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>, device: &str) -> PyResult<Self> {
+        let device = DeviceChoice::parse(device)?;
         let (dir, copy) = match path
             .to_str()
             .filter(|p| recsys_registry::transfer::is_remote(p))
@@ -243,8 +256,12 @@ impl PyEngine {
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
         engine.set_threads(threads);
+        let engine = Arc::new(engine);
+        let on_device = py.detach(|| device::recommender(device, &engine))?;
         Ok(PyEngine {
             engine,
+            on_device,
+            device,
             path,
             _copy: copy,
         })
@@ -498,14 +515,21 @@ impl PyEngine {
         Ok((rows.ids, rows.scores, rows.embeddings, rows.errors))
     }
 
+    /// Where batches run: "cpu" or "cuda:N".
+    #[getter]
+    fn device(&self) -> String {
+        self.device.name()
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "recsys.Engine({:?}, kind={}, precision={}, items={}, threads={})",
+            "recsys.Engine({:?}, kind={}, precision={}, items={}, threads={}, device={})",
             self.path.display().to_string(),
             self.kind(),
             self.precision(),
             self.num_items(),
-            self.threads()
+            self.threads(),
+            self.device()
         )
     }
 }

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod commands;
+mod device;
 mod engine;
 mod ids;
 mod recbole;

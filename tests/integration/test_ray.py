@@ -242,6 +242,73 @@ def test_bad_input_gets_clear_errors(cluster, engine, tmp_path):
     assert by_user[2]["error"] is None and len(by_user[2]["item_ids"]) == 3
 
 
+def _report_cluster_config(groups: list[tuple[str, dict, int]]) -> None:
+    """Reports node groups to the cluster's GCS the way an autoscaler does (KubeRay's reports its
+    worker groups through this same call); an empty list clears them."""
+    from ray.core.generated import autoscaler_pb2
+
+    config = autoscaler_pb2.ClusterConfig()
+    for name, resources, max_count in groups:
+        group = config.node_group_configs.add()
+        group.name, group.max_count = name, max_count
+        for key, value in resources.items():
+            group.resources[key] = value
+    ray._private.worker.global_worker.gcs_client.report_cluster_config(config.SerializeToString())
+
+
+def test_the_resource_check_counts_what_an_autoscaler_can_add(cluster, engine):
+    """The 2-CPU cluster with an autoscaler's limits reported to it: a head of 2 CPUs and up to two
+    workers of 4 CPUs and 1 GPU, 10 CPUs and 2 GPUs at most. A pool is judged against that maximum,
+    not against the 2 CPUs and no GPU of today."""
+    users = ray.data.from_items([{"item_ids": [10011403]}])
+    try:
+        _report_cluster_config([("head", {"CPU": 2}, 1), ("gpu-workers", {"CPU": 4, "GPU": 1}, 2)])
+        recsys.ray.predict(users, engine, concurrency=4)  # 4 CPUs: the autoscaler adds a worker
+        recsys.ray.predict(users, engine, concurrency=(9, 12))
+        recsys.ray.predict(users, engine, concurrency=2, num_gpus=1)
+        recsys.ray.predict(users, engine, concurrency=4, num_gpus=0.5)
+        with pytest.raises(ValueError, match=r"10 actor\(s\) x 1 thread\(s\) would hold the 10 its autoscaler "
+                                             r"can grow it to \(2 now\) CPUs .* at most 9 actor"):
+            recsys.ray.predict(users, engine, concurrency=10)
+        with pytest.raises(ValueError, match=r"3 actor\(s\) x 1 GPU\(s\) need 3 GPUs, and the Ray cluster has "
+                                             r"the 2 its autoscaler can grow it to \(0 now\)"):
+            recsys.ray.predict(users, engine, concurrency=3, num_gpus=1)
+    finally:
+        _report_cluster_config([])
+    # Without the autoscaler's limits, today's resources are the limit again.
+    with pytest.raises(ValueError, match=r"hold all 2 CPUs"):
+        recsys.ray.predict(users, engine, concurrency=4)
+    with pytest.raises(ValueError, match=r"need 1 GPUs, and the Ray cluster has none"):
+        recsys.ray.predict(users, engine, num_gpus=1)
+    for bad in [-1, "1", True]:
+        with pytest.raises(ValueError, match="num_gpus must be a number of GPUs per actor"):
+            recsys.ray.predict(users, engine, num_gpus=bad)
+
+
+def test_gpu_actors_ask_the_engine_for_their_gpu(engine, tmp_path):
+    """num_gpus on a cluster that declares a GPU: the actor gets it and loads its engine with
+    device="cuda". The package under test is built for the CPU only, so that load fails, with the
+    message that says how to get a package with CUDA support; the job fails with it, no row
+    answered on the CPU behind the user's back. (Its own Ray cluster, in a process of its own.)"""
+    script = tmp_path / "gpu_job.py"
+    script.write_text(f"""
+import ray, recsys.ray
+ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+ray.data.DataContext.get_current().enable_progress_bars = False
+try:
+    recsys.ray.predict(ray.data.from_items([{{"item_ids": [10011403]}}]), {str(engine)!r}, num_gpus=1,
+                       max_restarts=0).take_all()
+except Exception as error:
+    print("FAILED:", error)
+else:
+    print("ANSWERED")
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "FAILED:" in run.stdout, run.stdout + run.stderr
+    assert "this recsys package runs on the CPU only" in run.stdout, run.stdout
+    assert "scripts/build-wheel.sh --cuda 12" in run.stdout, run.stdout
+
+
 def test_the_example_job_writes_what_recsys_predict_writes(cluster, engine, users, expected, tmp_path):
     """examples/ray_batch_scoring.py on the first 2,000 users, joining the running cluster."""
     source = tmp_path / "users.jsonl"

@@ -24,7 +24,8 @@ def calls(engine: recsys.Engine) -> None:
     engine.rerank(lists, candidates=arrays, k=5, exclude=matrix)
     engine.predict(arrays, k=[5, None], candidates=lists, embedding=True)
     n: int = engine.num_items
-    _ = (ids, top, n)
+    where: str = recsys.Engine("engine", threads=2, device="cuda:0").device
+    _ = (ids, top, n, where)
 
 
 def conversions(path: str) -> recsys.Engine:
