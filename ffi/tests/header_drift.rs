@@ -342,3 +342,30 @@ fn ffi_declarations_match_tritons_headers() {
         problems.join("\n")
     );
 }
+
+/// On a machine without libclang the drift test says what to install, without a bindgen
+/// backtrace: this test runs it again in a child process whose libclang search path leads nowhere
+/// (clang-sys looks only there when `LIBCLANG_PATH` names a missing directory).
+#[test]
+fn without_libclang_the_drift_test_says_what_to_install() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "ffi_declarations_match_tritons_headers",
+            "--nocapture",
+        ])
+        .env("LIBCLANG_PATH", "/nonexistent/libclang")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("install libclang (apt-get install libclang-dev) or run scripts/test.sh"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("Unable to find libclang") && !text.contains("bindgen-"),
+        "bindgen's own panic leaked: {text}"
+    );
+}
