@@ -4,9 +4,9 @@
 //! RECSYS_BENCH_FULL=1. Peers (ONNX Runtime, numpy) and the floor: scripts/bench-kernels.sh.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use recsys_engine::kernels::fused::{top_k, Exclusions, RowQuery};
-use recsys_engine::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
-use recsys_engine::kernels::KernelTable;
+use recsys_kernels::fused::{top_k, Exclusions, RowQuery};
+use recsys_kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use recsys_kernels::KernelTable;
 
 fn lcg(seed: u64) -> impl FnMut() -> f32 {
     let mut s = seed;

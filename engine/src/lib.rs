@@ -17,15 +17,15 @@ pub mod error;
 pub mod fixtures;
 pub mod idmap;
 pub mod import;
-pub mod kernels;
 pub mod metrics;
 pub mod models;
-pub mod parallel;
-pub mod profile;
 pub mod request;
 pub mod tensor;
-pub mod topk;
 pub mod weights;
+
+// The kernels crate under the names the engine has always used for it.
+pub use recsys_kernels as kernels;
+pub use recsys_kernels::{parallel, profile, topk};
 
 pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, ConvertRequest, W8a8Layers};

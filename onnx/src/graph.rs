@@ -6,9 +6,9 @@
 use onnx_protobuf as pb;
 use pb::tensor_proto::DataType;
 use protobuf::{EnumOrUnknown, MessageField};
-use recsys_engine::kernels::packed::to_f16_bits;
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
+use recsys_kernels::packed::to_f16_bits;
 
 /// Name prefix of the nodes of an L2 normalisation, the one place besides LayerNormalization and
 /// Softmax where an fp16 graph computes in fp32 (the rules check allows exactly these).

@@ -12,10 +12,10 @@
 
 use std::time::Instant;
 
-use recsys_engine::kernels::fused::{top_k, Exclusions, RowQuery};
-use recsys_engine::kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
-use recsys_engine::kernels::screen::{top_k_from_f32, ScreenTable};
-use recsys_engine::kernels::{fma_peak_flops, KernelTable};
+use recsys_kernels::fused::{top_k, Exclusions, RowQuery};
+use recsys_kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use recsys_kernels::screen::{top_k_from_f32, ScreenTable};
+use recsys_kernels::{fma_peak_flops, KernelTable};
 
 fn read_f32(path: &str) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));

@@ -71,8 +71,8 @@ fn main() {
         .collect();
     engine.recommend_internal(&batches[0]); // warm-up
                                             // Thread-seconds by kind of work over the timed batches, for the roofline columns.
-    recsys_engine::profile::take();
-    recsys_engine::profile::enable(true);
+    recsys_kernels::profile::take();
+    recsys_kernels::profile::enable(true);
     let mut times: Vec<f64> = batches
         .iter()
         .map(|b| {
@@ -81,8 +81,8 @@ fn main() {
             start.elapsed().as_secs_f64()
         })
         .collect();
-    recsys_engine::profile::enable(false);
-    let [dense, attention, output] = recsys_engine::profile::take();
+    recsys_kernels::profile::enable(false);
+    let [dense, attention, output] = recsys_kernels::profile::take();
     let per_batch = |seconds: f64| seconds / batches.len() as f64;
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let first = engine.recommend_internal(&batches[0][..1]);

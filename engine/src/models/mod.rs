@@ -50,7 +50,7 @@ impl OutputLayer {
 /// calibration measures each layer's activations on the model as it is served.
 pub type ActivationObserver<'a> = &'a mut dyn FnMut(&str, &[f32]);
 
-/// A dense layer packed for the micro-kernels of [`crate::kernels::fused`] (`x @ W^T + b`).
+/// A dense layer packed for the micro-kernels of [`crate::kernels::dense`] (`x @ W^T + b`).
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
     /// The weight's prefix in the state dict (`encoder.2`, `output_ffn`, ...).
@@ -111,16 +111,16 @@ impl DenseLayer {
 
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         crate::profile::account(crate::profile::Work::Dense, || {
-            crate::kernels::fused::linear(kernels, &self.packed, x)
+            crate::kernels::dense::linear(kernels, &self.packed, x)
         })
     }
 
     /// [`DenseLayer::forward`] after showing the input to `observe`, into `y` (resized to `[rows, out]`; every value
     /// overwritten), quantizing an int8 layer's input into `quantized`, its rows split over up to
-    /// `threads` pool threads when the layer is large enough ([`fused::dense_pieces`]): the same
+    /// `threads` pool threads when the layer is large enough ([`dense::dense_pieces`]): the same
     /// bits whatever the split, and with one thread and buffers kept between calls, no allocation.
     ///
-    /// [`fused::dense_pieces`]: crate::kernels::fused::dense_pieces
+    /// [`dense::dense_pieces`]: crate::kernels::dense::dense_pieces
     pub fn forward_into(
         &self,
         kernels: &crate::kernels::KernelTable,
@@ -132,7 +132,7 @@ impl DenseLayer {
     ) {
         observe(&self.name, x);
         y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
-        crate::kernels::fused::linear_into_threads(
+        crate::kernels::dense::linear_into_threads(
             kernels,
             self.packed.view(),
             x,
@@ -153,7 +153,7 @@ impl DenseLayer {
         quantized: &mut crate::kernels::packed::QuantizedActivations,
     ) {
         crate::profile::account(crate::profile::Work::Dense, || {
-            crate::kernels::fused::linear_into(kernels, self.packed.view(), x, y, quantized)
+            crate::kernels::dense::linear_into(kernels, self.packed.view(), x, y, quantized)
         })
     }
 }

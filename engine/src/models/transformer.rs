@@ -19,7 +19,7 @@ use crate::config::{ModelKind, TransformerConfig};
 use crate::error::Result;
 use crate::import::Checkpoint;
 use crate::kernels::packed::{self, LayerRef, PackedOutput, PanelRef, QuantizedActivations};
-use crate::kernels::{fused, KernelTable};
+use crate::kernels::{dense, KernelTable};
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
@@ -167,7 +167,7 @@ fn project(
     threads: usize,
 ) {
     y.resize(x.len() / layer.d * layer.n, 0.0);
-    fused::linear_into_threads(
+    dense::linear_into_threads(
         kernels,
         layer,
         x,
@@ -721,7 +721,7 @@ impl Transformer {
     /// Pieces each step of a layer over `tokens` rows with `queries` query rows is split into on
     /// `threads` threads ([`Transformer::transformer_layer_split`]): the projections to keys, values
     /// and queries, then the rest of the layer. A step gets one piece per thread while each
-    /// piece has at least [`fused::MIN_MACS_PER_DENSE_PIECE`] multiply-adds and 8 rows.
+    /// piece has at least [`dense::MIN_MACS_PER_DENSE_PIECE`] multiply-adds and 8 rows.
     fn row_pieces(&self, tokens: usize, queries: usize, threads: usize) -> (usize, usize) {
         if threads <= 1 {
             return (1, 1);
@@ -730,7 +730,7 @@ impl Transformer {
         let d_head = h / self.config.n_heads;
         let pieces = |macs: usize, rows: usize| {
             threads
-                .min(macs / crate::parallel::min_macs_per_piece(fused::MIN_MACS_PER_DENSE_PIECE))
+                .min(macs / crate::parallel::min_macs_per_piece(dense::MIN_MACS_PER_DENSE_PIECE))
                 .min(rows / 8)
                 .max(1)
         };
@@ -806,14 +806,14 @@ impl Transformer {
                 let x_rows = &x[t.start * h..t.end * h];
                 crate::profile::account(crate::profile::Work::Dense, || match all {
                     Some(all) => {
-                        fused::linear_into(k, all, x_rows, token_rows, &mut piece.quantized)
+                        dense::linear_into(k, all, x_rows, token_rows, &mut piece.quantized)
                     }
                     None => {
                         let kv = p.keys_values();
-                        fused::linear_into(k, kv, x_rows, token_rows, &mut piece.quantized);
+                        dense::linear_into(k, kv, x_rows, token_rows, &mut piece.quantized);
                         let xq_rows = &x_q[q.start * h..q.end * h];
                         let queries = p.queries();
-                        fused::linear_into(k, queries, xq_rows, query_rows, &mut piece.quantized);
+                        dense::linear_into(k, queries, xq_rows, query_rows, &mut piece.quantized);
                     }
                 })
             });
@@ -905,7 +905,7 @@ impl Transformer {
                 .sum()
         };
         let by_work = heads * head_macs
-            / crate::parallel::min_macs_per_piece(fused::MIN_MACS_PER_DENSE_PIECE);
+            / crate::parallel::min_macs_per_piece(dense::MIN_MACS_PER_DENSE_PIECE);
         let n_pieces = threads.min(heads).min(by_work).max(1);
         if pieces.len() < n_pieces {
             pieces.resize_with(n_pieces, AttentionScratch::default);
@@ -976,7 +976,7 @@ impl Transformer {
                 a.q_h.extend_from_slice(queries.row(qi, cols.clone()));
             }
             a.scores.resize(n_queries * t, 0.0);
-            fused::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
+            dense::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
             let query_slots = &query_rows[first_query..first_query + n_queries];
             for (row, &query_row) in a.scores.chunks_exact_mut(t).zip(query_slots) {
                 // SASRec: a slot sees itself and the slots before it. The later ones weigh exactly
@@ -1001,7 +1001,7 @@ impl Transformer {
             );
             let values_h = dense_panels(&a.values, d, t, &a.zeros);
             let out = &mut a.out[block + first_query * d..block + (first_query + n_queries) * d];
-            fused::linear_into(self.kernels, values_h, &a.scores, out, &mut a.unused);
+            dense::linear_into(self.kernels, values_h, &a.scores, out, &mut a.unused);
             first_query += n_queries;
         }
     }
@@ -1090,7 +1090,7 @@ struct AttentionScratch {
 mod tests {
     use crate::config::ModelKind;
     use crate::engine_dir::Precision;
-    use crate::kernels::fused;
+    use crate::kernels::dense;
     use crate::kernels::packed::{LayerRef, QuantizedActivations};
     use crate::models::Model;
 
@@ -1144,7 +1144,7 @@ mod tests {
                 let want = [&layer.key, &layer.value, &layer.query].map(|d| d.0.forward(k, &x));
                 let run = |view: LayerRef<'_>| {
                     let mut y = vec![0f32; rows * view.n];
-                    fused::linear_into(k, view, &x, &mut y, &mut QuantizedActivations::default());
+                    dense::linear_into(k, view, &x, &mut y, &mut QuantizedActivations::default());
                     y
                 };
                 let same = |got: &[f32], stride: usize, offset: usize, want: &[f32]| {

@@ -270,7 +270,7 @@ impl VaeCf {
             start = end;
         }
         let adds_per_history = s.items.len() * width / histories.max(1);
-        let pieces = crate::kernels::fused::dense_pieces(histories, adds_per_history, threads);
+        let pieces = crate::kernels::dense::dense_pieces(histories, adds_per_history, threads);
         let (items, ends) = (&s.items, &s.item_ends);
         if pieces <= 1 {
             // One thread: no piece list (a warm batch allocates nothing).

@@ -2,7 +2,7 @@
 //! accumulation order as the SIMD versions (over d, increasing).
 
 use super::{Epilogue, KernelTable};
-use crate::kernels::Isa;
+use crate::Isa;
 
 /// Generic body: `load(panel, i)` gives the weight at element `i` of the panel group as f32.
 #[inline(always)]

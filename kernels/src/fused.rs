@@ -10,11 +10,11 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
-use super::packed::{
-    quantize_activations, quantize_activations_static, LayerRef, PackedOutput, PanelData, PanelRef,
-    QuantizedActivations,
+use super::packed::{quantize_activations, quantize_activations_static, PackedOutput, PanelData};
+use super::{
+    panels_slot, prefetch, row_group_at, rows_slot, Epilogue, KernelTable, MAX_CALL_PANELS,
+    MAX_CALL_SCORES,
 };
-use super::{panels_slot, prefetch, rows_slot, Epilogue, KernelTable};
 use crate::topk::{rank_order, Scored};
 
 /// Items never to recommend to one row: sorted, distinct internal indices. Checked only for
@@ -98,19 +98,6 @@ impl<'a> Selection<'a> {
     }
 }
 
-/// Rows computed together by one micro-kernel call when `left` rows remain, and the panels per
-/// call for that row count (`panels_per_call`, by row group of 1, 2 and 4 rows: the table's).
-fn row_group_at(left: usize, panels_per_call: [usize; 3]) -> (usize, usize) {
-    let size = if left >= 4 {
-        4
-    } else if left >= 2 {
-        2
-    } else {
-        1
-    };
-    (size, panels_per_call[rows_slot(size)])
-}
-
 /// Every row group of a batch of `rows`: `(first row, rows, panels per call)`.
 fn row_groups(rows: usize, panels_per_call: [usize; 3]) -> Vec<(usize, usize, usize)> {
     let mut groups = Vec::new();
@@ -122,10 +109,6 @@ fn row_groups(rows: usize, panels_per_call: [usize; 3]) -> Vec<(usize, usize, us
     }
     groups
 }
-
-/// Scores and flag bytes of the largest call a table can make: 4 rows x 8 panels of 8 items.
-const MAX_CALL_SCORES: usize = 4 * 8 * 8;
-const MAX_CALL_PANELS: usize = 4 * 8;
 
 /// Panels per tile: about 96 KiB of weights, so a tile stays in L2 while every row group uses it.
 fn tile_panels(out: &PackedOutput) -> usize {
@@ -331,174 +314,6 @@ pub fn top_k(
         .collect()
 }
 
-/// A dense layer on the same micro-kernels: `x @ W^T + b` for `x` of `[rows, d]`, `[rows, n]` out,
-/// at the layer's precision (int8 layers quantize each row of `x` to int16 with its own scale).
-/// Rows are computed independently (the same accumulation order whatever the batch).
-pub fn linear(table: &KernelTable, layer: &PackedOutput, x: &[f32]) -> Vec<f32> {
-    let mut y = vec![0f32; x.len() / layer.d * layer.n];
-    linear_into(
-        table,
-        layer.view(),
-        x,
-        &mut y,
-        &mut QuantizedActivations::default(),
-    );
-    y
-}
-
-/// [`linear`] into `y` (`[rows, n]`, every value overwritten), quantizing int8 layers' inputs
-/// into `quantized`: with buffers kept between calls it allocates nothing.
-pub fn linear_into(
-    table: &KernelTable,
-    layer: LayerRef<'_>,
-    x: &[f32],
-    y: &mut [f32],
-    quantized: &mut QuantizedActivations,
-) {
-    let rows = x.len() / layer.d;
-    assert_eq!(y.len(), rows * layer.n, "one output row of n per input row");
-    // int8 weights multiply int16 activations, each row at its own scale, or at the layer's
-    // calibrated static scale (all-layer W8A8).
-    if let PanelRef::I8 { .. } = layer.data {
-        quantized.quantize(x, layer.d, layer.activation_scale);
-    }
-    linear_rows(table, layer, x, quantized, 0..rows, y);
-}
-
-/// Smallest share of a dense layer (or of a transformer layer's step) worth a piece of its own,
-/// in multiply-adds: about 7 us of one core's dense work. A pool worker that has just finished a
-/// piece starts the next in a few microseconds (one that has gone idle takes 30-55 us on the
-/// 2-core VM the project is measured on). Measured on BERT4Rec at batch 1 on 2 threads
-/// (MovieLens-1M's shape): 2^17 gave 0.49-0.51 ms, 2^18 0.49-0.60, 2^20 0.59-0.63; 2^16 no better.
-pub const MIN_MACS_PER_DENSE_PIECE: usize = 1 << 17;
-
-/// Pieces a dense layer of `rows` rows and `macs_per_row` multiply-adds per row is split into on
-/// `threads` threads: whole groups of 4 rows each, and at least [`MIN_MACS_PER_DENSE_PIECE`].
-pub fn dense_pieces(rows: usize, macs_per_row: usize, threads: usize) -> usize {
-    let by_work = rows.saturating_mul(macs_per_row)
-        / crate::parallel::min_macs_per_piece(MIN_MACS_PER_DENSE_PIECE);
-    threads.min(by_work).min(rows / 4).max(1)
-}
-
-/// [`linear_into`] with the rows split into [`dense_pieces`] contiguous runs run on the worker
-/// pool, each run's time accounted to `work`. Every row is computed exactly as alone, so the split
-/// changes no bit; with one piece it is [`linear_into`] (and allocates nothing).
-pub fn linear_into_threads(
-    table: &KernelTable,
-    layer: LayerRef<'_>,
-    x: &[f32],
-    y: &mut [f32],
-    quantized: &mut QuantizedActivations,
-    threads: usize,
-    work: crate::profile::Work,
-) {
-    let (rows, n) = (x.len() / layer.d, layer.n);
-    let pieces = dense_pieces(rows, n * layer.d, threads);
-    if pieces <= 1 {
-        return crate::profile::account(work, || linear_into(table, layer, x, y, quantized));
-    }
-    assert_eq!(y.len(), rows * n, "one output row of n per input row");
-    if let PanelRef::I8 { .. } = layer.data {
-        quantized.quantize(x, layer.d, layer.activation_scale);
-    }
-    let quantized = &*quantized;
-    // Whole row groups per piece, so each piece runs the kernels a single call would.
-    let rows_per_piece = rows.div_ceil(pieces).div_ceil(4) * 4;
-    let mut outputs: Vec<&mut [f32]> = y.chunks_mut(rows_per_piece * n).collect();
-    crate::parallel::for_each_mut(&mut outputs, |i, out| {
-        let first = i * rows_per_piece;
-        let rows = first..first + out.len() / n.max(1);
-        crate::profile::account(work, || linear_rows(table, layer, x, quantized, rows, out))
-    });
-}
-
-/// Rows `rows` of `x @ W^T + b` into `y` (`[rows.len(), n]`); an int8 layer reads those rows of
-/// `quantized`, already holding all of `x`.
-fn linear_rows(
-    table: &KernelTable,
-    layer: LayerRef<'_>,
-    x: &[f32],
-    quantized: &QuantizedActivations,
-    rows: std::ops::Range<usize>,
-    y: &mut [f32],
-) {
-    let d = layer.d;
-    let n = layer.n;
-    let mut scores = [0f32; MAX_CALL_SCORES];
-    let mut masks = [0u8; MAX_CALL_PANELS];
-    let width_q = d.div_ceil(2) * 2;
-    let pairs = d.div_ceil(2);
-    let panels_per_call = table.panels_per_call.of(layer.precision());
-    let panels = layer.panels();
-    let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
-    // A call covers `per_call` panels or, at the end of a row, one: their prefetch distances,
-    // worked out once per layer rather than per call.
-    let prefetch_for = |count: usize| prefetch::distance(table_bytes, count * panel_bytes);
-    let prefetch_by_count: [usize; 9] = std::array::from_fn(prefetch_for);
-    let mut row0 = rows.start;
-    while row0 < rows.end {
-        let (size, per_call) = row_group_at(rows.end - row0, panels_per_call);
-        let h = &x[row0 * d..(row0 + size) * d];
-        let mut row_scales = [1f32; 4];
-        for (r, scale) in row_scales.iter_mut().enumerate().take(size) {
-            if let Some(&s) = quantized.scales.get(row0 + r) {
-                *scale = s;
-            }
-        }
-        let mut p = 0;
-        while p < panels {
-            let count = if panels - p >= per_call { per_call } else { 1 };
-            let items = p * 8..(p + count) * 8;
-            let epilogue = Epilogue {
-                bias: &layer.bias[items.clone()],
-                scales: match layer.data {
-                    PanelRef::I8 { scales, .. } => &scales[items.clone()],
-                    _ => &[],
-                },
-                bars: [f32::INFINITY; 4],
-                row_scales,
-                prefetch: prefetch_by_count[count],
-            };
-            let (rs, ps) = (rows_slot(size), panels_slot(count));
-            match layer.data {
-                PanelRef::F32(w) => (table.f32[rs][ps])(
-                    h,
-                    d,
-                    &w[p * d * 8..(p + count) * d * 8],
-                    &epilogue,
-                    &mut scores,
-                    &mut masks,
-                ),
-                PanelRef::F16(w) => (table.f16[rs][ps])(
-                    h,
-                    d,
-                    &w[p * d * 8..(p + count) * d * 8],
-                    &epilogue,
-                    &mut scores,
-                    &mut masks,
-                ),
-                PanelRef::I8 { q, .. } => (table.i8[rs][ps])(
-                    &quantized.values[row0 * width_q..(row0 + size) * width_q],
-                    d,
-                    &q[p * pairs * 16..(p + count) * pairs * 16],
-                    &epilogue,
-                    &mut scores,
-                    &mut masks,
-                ),
-            }
-            // Row r's scores of the call's items are contiguous in `scores` and in `y`: one copy
-            // per row (the last panel's padding lanes are left out).
-            let lanes = (n - p * 8).min(count * 8);
-            for r in 0..size {
-                let dst = (row0 - rows.start + r) * n + p * 8;
-                y[dst..dst + lanes].copy_from_slice(&scores[r * count * 8..r * count * 8 + lanes]);
-            }
-            p += count;
-        }
-        row0 += size;
-    }
-}
-
 /// Every score, `[B, n]`, computed by the same kernels as [`top_k`] (for evaluation and tests).
 pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec<f32> {
     let rows = hidden.len() / out.d;
@@ -514,22 +329,14 @@ pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::packed::{activation_levels, quantize_int8_per_row, to_f16_bits};
-    use crate::kernels::Isa;
+    use crate::dense::linear;
+    use crate::lcg;
+    use crate::packed::{activation_levels, quantize_int8_per_row, to_f16_bits};
+    use crate::Isa;
     use proptest::prelude::*;
 
     /// f32 scores of a d-long dot product against the f64 formula: relative to the sum of |terms|.
     const F32_DOT_REL_TOL: f64 = 1e-5;
-
-    fn lcg(seed: u64) -> impl FnMut() -> f32 {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-        move || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-    }
 
     fn reference_top_k(scores: &[f32], k: usize, excluded: &Exclusions) -> Vec<Scored> {
         let mut all: Vec<Scored> = scores
@@ -631,77 +438,6 @@ mod tests {
                     // Single rows give the same answers as the batch.
                     let alone = top_k(table, &packed, &hidden[..d], &queries[..1], 1);
                     prop_assert_eq!(&alone[0], &fused[0]);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn linear_matches_f64_and_is_batch_invariant() {
-        let (n, d, rows) = (37, 29, 7);
-        let mut next = lcg(3);
-        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
-        let b: Vec<f32> = (0..n).map(|_| next()).collect();
-        let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
-        let layer = PackedOutput::from_f32(&w, &b, d);
-        for isa in Isa::available() {
-            let table = KernelTable::for_isa(isa);
-            let y = linear(table, &layer, &x);
-            for r in 0..rows {
-                for o in 0..n {
-                    let want: f64 = (0..d)
-                        .map(|j| x[r * d + j] as f64 * w[o * d + j] as f64)
-                        .sum::<f64>()
-                        + b[o] as f64;
-                    assert!((y[r * n + o] as f64 - want).abs() < 1e-5, "{isa:?}");
-                }
-                assert_eq!(
-                    linear(table, &layer, &x[r * d..(r + 1) * d]),
-                    y[r * n..(r + 1) * n].to_vec()
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_dense_layer_split_over_threads_changes_no_bit() {
-        // 803 rows x 67 outputs x 96 inputs: 5.2 M multiply-adds, several pieces' worth; the last
-        // piece is shorter and not a whole number of row groups.
-        let (n, d, rows) = (67, 96, 803);
-        let mut next = lcg(11);
-        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
-        let b: Vec<f32> = (0..n).map(|_| next()).collect();
-        let x: Vec<f32> = (0..rows * d).map(|_| next() * 3.0).collect();
-        let (q, scales) = quantize_int8_per_row(&w, d);
-        let layers = [
-            PackedOutput::from_f32(&w, &b, d),
-            PackedOutput::from_f16_bits(&to_f16_bits(&w), &b, d),
-            PackedOutput::from_i8(&q, &scales, &b, d),
-            PackedOutput::from_i8(&q, &scales, &b, d).with_static_activation_scale(0.02),
-        ];
-        assert!(dense_pieces(rows, n * d, 8) > 2);
-        for isa in Isa::available() {
-            let table = KernelTable::for_isa(isa);
-            for layer in &layers {
-                let want = linear(table, layer, &x);
-                for threads in [2, 3, 8] {
-                    let mut got = vec![0f32; rows * n];
-                    linear_into_threads(
-                        table,
-                        layer.view(),
-                        &x,
-                        &mut got,
-                        &mut QuantizedActivations::default(),
-                        threads,
-                        crate::profile::Work::Dense,
-                    );
-                    assert!(
-                        got.iter()
-                            .zip(&want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{isa:?} {:?} at {threads} threads",
-                        layer.precision()
-                    );
                 }
             }
         }

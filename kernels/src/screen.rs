@@ -438,8 +438,8 @@ pub fn top_k_from_f32(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::fused::{scan_threads, top_k as dense_top_k, MIN_MACS_PER_THREAD};
-    use crate::kernels::{Isa, KernelTable};
+    use crate::fused::{scan_threads, top_k as dense_top_k, MIN_MACS_PER_THREAD};
+    use crate::{Isa, KernelTable};
     use proptest::prelude::*;
 
     fn lcg(seed: u64) -> impl FnMut() -> f32 {

@@ -1,4 +1,7 @@
-//! Numeric kernels and the one place that picks them.
+//! recsys's numeric kernels, the one place that picks them, and what they run on: the bounded
+//! top-k selection ([`topk`]), the worker pool and its split rules ([`parallel`]) and the opt-in
+//! per-stage profiler ([`profile`]). The crate knows nothing of models, checkpoints or engines;
+//! every SIMD `unsafe` of recsys is here.
 //!
 //! `portable` holds the portable kernels used by the models' dense layers. The output layer (scoring every
 //! item, the dominant cost) runs through `fused`: packed weight panels (`packed`), a micro-kernel per
@@ -8,23 +11,27 @@
 //! kernel of `avx512` on top of those when it has that too; `RECSYS_FORCE_ISA=scalar|avx2|avx512`
 //! forces a path so every path can be tested.
 
+pub mod dense;
 pub mod fused;
 pub mod packed;
+pub mod parallel;
 pub mod portable;
 pub mod prefetch;
+pub mod profile;
 pub mod screen;
 pub mod shared;
+pub mod topk;
 
 /// Builds a [`KernelTable`] from three generic micro-kernels `kernel::<ROWS, PANELS>`, one per
 /// precision, instantiated for rows {1, 2, 4} x panels {1, 2, 4, 8}.
 macro_rules! kernel_table {
     ($isa:expr, $f32:ident, $f16:ident, $i8:ident, $elementwise:expr) => {
-        $crate::kernels::KernelTable {
+        $crate::KernelTable {
             isa: $isa,
-            f32: kernel_table!(@rows $f32, $crate::kernels::PanelF32),
-            f16: kernel_table!(@rows $f16, $crate::kernels::PanelF16),
-            i8: kernel_table!(@rows $i8, $crate::kernels::PanelI8),
-            panels_per_call: $crate::kernels::PanelsPerCall::EIGHT_ACCUMULATORS,
+            f32: kernel_table!(@rows $f32, $crate::PanelF32),
+            f16: kernel_table!(@rows $f16, $crate::PanelF16),
+            i8: kernel_table!(@rows $i8, $crate::PanelI8),
+            panels_per_call: $crate::PanelsPerCall::EIGHT_ACCUMULATORS,
             elementwise: $elementwise,
         }
     };
@@ -265,6 +272,23 @@ impl KernelTable {
     }
 }
 
+/// Rows computed together by one micro-kernel call when `left` rows remain, and the panels per
+/// call for that row count (`panels_per_call`, by row group of 1, 2 and 4 rows: the table's).
+pub(crate) fn row_group_at(left: usize, panels_per_call: [usize; 3]) -> (usize, usize) {
+    let size = if left >= 4 {
+        4
+    } else if left >= 2 {
+        2
+    } else {
+        1
+    };
+    (size, panels_per_call[rows_slot(size)])
+}
+
+/// Scores and flag bytes of the largest call a table can make: 4 rows x 8 panels of 8 items.
+pub(crate) const MAX_CALL_SCORES: usize = 4 * 8 * 8;
+pub(crate) const MAX_CALL_PANELS: usize = 4 * 8;
+
 /// Row-group index into the tables: 1 -> 0, 2 -> 1, 4 -> 2.
 pub(crate) fn rows_slot(rows: usize) -> usize {
     match rows {
@@ -397,5 +421,18 @@ mod require_isa {
                 "the CPU reports AVX-512 F/BW/VNNI but the AVX-512 kernel is not available"
             );
         }
+    }
+}
+
+/// Deterministic test values in [-1, 1) from `seed` (a linear congruential generator), for the
+/// kernels' tests.
+#[cfg(test)]
+pub(crate) fn lcg(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
