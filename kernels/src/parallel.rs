@@ -233,12 +233,22 @@ const MACS_PER_NS: u64 = 50;
 /// ([`handoff`]) costs in work, doubled (the caller waits for the piece as well). Answers never
 /// depend on it; only how many threads a step uses does.
 pub fn min_macs_per_piece(floor: usize) -> usize {
-    // The crate's unit tests check that splits change no bit, so they need the splits to happen
-    // whatever the machine's handoffs cost while they run; the rule itself is tested on its own.
-    if cfg!(test) {
+    // Tests that check a split changes no bit need the split to happen whatever the machine's
+    // handoffs cost while they run (this crate's own, and callers' through
+    // `split_by_floor_only`); the rule itself is tested on its own.
+    if cfg!(test) || FLOOR_ONLY.load(Ordering::Relaxed) {
         return floor;
     }
     min_macs_given(floor, handoff::estimate())
+}
+
+static FLOOR_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// From now on, in this process, every split rule asks only its own floor of work per piece and
+/// ignores what handoffs cost. For tests that check a split changes no bit: on a loaded machine
+/// the measured handoff can make a split not happen at all. Answers never depend on it.
+pub fn split_by_floor_only() {
+    FLOOR_ONLY.store(true, Ordering::Relaxed);
 }
 
 /// [`min_macs_per_piece`] for a handoff of `handoff`.

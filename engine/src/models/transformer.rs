@@ -1178,6 +1178,7 @@ mod tests {
     /// layer (every row a query) and the last (one query row per sequence).
     #[test]
     fn attention_heads_split_over_threads_change_no_bit() {
+        crate::parallel::split_by_floor_only();
         let tmp = tempfile::tempdir().unwrap();
         let engine = crate::fixtures::convert(
             ModelKind::Bert4rec,
