@@ -42,7 +42,7 @@ enum RowAccess {
 
 impl BatchRecommender for Engine {
     fn recommend_batch(&self, batch: &[InternalRequest]) -> Result<Vec<RowAnswer>> {
-        Ok(self.recommend_internal_with_embeddings(batch))
+        Ok(self.recommend_internal(batch))
     }
 }
 
@@ -437,18 +437,11 @@ impl Engine {
         (hidden, notes)
     }
 
-    /// Top-k over internal indices for a batch of prepared requests, on the CPU kernels.
-    pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<(Vec<Scored>, HistoryNote)> {
-        self.recommend_internal_with_embeddings(batch)
-            .into_iter()
-            .map(|(items, note, _)| (items, note))
-            .collect()
-    }
-
-    /// [`Self::recommend_internal`], with each row's user embedding where the row asks for it
-    /// (`[hidden, 1]`, see [`Recommendation::embedding`]; empty otherwise). Rows with `k = 0`
-    /// are encoded and not scored.
-    pub fn recommend_internal_with_embeddings(&self, batch: &[InternalRequest]) -> Vec<RowAnswer> {
+    /// Each prepared request's answer on the CPU kernels: its best items (internal indices, best
+    /// first), its history note, and its user embedding where it asks for one (`[hidden, 1]`, see
+    /// [`Recommendation::embedding`]; empty otherwise). Rows with `k = 0` are encoded and not
+    /// scored. The engine's [`BatchRecommender`], as a device model is.
+    pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<RowAnswer> {
         if batch.is_empty() {
             return Vec::new();
         }
@@ -500,18 +493,8 @@ impl Engine {
 
     /// Each row's best `ks[row]` of the whole catalogue (never PAD nor `excluded[row]`): through
     /// the screen when the engine has one, each row's survivors rescored exactly as the candidate
-    /// path scores candidates (so the answer is the dense scan's), else the dense scan itself.
-    pub fn top_k_whole_catalogue(
-        &self,
-        hidden: &[f32],
-        ks: &[usize],
-        excluded: Vec<Vec<u32>>,
-    ) -> RankedRows {
-        self.screened_top_k(hidden, ks, excluded).0
-    }
-
-    /// [`Engine::top_k_whole_catalogue`], with each row's count of screen survivors (the items
-    /// rescored) when the engine screens.
+    /// path scores candidates (so the answer is the dense scan's), else the dense scan itself;
+    /// with each row's count of screen survivors (the items rescored) when the engine screens.
     fn screened_top_k(
         &self,
         hidden: &[f32],
@@ -615,31 +598,13 @@ impl Engine {
         }
     }
 
-    /// The best `k` of `candidates` (ascending, distinct internal indices) for one hidden vector,
-    /// leaving out `excluded`: see [`Self::top_k_among_rows`].
-    pub fn top_k_among(
-        &self,
-        hidden: &[f32],
-        candidates: &[u32],
-        k: usize,
-        excluded: &[u32],
-    ) -> Vec<Scored> {
-        if k == 0 {
-            return Vec::new();
-        }
-        self.top_k_among_rows(hidden, candidates, &[k], &[excluded.to_vec()], 1)
-            .into_iter()
-            .next()
-            .unwrap_or_default()
-    }
-
     /// For each row of `hidden` (`[rows, d]`), its best `ks[row]` of `candidates` (ascending,
     /// distinct internal indices) leaving out `excluded[row]`: the candidates' rows packed exactly
     /// as the whole table is (same micro-kernels, same per-row arithmetic, W8A8's static scale)
     /// and scanned once for all the rows, so every score is the one the whole-catalogue scan gives
     /// the same item, and ties go to the lower index as there. Costs the candidates' rows, not the
     /// catalogue.
-    pub fn top_k_among_rows(
+    fn top_k_among_rows(
         &self,
         hidden: &[f32],
         candidates: &[u32],

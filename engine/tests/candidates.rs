@@ -83,7 +83,7 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
     for threads in [1, 2] {
         engine.set_threads(threads);
         let answers = engine.recommend_internal(&batch);
-        for (r, (request, (got, _))) in batch.iter().zip(&answers).enumerate() {
+        for (r, (request, (got, _, _))) in batch.iter().zip(&answers).enumerate() {
             let scores = &all[r * width..(r + 1) * width];
             let excluded = recsys_engine::excluded_items(request);
             let want = match &request.candidates {

@@ -85,8 +85,8 @@ fn mapped_layouts_answer_exactly_as_layouts_packed_at_load() {
                 mapped.set_threads(threads);
                 packed.set_threads(threads);
                 assert_eq!(
-                    mapped.recommend_internal_with_embeddings(&batch),
-                    packed.recommend_internal_with_embeddings(&batch),
+                    mapped.recommend_internal(&batch),
+                    packed.recommend_internal(&batch),
                     "{what}, {threads} thread(s)"
                 );
             }
@@ -208,8 +208,8 @@ fn a_screen_stored_by_the_previous_layout_loads_and_answers_the_same() {
         );
         let batch = requests(&current);
         assert_eq!(
-            previous.recommend_internal_with_embeddings(&batch),
-            current.recommend_internal_with_embeddings(&batch),
+            previous.recommend_internal(&batch),
+            current.recommend_internal(&batch),
             "{kind}"
         );
     }

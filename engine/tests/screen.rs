@@ -66,8 +66,8 @@ fn screened_engines_answer_exactly_as_unscreened_ones() {
                 plain.set_threads(threads);
                 screened.set_threads(threads);
                 for size in [1, 5, 64] {
-                    let want = plain.recommend_internal_with_embeddings(&batch[..size]);
-                    let mut got = screened.recommend_internal_with_embeddings(&batch[..size]);
+                    let want = plain.recommend_internal(&batch[..size]);
+                    let mut got = screened.recommend_internal(&batch[..size]);
                     // Each whole-catalogue row notes how many items survived its screen (at
                     // least its k, well under the catalogue); candidate rows are not screened.
                     for ((_, note, _), request) in got.iter_mut().zip(&batch[..size]) {
@@ -239,8 +239,8 @@ fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
                 read.set_threads(threads);
                 for size in [1, 7, 64] {
                     assert_eq!(
-                        read.recommend_internal_with_embeddings(&batch[..size]),
-                        mapped.recommend_internal_with_embeddings(&batch[..size]),
+                        read.recommend_internal(&batch[..size]),
+                        mapped.recommend_internal(&batch[..size]),
                         "{kind} {name} batch {size}, {threads} thread(s)"
                     );
                 }

@@ -34,18 +34,18 @@ fn check(kind: ModelKind, engine: &mut Engine, variant: &str) {
     let batch = batch_of(engine, 61);
     let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
     engine.set_threads(1);
-    let want = engine.recommend_internal_with_embeddings(&batch);
+    let want = engine.recommend_internal(&batch);
     let want_scores = engine.score_all(&histories);
     // Each history alone: the batch around it changes nothing.
     for (r, request) in batch.iter().enumerate().step_by(6) {
-        let alone = engine.recommend_internal_with_embeddings(std::slice::from_ref(request));
+        let alone = engine.recommend_internal(std::slice::from_ref(request));
         assert_eq!(alone[0], want[r], "{kind} {variant}: row {r} alone");
     }
     for threads in [2, 3, 5, 64] {
         engine.set_threads(threads);
         // A history alone gets every thread for its own layers and attention heads.
         for (r, request) in batch.iter().enumerate().step_by(6) {
-            let alone = engine.recommend_internal_with_embeddings(std::slice::from_ref(request));
+            let alone = engine.recommend_internal(std::slice::from_ref(request));
             assert_eq!(
                 alone[0], want[r],
                 "{kind} {variant}: row {r} alone at {threads} threads"
@@ -68,7 +68,7 @@ fn check(kind: ModelKind, engine: &mut Engine, variant: &str) {
                 && notes == want_notes,
             "{kind} {variant}: 9 histories' layers split over {threads} threads"
         );
-        let got = engine.recommend_internal_with_embeddings(&batch);
+        let got = engine.recommend_internal(&batch);
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "{kind} {variant}: row {r} at {threads} threads");
         }

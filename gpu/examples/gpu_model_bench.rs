@@ -112,7 +112,7 @@ fn same_top10(engine: &Engine, gpu: &DeviceModel<CudaDevice>, requests: &[Intern
     let same = cpu
         .iter()
         .zip(&dev)
-        .filter(|((a, _), (b, _))| a.iter().map(|s| s.index).eq(b.iter().map(|s| s.index)))
+        .filter(|((a, _, _), (b, _))| a.iter().map(|s| s.index).eq(b.iter().map(|s| s.index)))
         .count();
     same as f64 / requests.len() as f64
 }

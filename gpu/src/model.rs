@@ -835,7 +835,7 @@ impl<D: Device> DeviceModel<D> {
             recsys_engine::engine_dir::Precision::Int8 => 5e-2,
             _ => 1e-3,
         };
-        for (row, ((want, _), (got, _))) in cpu.iter().zip(&device).enumerate() {
+        for (row, ((want, _, _), (got, _))) in cpu.iter().zip(&device).enumerate() {
             let disagree = |rank: usize, why: &str| {
                 let show = |s: Option<&Scored>| {
                     s.map_or("nothing".to_string(), |s| {

@@ -124,7 +124,7 @@ pub fn compare<D: Device>(
         _ => SCORE_ABS_TOL_FLOAT,
     };
     let (mut score_err, mut same_ids, mut entries) = (0f32, 0usize, 0usize);
-    for (r, ((c, cn), (d, dn))) in cpu.iter().zip(&dev).enumerate() {
+    for (r, ((c, cn, _), (d, dn))) in cpu.iter().zip(&dev).enumerate() {
         assert_eq!(cn, dn, "{sub} row {r}: notes");
         assert_eq!(c.len(), d.len(), "{sub} row {r}: lengths");
         for (pos, (x, y)) in c.iter().zip(d).enumerate() {
@@ -198,7 +198,7 @@ fn check_embeddings<D: Device>(
         })
         .collect();
     for batch in [asking, only_embeddings] {
-        let cpu = engine.recommend_internal_with_embeddings(&batch);
+        let cpu = engine.recommend_internal(&batch);
         let dev = device.recommend_with_embeddings(&batch).unwrap();
         for (r, (request, ((ci, _, ce), (di, _, de)))) in
             batch.iter().zip(cpu.iter().zip(&dev)).enumerate()
