@@ -67,7 +67,7 @@ fn queries_of<'a>(ks: &[usize], exclusions: &'a [Exclusions]) -> Vec<RowQuery<'a
 impl Scorer {
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
     /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
-    pub fn top_k(&self, hidden: &[f32], ks: &[usize], excluded: Vec<Vec<u32>>) -> RankedRows {
+    fn top_k(&self, hidden: &[f32], ks: &[usize], excluded: Vec<Vec<u32>>) -> RankedRows {
         let exclusions = whole_catalogue_exclusions(excluded);
         let queries = queries_of(ks, &exclusions);
         fused::top_k(self.kernels, &self.packed, hidden, &queries, self.threads)

@@ -165,11 +165,13 @@ fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
                     .iter()
                     .map(|e| RowQuery { k, excluded: e })
                     .collect();
-                // The engine's own dense path (it adds PAD to each row's exclusions itself).
-                let dense = engine.scorer.top_k(
+                // The engine's own dense path: the fused scan over its packed output layer.
+                let dense = recsys_engine::kernels::fused::top_k(
+                    engine.scorer.kernels,
+                    &engine.scorer.packed,
                     &hidden,
-                    &vec![k; batch],
-                    requests.iter().map(recsys_engine::excluded_items).collect(),
+                    &queries,
+                    engine.scorer.threads,
                 );
                 let (got, kept) = top_k_from_f32(
                     engine.scorer.kernels,
