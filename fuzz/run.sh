@@ -24,7 +24,7 @@ fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
   cargo install --locked cargo-fuzz@0.12.0
 fi
-cargo build --release -p recsys-converter
+cargo build --release -p recsys-cli
 ./scripts/python-env.sh
 .venv/bin/python fuzz/seed.py
 # Converted by this build every run (under a second): an engine left by another build may be in a

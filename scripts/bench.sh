@@ -41,7 +41,7 @@ release_build() { cargo build --release --locked "$@"; }
 
 # The serving build of the backend in build/backends, and the recsys command.
 backend_setup() {
-  release_build -p recsys-converter -p recsys-backend
+  release_build -p recsys-cli -p recsys-backend
   mkdir -p build/backends/recsys
   cp target/release/libtriton_recsys.so build/backends/recsys/
 }
@@ -84,17 +84,17 @@ case "$kind" in
     ;;
   models)
     ./scripts/python-env.sh --peers
-    release_build -p recsys-converter -p recsys-benches --bin model_probe --bin kernel_probe
+    release_build -p recsys-cli -p recsys-benches --bin model_probe --bin kernel_probe
     exec "$peers_python" scripts/bench_models.py "$@"
     ;;
   sequential)
     ./scripts/python-env.sh --peers
-    release_build -p recsys-converter -p recsys-benches --bin model_probe --bin kernel_probe
+    release_build -p recsys-cli -p recsys-benches --bin model_probe --bin kernel_probe
     exec "$peers_python" scripts/bench_sequential.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh --peers
-    release_build -p recsys-converter
+    release_build -p recsys-cli
     exec "$peers_python" scripts/bench_predict.py "$@"
     ;;
   serving | peers)
@@ -125,13 +125,13 @@ case "$kind" in
     ;;
   load)
     ./scripts/python-env.sh
-    cargo build --release --locked -p recsys-converter
+    cargo build --release --locked -p recsys-cli
     .venv/bin/pip install --quiet --force-reinstall --no-deps ./python
     exec "$python" scripts/bench_load.py "$@"
     ;;
   ray)
     ./scripts/python-env.sh
-    release_build -p recsys-converter
+    release_build -p recsys-cli
     .venv/bin/pip install --quiet --force-reinstall --no-deps ./python
     exec "$python" scripts/bench_ray.py "$@"
     ;;

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 features=()
 args=()
-packages=(-p recsys-backend -p recsys-converter)
+packages=(-p recsys-backend -p recsys-cli)
 while [[ $# -gt 0 ]]; do
   case $1 in
     --cuda) features=(--features recsys-backend/cuda-12); shift ;;

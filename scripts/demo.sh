@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "==> building (release)"
-cargo build --release --locked -p recsys-converter
+cargo build --release --locked -p recsys-cli
 RECSYS=target/release/recsys
 
 ./scripts/convert-demo-models.sh "$RECSYS"

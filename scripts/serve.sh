@@ -26,7 +26,7 @@ CHECK=false
 
 ./scripts/python-env.sh --serve
 echo "==> building recsys (release)"
-cargo build --release --locked -p recsys-converter -p recsys-backend
+cargo build --release --locked -p recsys-cli -p recsys-backend
 mkdir -p build/backends/recsys
 cp target/release/libtriton_recsys.so build/backends/recsys/
 

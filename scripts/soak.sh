@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/python-env.sh
-cargo build --release --locked -p recsys-converter -p recsys-backend
+cargo build --release --locked -p recsys-cli -p recsys-backend
 mkdir -p build/backends/recsys
 cp target/release/libtriton_recsys.so build/backends/recsys/
 for m in bert4rec vaecf; do

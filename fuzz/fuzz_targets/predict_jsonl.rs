@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use recsys_converter::jsonl::{parse_line, MAX_LINE_BYTES};
+use recsys_cli::jsonl::{parse_line, MAX_LINE_BYTES};
 
 fuzz_target!(|data: &[u8]| {
     if data.len() > MAX_LINE_BYTES {

@@ -134,12 +134,12 @@ impl Sink for Vec<Selection<'_>> {
 }
 
 /// Writes every score into a `[rows, n]` matrix.
-struct Matrix<'a> {
+struct ScoreMatrix<'a> {
     scores: &'a mut [f32],
     n: usize,
 }
 
-impl Sink for Matrix<'_> {
+impl Sink for ScoreMatrix<'_> {
     fn bar(&self, _row: usize) -> f32 {
         f32::NEG_INFINITY
     }
@@ -318,7 +318,7 @@ pub fn top_k(
 pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec<f32> {
     let rows = hidden.len() / out.d;
     let mut scores = vec![0f32; rows * out.n];
-    let mut sink = Matrix {
+    let mut sink = ScoreMatrix {
         scores: &mut scores,
         n: out.n,
     };

@@ -1,6 +1,6 @@
 """`recsys export-items` read by numpy, as an ANN library would read it: a float32 [N, d + 1] array in
 item order, and the external ids one per line. That the rows give the model's scores by inner product
-is checked in Rust (converter/tests/cli.rs) against the engine's own scores."""
+is checked in Rust (cli/tests/cli_export.rs) against the engine's own scores."""
 
 from __future__ import annotations
 

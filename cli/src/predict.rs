@@ -11,7 +11,7 @@ use crate::error::{CliError, Result};
 use crate::progress;
 use recsys_engine::{Engine, ExternalId, ExternalIds, Request, ServeOptions, UnknownItemPolicy};
 
-use recsys_converter::jsonl::{parse_line, Ids, Line, MAX_LINE_BYTES};
+use recsys_cli::jsonl::{parse_line, Ids, Line, MAX_LINE_BYTES};
 
 #[derive(Default, Clone, Copy)]
 struct Counts {

@@ -41,7 +41,7 @@ fn every_crate_root_module_is_described_in_its_section() {
     for (dir, roots) in [
         ("kernels", &["src/lib.rs"][..]),
         ("engine", &["src/lib.rs"][..]),
-        ("converter", &["src/lib.rs", "src/main.rs"][..]),
+        ("cli", &["src/lib.rs", "src/main.rs"][..]),
         ("backend", &["src/lib.rs"][..]),
         ("registry", &["src/lib.rs"][..]),
         ("onnx", &["src/lib.rs"][..]),
