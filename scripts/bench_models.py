@@ -23,6 +23,8 @@ weights (BERT4Rec: 3,416 items, max_len 200, 2 layers, 2 heads, hidden 64, inner
 histories; and a Mult-VAE with N = 100,000 items and random weights. The small-catalogue
 Mult-VAEs also run as `--screen int8` engines (rows marked "screened"): the exact screen, so the
 fp32 engine's answers, from a quarter of the output layer's bytes (timed against the same peer runs).
+Every model also runs as a `--precision bf16` engine (rows marked "bf16"), whose column to read is
+OpenVINO's default precision: both round weights and activations to bf16.
 
 Roofline table: model_probe reports the thread-seconds each batch spent in dense layers, attention
 and the output layer (`recsys_engine::profile`); this script counts each kind's multiply-adds for
@@ -409,7 +411,7 @@ def peers_table(rows, threads: int, isa: str, ov_default: str) -> list[str]:
                                                   f"{ov_default})" if ov is not None else "")
     lines = [
         f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for everyone; "
-        f"{versions}; recsys fp32 ({isa} kernels); top-{K} with the history excluded; each side's best "
+        f"{versions}; recsys fp32 unless a row says bf16 ({isa} kernels); top-{K} with the history excluded; each side's best "
         "median of two alternating rounds",
         "",
         "| model | items | batch | recsys ms/batch | recsys on 1 thread ms | " + " | ".join(f"{p} ms" for p in peer_names)
@@ -451,6 +453,10 @@ def main() -> None:
             subprocess.run([str(RECSYS), "convert", "--kind", "bert4rec", "--checkpoint", str(ckpt),
                             "--config", str(cfg_path), "--item-map", str(map_path),
                             "--out", str(engine)], check=True, capture_output=True)
+            engine_bf16 = tmp / f"bert4rec_{synthetic or 'fixture'}_bf16"
+            subprocess.run([str(RECSYS), "convert", "--kind", "bert4rec", "--checkpoint", str(ckpt),
+                            "--config", str(cfg_path), "--item-map", str(map_path), "--precision", "bf16",
+                            "--out", str(engine_bf16)], check=True, capture_output=True)
             ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
             if synthetic:
                 histories = ml1m_histories(sorted(ext_to_int), rng)
@@ -474,6 +480,13 @@ def main() -> None:
                 lengths = [len([x for x in h if x in ext_to_int]) for h in histories]
                 work = bert4rec_work(cfg, lengths, probe_batches(len(histories), batch, reps))
                 roofline.append(roofline_row(label, N, batch, ours, work, (N + 1) * cfg["hidden_size"] * 4, peaks))
+                # The bf16 engine, against the same peers (its column to compare: OpenVINO's
+                # default, bf16 on CPUs with AVX512-BF16).
+                ours = min((probe(engine_bf16, histories, batch, threads, reps, tmp) for _ in range(2)),
+                           key=lambda o: o["median_s"])
+                agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
+                rows.append((label.replace(")", ", bf16)"), N, batch, ours["median_s"], theirs, agree,
+                             one_thread(engine_bf16, histories, batch, reps)))
 
         # ---- Mult-VAE: fixture (N=2000) and synthetic N = 3,416 (MovieLens-1M's catalogue), 20,108
         # (MovieLens-20M's) and 100,000
@@ -490,6 +503,10 @@ def main() -> None:
             engine = tmp / f"vae{n_items}"
             subprocess.run([str(RECSYS), "convert", "--kind", "vaecf", "--checkpoint", str(ckpt), "--config", str(cfg_path),
                             "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
+            engine_bf16 = tmp / f"vae{n_items}_bf16"
+            subprocess.run([str(RECSYS), "convert", "--kind", "vaecf", "--checkpoint", str(ckpt), "--config", str(cfg_path),
+                            "--item-map", str(map_path), "--precision", "bf16", "--out", str(engine_bf16)],
+                           check=True, capture_output=True)
             screened = None
             if n_items < 10_000:
                 screened = tmp / f"vae{n_items}_screened"
@@ -527,6 +544,11 @@ def main() -> None:
                     agree = len(set(ours["top_first"]) & {ext_ids[i - 1] for i in ort_top if i > 0}) / K
                     rows.append((label.replace(")", ", screened: exact int8 screen)"), n_items, batch,
                                  ours["median_s"], theirs, agree, one_thread(screened, histories, batch, reps)))
+                ours = min((probe(engine_bf16, histories, batch, threads, reps, tmp) for _ in range(2)),
+                           key=lambda o: o["median_s"])
+                agree = len(set(ours["top_first"]) & {ext_ids[i - 1] for i in ort_top if i > 0}) / K
+                rows.append((label.replace(")", ", bf16)"), n_items, batch, ours["median_s"], theirs, agree,
+                             one_thread(engine_bf16, histories, batch, reps)))
 
     lines = peers_table(rows, threads, ours["isa"], ov_default)
     lines += [

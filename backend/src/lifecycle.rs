@@ -131,6 +131,21 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
     let metrics = ModelMetrics::new(&name, version).map(Arc::new);
     let mut engine = engine;
     engine.set_threads(settings.threads);
+    if engine.manifest.precision == recsys_engine::engine_dir::Precision::Bf16
+        && !engine.scorer.kernels.isa.has_native_bf16()
+    {
+        // The same answers, computed by widening to f32: say so, since the engine is then no
+        // faster than fp16.
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version} is bf16 and this CPU has no AVX512-BF16 \
+                 ({} kernels): its bf16 layers are computed widened to f32, with the same answers \
+                 and without bf16's doubled multiply-add rate",
+                engine.scorer.kernels.isa.name()
+            ),
+        );
+    }
     log(
         LogLevel::Info,
         &format!(

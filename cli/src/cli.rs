@@ -213,7 +213,7 @@ pub struct SweepArgs {
         long,
         value_parser = precision_parser(),
         value_delimiter = ',',
-        default_value = "fp32,fp16,int8"
+        default_value = "fp32,fp16,bf16,int8"
     )]
     pub precisions: Vec<Precision>,
     /// How int8 is applied, as `recsys convert --int8-mode` takes it: one variant per mode (w8a8
@@ -457,6 +457,11 @@ fn precision_parser() -> impl TypedValueParser<Value = Precision> {
         PossibleValue::new("fp32").help("32-bit floats, PyTorch-exact within f32 rounding"),
         PossibleValue::new("fp16").help(
             "Every weight matrix stored as IEEE half (half the bytes), widened to f32 to compute",
+        ),
+        PossibleValue::new("bf16").help(
+            "Every weight matrix stored as bfloat16 (half the bytes); each layer's input is \
+             rounded to bfloat16 and the products summed in f32 (AVX512-BF16's vdpbf16ps where \
+             the CPU has it, the same result widened to f32 elsewhere)",
         ),
         PossibleValue::new("int8").help(
             "Every weight matrix stored as int8 with one scale per row (a quarter of the bytes), \

@@ -63,21 +63,13 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
     let mut out = Vec::new();
     for precision in &args.precisions {
         match precision {
-            Precision::Fp32 => out.push(Variant {
-                name: "fp32".into(),
-                precision: Precision::Fp32,
+            Precision::Fp32 | Precision::Fp16 | Precision::Bf16 => out.push(Variant {
+                name: precision.as_str().into(),
+                precision: *precision,
                 method: None,
                 layers: W8a8Layers::Output,
                 screen: Screen::None,
-                flags: "--precision fp32".into(),
-            }),
-            Precision::Fp16 => out.push(Variant {
-                name: "fp16".into(),
-                precision: Precision::Fp16,
-                method: None,
-                layers: W8a8Layers::Output,
-                screen: Screen::None,
-                flags: "--precision fp16".into(),
+                flags: format!("--precision {precision}"),
             }),
             Precision::Int8 => {
                 for mode in &args.int8_modes {
@@ -129,10 +121,11 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
         }
     }
     if args.screens.contains(&Screen::Int8) {
-        // Each fp32 / fp16 variant again, screened; int8 variants already read int8 weights.
+        // Each fp32 / fp16 variant again, screened; int8 variants already read int8 weights,
+        // and bf16 ones round their activations, which the screen's bounds do not cover.
         let screened: Vec<Variant> = out
             .iter()
-            .filter(|v| v.precision != Precision::Int8)
+            .filter(|v| matches!(v.precision, Precision::Fp32 | Precision::Fp16))
             .map(|v| Variant {
                 name: format!("{}-screen-int8", v.name),
                 screen: Screen::Int8,
@@ -145,7 +138,9 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
     if !args.screens.contains(&Screen::None) {
         // Unscreened fp32 stays: it is the reference every variant is compared with.
         out.retain(|v| {
-            v.screen == Screen::Int8 || v.precision == Precision::Int8 || v.name == "fp32"
+            v.screen == Screen::Int8
+                || matches!(v.precision, Precision::Int8 | Precision::Bf16)
+                || v.name == "fp32"
         });
     }
     if out.first().map(|v| v.precision) != Some(Precision::Fp32) {

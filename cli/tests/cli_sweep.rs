@@ -14,7 +14,7 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         "--kind",
         "vaecf",
         "--precisions",
-        "fp32,fp16,int8",
+        "fp32,fp16,bf16,int8",
         "--int8-modes",
         "weight-only",
         "--batch-size",
@@ -52,11 +52,30 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         [
             "fp32",
             "fp16",
+            "bf16",
             "int8-wo",
             "fp32-screen-int8",
             "fp16-screen-int8"
         ]
     );
+    // bf16 has its quality columns against fp32 (rounded weights and activations: close, not
+    // equal), half fp32's weight bytes, and no screened variant (the screen refuses bf16).
+    let bf16 = &variants[2];
+    assert_eq!(bf16["convert_flags"], "--precision bf16");
+    let top10 = bf16["top10_jaccard"].as_f64().unwrap();
+    assert!((0.95..=1.0).contains(&top10), "bf16 top-10 Jaccard {top10}");
+    let err = bf16["max_abs_score_error"].as_f64().unwrap();
+    assert!(err > 0.0 && err < 0.15, "bf16 max score error {err}");
+    assert!(bf16["ndcg10_relative_loss"].as_f64().unwrap().abs() < 0.02);
+    assert!(
+        bf16["weights_bytes"].as_u64().unwrap() * 10
+            < variants[0]["weights_bytes"].as_u64().unwrap() * 6
+    );
+    let variants: Vec<serde_json::Value> = variants
+        .iter()
+        .filter(|v| v["variant"] != "bf16")
+        .cloned()
+        .collect();
     // Screened variants give their reference's answers exactly: the same metrics, and against
     // fp32 no score error at all.
     assert_eq!(variants[3]["metrics"], variants[0]["metrics"]);
@@ -78,7 +97,7 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         assert!((got - want).abs() <= 1e-6, "{key}: {got} vs {want}");
     }
     assert_eq!(variants[0]["top10_jaccard"], 1.0);
-    for v in variants {
+    for v in &variants {
         assert_eq!(v["latency"].as_array().unwrap().len(), 2);
         assert!(v["latency"][0]["p50_ms"].as_f64().unwrap() > 0.0);
         assert!(v["weights_bytes"].as_u64().unwrap() > 0);

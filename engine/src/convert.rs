@@ -16,7 +16,7 @@ use crate::engine_dir::{
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalIds, IdMap, ItemMapSource};
 use crate::import::Checkpoint;
-use crate::kernels::packed::{quantize_int8_per_row, to_f16_bits};
+use crate::kernels::packed::{quantize_int8_per_row, to_bf16_bits, to_f16_bits};
 use crate::models::Model;
 use crate::weights::scale_name;
 
@@ -201,6 +201,10 @@ fn calibration_activations(
     (dense, output)
 }
 
+/// What a bf16 engine's layers compute, as its manifest says.
+const BF16_COMPUTE: &str = "bf16 weights x activations rounded to bf16 (nearest-even), products \
+                            added in f32 odd feature then even per pair (vdpbf16ps)";
+
 /// Quantized tensors to store, the manifest's description of the scheme, and the calibration.
 type Quantized = (
     Vec<(String, RawTensor)>,
@@ -236,8 +240,13 @@ fn quantize(
         let cols = shape[1];
         match precision {
             Precision::Fp32 => unreachable!("returned above"),
-            Precision::Fp16 => {
-                let bytes = to_f16_bits(tensor.as_slice())
+            Precision::Fp16 | Precision::Bf16 => {
+                let (bits, dtype) = if precision == Precision::Fp16 {
+                    (to_f16_bits(tensor.as_slice()), safetensors::Dtype::F16)
+                } else {
+                    (to_bf16_bits(tensor.as_slice()), safetensors::Dtype::BF16)
+                };
+                let bytes = bits
                     .iter()
                     .flat_map(|b| b.to_le_bytes())
                     .collect::<Vec<u8>>()
@@ -245,7 +254,7 @@ fn quantize(
                 raw.push((
                     name,
                     RawTensor {
-                        dtype: safetensors::Dtype::F16,
+                        dtype,
                         shape,
                         bytes,
                     },
@@ -271,6 +280,7 @@ fn quantize(
     *tensors = kept;
     let weights_name = match precision {
         Precision::Fp16 => "fp16",
+        Precision::Bf16 => "bf16",
         _ => "int8",
     };
     let mut output_layer = match precision {
@@ -278,6 +288,14 @@ fn quantize(
             weights: "fp16".into(),
             mode: None,
             compute: "fp32".into(),
+            rounding: Some("nearest-even".into()),
+            scheme: None,
+            activation_scale: None,
+        },
+        Precision::Bf16 => OutputLayerQuantization {
+            weights: "bf16".into(),
+            mode: None,
+            compute: BF16_COMPUTE.into(),
             rounding: Some("nearest-even".into()),
             scheme: None,
             activation_scale: None,
@@ -356,6 +374,7 @@ fn quantize(
             (Precision::Int8, false) => {
                 "int8 weights x int16 activations (each request's own scale)"
             }
+            (Precision::Bf16, _) => BF16_COMPUTE,
             _ => "fp16 weights, fp32 compute",
         }
         .into(),

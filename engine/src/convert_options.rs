@@ -201,6 +201,15 @@ impl ConvertOptions {
                 opt("int8_mode", "w8a8-all"),
             ));
         }
+        if self.screen == Screen::Int8 && self.precision == Precision::Bf16 {
+            return Err(format!(
+                "{} screens fp32 and fp16 engines; a bf16 engine rounds its activations to \
+                 bf16, which the screen's bounds do not cover (use {} or {} with the screen)",
+                opt("screen", "int8"),
+                opt("precision", "fp32"),
+                opt("precision", "fp16"),
+            ));
+        }
         if self.screen == Screen::Int8 && self.precision == Precision::Int8 {
             return Err(format!(
                 "{} screens fp32 and fp16 engines (their answers, at int8 cost); an int8 engine \

@@ -1,12 +1,12 @@
 //! Weight matrices at the engine's precision, views of the memory-mapped weights file at every
-//! precision (fp32 as [`Tensor`]s, fp16 and int8 as [`Elements`]). Every model reads its 2-D
+//! precision (fp32 as [`Tensor`]s, fp16, bf16 and int8 as [`Elements`]). Every model reads its 2-D
 //! weights through [`Matrix`], so one model code path serves every precision.
 
 use std::collections::HashMap;
 
 use crate::elements::Elements;
 use crate::error::{EngineError, Result};
-use crate::kernels::packed::PackedOutput;
+use crate::kernels::packed::{bf16_to_f32, PackedOutput};
 use crate::tensor::Tensor;
 
 /// A tensor stored in a non-f32 dtype (quantized weights), as little-endian bytes.
@@ -29,6 +29,13 @@ pub enum Matrix {
         rows: usize,
         cols: usize,
     },
+    /// bfloat16 bits (widened exactly where rows are read; see [`Matrix::pack`] for layers).
+    Bf16 {
+        bits: Elements<u16>,
+        start: usize,
+        rows: usize,
+        cols: usize,
+    },
     /// Symmetric int8 with one scale per row.
     I8 {
         q: Elements<i8>,
@@ -43,14 +50,14 @@ impl Matrix {
     pub fn rows(&self) -> usize {
         match self {
             Matrix::F32(t) => t.shape()[0],
-            Matrix::F16 { rows, .. } | Matrix::I8 { rows, .. } => *rows,
+            Matrix::F16 { rows, .. } | Matrix::Bf16 { rows, .. } | Matrix::I8 { rows, .. } => *rows,
         }
     }
 
     pub fn cols(&self) -> usize {
         match self {
             Matrix::F32(t) => t.shape()[1],
-            Matrix::F16 { cols, .. } | Matrix::I8 { cols, .. } => *cols,
+            Matrix::F16 { cols, .. } | Matrix::Bf16 { cols, .. } | Matrix::I8 { cols, .. } => *cols,
         }
     }
 
@@ -62,6 +69,14 @@ impl Matrix {
             Matrix::F16 {
                 bits, start, cols, ..
             } => Matrix::F16 {
+                bits: bits.clone(),
+                start: start + from,
+                rows: to - from,
+                cols: *cols,
+            },
+            Matrix::Bf16 {
+                bits, start, cols, ..
+            } => Matrix::Bf16 {
                 bits: bits.clone(),
                 start: start + from,
                 rows: to - from,
@@ -94,6 +109,13 @@ impl Matrix {
                     *o += half::f16::from_bits(b).to_f32();
                 }
             }),
+            Matrix::Bf16 {
+                bits, start, cols, ..
+            } => bits.with_values((start + i) * cols, *cols, |row| {
+                for (o, &b) in out.iter_mut().zip(row) {
+                    *o += bf16_to_f32(b);
+                }
+            }),
             Matrix::I8 {
                 q,
                 scales,
@@ -119,6 +141,9 @@ impl Matrix {
             Matrix::F16 { bits, start, .. } => {
                 PackedOutput::from_f16_bits(&bits[start * cols..(start + rows) * cols], bias, cols)
             }
+            Matrix::Bf16 { bits, start, .. } => {
+                PackedOutput::from_bf16_bits(&bits[start * cols..(start + rows) * cols], bias, cols)
+            }
             Matrix::I8 {
                 q, scales, start, ..
             } => PackedOutput::from_i8(
@@ -139,6 +164,9 @@ impl Matrix {
             Matrix::F32(t) => PackedOutput::gathered_f32(t.as_slice(), rows, bias, cols),
             Matrix::F16 { bits, start, .. } => {
                 PackedOutput::gathered_f16_bits(&bits[start * cols..], rows, bias, cols)
+            }
+            Matrix::Bf16 { bits, start, .. } => {
+                PackedOutput::gathered_bf16_bits(&bits[start * cols..], rows, bias, cols)
             }
             Matrix::I8 {
                 q, scales, start, ..
@@ -171,6 +199,13 @@ impl Matrix {
                 }
                 PackedOutput::from_f16_bits(&compact, bias, cols)
             }
+            Matrix::Bf16 { bits, start, .. } if bits.reads_from_file() => {
+                let mut compact = vec![0u16; rows.len() * cols];
+                for (out, &r) in compact.chunks_exact_mut(cols.max(1)).zip(rows) {
+                    bits.copy_into((start + r as usize) * cols, out);
+                }
+                PackedOutput::from_bf16_bits(&compact, bias, cols)
+            }
             Matrix::I8 {
                 q, scales, start, ..
             } if q.reads_from_file() => {
@@ -191,6 +226,7 @@ impl Matrix {
         match self {
             Matrix::F32(_) => "fp32",
             Matrix::F16 { .. } => "fp16",
+            Matrix::Bf16 { .. } => "bf16",
             Matrix::I8 { .. } => "int8",
         }
     }
@@ -235,6 +271,12 @@ impl Weights {
                 // Views of the stored bytes (little-endian, as every target of this crate is):
                 // where the weights file is mapped, no copy.
                 safetensors::Dtype::F16 => Ok(Matrix::F16 {
+                    bits: raw.bytes.cast().ok_or_else(|| odd_bytes(name))?,
+                    start: 0,
+                    rows,
+                    cols,
+                }),
+                safetensors::Dtype::BF16 => Ok(Matrix::Bf16 {
                     bits: raw.bytes.cast().ok_or_else(|| odd_bytes(name))?,
                     start: 0,
                     rows,

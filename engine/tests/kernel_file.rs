@@ -57,6 +57,7 @@ fn mapped_layouts_answer_exactly_as_layouts_packed_at_load() {
     let cases = [
         (Precision::Fp32, Screen::None),
         (Precision::Fp16, Screen::None),
+        (Precision::Bf16, Screen::None),
         (Precision::Int8, Screen::None),
         (Precision::Fp32, Screen::Int8),
         (Precision::Fp16, Screen::Int8),

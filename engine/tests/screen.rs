@@ -211,7 +211,7 @@ fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
     };
     let reads_from_file = |m: &Matrix| match m {
         Matrix::F32(t) => t.reads_rows_from_file(),
-        Matrix::F16 { bits, .. } => bits.reads_from_file(),
+        Matrix::F16 { bits, .. } | Matrix::Bf16 { bits, .. } => bits.reads_from_file(),
         Matrix::I8 { q, .. } => q.reads_from_file(),
     };
     for kind in ModelKind::ALL {
@@ -221,6 +221,7 @@ fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
             (Precision::Fp32, Screen::None),
             (Precision::Fp16, Screen::Int8),
             (Precision::Fp16, Screen::None),
+            (Precision::Bf16, Screen::None),
             (Precision::Int8, Screen::None),
         ] {
             let name = format!("{precision:?} {screen:?}");

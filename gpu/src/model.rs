@@ -27,6 +27,15 @@ use crate::{
 /// Widest attention head the kernel takes (`MAX_HEAD_DIM` in kernels/encoders.cu).
 pub const MAX_HEAD_DIM: usize = 64;
 
+/// Why a bf16 engine is refused: the CUDA kernels have no bfloat16 path.
+pub const BF16_ON_GPU: &str = "this engine is bf16 (--precision bf16), which the GPU kernels do \
+     not implement; serve it on the CPU, or convert with --precision fp16 for the GPU";
+
+/// The refusal of a matrix no GPU kernel reads.
+fn bf16_refused() -> GpuError {
+    GpuError::Invalid(BF16_ON_GPU.into())
+}
+
 /// Uploads a matrix at its stored precision (the item tables, which grow with the catalogue).
 pub fn upload_matrix<D: Device>(device: &D, m: &Matrix) -> Result<DeviceMatrix<D>> {
     let (rows, cols) = (m.rows(), m.cols());
@@ -41,6 +50,7 @@ pub fn upload_matrix<D: Device>(device: &D, m: &Matrix) -> Result<DeviceMatrix<D
             q: device.upload_i8(&q[start * cols..(start + rows) * cols])?,
             scales: device.upload_f32(&scales[*start..start + rows])?,
         },
+        Matrix::Bf16 { .. } => return Err(bf16_refused()),
     })
 }
 
@@ -48,7 +58,7 @@ pub fn upload_matrix<D: Device>(device: &D, m: &Matrix) -> Result<DeviceMatrix<D
 fn element_bytes(m: &Matrix) -> usize {
     match m {
         Matrix::F32(_) => 4,
-        Matrix::F16 { .. } => 2,
+        Matrix::F16 { .. } | Matrix::Bf16 { .. } => 2,
         Matrix::I8 { .. } => 1,
     }
 }
@@ -92,6 +102,7 @@ pub fn upload_padded_matrix<D: Device>(
             ))?,
             scales: device.upload_f32(&scales[*start..start + rows])?,
         },
+        Matrix::Bf16 { .. } => return Err(bf16_refused()),
     })
 }
 
@@ -432,6 +443,9 @@ pub struct DeviceModel<D: Device> {
 impl<D: Device> DeviceModel<D> {
     /// Uploads every weight of `engine` to `device`. Refuses shapes the kernels do not take.
     pub fn new(device: D, engine: Arc<Engine>) -> Result<Self> {
+        if engine.manifest.precision == recsys_engine::engine_dir::Precision::Bf16 {
+            return Err(GpuError::Invalid(BF16_ON_GPU.into()));
+        }
         if engine.manifest.static_dense_activations() {
             return Err(GpuError::Invalid(
                 "this engine quantizes every dense layer's input with a static scale \

@@ -180,3 +180,26 @@ fn engines_with_static_dense_activations_are_refused_with_the_reason() {
         Ok(_) => panic!("a w8a8-all engine must not be served by kernels that ignore its scales"),
     }
 }
+
+#[test]
+fn bf16_engines_are_refused_naming_the_precision_to_use() {
+    use recsys_gpu::model::DeviceModel;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in ModelKind::ALL {
+        let dir = tmp.path().join(kind.to_string());
+        let engine =
+            recsys_engine::fixtures::convert(kind, "model.safetensors", &dir, Precision::Bf16)
+                .unwrap();
+        match DeviceModel::new(EmulatedDevice::default(), Arc::new(engine)) {
+            Err(e) => {
+                let message = e.to_string();
+                assert!(
+                    message.contains("bf16") && message.contains("--precision fp16"),
+                    "{message}"
+                );
+            }
+            Ok(_) => panic!("{kind}: the GPU kernels have no bf16 path"),
+        }
+    }
+}

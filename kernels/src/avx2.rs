@@ -87,7 +87,7 @@ pub(super) unsafe fn panels<const R: usize, const P: usize, T: Load8>(
     unsafe { f32_epilogue::<R, P>(&acc, epilogue, out, masks) }
 }
 
-/// The fp32 and fp16 kernels' epilogue (shared with `avx512`): each sum times the item's scale
+/// The fp32, fp16 and bf16 kernels' epilogue (shared with `avx512`): each sum times the item's scale
 /// when there are scales, plus the bias; stored, and flagged against the row's bar.
 ///
 /// # Safety
@@ -151,6 +151,84 @@ fn f16_k<const R: usize, const P: usize>(
     unsafe { panels::<R, P, u16>(h, d, w, e, out, m) }
 }
 
+fn bf16_k<const R: usize, const P: usize>(
+    h: &[u16],
+    d: usize,
+    w: &[u16],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    // SAFETY: as above.
+    unsafe { panels_bf16::<R, P>(h, d, w, e, out, m) }
+}
+
+/// A 32-bit lane holding the bfloat16 pair (even, odd) of one item, widened exactly: the even
+/// value is the lane shifted up 16 bits, the odd one the lane's upper half.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_pair_avx2(lanes: __m256i, upper: __m256i) -> (__m256, __m256) {
+    (
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lanes)),
+        _mm256_castsi256_ps(_mm256_and_si256(lanes, upper)),
+    )
+}
+
+/// bfloat16 activations x bfloat16 weight pairs, widened exactly to f32: each 256-bit load is 8
+/// items x 2 features, split into the even and odd features' values, and each row adds the odd
+/// product and then the even one with a fused multiply-add (the product is exact, so each
+/// addition rounds once: `vdpbf16ps`'s arithmetic, see the crate documentation).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA. Bounds are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn panels_bf16<const R: usize, const P: usize>(
+    hidden: &[u16],
+    d: usize,
+    w: &[u16],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    let (pairs, width) =
+        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, false);
+    let mut acc = [[_mm256_setzero_ps(); P]; R];
+    let upper = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    let hp = hidden.as_ptr();
+    let wp = w.as_ptr();
+    // As in `panels`: a later call's panels requested ahead (never faults, may lie past `w`).
+    let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);
+    let prefetch = epilogue.prefetch != 0;
+    for jp in 0..pairs {
+        if prefetch {
+            for line in (0..P * 32).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(jp * P * 32 + line));
+            }
+        }
+        let mut even = [_mm256_setzero_ps(); P];
+        let mut odd = [_mm256_setzero_ps(); P];
+        for p in 0..P {
+            // SAFETY: in bounds: p*pairs*16 + jp*16 + 16 <= P*pairs*16 <= w.len() (asserted).
+            let lanes =
+                unsafe { _mm256_loadu_si256(wp.add(p * pairs * 16 + jp * 16) as *const __m256i) };
+            (even[p], odd[p]) = widen_pair_avx2(lanes, upper);
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // The activations 2jp, 2jp+1 of row r read as one 32-bit pair.
+            // SAFETY: in bounds: r*width + 2jp + 2 <= R*width <= hidden.len() (asserted);
+            // read_unaligned needs no alignment.
+            let pair = unsafe { hp.add(r * width + 2 * jp).cast::<i32>().read_unaligned() };
+            let (h_even, h_odd) = widen_pair_avx2(_mm256_set1_epi32(pair), upper);
+            for (p, a) in acc_r.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(h_odd, odd[p], *a);
+                *a = _mm256_fmadd_ps(h_even, even[p], *a);
+            }
+        }
+    }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { f32_epilogue::<R, P>(&acc, epilogue, out, masks) }
+}
+
 fn i8_k<const R: usize, const P: usize>(
     h: &[i16],
     d: usize,
@@ -178,7 +256,8 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     out: &mut [f32],
     masks: &mut [u8],
 ) {
-    let (pairs, width) = super::assert_i8_call::<R, P>(hidden, d, w, epilogue, out, masks);
+    let (pairs, width) =
+        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, true);
     let mut acc = [[_mm256_setzero_si256(); P]; R];
     let hp = hidden.as_ptr() as *const i32;
     let wp = w.as_ptr();
@@ -302,6 +381,18 @@ fn add_rows(table: &[f32], width: usize, rows: &[u32], acc: &mut [f32]) {
     unsafe { add_rows_avx2(table, width, rows, acc) }
 }
 
+/// # Safety
+/// As for [`gelu_avx2`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_rows_bf16_avx2(table: &[u16], width: usize, rows: &[u32], acc: &mut [f32]) {
+    super::portable::add_rows_bf16(table, width, rows, acc)
+}
+
+fn add_rows_bf16(table: &[u16], width: usize, rows: &[u32], acc: &mut [f32]) {
+    // SAFETY: as for gelu.
+    unsafe { add_rows_bf16_avx2(table, width, rows, acc) }
+}
+
 fn gelu(x: &mut [f32]) {
     // SAFETY: TABLE is only reachable after AVX2/FMA/F16C were detected (KernelTable::for_isa).
     unsafe { gelu_avx2(x) }
@@ -322,6 +413,7 @@ pub(super) const KERNELS: KernelTable = kernel_table!(
     Isa::Avx2,
     f32_k,
     f16_k,
+    bf16_k,
     i8_k,
     super::Elementwise {
         gelu,
@@ -329,6 +421,7 @@ pub(super) const KERNELS: KernelTable = kernel_table!(
         softmax,
         layer_norm,
         add_rows,
+        add_rows_bf16,
     }
 );
 

@@ -46,7 +46,7 @@ fn i8_k<const R: usize, const P: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C and AVX-512 F/BW/VNNI. Bounds are asserted.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn panels_i8<const R: usize, const P: usize>(
     hidden: &[i16],
     d: usize,
@@ -55,7 +55,8 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     out: &mut [f32],
     masks: &mut [u8],
 ) {
-    let (pairs, width) = super::assert_i8_call::<R, P>(hidden, d, w, epilogue, out, masks);
+    let (pairs, width) =
+        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, true);
     let mut acc = [[_mm512_setzero_si512(); P]; R];
     let hp = hidden.as_ptr().cast::<u8>();
     let wp = w.as_ptr();
@@ -158,7 +159,7 @@ fn f16_k<const R: usize, const P: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C and AVX-512 F. Bounds are asserted.
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
     hidden: &[f32],
     d: usize,
@@ -172,8 +173,8 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
         return unsafe { avx2::panels::<R, P, T>(hidden, d, w, epilogue, out, masks) };
     }
     assert!(hidden.len() >= R * d && w.len() >= P * d * 8);
-    // Only the first P / 2 of each row's registers are used (P / 2 cannot size an array here).
-    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    // The first P / 2 of each row's registers are used ([`MAX_PANEL_PAIRS`]).
+    let mut acc = [[_mm512_setzero_ps(); MAX_PANEL_PAIRS]; R];
     let hp = hidden.as_ptr();
     let wp = w.as_ptr();
     // As in `avx2::panels`: a later call's panels requested ahead (never faults).
@@ -186,7 +187,7 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
                 _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * P * 8 * elem + line));
             }
         }
-        let mut wv = [_mm512_setzero_ps(); P];
+        let mut wv = [_mm512_setzero_ps(); MAX_PANEL_PAIRS];
         for (q, v) in wv.iter_mut().take(P / 2).enumerate() {
             // SAFETY: in bounds: panels 2q, 2q+1 < P and j < d, so each 8-element load ends at
             // most at P*d*8 <= w.len() (asserted above); the features load8 needs are enabled.
@@ -209,15 +210,122 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
             }
         }
     }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { avx2::f32_epilogue::<R, P>(&split_halves::<R, P, _>(&acc), epilogue, out, masks) }
+}
+
+fn bf16_k<const R: usize, const P: usize>(
+    h: &[u16],
+    d: usize,
+    w: &[u16],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    // SAFETY: as above.
+    unsafe { panels_bf16::<R, P>(h, d, w, e, out, m) }
+}
+
+/// Feature pair `jp` of panels `2q` and `2q + 1` (8 items x 2 bfloat16 values each) as one
+/// 512-bit register: lanes 0-7 the first panel's items, lanes 8-15 the second's.
+///
+/// # Safety
+/// `w` must hold `2 * (q + 1) * pairs * 16` values and `jp < pairs`; the CPU must support
+/// AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(super) unsafe fn bf16_panel_pair(w: *const u16, pairs: usize, q: usize, jp: usize) -> __m512i {
+    // SAFETY: as the caller guarantees: both 16-value runs end within 2(q+1)*pairs*16 values.
+    let (lo, hi) = unsafe {
+        (
+            _mm256_loadu_si256(w.add(2 * q * pairs * 16 + jp * 16) as *const __m256i),
+            _mm256_loadu_si256(w.add((2 * q + 1) * pairs * 16 + jp * 16) as *const __m256i),
+        )
+    };
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// bfloat16 pairs widened exactly to f32 as in `avx2::panels_bf16` (the same fused multiply-adds
+/// per item in the same order, so its bits), two panels per register as the fp32 kernel runs.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F. Bounds are asserted.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn panels_bf16<const R: usize, const P: usize>(
+    hidden: &[u16],
+    d: usize,
+    w: &[u16],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
+    if P % 2 == 1 {
+        // SAFETY: this function has every feature AVX2's kernel needs; it asserts its bounds.
+        return unsafe { avx2::panels_bf16::<R, P>(hidden, d, w, epilogue, out, masks) };
+    }
+    let (pairs, width) =
+        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, false);
+    // The first P / 2 of each row's registers are used (P / 2 cannot size an array here, and
+    // arrays sized P made the compiler keep some accumulators on the stack).
+    let mut acc = [[_mm512_setzero_ps(); MAX_PANEL_PAIRS]; R];
+    let upper = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let widen = |lanes: __m512i| {
+        (
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(lanes)),
+            _mm512_castsi512_ps(_mm512_and_si512(lanes, upper)),
+        )
+    };
+    let hp = hidden.as_ptr();
+    let wp = w.as_ptr();
+    // As in `avx2::panels`: a later call's panels requested ahead (never faults).
+    let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);
+    let prefetch = epilogue.prefetch != 0;
+    for jp in 0..pairs {
+        if prefetch {
+            for line in (0..P * 32).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(jp * P * 32 + line));
+            }
+        }
+        let mut even = [_mm512_setzero_ps(); MAX_PANEL_PAIRS];
+        let mut odd = [_mm512_setzero_ps(); MAX_PANEL_PAIRS];
+        for q in 0..P / 2 {
+            // SAFETY: 2(q+1) <= P panels of pairs*16 values fit in w (asserted); jp < pairs.
+            (even[q], odd[q]) = widen(unsafe { bf16_panel_pair(wp, pairs, q, jp) });
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: in bounds: r*width + 2jp + 2 <= R*width <= hidden.len() (asserted).
+            let pair = unsafe { hp.add(r * width + 2 * jp).cast::<i32>().read_unaligned() };
+            let (h_even, h_odd) = widen(_mm512_set1_epi32(pair));
+            for (q, a) in acc_r.iter_mut().take(P / 2).enumerate() {
+                *a = _mm512_fmadd_ps(h_odd, odd[q], *a);
+                *a = _mm512_fmadd_ps(h_even, even[q], *a);
+            }
+        }
+    }
+    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
+    unsafe { avx2::f32_epilogue::<R, P>(&split_halves::<R, P, _>(&acc), epilogue, out, masks) }
+}
+
+/// Registers of two panels a call holds per row: 8 panels at most. The kernels' arrays are
+/// sized by it rather than by P (of which only P / 2 are used): sized by P, the 4 x 8 calls kept
+/// some accumulators on the stack.
+pub(super) const MAX_PANEL_PAIRS: usize = 4;
+
+/// Each pair of panels' 512-bit sums split back into the two panels' 256-bit ones (the first
+/// P / 2 of each row's `Q` registers hold them), as AVX2's epilogue takes them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(super) fn split_halves<const R: usize, const P: usize, const Q: usize>(
+    acc: &[[__m512; Q]; R],
+) -> [[__m256; P]; R] {
     let mut split = [[_mm256_setzero_ps(); P]; R];
-    for (s_r, acc_r) in split.iter_mut().zip(&acc) {
+    for (s_r, acc_r) in split.iter_mut().zip(acc) {
         for (q, a) in acc_r.iter().take(P / 2).enumerate() {
             s_r[2 * q] = _mm512_castps512_ps256(*a);
             s_r[2 * q + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
         }
     }
-    // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
-    unsafe { avx2::f32_epilogue::<R, P>(&split, epilogue, out, masks) }
+    split
 }
 
 /// `portable`'s tanh and GELU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
@@ -226,14 +334,14 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
 ///
 /// # Safety
 /// The CPU must support AVX-512 F (with AVX2 and FMA).
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 unsafe fn tanh_avx512(x: &mut [f32]) {
     super::portable::tanh_inplace(x)
 }
 
 /// # Safety
 /// As for [`tanh_avx512`].
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 unsafe fn gelu_avx512(x: &mut [f32]) {
     super::portable::gelu_erf_inplace(x)
 }
@@ -248,14 +356,17 @@ fn gelu(x: &mut [f32]) {
     unsafe { gelu_avx512(x) }
 }
 
-pub(super) static TABLE: KernelTable = KernelTable {
+/// This ISA's kernels as a value, from which `avx512bf16` builds its table.
+pub(super) const KERNELS: KernelTable = KernelTable {
     isa: Isa::Avx512,
     f32: kernel_table!(@rows f32_k, super::PanelF32),
     f16: kernel_table!(@rows f16_k, super::PanelF16),
+    bf16: kernel_table!(@rows bf16_k, super::PanelBf16),
     i8: kernel_table!(@rows i8_k, super::PanelI8),
     panels_per_call: super::PanelsPerCall {
         f32: [8, 8, 8],
         f16: [8, 8, 4],
+        bf16: [8, 8, 4],
         ..super::PanelsPerCall::EIGHT_ACCUMULATORS
     },
     elementwise: super::Elementwise {
@@ -264,3 +375,5 @@ pub(super) static TABLE: KernelTable = KernelTable {
         ..avx2::KERNELS.elementwise
     },
 };
+
+pub(super) static TABLE: KernelTable = KERNELS;

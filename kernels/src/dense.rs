@@ -35,12 +35,19 @@ pub fn linear_into(
 ) {
     let rows = x.len() / layer.d;
     assert_eq!(y.len(), rows * layer.n, "one output row of n per input row");
-    // int8 weights multiply int16 activations, each row at its own scale, or at the layer's
-    // calibrated static scale (all-layer W8A8).
-    if let PanelRef::I8 { .. } = layer.data {
-        quantized.quantize(x, layer.d, layer.activation_scale);
-    }
+    prepare_input(layer, x, quantized);
     linear_rows(table, layer, x, quantized, 0..rows, y);
+}
+
+/// The layer's input as its kernels read it, into `quantized`: int16 levels for int8 weights (each
+/// row at its own scale, or at the layer's calibrated static scale: all-layer W8A8), bfloat16 for
+/// bfloat16 weights; f32 layers read `x` itself.
+pub(crate) fn prepare_input(layer: LayerRef<'_>, x: &[f32], quantized: &mut QuantizedActivations) {
+    match layer.data {
+        PanelRef::I8 { .. } => quantized.quantize(x, layer.d, layer.activation_scale),
+        PanelRef::Bf16(_) => quantized.round_to_bf16(x, layer.d),
+        PanelRef::F32(_) | PanelRef::F16(_) => {}
+    }
 }
 
 /// Smallest share of a dense layer (or of a transformer layer's step) worth a piece of its own,
@@ -76,9 +83,7 @@ pub fn linear_into_threads(
         return crate::profile::account(work, || linear_into(table, layer, x, y, quantized));
     }
     assert_eq!(y.len(), rows * n, "one output row of n per input row");
-    if let PanelRef::I8 { .. } = layer.data {
-        quantized.quantize(x, layer.d, layer.activation_scale);
-    }
+    prepare_input(layer, x, quantized);
     let quantized = &*quantized;
     // Whole row groups per piece, so each piece runs the kernels a single call would.
     let rows_per_piece = rows.div_ceil(pieces).div_ceil(4) * 4;
@@ -90,8 +95,8 @@ pub fn linear_into_threads(
     });
 }
 
-/// Rows `rows` of `x @ W^T + b` into `y` (`[rows.len(), n]`); an int8 layer reads those rows of
-/// `quantized`, already holding all of `x`.
+/// Rows `rows` of `x @ W^T + b` into `y` (`[rows.len(), n]`); an int8 or bf16 layer reads those
+/// rows of `quantized`, already holding all of `x`.
 fn linear_rows(
     table: &KernelTable,
     layer: LayerRef<'_>,
@@ -151,6 +156,14 @@ fn linear_rows(
                     h,
                     d,
                     &w[p * d * 8..(p + count) * d * 8],
+                    &epilogue,
+                    &mut scores,
+                    &mut masks,
+                ),
+                PanelRef::Bf16(w) => (table.bf16[rs][ps])(
+                    &quantized.bf16[row0 * width_q..(row0 + size) * width_q],
+                    d,
+                    &w[p * pairs * 16..(p + count) * pairs * 16],
                     &epilogue,
                     &mut scores,
                     &mut masks,

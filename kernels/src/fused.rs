@@ -10,7 +10,7 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
-use super::packed::{quantize_activations, quantize_activations_static, PackedOutput, PanelData};
+use super::packed::{PackedOutput, PanelData, QuantizedActivations};
 use super::{
     panels_slot, prefetch, row_group_at, rows_slot, Epilogue, KernelTable, MAX_CALL_PANELS,
     MAX_CALL_SCORES,
@@ -150,11 +150,13 @@ impl Sink for ScoreMatrix<'_> {
 }
 
 /// Scores panels `range` for every row and hands the flagged items to `sink`, in increasing item
-/// order per row.
+/// order per row. `prepared` holds `hidden` as int8 or bf16 weights multiply it ([`prepared`]),
+/// made once per call rather than once per thread's range.
 pub(super) fn scan(
     table: &KernelTable,
     out: &PackedOutput,
     hidden: &[f32],
+    prepared: &QuantizedActivations,
     range: std::ops::Range<usize>,
     sink: &mut impl Sink,
 ) {
@@ -164,12 +166,8 @@ pub(super) fn scan(
     let tile = tile_panels(out);
     let mut scores = [0f32; MAX_CALL_SCORES];
     let mut masks = [0u8; MAX_CALL_PANELS];
-    // int8 weights multiply int16 activations: quantize each row once per scan.
-    let (hidden_q, hidden_scales) = match (&out.data, out.activation_scale) {
-        (PanelData::I8 { .. }, None) => quantize_activations(hidden, d),
-        (PanelData::I8 { .. }, Some(scale)) => quantize_activations_static(hidden, d, scale),
-        _ => (Vec::new(), Vec::new()),
-    };
+    let (hidden_q, hidden_scales, hidden_bf16) =
+        (&prepared.values, &prepared.scales, &prepared.bf16);
     let width_q = d.div_ceil(2) * 2;
     let (table_bytes, panel_bytes) = (out.weight_bytes(), out.panel_bytes());
     let mut tile_start = range.start;
@@ -213,6 +211,12 @@ pub(super) fn scan(
                     PanelData::F16(w) => {
                         (table.f16[rs][ps])(h, d, &w[span], &epilogue, &mut scores, &mut masks)
                     }
+                    PanelData::Bf16(w) => {
+                        let pairs = d.div_ceil(2);
+                        let hb = &hidden_bf16[row0 * width_q..(row0 + size) * width_q];
+                        let span_b = p * pairs * 16..(p + count) * pairs * 16;
+                        (table.bf16[rs][ps])(hb, d, &w[span_b], &epilogue, &mut scores, &mut masks)
+                    }
                     PanelData::I8 { q, .. } => {
                         let pairs = d.div_ceil(2);
                         let hq = &hidden_q[row0 * width_q..(row0 + size) * width_q];
@@ -240,6 +244,14 @@ pub(super) fn scan(
         }
         tile_start = tile_end;
     }
+}
+
+/// `hidden` as the output layer's kernels read it when its weights are int8 (int16 levels, at each
+/// row's own scale or the layer's static one) or bf16 (rounded to bfloat16); empty for f32 and fp16.
+pub(super) fn prepared(out: &PackedOutput, hidden: &[f32]) -> QuantizedActivations {
+    let mut input = QuantizedActivations::default();
+    crate::dense::prepare_input(out.view(), hidden, &mut input);
+    input
 }
 
 /// Smallest share of a scan worth a thread of its own, in multiply-adds (spawning a thread costs
@@ -294,9 +306,10 @@ pub fn top_k(
         return Vec::new();
     }
     let macs_per_panel = queries.len() * 8 * out.d;
+    let input = prepared(out, hidden);
     let per_thread = over_panel_ranges(out.panels(), macs_per_panel, threads, |range| {
         let mut selections: Vec<Selection<'_>> = queries.iter().map(Selection::new).collect();
-        scan(table, out, hidden, range, &mut selections);
+        scan(table, out, hidden, &input, range, &mut selections);
         selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>()
     });
     queries
@@ -322,7 +335,8 @@ pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec
         scores: &mut scores,
         n: out.n,
     };
-    scan(table, out, hidden, 0..out.panels(), &mut sink);
+    let input = prepared(out, hidden);
+    scan(table, out, hidden, &input, 0..out.panels(), &mut sink);
     scores
 }
 
@@ -331,7 +345,10 @@ mod tests {
     use super::*;
     use crate::dense::linear;
     use crate::lcg;
-    use crate::packed::{activation_levels, quantize_int8_per_row, to_f16_bits};
+    use crate::packed::{
+        activation_levels, bf16_to_f32, quantize_int8_per_row, round_to_bf16, to_bf16_bits,
+        to_f16_bits,
+    };
     use crate::Isa;
     use proptest::prelude::*;
 
@@ -370,9 +387,12 @@ mod tests {
             .enumerate()
             .map(|(i, &x)| x as f32 * s[i / d])
             .collect();
+        let bf = to_bf16_bits(w);
+        let wbf: Vec<f32> = bf.iter().map(|&x| bf16_to_f32(x)).collect();
         vec![
             ("f32", PackedOutput::from_f32(w, b, d), w.to_vec()),
             ("f16", PackedOutput::from_f16_bits(&bits, b, d), w16),
+            ("bf16", PackedOutput::from_bf16_bits(&bf, b, d), wbf),
             ("i8", PackedOutput::from_i8(&q, &s, b, d), w8),
         ]
     }
@@ -411,9 +431,15 @@ mod tests {
                 let table = KernelTable::for_isa(isa);
                 for (name, packed, held) in packed_variants(&w, &b, d) {
                     let scores = score_all(table, &packed, &hidden);
+                    // bf16 layers compute with their activations rounded to bf16 too.
+                    let hidden_held: Vec<f32> = if name == "bf16" {
+                        hidden.iter().map(|&h| bf16_to_f32(round_to_bf16(h))).collect()
+                    } else {
+                        hidden.clone()
+                    };
                     for r in 0..rows {
                         for i in 0..n {
-                            let terms: Vec<f64> = (0..d).map(|j| hidden[r * d + j] as f64 * held[i * d + j] as f64).collect();
+                            let terms: Vec<f64> = (0..d).map(|j| hidden_held[r * d + j] as f64 * held[i * d + j] as f64).collect();
                             let want = terms.iter().sum::<f64>() + b[i] as f64;
                             let mag = terms.iter().map(|t| t.abs()).sum::<f64>() + (b[i] as f64).abs();
                             // int8 also quantizes the activations to int16 (half a level per
@@ -505,6 +531,104 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// bfloat16 layers compute one function on every path (the crate documentation's), so
+    /// every ISA, `vdpbf16ps` included, gives the scalar path's bits: at widths with an odd and
+    /// an even number of pairs, one feature, and the encoders' widths; 7 rows (row groups 4, 2,
+    /// 1); 777 items (calls of one panel at the end); as a scan and as a dense layer.
+    #[test]
+    fn bf16_scores_are_bit_identical_on_every_isa() {
+        for d in [1, 2, 3, 4, 5, 7, 61, 64, 66, 600] {
+            let n = 777;
+            let mut next = lcg(77 + d as u64);
+            let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..7 * d).map(|_| next() * 3.0).collect();
+            let packed = PackedOutput::from_bf16_bits(&to_bf16_bits(&w), &b, d);
+            let scalar = KernelTable::for_isa(Isa::Scalar);
+            let want = score_all(scalar, &packed, &hidden);
+            let want_layer = linear(scalar, &packed, &hidden);
+            for isa in Isa::available() {
+                let table = KernelTable::for_isa(isa);
+                let got = score_all(table, &packed, &hidden);
+                let same =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same(&got, &want), "{isa:?} scan at d = {d}");
+                assert!(
+                    same(&linear(table, &packed, &hidden), &want_layer),
+                    "{isa:?} layer at d = {d}"
+                );
+            }
+        }
+    }
+
+    /// Against fp32 on the unrounded weights and activations: each of the two factors of a
+    /// product is off by at most 2^-9 of itself after rounding to bfloat16, so a product by at
+    /// most 2^-8 + 2^-18 of itself; the sum by that share of the sum of |products|, plus fp32's
+    /// own rounding.
+    const BF16_ROUNDING_REL_TOL: f64 = 1.0 / 256.0 + 1.0 / 262_144.0;
+
+    #[test]
+    fn bf16_scores_stay_within_rounding_of_fp32() {
+        let (n, d, rows) = (300, 600, 5);
+        let mut next = lcg(5);
+        let w: Vec<f32> = (0..n * d).map(|_| next() * 0.1).collect();
+        let b: Vec<f32> = (0..n).map(|_| next()).collect();
+        let hidden: Vec<f32> = (0..rows * d).map(|_| next() * 4.0).collect();
+        let packed = PackedOutput::from_bf16_bits(&to_bf16_bits(&w), &b, d);
+        for isa in Isa::available() {
+            let scores = score_all(KernelTable::for_isa(isa), &packed, &hidden);
+            for r in 0..rows {
+                for i in 0..n {
+                    let terms = (0..d).map(|j| hidden[r * d + j] as f64 * w[i * d + j] as f64);
+                    let (sum, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
+                    let want = sum + b[i] as f64;
+                    let tol =
+                        (BF16_ROUNDING_REL_TOL + F32_DOT_REL_TOL) * (mag + (b[i] as f64).abs());
+                    let got = scores[r * n + i] as f64;
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{isa:?} row {r} item {i}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        // Against the `half` crate's conversion for normal values, signs, infinities and values
+        // that round up into the next binade or to infinity.
+        let mut next = lcg(3);
+        let mut values: Vec<f32> = (0..100_000).map(|_| next() * 1e4).collect();
+        values.extend([
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ]);
+        // Exact ties: 1 + 2^-8 (to 1, even) and 1 + 3 * 2^-8 (to 1 + 2^-6, even).
+        values.extend([
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            f32::from_bits(0x3fff_ffff),
+        ]);
+        values.push(f32::MIN_POSITIVE);
+        for &x in &values {
+            assert_eq!(round_to_bf16(x), half::bf16::from_f32(x).to_bits(), "{x:e}");
+        }
+        assert_eq!(round_to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(round_to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+        // Subnormals become zeros of their sign (as vdpbf16ps reads them); NaN stays NaN.
+        assert_eq!(round_to_bf16(f32::from_bits(1)), 0x0000);
+        assert_eq!(round_to_bf16(-f32::from_bits(0x007f_ffff)), 0x8000);
+        assert!(bf16_to_f32(round_to_bf16(f32::NAN)).is_nan());
+        assert!(bf16_to_f32(round_to_bf16(f32::from_bits(0x7f80_0001))).is_nan());
     }
 
     #[test]

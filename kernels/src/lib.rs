@@ -7,9 +7,16 @@
 //! item, the dominant cost) runs through `fused`: packed weight panels (`packed`), a micro-kernel per
 //! precision chosen from a [`KernelTable`] at engine load, and a bounded top-k selection that never
 //! materialises the batch x items score matrix. The table is portable scalar code, overlaid by the
-//! AVX2 + FMA + F16C kernels of `avx2` when the CPU has them, and by the AVX-512 (F, BW, VNNI) int8
-//! kernel of `avx512` on top of those when it has that too; `RECSYS_FORCE_ISA=scalar|avx2|avx512`
-//! forces a path so every path can be tested.
+//! AVX2 + FMA + F16C kernels of `avx2` when the CPU has them, by the AVX-512 (F, BW, VNNI) kernels
+//! of `avx512` on top of those when it has that too, and by `avx512bf16`'s `vdpbf16ps` kernel
+//! for bfloat16 layers where the CPU has AVX512-BF16;
+//! `RECSYS_FORCE_ISA=scalar|avx2|avx512|avx512bf16` forces a path so every path can be tested.
+//!
+//! bfloat16 layers compute one function on every path: weights and activations rounded to
+//! bfloat16 ([`packed::round_to_bf16`]), and per item, for each feature pair in increasing order,
+//! the odd feature's product then the even one's added to an f32 sum, each addition rounded once
+//! (the products of two bfloat16 values are exact in f32). That is what `vdpbf16ps` does, so the
+//! paths without it (which widen to f32 and use two fused multiply-adds) give its bits.
 
 pub mod dense;
 pub mod fused;
@@ -22,14 +29,15 @@ pub mod screen;
 pub mod shared;
 pub mod topk;
 
-/// Builds a [`KernelTable`] from three generic micro-kernels `kernel::<ROWS, PANELS>`, one per
+/// Builds a [`KernelTable`] from four generic micro-kernels `kernel::<ROWS, PANELS>`, one per
 /// precision, instantiated for rows {1, 2, 4} x panels {1, 2, 4, 8}.
 macro_rules! kernel_table {
-    ($isa:expr, $f32:ident, $f16:ident, $i8:ident, $elementwise:expr) => {
+    ($isa:expr, $f32:ident, $f16:ident, $bf16:ident, $i8:ident, $elementwise:expr) => {
         $crate::KernelTable {
             isa: $isa,
             f32: kernel_table!(@rows $f32, $crate::PanelF32),
             f16: kernel_table!(@rows $f16, $crate::PanelF16),
+            bf16: kernel_table!(@rows $bf16, $crate::PanelBf16),
             i8: kernel_table!(@rows $i8, $crate::PanelI8),
             panels_per_call: $crate::PanelsPerCall::EIGHT_ACCUMULATORS,
             elementwise: $elementwise,
@@ -56,6 +64,8 @@ macro_rules! kernel_table {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16;
 mod scalar;
 
 /// Measures one core's FMA throughput (FLOP/s) with AVX2, for the benchmarks' compute floor; `None`
@@ -75,8 +85,10 @@ pub enum Isa {
     Scalar,
     /// AVX2 with FMA and F16C (x86-64).
     Avx2,
-    /// AVX2's kernels with an AVX-512 (F, BW, VNNI) int8 kernel (x86-64).
+    /// AVX2's kernels with AVX-512 (F, BW, VL, VNNI) int8, fp32, fp16 and bf16 kernels (x86-64).
     Avx512,
+    /// AVX-512's kernels with bfloat16 layers on `vdpbf16ps` (AVX512-BF16, x86-64).
+    Avx512Bf16,
 }
 
 impl Isa {
@@ -89,12 +101,20 @@ impl Isa {
             && is_x86_feature_detected!("f16c")
         {
             out.push(Isa::Avx2);
-            // Exactly the features `avx512::panels_i8` enables.
+            // Exactly the features `avx512::panels_i8` enables. VL lets the 256-bit halves the
+            // kernels hand to AVX2's epilogue live in all 32 registers: without it, every
+            // accumulator that reaches a 256-bit instruction is confined to the first 16, and a
+            // 4 x 8 call's 16 accumulators spilled to the stack.
             if is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512vnni")
             {
                 out.push(Isa::Avx512);
+                // Exactly what `avx512bf16::panels_dpbf16` adds.
+                if is_x86_feature_detected!("avx512bf16") {
+                    out.push(Isa::Avx512Bf16);
+                }
             }
         }
         out
@@ -108,6 +128,7 @@ impl Isa {
             Some("scalar") => Isa::Scalar,
             Some("avx2") if available.contains(&Isa::Avx2) => Isa::Avx2,
             Some("avx512") if available.contains(&Isa::Avx512) => Isa::Avx512,
+            Some("avx512bf16") if available.contains(&Isa::Avx512Bf16) => Isa::Avx512Bf16,
             Some(other) => {
                 eprintln!("recsys: RECSYS_FORCE_ISA={other} is not available on this CPU (have {available:?}); using scalar");
                 Isa::Scalar
@@ -121,7 +142,14 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
+    }
+
+    /// Whether bfloat16 layers run on the CPU's own bfloat16 dot product (`vdpbf16ps`) rather
+    /// than widened to f32 (the same bits, without bfloat16's doubled multiply-add rate).
+    pub fn has_native_bf16(self) -> bool {
+        self == Isa::Avx512Bf16
     }
 }
 
@@ -153,20 +181,25 @@ pub type PanelF16 = fn(&[f32], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u
 /// int8 weights take activations quantized to int16 (`hidden` as i16, `d` rounded up to even) and
 /// accumulate exactly in i32: 16 multiply-adds per instruction, and bit-identical on every ISA.
 pub type PanelI8 = fn(&[i16], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
+/// bfloat16 weights (feature pairs, [`packed::PanelData::Bf16`]) take activations rounded to
+/// bfloat16 (rows padded to an even width) and compute the function of the crate documentation:
+/// bit-identical on every ISA.
+pub type PanelBf16 = fn(&[u16], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u8]);
 
-/// The bounds every SIMD int8 kernel's memory accesses rely on, asserted once per call (their
-/// `// SAFETY:` comments cite them): `R` rows of activations `width` wide, `P` panels of `pairs`
-/// feature pairs, and the epilogue's per-item data and outputs for `P * 8` items. Returns
-/// `(pairs, width)`.
+/// The bounds every SIMD kernel over feature pairs (int8 and bf16) relies on, asserted once per
+/// call (their `// SAFETY:` comments cite them): `R` rows of activations `width` wide, `P` panels
+/// of `pairs` feature pairs of 8 items (16 values each), and the epilogue's per-item data (with
+/// per-item scales when `scaled`) and outputs for `P * 8` items. Returns `(pairs, width)`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn assert_i8_call<const R: usize, const P: usize>(
-    hidden: &[i16],
+fn assert_pair_call<const R: usize, const P: usize, A, W>(
+    hidden: &[A],
     d: usize,
-    w: &[i8],
+    w: &[W],
     epilogue: &Epilogue<'_>,
     out: &[f32],
     masks: &[u8],
+    scaled: bool,
 ) -> (usize, usize) {
     let pairs = d.div_ceil(2);
     let width = pairs * 2;
@@ -176,7 +209,10 @@ fn assert_i8_call<const R: usize, const P: usize>(
             && out.len() >= R * P * 8
             && masks.len() >= R * P
     );
-    assert!(epilogue.bias.len() >= P * 8 && epilogue.scales.len() >= P * 8);
+    assert!(epilogue.bias.len() >= P * 8);
+    if scaled {
+        assert!(epilogue.scales.len() >= P * 8);
+    }
     (pairs, width)
 }
 
@@ -195,6 +231,8 @@ pub struct Elementwise {
     pub layer_norm: fn(&mut [f32], usize, &[f32], &[f32], f64),
     /// Rows of a table summed into one row ([`portable::add_rows`]: table, width, rows, accumulator).
     pub add_rows: fn(&[f32], usize, &[u32], &mut [f32]),
+    /// The same for a table of bfloat16 bits ([`portable::add_rows_bf16`]).
+    pub add_rows_bf16: fn(&[u16], usize, &[u32], &mut [f32]),
 }
 
 /// The micro-kernels of one ISA, indexed by `[rows - 1][log2(panels)]` for rows in {1, 2, 4}
@@ -203,6 +241,7 @@ pub struct KernelTable {
     pub isa: Isa,
     pub f32: [[PanelF32; 4]; 3],
     pub f16: [[PanelF16; 4]; 3],
+    pub bf16: [[PanelBf16; 4]; 3],
     pub i8: [[PanelI8; 4]; 3],
     /// Panels per call for each precision's row groups.
     pub panels_per_call: PanelsPerCall,
@@ -215,6 +254,7 @@ pub struct KernelTable {
 pub struct PanelsPerCall {
     pub f32: [usize; 3],
     pub f16: [usize; 3],
+    pub bf16: [usize; 3],
     pub i8: [usize; 3],
 }
 
@@ -224,6 +264,7 @@ impl PanelsPerCall {
         match precision {
             packed::OutputPrecision::F32 => self.f32,
             packed::OutputPrecision::F16 => self.f16,
+            packed::OutputPrecision::Bf16 => self.bf16,
             packed::OutputPrecision::Int8 => self.i8,
         }
     }
@@ -232,6 +273,7 @@ impl PanelsPerCall {
     pub const EIGHT_ACCUMULATORS: PanelsPerCall = PanelsPerCall {
         f32: [8, 4, 2],
         f16: [8, 4, 2],
+        bf16: [8, 4, 2],
         i8: [8, 4, 2],
     };
 }
@@ -258,12 +300,20 @@ impl KernelTable {
             Isa::Avx512 => {
                 assert!(
                     Isa::available().contains(&Isa::Avx512),
-                    "AVX-512 kernels requested on a CPU without AVX2/FMA/F16C and AVX-512 F/BW/VNNI"
+                    "AVX-512 kernels requested on a CPU without AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI"
                 );
                 &avx512::TABLE
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => {
+                assert!(
+                    Isa::available().contains(&Isa::Avx512Bf16),
+                    "AVX512-BF16 kernels requested on a CPU without AVX-512 F/BW/VL/VNNI/BF16"
+                );
+                &avx512bf16::TABLE
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 => &scalar::TABLE,
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => &scalar::TABLE,
         }
     }
 
@@ -381,6 +431,16 @@ mod elementwise_tests {
                     );
                     assert!((f64::from(value) - exact).abs() <= 1e-5 * exact.abs().max(1.0));
                 }
+                // A bf16 table sums to the bits of its widened f32 copy.
+                let bits = crate::packed::to_bf16_bits(&table);
+                let widened: Vec<f32> = bits
+                    .iter()
+                    .map(|&b| crate::packed::bf16_to_f32(b))
+                    .collect();
+                let (mut want, mut got) = (vec![0.25f32; width], vec![0.25f32; width]);
+                (scalar.add_rows)(&widened, width, &rows, &mut want);
+                (e.add_rows_bf16)(&bits, width, &rows, &mut got);
+                assert_eq!(got, want, "add_rows_bf16 width {width} on {isa:?}");
             }
         }
     }
@@ -412,14 +472,28 @@ mod require_isa {
             return;
         };
         let flags: Vec<&str> = flags.split_whitespace().collect();
-        if ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"]
-            .iter()
-            .all(|f| flags.contains(f))
+        if [
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512_vnni",
+        ]
+        .iter()
+        .all(|f| flags.contains(f))
         {
             assert!(
                 super::Isa::available().contains(&super::Isa::Avx512),
-                "the CPU reports AVX-512 F/BW/VNNI but the AVX-512 kernel is not available"
+                "the CPU reports AVX-512 F/BW/VL/VNNI but the AVX-512 kernel is not available"
             );
+            if flags.contains(&"avx512_bf16") {
+                assert!(
+                    super::Isa::available().contains(&super::Isa::Avx512Bf16),
+                    "the CPU reports AVX512-BF16 but the vdpbf16ps kernel is not available"
+                );
+            }
         }
     }
 }

@@ -13,6 +13,11 @@ pub enum PanelData {
     F32(Shared<f32>),
     /// IEEE half bits, widened to f32 in registers (F16C).
     F16(Shared<u16>),
+    /// bfloat16 bits laid out in feature pairs as int8 is (`panel[(pair * 8 + l) * 2 + t]` is
+    /// feature `2 * pair + t` of item 8p + l, an odd last feature padded with zero), so one 32-bit
+    /// lane holds the pair `vdpbf16ps` multiplies; the activations are rounded to bfloat16 too
+    /// ([`round_to_bf16`]).
+    Bf16(Shared<u16>),
     /// Symmetric int8 with one scale per item (output row).
     I8 {
         q: Shared<i8>,
@@ -25,6 +30,7 @@ pub enum PanelData {
 pub enum OutputPrecision {
     F32,
     F16,
+    Bf16,
     Int8,
 }
 
@@ -49,6 +55,7 @@ pub struct PackedOutput {
 pub enum PanelRef<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
+    Bf16(&'a [u16]),
     I8 { q: &'a [i8], scales: &'a [f32] },
 }
 
@@ -75,6 +82,7 @@ impl<'a> LayerRef<'a> {
         match self.data {
             PanelRef::F32(_) => OutputPrecision::F32,
             PanelRef::F16(_) => OutputPrecision::F16,
+            PanelRef::Bf16(_) => OutputPrecision::Bf16,
             PanelRef::I8 { .. } => OutputPrecision::Int8,
         }
     }
@@ -95,6 +103,7 @@ impl<'a> LayerRef<'a> {
         let data = match self.data {
             PanelRef::F32(w) => PanelRef::F32(&w[first * per_panel(4)..last * per_panel(4)]),
             PanelRef::F16(w) => PanelRef::F16(&w[first * per_panel(2)..last * per_panel(2)]),
+            PanelRef::Bf16(w) => PanelRef::Bf16(&w[first * per_panel(2)..last * per_panel(2)]),
             PanelRef::I8 { q, scales } => PanelRef::I8 {
                 q: &q[first * per_panel(1)..last * per_panel(1)],
                 scales: &scales[first * 8..last * 8],
@@ -114,6 +123,7 @@ impl<'a> LayerRef<'a> {
         match self.data {
             PanelRef::F32(_) => self.d * 8 * 4,
             PanelRef::F16(_) => self.d * 8 * 2,
+            PanelRef::Bf16(_) => self.d.div_ceil(2) * 16 * 2,
             PanelRef::I8 { .. } => self.d.div_ceil(2) * 16,
         }
     }
@@ -122,7 +132,7 @@ impl<'a> LayerRef<'a> {
     pub fn weight_bytes(&self) -> usize {
         match self.data {
             PanelRef::F32(v) => v.len() * 4,
-            PanelRef::F16(v) => v.len() * 2,
+            PanelRef::F16(v) | PanelRef::Bf16(v) => v.len() * 2,
             PanelRef::I8 { q, scales } => q.len() + scales.len() * 4,
         }
     }
@@ -179,18 +189,23 @@ fn pack_into<'a, T: Copy + Default + 'a>(
     }
 }
 
-/// Feature pairs of 8 items side by side (see [`PanelData::I8`]), written in storage order.
-fn pack_pairs<'a>(n: usize, d: usize, row: impl Fn(usize) -> &'a [i8]) -> Vec<i8> {
+/// Feature pairs of 8 items side by side (see [`PanelData::I8`] and [`PanelData::Bf16`]),
+/// written in storage order; an odd last feature's partner and padding items are zero.
+fn pack_pairs<'a, T: Copy + Default + 'a>(
+    n: usize,
+    d: usize,
+    row: impl Fn(usize) -> &'a [T],
+) -> Vec<T> {
     let pairs = d.div_ceil(2);
     let panels = n.div_ceil(8);
     let mut out = Vec::with_capacity(panels * pairs * 16);
     for p in 0..panels {
-        let lanes: [Option<&[i8]>; 8] =
+        let lanes: [Option<&[T]>; 8] =
             std::array::from_fn(|l| (p * 8 + l < n).then(|| row(p * 8 + l)));
         for pair in 0..pairs {
             for lane in &lanes {
                 for j in [2 * pair, 2 * pair + 1] {
-                    out.push(lane.and_then(|r| r.get(j)).copied().unwrap_or(0));
+                    out.push(lane.and_then(|r| r.get(j)).copied().unwrap_or_default());
                 }
             }
         }
@@ -229,9 +244,17 @@ pub fn quantize_activations_static(hidden: &[f32], d: usize, scale: f32) -> (Vec
 pub struct QuantizedActivations {
     pub values: Vec<i16>,
     pub scales: Vec<f32>,
+    /// A bf16 layer's input rounded to bfloat16 ([`round_to_bf16`]), rows padded to an even width.
+    pub bf16: Vec<u16>,
 }
 
 impl QuantizedActivations {
+    /// Replaces the held bfloat16 activations with `hidden` (`[rows, d]`) rounded to bfloat16,
+    /// each row padded to an even width with zeros (what the bf16 kernels read).
+    pub fn round_to_bf16(&mut self, hidden: &[f32], d: usize) {
+        round_rows_to_bf16(&mut self.bf16, hidden, d);
+    }
+
     /// Replaces the held activations with `hidden` (`[rows, d]`): each row at its own symmetric
     /// int16 scale (`static_scale` `None`), or at int8 levels of the calibrated static scale.
     pub fn quantize(&mut self, hidden: &[f32], d: usize, static_scale: Option<f32>) {
@@ -321,6 +344,17 @@ pub fn pack_columns_transposed_into(
     }
 }
 
+/// The 16-bit panels (fp16 or bf16: the parts share one precision) of `parts`, one after the other.
+fn half_bits(parts: &[&PackedOutput]) -> Vec<u16> {
+    parts
+        .iter()
+        .flat_map(|p| match &p.data {
+            PanelData::F16(w) | PanelData::Bf16(w) => w.iter().copied(),
+            _ => unreachable!("the parts share a precision"),
+        })
+        .collect()
+}
+
 fn padded(values: &[f32], n: usize, fill: f32) -> Vec<f32> {
     let mut out = values.to_vec();
     out.resize(n.div_ceil(8) * 8, fill);
@@ -358,16 +392,8 @@ impl PackedOutput {
                     .collect::<Vec<f32>>()
                     .into(),
             ),
-            PanelData::F16(_) => PanelData::F16(
-                parts
-                    .iter()
-                    .flat_map(|p| match &p.data {
-                        PanelData::F16(w) => w.iter().copied(),
-                        _ => unreachable!("the parts share a precision"),
-                    })
-                    .collect::<Vec<u16>>()
-                    .into(),
-            ),
+            PanelData::F16(_) => PanelData::F16(half_bits(parts).into()),
+            PanelData::Bf16(_) => PanelData::Bf16(half_bits(parts).into()),
             PanelData::I8 { .. } => {
                 let (mut q, mut scales) = (Vec::new(), Vec::new());
                 for p in parts {
@@ -448,6 +474,24 @@ impl PackedOutput {
         Self::float_rows(table, rows, bias, d, |v| PanelData::F16(v.into()))
     }
 
+    /// From row-major bfloat16 bits `[n, d]` (laid out in feature pairs, see [`PanelData::Bf16`]).
+    pub fn from_bf16_bits(bits: &[u16], bias: &[f32], d: usize) -> Self {
+        assert_eq!(bits.len(), bias.len() * d, "weight must be [n, d]");
+        Self::bf16_rows(bits, None, bias, d)
+    }
+
+    /// [`Self::gathered_f32`] for a bfloat16 table.
+    pub fn gathered_bf16_bits(table: &[u16], rows: &[u32], bias: &[f32], d: usize) -> Self {
+        assert_eq!(rows.len(), bias.len(), "one bias per row");
+        Self::bf16_rows(table, Some(rows), bias, d)
+    }
+
+    fn bf16_rows(table: &[u16], rows: Option<&[u32]>, bias: &[f32], d: usize) -> Self {
+        let n = bias.len();
+        let data = PanelData::Bf16(pack_pairs(n, d, row_of(table, d, rows)).into());
+        Self::with_panels(n, d, data, bias)
+    }
+
     /// From row-major int8 weights `[n, d]` and their per-row scales `[n]`.
     pub fn from_i8(q: &[i8], scales: &[f32], bias: &[f32], d: usize) -> Self {
         let n = bias.len();
@@ -486,7 +530,7 @@ impl PackedOutput {
     pub fn is_mapped(&self) -> bool {
         match &self.data {
             PanelData::F32(w) => w.is_mapped(),
-            PanelData::F16(w) => w.is_mapped(),
+            PanelData::F16(w) | PanelData::Bf16(w) => w.is_mapped(),
             PanelData::I8 { q, .. } => q.is_mapped(),
         }
     }
@@ -499,6 +543,7 @@ impl PackedOutput {
             data: match &self.data {
                 PanelData::F32(w) => PanelRef::F32(w),
                 PanelData::F16(w) => PanelRef::F16(w),
+                PanelData::Bf16(w) => PanelRef::Bf16(w),
                 PanelData::I8 { q, scales } => PanelRef::I8 { q, scales },
             },
             bias: &self.bias,
@@ -519,6 +564,7 @@ impl PackedOutput {
         match &self.data {
             PanelData::F32(_) => self.d * 8 * 4,
             PanelData::F16(_) => self.d * 8 * 2,
+            PanelData::Bf16(_) => self.d.div_ceil(2) * 16 * 2,
             PanelData::I8 { .. } => self.d.div_ceil(2) * 16,
         }
     }
@@ -527,8 +573,54 @@ impl PackedOutput {
     pub fn weight_bytes(&self) -> usize {
         match &self.data {
             PanelData::F32(v) => v.len() * 4,
-            PanelData::F16(v) => v.len() * 2,
+            PanelData::F16(v) | PanelData::Bf16(v) => v.len() * 2,
             PanelData::I8 { q, scales } => q.len() + scales.len() * 4,
+        }
+    }
+}
+
+/// `f32` rounded to the nearest bfloat16 (ties to even), as bits, the way the AVX512-BF16
+/// conversions round: NaN stays a (quiet) NaN, and values below the smallest normal (f32
+/// subnormals, which `vdpbf16ps` reads as zero) become a zero of their sign, so every ISA computes
+/// with the same numbers.
+#[inline]
+pub fn round_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) as u16) | 0x0040;
+    }
+    if bits & 0x7f80_0000 == 0 {
+        return ((bits >> 16) & 0x8000) as u16;
+    }
+    // Adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even (a carry into the
+    // exponent is the right result, up to infinity for the largest values).
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// bfloat16 bits as the `f32` they denote (exact).
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// Every weight rounded to bfloat16 ([`round_to_bf16`]), as bits.
+pub fn to_bf16_bits(weight: &[f32]) -> Vec<u16> {
+    weight.iter().map(|&w| round_to_bf16(w)).collect()
+}
+
+/// `hidden` (`[rows, d]`) rounded to bfloat16 into `out` (replacing what it held), each row
+/// padded to an even width with zeros.
+pub fn round_rows_to_bf16(out: &mut Vec<u16>, hidden: &[f32], d: usize) {
+    let width = d.div_ceil(2) * 2;
+    let rows = hidden.len() / d.max(1);
+    out.clear();
+    out.resize(rows * width, 0);
+    for (row_out, row) in out
+        .chunks_exact_mut(width.max(1))
+        .zip(hidden.chunks_exact(d.max(1)))
+    {
+        for (o, &h) in row_out.iter_mut().zip(row) {
+            *o = round_to_bf16(h);
         }
     }
 }

@@ -170,6 +170,20 @@ pub fn add_rows(table: &[f32], width: usize, rows: &[u32], acc: &mut [f32]) {
     }
 }
 
+/// [`add_rows`] for a table of bfloat16 bits: each value widened exactly to f32 (its bits shifted
+/// up 16) and added as [`add_rows`] adds, so a bf16 table sums to the bits of its widened f32
+/// copy.
+#[inline(always)]
+pub fn add_rows_bf16(table: &[u16], width: usize, rows: &[u32], acc: &mut [f32]) {
+    assert_eq!(acc.len(), width, "one accumulator per column");
+    for &row in rows {
+        let base = row as usize * width;
+        for (c, &w) in acc.iter_mut().zip(&table[base..base + width]) {
+            *c += f32::from_bits(u32::from(w) << 16);
+        }
+    }
+}
+
 /// Numerically stable softmax in place (every exponent is <= 0, so the vectorisable exp applies).
 #[inline(always)]
 pub fn softmax(x: &mut [f32]) {

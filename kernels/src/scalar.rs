@@ -27,6 +27,18 @@ fn panels<const R: usize, const P: usize, T: Copy>(
             }
         }
     }
+    float_epilogue(&acc, epilogue, out, masks);
+}
+
+/// The float kernels' epilogue: each sum times the item's scale when there are scales, plus the
+/// bias; stored, and flagged against the row's bar.
+#[inline(always)]
+fn float_epilogue<const R: usize, const P: usize>(
+    acc: &[[[f32; 8]; P]; R],
+    epilogue: &Epilogue<'_>,
+    out: &mut [f32],
+    masks: &mut [u8],
+) {
     for (r, acc_r) in acc.iter().enumerate() {
         for (p, acc_rp) in acc_r.iter().enumerate() {
             let mut mask = 0u8;
@@ -67,6 +79,36 @@ fn f16_k<const R: usize, const P: usize>(
     m: &mut [u8],
 ) {
     panels::<R, P, u16>(h, d, w, e, out, m, |x| half::f16::from_bits(x).to_f32())
+}
+
+/// bfloat16 activations x bfloat16 weight pairs: per pair, the odd feature's product and then the
+/// even one's added to the f32 sum. Each product of two bfloat16 values is exact in f32, so
+/// `acc + a * w` rounds once, as a fused multiply-add and `vdpbf16ps` do: the SIMD paths' bits.
+fn bf16_k<const R: usize, const P: usize>(
+    h: &[u16],
+    d: usize,
+    w: &[u16],
+    e: &Epilogue<'_>,
+    out: &mut [f32],
+    m: &mut [u8],
+) {
+    use crate::packed::bf16_to_f32 as f;
+    let pairs = d.div_ceil(2);
+    let width = pairs * 2;
+    let mut acc = [[[0f32; 8]; P]; R];
+    for jp in 0..pairs {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let (even, odd) = (f(h[r * width + 2 * jp]), f(h[r * width + 2 * jp + 1]));
+            for (p, acc_rp) in acc_r.iter_mut().enumerate() {
+                let base = p * pairs * 16 + jp * 16;
+                for (l, a) in acc_rp.iter_mut().enumerate() {
+                    *a += odd * f(w[base + 2 * l + 1]);
+                    *a += even * f(w[base + 2 * l]);
+                }
+            }
+        }
+    }
+    float_epilogue(&acc, e, out, m);
 }
 
 /// Exact integer dot products of int16 activations with int8 weight pairs; same epilogue arithmetic
@@ -117,6 +159,7 @@ pub(super) static TABLE: KernelTable = kernel_table!(
     Isa::Scalar,
     f32_k,
     f16_k,
+    bf16_k,
     i8_k,
     super::Elementwise {
         gelu: super::portable::gelu_erf_inplace,
@@ -124,5 +167,6 @@ pub(super) static TABLE: KernelTable = kernel_table!(
         softmax: super::portable::softmax,
         layer_norm: super::portable::layer_norm_rows,
         add_rows: super::portable::add_rows,
+        add_rows_bf16: super::portable::add_rows_bf16,
     }
 );

@@ -275,6 +275,7 @@ fn survivors_with_bounds_scaled(
         let [e, sq, wm, b] = screen.max_of;
         t.bound(d, e, sq, wm, b)
     };
+    let input = fused::prepared(&screen.packed, hidden);
     let per_thread: Vec<Vec<PartialScreen>> = over_panel_ranges(
         screen.packed.panels(),
         queries.len() * 8 * d,
@@ -296,7 +297,7 @@ fn survivors_with_bounds_scaled(
                 .collect();
             let mut sink = (screen, rows);
             if queries.iter().any(|q| q.k > 0) {
-                scan(table, &screen.packed, hidden, range, &mut sink);
+                scan(table, &screen.packed, hidden, &input, range, &mut sink);
             }
             sink.1
                 .into_iter()

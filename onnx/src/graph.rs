@@ -266,7 +266,8 @@ impl GraphBuilder {
     }
 
     /// A weight matrix `[rows, cols]` as a tensor of the compute type, expressed at its stored
-    /// precision: fp32 and fp16 as initializers (cast only where stored and compute types differ);
+    /// precision: fp32, fp16 and bf16 as initializers (cast only where stored and compute types
+    /// differ; a bf16 engine's graph computes in fp32 from its BFLOAT16 weights);
     /// int8 as an INT8 initializer with the engine's per-row scales through DequantizeLinear
     /// (axis 0), the weight half of the Q/DQ form TensorRT builds from. Its consumers must take
     /// rows as output channels (Gemm with transB, Gather).
@@ -297,7 +298,11 @@ impl GraphBuilder {
                 };
                 self.init_float(name, &dims, &values)
             }
-            Matrix::F16 { bits, start, .. } => {
+            Matrix::F16 { bits, start, .. } | Matrix::Bf16 { bits, start, .. } => {
+                let (dtype, suffix) = match m {
+                    Matrix::F16 { .. } => (DataType::FLOAT16, "fp16"),
+                    _ => (DataType::BFLOAT16, "bf16"),
+                };
                 let stored = &bits[start * cols..(start + rows) * cols];
                 let stored = if transposed {
                     transpose(stored, rows, cols)
@@ -305,11 +310,11 @@ impl GraphBuilder {
                     stored.to_vec()
                 };
                 let raw = stored.iter().flat_map(|b| b.to_le_bytes()).collect();
-                let name16 = format!("{name}_fp16");
+                let name16 = format!("{name}_{suffix}");
                 self.initializers
-                    .push(tensor_proto(&name16, DataType::FLOAT16, &dims, raw));
+                    .push(tensor_proto(&name16, dtype, &dims, raw));
                 let float = self.float;
-                self.cast(&name16, DataType::FLOAT16, float)
+                self.cast(&name16, dtype, float)
             }
             Matrix::I8 {
                 q, scales, start, ..

@@ -77,6 +77,7 @@ fn each_precision_is_expressed_in_the_graph() {
         for (precision, w8a8) in [
             (Precision::Fp32, false),
             (Precision::Fp16, false),
+            (Precision::Bf16, false),
             (Precision::Int8, false),
             (Precision::Int8, true),
         ] {
@@ -115,6 +116,16 @@ fn each_precision_is_expressed_in_the_graph() {
                             );
                         }
                     }
+                }
+                Precision::Bf16 => {
+                    // Typed BFLOAT16 weights, cast to the fp32 the graph computes in.
+                    let bf16 = types
+                        .iter()
+                        .filter(|&&t| t == DataType::BFLOAT16 as i32)
+                        .count();
+                    assert!(bf16 >= quantized, "{label}");
+                    assert!(!has(DataType::FLOAT16) && !has(DataType::INT8), "{label}");
+                    assert_eq!(count(&model, "DequantizeLinear"), 0, "{label}");
                 }
                 Precision::Int8 => {
                     // W8A8: every dense layer's input and the output layer's.

@@ -273,7 +273,7 @@ impl PyEngine {
         self.engine.kind().as_str()
     }
 
-    /// "fp32", "fp16" or "int8".
+    /// "fp32", "fp16", "bf16" or "int8".
     #[getter]
     fn precision(&self) -> &'static str {
         self.engine.manifest.precision.as_str()

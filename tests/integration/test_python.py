@@ -36,6 +36,7 @@ def engines(recsys_bin, tmp_path_factory):
         ("bert4rec", "bert4rec", "bert4rec", []),
         ("vaecf", "vaecf", "multivae", []),
         ("vaecf_int8", "vaecf", "multivae", ["--precision", "int8"]),
+        ("bert4rec_bf16", "bert4rec", "bert4rec", ["--precision", "bf16"]),
         ("sasrec", "sasrec", "sasrec", []),
         ("gru4rec", "gru4rec", "gru4rec", []),
     ]:
@@ -58,11 +59,11 @@ def predict(recsys_bin, engine, lines: list[dict], tmp_path, *flags) -> list[dic
     return [json.loads(line) for line in dst.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", ["bert4rec", "vaecf", "vaecf_int8", "sasrec", "gru4rec"])
+@pytest.mark.parametrize("name", ["bert4rec", "vaecf", "vaecf_int8", "bert4rec_bf16", "sasrec", "gru4rec"])
 def test_recommend_equals_recsys_predict_bit_for_bit(recsys_bin, engines, users, tmp_path, name):
     engine = recsys.Engine(engines[name], threads=2)
     assert (engine.kind, engine.num_items, engine.threads) == (name.split("_")[0], 2000, 2)
-    assert engine.precision == ("int8" if name.endswith("int8") else "fp32")
+    assert engine.precision == (name.split("_")[1] if "_" in name else "fp32")
     ids, scores = engine.recommend(users, k=20)
     assert ids.shape == scores.shape == (len(users), 20) and ids.dtype == np.int64 and scores.dtype == np.float32
     want = predict(recsys_bin, engines[name], [{"item_ids": h} for h in users], tmp_path, "--k", "20")
@@ -226,7 +227,7 @@ def test_the_command_line_and_python_take_the_same_options_to_the_same_engines(r
     src = FIXTURES / "gru4rec"
     cal = Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl"
     accepted = refused = 0
-    for precision in ("fp32", "fp16", "int8"):
+    for precision in ("fp32", "fp16", "bf16", "int8"):
         for mode in ("weight-only", "w8a8", "w8a8-all"):
             for calibrated in (False, True):
                 for screen in ("none", "int8"):
@@ -256,9 +257,9 @@ def test_the_command_line_and_python_take_the_same_options_to_the_same_engines(r
                         assert py_error is not None, (name, "Python accepted what the command line refused")
                         assert _neutral(py_error) in _neutral(cli.stderr), (name, py_error, cli.stderr)
                         refused += 1
-    # 7 valid: fp32 and fp16 with and without the screen, int8 weight-only, int8 w8a8 and w8a8-all
-    # (both calibrated, unscreened).
-    assert (accepted, refused) == (7, 29), (accepted, refused)
+    # 8 valid: fp32 and fp16 with and without the screen, bf16 unscreened, int8 weight-only, int8
+    # w8a8 and w8a8-all (both calibrated, unscreened).
+    assert (accepted, refused) == (8, 40), (accepted, refused)
 
 
 def test_the_installed_wheel_carries_the_package_metadata():

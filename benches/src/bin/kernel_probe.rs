@@ -3,7 +3,7 @@
 //! measures the machine's floor: streaming read bandwidth and FMA throughput.
 //!
 //! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps
-//!   (precision: fp32, fp16, int8, or screened-int8: the int8 screen with exact fp32 rescoring)
+//!   (precision: fp32, fp16, bf16, int8, or screened-int8: the int8 screen with exact fp32 rescoring)
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
 //!
@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use recsys_kernels::fused::{top_k, Exclusions, RowQuery};
-use recsys_kernels::packed::{quantize_int8_per_row, to_f16_bits, PackedOutput};
+use recsys_kernels::packed::{quantize_int8_per_row, to_bf16_bits, to_f16_bits, PackedOutput};
 use recsys_kernels::screen::{top_k_from_f32, ScreenTable};
 use recsys_kernels::{fma_peak_flops, KernelTable};
 
@@ -54,6 +54,7 @@ fn topk(args: &[String]) {
     let packed = match precision {
         "fp32" => PackedOutput::from_f32(&weights, &bias, d),
         "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
+        "bf16" => PackedOutput::from_bf16_bits(&to_bf16_bits(&weights), &bias, d),
         "int8" => {
             let (q, s) = quantize_int8_per_row(&weights, d);
             PackedOutput::from_i8(&q, &s, &bias, d)

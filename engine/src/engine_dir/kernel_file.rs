@@ -33,6 +33,7 @@ fn output_sections<'a>(prefix: &str, packed: &'a PackedOutput) -> Vec<(String, &
     match &packed.data {
         PanelData::F32(w) => out.push((format!("{prefix}.f32"), w.as_bytes())),
         PanelData::F16(w) => out.push((format!("{prefix}.f16"), w.as_bytes())),
+        PanelData::Bf16(w) => out.push((format!("{prefix}.bf16"), w.as_bytes())),
         PanelData::I8 { q, scales } => {
             out.push((format!("{prefix}.i8"), q.as_bytes()));
             out.push((format!("{prefix}.scales"), scales.as_bytes()));
@@ -135,6 +136,9 @@ impl Reader<'_> {
             Precision::Fp16 => {
                 PanelData::F16(self.section(&format!("{prefix}.f16"), panels * d * 8)?)
             }
+            Precision::Bf16 => PanelData::Bf16(
+                self.section(&format!("{prefix}.bf16"), panels * d.div_ceil(2) * 16)?,
+            ),
             Precision::Int8 => PanelData::I8 {
                 q: self.section(&format!("{prefix}.i8"), panels * d.div_ceil(2) * 16)?,
                 scales: self.section(&format!("{prefix}.scales"), panels * 8)?,

@@ -26,6 +26,10 @@ pub enum Precision {
     Fp32,
     /// Weights stored as IEEE half, computed in f32.
     Fp16,
+    /// Weights stored as bfloat16; each layer multiplies them by its input rounded to bfloat16
+    /// and adds the products in f32 (`vdpbf16ps` where the CPU has AVX512-BF16, the same bits
+    /// widened to f32 elsewhere).
+    Bf16,
     /// Weights stored as symmetric int8 with one f32 scale per item, computed in f32 (weight-only).
     Int8,
 }
@@ -33,7 +37,8 @@ pub enum Precision {
 /// How the output layer's top k is found. `Int8`: screened from an int8 copy of the output layer
 /// and the survivors rescored from the reference weights, so the answers are the unscreened
 /// engine's bit for bit at the cost of reading int8 weights (`kernels::screen`); fp32 and fp16
-/// engines only. The screening table is derived from the stored weights at load.
+/// engines only (the screen's bounds assume f32 activations, which bf16 layers round). The
+/// screening table is derived from the stored weights at load.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Screen {
@@ -64,6 +69,7 @@ impl Precision {
         match self {
             Precision::Fp32 => "fp32",
             Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
             Precision::Int8 => "int8",
         }
     }
@@ -92,9 +98,10 @@ impl std::str::FromStr for Precision {
         match s {
             "fp32" => Ok(Precision::Fp32),
             "fp16" => Ok(Precision::Fp16),
+            "bf16" => Ok(Precision::Bf16),
             "int8" => Ok(Precision::Int8),
             _ => Err(format!(
-                "unknown precision {s:?} (expected fp32, fp16 or int8)"
+                "unknown precision {s:?} (expected fp32, fp16, bf16 or int8)"
             )),
         }
     }

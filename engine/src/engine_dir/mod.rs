@@ -462,7 +462,7 @@ fn tensor_map(storage: &Storage) -> Result<Tensors, String> {
     for (name, view) in st.tensors() {
         match view.dtype() {
             safetensors::Dtype::F32 => {}
-            safetensors::Dtype::F16 | safetensors::Dtype::I8 => {
+            safetensors::Dtype::F16 | safetensors::Dtype::BF16 | safetensors::Dtype::I8 => {
                 let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
                 raw.insert(
                     name,
@@ -476,7 +476,7 @@ fn tensor_map(storage: &Storage) -> Result<Tensors, String> {
             }
             other => {
                 return Err(format!(
-                    "tensor {name} is {other:?}, expected F32, F16 or I8"
+                    "tensor {name} is {other:?}, expected F32, F16, BF16 or I8"
                 ))
             }
         }

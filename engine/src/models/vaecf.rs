@@ -316,10 +316,18 @@ impl VaeCf {
         let Some(last_item) = last_item else {
             return;
         };
-        // An fp32 table in memory is summed by the ISA's kernel (the rows' columns held in
-        // registers); fp16, int8 and tables read from the file row by row through the matrix.
+        // An fp32 or bf16 table in memory is summed by the ISA's kernel (the rows' columns held
+        // in registers; bf16 widened exactly); fp16, int8 and tables read from the file row by
+        // row through the matrix.
+        enum Table<'a> {
+            F32(&'a [f32]),
+            Bf16(&'a [u16]),
+        }
         let in_memory = match &self.first_by_item {
-            Matrix::F32(t) if !t.reads_rows_from_file() => Some(t.as_slice()),
+            Matrix::F32(t) if !t.reads_rows_from_file() => Some(Table::F32(t.as_slice())),
+            Matrix::Bf16 { bits, start, .. } if !bits.reads_from_file() => {
+                Some(Table::Bf16(&bits[start * width..]))
+            }
             _ => None,
         };
         let mut block_end = 0u32;
@@ -333,7 +341,12 @@ impl VaeCf {
                 }
                 let rows = &items[first..*cursor];
                 match in_memory {
-                    Some(table) => (self.kernels.elementwise.add_rows)(table, width, rows, acc),
+                    Some(Table::F32(table)) => {
+                        (self.kernels.elementwise.add_rows)(table, width, rows, acc)
+                    }
+                    Some(Table::Bf16(table)) => {
+                        (self.kernels.elementwise.add_rows_bf16)(table, width, rows, acc)
+                    }
                     None => {
                         for &row in rows {
                             self.first_by_item.add_row_into(row as usize, acc);

@@ -79,13 +79,15 @@ pub fn convert_fixture_w8a8(
 }
 
 /// The fixture's safetensors checkpoint at every serving precision, converted under `dir`:
-/// fp32, fp16, int8 weight-only and W8A8 (calibrated on the test set's first 256 histories).
+/// fp32, fp16, bf16, int8 weight-only and W8A8 (calibrated on the test set's first 256
+/// histories).
 pub fn engines_at_every_precision(kind: ModelKind, dir: &Path) -> Vec<(&'static str, Engine)> {
     let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
     let calibration: Vec<Vec<String>> = cases.iter().take(256).map(|c| c.history.clone()).collect();
     let mut engines: Vec<(&'static str, Engine)> = [
         ("fp32", Precision::Fp32),
         ("fp16", Precision::Fp16),
+        ("bf16", Precision::Bf16),
         ("int8", Precision::Int8),
     ]
     .into_iter()

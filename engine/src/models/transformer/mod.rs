@@ -625,7 +625,12 @@ mod tests {
     fn projections_packed_as_one_layer_keep_each_layers_bits() {
         let tmp = tempfile::tempdir().unwrap();
         let mut models = Vec::new();
-        for precision in [Precision::Fp32, Precision::Fp16, Precision::Int8] {
+        for precision in [
+            Precision::Fp32,
+            Precision::Fp16,
+            Precision::Bf16,
+            Precision::Int8,
+        ] {
             let dir = tmp.path().join(format!("{precision:?}"));
             let engine =
                 crate::fixtures::convert(ModelKind::Bert4rec, "model.safetensors", &dir, precision)
@@ -694,8 +699,8 @@ mod tests {
                 }
             }
         }
-        // fp32, fp16, int8: every layer in one call; W8A8: layer 1 only.
-        assert_eq!(fused_calls, 3 * 2 + 1);
+        // fp32, fp16, bf16, int8: every layer in one call; W8A8: layer 1 only.
+        assert_eq!(fused_calls, 4 * 2 + 1);
     }
 
     /// Long sequences split the heads over threads: every bit as on one thread, for the full
