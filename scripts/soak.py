@@ -303,7 +303,8 @@ def soak(args: argparse.Namespace) -> int:
 
                             httpclient.InferenceServerClient(server.http_url, network_timeout=120).load_model(what.split()[1])
                         elif what.startswith("publish v2"):
-                            registry("publish", "--approve", "--engine", str(tmp / "bert4rec-int8"), "--server", url)
+                            registry("publish", "--approve", "--engine", str(tmp / "bert4rec-int8"), "--server", url,
+                                     "--canary-on-traffic")
                             v = serving_version(server.http_url, VERSIONED)
                             events.append(f"  serving {VERSIONED} v{v}")
                             if v != "2":

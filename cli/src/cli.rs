@@ -269,29 +269,45 @@ plain HTTP unless https:// is given), gs://bucket/path. Credentials come from th
 environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, \
 web identity, instance metadata; GOOGLE_APPLICATION_CREDENTIALS) and AWS's shared files \
 (~/.aws/credentials and ~/.aws/config, profile AWS_PROFILE).\n\n\
-No lock is taken: a publish claims its version number with a create-if-absent write of \
+A publish takes no lock: it claims its version number with a create-if-absent write of \
 <model>/<version>/recsys-version.json (two concurrent publishers get distinct versions), uploads \
-the engine under it, checks every file and size, and only then marks it pending. \
-config.pbtxt's version_policy names the newest approved version and changes by one atomic write. \
-A command killed at any point leaves the config on a complete, approved version (the old or the \
-new one); an interrupted upload stays an incomplete version that never serves.\n\n\
+the engine under it, checks every file and size, and only then marks it pending. A version \
+folder without that record (written by `recsys convert --output`, or an upload in progress) is \
+incomplete and never approvable. config.pbtxt's version_policy names the newest approved version \
+and changes by one atomic write. A command killed at any point leaves the config on a complete \
+version (the old or the new one).\n\n\
+Lease: approve, reject, rollback and prune take the model's lease (<model>/recsys-lease.json, \
+created only if absent, naming the holder, its command and its expiry) and renew it before each \
+replica. A second command waits for it (--lease-wait, default 300 s) and then fails naming the \
+holder (exit 6); a lease whose holder was killed expires by itself, and --force takes over one \
+whose holder is known to be dead.\n\n\
 Gates: before the config names a version, approve (and publish --approve) reads every stored \
-file of it back and checks its size and SHA-256 against what was published; with --server, one \
-live replica (the canary) then loads the version without the repository changing (Triton's load \
-API with a config override) and must answer the version's self-check request as the \
-publisher's engine did, with finite scores; it is then put back on the serving version. A \
-failed gate changes nothing and records the reason on the version (`recsys versions`). reject \
-and rollback verify the version they go back to.\n\n\
+file of the version it will name back and checks its size and SHA-256 against what was \
+published; with replicas, the canary (--canary URL: a tritonserver outside the traffic \
+Service; or, with --canary-on-traffic, the first live traffic replica) then loads it without the \
+repository changing (Triton's load API with a config override) and must answer the version's \
+self-check request as the publisher's engine did, with finite scores; it is then put back on the \
+serving version. A failed gate leaves the repository as it was and records the reason on the \
+version (`recsys versions`). reject and rollback verify the version they go back to.\n\n\
 Replicas: --server may be repeated, and a name that resolves to several addresses (a Kubernetes \
-headless Service) stands for one replica per address. Each replica (tritonserver in explicit \
+headless Service) stands for one replica per address; --servers-file lists more. The fleet is \
+resolved again at every pass. Before each replica the command renews its lease and reads the \
+config again, and stops if another command took over. Each replica (tritonserver in explicit \
 model-control mode) reloads the model in turn and counts when it serves the version and no \
-other; the command reports each replica. The first failure stops the rollout and an approve \
-then rolls itself back: the version is marked rolled-back, the config names the previous \
-approved version again and the replicas already reached reload it (--rollout continue goes on \
-to the rest instead and never rolls back). Exit status: 0 every replica serves the version, \
-1 nothing changed (an unreadable repository, an unknown version), 2 bad flags, 3 a gate refused \
-the version (nothing changed), 4 the repository changed but not every replica serves it (run \
-the command again once they are back), 5 a replica failed and the approve rolled back.";
+other, within --reload-timeout; a replica that is not live (starting, terminating) is \
+unreachable, not failed. The first failure stops the rollout and an approve then rolls itself \
+back: the version is marked rolled-back, the config names the previous approved version again \
+and every replica, resolved again, is brought back onto it (--rollout continue goes on to the \
+rest instead and never rolls back). Every command ends with a reconcile pass: the fleet and the \
+canary resolved again, each replica compared with the config and reloaded where it differs.\n\n\
+Exit status: 0 every replica serves what the repository names, 1 nothing changed (an \
+unreadable repository, an unknown version), 2 bad flags, 3 a gate refused the version (the \
+repository is unchanged), 4 the repository changed but not every replica serves it (a replica \
+failed or is unreachable; run the command again once they are back), 5 a replica failed and the \
+approve rolled back, 6 another command holds the model's lease (nothing changed), 7 an error \
+after the config switched (the report says what was done; run the command again), 8 the canary \
+could not be put back on the serving version (recorded on the version), 9 another command took \
+the fleet over during this one (this one stopped).";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum RolloutArg {
@@ -304,14 +320,45 @@ pub enum RolloutArg {
 /// The replicas a release command reaches (publish --approve, approve, reject, rollback).
 #[derive(Args, Debug)]
 pub struct FleetArgs {
-    /// A replica to reload onto the version the repository names afterwards, e.g.
-    /// http://127.0.0.1:8000; repeat for a fleet, or name a headless Service. The first live one
-    /// is also the canary of an approve.
+    /// A traffic replica to bring onto the version the repository names afterwards, e.g.
+    /// http://127.0.0.1:8000; repeat for a fleet, or name a headless Service (one replica per
+    /// address, resolved again at every pass, so pods the autoscaler adds are reached).
     #[arg(long = "server", value_name = "URL")]
     pub servers: Vec<String>,
+    /// A file listing one replica URL per line (as a service-discovery agent writes it), read
+    /// again at every pass like --server.
+    #[arg(long, value_name = "FILE")]
+    pub servers_file: Option<PathBuf>,
+    /// The canary replica of an approve: a tritonserver outside the traffic Service (no client
+    /// reaches it) that loads the candidate and answers its self-check before the repository
+    /// names it. Reconciled with the fleet at the end.
+    #[arg(long, value_name = "URL")]
+    pub canary: Option<String>,
+    /// Without --canary, test the candidate on the first live traffic replica: its clients may
+    /// get answers from the unapproved version while it is tested.
+    #[arg(long, conflicts_with = "canary")]
+    pub canary_on_traffic: bool,
     /// What a failed replica does to the rest of the rollout.
     #[arg(long, value_enum, default_value = "stop")]
     pub rollout: RolloutArg,
+    /// The longest one replica may take to load a version, in seconds (default: the manifests'
+    /// startup allowance).
+    #[arg(long, value_name = "SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reload_timeout: u64,
+    #[command(flatten)]
+    pub lease: LeaseArgs,
+}
+
+/// How a command that changes a model's fleet takes the model's lease.
+#[derive(Args, Debug)]
+pub struct LeaseArgs {
+    /// How long to wait for another command's lease on the model before giving up (exit 6).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+    pub lease_wait: u64,
+    /// Take the model's lease over even though its holder has not released it: only when that
+    /// command is known to be dead (it stops at its next step if it is not).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Args, Debug)]
@@ -408,6 +455,12 @@ pub struct VersionsArgs {
     /// With --prune: print what would be removed, remove nothing.
     #[arg(long, requires = "prune")]
     pub dry_run: bool,
+    /// With --prune: a replica whose loaded versions are kept too; repeat for a fleet, or name a
+    /// headless Service.
+    #[arg(long = "server", value_name = "URL", requires = "prune")]
+    pub servers: Vec<String>,
+    #[command(flatten)]
+    pub lease: LeaseArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -29,10 +29,14 @@ pub enum CliError {
 }
 
 impl CliError {
-    /// The process exit status: 2 for bad flags (as clap exits for unparsable ones), 1 otherwise.
+    /// The process exit status: 2 for bad flags (as clap exits for unparsable ones), 6 for a
+    /// model's lease held by another command, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Usage(_) | CliError::Registry(recsys_registry::RegistryError::Usage(_)) => 2,
+            CliError::Registry(recsys_registry::RegistryError::LeaseHeld(_)) => {
+                crate::versions::LEASE_HELD_EXIT
+            }
             _ => 1,
         }
     }

@@ -4,35 +4,55 @@
 use std::time::Duration;
 
 use recsys_registry::config::{policy_versions, CONFIG_FILE};
+use recsys_registry::lease::LeaseOptions;
 use recsys_registry::publish::PublishRequest;
 use recsys_registry::release::{self, Fleet, Release, Step};
-use recsys_registry::replicas::{self, Outcome, ReplicaReport};
+use recsys_registry::replicas::{Outcome, ReplicaReport, Rollout};
 use recsys_registry::{versions as records, Repository, Status};
 
-use crate::cli::{PublishArgs, RollbackArgs, RolloutArg, StatusArgs, VersionsArgs};
+use crate::cli::{
+    FleetArgs, LeaseArgs, PublishArgs, RollbackArgs, RolloutArg, StatusArgs, VersionsArgs,
+};
 use crate::error::{CliError, Result};
 
-const RELOAD_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// A gate refused the version: nothing changed (the reason is recorded on the version).
+/// A gate refused the version: the repository is unchanged (the reason is recorded on the
+/// version).
 pub const REFUSED_EXIT: i32 = 3;
-/// The repository changed but not every replica serves the version (`--rollout continue`, or a
-/// failed rollout with no previous version to go back to).
+/// The repository changed but not every replica serves what it names (`--rollout continue`, a
+/// failed or unreachable replica the reconcile pass could not bring over).
 pub const PARTIAL_ROLLOUT_EXIT: i32 = 4;
 /// A replica failed after the switch and the command rolled itself back.
 pub const ROLLED_BACK_EXIT: i32 = 5;
+/// Another command holds the model's lease: nothing changed.
+pub const LEASE_HELD_EXIT: i32 = 6;
+/// An error after the config switched (the object store, a replica list that no longer
+/// resolves): the report says what was done.
+pub const FAILED_AFTER_SWITCH_EXIT: i32 = 7;
+/// The canary could not be put back on the serving version (recorded on the version).
+pub const CANARY_STRANDED_EXIT: i32 = 8;
+/// Another command took the fleet over during this one: this one stopped changing replicas.
+pub const SUPERSEDED_EXIT: i32 = 9;
 
 fn print_replica(r: &ReplicaReport, model: &str, version: u64) {
     match &r.outcome {
+        Outcome::Serving if !r.reloaded => {
+            println!("{} already serves {model} version {version}", r.server)
+        }
         Outcome::Serving => println!(
             "{} now serves {model} version {version} ({:.1} s)",
             r.server, r.seconds
         ),
         Outcome::Failed(e) => println!("{} FAILED: {e}", r.server),
+        Outcome::Unreachable(e) => println!(
+            "{} unreachable (starting, stopping or gone; it loads what the repository names when \
+             it starts): {e}",
+            r.server
+        ),
         Outcome::NotAttempted => println!(
             "{} not attempted: the rollout stops at the first failure (--rollout continue goes on)",
             r.server
         ),
+        Outcome::Stopped(e) => println!("{} left alone: {e}", r.server),
     }
 }
 
@@ -43,6 +63,10 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
             return;
         }
         match step {
+            Step::WaitingForLease(held) => println!(
+                "waiting for the lease on {model}: held by {}",
+                held.describe()
+            ),
             Step::Verifying { version } => println!(
                 "verifying {model} version {version}: every stored file against its SHA-256"
             ),
@@ -62,76 +86,125 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
                 ),
                 Err(e) => println!("canary {} FAILED: {e}", report.server),
             },
-            Step::Replica { version, report } | Step::RolledBack { version, report } => {
-                print_replica(report, model, version)
-            }
+            Step::Replica { version, report }
+            | Step::RolledBack { version, report }
+            | Step::Reconciled { version, report } => print_replica(report, model, version),
             Step::RollingBack { to, reason } => {
                 println!("rolling back to {model} version {to}: {reason}")
+            }
+            Step::Reconciling { version } => {
+                println!("reconciling: every replica against {CONFIG_FILE} (version {version})")
             }
         }
     }
 }
 
-fn fleet<'a>(replicas: &'a [String], rollout: RolloutArg) -> Fleet<'a> {
-    Fleet {
-        replicas,
-        continue_after_failure: rollout == RolloutArg::Continue,
-        reload_timeout: RELOAD_TIMEOUT,
+fn lease_options(args: &LeaseArgs, command: String) -> LeaseOptions {
+    LeaseOptions {
+        command,
+        ttl: recsys_registry::lease::LEASE_TTL,
+        wait: Duration::from_secs(args.lease_wait),
+        force: args.force,
     }
+}
+
+fn fleet<'a>(args: &'a FleetArgs, command: String) -> Fleet<'a> {
+    Fleet {
+        servers: &args.servers,
+        servers_file: args.servers_file.as_deref(),
+        canary: args.canary.as_deref(),
+        canary_on_traffic: args.canary_on_traffic,
+        continue_after_failure: args.rollout == RolloutArg::Continue,
+        reload_timeout: Duration::from_secs(args.reload_timeout),
+        lease: lease_options(&args.lease, command),
+    }
+}
+
+/// Replicas of a report that do not serve its version, as "server (outcome)".
+fn behind(report: &Rollout) -> Vec<String> {
+    report
+        .replicas
+        .iter()
+        .filter(|r| r.outcome != Outcome::Serving)
+        .map(|r| format!("{} ({})", r.server, r.outcome.name()))
+        .collect()
 }
 
 /// The exit status of a release, with the explanation on stderr unless `quiet`.
 fn finish(release: &Release, quiet: bool, retry: &str) -> i32 {
-    if let Some(reason) = &release.refused {
+    let say = |text: String| {
         if !quiet {
-            eprintln!(
-                "refused: {reason}
-nothing changed: the repository and every replica are as they \
-                 were (`recsys versions` shows the reason on the version)"
-            );
+            eprintln!("{text}");
         }
+    };
+    if let Some(reason) = &release.superseded {
+        say(format!(
+            "stopped: {reason}\nthe command that took over brings the fleet onto what the \
+             repository names; `recsys versions` shows it"
+        ));
+        return SUPERSEDED_EXIT;
+    }
+    if let Some(error) = &release.failed_after_switch {
+        let config = match release.serving {
+            Some(v) => format!("{CONFIG_FILE} names version {v}"),
+            None => format!(
+                "the version records changed, and whether {CONFIG_FILE} was switched is not known \
+                 (`recsys versions` shows both)"
+            ),
+        };
+        say(format!(
+            "failed after the repository began to change: {error}\n{config}; the report above \
+             says which replicas were reached. Once the store or the fleet is reachable, run the \
+             command again to finish:\n  {retry}"
+        ));
+        return FAILED_AFTER_SWITCH_EXIT;
+    }
+    if let Some(note) = &release.canary_stranded {
+        say(format!(
+            "{note}\nbring it back with `recsys approve` once it is healthy, or restart it (it \
+             loads what the repository names)"
+        ));
+        return CANARY_STRANDED_EXIT;
+    }
+    if let Some(reason) = &release.refused {
+        say(format!(
+            "refused: {reason}\nnothing changed: the repository is as it was and every replica \
+             serves what it names (`recsys versions` shows the reason on the version)"
+        ));
         return REFUSED_EXIT;
     }
     if let Some(reason) = &release.rollback_reason {
-        if !quiet {
-            let back = release.rolled_back.as_ref();
-            let ok = back.is_some_and(|b| b.complete());
-            eprintln!(
-                "rolled back: {reason}
-the repository names version {} again{}; version {} is \
-                 marked rolled-back (approve it again once the replicas are healthy)",
-                release.serving.unwrap_or_default(),
-                if ok {
-                    " and every replica the rollout reached serves it"
-                } else {
-                    ", but not every replica the rollout reached could be put back (see above)"
-                },
-                release.version
-            );
-        }
+        let converged =
+            release.fleet_converged() && release.rolled_back.as_ref().is_some_and(|b| !b.failed());
+        say(format!(
+            "rolled back: {reason}\nthe repository names version {} again{}; version {} is \
+             marked rolled-back (approve it again once the replicas are healthy)",
+            release.serving.unwrap_or_default(),
+            if converged {
+                " and every replica serves it"
+            } else {
+                ", but not every replica could be put back (see above)"
+            },
+            release.version
+        ));
         return ROLLED_BACK_EXIT;
     }
-    let Some(report) = &release.rollout else {
+    let Some(reconciled) = &release.reconciled else {
         return 0;
     };
-    if report.complete() {
+    if reconciled.complete() {
         return 0;
     }
-    if !quiet {
-        let serving = report
-            .replicas
-            .iter()
-            .filter(|r| r.outcome == Outcome::Serving)
-            .count();
-        eprintln!(
-            "partial rollout: {serving} of {} replicas serve {} version {}; the repository names \
-             it, so a replica that restarts loads it too. Once the failed replicas are back, run \
-             the command again to finish:\n  {retry}",
-            report.replicas.len(),
-            report.model,
-            report.version
-        );
-    }
+    say(format!(
+        "partial rollout: {} of {} replicas serve {} version {}; not: {}. The repository names \
+         it, so a replica that starts loads it. Once the others are back, run the command \
+         again to finish:\n  {retry}",
+        reconciled.serving(),
+        reconciled.replicas.len(),
+        reconciled.model,
+        reconciled.version,
+        behind(reconciled).join(", ")
+    ));
     PARTIAL_ROLLOUT_EXIT
 }
 
@@ -153,17 +226,34 @@ fn command_line(
     repository: &str,
     model: &str,
     version: u64,
-    servers: &[String],
+    fleet: &FleetArgs,
 ) -> String {
     let mut line = format!(
         "recsys {verb} --repository {} --model {} --version {version}",
         shell_word(repository),
         shell_word(model)
     );
-    for server in servers {
+    push_fleet(&mut line, fleet);
+    line
+}
+
+/// The fleet flags of a command, for a command line to paste.
+fn push_fleet(line: &mut String, fleet: &FleetArgs) {
+    for server in &fleet.servers {
         line.push_str(&format!(" --server {}", shell_word(server)));
     }
-    line
+    if let Some(file) = &fleet.servers_file {
+        line.push_str(&format!(
+            " --servers-file {}",
+            shell_word(&file.display().to_string())
+        ));
+    }
+    if let Some(canary) = &fleet.canary {
+        line.push_str(&format!(" --canary {}", shell_word(canary)));
+    }
+    if fleet.canary_on_traffic {
+        line.push_str(" --canary-on-traffic");
+    }
 }
 
 pub fn publish(args: &PublishArgs) -> Result<i32> {
@@ -179,11 +269,6 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
         }
     };
     let repo = Repository::open(&args.repository)?;
-    let replicas = if args.approve {
-        replicas::expand(&args.fleet.servers)?
-    } else {
-        Vec::new()
-    };
     let bar = crate::progress::bytes(0);
     bar.set_message(format!("uploading {}", args.engine.display()));
     let request = PublishRequest {
@@ -203,7 +288,10 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
             &repo,
             &request,
             args.max_batch_size,
-            &fleet(&replicas, args.fleet.rollout),
+            &fleet(
+                &args.fleet,
+                format!("publish --approve --engine {}", args.engine.display()),
+            ),
             &mut upload_progress,
             &mut |step| {
                 if std::mem::take(&mut first_step) {
@@ -224,7 +312,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
         &args.repository,
         &args.model,
         info.version,
-        &args.fleet.servers,
+        &args.fleet,
     );
     let code = match &release {
         Some(release) => finish(release, args.json, &approve_command),
@@ -300,33 +388,31 @@ fn conclude(release: &Release, json: bool, what: &str, retry: &str) -> i32 {
 
 pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
     let repo = Repository::open(&args.repository)?;
-    let replicas = replicas::expand(&args.fleet.servers)?;
-    let fleet = fleet(&replicas, args.fleet.rollout);
-    let mut report = reporter(&args.model, args.json);
-    let (release, verb) = if status == Status::Approved {
-        (
-            release::approve(
-                &repo,
-                &args.model,
-                args.version,
-                &fleet,
-                args.max_batch_size,
-                &mut report,
-            )?,
-            "approve",
-        )
+    let verb = if status == Status::Approved {
+        "approve"
     } else {
-        (
-            release::reject(&repo, &args.model, args.version, &fleet, &mut report)?,
-            "reject",
-        )
+        "reject"
+    };
+    let fleet = fleet(&args.fleet, format!("{verb} --version {}", args.version));
+    let mut report = reporter(&args.model, args.json);
+    let release = if status == Status::Approved {
+        release::approve(
+            &repo,
+            &args.model,
+            args.version,
+            &fleet,
+            args.max_batch_size,
+            &mut report,
+        )?
+    } else {
+        release::reject(&repo, &args.model, args.version, &fleet, &mut report)?
     };
     let retry = command_line(
         verb,
         &args.repository,
         &args.model,
         args.version,
-        &args.fleet.servers,
+        &args.fleet,
     );
     let what = if release.rollback_reason.is_some() {
         "rolled-back".to_string()
@@ -338,13 +424,16 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
 
 pub fn rollback(args: &RollbackArgs) -> Result<i32> {
     let repo = Repository::open(&args.repository)?;
-    let replicas = replicas::expand(&args.fleet.servers)?;
     let mut report = reporter(&args.model, args.json);
+    let command = match args.to {
+        Some(to) => format!("rollback --to {to}"),
+        None => "rollback".to_string(),
+    };
     let release = release::rollback(
         &repo,
         &args.model,
         args.to,
-        &fleet(&replicas, args.fleet.rollout),
+        &fleet(&args.fleet, command),
         &mut report,
     )?;
     let mut retry = format!(
@@ -355,9 +444,7 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
     if let Some(to) = release.serving {
         retry.push_str(&format!(" --to {to}"));
     }
-    for server in &args.fleet.servers {
-        retry.push_str(&format!(" --server {}", shell_word(server)));
-    }
+    push_fleet(&mut retry, &args.fleet);
     if !args.json && release.refused.is_none() {
         println!(
             "{} rolled back from version {} to version {}",
@@ -388,6 +475,7 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
         .read(&format!("{}/{CONFIG_FILE}", args.model))?
         .and_then(|o| String::from_utf8(o.bytes).ok());
     let configured = config.as_deref().and_then(policy_versions);
+    let lease = recsys_registry::lease::current(&repo, &args.model)?;
     if args.json {
         println!(
             "{}",
@@ -396,6 +484,7 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
                 "repository": args.repository,
                 "config_versions": configured,
                 "newest_approved": newest_approved,
+                "lease": lease,
                 "versions": versions,
             }))
             .expect("serialisable")
@@ -429,20 +518,40 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
     match (&configured, newest_approved) {
         (Some(c), Some(n)) if c.as_slice() != [n] => eprintln!(
             "note: {CONFIG_FILE} names version(s) {c:?} but the newest approved version is {n} \
-             (a command stopped between its two writes); `{}` finishes the switch",
-            command_line("approve", &args.repository, &args.model, n, &[])
+             (a command stopped between its two writes); `recsys approve --repository {} \
+             --model {} --version {n}` finishes the switch",
+            shell_word(&args.repository),
+            shell_word(&args.model)
         ),
         _ => {}
+    }
+    if let Some(lease) = lease {
+        eprintln!("note: the fleet's lease is held by {}", lease.describe());
     }
     Ok(0)
 }
 
 fn prune(args: &VersionsArgs, repo: &Repository, keep: usize) -> Result<i32> {
-    let pruned = recsys_registry::prune::prune(repo, &args.model, keep, args.dry_run, &mut |v| {
-        if !args.json {
-            println!("removed {} version {v}", args.model);
-        }
-    })?;
+    let replicas = recsys_registry::replicas::expand(&args.servers)?;
+    let request = recsys_registry::prune::PruneRequest {
+        model: &args.model,
+        keep,
+        dry_run: args.dry_run,
+        replicas: &replicas,
+        lease: lease_options(&args.lease, format!("versions --prune --keep {keep}")),
+    };
+    let pruned = recsys_registry::prune::prune(
+        repo,
+        &request,
+        &mut |server, e| {
+            eprintln!("note: {server} is unreachable, so its loaded versions are not known: {e}")
+        },
+        &mut |v| {
+            if !args.json {
+                println!("removed {} version {v}", args.model);
+            }
+        },
+    )?;
     if args.json {
         println!(
             "{}",

@@ -189,15 +189,30 @@ pub fn switch(repo: &Repository, model: &str) -> Result<u64> {
 pub fn switch_creating(repo: &Repository, model: &str, max_batch_size: u32) -> Result<Switched> {
     let key = format!("{model}/{CONFIG_FILE}");
     let mut created = false;
+    // The version last written: an error reading back after a write says the write happened.
+    let mut written: Option<u64> = None;
+    let after_write = |written: Option<u64>| {
+        let key = &key;
+        move |e: RegistryError| match written {
+            Some(v) => RegistryError::Input(format!(
+                "{key} was switched to version {v}, but reading it back failed: {e}"
+            )),
+            None => e,
+        }
+    };
     for _ in 0..32 {
-        let listed = versions::list(repo, model)?;
+        let listed = versions::list(repo, model).map_err(after_write(written))?;
         let target = versions::serving(&listed).ok_or_else(|| {
             RegistryError::Input(format!("{model} has no approved version to serve"))
         })?;
-        let Some(config) = repo.read(&key)? else {
+        let Some(config) = repo.read(&key).map_err(after_write(written))? else {
             // Of two first approvers one creates it; the other finds it on its next pass.
             let text = with_version(&minimal(max_batch_size), target);
-            created |= repo.create(&key, text.as_bytes())?;
+            let made = repo.create(&key, text.as_bytes())?;
+            created |= made;
+            if made {
+                written = Some(target);
+            }
             continue;
         };
         let text = String::from_utf8(config.bytes.clone())
@@ -208,7 +223,9 @@ pub fn switch_creating(repo: &Repository, model: &str, max_batch_size: u32) -> R
                 created,
             });
         }
-        repo.replace(&key, with_version(&text, target).as_bytes(), &config)?;
+        if repo.replace(&key, with_version(&text, target).as_bytes(), &config)? {
+            written = Some(target);
+        }
     }
     Err(RegistryError::Input(format!(
         "{key} kept changing under concurrent commands; run the command again"

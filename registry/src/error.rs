@@ -29,6 +29,19 @@ pub enum RegistryError {
     /// incomplete upload, a malformed record, a replica that refuses (exit status 1).
     #[error("{0}")]
     Input(String),
+
+    /// Another command holds the model's lease (nothing changed).
+    #[error("{0}")]
+    LeaseHeld(String),
+
+    /// Another command took the lease over while this one held it: it stopped changing the fleet.
+    #[error("{0}")]
+    LeaseLost(String),
+
+    /// The repository came to name another version during a rollout: another command changed
+    /// it, and this one stopped changing the fleet.
+    #[error("{0}")]
+    Superseded(String),
 }
 
 impl RegistryError {

@@ -6,6 +6,8 @@
 //! - [`publish`]: an engine becomes the next version (pending), without a lock;
 //! - [`release`]: approve, reject and rollback, each verifying what would serve before anything
 //!   changes and undoing a failed rollout by itself;
+//! - [`lease`]: one command at a time changes a model's fleet (a create-if-absent object that
+//!   expires);
 //! - [`integrity`]: the gate that reads every stored file back against its published SHA-256;
 //! - [`self_check`] and [`canary`]: the request a version must answer on one replica, loaded
 //!   without the repository changing, before it may serve;
@@ -22,6 +24,7 @@ pub mod canary;
 pub mod config;
 pub mod error;
 pub mod integrity;
+pub mod lease;
 pub mod location;
 pub mod prune;
 pub mod publish;

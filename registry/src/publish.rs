@@ -39,7 +39,7 @@ fn engine_files(dir: &Path) -> Result<Vec<(String, PathBuf, u64)>> {
     Ok(files)
 }
 
-fn publisher() -> String {
+pub(crate) fn publisher() -> String {
     let host = std::fs::read_to_string("/etc/hostname")
         .ok()
         .map(|h| h.trim().to_string())

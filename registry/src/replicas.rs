@@ -110,14 +110,41 @@ pub enum Outcome {
     /// Serves the version, and only it.
     Serving,
     Failed(String),
+    /// Not live (starting, terminating, or gone): not a load failure. A replica that starts
+    /// loads what the repository names; the reconcile pass looks at it again.
+    Unreachable(String),
     /// Left alone: an earlier replica failed and the rollout stops at the first failure.
     NotAttempted,
+    /// Left alone: the command stopped before it (the repository names another version now, the
+    /// lease was taken over, or the store failed).
+    Stopped(String),
+}
+
+impl Outcome {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Outcome::Serving => "serving",
+            Outcome::Failed(_) => "failed",
+            Outcome::Unreachable(_) => "unreachable",
+            Outcome::NotAttempted => "not attempted",
+            Outcome::Stopped(_) => "stopped",
+        }
+    }
+
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Outcome::Failed(e) | Outcome::Unreachable(e) | Outcome::Stopped(e) => Some(e),
+            Outcome::Serving | Outcome::NotAttempted => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
 pub struct ReplicaReport {
     pub server: String,
     pub outcome: Outcome,
+    /// The replica was asked to reload (`false`: it already served the version alone).
+    pub reloaded: bool,
     pub seconds: f64,
 }
 
@@ -127,6 +154,8 @@ pub struct Rollout {
     pub model: String,
     pub version: u64,
     pub replicas: Vec<ReplicaReport>,
+    /// Why the rollout stopped before its last replica, if it did.
+    pub halted: Option<String>,
 }
 
 impl Rollout {
@@ -135,21 +164,33 @@ impl Rollout {
         self.replicas.iter().all(|r| r.outcome == Outcome::Serving)
     }
 
+    /// Some replica failed to load the version (unreachable ones do not count).
+    pub fn failed(&self) -> bool {
+        self.replicas
+            .iter()
+            .any(|r| matches!(r.outcome, Outcome::Failed(_)))
+    }
+
+    /// How many replicas serve the version.
+    pub fn serving(&self) -> usize {
+        self.replicas
+            .iter()
+            .filter(|r| r.outcome == Outcome::Serving)
+            .count()
+    }
+
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "model": self.model,
             "version": self.version,
             "complete": self.complete(),
+            "halted": self.halted,
             "replicas": self.replicas.iter().map(|r| {
-                let (outcome, error) = match &r.outcome {
-                    Outcome::Serving => ("serving", None),
-                    Outcome::Failed(e) => ("failed", Some(e.clone())),
-                    Outcome::NotAttempted => ("not attempted", None),
-                };
                 serde_json::json!({
                     "server": r.server,
-                    "outcome": outcome,
-                    "error": error,
+                    "outcome": r.outcome.name(),
+                    "error": r.outcome.error(),
+                    "reloaded": r.reloaded,
                     "seconds": r.seconds,
                 })
             }).collect::<Vec<_>>(),
@@ -157,45 +198,146 @@ impl Rollout {
     }
 }
 
-/// Reloads `model` on each replica in turn until it serves `version`. A failure stops the rollout
-/// (the remaining replicas are not touched) unless `continue_after_failure`; `on_replica` hears of
-/// each replica as it finishes.
+/// How a rollout treats its replicas.
+pub struct RolloutPlan<'a> {
+    pub model: &'a str,
+    pub version: u64,
+    /// The repository's config.pbtxt (for a load by override, see [`reload_and_wait`]).
+    pub repository_config: Option<&'a str>,
+    /// Go on past a failed replica (otherwise the rest are not attempted).
+    pub continue_after_failure: bool,
+    /// The longest one replica may take to load the version.
+    pub timeout: Duration,
+}
+
+/// Brings each replica in turn onto `plan.version`: a replica that already serves it alone is
+/// left as it is, the others reload and count when they serve it and no other. `guard` runs
+/// before each replica (the caller renews its lease and checks the repository still names the
+/// version); its error stops the rollout there and is returned with the report. A failure stops
+/// the rollout unless `continue_after_failure`; an unreachable replica never does.
 pub fn roll_out(
     replicas: &[String],
-    model: &str,
-    version: u64,
-    repository_config: Option<&str>,
-    continue_after_failure: bool,
-    timeout: Duration,
+    plan: &RolloutPlan<'_>,
+    guard: &mut dyn FnMut() -> Result<()>,
     on_replica: &mut dyn FnMut(&ReplicaReport),
-) -> Rollout {
+) -> (Rollout, Option<RegistryError>) {
     let mut reports = Vec::new();
     let mut failed = false;
+    let mut halted: Option<RegistryError> = None;
     for server in replicas {
         let started = Instant::now();
-        let outcome = if failed && !continue_after_failure {
+        let mut reloaded = false;
+        let outcome = if let Some(reason) = &halted {
+            Outcome::Stopped(reason.to_string())
+        } else if failed && !plan.continue_after_failure {
             Outcome::NotAttempted
+        } else if let Err(e) = guard() {
+            let outcome = Outcome::Stopped(e.to_string());
+            halted = Some(e);
+            outcome
         } else {
-            match reload_and_wait(server, model, version, repository_config, timeout) {
-                Ok(()) => Outcome::Serving,
-                Err(e) => {
+            match converge_one(server, plan) {
+                Ok(did_reload) => {
+                    reloaded = did_reload;
+                    Outcome::Serving
+                }
+                Err(ReplicaError::NotLive(e)) => Outcome::Unreachable(e),
+                Err(ReplicaError::Failed(e)) => {
+                    reloaded = true;
                     failed = true;
-                    Outcome::Failed(e.to_string())
+                    Outcome::Failed(e)
                 }
             }
         };
         let report = ReplicaReport {
             server: server.clone(),
             outcome,
+            reloaded,
             seconds: started.elapsed().as_secs_f64(),
         };
         on_replica(&report);
         reports.push(report);
     }
-    Rollout {
-        model: model.to_string(),
-        version,
+    let rollout = Rollout {
+        model: plan.model.to_string(),
+        version: plan.version,
         replicas: reports,
+        halted: halted.as_ref().map(|e| e.to_string()),
+    };
+    (rollout, halted)
+}
+
+/// Why a replica is not on the version.
+#[derive(Debug)]
+pub enum ReplicaError {
+    /// It did not answer its liveness probe.
+    NotLive(String),
+    /// It answered and did not come to serve the version.
+    Failed(String),
+}
+
+impl std::fmt::Display for ReplicaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplicaError::NotLive(e) | ReplicaError::Failed(e) => f.write_str(e),
+        }
+    }
+}
+
+fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(5))
+        .timeout(timeout)
+        .build()
+}
+
+fn check_live(
+    agent: &ureq::Agent,
+    base: &str,
+    timeout: Duration,
+) -> std::result::Result<(), ReplicaError> {
+    agent
+        .get(&format!("{base}/v2/health/live"))
+        .timeout(LIVENESS_TIMEOUT.min(timeout))
+        .call()
+        .map(|_| ())
+        .map_err(|e| {
+            ReplicaError::NotLive(format!(
+                "the server is not live (no answer to /v2/health/live within {:?}): {}",
+                LIVENESS_TIMEOUT.min(timeout),
+                describe(e)
+            ))
+        })
+}
+
+/// One replica onto `plan.version`: `Ok(false)` when it already served it alone, `Ok(true)` once
+/// a reload brought it there.
+fn converge_one(server: &str, plan: &RolloutPlan<'_>) -> std::result::Result<bool, ReplicaError> {
+    let base = server.trim_end_matches('/');
+    let agent = agent(plan.timeout);
+    check_live(&agent, base, plan.timeout)?;
+    if ready_versions(&agent, base, plan.model).is_ok_and(|v| v == [plan.version.to_string()]) {
+        return Ok(false);
+    }
+    reload_and_wait(
+        server,
+        plan.model,
+        plan.version,
+        plan.repository_config,
+        plan.timeout,
+    )
+    .map(|()| true)
+}
+
+/// The versions of `model` that `server` has ready now (for a prune, which must keep them).
+pub fn ready_on(server: &str, model: &str) -> std::result::Result<Vec<u64>, ReplicaError> {
+    let base = server.trim_end_matches('/');
+    let agent = agent(LIVENESS_TIMEOUT * 2);
+    check_live(&agent, base, LIVENESS_TIMEOUT)?;
+    match ready_versions(&agent, base, model) {
+        Ok(versions) => Ok(versions.iter().filter_map(|v| v.parse().ok()).collect()),
+        // A replica without the model (never loaded, or unloaded) has no metadata for it.
+        Err(_) => Ok(Vec::new()),
     }
 }
 
@@ -217,25 +359,13 @@ pub fn reload_and_wait(
     version: u64,
     repository_config: Option<&str>,
     timeout: Duration,
-) -> Result<()> {
+) -> std::result::Result<(), ReplicaError> {
     let base = server.trim_end_matches('/');
-    let agent = ureq::AgentBuilder::new()
-        .timeout_connect(Duration::from_secs(5))
-        .timeout(timeout)
-        .build();
-    agent
-        .get(&format!("{base}/v2/health/live"))
-        .timeout(LIVENESS_TIMEOUT.min(timeout))
-        .call()
-        .map_err(|e| {
-            RegistryError::Input(format!(
-                "the server is not live (no answer to /v2/health/live within {:?}): {}",
-                LIVENESS_TIMEOUT.min(timeout),
-                describe(e)
-            ))
-        })?;
+    let agent = agent(timeout);
+    check_live(&agent, base, timeout)?;
+    let failed = |text: String| ReplicaError::Failed(text);
     post_load(&agent, base, model, None)
-        .map_err(|e| RegistryError::Input(format!("the server refused to reload {model}: {e}")))?;
+        .map_err(|e| failed(format!("the server refused to reload {model}: {e}")))?;
     if wait_for_versions(&agent, base, model, &[version], RELOAD_GRACE.min(timeout)).is_ok() {
         return Ok(());
     }
@@ -248,14 +378,14 @@ pub fn reload_and_wait(
             loaded_config(&agent, base, model).as_ref(),
         );
         post_load(&agent, base, model, Some(&config)).map_err(|e| {
-            RegistryError::Input(format!(
+            failed(format!(
                 "the server kept versions {still:?} after the reload and refused to load \
                  version {version} by override: {e}"
             ))
         })?;
     }
     wait_for_versions(&agent, base, model, &[version], timeout).map_err(|e| {
-        RegistryError::Input(format!(
+        failed(format!(
             "{model} version {version} was not the only ready version: {e}"
         ))
     })
@@ -316,47 +446,74 @@ mod tests {
         assert!(err.contains("host:port"), "{err}");
     }
 
-    #[test]
-    fn a_failed_replica_stops_the_rollout_unless_asked_to_go_on() {
-        // Nothing listens on these ports: every reload fails fast.
-        let dead: Vec<String> = (0..3)
+    fn plan(timeout: Duration) -> RolloutPlan<'static> {
+        RolloutPlan {
+            model: "m",
+            version: 2,
+            repository_config: None,
+            continue_after_failure: false,
+            timeout,
+        }
+    }
+
+    fn dead_ports(n: usize) -> Vec<String> {
+        (0..n)
             .map(|_| {
                 let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
                 format!("http://{}", l.local_addr().unwrap())
             })
-            .collect();
-        let mut heard = 0;
-        let stop = roll_out(
-            &dead,
-            "m",
-            2,
-            None,
-            false,
-            Duration::from_secs(2),
-            &mut |_| heard += 1,
-        );
-        assert_eq!(heard, 3);
-        assert!(!stop.complete());
-        assert!(matches!(stop.replicas[0].outcome, Outcome::Failed(_)));
-        assert_eq!(stop.replicas[1].outcome, Outcome::NotAttempted);
-        let go_on = roll_out(
-            &dead,
-            "m",
-            2,
-            None,
-            true,
-            Duration::from_secs(2),
-            &mut |_| {},
-        );
-        assert!(go_on
-            .replicas
-            .iter()
-            .all(|r| matches!(r.outcome, Outcome::Failed(_))));
-        assert_eq!(go_on.to_json()["replicas"][2]["outcome"], "failed");
+            .collect()
     }
 
     #[test]
-    fn a_replica_that_accepts_but_never_answers_fails_within_the_liveness_timeout() {
+    fn replicas_that_are_not_live_are_unreachable_not_failed_and_do_not_stop_the_rollout() {
+        // Nothing listens on these ports (a pod terminating, or not started yet).
+        let dead = dead_ports(3);
+        let mut heard = 0;
+        let (rollout, halted) = roll_out(
+            &dead,
+            &plan(Duration::from_secs(2)),
+            &mut || Ok(()),
+            &mut |_| heard += 1,
+        );
+        assert!(halted.is_none());
+        assert_eq!(heard, 3);
+        assert!(!rollout.complete() && !rollout.failed());
+        assert!(rollout
+            .replicas
+            .iter()
+            .all(|r| matches!(r.outcome, Outcome::Unreachable(_)) && !r.reloaded));
+        assert_eq!(rollout.to_json()["replicas"][2]["outcome"], "unreachable");
+    }
+
+    #[test]
+    fn a_guard_that_fails_stops_the_rollout_before_the_next_replica() {
+        let dead = dead_ports(3);
+        let mut calls = 0;
+        let (rollout, halted) = roll_out(
+            &dead,
+            &plan(Duration::from_secs(2)),
+            &mut || {
+                calls += 1;
+                if calls == 2 {
+                    Err(RegistryError::Input(
+                        "the repository names version 5 now".into(),
+                    ))
+                } else {
+                    Ok(())
+                }
+            },
+            &mut |_| {},
+        );
+        assert_eq!(calls, 2, "no replica is taken after the guard refused");
+        assert!(halted.unwrap().to_string().contains("version 5"));
+        let outcomes: Vec<&str> = rollout.replicas.iter().map(|r| r.outcome.name()).collect();
+        assert_eq!(outcomes, ["unreachable", "stopped", "stopped"]);
+        assert!(rollout.halted.as_deref().unwrap().contains("version 5"));
+    }
+
+    #[test]
+    fn a_replica_that_accepts_but_never_answers_is_unreachable_within_the_liveness_timeout() {
         // A listener that takes connections and reads them but never writes a byte: a hung or
         // stopping server. The reload's own timeout (here 120 s) must not be what ends the wait.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -369,19 +526,16 @@ mod tests {
             }
         });
         let started = Instant::now();
-        let report = roll_out(
+        let (report, _) = roll_out(
             std::slice::from_ref(&server),
-            "m",
-            2,
-            None,
-            false,
-            Duration::from_secs(120),
+            &plan(Duration::from_secs(120)),
+            &mut || Ok(()),
             &mut |_| {},
         );
         let waited = started.elapsed();
-        let Outcome::Failed(error) = &report.replicas[0].outcome else {
+        let Outcome::Unreachable(error) = &report.replicas[0].outcome else {
             panic!(
-                "a silent replica must fail: {:?}",
+                "a silent replica must be unreachable: {:?}",
                 report.replicas[0].outcome
             );
         };

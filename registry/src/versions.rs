@@ -76,18 +76,24 @@ pub struct VersionInfo {
 
 impl VersionInfo {
     /// The record of a version folder made without the registry (e.g. by `recsys convert
-    /// --output <repo>/<model>/<v>`): treated as approved, as Triton would serve it.
-    fn unregistered(version: u64) -> VersionInfo {
+    /// --output <repo>/<model>/<v>`, or a publish still uploading before its record is written):
+    /// incomplete, so it never serves and is never approved; `recsys publish` makes a version
+    /// of that engine with its checksums and self-check.
+    fn unregistered(version: u64, has_engine: bool) -> VersionInfo {
         VersionInfo {
             version,
-            status: Status::Approved,
+            status: Status::Incomplete,
             created_at: String::new(),
             model_kind: String::new(),
             precision: String::new(),
             source_checkpoint: String::new(),
             source_sha256: String::new(),
             metrics: None,
-            history: vec!["found without registry metadata; treated as approved".into()],
+            history: vec![if has_engine {
+                "a folder without a registry record (written without `recsys publish`)".into()
+            } else {
+                "no registry record and no engine manifest".into()
+            }],
             publisher: None,
             files: Vec::new(),
             checksums: BTreeMap::new(),
@@ -135,18 +141,13 @@ pub fn list(repo: &Repository, model: &str) -> Result<Vec<VersionInfo>> {
             match repo.read(&key)? {
                 Some(object) => parse(repo, &key, &object.bytes),
                 None => {
-                    // Only a folder holding an engine counts; anything else (a copy cut short)
-                    // must never be named by the config.
+                    // No record: never approvable (an engine copied in by hand, or one whose
+                    // upload is still running: `recsys convert` writes the manifest first).
                     let has_engine = repo
                         .files(&format!("{model}/{version}"))?
                         .iter()
                         .any(|(name, _)| name == recsys_engine::engine_dir::MANIFEST_FILE);
-                    let mut info = VersionInfo::unregistered(version);
-                    if !has_engine {
-                        info.status = Status::Incomplete;
-                        info.history = vec!["no registry record and no engine manifest".into()];
-                    }
-                    Ok(info)
+                    Ok(VersionInfo::unregistered(version, has_engine))
                 }
             }
         })

@@ -279,15 +279,161 @@ fn prune_removes_old_versions_but_never_one_that_serves_or_may_serve_next() {
         publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
         set_status(&repo, "vaecf", 2, Status::Rejected).unwrap();
         // 1 approved, 2 rejected, 3 approved (previous), 4 approved (serving), 5 pending.
-        let dry = recsys_registry::prune::prune(&repo, "vaecf", 1, true, &mut |_| {}).unwrap();
+        let dry = prune(&repo, 1, true, &mut |_| {}).unwrap();
         assert_eq!(dry.removed, [1, 2]);
         assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [1, 2, 3, 4, 5]);
         let mut heard = Vec::new();
-        let done = recsys_registry::prune::prune(&repo, "vaecf", 1, false, &mut |v| heard.push(v))
-            .unwrap();
+        let done = prune(&repo, 1, false, &mut |v| heard.push(v)).unwrap();
         assert_eq!((done.removed.clone(), heard), (vec![1, 2], vec![1, 2]));
         assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [3, 4, 5]);
         assert!(repo.files("vaecf/1").unwrap().is_empty());
         assert_eq!(served(&repo), [4]);
+    }
+}
+
+fn prune(
+    repo: &Repository,
+    keep: usize,
+    dry_run: bool,
+    on_removed: &mut dyn FnMut(u64),
+) -> recsys_registry::Result<recsys_registry::prune::Pruned> {
+    recsys_registry::prune::prune(
+        repo,
+        &recsys_registry::prune::PruneRequest {
+            model: "vaecf",
+            keep,
+            dry_run,
+            replicas: &[],
+            lease: Fleet::none().lease,
+        },
+        &mut |_, _| {},
+        on_removed,
+    )
+}
+
+#[test]
+fn prune_after_a_rollback_killed_between_its_writes_refuses_and_never_takes_the_configs_version() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        for _ in 0..4 {
+            publish_approved(&repo, &engine);
+        }
+        // A rollback from 4 killed after its record write, before its config write.
+        versions::update(&repo, "vaecf", 4, &mut |_, v| {
+            v.status = Status::RolledBack;
+            Ok(())
+        })
+        .unwrap();
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        assert_eq!(served(&repo), [4]);
+        let err = prune(&repo, 1, false, &mut |_| {}).unwrap_err().to_string();
+        assert!(
+            err.contains("names version(s) [4]")
+                && err.contains("recsys approve --repository")
+                && err.contains("--version 3"),
+            "{err}"
+        );
+        assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [1, 2, 3, 4, 5]);
+        // The repair the refusal names, then the prune.
+        let repaired =
+            release::approve(&repo, "vaecf", 3, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        assert_eq!(repaired.serving, Some(3));
+        let done = prune(&repo, 1, false, &mut |_| {}).unwrap();
+        assert_eq!(done.removed, [1, 4]);
+        assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [2, 3, 5]);
+        assert_eq!(served(&repo), [3]);
+    }
+}
+
+#[test]
+fn a_folder_without_a_record_is_incomplete_and_cannot_be_approved() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        // What `recsys convert --output <repo>/vaecf/2` leaves (or is in the middle of writing):
+        // an engine, no record.
+        for (name, _) in std::fs::read_dir(&engine)
+            .unwrap()
+            .map(|e| (e.unwrap().file_name().into_string().unwrap(), ()))
+        {
+            repo.upload(&format!("vaecf/2/{name}"), &engine.join(&name), &mut |_| {})
+                .unwrap();
+        }
+        let listed = versions::list(&repo, "vaecf").unwrap();
+        assert_eq!(listed[1].status, Status::Incomplete);
+        assert!(listed[1].history[0].contains("without `recsys publish`"));
+        let err = release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("incomplete") && err.contains("recsys publish"),
+            "{err}"
+        );
+        assert_eq!(served(&repo), [1]);
+    }
+}
+
+#[test]
+fn approve_verifies_the_version_the_config_will_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        // v3 approved by an approve killed before its config write, then corrupted in the store.
+        versions::update(&repo, "vaecf", 3, &mut |_, v| {
+            v.status = Status::Approved;
+            Ok(())
+        })
+        .unwrap();
+        repo.overwrite("vaecf/3/weights.safetensors", b"rotten")
+            .unwrap();
+        // Approving v2 would have the config name v3, the newest approved: v3 is what is gated.
+        let refused = release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        let reason = refused.refused.expect("the target's gate refuses");
+        assert!(reason.contains("weights.safetensors"), "{reason}");
+        assert_eq!(served(&repo), [1]);
+    }
+}
+
+#[test]
+fn a_command_finding_the_lease_held_fails_naming_the_holder_and_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        let held = recsys_registry::lease::acquire(
+            &repo,
+            "vaecf",
+            &recsys_registry::lease::LeaseOptions {
+                command: "rollback --to 1".into(),
+                ..Fleet::none().lease
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        let err = release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap_err();
+        assert!(
+            matches!(err, recsys_registry::RegistryError::LeaseHeld(_)),
+            "{err}"
+        );
+        assert!(err.to_string().contains("rollback --to 1"), "{err}");
+        let err = prune(&repo, 1, false, &mut |_| {}).unwrap_err();
+        assert!(matches!(err, recsys_registry::RegistryError::LeaseHeld(_)));
+        assert_eq!(served(&repo), [1]);
+        assert_eq!(
+            versions::list(&repo, "vaecf").unwrap()[1].status,
+            Status::Pending
+        );
+        held.release().unwrap();
+        release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        assert_eq!(served(&repo), [2]);
+        assert!(recsys_registry::lease::current(&repo, "vaecf")
+            .unwrap()
+            .is_none());
     }
 }

@@ -79,3 +79,78 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of the S3 server that forwards every request until a request matching
+    `trigger` (method, path) has been forwarded, then answers every later one with 403
+    ExpiredToken, as S3 does once a session token expires in the middle of a command. Binds
+    127.0.0.1; stopped by stop() or the context manager."""
+
+    def __init__(self, target_port: int, trigger):
+        import http.server  # noqa: PLC0415
+        import socketserver  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+
+        self.port = free_port()
+        self.failing = threading.Event()
+        self.forwarded: list[tuple[str, str]] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _any(self):
+                import http.client  # noqa: PLC0415
+
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.failing.is_set():
+                    error = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ExpiredToken</Code>'
+                             b"<Message>The provided token has expired.</Message></Error>")
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"127.0.0.1:{target_port}"
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+                proxy.forwarded.append((self.command, self.path))
+                if trigger(self.command, self.path) and response.status < 300:
+                    proxy.failing.set()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def uri(self, bucket: str, prefix: str) -> str:
+        return f"s3://127.0.0.1:{self.port}/{bucket}/{prefix}".rstrip("/")
+
+    def __enter__(self) -> "FaultyProxy":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,10 +1,11 @@
 """A fleet on object storage: two tritonservers (explicit model control) load the same s3://
 repository from a real S3-compatible server on 127.0.0.1. Under continuous load on both replicas:
 publish v2 (pending: v1 keeps serving), approve it (both replicas serve v2), reject it (both back on
-v1), with zero failed requests. Then one replica down during an approve: a per-replica report and
-the approve rolled back by itself (exit 5), or with --rollout continue the reachable replica on the
-new version (exit 4). And the gates: corrupted and self-check-failing versions refused with nothing
-changed, a broken rollout undone, rollback and prune."""
+v1), with zero failed requests. Then one replica down during an approve: unreachable, not failed
+(no rollback), the reachable replica on the new version and exit 4. And the gates, with the canary
+a third tritonserver outside the traffic replicas: corrupted and self-check-failing versions refused
+with nothing changed and no traffic replica ever answering from them, a rollout broken by a replica
+that refuses the reload undone over the whole fleet, rollback and prune."""
 
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def test_two_replicas_on_one_s3_repository_switch_together_without_failed_reques
             time.sleep(0.3)
             assert all(load.versions_since(0) == {"1"} for load in loads), "a pending version must not serve"
 
-            approved = json.loads(recsys("approve", "--version", "2", *server_flags, "--json").stdout)
+            approved = json.loads(recsys("approve", "--version", "2", *server_flags, "--canary-on-traffic",
+                                         "--json").stdout)
             assert approved["serving_version"] == 2
             assert approved["rollout"]["complete"] is True
             assert [r["server"] for r in approved["rollout"]["replicas"]] == urls
@@ -141,37 +143,26 @@ def test_two_replicas_on_one_s3_repository_switch_together_without_failed_reques
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
             assert len(load.seen) > 100, f"replica {i} answered only {len(load.seen)} requests"
 
-        # One replica down during an approve: the canary runs on the live one and passes, the
-        # rollout fails on the dead one, and the approve rolls itself back.
+        # One replica down during an approve (a pod terminating, or not started): unreachable, not
+        # a load failure, so no rollback; the live one moves and exit 4 says not every replica did.
         servers[1].stop()
-        run = recsys("approve", "--version", "2", *server_flags, expect=ROLLED_BACK_EXIT)
+        run = recsys("approve", "--version", "2", *server_flags, "--canary-on-traffic",
+                     expect=PARTIAL_ROLLOUT_EXIT)
         assert f"canary {urls[0]} loaded the version and passed its self-check" in run.stdout, run.stdout
         assert f"{urls[0]} now serves bert4rec version 2" in run.stdout, run.stdout
-        assert f"{urls[1]} FAILED" in run.stdout, run.stdout
-        assert f"rolling back to bert4rec version 1" in run.stdout, run.stdout
-        assert f"{urls[0]} now serves bert4rec version 1" in run.stdout.split("rolling back")[1], run.stdout
-        assert "rolled back:" in run.stderr and "names version 1 again" in run.stderr, run.stderr
-        assert ready_versions(servers[0]) == ["1"]
-        table = recsys("versions").stdout
-        assert table.splitlines()[2].split()[:2] == ["2", "rolled-back"], table
-        assert "rolled back automatically" in table, table
-        # --rollout continue never rolls back: the reachable replica moves, exit 4 says not all did.
-        run = recsys("approve", "--version", "2", *server_flags, "--rollout", "continue",
-                     expect=PARTIAL_ROLLOUT_EXIT)
-        assert f"{urls[0]} now serves bert4rec version 2" in run.stdout, run.stdout
+        assert f"{urls[1]} unreachable" in run.stdout, run.stdout
+        assert "rolling back" not in run.stdout, run.stdout
         assert "partial rollout: 1 of 2 replicas serve bert4rec version 2" in run.stderr, run.stderr
         assert "recsys approve --repository" in run.stderr, run.stderr
-        # The dead replica first: by default the healthy one is left alone ...
+        assert ready_versions(servers[0]) == ["2"]
+        # The unreachable replica first: it does not stop the rollout, the healthy one goes back.
         flipped = ["--server", urls[1], "--server", urls[0]]
-        report = json.loads(recsys("reject", "--version", "2", *flipped, "--json",
-                                   expect=PARTIAL_ROLLOUT_EXIT).stdout)["rollout"]
-        assert [r["outcome"] for r in report["replicas"]] == ["failed", "not attempted"], report
-        assert "Connection refused" in report["replicas"][0]["error"] or "connect" in report["replicas"][0]["error"]
-        # ... and --rollout continue goes on to it.
-        report = json.loads(recsys("reject", "--version", "2", *flipped, "--rollout", "continue", "--json",
-                                   expect=PARTIAL_ROLLOUT_EXIT).stdout)["rollout"]
-        assert [r["outcome"] for r in report["replicas"]] == ["failed", "serving"], report
-        assert report["complete"] is False
+        outcome = json.loads(recsys("reject", "--version", "2", *flipped, "--json",
+                                    expect=PARTIAL_ROLLOUT_EXIT).stdout)
+        assert [r["outcome"] for r in outcome["rollout"]["replicas"]] == ["unreachable", "serving"], outcome
+        assert "not live" in outcome["rollout"]["replicas"][0]["error"], outcome
+        assert outcome["reconciled"]["complete"] is False, outcome
+        assert ready_versions(servers[0]) == ["1"]
 
     table = recsys("versions").stdout
     assert "rejected" in table and table.splitlines()[1].split()[:3] == ["1", "approved", "yes"], table
@@ -199,11 +190,12 @@ def overflowing_checkpoint(out: Path) -> Path:
 
 
 def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, recsys_bin, backend_dir, s3):
-    """Two replicas under load on one s3:// repository. A version with a flipped byte in the bucket
-    and a version that loads but answers non-finite scores are both refused by approve: zero failed
-    requests, the repository unchanged, and a third tritonserver started afterwards with default
-    flags serves v1. A good version then approves normally, and a rollout broken mid-way (one
-    replica killed) rolls back by itself."""
+    """Two traffic replicas under load and a canary replica outside them, on one s3:// repository.
+    A version with a flipped byte in the bucket and a version that loads but answers non-finite
+    scores are both refused by approve: zero failed requests, no traffic replica ever answering
+    from either, the repository unchanged, and a fourth tritonserver started afterwards with default
+    flags serves v1. A good version then approves normally, and a rollout broken mid-way (a replica
+    that refuses the reload) rolls back by itself, over every replica."""
     uri = s3.uri("models", "gated/repo")
     convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", tmp_path / "fp32")
     convert(recsys_bin, "bert4rec", "bert4rec", "model.safetensors", tmp_path / "int8", extra=["--precision", "int8"])
@@ -226,9 +218,11 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
                                                     log_path=tmp_path / f"replica{i}.log"))
-                   for i in range(2)]
+                   for i in range(3)]
+        canary = servers.pop()
+        canary_url = f"http://{canary.http_url}"
         urls = [f"http://{s.http_url}" for s in servers]
-        server_flags = [flag for url in urls for flag in ("--server", url)]
+        server_flags = [flag for url in urls for flag in ("--server", url)] + ["--canary", canary_url]
         loads = [Load(s) for s in servers]
         for load in loads:
             load.thread.start()
@@ -251,10 +245,10 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
             recsys("publish", "--engine", str(tmp_path / "overflow"))
             run = recsys("approve", "--version", "3", *server_flags, "--json", expect=REFUSED_EXIT)
             outcome = json.loads(run.stdout)
-            assert outcome["canary"]["server"] == urls[0] and outcome["canary"]["restored"] is True, outcome
+            assert outcome["canary"]["server"] == canary_url and outcome["canary"]["restored"] is True, outcome
             assert "non-finite score" in outcome["refused"], outcome
             assert config_text() == config_v1
-            assert all(ready_versions(s) == ["1"] for s in servers)
+            assert all(ready_versions(s) == ["1"] for s in [*servers, canary])
             listed = json.loads(recsys("versions", "--json").stdout)["versions"]
             assert [v["status"] for v in listed] == ["approved", "pending", "pending"], listed
             assert "SHA-256" in listed[1]["last_failure"] and "self-check" in listed[2]["last_failure"], listed
@@ -280,32 +274,38 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
                 load.thread.join(30)
         for i, load in enumerate(loads):
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
-            # The canary served the candidates on replica 0 for a moment; v3's answers there were
-            # refused by the self-check, and no replica served v2 at all.
-            assert "2" not in load.seen, f"replica {i} served the corrupted version"
-            assert set(load.seen) <= {"1", "3", "4"}
-        assert "3" not in loads[1].seen, "only the canary replica may load a candidate"
+            # The candidates loaded on the canary only: no client of a traffic replica ever got an
+            # answer from the corrupted or the overflowing version.
+            assert set(load.seen) <= {"1", "4"}, f"replica {i} answered from {set(load.seen)}"
 
-        # A rollout broken mid-way: replica 1 killed; the approve of v5 rolls back to v4 by itself.
+        # A rollout broken mid-way: replica 1 restarted with its model control restricted to a key
+        # this approver lacks, so it refuses the reload; the approve of v5 rolls back to v4 by
+        # itself, and the pass back reaches every replica (replica 1 never left v4).
         recsys("publish", "--engine", str(tmp_path / "fp32"))
-        servers[1].process.kill()
-        servers[1].process.wait(10)
+        servers[1].stop()
+        servers[1] = stack.enter_context(TritonServer(
+            uri, backend_dir, explicit=True, load_models=["bert4rec"], log_path=tmp_path / "restricted.log",
+            extra_args=["--http-restricted-api=model-repository,model-config:recsys-admin-key=other"]))
+        urls[1] = f"http://{servers[1].http_url}"
+        server_flags = [flag for url in urls for flag in ("--server", url)] + ["--canary", canary_url]
         run = recsys("approve", "--version", "5", *server_flags, "--json", expect=ROLLED_BACK_EXIT)
         outcome = json.loads(run.stdout)
         assert [r["outcome"] for r in outcome["rollout"]["replicas"]] == ["serving", "failed"], json.dumps(outcome, indent=1)
-        assert [r["outcome"] for r in outcome["rolled_back"]["replicas"]] == ["serving"], outcome
+        assert [r["outcome"] for r in outcome["rolled_back"]["replicas"]] == ["serving", "serving"], outcome
+        assert [r["reloaded"] for r in outcome["rolled_back"]["replicas"]] == [True, False], outcome
         assert outcome["serving_version"] == 4 and outcome["rolled_back"]["version"] == 4, outcome
-        assert ready_versions(servers[0]) == ["4"]
+        assert outcome["reconciled"]["complete"] is True, outcome
+        assert canary_url in [r["server"] for r in outcome["reconciled"]["replicas"]], outcome
+        assert all(ready_versions(s) == ["4"] for s in [*servers, canary])
         assert b"versions: [ 4 ]" in config_text()
         listed = json.loads(recsys("versions", "--json").stdout)["versions"]
         assert listed[4]["status"] == "rolled-back" and urls[1] in listed[4]["last_failure"], listed[4]
 
         # Explicit rollback to v1 (v4 marked rolled back), then prune keeps what may serve.
-        servers[1].process = None
         back = json.loads(recsys("rollback", "--to", "1", "--server", urls[0], "--json").stdout)
         assert back["serving_version"] == 1 and back["rollout"]["complete"] is True, back
         assert ready_versions(servers[0]) == ["1"]
-        pruned = json.loads(recsys("versions", "--prune", "--keep", "1", "--json").stdout)
+        pruned = json.loads(recsys("versions", "--prune", "--keep", "1", "--server", urls[0], "--json").stdout)
         assert pruned["removed"] == [4], pruned
         assert sorted(k["version"] for k in pruned["kept"]) == [1, 2, 3], pruned
 
@@ -339,7 +339,8 @@ def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_ap
         # server itself reads ready here; a model that fails to load makes it unready, below.)
         assert server.process.poll() is None and server.is_live()
         assert server._get("/v2/models/bert4rec/ready") != 200
-        recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--server", f"http://{server.http_url}")
+        recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--server", f"http://{server.http_url}",
+               "--canary-on-traffic")
         wait_for(server.is_ready, "the replica ready after the first approve", timeout=30)
         assert ready_versions(server) == ["1"]
     finally:
@@ -358,7 +359,7 @@ def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_ap
         assert "sha256" in server.log().lower() or "checksum" in server.log().lower(), server.log()[-2000:]
         started = time.monotonic()
         out = recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--server",
-                     f"http://{server.http_url}").stdout
+                     f"http://{server.http_url}", "--canary-on-traffic").stdout
         # The canary could not be put back on the rotted version; it says so at once.
         assert "not put back: version 1 failed to load" in out and "checksum mismatch" in out, out
         assert time.monotonic() - started < 60, "a failed load is reported when it happens, not after a timeout"
@@ -467,11 +468,11 @@ def test_model_control_restricted_to_the_approvers_key(tmp_path, recsys_bin, bac
     with TritonServer(repo, backend_dir, explicit=True, load_models=["bert4rec"],
                       log_path=tmp_path / "server.log", extra_args=restricted) as server:
         url = f"http://{server.http_url}"
-        run = recsys("approve", "--version", "2", "--server", url, expect=3)
+        run = recsys("approve", "--version", "2", "--canary", url, expect=3)
         assert "recsys-admin-key" in run.stderr, run.stderr
         assert ready_versions(server) == ["1"]
-        recsys("approve", "--version", "2", "--server", url, env={"RECSYS_TRITON_ADMIN_KEY": "wrong"}, expect=3)
+        recsys("approve", "--version", "2", "--canary", url, env={"RECSYS_TRITON_ADMIN_KEY": "wrong"}, expect=3)
         key_file = tmp_path / "admin-key"
         key_file.write_text("s3cret\n")
-        recsys("approve", "--version", "2", "--server", url, env={"RECSYS_TRITON_ADMIN_KEY_FILE": str(key_file)})
+        recsys("approve", "--version", "2", "--canary", url, env={"RECSYS_TRITON_ADMIN_KEY_FILE": str(key_file)})
         assert ready_versions(server) == ["2"]

@@ -57,7 +57,7 @@ def test_publish_approve_reject_switch_versions_without_failed_requests(tmp_path
             assert "pending" in out
             time.sleep(0.3)
             assert set(seen) == {"1"}, "a pending version must not serve"
-            out = recsys("approve", "--version", "2", "--server", url)
+            out = recsys("approve", "--version", "2", "--server", url, "--canary-on-traffic")
             assert "now serves bert4rec version 2" in out
             mark = len(seen)
             time.sleep(0.5)

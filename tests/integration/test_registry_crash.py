@@ -142,7 +142,8 @@ def test_sigkill_at_any_moment_leaves_a_repository_every_replica_can_load(
         for i in range(KILLS_PER_STORE):
             command = next_command(i)
             delay = rng.uniform(0.0, durations[command[0]])
-            process = subprocess.Popen([str(recsys_bin), *command, *base],
+            # The command before was killed or ended: its lease, if any, is a dead holder's.
+            process = subprocess.Popen([str(recsys_bin), *command, *base, "--force"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(delay)
             if process.poll() is None:
@@ -160,7 +161,7 @@ def test_sigkill_at_any_moment_leaves_a_repository_every_replica_can_load(
         listed = versions()
         incomplete = [v["version"] for v in listed if v["status"] == "incomplete"]
         print(f"store {store}: versions {[(v['version'], v['status']) for v in listed]}")
-        final = run("publish", "--approve", "--engine", str(engines[0]))
+        final = run("publish", "--approve", "--engine", str(engines[0]), "--force")
         assert final.returncode == 0, final.stderr
         expected = loadable_version(reader, settled=True)
         assert expected == max(v["version"] for v in versions() if v["status"] == "approved")

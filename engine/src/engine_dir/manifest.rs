@@ -314,6 +314,11 @@ pub fn utc_now_rfc3339() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
+    rfc3339_utc(secs)
+}
+
+/// `secs` since the Unix epoch as an RFC 3339 UTC time, to the second.
+pub fn rfc3339_utc(secs: i64) -> String {
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days + 719_468;

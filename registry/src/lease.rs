@@ -1,0 +1,471 @@
+//! The lease on a model's fleet: one object, `<model>/recsys-lease.json`, created only if absent,
+//! naming who holds it, the command it runs and when it expires. approve, reject, rollback and
+//! prune take it before they read what they will change and hold it until they end, so two
+//! operators (or CI and on-call) never roll one fleet in opposite directions at once: the second
+//! command waits for the first, or fails naming it.
+//!
+//! While a command runs, a heartbeat renews its lease every quarter of [`LEASE_TTL`], and the
+//! command renews it again before each replica, so a lease outlives a slow rollout (a reload may
+//! take minutes) but not a killed command: [`LEASE_TTL`] after its last renewal the next command
+//! takes it over with a conditional replace (on S3 and GCS, of two commands taking over the same
+//! expired lease, one wins). Expiry is read on the clock of the machine that checks it: operators'
+//! clocks must agree within the TTL (NTP). `--force` takes over a live lease, for a holder known to be dead; the old
+//! holder then finds at its next renewal that it lost the lease and stops before touching another
+//! replica. On a local directory (no conditional replace) a takeover is not atomic: local
+//! repositories serve one machine, where two operators are rare.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{RegistryError, Result};
+use crate::store::{Object, Repository};
+
+/// The lease object's name inside the model folder (tritonserver ignores files there that are
+/// not version folders or the config).
+pub const LEASE_FILE: &str = "recsys-lease.json";
+
+/// How long a lease lasts after its last renewal: how long a killed command blocks the next one.
+pub const LEASE_TTL: Duration = Duration::from_secs(120);
+
+/// What the lease object says.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    /// Host and process of the command holding it.
+    pub holder: String,
+    /// The command, as its user would recognise it (`approve --version 6`).
+    pub command: String,
+    pub acquired_at: String,
+    /// Seconds since the Unix epoch after which the lease is free to take over.
+    pub expires_at_unix: u64,
+    pub expires_at: String,
+    /// Distinguishes two holders on one host and process id (a restarted process).
+    pub token: String,
+}
+
+impl LeaseRecord {
+    fn expired(&self, now: u64) -> bool {
+        now >= self.expires_at_unix
+    }
+
+    /// "host pid 12 (`approve --version 6`, since ..., expires ...)".
+    pub fn describe(&self) -> String {
+        format!(
+            "{} (`{}`, since {}, expires {})",
+            self.holder, self.command, self.acquired_at, self.expires_at
+        )
+    }
+}
+
+/// How to take the lease.
+#[derive(Clone, Debug)]
+pub struct LeaseOptions {
+    /// The command, for whoever finds the lease held.
+    pub command: String,
+    /// How long the lease lasts after each renewal ([`LEASE_TTL`]; the heartbeat renews it every
+    /// quarter of that).
+    pub ttl: Duration,
+    /// How long to wait for a held lease before failing (zero: fail at once).
+    pub wait: Duration,
+    /// Take over a lease that has not expired (its holder is known to be dead).
+    pub force: bool,
+}
+
+/// Whoever is waiting for a lease hears who holds it (once, when the wait starts).
+pub type OnWait<'a> = &'a mut dyn FnMut(&LeaseRecord);
+
+/// A held lease: released when dropped (a command that fails still lets the next one in).
+/// Renewed through a shared reference, so a heartbeat thread and the command both can.
+pub struct Lease<'a> {
+    repo: &'a Repository,
+    key: String,
+    ttl: Duration,
+    /// The record as this holder last wrote it; locked for the whole of a renewal.
+    record: Mutex<LeaseRecord>,
+    /// Why the lease was lost, once it was: every later renewal fails with it.
+    lost: Mutex<Option<String>>,
+    released: bool,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn token() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{nanos:x}", std::process::id())
+}
+
+pub fn lease_key(model: &str) -> String {
+    format!("{model}/{LEASE_FILE}")
+}
+
+/// The lease on `model` as stored now, if any.
+pub fn current(repo: &Repository, model: &str) -> Result<Option<LeaseRecord>> {
+    let key = lease_key(model);
+    repo.read(&key)?.map(|o| parse(repo, &key, &o)).transpose()
+}
+
+fn parse(repo: &Repository, key: &str, object: &Object) -> Result<LeaseRecord> {
+    serde_json::from_slice(&object.bytes).map_err(|e| {
+        RegistryError::Input(format!(
+            "{}/{key} is not a recsys lease ({e}); if no command is running, delete it",
+            repo.uri().trim_end_matches('/')
+        ))
+    })
+}
+
+fn rfc3339(unix: u64) -> String {
+    recsys_engine::engine_dir::rfc3339_utc(unix as i64)
+}
+
+impl LeaseRecord {
+    fn new(command: &str, ttl: Duration) -> LeaseRecord {
+        let now = unix_now();
+        let expires = now + ttl.as_secs().max(1);
+        LeaseRecord {
+            holder: crate::publish::publisher(),
+            command: command.to_string(),
+            acquired_at: rfc3339(now),
+            expires_at_unix: expires,
+            expires_at: rfc3339(expires),
+            token: token(),
+        }
+    }
+
+    fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("a lease serialises")
+    }
+}
+
+/// Takes the lease on `model`: creates it, or takes over an expired one (or any, with `force`),
+/// waiting up to `options.wait` for a live holder to finish. Fails with
+/// [`RegistryError::LeaseHeld`] naming the holder when the wait ends.
+pub fn acquire<'a>(
+    repo: &'a Repository,
+    model: &str,
+    options: &LeaseOptions,
+    on_wait: OnWait<'_>,
+) -> Result<Lease<'a>> {
+    let key = lease_key(model);
+    let started = std::time::Instant::now();
+    let mut told = None::<String>;
+    loop {
+        let record = LeaseRecord::new(&options.command, options.ttl);
+        if repo.create(&key, &record.to_bytes())? {
+            return Lease::confirm(repo, key, record, options.ttl);
+        }
+        let Some(existing) = repo.read(&key)? else {
+            // Released between the create and the read: try again at once.
+            continue;
+        };
+        let held = parse(repo, &key, &existing)?;
+        if held.expired(unix_now()) || options.force {
+            if repo.replace(&key, &record.to_bytes(), &existing)? {
+                return Lease::confirm(repo, key, record, options.ttl);
+            }
+            continue;
+        }
+        if started.elapsed() >= options.wait {
+            return Err(RegistryError::LeaseHeld(format!(
+                "{model} is being changed by {}; {}wait for it to finish, or, if that command is \
+                 dead, take the lease over with --force (it expires by itself at {})",
+                held.describe(),
+                if options.wait.is_zero() {
+                    String::new()
+                } else {
+                    format!("waited {} s; ", options.wait.as_secs())
+                },
+                held.expires_at
+            )));
+        }
+        if told.as_deref() != Some(held.token.as_str()) {
+            on_wait(&held);
+            told = Some(held.token.clone());
+        }
+        std::thread::sleep(Duration::from_millis(500).min(options.wait - started.elapsed()));
+    }
+}
+
+impl<'a> Lease<'a> {
+    /// Reads the lease back after writing it: on a store without conditional replace, of two
+    /// takeovers the one whose record stands holds it.
+    fn confirm(
+        repo: &'a Repository,
+        key: String,
+        record: LeaseRecord,
+        ttl: Duration,
+    ) -> Result<Lease<'a>> {
+        let stands = match &repo.read(&key)? {
+            Some(o) => parse(repo, &key, o)?.token == record.token,
+            None => false,
+        };
+        if !stands {
+            return Err(RegistryError::LeaseLost(format!(
+                "another command took the lease on {key} at the same moment; run the command again"
+            )));
+        }
+        Ok(Lease {
+            repo,
+            key,
+            ttl,
+            record: Mutex::new(record),
+            lost: Mutex::new(None),
+            released: false,
+        })
+    }
+
+    pub fn record(&self) -> LeaseRecord {
+        self.record.lock().expect("lease record").clone()
+    }
+
+    /// Extends the lease by its ttl from now. Fails with [`RegistryError::LeaseLost`] when another
+    /// command took it over (`--force`, or after it expired): the caller must stop changing the
+    /// fleet at once.
+    pub fn renew(&self) -> Result<()> {
+        if let Some(lost) = self.lost.lock().expect("lease state").clone() {
+            return Err(RegistryError::LeaseLost(lost));
+        }
+        let mut record = self.record.lock().expect("lease record");
+        let lose = |by: Option<LeaseRecord>| {
+            let why = match by {
+                Some(other) => format!(
+                    "the lease on {} was taken over by {}; this command stopped changing the fleet",
+                    self.key,
+                    other.describe()
+                ),
+                None => format!(
+                    "the lease on {} was removed by another command; this command stopped \
+                     changing the fleet",
+                    self.key
+                ),
+            };
+            *self.lost.lock().expect("lease state") = Some(why.clone());
+            RegistryError::LeaseLost(why)
+        };
+        let Some(stored) = self.repo.read(&self.key)? else {
+            return Err(lose(None));
+        };
+        let held = parse(self.repo, &self.key, &stored)?;
+        if held.token != record.token {
+            return Err(lose(Some(held)));
+        }
+        let expires = unix_now() + self.ttl.as_secs().max(1);
+        let mut renewed = record.clone();
+        renewed.expires_at_unix = expires;
+        renewed.expires_at = rfc3339(expires);
+        if !self.repo.replace(&self.key, &renewed.to_bytes(), &stored)? {
+            let now = self
+                .repo
+                .read(&self.key)?
+                .map(|o| parse(self.repo, &self.key, &o))
+                .transpose()?;
+            return Err(lose(now));
+        }
+        *record = renewed;
+        Ok(())
+    }
+
+    /// Runs `body` while a heartbeat renews the lease every quarter of its ttl (errors of the
+    /// heartbeat itself are left to the command's own renewals, which then fail).
+    pub fn with_heartbeat<R>(&self, body: impl FnOnce() -> R) -> R {
+        let stop = AtomicBool::new(false);
+        let period = self.ttl / 4;
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut last = Instant::now();
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if last.elapsed() >= period {
+                        if let Err(RegistryError::LeaseLost(_)) = self.renew() {
+                            return;
+                        }
+                        last = Instant::now();
+                    }
+                }
+            });
+            let out = body();
+            stop.store(true, Ordering::Relaxed);
+            out
+        })
+    }
+
+    /// Gives the lease up (deleting it only while it is still this holder's).
+    pub fn release(mut self) -> Result<()> {
+        self.released = true;
+        self.delete_if_mine()
+    }
+
+    fn delete_if_mine(&self) -> Result<()> {
+        let Some(stored) = self.repo.read(&self.key)? else {
+            return Ok(());
+        };
+        let token = self.record.lock().expect("lease record").token.clone();
+        if parse(self.repo, &self.key, &stored)?.token == token {
+            self.repo.delete(&self.key)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if !self.released {
+            // Best effort: a lease that cannot be deleted expires by itself.
+            let _ = self.delete_if_mine();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(command: &str, wait_ms: u64) -> LeaseOptions {
+        LeaseOptions {
+            command: command.into(),
+            ttl: LEASE_TTL,
+            wait: Duration::from_millis(wait_ms),
+            force: false,
+        }
+    }
+
+    fn repositories(tmp: &std::path::Path) -> Vec<Repository> {
+        vec![
+            Repository::open(tmp.join("repo").to_str().unwrap()).unwrap(),
+            Repository::in_memory(),
+        ]
+    }
+
+    #[test]
+    fn a_second_command_is_refused_naming_the_holder_until_the_first_releases() {
+        let tmp = tempfile::tempdir().unwrap();
+        for repo in repositories(tmp.path()) {
+            let first =
+                acquire(&repo, "m", &options("approve --version 6", 0), &mut |_| {}).unwrap();
+            assert_eq!(current(&repo, "m").unwrap().unwrap(), first.record());
+            let mut heard = Vec::new();
+            let err = acquire(&repo, "m", &options("rollback", 1200), &mut |held| {
+                heard.push(held.command.clone())
+            })
+            .err()
+            .unwrap();
+            assert!(matches!(err, RegistryError::LeaseHeld(_)), "{err}");
+            let text = err.to_string();
+            assert!(
+                text.contains("approve --version 6") && text.contains("--force"),
+                "{text}"
+            );
+            assert!(text.contains("waited 1 s"), "{text}");
+            assert_eq!(heard, ["approve --version 6"], "told once who holds it");
+            first.release().unwrap();
+            assert!(current(&repo, "m").unwrap().is_none());
+            let second = acquire(&repo, "m", &options("rollback", 0), &mut |_| {}).unwrap();
+            drop(second);
+            assert!(
+                current(&repo, "m").unwrap().is_none(),
+                "a dropped lease is released"
+            );
+        }
+    }
+
+    #[test]
+    fn a_waiting_command_gets_the_lease_once_the_holder_releases_it() {
+        let repo = std::sync::Arc::new(Repository::in_memory());
+        let first = acquire(&repo, "m", &options("approve", 0), &mut |_| {}).unwrap();
+        let token = first.record().token.clone();
+        let waiter = {
+            let repo = repo.clone();
+            std::thread::spawn(move || {
+                let lease = acquire(&repo, "m", &options("rollback", 10_000), &mut |_| {}).unwrap();
+                lease.record().command.clone()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(700));
+        assert_eq!(current(&repo, "m").unwrap().unwrap().token, token);
+        first.release().unwrap();
+        assert_eq!(waiter.join().unwrap(), "rollback");
+    }
+
+    #[test]
+    fn an_expired_lease_is_taken_over_and_force_takes_a_live_one_whose_holder_then_stops() {
+        let tmp = tempfile::tempdir().unwrap();
+        for repo in repositories(tmp.path()) {
+            // A killed holder: its lease is left behind, already expired.
+            let mut dead = LeaseRecord::new("approve --version 3", Duration::from_secs(1));
+            dead.expires_at_unix = unix_now() - 1;
+            repo.overwrite(&lease_key("m"), &dead.to_bytes()).unwrap();
+            let taken = acquire(&repo, "m", &options("rollback", 0), &mut |_| {}).unwrap();
+            assert_eq!(current(&repo, "m").unwrap().unwrap().command, "rollback");
+            taken.renew().unwrap();
+            assert!(taken.record().expires_at_unix >= unix_now() + LEASE_TTL.as_secs() - 1);
+
+            let forced = acquire(
+                &repo,
+                "m",
+                &LeaseOptions {
+                    force: true,
+                    ..options("approve --version 4", 0)
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+            let err = taken.renew().unwrap_err();
+            assert!(matches!(err, RegistryError::LeaseLost(_)), "{err}");
+            assert!(err.to_string().contains("approve --version 4"), "{err}");
+            // The old holder's drop must not delete the new holder's lease.
+            drop(taken);
+            assert_eq!(
+                current(&repo, "m").unwrap().unwrap().token,
+                forced.record().token
+            );
+            forced.release().unwrap();
+        }
+    }
+
+    #[test]
+    fn the_heartbeat_keeps_a_short_lease_alive_through_a_long_step() {
+        let repo = Repository::in_memory();
+        let lease = acquire(
+            &repo,
+            "m",
+            &LeaseOptions {
+                ttl: Duration::from_secs(2),
+                ..options("approve", 0)
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        let first_expiry = lease.record().expires_at_unix;
+        // A step longer than the ttl (a slow reload), with no renewal of its own.
+        lease.with_heartbeat(|| std::thread::sleep(Duration::from_millis(2600)));
+        let stored = current(&repo, "m").unwrap().unwrap();
+        assert!(stored.expires_at_unix > first_expiry, "{stored:?}");
+        assert!(!stored.expired(unix_now()));
+        let err = acquire(&repo, "m", &options("rollback", 0), &mut |_| {})
+            .err()
+            .unwrap();
+        assert!(matches!(err, RegistryError::LeaseHeld(_)), "{err}");
+        lease.renew().unwrap();
+    }
+
+    #[test]
+    fn a_lease_that_is_not_a_lease_is_named() {
+        let repo = Repository::in_memory();
+        repo.overwrite(&lease_key("m"), b"garbage").unwrap();
+        let err = acquire(&repo, "m", &options("approve", 0), &mut |_| {})
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("recsys-lease.json is not a recsys lease"),
+            "{err}"
+        );
+    }
+}
