@@ -287,7 +287,12 @@ published; with replicas, the canary (--canary URL: a tritonserver outside the t
 Service; or, with --canary-on-traffic, the first live traffic replica) then loads it without the \
 repository changing (Triton's load API with a config override) and must answer the version's \
 self-check request as the publisher's engine did, with finite scores; it is then put back on the \
-serving version. A failed gate leaves the repository as it was and records the reason on the \
+serving version. With an evaluation set (publish --eval-set, else the serving version's), the \
+canary then answers its held-out histories with the candidate and with the serving version: a \
+candidate whose NDCG@10 is more than --max-ndcg-drop (5 % relative) below the serving version's, \
+or whose scores are degenerate (non-finite, or every top-10 score the same number), is refused; \
+both numbers are recorded on the version (--skip-quality-gate approves without it, recorded too). \
+A failed gate leaves the repository as it was and records the reason on the \
 version (`recsys versions`). reject and rollback verify the version they go back to.\n\n\
 Replicas: --server may be repeated, and a name that resolves to several addresses (a Kubernetes \
 headless Service) stands for one replica per address; --servers-file lists more. The fleet is \
@@ -349,6 +354,21 @@ pub struct FleetArgs {
     pub lease: LeaseArgs,
 }
 
+/// How an approve's canary runs the quality gate (champion/challenger).
+#[derive(Args, Debug)]
+pub struct QualityArgs {
+    /// The largest relative drop of the candidate's NDCG@10 below the serving version's, on the
+    /// same held-out histories, that the quality gate lets through (0.05: 5 %).
+    #[arg(long, value_name = "FRACTION", default_value_t = recsys_registry::quality::DEFAULT_MAX_NDCG_DROP)]
+    pub max_ndcg_drop: f64,
+    /// Held-out histories of the evaluation set the canary sends to each version.
+    #[arg(long, value_name = "N", default_value_t = recsys_registry::quality::DEFAULT_QUALITY_HISTORIES as u64, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub quality_histories: u64,
+    /// Approve without the quality gate (recorded on the version).
+    #[arg(long)]
+    pub skip_quality_gate: bool,
+}
+
 /// How a command that changes a model's fleet takes the model's lease.
 #[derive(Args, Debug)]
 pub struct LeaseArgs {
@@ -381,8 +401,15 @@ pub struct PublishArgs {
     /// JSON metrics to record with the version (e.g. the output of `recsys eval --output`).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Held-out histories with their next items, in `recsys eval --test`'s format, stored with
+    /// the version: the quality gate compares the candidate's NDCG@10 on them with the serving
+    /// version's (without one, the serving version's set is used).
+    #[arg(long, value_name = "TSV")]
+    pub eval_set: Option<PathBuf>,
     #[command(flatten)]
     pub fleet: FleetArgs,
+    #[command(flatten)]
+    pub quality: QualityArgs,
     /// max_batch_size of the config.pbtxt written when the model has none yet (a minimal config
     /// that the backend completes from the engine).
     #[arg(long, default_value_t = recsys_registry::config::DEFAULT_MAX_BATCH_SIZE)]
@@ -410,6 +437,8 @@ pub struct StatusArgs {
     pub max_batch_size: u32,
     #[command(flatten)]
     pub fleet: FleetArgs,
+    #[command(flatten)]
+    pub quality: QualityArgs,
     /// Print the outcome as one JSON object on stdout (for scripts).
     #[arg(long)]
     pub json: bool,

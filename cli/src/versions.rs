@@ -11,7 +11,8 @@ use recsys_registry::replicas::{Outcome, ReplicaReport, Rollout};
 use recsys_registry::{versions as records, Repository, Status};
 
 use crate::cli::{
-    FleetArgs, LeaseArgs, PublishArgs, RollbackArgs, RolloutArg, StatusArgs, VersionsArgs,
+    FleetArgs, LeaseArgs, PublishArgs, QualityArgs, RollbackArgs, RolloutArg, StatusArgs,
+    VersionsArgs,
 };
 use crate::error::{CliError, Result};
 
@@ -74,18 +75,23 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
                 "{model} version {version} verified: {} files, {} bytes",
                 verified.files, verified.bytes
             ),
-            Step::Canary(report) => match &report.result {
-                Ok(()) => println!(
-                    "canary {} loaded the version and passed its self-check ({:.1} s){}",
-                    report.server,
-                    report.seconds,
-                    match &report.restored {
-                        Ok(()) => String::new(),
-                        Err(e) => format!("; it was not put back: {e}"),
-                    }
-                ),
-                Err(e) => println!("canary {} FAILED: {e}", report.server),
-            },
+            Step::Canary(report) => {
+                if let Some(q) = &report.quality {
+                    print_quality(q);
+                }
+                match &report.result {
+                    Ok(()) => println!(
+                        "canary {} loaded the version and passed its self-check ({:.1} s){}",
+                        report.server,
+                        report.seconds,
+                        match &report.restored {
+                            Ok(()) => String::new(),
+                            Err(e) => format!("; it was not put back: {e}"),
+                        }
+                    ),
+                    Err(e) => println!("canary {} FAILED: {e}", report.server),
+                }
+            }
             Step::Replica { version, report }
             | Step::RolledBack { version, report }
             | Step::Reconciled { version, report } => print_replica(report, model, version),
@@ -99,6 +105,35 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
     }
 }
 
+/// The quality gate's numbers, one line.
+fn print_quality(q: &recsys_registry::quality::QualityReport) {
+    let ndcg = |n: Option<f64>| n.map_or("-".to_string(), |n| format!("{n:.4}"));
+    let against = match &q.serving {
+        Some(s) => format!(" against version {}'s {}", s.version, ndcg(s.ndcg_at_10)),
+        None => " (nothing serves yet to compare with)".into(),
+    };
+    println!(
+        "quality gate: version {} NDCG@10 {}{against}, {:.0}% flat answers ({}){}",
+        q.candidate.version,
+        ndcg(q.candidate.ndcg_at_10),
+        q.candidate.degenerate_share * 100.0,
+        q.source,
+        if q.refused.is_some() {
+            ": REFUSED"
+        } else {
+            ": passed"
+        }
+    );
+}
+
+fn quality_options(args: &QualityArgs) -> recsys_registry::quality::QualityOptions {
+    recsys_registry::quality::QualityOptions {
+        skip: args.skip_quality_gate,
+        max_drop: args.max_ndcg_drop,
+        histories: args.quality_histories as usize,
+    }
+}
+
 fn lease_options(args: &LeaseArgs, command: String) -> LeaseOptions {
     LeaseOptions {
         command,
@@ -108,7 +143,7 @@ fn lease_options(args: &LeaseArgs, command: String) -> LeaseOptions {
     }
 }
 
-fn fleet<'a>(args: &'a FleetArgs, command: String) -> Fleet<'a> {
+fn fleet<'a>(args: &'a FleetArgs, quality: Option<&QualityArgs>, command: String) -> Fleet<'a> {
     Fleet {
         servers: &args.servers,
         servers_file: args.servers_file.as_deref(),
@@ -117,6 +152,7 @@ fn fleet<'a>(args: &'a FleetArgs, command: String) -> Fleet<'a> {
         continue_after_failure: args.rollout == RolloutArg::Continue,
         reload_timeout: Duration::from_secs(args.reload_timeout),
         lease: lease_options(&args.lease, command),
+        quality: quality.map(quality_options).unwrap_or_default(),
     }
 }
 
@@ -276,6 +312,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
         engine_dir: &args.engine,
         approve: args.approve,
         metrics,
+        eval_set: args.eval_set.as_deref(),
     };
     let mut upload_progress = |sent, total| {
         bar.set_length(total);
@@ -290,6 +327,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
             args.max_batch_size,
             &fleet(
                 &args.fleet,
+                Some(&args.quality),
                 format!("publish --approve --engine {}", args.engine.display()),
             ),
             &mut upload_progress,
@@ -393,7 +431,11 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
     } else {
         "reject"
     };
-    let fleet = fleet(&args.fleet, format!("{verb} --version {}", args.version));
+    let fleet = fleet(
+        &args.fleet,
+        Some(&args.quality),
+        format!("{verb} --version {}", args.version),
+    );
     let mut report = reporter(&args.model, args.json);
     let release = if status == Status::Approved {
         release::approve(
@@ -433,7 +475,7 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
         &repo,
         &args.model,
         args.to,
-        &fleet(&args.fleet, command),
+        &fleet(&args.fleet, None, command),
         &mut report,
     )?;
     let mut retry = format!(

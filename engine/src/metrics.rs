@@ -96,6 +96,13 @@ pub fn read_test_set(path: &Path) -> Result<Vec<TestCase>> {
             EngineError::io(format!("cannot read {}", path.display()), e)
         }
     })?;
+    parse_test_set(&text, path)
+}
+
+/// [`read_test_set`] on text already read (from object storage, say); `source` names it in
+/// errors.
+pub fn parse_test_set(text: &str, source: &Path) -> Result<Vec<TestCase>> {
+    let path = source;
     let mut cases = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.trim_end_matches('\r');

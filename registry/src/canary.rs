@@ -1,12 +1,16 @@
 //! The canary gate: before the repository names a new version, one replica loads it without the
 //! repository changing (Triton's load API with a config override naming that version), answers
 //! the version's self-check request through Triton, and is put back on the version it served.
-//! Only a version that loads and answers its self-check may be switched to.
+//! Only a version that loads and answers its self-check may be switched to. With a
+//! [`QualityCheck`], the replica then answers held-out histories with the candidate and, once put
+//! back, with the serving version ([`crate::quality`]): a candidate whose ranking is degenerate
+//! or clearly worse is refused too.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::quality::{self, QualityCheck, QualityReport};
 use crate::self_check::{Ranked, SelfCheck};
 use crate::triton::{
     admin, describe, is_live, loaded_config, override_config, post_load, wait_for_versions,
@@ -20,6 +24,8 @@ pub struct CanaryReport {
     pub result: std::result::Result<(), String>,
     /// Whether the replica is back on what it served before (`Err`: what it serves instead).
     pub restored: std::result::Result<(), String>,
+    /// The quality gate's numbers, when it ran.
+    pub quality: Option<QualityReport>,
     pub seconds: f64,
 }
 
@@ -31,6 +37,7 @@ impl CanaryReport {
             "error": self.result.as_ref().err(),
             "restored": self.restored.is_ok(),
             "restore_error": self.restored.as_ref().err(),
+            "quality": self.quality,
             "seconds": self.seconds,
         })
     }
@@ -48,6 +55,8 @@ pub struct Canary<'a> {
     pub repository_config: Option<&'a str>,
     /// The longest a load may take.
     pub timeout: Duration,
+    /// The quality gate's held-out histories (`None`: the gate is skipped).
+    pub quality: Option<&'a QualityCheck>,
 }
 
 /// Runs the canary on the first live replica of `replicas`. Fails (the version may not serve)
@@ -62,6 +71,7 @@ pub fn run(replicas: &[String], canary: &Canary<'_>) -> CanaryReport {
                 replicas.join(", ")
             )),
             restored: Ok(()),
+            quality: None,
             seconds: started.elapsed().as_secs_f64(),
         };
     };
@@ -79,14 +89,76 @@ pub fn run(replicas: &[String], canary: &Canary<'_>) -> CanaryReport {
         canary.repository_config,
         loaded_config.as_ref(),
     );
-    let result = load_and_check(&agent, base, canary, &override_config);
+    let batched = override_config["max_batch_size"].as_u64().unwrap_or(0) > 0;
+    let mut result = load_and_check(&agent, base, canary, &override_config);
+    let mut ask = |version: u64| {
+        let agent = &agent;
+        move |question: &SelfCheck| infer(agent, base, canary.model, version, question, batched)
+    };
+    let candidate = match (&result, canary.quality) {
+        (Ok(()), Some(check)) => Some(quality::score(
+            canary.version,
+            &check.cases,
+            &mut ask(canary.version),
+        )),
+        _ => None,
+    };
     let restored = restore(&agent, base, canary, loaded_config.as_ref());
+    let mut report = None;
+    if let (Some(check), Some(candidate)) = (canary.quality, candidate) {
+        match judge_on_replica(check, candidate, canary.serving, &restored, &mut ask) {
+            Ok(judged) => {
+                if let Some(reason) = &judged.refused {
+                    result = Err(format!("quality gate: {reason}"));
+                }
+                report = Some(judged);
+            }
+            Err(e) => result = Err(format!("quality gate: {e}")),
+        }
+    }
     CanaryReport {
         server: server.clone(),
         result,
         restored,
+        quality: report,
         seconds: started.elapsed().as_secs_f64(),
     }
+}
+
+/// The candidate's score against the serving version's, asked of the replica once it is back on
+/// the serving version.
+fn judge_on_replica<A>(
+    check: &QualityCheck,
+    candidate: std::result::Result<quality::VersionScore, String>,
+    serving: Option<u64>,
+    restored: &std::result::Result<(), String>,
+    ask: &mut dyn FnMut(u64) -> A,
+) -> std::result::Result<QualityReport, String>
+where
+    A: FnMut(&SelfCheck) -> std::result::Result<Vec<Ranked>, String>,
+{
+    let candidate = candidate.map_err(|e| format!("the candidate's answers failed: {e}"))?;
+    let serving = match (serving, restored) {
+        (None, _) => None,
+        (Some(version), Ok(())) => Some(
+            quality::score(version, &check.cases, &mut ask(version))
+                .map_err(|e| format!("the serving version {version}'s answers failed: {e}"))?,
+        ),
+        (Some(version), Err(e)) => {
+            return Err(format!(
+                "the serving version {version} could not be scored: the canary was not put back \
+                 on it ({e})"
+            ))
+        }
+    };
+    let refused = quality::judge(&candidate, serving.as_ref(), check.max_drop);
+    Ok(QualityReport {
+        source: check.source.clone(),
+        candidate,
+        serving,
+        max_drop: check.max_drop,
+        refused,
+    })
 }
 
 fn load_and_check(
@@ -264,6 +336,7 @@ mod tests {
             check,
             repository_config,
             timeout: Duration::from_secs(1),
+            quality: None,
         }
     }
 

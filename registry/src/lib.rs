@@ -11,6 +11,7 @@
 //! - [`integrity`]: the gate that reads every stored file back against its published SHA-256;
 //! - [`self_check`] and [`canary`]: the request a version must answer on one replica, loaded
 //!   without the repository changing, before it may serve;
+//! - [`quality`]: the champion/challenger gate on held-out histories (NDCG@10, degenerate scores);
 //! - [`status`]: a version's status changed alone (no gate, no rollout);
 //! - [`prune`]: old versions removed, never one that serves or may serve next;
 //! - [`config`]: `config.pbtxt`'s version policy, switched by one atomic write;
@@ -28,6 +29,7 @@ pub mod lease;
 pub mod location;
 pub mod prune;
 pub mod publish;
+pub mod quality;
 pub mod release;
 pub mod replicas;
 pub mod self_check;

@@ -29,6 +29,32 @@ pub struct PublishRequest<'a> {
     /// must already have an approved version to serve.
     pub approve: bool,
     pub metrics: Option<serde_json::Value>,
+    /// Held-out histories with their next items (a `recsys eval` test set) for the quality gate,
+    /// stored with the version as [`crate::quality::EVAL_SET_FILE`].
+    pub eval_set: Option<&'a Path>,
+}
+
+/// Checks an evaluation set before it is published: it parses, and its histories and targets are
+/// items of the engine's catalogue (a set for another model would make the gate meaningless).
+fn check_eval_set(engine: &Engine, path: &Path) -> Result<u64> {
+    let cases = recsys_engine::metrics::read_test_set(path)?;
+    let known_targets = cases
+        .iter()
+        .filter(|c| engine.ids.index_of_str(&c.target).is_some())
+        .count();
+    let usable = cases.iter().filter(|c| !c.history.is_empty()).count();
+    if usable == 0 || known_targets * 2 < cases.len() {
+        return Err(RegistryError::Input(format!(
+            "{} is not an evaluation set for this engine: {} cases, {usable} with a history, {} of \
+             their targets in the engine's catalogue (at least half must be)",
+            path.display(),
+            cases.len(),
+            known_targets
+        )));
+    }
+    Ok(std::fs::metadata(path)
+        .map_err(RegistryError::io(format!("cannot read {}", path.display())))?
+        .len())
 }
 
 /// Every file of the engine folder but a stray version record, as (relative path, local path,
@@ -87,7 +113,17 @@ pub fn publish(
     }
     // The engine is loaded (checksums verified) before anything is written.
     let engine = Engine::load(request.engine_dir)?;
-    let files = engine_files(request.engine_dir)?;
+    let mut files = engine_files(request.engine_dir)?;
+    if let Some(eval_set) = request.eval_set {
+        let size = check_eval_set(&engine, eval_set)?;
+        files.retain(|(name, _, _)| name != crate::quality::EVAL_SET_FILE);
+        files.push((
+            crate::quality::EVAL_SET_FILE.to_string(),
+            eval_set.to_path_buf(),
+            size,
+        ));
+        files.sort();
+    }
     let total: u64 = files.iter().map(|(_, _, size)| size).sum();
 
     let existing = versions::list(repo, model)?;
@@ -120,6 +156,7 @@ pub fn publish(
         checksums,
         self_check: Some(self_check),
         last_failure: None,
+        quality: None,
     };
 
     // Claim the next free number.

@@ -22,6 +22,7 @@ use crate::error::{RegistryError, Result};
 use crate::integrity::{self, Verified};
 use crate::lease::{self, Lease, LeaseOptions, LeaseRecord, LEASE_TTL};
 use crate::publish::{self, PublishRequest};
+use crate::quality::{self, EvalCase, QualityCheck, QualityOptions, EVAL_SET_FILE};
 use crate::replicas::{self, Outcome, ReplicaReport, Rollout, RolloutPlan};
 use crate::self_check::{SelfCheck, SELF_CHECK_K};
 use crate::store::Repository;
@@ -48,6 +49,8 @@ pub struct Fleet<'a> {
     pub reload_timeout: Duration,
     /// How the command takes the model's lease.
     pub lease: LeaseOptions,
+    /// How an approve's canary runs the quality gate.
+    pub quality: QualityOptions,
 }
 
 /// The reload timeout when none is given: the manifests' load allowance (their startup probe
@@ -70,6 +73,7 @@ impl Fleet<'_> {
                 wait: Duration::ZERO,
                 force: false,
             },
+            quality: QualityOptions::default(),
         }
     }
 
@@ -581,6 +585,29 @@ fn approve_leased(
             Some(check) => check.clone(),
             None => blind_check(repo, model, target)?,
         };
+        let quality_check = if fleet.quality.skip {
+            let note = format!(
+                "quality gate skipped (--skip-quality-gate) at {} by {}",
+                now(),
+                publish::publisher()
+            );
+            versions::update(repo, model, target, &mut |_, v| {
+                v.history.push(note.clone());
+                Ok(())
+            })?;
+            None
+        } else {
+            Some(quality_check(
+                repo,
+                model,
+                &target_info,
+                release
+                    .serving_before
+                    .and_then(|s| find(&listed, repo, model, s).ok()),
+                &check,
+                &fleet.quality,
+            )?)
+        };
         lease.renew()?;
         let traffic;
         let canary_replicas: &[String] = match fleet.canary {
@@ -608,9 +635,16 @@ fn approve_leased(
                         .as_str(),
                 ),
                 timeout: fleet.reload_timeout,
+                quality: quality_check.as_ref(),
             },
         );
         on_step(Step::Canary(&report));
+        if let Some(judged) = &report.quality {
+            versions::update(repo, model, target, &mut |_, v| {
+                v.quality = Some(judged.clone());
+                Ok(())
+            })?;
+        }
         let failed = report
             .result
             .as_ref()
@@ -679,6 +713,56 @@ fn approve_leased(
         }
     }
     Ok(())
+}
+
+/// The held-out histories the canary asks the candidate and the serving version: the candidate's
+/// own evaluation set, else the serving version's, else (degenerate scores only) the self-check's
+/// history.
+fn quality_check(
+    repo: &Repository,
+    model: &str,
+    candidate: &VersionInfo,
+    serving: Option<VersionInfo>,
+    check: &SelfCheck,
+    options: &QualityOptions,
+) -> Result<QualityCheck> {
+    let strings = check.history.iter().any(Value::is_string);
+    let has_set = |info: &VersionInfo| info.files.iter().any(|(name, _)| name == EVAL_SET_FILE);
+    let owner = [Some(candidate.clone()), serving]
+        .into_iter()
+        .flatten()
+        .find(has_set);
+    let Some(owner) = owner else {
+        return Ok(QualityCheck {
+            cases: vec![EvalCase {
+                history: check.history.clone(),
+                target: None,
+            }],
+            source: "no evaluation set (publish --eval-set): degenerate scores checked on the \
+                     self-check's history only"
+                .into(),
+            max_drop: options.max_drop,
+        });
+    };
+    let key = format!("{model}/{}/{EVAL_SET_FILE}", owner.version);
+    let text = repo
+        .read(&key)?
+        .ok_or_else(|| RegistryError::Input(format!("{key} is listed but missing")))?
+        .bytes;
+    let cases = recsys_engine::metrics::parse_test_set(
+        &String::from_utf8_lossy(&text),
+        std::path::Path::new(&key),
+    )?;
+    let cases = quality::sample(&cases, strings, options.histories);
+    Ok(QualityCheck {
+        source: format!(
+            "{} held-out histories of version {}'s evaluation set",
+            cases.len(),
+            owner.version
+        ),
+        cases,
+        max_drop: options.max_drop,
+    })
 }
 
 fn incomplete(model: &str, info: &VersionInfo) -> RegistryError {

@@ -72,6 +72,10 @@ pub struct VersionInfo {
     /// cleared when it is approved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<String>,
+    /// The quality gate's numbers from the last approve that ran it (this version's NDCG@10 and
+    /// the serving version's on the same held-out histories).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<crate::quality::QualityReport>,
 }
 
 impl VersionInfo {
@@ -99,6 +103,7 @@ impl VersionInfo {
             checksums: BTreeMap::new(),
             self_check: None,
             last_failure: None,
+            quality: None,
         }
     }
 

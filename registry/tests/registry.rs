@@ -26,6 +26,7 @@ fn request<'a>(engine: &'a Path, approve: bool) -> PublishRequest<'a> {
         engine_dir: engine,
         approve,
         metrics: None,
+        eval_set: None,
     }
 }
 
@@ -435,5 +436,60 @@ fn a_command_finding_the_lease_held_fails_naming_the_holder_and_changes_nothing(
         assert!(recsys_registry::lease::current(&repo, "vaecf")
             .unwrap()
             .is_none());
+    }
+}
+
+#[test]
+fn an_evaluation_set_is_published_with_the_version_and_checked_like_its_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    let test_set = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/test_set.tsv");
+    // A set whose items are not this engine's is refused before anything is written.
+    let foreign = tmp.path().join("foreign.tsv");
+    std::fs::write(&foreign, "u1\t999999\t888888 777777\nu2\t999998\t888887\n").unwrap();
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        let err = publish(
+            &repo,
+            &PublishRequest {
+                eval_set: Some(&foreign),
+                ..request(&engine, false)
+            },
+            &mut |_, _| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("not an evaluation set for this engine"),
+            "{err}"
+        );
+        assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [1]);
+
+        let info = publish(
+            &repo,
+            &PublishRequest {
+                eval_set: Some(&test_set),
+                ..request(&engine, false)
+            },
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let key = format!("vaecf/2/{}", recsys_registry::quality::EVAL_SET_FILE);
+        assert_eq!(
+            repo.read(&key).unwrap().unwrap().bytes,
+            std::fs::read(&test_set).unwrap()
+        );
+        assert!(info
+            .files
+            .iter()
+            .any(|(name, _)| name == recsys_registry::quality::EVAL_SET_FILE));
+        // A changed evaluation set fails the integrity gate like a changed weight file.
+        repo.overwrite(&key, b"u\t1\t2\n").unwrap();
+        let refused = release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        let reason = refused.refused.expect("the integrity gate refuses");
+        assert!(
+            reason.contains(recsys_registry::quality::EVAL_SET_FILE),
+            "{reason}"
+        );
     }
 }

@@ -189,12 +189,29 @@ def overflowing_checkpoint(out: Path) -> Path:
     return out
 
 
+def biased_checkpoint(out: Path) -> Path:
+    """The BERT4Rec fixture with every output bias at float32's largest finite value: every score
+    is that same finite number (the ranking means nothing), every weight finite, and the
+    publisher's own engine gives the same answer as any replica, so integrity and the self-check
+    pass; only the quality gate can tell."""
+    src = (FIXTURES / "bert4rec" / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", src[:8])[0]
+    header = json.loads(src[8:8 + n])
+    data = bytearray(src[8 + n:])
+    start, end = header["output_bias"]["data_offsets"]
+    data[start:end] = np.full((end - start) // 4, 3.4e38, dtype="<f4").tobytes()
+    out.write_bytes(src[:8 + n] + bytes(data))
+    return out
+
+
 def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, recsys_bin, backend_dir, s3):
     """Two traffic replicas under load and a canary replica outside them, on one s3:// repository.
-    A version with a flipped byte in the bucket and a version that loads but answers non-finite
-    scores are both refused by approve: zero failed requests, no traffic replica ever answering
-    from either, the repository unchanged, and a fourth tritonserver started afterwards with default
-    flags serves v1. A good version then approves normally, and a rollout broken mid-way (a replica
+    A version with a flipped byte in the bucket, a version that loads but answers non-finite scores
+    and a version whose finite scores are all the same number (output bias at float32's top) are
+    all refused by approve (integrity, self-check, quality gate): zero failed requests, no traffic
+    replica ever answering from any of them, the repository unchanged, and a fourth tritonserver
+    started afterwards with default flags serves v1. A good version then approves normally, its
+    NDCG@10 compared with v1's on v1's held-out histories, and a rollout broken mid-way (a replica
     that refuses the reload) rolls back by itself, over every replica."""
     uri = s3.uri("models", "gated/repo")
     convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", tmp_path / "fp32")
@@ -204,6 +221,10 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
                     "--checkpoint", str(overflowing_checkpoint(tmp_path / "overflow.safetensors")),
                     "--config", str(src / "config.json"), "--item-map", str(src / "item_id_map.tsv"),
                     "--output", str(tmp_path / "overflow")], check=True, capture_output=True, timeout=300)
+    subprocess.run([str(recsys_bin), "convert", "--force", "--kind", "bert4rec",
+                    "--checkpoint", str(biased_checkpoint(tmp_path / "biased.safetensors")),
+                    "--config", str(src / "config.json"), "--item-map", str(src / "item_id_map.tsv"),
+                    "--output", str(tmp_path / "biased")], check=True, capture_output=True, timeout=300)
 
     def recsys(*args, expect=0):
         run = subprocess.run([str(recsys_bin), *args, "--repository", uri, "--model", "bert4rec"],
@@ -214,7 +235,8 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
     def config_text() -> bytes:
         return s3.client().get_object(Bucket="models", Key="gated/repo/bert4rec/config.pbtxt")["Body"].read()
 
-    recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
+    # v1 carries the held-out histories every later candidate is compared on.
+    recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--eval-set", str(FIXTURES / "test_set.tsv"))
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
                                                     log_path=tmp_path / f"replica{i}.log"))
@@ -255,18 +277,33 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
             table = recsys("versions").stdout
             assert "approve refused" in table, table
 
+            # v4: finite scores, all the same number: integrity and the self-check pass, the quality
+            # gate refuses it (degenerate), with both versions' numbers recorded.
+            recsys("publish", "--engine", str(tmp_path / "biased"))
+            run = recsys("approve", "--version", "4", *server_flags, expect=REFUSED_EXIT)
+            assert "quality gate: version 4 NDCG@10" in run.stdout and "REFUSED" in run.stdout, run.stdout
+            assert "degenerate scores" in run.stderr, run.stderr
+            quality = json.loads(recsys("versions", "--json").stdout)["versions"][3]["quality"]
+            assert quality["candidate"]["degenerate_share"] > 0.9 and quality["serving"]["version"] == 1, quality
+            assert quality["serving"]["ndcg_at_10"] > 0.1 and quality["candidate"]["histories"] == 500, quality
+            assert config_text() == config_v1
+            assert all(ready_versions(s) == ["1"] for s in [*servers, canary])
+
             # A replica started now, with tritonserver's default flags, serves v1.
             with TritonServer(uri, backend_dir, log_path=tmp_path / "fresh.log") as fresh:
                 assert ready_versions(fresh) == ["1"]
 
-            # A good version approves normally.
+            # A good version approves normally: int8 ranks v1's held-out histories within 5 % of fp32.
             recsys("publish", "--engine", str(tmp_path / "int8"))
-            approved = json.loads(recsys("approve", "--version", "4", *server_flags, "--json").stdout)
+            approved = json.loads(recsys("approve", "--version", "5", *server_flags, "--json").stdout)
             assert approved["canary"]["passed"] is True and approved["rollout"]["complete"] is True, approved
-            assert approved["serving_version"] == 4
+            judged = approved["canary"]["quality"]
+            assert judged["refused"] is None and judged["candidate"]["degenerate_share"] == 0.0, judged
+            assert judged["candidate"]["ndcg_at_10"] >= 0.95 * judged["serving"]["ndcg_at_10"], judged
+            assert approved["serving_version"] == 5
             marks = [len(load.seen) for load in loads]
             wait_for(lambda: all(len(load.seen) > m + 20 for load, m in zip(loads, marks)), "answers after approve")
-            assert all(load.versions_since(m) == {"4"} for load, m in zip(loads, marks))
+            assert all(load.versions_since(m) == {"5"} for load, m in zip(loads, marks))
         finally:
             for load in loads:
                 load.stop.set()
@@ -276,11 +313,11 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
             # The candidates loaded on the canary only: no client of a traffic replica ever got an
             # answer from the corrupted or the overflowing version.
-            assert set(load.seen) <= {"1", "4"}, f"replica {i} answered from {set(load.seen)}"
+            assert set(load.seen) <= {"1", "5"}, f"replica {i} answered from {set(load.seen)}"
 
         # A rollout broken mid-way: replica 1 restarted with its model control restricted to a key
         # this approver lacks, so it refuses the reload; the approve of v5 rolls back to v4 by
-        # itself, and the pass back reaches every replica (replica 1 never left v4).
+        # itself, and the pass back reaches every replica (replica 1 never left v5).
         recsys("publish", "--engine", str(tmp_path / "fp32"))
         servers[1].stop()
         servers[1] = stack.enter_context(TritonServer(
@@ -288,26 +325,29 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
             extra_args=["--http-restricted-api=model-repository,model-config:recsys-admin-key=other"]))
         urls[1] = f"http://{servers[1].http_url}"
         server_flags = [flag for url in urls for flag in ("--server", url)] + ["--canary", canary_url]
-        run = recsys("approve", "--version", "5", *server_flags, "--json", expect=ROLLED_BACK_EXIT)
+        run = recsys("approve", "--version", "6", *server_flags, "--json", expect=ROLLED_BACK_EXIT)
         outcome = json.loads(run.stdout)
         assert [r["outcome"] for r in outcome["rollout"]["replicas"]] == ["serving", "failed"], json.dumps(outcome, indent=1)
         assert [r["outcome"] for r in outcome["rolled_back"]["replicas"]] == ["serving", "serving"], outcome
         assert [r["reloaded"] for r in outcome["rolled_back"]["replicas"]] == [True, False], outcome
-        assert outcome["serving_version"] == 4 and outcome["rolled_back"]["version"] == 4, outcome
+        assert outcome["serving_version"] == 5 and outcome["rolled_back"]["version"] == 5, outcome
         assert outcome["reconciled"]["complete"] is True, outcome
         assert canary_url in [r["server"] for r in outcome["reconciled"]["replicas"]], outcome
-        assert all(ready_versions(s) == ["4"] for s in [*servers, canary])
-        assert b"versions: [ 4 ]" in config_text()
+        assert all(ready_versions(s) == ["5"] for s in [*servers, canary])
+        assert b"versions: [ 5 ]" in config_text()
         listed = json.loads(recsys("versions", "--json").stdout)["versions"]
-        assert listed[4]["status"] == "rolled-back" and urls[1] in listed[4]["last_failure"], listed[4]
+        assert listed[5]["status"] == "rolled-back" and urls[1] in listed[5]["last_failure"], listed[5]
 
-        # Explicit rollback to v1 (v4 marked rolled back), then prune keeps what may serve.
+        # Explicit rollback to v1 (v5 marked rolled back), then prune keeps what may serve.
         back = json.loads(recsys("rollback", "--to", "1", "--server", urls[0], "--json").stdout)
         assert back["serving_version"] == 1 and back["rollout"]["complete"] is True, back
         assert ready_versions(servers[0]) == ["1"]
-        pruned = json.loads(recsys("versions", "--prune", "--keep", "1", "--server", urls[0], "--json").stdout)
-        assert pruned["removed"] == [4], pruned
-        assert sorted(k["version"] for k in pruned["kept"]) == [1, 2, 3], pruned
+        # Replica 1 (which refuses reloads) and the canary still have v5 loaded: prune keeps it.
+        every = ["--server", urls[0], "--server", urls[1], "--server", canary_url]
+        pruned = json.loads(recsys("versions", "--prune", "--keep", "1", *every, "--json").stdout)
+        assert pruned["removed"] == [], pruned
+        assert {"version": 5, "why": "loaded on a replica"} in pruned["kept"], pruned
+        assert sorted(k["version"] for k in pruned["kept"]) == [1, 2, 3, 4, 5], pruned
 
 
 def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_approve(
