@@ -99,7 +99,7 @@ def test_the_dockerfile_passes_checkov_and_builds_with_the_workspaces_toolchain(
 
 def test_the_validator_rejects_a_broken_manifest(tmp_path):
     # The check can fail: a wrong type and (strict) a misspelt field are each reported.
-    original = (DEPLOY / "base" / "deployment.yaml").read_text()
+    original = (DEPLOY / "base" / "serving" / "deployment.yaml").read_text()
     for name, broken, named in [
         ("type", original.replace("revisionHistoryLimit: 5", "revisionHistoryLimit: five", 1), "revisionHistoryLimit"),
         ("field", original.replace("readinessProbe:", "readinesProbe:", 1), "readinesProbe"),
@@ -159,9 +159,43 @@ def test_the_pieces_fit_together(rendered):
     assert pdb["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selects = lambda selector, labels: all(labels.get(k) == v for k, v in selector.items())  # noqa: E731
     for name in ("recsys-triton", "recsys-triton-replicas", "recsys-triton-grpc"):
         selector = docs[("Service", name)]["spec"]["selector"]
-        assert all(pod_labels.get(k) == v for k, v in selector.items()), name
+        assert selects(selector, pod_labels), name
+
+    # The canary: one pod of the same template, selected by no traffic Service, autoscaler or
+    # disruption budget; its own Service; only this namespace reaches it.
+    canary = docs[("Deployment", "recsys-triton-canary")]
+    assert canary["spec"]["replicas"] == 1
+    canary_labels = canary["spec"]["template"]["metadata"]["labels"]
+    assert containers(canary)[0]["args"] == triton["args"] and containers(canary)[0]["image"] == triton["image"]
+    assert canary["spec"]["template"]["spec"]["securityContext"] == pod["securityContext"]
+    for name in ("recsys-triton", "recsys-triton-replicas", "recsys-triton-grpc"):
+        assert not selects(docs[("Service", name)]["spec"]["selector"], canary_labels), name
+    assert selects(docs[("Service", "recsys-triton-canary")]["spec"]["selector"], canary_labels)
+    assert not selects(docs[("Service", "recsys-triton-canary")]["spec"]["selector"], pod_labels)
+    assert not selects(pdb["selector"]["matchLabels"], canary_labels)
+    assert docs[("HorizontalPodAutoscaler", "recsys-triton")]["spec"]["scaleTargetRef"]["name"] == "recsys-triton"
+
+    # Network policies: every rule names who it admits; metrics only from scrapers' namespaces,
+    # the canary only from this namespace.
+    traffic_policy = docs[("NetworkPolicy", "recsys-triton")]["spec"]
+    canary_policy = docs[("NetworkPolicy", "recsys-triton-canary")]["spec"]
+    assert selects(traffic_policy["podSelector"]["matchLabels"], pod_labels)
+    assert selects(canary_policy["podSelector"]["matchLabels"], canary_labels)
+    for policy in (traffic_policy, canary_policy):
+        for rule in policy["ingress"]:
+            assert rule.get("from"), f"a rule admitting everyone: {rule}"
+            ports = {p["port"] for p in rule["ports"]}
+            sources = [f.get("namespaceSelector", {}).get("matchLabels", {}) for f in rule["from"]]
+            if 8002 in ports:
+                assert ports == {8002} and sources == [{"recsys.io/metrics-scraper": "true"}], rule
+    assert {"recsys.io/client": "true"} in [f.get("namespaceSelector", {}).get("matchLabels")
+                                            for r in traffic_policy["ingress"] for f in r["from"]]
+    for rule in canary_policy["ingress"]:
+        if 8000 in {p["port"] for p in rule["ports"]}:
+            assert rule["from"] == [{"podSelector": {}}], rule
     headless = docs[("Service", "recsys-triton-replicas")]["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
     grpc = docs[("Service", "recsys-triton-grpc")]["spec"]
@@ -179,12 +213,14 @@ def test_the_pieces_fit_together(rendered):
     assert int(triton["resources"]["limits"]["cpu"]) > cores, "room for bursts above the request"
 
     # The variants change what they say and nothing else of the server.
-    keys = documents(rendered / "server-aws-keys.yaml")[("Deployment", "recsys-triton")]
-    keys_env = {e["name"]: e.get("value") for e in containers(keys)[0]["env"]}
-    assert keys_env["AWS_SHARED_CREDENTIALS_FILE"] == "/var/run/secrets/aws/credentials"
-    gpu = documents(rendered / "server-gpu.yaml")[("Deployment", "recsys-triton")]
-    assert containers(gpu)[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert gpu["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # ... for both Deployments: a canary must load a candidate as the fleet would.
+    for name in ("recsys-triton", "recsys-triton-canary"):
+        keys = documents(rendered / "server-aws-keys.yaml")[("Deployment", name)]
+        keys_env = {e["name"]: e.get("value") for e in containers(keys)[0]["env"]}
+        assert keys_env["AWS_SHARED_CREDENTIALS_FILE"] == "/var/run/secrets/aws/credentials"
+        gpu = documents(rendered / "server-gpu.yaml")[("Deployment", name)]
+        assert containers(gpu)[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert gpu["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     identity = documents(rendered / "server-workload-identity.yaml")[("ServiceAccount", "recsys-triton")]
     assert "eks.amazonaws.com/role-arn" in identity["metadata"]["annotations"]
     assert not any(kind == "Job" for kind, _ in docs), "the batch Job is applied on purpose, not with the server"
