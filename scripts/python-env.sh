@@ -36,7 +36,7 @@ if [[ "${1:-}" == "--peers" ]]; then
   touch "$PEERS/.recsys-peers-v1"
   exit 0
 fi
-STAMP="$VENV/.recsys-python-env-v11"
+STAMP="$VENV/.recsys-python-env-v12"
 SERVE_STAMP="$VENV/.recsys-serve-env-v1"
 if [[ -f "$STAMP" || ( $MODE == serve && -f "$SERVE_STAMP" ) ]]; then
   exit 0
@@ -80,16 +80,17 @@ echo "==> adding the test environment to $VENV (checkers, peers, Ray, CUDA compi
   "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*"
 # perf_analyzer (in the tritonclient wheel; the soak test and the benchmarks drive it) links
 # libb64.so.0d from Debian and libcudart.so.12 (the wheel above) even without a GPU.
-# The Grafana dashboard's test scrapes the server with a real Prometheus (Debian's; its service is
-# not started by the package here).
+# The Grafana dashboard's and the alert rules' tests scrape the servers with a real Prometheus and
+# a real Pushgateway (Debian's; their services are not started by the packages here).
 apt_packages=()
 ldconfig -p | grep -q libb64.so.0d || apt_packages+=(libb64-0d)
 command -v prometheus >/dev/null || apt_packages+=(prometheus)
+command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
 if [[ ${#apt_packages[@]} -gt 0 ]]; then
   if [[ $(id -u) -eq 0 ]]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}" >/dev/null
   else
-    echo "warning: perf_analyzer needs libb64.so.0d and the dashboard test prometheus: sudo apt-get install ${apt_packages[*]}" >&2
+    echo "warning: perf_analyzer needs libb64.so.0d, the dashboard and alert tests prometheus and prometheus-pushgateway: sudo apt-get install ${apt_packages[*]}" >&2
   fi
 fi
 touch "$STAMP"

@@ -352,6 +352,11 @@ pub struct FleetArgs {
     pub reload_timeout: u64,
     #[command(flatten)]
     pub lease: LeaseArgs,
+    /// A Prometheus Pushgateway (http://host:9091) to push the command's outcome to: the version
+    /// the repository names afterwards, the exit status, the replicas serving it (default:
+    /// RECSYS_PUSHGATEWAY). The alert rules compare it with what the pods serve.
+    #[arg(long, value_name = "URL")]
+    pub pushgateway: Option<String>,
 }
 
 /// How an approve's canary runs the quality gate (champion/challenger).

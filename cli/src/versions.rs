@@ -6,6 +6,7 @@ use std::time::Duration;
 use recsys_registry::config::{policy_versions, CONFIG_FILE};
 use recsys_registry::lease::LeaseOptions;
 use recsys_registry::publish::PublishRequest;
+use recsys_registry::pushgateway;
 use recsys_registry::release::{self, Fleet, Release, Step};
 use recsys_registry::replicas::{Outcome, ReplicaReport, Rollout};
 use recsys_registry::{versions as records, Repository, Status};
@@ -102,6 +103,42 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
                 println!("reconciling: every replica against {CONFIG_FILE} (version {version})")
             }
         }
+    }
+}
+
+/// Pushes a release command's outcome when a Pushgateway is named (`--pushgateway`, else
+/// `RECSYS_PUSHGATEWAY`). `outcome` is the command's own result: a release, or the error it ended
+/// with (then the version the config names is read from the repository, when it can be).
+fn push_outcome(
+    gateway: Option<&str>,
+    repo: &Repository,
+    model: &str,
+    command: &str,
+    outcome: std::result::Result<(&Release, i32), &CliError>,
+) {
+    let from_env = std::env::var("RECSYS_PUSHGATEWAY").ok();
+    let Some(gateway) = gateway.or(from_env.as_deref()).filter(|g| !g.is_empty()) else {
+        return;
+    };
+    let pushed = match outcome {
+        Ok((release, code)) => pushgateway::Outcome::of(release, command, code),
+        Err(e) => pushgateway::Outcome {
+            model,
+            command,
+            exit_code: e.exit_code(),
+            repository_version: configured_version(repo, model),
+            replicas: None,
+        },
+    };
+    pushgateway::push(gateway, &pushed);
+}
+
+/// The one version config.pbtxt names, if it can be read.
+fn configured_version(repo: &Repository, model: &str) -> Option<u64> {
+    let config = repo.read(&format!("{model}/{CONFIG_FILE}")).ok()??;
+    match policy_versions(&String::from_utf8_lossy(&config.bytes))?.as_slice() {
+        [one] => Some(*one),
+        _ => None,
     }
 }
 
@@ -344,7 +381,15 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
             .map(|info| (info, None))
     };
     bar.finish_and_clear();
-    let (info, release) = published?;
+    // A plain publish changes no fleet: only publish --approve reports to the Pushgateway.
+    let gateway = args.fleet.pushgateway.as_deref();
+    let (info, release) = published.map_err(|e| {
+        let e = CliError::from(e);
+        if args.approve {
+            push_outcome(gateway, &repo, &args.model, "publish", Err(&e));
+        }
+        e
+    })?;
     let approve_command = command_line(
         "approve",
         &args.repository,
@@ -356,6 +401,9 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
         Some(release) => finish(release, args.json, &approve_command),
         None => 0,
     };
+    if let Some(release) = &release {
+        push_outcome(gateway, &repo, &args.model, "publish", Ok((release, code)));
+    }
     if !args.json {
         if release.as_ref().is_some_and(|r| r.created_config) {
             println!(
@@ -437,7 +485,7 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
         format!("{verb} --version {}", args.version),
     );
     let mut report = reporter(&args.model, args.json);
-    let release = if status == Status::Approved {
+    let done = if status == Status::Approved {
         release::approve(
             &repo,
             &args.model,
@@ -445,10 +493,16 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
             &fleet,
             args.max_batch_size,
             &mut report,
-        )?
+        )
     } else {
-        release::reject(&repo, &args.model, args.version, &fleet, &mut report)?
+        release::reject(&repo, &args.model, args.version, &fleet, &mut report)
     };
+    let gateway = args.fleet.pushgateway.as_deref();
+    let release = done.map_err(|e| {
+        let e = CliError::from(e);
+        push_outcome(gateway, &repo, &args.model, verb, Err(&e));
+        e
+    })?;
     let retry = command_line(
         verb,
         &args.repository,
@@ -461,7 +515,9 @@ pub fn set(args: &StatusArgs, status: Status) -> Result<i32> {
     } else {
         status.to_string()
     };
-    Ok(conclude(&release, args.json, &what, &retry))
+    let code = conclude(&release, args.json, &what, &retry);
+    push_outcome(gateway, &repo, &args.model, verb, Ok((&release, code)));
+    Ok(code)
 }
 
 pub fn rollback(args: &RollbackArgs) -> Result<i32> {
@@ -471,13 +527,19 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
         Some(to) => format!("rollback --to {to}"),
         None => "rollback".to_string(),
     };
+    let gateway = args.fleet.pushgateway.as_deref();
     let release = release::rollback(
         &repo,
         &args.model,
         args.to,
         &fleet(&args.fleet, None, command),
         &mut report,
-    )?;
+    )
+    .map_err(|e| {
+        let e = CliError::from(e);
+        push_outcome(gateway, &repo, &args.model, "rollback", Err(&e));
+        e
+    })?;
     let mut retry = format!(
         "recsys rollback --repository {} --model {}",
         shell_word(&args.repository),
@@ -501,6 +563,13 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
         summary["exit_code"] = serde_json::json!(code);
         println!("{summary}");
     }
+    push_outcome(
+        gateway,
+        &repo,
+        &args.model,
+        "rollback",
+        Ok((&release, code)),
+    );
     Ok(code)
 }
 

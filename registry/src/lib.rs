@@ -17,6 +17,7 @@
 //! - [`config`]: `config.pbtxt`'s version policy, switched by one atomic write;
 //! - [`replicas`]: reloading every replica and reporting each one;
 //! - [`triton`]: the calls of Triton's HTTP API that loading a version needs;
+//! - [`pushgateway`]: a release command's outcome pushed to a Prometheus Pushgateway;
 //! - [`transfer`]: single files and folders to and from object storage.
 #![forbid(unsafe_code)]
 
@@ -29,6 +30,7 @@ pub mod lease;
 pub mod location;
 pub mod prune;
 pub mod publish;
+pub mod pushgateway;
 pub mod quality;
 pub mod release;
 pub mod replicas;

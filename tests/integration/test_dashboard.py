@@ -7,11 +7,8 @@ query or a label the server does not export fails here, not on an operator's emp
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ import tritonclient.http as httpclient
 
 from conftest import golden_cases
 from test_serving import make_inputs
-from triton_harness import free_port
+from prometheus_harness import Prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "recsys.json"
@@ -60,48 +57,13 @@ def test_the_dashboard_is_valid_grafana_json():
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
     """Prometheus on 127.0.0.1 scraping the session server's metrics every second; stopped after."""
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is not installed: scripts/python-env.sh installs Debian's prometheus (as root)"
-    work = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
     target = urllib.parse.urlparse(server.metrics_url).netloc
-    (work / "prometheus.yml").write_text(
-        f"global:\n  scrape_interval: {SCRAPE_S}s\n  evaluation_interval: {SCRAPE_S}s\n"
-        f"scrape_configs:\n  - job_name: triton\n    static_configs:\n      - targets: ['{target}']\n")
-    log = open(work / "prometheus.log", "w")
-    process = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
-                                f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert process.poll() is None, (work / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus did not become ready in 60 s"
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+    with Prometheus(tmp_path_factory.mktemp("prometheus"), {"triton": [target]}, interval_s=SCRAPE_S) as running:
+        yield running
 
 
-def query(url: str, expr: str) -> dict:
-    body = urllib.parse.urlencode({"query": expr}).encode()
-    try:
-        with urllib.request.urlopen(f"{url}/api/v1/query", data=body, timeout=10) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:  # a query Prometheus cannot parse: 400 with the reason
-        return json.loads(e.read())
+def query(prometheus: Prometheus, expr: str) -> dict:
+    return prometheus.query(expr)
 
 
 def traffic(http, rounds: int) -> None:
