@@ -86,11 +86,14 @@ apt_packages=()
 ldconfig -p | grep -q libb64.so.0d || apt_packages+=(libb64-0d)
 command -v prometheus >/dev/null || apt_packages+=(prometheus)
 command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
+# The image test builds docker/Dockerfile.cpu and runs it as the pod runs (podman with runc; the
+# Debian base made by mmdebstrap, since no image registry is reachable).
+for tool in podman runc mmdebstrap; do command -v "$tool" >/dev/null || apt_packages+=("$tool"); done
 if [[ ${#apt_packages[@]} -gt 0 ]]; then
   if [[ $(id -u) -eq 0 ]]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}" >/dev/null
   else
-    echo "warning: perf_analyzer needs libb64.so.0d, the dashboard and alert tests prometheus and prometheus-pushgateway: sudo apt-get install ${apt_packages[*]}" >&2
+    echo "warning: perf_analyzer needs libb64.so.0d, the dashboard and alert tests prometheus and prometheus-pushgateway, the image test podman, runc and mmdebstrap: sudo apt-get install ${apt_packages[*]}" >&2
   fi
 fi
 touch "$STAMP"

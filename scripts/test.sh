@@ -77,7 +77,7 @@ LD_LIBRARY_PATH="$PWD/.venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
   build/gpu-bundle/bin/nvrtc_compile --nocapture 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
 echo "==> Dockerfile lint"
-.venv/bin/hadolint docker/Dockerfile
+.venv/bin/hadolint docker/Dockerfile docker/Dockerfile.cpu
 
 echo "==> fuzz smoke (15 s per target; fuzz/run.sh 600 is the long run)"
 fuzz/run.sh 15

@@ -86,8 +86,11 @@ def test_checkov_finds_nothing_and_every_skip_says_why(rendered, variant):
 
 
 def test_the_dockerfile_passes_checkov_and_builds_with_the_workspaces_toolchain():
-    report = checkov(ROOT / "docker" / "Dockerfile", "dockerfile")
-    assert report["summary"]["failed"] == 0, [c["check_id"] for c in report["results"]["failed_checks"]]
+    for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
+        report = checkov(ROOT / "docker" / dockerfile, "dockerfile")
+        assert report["summary"]["failed"] == 0, (dockerfile, [c["check_id"] for c in report["results"]["failed_checks"]])
+    cpu = (ROOT / "docker" / "Dockerfile.cpu").read_text()
+    assert re.search(r"^USER 10001", cpu, re.M) and "HEALTHCHECK" in cpu
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     rust_version = re.search(r'^rust-version = "([0-9.]+)"', (ROOT / "Cargo.toml").read_text(), re.M).group(1)
     assert re.search(rf"ARG RUST_VERSION={re.escape(rust_version)}(\.0)?\n", dockerfile), rust_version
