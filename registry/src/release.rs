@@ -232,6 +232,18 @@ impl Release {
         }
     }
 
+    /// Replicas that failed a pass of this command so far (their state is not known: a load that
+    /// timed out may still be under way).
+    fn failed_replicas(&self) -> Vec<String> {
+        [&self.rollout, &self.rolled_back, &self.reconciled]
+            .into_iter()
+            .flatten()
+            .flat_map(|r| &r.replicas)
+            .filter(|r| matches!(r.outcome, Outcome::Failed(_)))
+            .map(|r| r.server.clone())
+            .collect()
+    }
+
     fn halted(&self) -> bool {
         self.superseded.is_some() || self.failed_after_switch.is_some()
     }
@@ -383,6 +395,7 @@ enum Pass {
 /// One pass over the fleet as it resolves now, bringing every replica onto `version` (the
 /// version the config names). The pass's error (resolution, store, takeover) is returned with
 /// its report.
+#[allow(clippy::too_many_arguments)]
 fn converge(
     lease: &Lease<'_>,
     repo: &Repository,
@@ -390,6 +403,7 @@ fn converge(
     version: u64,
     fleet: &Fleet<'_>,
     pass: Pass,
+    failed_before: &[String],
     on_step: &mut dyn FnMut(Step<'_>),
 ) -> (Rollout, Option<RegistryError>) {
     let empty = |halted: Option<String>| Rollout {
@@ -419,6 +433,7 @@ fn converge(
             repository_config: repository_config.as_deref(),
             continue_after_failure: pass != Pass::Rollout || fleet.continue_after_failure,
             timeout: fleet.reload_timeout,
+            force_reload: failed_before,
         },
         &mut || still_ours(lease, repo, model, version),
         &mut |report| {
@@ -451,7 +466,16 @@ fn reconcile(
         Err(e) => return release.halt(e),
     };
     on_step(Step::Reconciling { version: named });
-    let (report, halted) = converge(lease, repo, model, named, fleet, Pass::Reconcile, on_step);
+    let (report, halted) = converge(
+        lease,
+        repo,
+        model,
+        named,
+        fleet,
+        Pass::Reconcile,
+        &release.failed_replicas(),
+        on_step,
+    );
     release.reconciled = Some(report);
     if let Some(e) = halted {
         release.halt(e);
@@ -692,6 +716,7 @@ fn approve_leased(
         switched.serving,
         fleet,
         Pass::Rollout,
+        &[],
         on_step,
     );
     let failed = rollout.failed();
@@ -818,7 +843,16 @@ fn roll_back_automatically(
         reason: &reason,
     });
     release.rollback_reason = Some(reason);
-    let (report, halted) = converge(lease, repo, model, back, fleet, Pass::RollBack, on_step);
+    let (report, halted) = converge(
+        lease,
+        repo,
+        model,
+        back,
+        fleet,
+        Pass::RollBack,
+        &release.failed_replicas(),
+        on_step,
+    );
     release.rolled_back = Some(report);
     match halted {
         Some(e) => Err(e),
@@ -911,7 +945,16 @@ fn switch_back_leased(
     };
     release.serving = Some(serving);
     if fleet.has_traffic() {
-        let (report, halted) = converge(lease, repo, model, serving, fleet, Pass::Rollout, on_step);
+        let (report, halted) = converge(
+            lease,
+            repo,
+            model,
+            serving,
+            fleet,
+            Pass::Rollout,
+            &[],
+            on_step,
+        );
         release.rollout = Some(report);
         if let Some(e) = halted {
             release.halt(e);

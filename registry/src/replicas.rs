@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{RegistryError, Result};
 use crate::triton::{
-    describe, loaded_config, override_config, post_load, ready_versions, wait_for_versions,
-    LIVENESS_TIMEOUT,
+    describe, in_transition, loaded_config, override_config, post_load, ready_versions,
+    wait_for_versions, LIVENESS_TIMEOUT,
 };
 
 /// `http://host:port` split into its parts (the scheme defaults to http).
@@ -208,6 +208,11 @@ pub struct RolloutPlan<'a> {
     pub continue_after_failure: bool,
     /// The longest one replica may take to load the version.
     pub timeout: Duration,
+    /// Replicas reloaded even if they already serve the version alone: those that failed an
+    /// earlier pass of the command. A load that outlasted its timeout goes on in the replica,
+    /// which keeps serving the old version while it downloads and loads and switches when it
+    /// ends; a reload queues behind it and then loads what the config names.
+    pub force_reload: &'a [String],
 }
 
 /// Brings each replica in turn onto `plan.version`: a replica that already serves it alone is
@@ -316,7 +321,12 @@ fn converge_one(server: &str, plan: &RolloutPlan<'_>) -> std::result::Result<boo
     let base = server.trim_end_matches('/');
     let agent = agent(plan.timeout);
     check_live(&agent, base, plan.timeout)?;
-    if ready_versions(&agent, base, plan.model).is_ok_and(|v| v == [plan.version.to_string()]) {
+    let serves_it_alone =
+        ready_versions(&agent, base, plan.model).is_ok_and(|v| v == [plan.version.to_string()]);
+    // A load still under way (one that outlasted an earlier pass's timeout) would switch the
+    // replica when it ends: the reload below waits for it and then loads what the config names.
+    let forced = plan.force_reload.iter().any(|f| f == server);
+    if serves_it_alone && !forced && !in_transition(&agent, base, plan.model) {
         return Ok(false);
     }
     reload_and_wait(
@@ -364,8 +374,17 @@ pub fn reload_and_wait(
     let agent = agent(timeout);
     check_live(&agent, base, timeout)?;
     let failed = |text: String| ReplicaError::Failed(text);
-    post_load(&agent, base, model, None)
-        .map_err(|e| failed(format!("the server refused to reload {model}: {e}")))?;
+    post_load(&agent, base, model, None).map_err(|e| {
+        let e = e.to_string();
+        failed(if e.contains("timed out") {
+            format!(
+                "the reload of {model} did not finish within {timeout:?} (--reload-timeout; the \
+                 replica may still be loading, and the next pass looks again): {e}"
+            )
+        } else {
+            format!("the server refused to reload {model}: {e}")
+        })
+    })?;
     if wait_for_versions(&agent, base, model, &[version], RELOAD_GRACE.min(timeout)).is_ok() {
         return Ok(());
     }
@@ -453,6 +472,7 @@ mod tests {
             repository_config: None,
             continue_after_failure: false,
             timeout,
+            force_reload: &[],
         }
     }
 

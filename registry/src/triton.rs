@@ -179,6 +179,16 @@ pub fn load_failure(agent: &ureq::Agent, base: &str, model: &str, version: &str)
         .map(|(_, _, reason)| reason)
 }
 
+/// Whether a load or unload of `model` is under way on `base` (a version LOADING or UNLOADING in
+/// the repository index). A replica whose load of another version outlasted a rollout still
+/// serves the old version while it loads, and switches when the load ends: it is not settled
+/// on what it serves.
+pub fn in_transition(agent: &ureq::Agent, base: &str, model: &str) -> bool {
+    index_entries(agent, base, model)
+        .iter()
+        .any(|(_, state, _)| state == "LOADING" || state == "UNLOADING")
+}
+
 /// `model`'s config as `base` has it loaded (after the backend completed it), if it has one.
 pub fn loaded_config(agent: &ureq::Agent, base: &str, model: &str) -> Option<Value> {
     admin(agent.get(&format!("{base}/v2/models/{model}/config")))

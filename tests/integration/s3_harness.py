@@ -84,10 +84,12 @@ class S3Server:
 class FaultyProxy:
     """An HTTP proxy in front of the S3 server that forwards every request until a request matching
     `trigger` (method, path) has been forwarded, then answers every later one with 403
-    ExpiredToken, as S3 does once a session token expires in the middle of a command. Binds
-    127.0.0.1; stopped by stop() or the context manager."""
+    ExpiredToken, as S3 does once a session token expires in the middle of a command. With
+    `slow_once` (method, path) -> seconds, the first request for each such path waits that long
+    before it is forwarded (a slow link to the store, as a large engine's download is). Binds
+    127.0.0.1; stopped by the context manager."""
 
-    def __init__(self, target_port: int, trigger):
+    def __init__(self, target_port: int, trigger=None, slow_once=None):
         import http.server  # noqa: PLC0415
         import socketserver  # noqa: PLC0415
         import threading  # noqa: PLC0415
@@ -95,6 +97,7 @@ class FaultyProxy:
         self.port = free_port()
         self.failing = threading.Event()
         self.forwarded: list[tuple[str, str]] = []
+        self.slowed: set[str] = set()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -117,6 +120,11 @@ class FaultyProxy:
                     self.end_headers()
                     self.wfile.write(error)
                     return
+                if slow_once is not None and self.path not in proxy.slowed:
+                    wait = slow_once(self.command, self.path)
+                    if wait:
+                        proxy.slowed.add(self.path)
+                        time.sleep(wait)
                 upstream = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 headers["Host"] = f"127.0.0.1:{target_port}"
@@ -133,7 +141,7 @@ class FaultyProxy:
                     self.wfile.write(data)
                 upstream.close()
                 proxy.forwarded.append((self.command, self.path))
-                if trigger(self.command, self.path) and response.status < 300:
+                if trigger is not None and trigger(self.command, self.path) and response.status < 300:
                     proxy.failing.set()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any

@@ -201,3 +201,47 @@ def test_a_store_failure_after_the_switch_ends_in_its_own_exit_status_with_the_r
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 4, again.stdout + again.stderr  # the dead replica is unreachable
     assert "unreachable" in again.stdout, again.stdout
+
+
+def test_a_replica_whose_load_outlasts_the_timeout_is_brought_back_by_the_rollback(
+        tmp_path, recsys_bin, backend_dir, s3):
+    """Replica b reaches the store through a slow link: its download of v2 takes longer than
+    --reload-timeout, so the approve counts it failed and rolls back. Triton keeps serving v1 on
+    b while it downloads and loads v2, and would switch to v2 when that ends; the rollback and
+    the reconcile pass reload b anyway (it failed a pass: its state is not known), and a reload
+    queues behind the one under way, then loads what the repository names. So b ends on v1 and
+    stays there, instead of serving the rolled-back version for good."""
+    from s3_harness import FaultyProxy  # noqa: PLC0415
+
+    uri = s3.uri("models", "slow/repo")
+    base, recsys = engines_and_cli(tmp_path, recsys_bin, uri)
+    recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
+    recsys("publish", "--engine", str(tmp_path / "int8"))
+    # Below the S3 client's own request timeout in tritonserver (3 s), above --reload-timeout.
+    slow_s = 2.7
+    with FaultyProxy(s3.port, slow_once=lambda method, path: slow_s if method == "GET" and "/bert4rec/2/" in path
+                     and path.endswith("weights.safetensors") else 0) as proxy, \
+            contextlib.ExitStack() as stack:
+        a, canary = fleet(tmp_path, uri, backend_dir, stack, 2, "replica")
+        b_server = stack.enter_context(TritonServer(proxy.uri("models", "slow/repo"), backend_dir, explicit=True,
+                                                    load_models=["bert4rec"], log_path=tmp_path / "slow.log"))
+        b = f"http://{b_server.http_url}"
+        run = recsys("approve", "--version", "2", "--server", a, "--server", b, "--canary", canary,
+                     "--reload-timeout", "2", "--json", expect=ROLLED_BACK_EXIT)
+        outcome = json.loads(run.stdout)
+        failed = {r["server"]: r for r in outcome["rollout"]["replicas"]}[b]
+        assert failed["outcome"] == "failed" and "did not finish within 2s" in failed["error"], outcome
+        assert proxy.slowed, "the slow link was never used"
+        # Every later pass reloaded b rather than trusting the v1 it still showed.
+        for later in ("rolled_back", "reconciled"):
+            assert {r["server"]: r for r in outcome[later]["replicas"]}[b]["reloaded"] is True, outcome[later]
+        assert outcome["serving_version"] == 1, outcome
+
+        # Once the queued loads are over, b serves v1 (the version the repository names) and stays.
+        def settled_on_v1() -> bool:
+            return all(ready_versions(b) == ["1"] for _ in range(6) if not time.sleep(0.5))
+        deadline = time.monotonic() + 60
+        while not settled_on_v1():
+            assert time.monotonic() < deadline, f"b serves {ready_versions(b)}, not v1"
+        for url in (a, canary):
+            assert ready_versions(url) == ["1"], url
