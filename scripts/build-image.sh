@@ -5,7 +5,8 @@
 #    kept as localhost/recsys-debian-base:bookworm; BASE=IMAGE uses another (debian:bookworm-slim);
 # 2. the release backend and CLI (scripts/build-release.sh, unless already built);
 # 3. the build context staged in build/image-context: the tritonserver of the .venv's
-#    nvidia-pytriton wheel with its bundled libraries, the backend and the CLI;
+#    nvidia-pytriton wheel with its bundled libraries, the backend, the CLI and the library that
+#    reads secret arguments from files (secret-args/);
 # 4. podman build (with --runtime runc, as podman runs on these machines).
 # Prints the tag. Needs podman, runc and (for the base) mmdebstrap: Debian's packages.
 set -euo pipefail
@@ -27,7 +28,7 @@ if [[ $base == localhost/recsys-debian-base:bookworm ]] && ! "${podman[@]}" imag
   "${podman[@]}" import --quiet "$tarball" "$base" >/dev/null
 fi
 
-if [[ ! -f target/release/libtriton_recsys.so || ! -x target/release/recsys ]]; then
+if [[ ! -f target/release/libtriton_recsys.so || ! -x target/release/recsys || ! -f target/release/librecsys_secret_args.so ]]; then
   echo "==> release build" >&2
   ./scripts/build-release.sh >&2
 fi
@@ -37,7 +38,7 @@ rm -rf "$context"
 mkdir -p "$context/tritonserver/pytriton" "$context/recsys"
 cp -a "$site/pytriton/tritonserver" "$context/tritonserver/pytriton/"
 cp -a "$site/nvidia_pytriton.libs" "$context/tritonserver/"
-cp target/release/libtriton_recsys.so target/release/recsys "$context/recsys/"
+cp target/release/libtriton_recsys.so target/release/recsys target/release/librecsys_secret_args.so "$context/recsys/"
 cp docker/Dockerfile.cpu "$context/Dockerfile"
 echo "==> podman build $tag" >&2
 "${podman[@]}" build --quiet --format docker --build-arg "BASE=$base" --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \

@@ -10,13 +10,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 features=()
 args=()
-packages=(-p recsys-backend -p recsys-cli)
+packages=(-p recsys-backend -p recsys-cli -p recsys-secret-args)
 while [[ $# -gt 0 ]]; do
   case $1 in
     --cuda) features=(--features recsys-backend/cuda-12); shift ;;
     --cuda-13) features=(--features recsys-backend/cuda-13); shift ;;
     --target-dir) args+=(--target-dir "$2"); shift 2 ;;
-    --backend-only) packages=(-p recsys-backend); shift ;;
+    --backend-only) packages=(-p recsys-backend -p recsys-secret-args); shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done

@@ -12,6 +12,8 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import numpy as np
@@ -49,18 +51,29 @@ def test_the_image_serves_the_demo_model_as_the_pod_runs_it(tmp_path, recsys_bin
     repo.chmod(0o755)
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     name = f"recsys-image-test-{uuid.uuid4().hex[:8]}"
-    # The manifests' flags (deploy/kubernetes/base/serving/deployment.yaml) but the admin key and
-    # the ports, on the host's loopback only.
+    # The approver's key as the Secret is mounted (a file, read-only).
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    key = uuid.uuid4().hex
+    (secrets / "key").write_text(key + "\n")
+    secrets.chmod(0o755)
+    (secrets / "key").chmod(0o444)
+    # The manifests' flags (deploy/kubernetes/base/serving/deployment.yaml) but the ports, on the
+    # host's loopback only; the key from its file through the preloaded library, as they run it.
+    restricted = "model-repository,model-config:recsys-admin-key=@file:/var/run/secrets/recsys-admin/key"
     command = ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit",
                "--load-model=bert4rec", "--exit-on-error=false", "--strict-readiness=true",
                "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
                f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
-               "--exit-timeout-secs=30", "--pinned-memory-pool-byte-size=0"]
+               "--exit-timeout-secs=30", "--pinned-memory-pool-byte-size=0",
+               f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
     run = subprocess.run([*PODMAN, "run", "--detach", "--name", name, *ULIMITS, "--network", "host",
                           "--user", "10001:10001", "--read-only", "--cap-drop", "ALL",
                           "--security-opt", "no-new-privileges",
                           "--tmpfs", "/tmp:rw,size=256m,mode=1777", "--tmpfs", "/models-cache:rw,size=256m,mode=1777",
                           "--volume", f"{repo}:/models:ro", "--env", f"HEALTH_PORT={http_port}",
+                          "--volume", f"{secrets}:/var/run/secrets/recsys-admin:ro",
+                          "--env", "LD_PRELOAD=/opt/tritonserver/lib/librecsys_secret_args.so",
                           image, *command], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     try:
@@ -88,6 +101,17 @@ def test_the_image_serves_the_demo_model_as_the_pod_runs_it(tmp_path, recsys_bin
         assert next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")) == "0" * 16
         write = subprocess.run([*PODMAN, "exec", name, "touch", "/opt/x"], capture_output=True, text=True, timeout=60)
         assert write.returncode != 0 and "Read-only" in write.stderr, write.stderr
+        # The key guards model control, and no process can read it from the command line.
+        cmdline = subprocess.run([*PODMAN, "exec", name, "cat", "/proc/1/cmdline"], capture_output=True,
+                                 timeout=60).stdout.decode(errors="replace")
+        assert "recsys-admin-key=@file:" in cmdline and key not in cmdline, cmdline
+        index = f"http://127.0.0.1:{http_port}/v2/repository/index"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(index, data=b"{}", method="POST"), timeout=10)
+        assert refused.value.code in (401, 403), refused.value
+        allowed = urllib.request.Request(index, data=b"{}", method="POST", headers={"recsys-admin-key": key})
+        with urllib.request.urlopen(allowed, timeout=10) as r:
+            assert any(m["name"] == "bert4rec" for m in json.loads(r.read()))
 
         history = np.array([[10011403, 10011207, 10011739]], dtype=np.int64)
         inp = httpclient.InferInput("ITEM_IDS", [1, 3], "INT64")

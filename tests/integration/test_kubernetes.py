@@ -138,11 +138,18 @@ def test_the_pieces_fit_together(rendered):
     pod = deployment["spec"]["template"]["spec"]
     triton = containers(deployment)[0]
     args = " ".join(triton["args"])
-    for flag in ("--model-control-mode=explicit", '--model-repository="$MODEL_REPOSITORY"',
+    key_file = "/var/run/secrets/recsys-admin/key"
+    for flag in ("--model-control-mode=explicit", "--model-repository=$(MODEL_REPOSITORY)",
                  "--exit-on-error=false", "--strict-readiness=true",
-                 "--http-restricted-api=\"model-repository,model-config:recsys-admin-key=$key\"",
-                 "--grpc-restricted-protocol=\"model-repository,model-config:recsys-admin-key=$key\""):
-        assert flag in args, flag
+                 f"--http-restricted-api=model-repository,model-config:recsys-admin-key=@file:{key_file}",
+                 f"--grpc-restricted-protocol=model-repository,model-config:recsys-admin-key=@file:{key_file}"):
+        assert flag in triton["args"], flag
+    # The key comes from its file through the preloaded library, never through a shell into argv.
+    assert triton["command"] == ["tritonserver"]
+    preload = {e["name"]: e.get("value") for e in triton["env"]}["LD_PRELOAD"]
+    assert preload == "/opt/tritonserver/lib/librecsys_secret_args.so"
+    for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
+        assert preload in (ROOT / "docker" / dockerfile).read_text(), dockerfile
     exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", args).group(1))
     pre_stop = triton["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > exit_timeout + pre_stop
