@@ -1,8 +1,8 @@
 """Rollouts when more than one actor moves the fleet, on a real S3-compatible server with three
-tritonservers (two traffic replicas, one canary outside them):
+tritonservers (two traffic replicas under load, one canary outside them):
 - an approve and a rollback started together: the rollback waits for the approve's lease, then
-  runs; both exit 0 and the config, every replica and the canary end on the same version; a third
-  command with --lease-wait 0 is refused naming the holder (exit 6);
+  runs; both exit 0 and the config, every replica and the canary end on the same version, with
+  zero failed requests; a third command with --lease-wait 0 is refused naming the holder (exit 6);
 - a replica added after the switch (a pod the autoscaler starts, which loads the new version from
   the config) is reached by the automatic rollback, through a replica list read again at every
   pass (--servers-file), as a headless Service's addresses are resolved again."""
@@ -21,6 +21,7 @@ import pytest
 
 from conftest import convert
 from s3_harness import CREDENTIALS, S3Server
+from test_fleet import Load
 from triton_harness import TritonServer
 
 LEASE_HELD_EXIT = 6
@@ -90,9 +91,15 @@ def test_an_approve_and_a_rollback_started_together_end_on_one_version(tmp_path,
     recsys("publish", "--approve", "--engine", str(tmp_path / "int8"))
     recsys("publish", "--engine", str(tmp_path / "fp32"))
     with contextlib.ExitStack() as stack:
-        *traffic, canary = fleet(tmp_path, uri, backend_dir, stack, 3, "replica")
+        servers = [stack.enter_context(TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
+                                                    log_path=tmp_path / f"replica{i}.log"))
+                   for i in range(3)]
+        *traffic, canary = [f"http://{s.http_url}" for s in servers]
         flags = [f for url in traffic for f in ("--server", url)] + ["--canary", canary]
         assert all(ready_versions(url) == ["2"] for url in traffic)
+        loads = [Load(s) for s in servers[:2]]
+        for load in loads:
+            load.thread.start()
         # CI approves v3 across the fleet ...
         approve = subprocess.Popen([str(recsys_bin), "approve", "--version", "3", *flags, *base],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -107,6 +114,13 @@ def test_an_approve_and_a_rollback_started_together_end_on_one_version(tmp_path,
         finally:
             if approve.poll() is None:
                 approve.kill()
+            for load in loads:
+                load.stop.set()
+            for load in loads:
+                load.thread.join(30)
+        for i, load in enumerate(loads):
+            assert load.failures == [], f"replica {i}: {load.failures[:5]}"
+            assert len(load.seen) > 20 and set(load.seen) <= {"2", "3"}, (i, set(load.seen))
         assert approve.returncode == 0, approved_out + approved_err
         assert rollback.returncode == 0, rollback.stdout + rollback.stderr
         back = json.loads(rollback.stdout)
@@ -217,20 +231,26 @@ def test_a_replica_whose_load_outlasts_the_timeout_is_brought_back_by_the_rollba
     base, recsys = engines_and_cli(tmp_path, recsys_bin, uri)
     recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
     recsys("publish", "--engine", str(tmp_path / "int8"))
-    # Below the S3 client's own request timeout in tritonserver (3 s), above --reload-timeout.
+    # The listing of v2's folder and each of its files take 2.7 s the first time b asks (below the
+    # 3 s request timeout of tritonserver's S3 client, which would retry; it lists, then fetches
+    # the files in parallel): b's load of v2 outlasts --reload-timeout, which leaves the canary's
+    # and the other replica's loads ample time.
     slow_s = 2.7
-    with FaultyProxy(s3.port, slow_once=lambda method, path: slow_s if method == "GET" and "/bert4rec/2/" in path
-                     and path.endswith("weights.safetensors") else 0) as proxy, \
+
+    def slow(method: str, path: str) -> float:
+        return slow_s if method == "GET" and ("/bert4rec/2/" in path or "bert4rec%2F2%2F" in path) else 0
+
+    with FaultyProxy(s3.port, slow_once=slow) as proxy, \
             contextlib.ExitStack() as stack:
         a, canary = fleet(tmp_path, uri, backend_dir, stack, 2, "replica")
         b_server = stack.enter_context(TritonServer(proxy.uri("models", "slow/repo"), backend_dir, explicit=True,
                                                     load_models=["bert4rec"], log_path=tmp_path / "slow.log"))
         b = f"http://{b_server.http_url}"
         run = recsys("approve", "--version", "2", "--server", a, "--server", b, "--canary", canary,
-                     "--reload-timeout", "2", "--json", expect=ROLLED_BACK_EXIT)
+                     "--reload-timeout", "5", "--json", expect=ROLLED_BACK_EXIT)
         outcome = json.loads(run.stdout)
         failed = {r["server"]: r for r in outcome["rollout"]["replicas"]}[b]
-        assert failed["outcome"] == "failed" and "did not finish within 2s" in failed["error"], outcome
+        assert failed["outcome"] == "failed" and "did not finish within 5s" in failed["error"], outcome
         assert proxy.slowed, "the slow link was never used"
         # Every later pass reloaded b rather than trusting the v1 it still showed.
         for later in ("rolled_back", "reconciled"):
