@@ -147,7 +147,10 @@ fn print_quality(q: &recsys_registry::quality::QualityReport) {
     let ndcg = |n: Option<f64>| n.map_or("-".to_string(), |n| format!("{n:.4}"));
     let against = match &q.serving {
         Some(s) => format!(" against version {}'s {}", s.version, ndcg(s.ndcg_at_10)),
-        None => " (nothing serves yet to compare with)".into(),
+        None => match &q.serving_unscored {
+            Some(why) => format!(" (not compared: {why})"),
+            None => " (nothing serves yet to compare with)".into(),
+        },
     };
     println!(
         "quality gate: version {} NDCG@10 {}{against}, {:.0}% flat answers ({}){}",

@@ -138,24 +138,31 @@ where
     A: FnMut(&SelfCheck) -> std::result::Result<Vec<Ranked>, String>,
 {
     let candidate = candidate.map_err(|e| format!("the candidate's answers failed: {e}"))?;
-    let serving = match (serving, restored) {
-        (None, _) => None,
-        (Some(version), Ok(())) => Some(
-            quality::score(version, &check.cases, &mut ask(version))
-                .map_err(|e| format!("the serving version {version}'s answers failed: {e}"))?,
+    // A serving version that no longer loads cannot be compared with: the candidate is judged on
+    // its own scores (a repair of a broken version must get through), and the report says why.
+    let (serving, serving_unscored) = match (serving, restored) {
+        (None, _) => (None, None),
+        (Some(version), Ok(())) => (
+            Some(
+                quality::score(version, &check.cases, &mut ask(version))
+                    .map_err(|e| format!("the serving version {version}'s answers failed: {e}"))?,
+            ),
+            None,
         ),
-        (Some(version), Err(e)) => {
-            return Err(format!(
-                "the serving version {version} could not be scored: the canary was not put back \
-                 on it ({e})"
-            ))
-        }
+        (Some(version), Err(e)) => (
+            None,
+            Some(format!(
+                "the serving version {version} could not be scored: the canary could not load it \
+                 again ({e})"
+            )),
+        ),
     };
     let refused = quality::judge(&candidate, serving.as_ref(), check.max_drop);
     Ok(QualityReport {
         source: check.source.clone(),
         candidate,
         serving,
+        serving_unscored,
         max_drop: check.max_drop,
         refused,
     })

@@ -84,8 +84,13 @@ pub struct VersionScore {
 pub struct QualityReport {
     pub source: String,
     pub candidate: VersionScore,
-    /// The serving version on the same histories (`None`: nothing serves yet).
+    /// The serving version on the same histories (`None`: nothing serves yet, or it could not be
+    /// scored).
     pub serving: Option<VersionScore>,
+    /// Why the serving version could not be scored (it no longer loads on the canary: the
+    /// candidate is then judged on its own scores, as a repair of a broken version must be).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_unscored: Option<String>,
     pub max_drop: f64,
     /// Why the candidate was refused.
     pub refused: Option<String>,
