@@ -355,8 +355,10 @@ def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_ap
     """Started with serve.sh's and the manifests' flags (--exit-on-error=false, strict readiness)
     on a repository with nothing approved yet (a fresh cluster: apply, then publish), a replica is
     alive without the model, and the first `publish --approve --server` makes it ready; started again
-    after its version rotted in the bucket, it is alive and not ready with the reason in its log,
-    the next approve's reload has it serve the new version at once, and (Triton keeping the old
+    after its version rotted in the bucket, it is alive and not ready with the reason in its log;
+    a degenerate candidate is refused by the quality gate (the rotted version cannot be compared
+    with) and the canary, unable to go back to the rotted version, is reported stranded (exit 8,
+    recorded on the version); the next approve's reload has it serve a good version at once, and (Triton keeping the old
     version's failed load in its readiness) a restart, which the manifests' liveness probe on
     readiness makes after 10 minutes, is ready on it."""
     uri = s3.uri("models", "startup/repo")
@@ -397,13 +399,26 @@ def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_ap
         assert server.process.poll() is None, "the replica exited on a model it cannot load"
         assert server.is_live() and not server.is_ready()
         assert "sha256" in server.log().lower() or "checksum" in server.log().lower(), server.log()[-2000:]
+        # A degenerate candidate is refused, and the canary cannot be put back on the rotted v1:
+        # exit 8, recorded on the version, rather than "nothing changed".
+        src = FIXTURES / "bert4rec"
+        subprocess.run([str(recsys_bin), "convert", "--force", "--kind", "bert4rec",
+                        "--checkpoint", str(biased_checkpoint(tmp_path / "biased.safetensors")),
+                        "--config", str(src / "config.json"), "--item-map", str(src / "item_id_map.tsv"),
+                        "--output", str(tmp_path / "biased")], check=True, capture_output=True, timeout=300)
+        stranded = recsys("publish", "--approve", "--engine", str(tmp_path / "biased"), "--server",
+                          f"http://{server.http_url}", "--canary-on-traffic", expect=8)
+        assert "degenerate scores" in stranded.stdout and "could not be put back" in stranded.stderr, stranded
+        listed = json.loads(recsys("versions", "--json").stdout)["versions"]
+        assert listed[1]["status"] == "pending" and "could not be put back" in listed[1]["last_failure"], listed[1]
+        assert "could not be scored" in listed[1]["quality"]["serving_unscored"], listed[1]
         started = time.monotonic()
         out = recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"), "--server",
                      f"http://{server.http_url}", "--canary-on-traffic").stdout
         # The canary could not be put back on the rotted version; it says so at once.
         assert "not put back: version 1 failed to load" in out and "checksum mismatch" in out, out
         assert time.monotonic() - started < 60, "a failed load is reported when it happens, not after a timeout"
-        assert ready_versions(server) == ["2"]
+        assert ready_versions(server) == ["3"]
         assert server._get("/v2/models/bert4rec/ready") == 200
         # Triton keeps version 1's failed load in its strict readiness until the process restarts:
         # the manifests' liveness probe on readiness (10 minutes) is that bounded retry.
@@ -412,7 +427,7 @@ def test_a_replica_without_a_loadable_model_stays_up_and_recovers_at_the_next_ap
         server.stop()
     with TritonServer(uri, backend_dir, explicit=True, load_models=["bert4rec"],
                       log_path=tmp_path / "restarted.log", extra_args=flags) as restarted:
-        assert ready_versions(restarted) == ["2"]
+        assert ready_versions(restarted) == ["3"]
 
 
 def test_convert_predict_and_export_read_and_write_object_storage(tmp_path, recsys_bin, s3):
