@@ -287,7 +287,8 @@ published; with replicas, the canary (--canary URL: a tritonserver outside the t
 Service; or, with --canary-on-traffic, the first live traffic replica) then loads it without the \
 repository changing (Triton's load API with a config override) and must answer the version's \
 self-check request as the publisher's engine did, with finite scores; it is then put back on the \
-serving version. With an evaluation set (publish --eval-set, else the serving version's), the \
+serving version. With an evaluation set (publish --eval-set, else the serving version's, else the \
+newest other version's), the \
 canary then answers its held-out histories with the candidate and with the serving version: a \
 candidate whose NDCG@10 is more than --max-ndcg-drop (5 % relative) below the serving version's, \
 or whose scores are degenerate (non-finite, or every top-10 score the same number), is refused; \

@@ -628,6 +628,7 @@ fn approve_leased(
                 release
                     .serving_before
                     .and_then(|s| find(&listed, repo, model, s).ok()),
+                &listed,
                 &check,
                 &fleet.quality,
             )?)
@@ -741,13 +742,15 @@ fn approve_leased(
 }
 
 /// The held-out histories the canary asks the candidate and the serving version: the candidate's
-/// own evaluation set, else the serving version's, else (degenerate scores only) the self-check's
-/// history.
+/// own evaluation set, else the serving version's, else the newest other version's that has one
+/// (the model's held-out data outlives the version it was published with), else (degenerate
+/// scores only) the self-check's history.
 fn quality_check(
     repo: &Repository,
     model: &str,
     candidate: &VersionInfo,
     serving: Option<VersionInfo>,
+    listed: &[VersionInfo],
     check: &SelfCheck,
     options: &QualityOptions,
 ) -> Result<QualityCheck> {
@@ -756,6 +759,7 @@ fn quality_check(
     let owner = [Some(candidate.clone()), serving]
         .into_iter()
         .flatten()
+        .chain(listed.iter().rev().cloned())
         .find(has_set);
     let Some(owner) = owner else {
         return Ok(QualityCheck {

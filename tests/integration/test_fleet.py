@@ -327,6 +327,8 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
         server_flags = [flag for url in urls for flag in ("--server", url)] + ["--canary", canary_url]
         run = recsys("approve", "--version", "6", *server_flags, "--json", expect=ROLLED_BACK_EXIT)
         outcome = json.loads(run.stdout)
+        # v6 and the serving v5 carry no evaluation set: the gate used v1's, the newest that has one.
+        assert "version 1's evaluation set" in outcome["canary"]["quality"]["source"], outcome["canary"]
         assert [r["outcome"] for r in outcome["rollout"]["replicas"]] == ["serving", "failed"], json.dumps(outcome, indent=1)
         assert [r["outcome"] for r in outcome["rolled_back"]["replicas"]] == ["serving", "serving"], outcome
         assert [r["reloaded"] for r in outcome["rolled_back"]["replicas"]] == [True, False], outcome
