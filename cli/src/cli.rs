@@ -36,7 +36,7 @@ pub enum Command {
     /// version.
     Publish(PublishArgs),
     /// Approve a version after verifying it (every file's SHA-256, then a canary replica's
-    /// self-check): the newest approved version is the one every replica serves.
+    /// self-check and quality gate): the newest approved version is the one every replica serves.
     Approve(StatusArgs),
     /// Reject a version; rejecting the serving version goes back to the previous approved one.
     Reject(StatusArgs),
