@@ -456,6 +456,43 @@ mod tests {
     }
 
     #[test]
+    fn the_heartbeat_and_the_command_share_the_store_client_at_once() {
+        // The command's own store calls and the heartbeat's renewals run on one current-thread
+        // runtime from two threads: neither may block the other for good or fail.
+        let tmp = tempfile::tempdir().unwrap();
+        for repo in repositories(tmp.path()) {
+            let lease = acquire(
+                &repo,
+                "m",
+                &LeaseOptions {
+                    ttl: Duration::from_secs(1),
+                    ..options("approve", 0)
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+            let first_expiry = lease.record().expires_at_unix;
+            let started = Instant::now();
+            let writes = lease.with_heartbeat(|| {
+                let mut n = 0;
+                while started.elapsed() < Duration::from_millis(1500) {
+                    repo.overwrite("m/1/record", format!("{n}").as_bytes())
+                        .unwrap();
+                    assert!(repo.read("m/1/record").unwrap().is_some());
+                    n += 1;
+                }
+                n
+            });
+            assert!(writes > 10, "{writes}");
+            // Renewed while the command worked: still held, not expired.
+            let stored = current(&repo, "m").unwrap().unwrap();
+            assert_eq!(stored.token, lease.record().token);
+            assert!(stored.expires_at_unix > first_expiry, "{stored:?}");
+            lease.renew().unwrap();
+        }
+    }
+
+    #[test]
     fn a_lease_that_is_not_a_lease_is_named() {
         let repo = Repository::in_memory();
         repo.overwrite(&lease_key("m"), b"garbage").unwrap();
