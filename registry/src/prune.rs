@@ -131,7 +131,7 @@ pub fn prune(
                 protected.extend(loaded.into_iter().map(|v| (v, "loaded on a replica")));
             }
             Err(ReplicaError::NotLive(e)) => on_unreachable(server, &e),
-            Err(ReplicaError::Failed(e)) => {
+            Err(ReplicaError::Failed(e) | ReplicaError::TimedOut(e)) => {
                 return Err(RegistryError::Input(format!(
                     "cannot ask {server} which versions it has loaded: {e}"
                 )))

@@ -232,14 +232,14 @@ impl Release {
         }
     }
 
-    /// Replicas that failed a pass of this command so far (their state is not known: a load that
-    /// timed out may still be under way).
+    /// Replicas that ran out of time in a pass of this command so far: a load that timed out may
+    /// still be under way, so what they show is not what they will serve.
     fn failed_replicas(&self) -> Vec<String> {
         [&self.rollout, &self.rolled_back, &self.reconciled]
             .into_iter()
             .flatten()
             .flat_map(|r| &r.replicas)
-            .filter(|r| matches!(r.outcome, Outcome::Failed(_)))
+            .filter(|r| r.timed_out)
             .map(|r| r.server.clone())
             .collect()
     }

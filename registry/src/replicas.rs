@@ -145,6 +145,9 @@ pub struct ReplicaReport {
     pub outcome: Outcome,
     /// The replica was asked to reload (`false`: it already served the version alone).
     pub reloaded: bool,
+    /// It failed by running out of time: its load may still be under way (see
+    /// [`RolloutPlan::force_reload`]).
+    pub timed_out: bool,
     pub seconds: f64,
 }
 
@@ -191,6 +194,7 @@ impl Rollout {
                     "outcome": r.outcome.name(),
                     "error": r.outcome.error(),
                     "reloaded": r.reloaded,
+                    "timed_out": r.timed_out,
                     "seconds": r.seconds,
                 })
             }).collect::<Vec<_>>(),
@@ -208,8 +212,8 @@ pub struct RolloutPlan<'a> {
     pub continue_after_failure: bool,
     /// The longest one replica may take to load the version.
     pub timeout: Duration,
-    /// Replicas reloaded even if they already serve the version alone: those that failed an
-    /// earlier pass of the command. A load that outlasted its timeout goes on in the replica,
+    /// Replicas reloaded even if they already serve the version alone: those that ran out of time
+    /// in an earlier pass of the command. A load that outlasted its timeout goes on in the replica,
     /// which keeps serving the old version while it downloads and loads and switches when it
     /// ends; a reload queues behind it and then loads what the config names.
     pub force_reload: &'a [String],
@@ -232,6 +236,7 @@ pub fn roll_out(
     for server in replicas {
         let started = Instant::now();
         let mut reloaded = false;
+        let mut timed_out = false;
         let outcome = if let Some(reason) = &halted {
             Outcome::Stopped(reason.to_string())
         } else if failed && !plan.continue_after_failure {
@@ -252,12 +257,19 @@ pub fn roll_out(
                     failed = true;
                     Outcome::Failed(e)
                 }
+                Err(ReplicaError::TimedOut(e)) => {
+                    reloaded = true;
+                    failed = true;
+                    timed_out = true;
+                    Outcome::Failed(e)
+                }
             }
         };
         let report = ReplicaReport {
             server: server.clone(),
             outcome,
             reloaded,
+            timed_out,
             seconds: started.elapsed().as_secs_f64(),
         };
         on_replica(&report);
@@ -279,12 +291,16 @@ pub enum ReplicaError {
     NotLive(String),
     /// It answered and did not come to serve the version.
     Failed(String),
+    /// Its reload did not end within the timeout: the load may still be under way.
+    TimedOut(String),
 }
 
 impl std::fmt::Display for ReplicaError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ReplicaError::NotLive(e) | ReplicaError::Failed(e) => f.write_str(e),
+            ReplicaError::NotLive(e) | ReplicaError::Failed(e) | ReplicaError::TimedOut(e) => {
+                f.write_str(e)
+            }
         }
     }
 }
@@ -376,14 +392,14 @@ pub fn reload_and_wait(
     let failed = |text: String| ReplicaError::Failed(text);
     post_load(&agent, base, model, None).map_err(|e| {
         let e = e.to_string();
-        failed(if e.contains("timed out") {
-            format!(
+        if e.contains("timed out") {
+            ReplicaError::TimedOut(format!(
                 "the reload of {model} did not finish within {timeout:?} (--reload-timeout; the \
-                 replica may still be loading, and the next pass looks again): {e}"
-            )
+                 replica may still be loading, and the next pass reloads it again): {e}"
+            ))
         } else {
-            format!("the server refused to reload {model}: {e}")
-        })
+            failed(format!("the server refused to reload {model}: {e}"))
+        }
     })?;
     if wait_for_versions(&agent, base, model, &[version], RELOAD_GRACE.min(timeout)).is_ok() {
         return Ok(());
@@ -404,9 +420,13 @@ pub fn reload_and_wait(
         })?;
     }
     wait_for_versions(&agent, base, model, &[version], timeout).map_err(|e| {
-        failed(format!(
-            "{model} version {version} was not the only ready version: {e}"
-        ))
+        let text = format!("{model} version {version} was not the only ready version: {e}");
+        // A load that failed says so in the index; anything else ran out of time.
+        if e.contains(" failed to load: ") {
+            failed(text)
+        } else {
+            ReplicaError::TimedOut(text)
+        }
     })
 }
 
