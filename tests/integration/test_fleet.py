@@ -70,6 +70,14 @@ class Load:
     def versions_since(self, mark: int) -> set[str]:
         return set(self.seen[mark:])
 
+    @staticmethod
+    def stop_all(loads: list["Load"]) -> None:
+        """Stops every load's thread and waits for it (bounded)."""
+        for load in loads:
+            load.stop.set()
+        for load in loads:
+            load.thread.join(30)
+
 
 def wait_for(condition, what: str, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
@@ -135,10 +143,7 @@ def test_two_replicas_on_one_s3_repository_switch_together_without_failed_reques
             assert all(load.versions_since(m) == {"1"} for load, m in zip(loads, marks)), \
                 "every replica is back on v1 once reject returns"
         finally:
-            for load in loads:
-                load.stop.set()
-            for load in loads:
-                load.thread.join(30)
+            Load.stop_all(loads)
         for i, load in enumerate(loads):
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
             assert len(load.seen) > 100, f"replica {i} answered only {len(load.seen)} requests"
@@ -305,10 +310,7 @@ def test_a_bad_version_never_serves_and_a_broken_rollout_rolls_back(tmp_path, re
             wait_for(lambda: all(len(load.seen) > m + 20 for load, m in zip(loads, marks)), "answers after approve")
             assert all(load.versions_since(m) == {"5"} for load, m in zip(loads, marks))
         finally:
-            for load in loads:
-                load.stop.set()
-            for load in loads:
-                load.thread.join(30)
+            Load.stop_all(loads)
         for i, load in enumerate(loads):
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
             # The candidates loaded on the canary only: no client of a traffic replica ever got an

@@ -114,10 +114,7 @@ def test_an_approve_and_a_rollback_started_together_end_on_one_version(tmp_path,
         finally:
             if approve.poll() is None:
                 approve.kill()
-            for load in loads:
-                load.stop.set()
-            for load in loads:
-                load.thread.join(30)
+            Load.stop_all(loads)
         for i, load in enumerate(loads):
             assert load.failures == [], f"replica {i}: {load.failures[:5]}"
             assert len(load.seen) > 20 and set(load.seen) <= {"2", "3"}, (i, set(load.seen))
