@@ -73,6 +73,7 @@ pub fn serve(
                                 exclude,
                                 candidates,
                                 embedding: row.embedding,
+                                filter: None,
                             },
                             options,
                         )
@@ -379,6 +380,7 @@ mod tests {
                         10011739, 10011788, 10011403, 10011550,
                     ])),
                     embedding: false,
+                    filter: None,
                 }],
                 &options,
             )

@@ -45,7 +45,7 @@ fn bench_fused(c: &mut Criterion) {
             for (name, packed) in &variants {
                 for batch in [1usize, 8, 64] {
                     for k in [10usize, 100] {
-                        let queries = vec![RowQuery { k, excluded: &none }; batch];
+                        let queries = vec![RowQuery::new(k, &none); batch];
                         group.throughput(Throughput::Elements((batch * n) as u64));
                         group.bench_with_input(
                             BenchmarkId::new(*name, format!("B{batch}/k{k}")),

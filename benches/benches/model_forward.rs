@@ -25,6 +25,7 @@ fn bench_models(c: &mut Criterion) {
                     exclude_seen: true,
                     candidates: None,
                     embedding: false,
+                    eligible: None,
                 })
                 .collect();
             group.bench_with_input(

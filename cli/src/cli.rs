@@ -686,6 +686,11 @@ pub struct ConvertArgs {
     /// Percentile for --calibration-method percentile.
     #[arg(long, default_value_t = ConvertOptions::default().calibration_percentile)]
     pub calibration_percentile: f64,
+    /// Item attributes to store with the engine: a Parquet, CSV or TSV table whose first column
+    /// is the external item id and whose other columns hold strings, integers or lists (a CSV/TSV
+    /// list is `a|b`). Every value becomes an item set requests filter by (`category=shoes`).
+    #[arg(long, value_name = "FILE")]
+    pub item_attributes: Option<PathBuf>,
     /// Refuse checkpoints larger than this many bytes (they are read into memory whole).
     #[arg(long, default_value_t = recsys_engine::import::DEFAULT_MAX_CHECKPOINT_BYTES)]
     pub max_checkpoint_bytes: u64,

@@ -87,6 +87,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         (Some(path), Some(method)) => Some((read_histories(path)?, method)),
         _ => None,
     };
+    let item_attributes = match &args.item_attributes {
+        Some(path) => Some(crate::attributes::read(path)?),
+        None => None,
+    };
     let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
     let engine = recsys_engine::convert_limited(
         &ConvertRequest {
@@ -99,6 +103,9 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
             screen: plan.screen,
             w8a8_layers: plan.w8a8_layers,
+            catalogue: recsys_engine::CatalogueInputs {
+                item_attributes: item_attributes.as_ref(),
+            },
         },
         args.max_checkpoint_bytes,
     );
@@ -125,6 +132,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             "weights_bytes": weights.bytes,
             "source": {"file": m.source.file, "format": m.source.format, "sha256": m.source.sha256},
             "calibration": m.calibration,
+            "item_attributes": m.item_attributes,
         });
         println!("{summary}");
         return Ok(0);
@@ -145,6 +153,22 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         println!(
             "screen: int8 (each top k screened from int8 weights, survivors rescored at {}: the same answers)",
             name(serde_json::json!(m.precision))
+        );
+    }
+    if let Some(a) = &m.item_attributes {
+        println!(
+            "item attributes: {} set(s) over column(s) {} for {} item(s){}",
+            a.sets,
+            a.columns.join(", "),
+            a.items,
+            if a.unknown_items > 0 {
+                format!(
+                    " ({} row(s) name items the catalogue does not hold: skipped)",
+                    a.unknown_items
+                )
+            } else {
+                String::new()
+            }
         );
     }
     if let Some(c) = m.calibration.as_ref().map(|c| &c.output_layer) {

@@ -2,6 +2,7 @@
 //! evaluate ranking quality.
 #![forbid(unsafe_code)]
 
+mod attributes;
 mod cli;
 mod convert;
 mod error;

@@ -169,6 +169,7 @@ fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
         exclude_seen: true,
         candidates: None,
         embedding: false,
+        eligible: None,
     };
     engine.recommend_internal(&[request])[0]
         .0
@@ -192,6 +193,7 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
                 exclude_seen: true,
                 candidates: None,
                 embedding: false,
+                eligible: None,
             })
             .collect()
     };
@@ -288,6 +290,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             }),
             screen: variant.screen,
             w8a8_layers: variant.layers,
+            catalogue: Default::default(),
         })?;
         kind = Some(engine.kind());
         engine.set_threads(crate::cli::default_threads(args.threads));

@@ -16,6 +16,7 @@ use crate::engine_dir::{
 use crate::error::{EngineError, Result};
 use crate::idmap::{ExternalIds, IdMap, ItemMapSource};
 use crate::import::Checkpoint;
+use crate::item_sets::{AttributeTable, ItemSets};
 use crate::kernels::packed::{quantize_int8_per_row, to_bf16_bits, to_f16_bits};
 use crate::models::Model;
 use crate::weights::scale_name;
@@ -39,6 +40,16 @@ pub struct ConvertRequest<'a> {
     /// With a calibration: which layers the engine runs at static int8 activation scales. Every
     /// dense layer's scale is calibrated and recorded either way (ONNX exports use them).
     pub w8a8_layers: W8a8Layers,
+    /// What the engine keeps about the catalogue besides the model: item attribute sets.
+    pub catalogue: CatalogueInputs<'a>,
+}
+
+/// Catalogue data stored with an engine, each optional.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CatalogueInputs<'a> {
+    /// Item attributes: every (column, value) becomes a named item set requests can filter by
+    /// ([`crate::item_sets`]).
+    pub item_attributes: Option<&'a AttributeTable>,
 }
 
 impl ConvertRequest<'_> {
@@ -150,6 +161,10 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
     let out = model.output();
     let packed = out.weight.pack(out.bias.as_slice());
     let screen = (request.screen == Screen::Int8).then(|| crate::engine::screen_of(out));
+    let item_sets = match request.catalogue.item_attributes {
+        None => None,
+        Some(table) => Some(ItemSets::from_table(table, &ids).map_err(EngineError::Config)?),
+    };
     engine_dir::write(
         request.out,
         &EngineParts {
@@ -166,6 +181,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
                 packed: &packed,
                 screen: screen.as_ref(),
             }),
+            item_sets: item_sets.as_ref(),
         },
     )?;
     drop((model, packed, screen));

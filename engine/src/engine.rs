@@ -5,8 +5,10 @@ use std::path::{Path, PathBuf};
 use crate::config::ModelKind;
 use crate::engine_dir::{self, Manifest, Screen};
 use crate::error::{EngineError, Result};
+use crate::filters::Filters;
 use crate::idmap::{ExternalId, IdMap};
 use crate::kernels::fused::{self, Exclusions, RowQuery};
+use crate::kernels::item_mask::ItemMask;
 use crate::kernels::packed::PackedOutput;
 use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
@@ -57,19 +59,35 @@ fn whole_catalogue_exclusions(excluded: Vec<Vec<u32>>) -> Vec<Exclusions> {
         .collect()
 }
 
-fn queries_of<'a>(ks: &[usize], exclusions: &'a [Exclusions]) -> Vec<RowQuery<'a>> {
+/// One query per row: its k, its exclusions, the items its filter keeps (`None`: all).
+fn queries_of<'a>(
+    ks: &[usize],
+    exclusions: &'a [Exclusions],
+    eligible: &'a [Option<std::sync::Arc<ItemMask>>],
+) -> Vec<RowQuery<'a>> {
     ks.iter()
         .zip(exclusions)
-        .map(|(&k, excluded)| RowQuery { k, excluded })
+        .zip(eligible)
+        .map(|((&k, excluded), eligible)| RowQuery {
+            k,
+            excluded,
+            eligible: eligible.as_deref(),
+        })
         .collect()
+}
+
+/// What each whole-catalogue row leaves out: its exclusions and the items its filter keeps.
+pub(crate) struct RowLimits {
+    pub excluded: Vec<Vec<u32>>,
+    pub eligible: Vec<Option<std::sync::Arc<ItemMask>>>,
 }
 
 impl Scorer {
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
-    /// (PAD) nor any of `excluded[row]` (unsorted, may repeat).
-    fn top_k(&self, hidden: &[f32], ks: &[usize], excluded: Vec<Vec<u32>>) -> RankedRows {
-        let exclusions = whole_catalogue_exclusions(excluded);
-        let queries = queries_of(ks, &exclusions);
+    /// (PAD) nor any of `limits.excluded[row]` (unsorted, may repeat), only items its mask keeps.
+    fn top_k(&self, hidden: &[f32], ks: &[usize], limits: RowLimits) -> RankedRows {
+        let exclusions = whole_catalogue_exclusions(limits.excluded);
+        let queries = queries_of(ks, &exclusions, &limits.eligible);
         fused::top_k(self.kernels, &self.packed, hidden, &queries, self.threads)
     }
 }
@@ -81,6 +99,8 @@ pub struct Engine {
     pub ids: IdMap,
     pub path: Option<PathBuf>,
     pub scorer: Scorer,
+    /// The item attribute sets requests filter by, and their resolved masks.
+    pub filters: Filters,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -172,6 +192,7 @@ impl Engine {
         let loaded = engine_dir::load_with(dir, options)?;
         let packed = packed_output(&loaded)?;
         let screen = screen_table(&loaded)?;
+        let filters = Filters::new(loaded.item_sets, loaded.model.output().n_outputs());
         Ok(Engine {
             manifest: loaded.manifest,
             model: loaded.model,
@@ -183,6 +204,7 @@ impl Engine {
                 kernels: KernelTable::detect(),
                 threads: 1,
             },
+            filters,
         })
     }
 
@@ -274,6 +296,14 @@ impl Engine {
             .exclude
             .map(|e| self.ids.map(e).indices)
             .unwrap_or_default();
+        let eligible = match request.filter {
+            Some(filter) if !filter.is_empty() => Some(
+                self.filters
+                    .resolve(filter)
+                    .map_err(EngineError::InvalidRequest)?,
+            ),
+            _ => None,
+        };
         let mut unknown_candidates = 0;
         let candidates = match request.candidates {
             None => None,
@@ -292,9 +322,15 @@ impl Engine {
                 let mut indices = mapped.indices;
                 indices.sort_unstable();
                 indices.dedup();
+                // A filter narrows the candidates themselves: the candidate path then needs no
+                // mask of its own.
+                if let Some(mask) = &eligible {
+                    indices.retain(|&i| mask.allows(i));
+                }
                 Some(indices)
             }
         };
+        let eligible = if candidates.is_some() { None } else { eligible };
         Ok((
             InternalRequest {
                 history: history.indices,
@@ -303,6 +339,7 @@ impl Engine {
                 exclude_seen: options.exclude_seen,
                 candidates,
                 embedding: request.embedding,
+                eligible,
             },
             UnknownIds {
                 history: history.unknown,
@@ -462,10 +499,12 @@ impl Engine {
                 .iter()
                 .flat_map(|&r| user(r).iter().copied())
                 .collect();
-            let excluded: Vec<Vec<u32>> =
-                whole.iter().map(|&r| excluded_items(&batch[r])).collect();
+            let limits = RowLimits {
+                excluded: whole.iter().map(|&r| excluded_items(&batch[r])).collect(),
+                eligible: whole.iter().map(|&r| batch[r].eligible.clone()).collect(),
+            };
             let ks: Vec<usize> = whole.iter().map(|&r| batch[r].k).collect();
-            let (ranked, survivors) = self.screened_top_k(&rows_hidden, &ks, excluded);
+            let (ranked, survivors) = self.screened_top_k(&rows_hidden, &ks, limits);
             for (i, (r, ranked)) in whole.iter().zip(ranked).enumerate() {
                 top[*r] = ranked;
                 if let Some(survivors) = &survivors {
@@ -491,7 +530,8 @@ impl Engine {
             .collect()
     }
 
-    /// Each row's best `ks[row]` of the whole catalogue (never PAD nor `excluded[row]`): through
+    /// Each row's best `ks[row]` of the whole catalogue (never PAD nor an item `limits` leaves
+    /// out): through
     /// the screen when the engine has one, each row's survivors rescored exactly as the candidate
     /// path scores candidates (so the answer is the dense scan's), else the dense scan itself;
     /// with each row's count of screen survivors (the items rescored) when the engine screens.
@@ -499,13 +539,13 @@ impl Engine {
         &self,
         hidden: &[f32],
         ks: &[usize],
-        excluded: Vec<Vec<u32>>,
+        limits: RowLimits,
     ) -> (RankedRows, Option<Vec<usize>>) {
         let Some(screen) = &self.scorer.screen else {
-            return (self.scorer.top_k(hidden, ks, excluded), None);
+            return (self.scorer.top_k(hidden, ks, limits), None);
         };
-        let exclusions = whole_catalogue_exclusions(excluded);
-        let queries = queries_of(ks, &exclusions);
+        let exclusions = whole_catalogue_exclusions(limits.excluded);
+        let queries = queries_of(ks, &exclusions, &limits.eligible);
         let d = screen.packed.d;
         let (ranked, survivors) = screen::top_k(
             self.scorer.kernels,
@@ -660,10 +700,7 @@ impl Engine {
         let queries: Vec<RowQuery<'_>> = ks
             .iter()
             .zip(&exclusions)
-            .map(|(&k, excluded)| RowQuery {
-                k: k.min(candidates.len()),
-                excluded,
-            })
+            .map(|(&k, excluded)| RowQuery::new(k.min(candidates.len()), excluded))
             .collect();
         fused::top_k(self.scorer.kernels, &packed, hidden, &queries, threads)
             .into_iter()

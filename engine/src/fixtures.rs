@@ -58,5 +58,6 @@ pub fn convert(
         calibration: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
 }

@@ -13,10 +13,12 @@ pub mod engine;
 pub mod engine_dir;
 pub use engine_dir::kernel_file;
 pub mod error;
+pub mod filters;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 pub mod idmap;
 pub mod import;
+pub mod item_sets;
 pub mod metrics;
 pub mod models;
 pub mod request;
@@ -28,11 +30,12 @@ pub use recsys_kernels as kernels;
 pub use recsys_kernels::{parallel, profile, topk};
 
 pub use config::{ModelConfig, ModelKind};
-pub use convert::{convert, convert_limited, ConvertRequest, W8a8Layers};
+pub use convert::{convert, convert_limited, CatalogueInputs, ConvertRequest, W8a8Layers};
 pub use convert_options::{CalibrationChoice, ConvertOptions, ConvertPlan, Int8Mode, Spelling};
 pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap, ItemMapSource};
+pub use item_sets::{AttributeTable, ItemFilter, ItemSets};
 pub use request::{
     excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
     ServeOptions, UnknownIds, UnknownItemPolicy,

@@ -1,7 +1,11 @@
 //! What a request is, before and after id mapping, and what answers a batch of them.
 
 use crate::error::Result;
+use std::sync::Arc;
+
 use crate::idmap::ExternalIds;
+use crate::item_sets::ItemFilter;
+use crate::kernels::item_mask::ItemMask;
 use crate::models::HistoryNote;
 use crate::topk::Scored;
 
@@ -61,6 +65,9 @@ pub struct Request<'a> {
     /// Also return the user embedding ([`Recommendation::embedding`]). With it, `k = Some(0)`
     /// asks for the embedding alone (no item is scored).
     pub embedding: bool,
+    /// Item sets to keep and to drop (`category=shoes`; see [`crate::item_sets`]); `None` or an
+    /// empty filter keeps every item.
+    pub filter: Option<&'a ItemFilter>,
 }
 
 /// One user's answer.
@@ -100,6 +107,9 @@ pub struct InternalRequest {
     pub candidates: Option<Vec<u32>>,
     /// The answer carries the user embedding; `k` may then be 0 (the embedding alone).
     pub embedding: bool,
+    /// Whole-catalogue rows: only these items may be recommended (the request's filter; a
+    /// candidate list is narrowed by it instead). `None`: every item.
+    pub eligible: Option<Arc<ItemMask>>,
 }
 
 /// One prepared row's answer: its best items (best first), what the model noted about its

@@ -64,6 +64,7 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
             exclude_seen: i % 3 != 0,
             candidates: Some(candidates),
             embedding: false,
+            eligible: None,
         });
     }
     // Whole-catalogue rows in the same batch keep their answers.
@@ -74,6 +75,7 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
         exclude_seen: true,
         candidates: None,
         embedding: false,
+        eligible: None,
     });
     let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
     let all = engine.score_all(&histories);
@@ -135,6 +137,7 @@ fn candidate_scores_are_pytorchs_logits_and_unknown_candidates_follow_the_policy
                 exclude: None,
                 candidates: Some(ExternalIds::Int(&candidates)),
                 embedding: false,
+                filter: None,
             };
             let answer = engine
                 .recommend(&[request], &ServeOptions::default())

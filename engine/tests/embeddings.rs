@@ -17,6 +17,7 @@ fn request(history: &[i64], k: Option<i64>, embedding: bool) -> Request<'_> {
         exclude: None,
         candidates: None,
         embedding,
+        filter: None,
     }
 }
 

@@ -37,6 +37,7 @@ fn check_logits_and_topk(kind: ModelKind) {
                     exclude: None,
                     candidates: None,
                     embedding: false,
+                    filter: None,
                 }],
                 &options,
             )

@@ -101,6 +101,7 @@ fn convert_file(
         calibration: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
 }
 
@@ -239,6 +240,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         calibration: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
     .err()
     .unwrap();
@@ -254,6 +256,7 @@ fn vaecf_config_contradicting_weights_is_refused() {
         calibration: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
     .err()
     .unwrap();
@@ -382,6 +385,7 @@ fn convert_kind(
         calibration: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
 }
 
@@ -463,6 +467,7 @@ fn convert_altered_kind(
         calibration: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
 }
 

@@ -47,6 +47,7 @@ fn requests(engine: &Engine) -> Vec<InternalRequest> {
                 exclude_seen: i % 2 == 0,
                 candidates: None,
                 embedding: false,
+                eligible: None,
             }
         })
         .collect()

@@ -60,6 +60,7 @@ fn compare(kind: ModelKind, reference: &Engine, quantized: &Engine) -> Compariso
             exclude_seen: true,
             candidates: None,
             embedding: false,
+            eligible: None,
         };
         let top = |e: &Engine, k| -> Vec<u32> {
             e.recommend_internal(&[request(k)])[0]

@@ -59,6 +59,7 @@ fn converting_with_the_saved_dataset_equals_converting_with_the_tsv() {
             calibration: None,
             screen: Default::default(),
             w8a8_layers: Default::default(),
+            catalogue: Default::default(),
         })
         .unwrap()
     };

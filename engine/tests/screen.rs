@@ -39,6 +39,7 @@ fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
                 }),
                 embedding: i % 5 == 0,
                 history,
+                eligible: None,
             }
         })
         .collect()
@@ -147,6 +148,7 @@ fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
                         exclude_seen: true,
                         candidates: None,
                         embedding: false,
+                        eligible: None,
                     }
                 })
                 .collect();
@@ -161,10 +163,8 @@ fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
                 })
                 .collect();
             for k in [1usize, 10, 100, 1000] {
-                let queries: Vec<RowQuery<'_>> = exclusions
-                    .iter()
-                    .map(|e| RowQuery { k, excluded: e })
-                    .collect();
+                let queries: Vec<RowQuery<'_>> =
+                    exclusions.iter().map(|e| RowQuery::new(k, e)).collect();
                 // The engine's own dense path: the fused scan over its packed output layer.
                 let dense = recsys_engine::kernels::fused::top_k(
                     engine.scorer.kernels,

@@ -25,6 +25,7 @@ fn convert_form(kind: ModelKind, checkpoint: &str, out: &std::path::Path) -> Eng
             calibration: None,
             screen: Default::default(),
             w8a8_layers: Default::default(),
+            catalogue: Default::default(),
         })
         .unwrap_or_else(|e| panic!("{kind} {checkpoint}: {e}"));
         assert_eq!(engine.kind(), kind, "the kind read from the checkpoint");
@@ -47,6 +48,7 @@ fn request(history: &[i64]) -> Request<'_> {
         exclude: None,
         candidates: None,
         embedding: false,
+        filter: None,
     }
 }
 

@@ -25,6 +25,7 @@ fn batch_of(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
                 exclude_seen: i % 2 == 0,
                 candidates: None,
                 embedding: true,
+                eligible: None,
             }
         })
         .collect()

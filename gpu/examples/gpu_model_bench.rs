@@ -63,6 +63,7 @@ fn main() {
                     calibration: None,
                     screen: Default::default(),
                     w8a8_layers: Default::default(),
+                    catalogue: Default::default(),
                 })
                 .expect("converting the fixture"),
             );

@@ -839,6 +839,7 @@ impl<D: Device> DeviceModel<D> {
                 exclude_seen: r != 1,
                 candidates: None,
                 embedding: false,
+                eligible: None,
             })
             .collect();
         let cpu = self.engine.recommend_internal(&batch);

@@ -173,6 +173,7 @@ fn engines_with_static_dense_activations_are_refused_with_the_reason() {
         calibration: Some((&calibration[..], CalibrationMethod::MinMax)),
         screen: Default::default(),
         w8a8_layers: W8a8Layers::All,
+        catalogue: Default::default(),
     })
     .unwrap();
     match DeviceModel::new(EmulatedDevice::default(), Arc::new(engine)) {

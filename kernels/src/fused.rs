@@ -10,6 +10,7 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
+use super::item_mask::ItemMask;
 use super::packed::{PackedOutput, PanelData, QuantizedActivations};
 use super::{
     panels_slot, prefetch, row_group_at, rows_slot, Epilogue, KernelTable, MAX_CALL_PANELS,
@@ -48,6 +49,21 @@ impl Exclusions {
 pub struct RowQuery<'a> {
     pub k: usize,
     pub excluded: &'a Exclusions,
+    /// Only these items may be recommended (a request's attribute and availability filters);
+    /// `None`: every item. Panels with no eligible item for any row of a row group are skipped
+    /// unscored.
+    pub eligible: Option<&'a ItemMask>,
+}
+
+impl<'a> RowQuery<'a> {
+    /// The best `k` of every item not in `excluded`.
+    pub fn new(k: usize, excluded: &'a Exclusions) -> Self {
+        RowQuery {
+            k,
+            excluded,
+            eligible: None,
+        }
+    }
 }
 
 /// Bounded selection of one row's best `k`: candidates that beat the current k-th best are buffered
@@ -55,6 +71,7 @@ pub struct RowQuery<'a> {
 struct Selection<'a> {
     k: usize,
     excluded: &'a Exclusions,
+    eligible: Option<&'a ItemMask>,
     buffer: Vec<Scored>,
     /// Score a candidate must strictly exceed. Items arrive in increasing index order within one
     /// scan, so a later item tying the bar ranks after it and is rightly refused.
@@ -66,6 +83,7 @@ impl<'a> Selection<'a> {
         Selection {
             k: query.k,
             excluded: query.excluded,
+            eligible: query.eligible,
             buffer: Vec::with_capacity(2 * query.k.min(1 << 16)),
             bar: if query.k == 0 {
                 f32::INFINITY
@@ -79,6 +97,7 @@ impl<'a> Selection<'a> {
     fn offer(&mut self, index: u32, score: f32) {
         // Only a score strictly above the bar gets in; NaN (impossible with finite weights) never does.
         if score.partial_cmp(&self.bar) != Some(std::cmp::Ordering::Greater)
+            || self.eligible.is_some_and(|m| !m.allows(index))
             || self.excluded.contains(index)
         {
             return;
@@ -121,11 +140,20 @@ pub(super) trait Sink {
     /// The score row `row` must beat to be of interest (-inf: every score).
     fn bar(&self, row: usize) -> f32;
     fn take(&mut self, row: usize, item: u32, score: f32);
+    /// The items row `row` may receive (`None`: all). The scan skips a panel that no row of a
+    /// row group may receive; `take` must still refuse the ineligible items of a scored panel.
+    fn eligible(&self, _row: usize) -> Option<&ItemMask> {
+        None
+    }
 }
 
 impl Sink for Vec<Selection<'_>> {
     fn bar(&self, row: usize) -> f32 {
         self[row].bar
+    }
+
+    fn eligible(&self, row: usize) -> Option<&ItemMask> {
+        self[row].eligible
     }
 
     fn take(&mut self, row: usize, item: u32, score: f32) {
@@ -149,6 +177,75 @@ impl Sink for ScoreMatrix<'_> {
     }
 }
 
+/// Which panels of a tile any row of one row group may receive: the union of the rows' eligible
+/// items, as panel bytes packed eight to a word.
+#[derive(Default)]
+struct PanelUnion {
+    /// Word `j` holds panels `8 (first_word + j) ..`.
+    words: Vec<u64>,
+    first_word: usize,
+}
+
+impl PanelUnion {
+    #[inline]
+    fn panel(&self, p: usize) -> u8 {
+        (self.words[p / 8 - self.first_word] >> (8 * (p % 8))) as u8
+    }
+
+    /// The next call of a filtered scan from panel `p` (before `end`): its first panel and its
+    /// panel count, or `None` when no panel left has an eligible item. Empty panels are skipped
+    /// (eight at a time where a whole word is empty); a full call of `per_call` panels is made when
+    /// at least half of them hold an eligible item, else the one panel alone, so a sparse filter
+    /// scores few panels and a dense one keeps the wide calls.
+    fn next_call(&self, mut p: usize, end: usize, per_call: usize) -> Option<(usize, usize)> {
+        loop {
+            if p >= end {
+                return None;
+            }
+            if p.is_multiple_of(8) && p + 8 <= end && self.words[p / 8 - self.first_word] == 0 {
+                p += 8;
+            } else if self.panel(p) == 0 {
+                p += 1;
+            } else {
+                break;
+            }
+        }
+        if end - p >= per_call {
+            let busy = (p..p + per_call).filter(|&q| self.panel(q) != 0).count();
+            if 2 * busy >= per_call {
+                return Some((p, per_call));
+            }
+        }
+        Some((p, 1))
+    }
+}
+
+/// Fills `union` with the panels of `tile` that rows `row0 .. row0 + size` may receive, and says
+/// whether the group is filtered at all: a row without a filter may receive every item, so the
+/// group scans every panel.
+fn eligible_panels(
+    sink: &impl Sink,
+    row0: usize,
+    size: usize,
+    tile: std::ops::Range<usize>,
+    union: &mut PanelUnion,
+) -> bool {
+    if (0..size).any(|r| sink.eligible(row0 + r).is_none()) {
+        return false;
+    }
+    let (first, last) = (tile.start / 8, (tile.end - 1) / 8);
+    union.first_word = first;
+    union.words.clear();
+    union.words.resize(last - first + 1, 0);
+    for r in 0..size {
+        let mask = sink.eligible(row0 + r).expect("checked above");
+        for (j, word) in union.words.iter_mut().enumerate() {
+            *word |= mask.word(first + j);
+        }
+    }
+    true
+}
+
 /// Scores panels `range` for every row and hands the flagged items to `sink`, in increasing item
 /// order per row. `prepared` holds `hidden` as int8 or bf16 weights multiply it ([`prepared`]),
 /// made once per call rather than once per thread's range.
@@ -170,14 +267,24 @@ pub(super) fn scan(
         (&prepared.values, &prepared.scales, &prepared.bf16);
     let width_q = d.div_ceil(2) * 2;
     let (table_bytes, panel_bytes) = (out.weight_bytes(), out.panel_bytes());
+    let mut union = PanelUnion::default();
     let mut tile_start = range.start;
     while tile_start < range.end {
         let tile_end = (tile_start + tile).min(range.end);
         for &(row0, size, per_call) in &groups {
             let h = &hidden[row0 * d..(row0 + size) * d];
+            let filtered = eligible_panels(sink, row0, size, tile_start..tile_end, &mut union);
             let mut p = tile_start;
             while p < tile_end {
-                let count = if tile_end - p >= per_call {
+                let count = if filtered {
+                    match union.next_call(p, tile_end, per_call) {
+                        Some((start, count)) => {
+                            p = start;
+                            count
+                        }
+                        None => break,
+                    }
+                } else if tile_end - p >= per_call {
                     per_call
                 } else {
                     1
@@ -426,7 +533,7 @@ mod tests {
                     _ => Exclusions::new((0..n as u32).collect()), // everything excluded
                 })
                 .collect();
-            let queries: Vec<RowQuery> = exclusions.iter().map(|e| RowQuery { k, excluded: e }).collect();
+            let queries: Vec<RowQuery> = exclusions.iter().map(|e| RowQuery::new(k, e)).collect();
             for isa in Isa::available() {
                 let table = KernelTable::for_isa(isa);
                 for (name, packed, held) in packed_variants(&w, &b, d) {
@@ -469,6 +576,73 @@ mod tests {
         }
     }
 
+    /// One row's eligible items for the filtered tests: by `kind`, none, a sparse random few, a
+    /// dense random share, long runs (whole words empty and whole words full), every item, or no
+    /// filter at all.
+    fn random_mask(n: usize, kind: usize, next: &mut impl FnMut() -> f32) -> Option<ItemMask> {
+        let pick = |share: f32, next: &mut dyn FnMut() -> f32| {
+            ItemMask::of(n, (0..n as u32).filter(|_| (next() + 1.0) / 2.0 < share))
+        };
+        match kind % 7 {
+            0 => Some(ItemMask::none(n)),
+            1 => Some(pick(0.01, next)),
+            2 => Some(pick(0.1, next)),
+            3 => Some(pick(0.5, next)),
+            4 => Some(ItemMask::of(
+                n,
+                (0..n as u32).filter(|i| (i / 150) % 3 == 1),
+            )),
+            5 => Some(ItemMask::all(n)),
+            _ => None,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        /// Rows with eligible-item masks (sparse, dense, runs, empty, full, mixed with unfiltered
+        /// rows in one row group) and exclusions: the fused top-k equals a full sort of the
+        /// materialised scores over the eligible, not excluded items, on every ISA, precision and
+        /// thread count; a row gets k items whenever k are eligible.
+        #[test]
+        fn filtered_top_k_matches_reference(
+            n in 1usize..3000, d in 1usize..24, rows in 1usize..7, k in 1usize..40, seed in 0u64..10_000,
+            kinds in prop::collection::vec(0usize..7, 6),
+        ) {
+            let mut next = lcg(seed);
+            let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+            let masks: Vec<Option<ItemMask>> = (0..rows).map(|r| random_mask(n, kinds[r], &mut next)).collect();
+            let exclusions: Vec<Exclusions> = (0..rows)
+                .map(|r| if r % 2 == 0 { Exclusions::default() } else {
+                    Exclusions::new((0..n as u32).filter(|i| i % 5 == 0).collect())
+                })
+                .collect();
+            let queries: Vec<RowQuery> = (0..rows)
+                .map(|r| RowQuery { k, excluded: &exclusions[r], eligible: masks[r].as_ref() })
+                .collect();
+            for isa in Isa::available() {
+                let table = KernelTable::for_isa(isa);
+                for (name, packed, _) in packed_variants(&w, &b, d) {
+                    let scores = score_all(table, &packed, &hidden);
+                    for threads in [1, 3] {
+                        let fused = top_k(table, &packed, &hidden, &queries, threads);
+                        for r in 0..rows {
+                            let mut row = scores[r * n..(r + 1) * n].to_vec();
+                            if let Some(mask) = &masks[r] {
+                                for (i, s) in row.iter_mut().enumerate() {
+                                    if !mask.allows(i as u32) { *s = f32::NAN; }
+                                }
+                            }
+                            let want = reference_top_k(&row, k, &exclusions[r]);
+                            prop_assert_eq!(&fused[r], &want, "{:?} {} row {} threads {}", isa, name, r, threads);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn thread_count_does_not_change_results() {
         let (n, d, rows) = (40_000, 16, 3);
@@ -482,13 +656,7 @@ mod tests {
         let b = vec![0f32; n];
         let hidden: Vec<f32> = (0..rows * d).map(|_| (next() * 2.0).round()).collect();
         let none = Exclusions::default();
-        let queries = vec![
-            RowQuery {
-                k: 100,
-                excluded: &none
-            };
-            rows
-        ];
+        let queries = vec![RowQuery::new(100, &none); rows];
         for isa in Isa::available() {
             let table = KernelTable::for_isa(isa);
             let packed = PackedOutput::from_f32(&w, &b, d);

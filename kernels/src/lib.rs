@@ -20,6 +20,7 @@
 
 pub mod dense;
 pub mod fused;
+pub mod item_mask;
 pub mod packed;
 pub mod parallel;
 pub mod portable;

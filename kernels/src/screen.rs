@@ -26,6 +26,7 @@
 //! dense path's rule, so the answer is the reference engine's, ids and scores.
 
 use super::fused::{self, over_panel_ranges, scan, Exclusions, RowQuery, Sink};
+use super::item_mask::ItemMask;
 use super::packed::{quantize_activations, quantize_int8_per_row, PackedOutput};
 use super::shared::Shared;
 use super::KernelTable;
@@ -165,6 +166,7 @@ impl RowTerms {
 struct ScreenRow<'a> {
     k: usize,
     excluded: &'a Exclusions,
+    eligible: Option<&'a ItemMask>,
     terms: RowTerms,
     /// The bound no item exceeds, for the kernel's bar.
     max_bound: f64,
@@ -177,7 +179,10 @@ struct ScreenRow<'a> {
 
 impl ScreenRow<'_> {
     fn offer(&mut self, screen: &ScreenTable, d: usize, index: u32, score: f32) {
-        if self.k == 0 || self.excluded.contains(index) {
+        if self.k == 0
+            || self.eligible.is_some_and(|m| !m.allows(index))
+            || self.excluded.contains(index)
+        {
             return;
         }
         let [e, sq, wm, b] = screen.terms[index as usize];
@@ -231,6 +236,10 @@ impl Sink for (&ScreenTable, Vec<ScreenRow<'_>>) {
     fn take(&mut self, row: usize, item: u32, score: f32) {
         let d = self.0.packed.d;
         self.1[row].offer(self.0, d, item, score);
+    }
+
+    fn eligible(&self, row: usize) -> Option<&ItemMask> {
+        self.1[row].eligible
     }
 }
 
@@ -287,6 +296,7 @@ fn survivors_with_bounds_scaled(
                 .map(|(q, t)| ScreenRow {
                     k: q.k,
                     excluded: q.excluded,
+                    eligible: q.eligible,
                     terms: *t,
                     max_bound: max_bound(t),
                     lowers: Vec::with_capacity(2 * q.k.min(1 << 16)),
@@ -421,10 +431,7 @@ pub fn top_k_from_f32(
         let row_bias: Vec<f32> = items.iter().map(|&i| bias[i as usize]).collect();
         let packed = PackedOutput::gathered_f32(reference, items, &row_bias, d);
         let none = Exclusions::default();
-        let query = RowQuery {
-            k: queries[row].k.min(items.len()),
-            excluded: &none,
-        };
+        let query = RowQuery::new(queries[row].k.min(items.len()), &none);
         fused::top_k(table, &packed, &hidden[row * d..(row + 1) * d], &[query], 1)
             .remove(0)
             .into_iter()
@@ -512,8 +519,45 @@ mod tests {
                     _ => Exclusions::new((0..n as u32).collect()),
                 })
                 .collect();
-            let queries: Vec<RowQuery> = exclusions.iter().map(|e| RowQuery { k, excluded: e }).collect();
+            let queries: Vec<RowQuery> = exclusions.iter().map(|e| RowQuery::new(k, e)).collect();
             assert_exact(&w, &b, d, &hidden, &queries, 1);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Eligible-item masks (sparse, dense, in runs, empty, none) with exclusions: the screen
+        /// ranks only eligible items, so its level is the k-th best eligible bound and the
+        /// answer is the dense filtered scan's (itself checked against a full sort in `fused`).
+        #[test]
+        fn screened_answers_under_filters_are_the_dense_answers(
+            n in 1usize..2500, d in 1usize..40, rows in 1usize..6, k in 1usize..60,
+            seed in 0u64..100_000, kinds in prop::collection::vec(0usize..5, 6), threads in 1usize..4,
+        ) {
+            let mut next = lcg(seed);
+            let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..rows * d).map(|_| next() * 3.0).collect();
+            let masks: Vec<Option<ItemMask>> = (0..rows)
+                .map(|r| match kinds[r] {
+                    0 => None,
+                    1 => Some(ItemMask::of(n, (0..n as u32).filter(|_| next() < -0.96))),
+                    2 => Some(ItemMask::of(n, (0..n as u32).filter(|_| next() < -0.8))),
+                    3 => Some(ItemMask::of(n, (0..n as u32).filter(|i| (i / 200) % 4 == 2))),
+                    _ => Some(ItemMask::none(n)),
+                })
+                .collect();
+            let exclusions: Vec<Exclusions> = (0..rows)
+                .map(|r| if r % 2 == 1 {
+                    Exclusions::new((0..n as u32).filter(|i| i % 4 == 0).collect())
+                } else {
+                    Exclusions::default()
+                })
+                .collect();
+            let queries: Vec<RowQuery> = (0..rows)
+                .map(|r| RowQuery { k, excluded: &exclusions[r], eligible: masks[r].as_ref() })
+                .collect();
+            assert_exact(&w, &b, d, &hidden, &queries, threads);
         }
     }
 
@@ -526,17 +570,7 @@ mod tests {
         let b = vec![0.25; n];
         let hidden: Vec<f32> = (0..d).map(|_| next()).collect();
         let none = Exclusions::default();
-        let counts = assert_exact(
-            &w,
-            &b,
-            d,
-            &hidden,
-            &[RowQuery {
-                k: 10,
-                excluded: &none,
-            }],
-            1,
-        );
+        let counts = assert_exact(&w, &b, d, &hidden, &[RowQuery::new(10, &none)], 1);
         assert_eq!(counts, [n], "every item ties, so every item survives");
     }
 
@@ -554,9 +588,9 @@ mod tests {
         let some = Exclusions::new((0..n as u32).step_by(2).collect());
         for k in [1, 10, 100, 1000] {
             let queries = [
-                RowQuery { k, excluded: &none },
-                RowQuery { k, excluded: &some },
-                RowQuery { k, excluded: &none },
+                RowQuery::new(k, &none),
+                RowQuery::new(k, &some),
+                RowQuery::new(k, &none),
             ];
             let one = assert_exact(&w, &b, d, &hidden, &queries, 1);
             let three = assert_exact(&w, &b, d, &hidden, &queries, 3);
@@ -585,10 +619,7 @@ mod tests {
         let b = vec![0.0; 2];
         let hidden = vec![1.0f32; d]; // quantizes exactly: the weights carry all the error
         let none = Exclusions::default();
-        let queries = [RowQuery {
-            k: 1,
-            excluded: &none,
-        }];
+        let queries = [RowQuery::new(1, &none)];
         let screen = ScreenTable::new(&w, &b, d);
         for isa in Isa::available() {
             let table = KernelTable::for_isa(isa);

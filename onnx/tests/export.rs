@@ -50,6 +50,7 @@ fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> Path
         calibration: w8a8.then_some((histories.as_slice(), CalibrationMethod::MinMax)),
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
     .unwrap();
     out

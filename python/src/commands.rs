@@ -88,6 +88,7 @@ pub(crate) fn convert(
                     .map(|(histories, method)| (histories.as_slice(), *method)),
                 screen: plan.screen,
                 w8a8_layers: plan.w8a8_layers,
+                catalogue: Default::default(),
             })
         })
         .map_err(engine_error)?;

@@ -99,6 +99,7 @@ impl PyEngine {
                 exclude: exclude.map(|e| e.row(&exclude_views, i)),
                 candidates: candidates.map(|c| c.row(&candidate_views, i)),
                 embedding: ask.embedding,
+                filter: None,
             })
             .collect();
         let options = ServeOptions {

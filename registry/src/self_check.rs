@@ -110,6 +110,7 @@ impl SelfCheck {
             exclude: None,
             candidates: None,
             embedding: false,
+            filter: None,
         };
         let answer = engine
             .recommend(&[request], &options)

@@ -64,7 +64,7 @@ fn topk(args: &[String]) {
     drop(weights);
     let table = KernelTable::detect();
     let none = Exclusions::default();
-    let queries = vec![RowQuery { k, excluded: &none }; batch];
+    let queries = vec![RowQuery::new(k, &none); batch];
     let h = &hidden[..batch * d];
     let mut times = Vec::with_capacity(reps);
     let mut result = Vec::new();
@@ -102,7 +102,7 @@ fn screened(
     let screen = ScreenTable::new(weights, bias, d);
     let table = KernelTable::detect();
     let none = Exclusions::default();
-    let queries = vec![RowQuery { k, excluded: &none }; batch];
+    let queries = vec![RowQuery::new(k, &none); batch];
     let h = &hidden[..batch * d];
     let mut times = Vec::with_capacity(reps);
     let mut result = (Vec::new(), Vec::new());

@@ -64,6 +64,7 @@ fn main() {
                             .as_ref()
                             .map(|lists| lists[user % lists.len()].clone()),
                         embedding: false,
+                        eligible: None,
                     }
                 })
                 .collect()

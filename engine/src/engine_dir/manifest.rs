@@ -141,8 +141,24 @@ pub struct Manifest {
     /// engines written before it existed, which pack at load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel_layout: Option<KernelLayout>,
+    /// The item attributes the engine was converted with (`item_sets.bin`); absent without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item_attributes: Option<ItemAttributesRecord>,
     pub created_by: String,
     pub created_at: String,
+}
+
+/// What `recsys convert --item-attributes` stored (`manifest.item_attributes`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ItemAttributesRecord {
+    /// Attribute columns; each value of each is a set named `column=value`.
+    pub columns: Vec<String>,
+    /// Sets stored.
+    pub sets: usize,
+    /// Table rows whose item is in the catalogue.
+    pub items: usize,
+    /// Table rows whose id the catalogue does not know (skipped).
+    pub unknown_items: usize,
 }
 
 /// What a reduced precision stores how (`manifest.quantization`; absent at fp32). The prose

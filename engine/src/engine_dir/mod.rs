@@ -7,6 +7,7 @@
 //! weights.safetensors    the model's tensors (f32), memory-mapped at load
 //! item_ids.tsv           internal index -> external id
 //! kernels.bin            the output layer (and screen) laid out for the kernels, mapped at load
+//! item_sets.bin          item attribute sets (optional; `crate::item_sets`)
 //! ```
 //! Loading checks the format version, every file's size and sha256, and the tensors' shapes.
 
@@ -18,6 +19,7 @@ use sha2::{Digest, Sha256};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::idmap::IdMap;
+use crate::item_sets::{AttributeReport, ItemSets, ITEM_SETS_FILE};
 use crate::models::Model;
 use crate::tensor::TensorMap;
 use crate::tensor::{Storage, Tensor};
@@ -43,6 +45,8 @@ pub struct EngineParts<'a> {
     /// The output layer (and screen) as the kernels read them, for `kernels.bin`; `None` writes
     /// an engine without it (loading then packs, as for engines written before it existed).
     pub kernels: Option<KernelParts<'a>>,
+    /// Item attribute sets and what made them, for `item_sets.bin`.
+    pub item_sets: Option<&'a (ItemSets, AttributeReport)>,
 }
 
 /// What `kernels.bin` holds.
@@ -136,7 +140,22 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         }
         None => None,
     };
-    for file in [WEIGHTS_FILE, ITEM_IDS_FILE] {
+    let mut written = vec![WEIGHTS_FILE, ITEM_IDS_FILE];
+    let item_attributes = parts.item_sets.map(|(sets, report)| {
+        written.push(ITEM_SETS_FILE);
+        ItemAttributesRecord {
+            columns: sets.columns().map(str::to_owned).collect(),
+            sets: sets.len(),
+            items: report.items,
+            unknown_items: report.unknown_items,
+        }
+    });
+    if let Some((sets, _)) = parts.item_sets {
+        let path = dir.join(ITEM_SETS_FILE);
+        std::fs::write(&path, sets.to_bytes())
+            .map_err(|e| EngineError::io(format!("cannot write {}", path.display()), e))?;
+    }
+    for file in written {
         let bytes = std::fs::read(dir.join(file))
             .map_err(|e| EngineError::io(format!("cannot read back {file}"), e))?;
         files.insert(
@@ -159,6 +178,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         source: parts.source.clone(),
         files,
         kernel_layout,
+        item_attributes,
         created_by: format!("recsys {}", env!("CARGO_PKG_VERSION")),
         created_at: utc_now_rfc3339(),
     };
@@ -178,6 +198,8 @@ pub struct LoadedDir {
     pub weights: crate::weights::Weights,
     /// The mapped `kernels.bin` of an engine that has one (see [`crate::kernel_file`]).
     pub kernels: Option<crate::kernels::shared::Backing>,
+    /// The item attribute sets of an engine converted with them (else none).
+    pub item_sets: ItemSets,
 }
 
 /// Largest engine (all files of the manifest together) loaded by default: 64 GiB.
@@ -334,8 +356,22 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
     let ids_bytes = std::fs::read(&ids_path)
         .map_err(|e| EngineError::io(format!("cannot read {}", ids_path.display()), e))?;
     verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
+    let sets_bytes = match manifest.files.get(ITEM_SETS_FILE) {
+        None => None,
+        Some(entry) => {
+            let path = dir.join(ITEM_SETS_FILE);
+            let bytes = std::fs::read(&path)
+                .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
+            verify(&path, &bytes, &entry.sha256)?;
+            Some(bytes)
+        }
+    };
     let mut loaded = from_parts(dir, manifest, storage, ids_bytes)?;
     loaded.kernels = kernels;
+    if let Some(bytes) = sets_bytes {
+        loaded.item_sets = ItemSets::from_bytes(&bytes, loaded.ids.len() + 1)
+            .map_err(|reason| bad(format!("{ITEM_SETS_FILE}: {reason}")))?;
+    }
     Ok(loaded)
 }
 
@@ -387,6 +423,7 @@ pub fn from_parts(
             .set_static_activation_scales(&scales)
             .map_err(|e| bad(e.to_string()))?;
     }
+    let item_sets = ItemSets::empty(weights_items(&ids));
     Ok(LoadedDir {
         path: dir.to_path_buf(),
         manifest,
@@ -394,7 +431,13 @@ pub fn from_parts(
         ids,
         weights,
         kernels: None,
+        item_sets,
     })
+}
+
+/// Internal indices of a catalogue (PAD included).
+fn weights_items(ids: &IdMap) -> usize {
+    ids.len() + 1
 }
 
 /// Refuses a file that is a symlink resolving outside the engine directory (`dir` is canonical).

@@ -53,6 +53,7 @@ pub fn convert_fixture_screened(
         calibration: None,
         screen,
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
 }
 
@@ -74,6 +75,7 @@ pub fn convert_fixture_w8a8(
         calibration: Some((histories, method)),
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
     .unwrap_or_else(|e| panic!("converting to w8a8: {e}"))
 }

@@ -45,6 +45,7 @@ pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
         )),
         screen: Default::default(),
         w8a8_layers: Default::default(),
+        catalogue: Default::default(),
     })
     .unwrap()
 }
@@ -67,6 +68,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
                 exclude_seen: i % 4 != 3,
                 candidates: None,
                 embedding: false,
+                eligible: None,
             }
         })
         .collect();
@@ -77,6 +79,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         exclude_seen: true,
         candidates: None,
         embedding: false,
+        eligible: None,
     });
     let long: Vec<u32> = (1..=120).collect();
     batch.push(InternalRequest {
@@ -86,6 +89,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         exclude_seen: true,
         candidates: None,
         embedding: false,
+        eligible: None,
     });
     batch
 }

@@ -1,0 +1,180 @@
+//! Which items one request may be recommended: a dense bitset over the catalogue's internal
+//! indices, laid out so that byte `p` of it is packed panel `p` (items `8p .. 8p + 8`).
+//!
+//! The scan reads a panel's byte to skip panels no row of its group may receive without scoring
+//! them, and the selection tests one bit for an item that beats a row's bar. A dense bitset is the
+//! form both tests cost least in (one load and a mask); the compressed sets an engine stores
+//! become one of these per distinct filter.
+
+/// Eligible items of one request; items at or past `n` (the last panel's padding) never are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ItemMask {
+    /// Bit `i % 64` of word `i / 64` is item `i`: little-endian, so byte `p` is panel `p`.
+    words: Vec<u64>,
+    n: usize,
+}
+
+impl ItemMask {
+    /// No item of an `n`-item catalogue.
+    pub fn none(n: usize) -> Self {
+        ItemMask {
+            words: vec![0; n.div_ceil(64)],
+            n,
+        }
+    }
+
+    /// Every item of an `n`-item catalogue.
+    pub fn all(n: usize) -> Self {
+        let mut mask = ItemMask {
+            words: vec![u64::MAX; n.div_ceil(64)],
+            n,
+        };
+        mask.clear_tail();
+        mask
+    }
+
+    /// The items of `indices` (each below `n`; larger ones are ignored).
+    pub fn of(n: usize, indices: impl IntoIterator<Item = u32>) -> Self {
+        let mut mask = Self::none(n);
+        for i in indices {
+            mask.insert(i);
+        }
+        mask
+    }
+
+    /// The same items over an `n`-item catalogue: items at or past `n` are dropped, new ones are
+    /// not eligible (an output layer with rows past the id map's, such as a mask token's).
+    pub fn resized(mut self, n: usize) -> Self {
+        self.words.resize(n.div_ceil(64), 0);
+        self.n = n;
+        self.clear_tail();
+        self
+    }
+
+    /// Catalogue size.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    #[inline]
+    pub fn allows(&self, index: u32) -> bool {
+        let i = index as usize;
+        i < self.n && self.words[i / 64] >> (i % 64) & 1 == 1
+    }
+
+    pub fn insert(&mut self, index: u32) {
+        let i = index as usize;
+        if i < self.n {
+            self.words[i / 64] |= 1 << (i % 64);
+        }
+    }
+
+    pub fn remove(&mut self, index: u32) {
+        let i = index as usize;
+        if i < self.n {
+            self.words[i / 64] &= !(1 << (i % 64));
+        }
+    }
+
+    /// Keeps only the items `other` also allows (same catalogue size).
+    pub fn intersect(&mut self, other: &ItemMask) {
+        debug_assert_eq!(self.n, other.n);
+        for (a, b) in self.words.iter_mut().zip(&other.words) {
+            *a &= b;
+        }
+    }
+
+    /// Adds the items `other` allows (same catalogue size).
+    pub fn union(&mut self, other: &ItemMask) {
+        debug_assert_eq!(self.n, other.n);
+        for (a, b) in self.words.iter_mut().zip(&other.words) {
+            *a |= b;
+        }
+    }
+
+    /// Eligible items.
+    pub fn count(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The eligible items, ascending.
+    pub fn indices(&self) -> impl Iterator<Item = u32> + '_ {
+        self.words.iter().enumerate().flat_map(|(w, &word)| {
+            let mut bits = word;
+            std::iter::from_fn(move || {
+                if bits == 0 {
+                    return None;
+                }
+                let b = bits.trailing_zeros();
+                bits &= bits - 1;
+                Some(64 * w as u32 + b)
+            })
+        })
+    }
+
+    /// Panel `p`'s eight items as the bits of one byte (0 past the catalogue).
+    #[inline]
+    pub fn panel(&self, p: usize) -> u8 {
+        self.words
+            .get(p / 8)
+            .map_or(0, |w| (w >> (8 * (p % 8))) as u8)
+    }
+
+    /// Whether any of the 64 items of panels `8w .. 8w + 8` is eligible (a whole word at once, so
+    /// a sparse filter's empty stretches are skipped eight panels at a time).
+    #[inline]
+    pub(crate) fn word(&self, w: usize) -> u64 {
+        self.words.get(w).copied().unwrap_or(0)
+    }
+
+    fn clear_tail(&mut self) {
+        if !self.n.is_multiple_of(64) {
+            if let Some(last) = self.words.last_mut() {
+                *last &= (1u64 << (self.n % 64)) - 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_panels_and_the_tail_is_never_eligible() {
+        let mask = ItemMask::of(70, [0, 7, 8, 63, 64, 69, 70, 500]);
+        assert_eq!(mask.panel(0), 0b1000_0001);
+        assert_eq!(mask.panel(1), 0b0000_0001);
+        assert_eq!(mask.panel(7), 0b1000_0000);
+        assert_eq!(mask.panel(8), 0b0010_0001);
+        assert_eq!(mask.panel(9), 0);
+        assert_eq!(mask.count(), 6);
+        assert!(!mask.allows(70) && !mask.allows(500));
+        assert_eq!(
+            mask.indices().collect::<Vec<_>>(),
+            vec![0, 7, 8, 63, 64, 69]
+        );
+        let all = ItemMask::all(70);
+        assert_eq!(all.count(), 70);
+        assert_eq!(all.panel(8), 0b0011_1111);
+        assert_eq!(all.clone().resized(65).count(), 65);
+        let grown = all.resized(200);
+        assert_eq!(
+            (grown.count(), grown.allows(69), grown.allows(70)),
+            (70, true, false)
+        );
+    }
+
+    #[test]
+    fn set_operations() {
+        let mut a = ItemMask::of(100, [1, 2, 3, 99]);
+        let b = ItemMask::of(100, [2, 3, 4]);
+        let mut u = a.clone();
+        u.union(&b);
+        assert_eq!(u.indices().collect::<Vec<_>>(), vec![1, 2, 3, 4, 99]);
+        a.intersect(&b);
+        assert_eq!(a.indices().collect::<Vec<_>>(), vec![2, 3]);
+        a.remove(2);
+        assert_eq!(a.indices().collect::<Vec<_>>(), vec![3]);
+    }
+}
