@@ -6,17 +6,26 @@ cd "$(dirname "$0")/.."
 RECSYS=${1:?usage: scripts/convert-demo-models.sh PATH/TO/recsys}
 
 echo "==> converting the demo checkpoints into model_repository/"
+# Made-up item attributes (category, region, age_rating) for each demo catalogue, so requests can
+# filter by them (INCLUDE_ITEM_SETS / EXCLUDE_ITEM_SETS).
+mkdir -p build/demo-attributes
+for fixture in bert4rec multivae sasrec gru4rec; do
+  scripts/demo-item-attributes.sh "tests/fixtures/$fixture/item_id_map.tsv" "build/demo-attributes/$fixture.tsv"
+done
 "$RECSYS" convert --force --kind bert4rec \
   --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
-  --item-map tests/fixtures/bert4rec/item_id_map.tsv --output model_repository/bert4rec/1
+  --item-map tests/fixtures/bert4rec/item_id_map.tsv --item-attributes build/demo-attributes/bert4rec.tsv \
+  --output model_repository/bert4rec/1
 "$RECSYS" convert --force --kind vaecf \
   --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
-  --item-map tests/fixtures/multivae/item_id_map.tsv --output model_repository/vaecf/1
+  --item-map tests/fixtures/multivae/item_id_map.tsv --item-attributes build/demo-attributes/multivae.tsv \
+  --output model_repository/vaecf/1
 # SASRec and GRU4Rec from RecBole's own checkpoints: the kind and hyper-parameters are the
 # checkpoint's (read as data; nothing in it is executed).
 for model in sasrec gru4rec; do
   "$RECSYS" convert --force --checkpoint "tests/fixtures/$model/recbole_checkpoint.pth" \
-    --item-map "tests/fixtures/$model/item_id_map.tsv" --output "model_repository/$model/1"
+    --item-map "tests/fixtures/$model/item_id_map.tsv" --item-attributes "build/demo-attributes/$model.tsv" \
+    --output "model_repository/$model/1"
 done
 # The retrieve_and_rank ensemble: its retrieval stage serves the VAE-CF engine under its own
 # config (hard links, not a second copy), and the ensemble itself needs an empty version directory.

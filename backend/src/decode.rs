@@ -3,11 +3,11 @@
 
 use crate::error::{BackendError, Result};
 use crate::settings::{
-    IdTensorType, Limits, INPUT_CANDIDATES, INPUT_EXCLUDE, INPUT_ITEM_IDS, INPUT_K,
-    OUTPUT_EMBEDDING, OUTPUT_ITEM_IDS, OUTPUT_SCORES,
+    IdTensorType, Limits, INPUTS, INPUT_CANDIDATES, INPUT_EXCLUDE, INPUT_EXCLUDE_SETS,
+    INPUT_INCLUDE_SETS, INPUT_ITEM_IDS, INPUT_K, OUTPUT_EMBEDDING, OUTPUT_ITEM_IDS, OUTPUT_SCORES,
 };
 use recsys_engine::topk::Scored;
-use recsys_engine::{Engine, ExternalId, ExternalIds};
+use recsys_engine::{Engine, ExternalId, ExternalIds, ItemFilter};
 
 /// Element types the backend distinguishes (the FFI layer maps Triton's enum onto these).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +113,9 @@ pub struct RowRequest {
     pub candidates: Option<OwnedIds>,
     /// Answer the user embedding too.
     pub embedding: bool,
+    /// Item sets to keep and to drop (INCLUDE_ITEM_SETS, EXCLUDE_ITEM_SETS); `None` when the
+    /// request names none.
+    pub filter: Option<ItemFilter>,
 }
 
 /// The rows of one request, and the outputs it asked for.
@@ -267,7 +270,7 @@ pub fn decode(
         )));
     }
     for t in inputs {
-        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE, INPUT_CANDIDATES].contains(&t.name.as_str()) {
+        if !INPUTS.contains(&t.name.as_str()) {
             return Err(invalid(format!("unexpected input {:?}", t.name)));
         }
     }
@@ -344,23 +347,67 @@ pub fn decode(
         };
     let excludes = optional_rows(INPUT_EXCLUDE, limits.max_exclude, "max_exclude_ids")?;
     let candidates = optional_rows(INPUT_CANDIDATES, limits.max_candidates, "max_candidates")?;
+    let include_sets = set_name_rows(find(INPUT_INCLUDE_SETS), rows, batched, limits)?;
+    let exclude_sets = set_name_rows(find(INPUT_EXCLUDE_SETS), rows, batched, limits)?;
     Ok(DecodedRequest {
         rows: histories
             .into_iter()
             .zip(ks)
             .zip(excludes)
             .zip(candidates)
-            .map(|(((history, k), exclude), candidates)| RowRequest {
-                history,
-                // Asked for the embedding alone: nothing to score.
-                k: if outputs.ranked() { k } else { Some(0) },
-                exclude,
-                candidates,
-                embedding: outputs.embedding,
-            })
+            .zip(include_sets.into_iter().zip(exclude_sets))
+            .map(
+                |((((history, k), exclude), candidates), (include, drop))| RowRequest {
+                    history,
+                    // Asked for the embedding alone: nothing to score.
+                    k: if outputs.ranked() { k } else { Some(0) },
+                    exclude,
+                    candidates,
+                    embedding: outputs.embedding,
+                    filter: (!include.is_empty() || !drop.is_empty()).then_some(ItemFilter {
+                        include,
+                        exclude: drop,
+                    }),
+                },
+            )
             .collect(),
         outputs,
     })
+}
+
+/// Each history's item set names from INCLUDE_ITEM_SETS or EXCLUDE_ITEM_SETS (BYTES, one name
+/// per element; empty elements, which pad a ragged batch, are ignored), or none per history when
+/// the request does not carry the input.
+fn set_name_rows(
+    tensor: Option<&InputTensor>,
+    rows: usize,
+    batched: bool,
+    limits: &Limits,
+) -> Result<Vec<Vec<String>>> {
+    let Some(t) = tensor else {
+        return Ok(vec![Vec::new(); rows]);
+    };
+    if t.dtype != DType::Bytes {
+        return Err(invalid(format!(
+            "{} holds item set names and must be BYTES (TYPE_STRING), found {:?}",
+            t.name, t.dtype
+        )));
+    }
+    let lists = id_rows(t, batched, limits.max_item_sets, "max_item_sets", limits)?;
+    if lists.len() != rows {
+        return Err(invalid(format!(
+            "{} has {} rows, {INPUT_ITEM_IDS} has {rows}",
+            t.name,
+            lists.len()
+        )));
+    }
+    Ok(lists
+        .into_iter()
+        .map(|names| match names {
+            OwnedIds::Str(names) => names.into_iter().filter(|n| !n.is_empty()).collect(),
+            OwnedIds::Int(_) => unreachable!("a BYTES tensor decodes to strings"),
+        })
+        .collect())
 }
 
 /// Output tensors of one response.
@@ -601,6 +648,70 @@ mod tests {
     }
 
     #[test]
+    fn item_set_names_decode_per_history_and_bad_ones_are_named() {
+        let names = |name: &str, shape: Vec<i64>, items: &[&str]| InputTensor {
+            name: name.into(),
+            dtype: DType::Bytes,
+            shape,
+            data: bytes_of(items),
+        };
+        let limits = Limits::default();
+        let history = int_tensor(INPUT_ITEM_IDS, vec![2, 1], &[1, 2]);
+        let d = decode_top(
+            &[
+                history.clone(),
+                names(
+                    INPUT_INCLUDE_SETS,
+                    vec![2, 2],
+                    &["category=shoes", "region=EU", "category=hats", ""],
+                ),
+                names(INPUT_EXCLUDE_SETS, vec![2, 1], &["", "stock=out"]),
+            ],
+            true,
+            &limits,
+        )
+        .unwrap();
+        let filter = |r: usize| d.rows[r].filter.clone().unwrap();
+        assert_eq!(filter(0).include, vec!["category=shoes", "region=EU"]);
+        assert!(filter(0).exclude.is_empty());
+        assert_eq!(filter(1).include, vec!["category=hats"]);
+        assert_eq!(filter(1).exclude, vec!["stock=out"]);
+        // Without the inputs, no filter at all.
+        let plain = decode_top(std::slice::from_ref(&history), true, &limits).unwrap();
+        assert!(plain.rows.iter().all(|r| r.filter.is_none()));
+        // INT64 set names, too many names, rows that do not match the histories: refused, named.
+        let wrong_type = int_tensor(INPUT_INCLUDE_SETS, vec![2, 1], &[7, 8]);
+        let err = decode_top(&[history.clone(), wrong_type], true, &limits).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("INCLUDE_ITEM_SETS holds item set names"),
+            "{err}"
+        );
+        let many: Vec<String> = (0..65).map(|i| format!("tag={i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let err = decode_top(
+            &[
+                int_tensor(INPUT_ITEM_IDS, vec![1, 1], &[1]),
+                names(INPUT_EXCLUDE_SETS, vec![1, 65], &many),
+            ],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("max_item_sets 64"), "{err}");
+        let err = decode_top(
+            &[history, names(INPUT_INCLUDE_SETS, vec![1, 1], &["a=b"])],
+            true,
+            &limits,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("INCLUDE_ITEM_SETS has 1 rows"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn limits_are_enforced_and_named() {
         let limits = Limits {
             max_history: 3,
@@ -609,6 +720,7 @@ mod tests {
             max_candidates: 2,
             max_id_bytes: 4,
             max_request_bytes: 1000,
+            max_item_sets: 2,
         };
         let too_long = decode_top(
             &[int_tensor(INPUT_ITEM_IDS, vec![1, 4], &[1, 2, 3, 4])],

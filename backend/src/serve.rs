@@ -73,7 +73,7 @@ pub fn serve(
                                 exclude,
                                 candidates,
                                 embedding: row.embedding,
-                                filter: None,
+                                filter: row.filter.as_ref(),
                             },
                             options,
                         )
@@ -159,7 +159,10 @@ fn answer_rows(
                 Err(e) => vec![Err(e.to_string()); batch.len()],
             }
         };
-    let with_candidates = prepared.iter().filter(|r| r.candidates.is_some()).count();
+    // The device kernels scan whole catalogues without filters: candidate and filtered rows go to
+    // the CPU engine.
+    let on_cpu = |r: &InternalRequest| r.candidates.is_some() || r.eligible.is_some();
+    let with_candidates = prepared.iter().filter(|r| on_cpu(r)).count();
     if with_candidates == 0 {
         return run(recommender, prepared);
     }
@@ -167,7 +170,7 @@ fn answer_rows(
         return run(engine, prepared);
     }
     let (candidate_rows, other_rows): (Vec<usize>, Vec<usize>) =
-        (0..prepared.len()).partition(|&i| prepared[i].candidates.is_some());
+        (0..prepared.len()).partition(|&i| on_cpu(&prepared[i]));
     let pick = |rows: &[usize]| -> Vec<InternalRequest> {
         rows.iter().map(|&i| prepared[i].clone()).collect()
     };
@@ -202,6 +205,7 @@ mod tests {
             exclude: None,
             candidates: None,
             embedding: false,
+            filter: None,
         }
     }
 

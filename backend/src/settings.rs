@@ -12,6 +12,20 @@ pub const INPUT_K: &str = "K";
 pub const INPUT_EXCLUDE: &str = "EXCLUDE_ITEM_IDS";
 /// Optional: rank only these items (a retrieval stage's candidates), same type as `ITEM_IDS`.
 pub const INPUT_CANDIDATES: &str = "CANDIDATE_ITEM_IDS";
+/// Optional: item set names (`category=shoes`, TYPE_STRING) a history's answer must come from: in
+/// every column named, in at least one of its sets.
+pub const INPUT_INCLUDE_SETS: &str = "INCLUDE_ITEM_SETS";
+/// Optional: item set names (TYPE_STRING) whose items a history's answer leaves out.
+pub const INPUT_EXCLUDE_SETS: &str = "EXCLUDE_ITEM_SETS";
+/// Every input the backend reads.
+pub const INPUTS: [&str; 6] = [
+    INPUT_ITEM_IDS,
+    INPUT_K,
+    INPUT_EXCLUDE,
+    INPUT_CANDIDATES,
+    INPUT_INCLUDE_SETS,
+    INPUT_EXCLUDE_SETS,
+];
 pub const OUTPUT_ITEM_IDS: &str = "TOP_ITEM_IDS";
 pub const OUTPUT_SCORES: &str = "TOP_SCORES";
 /// Optional: the user embedding `[hidden, 1]` (FP32), whose inner product with an item's row of
@@ -34,6 +48,8 @@ pub struct Limits {
     pub max_k: usize,
     pub max_exclude: usize,
     pub max_candidates: usize,
+    /// Set names per history in each of INCLUDE_ITEM_SETS and EXCLUDE_ITEM_SETS.
+    pub max_item_sets: usize,
     pub max_id_bytes: usize,
     pub max_request_bytes: usize,
 }
@@ -45,6 +61,7 @@ impl Default for Limits {
             max_k: 1_000,
             max_exclude: 10_000,
             max_candidates: 10_000,
+            max_item_sets: 64,
             max_id_bytes: 256,
             max_request_bytes: 16 << 20,
         }
@@ -137,6 +154,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "max_k",
     "max_exclude_ids",
     "max_candidates",
+    "max_item_sets",
     "max_id_bytes",
     "max_request_bytes",
     "max_engine_bytes",
@@ -202,6 +220,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         max_k: limit(config, "max_k", defaults.max_k)?,
         max_exclude: limit(config, "max_exclude_ids", defaults.max_exclude)?,
         max_candidates: limit(config, "max_candidates", defaults.max_candidates)?,
+        max_item_sets: limit(config, "max_item_sets", defaults.max_item_sets)?,
         max_id_bytes: limit(config, "max_id_bytes", defaults.max_id_bytes)?,
         max_request_bytes: limit(config, "max_request_bytes", defaults.max_request_bytes)?,
     };
@@ -237,10 +256,10 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     let outputs = tensors(config, "output");
     for tensor in inputs {
         let name = tensor.get("name").and_then(Value::as_str).unwrap_or("");
-        if ![INPUT_ITEM_IDS, INPUT_K, INPUT_EXCLUDE, INPUT_CANDIDATES].contains(&name) {
+        if !INPUTS.contains(&name) {
             return Err(BackendError::InvalidConfig(format!(
-                "input {name:?} is not one the recsys backend reads ({INPUT_ITEM_IDS}, {INPUT_K}, \
-                 {INPUT_EXCLUDE}, {INPUT_CANDIDATES})"
+                "input {name:?} is not one the recsys backend reads ({})",
+                INPUTS.join(", ")
             )));
         }
     }
@@ -264,6 +283,16 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     if let Some(t) = find(inputs, INPUT_CANDIDATES) {
         // INT64 or STRING, like the other id inputs (either maps onto any catalogue).
         id_tensor_type(t, INPUT_CANDIDATES)?;
+    }
+    for name in [INPUT_INCLUDE_SETS, INPUT_EXCLUDE_SETS] {
+        if let Some(t) = find(inputs, name) {
+            if !matches!(data_type(t), "TYPE_STRING" | "TYPE_BYTES") {
+                return Err(BackendError::InvalidConfig(format!(
+                    "{name} holds item set names and must be TYPE_STRING, the config says {:?}",
+                    data_type(t)
+                )));
+            }
+        }
     }
     if let Some(k) = find(inputs, INPUT_K) {
         if data_type(k) != "TYPE_INT32" {
@@ -366,6 +395,12 @@ pub fn auto_complete(config: &mut Value, catalogue: IdType, embedding_width: usi
         ),
         ragged(
             json!({"name": INPUT_CANDIDATES, "data_type": id_type, "dims": [-1], "optional": true}),
+        ),
+        ragged(
+            json!({"name": INPUT_INCLUDE_SETS, "data_type": "TYPE_STRING", "dims": [-1], "optional": true}),
+        ),
+        ragged(
+            json!({"name": INPUT_EXCLUDE_SETS, "data_type": "TYPE_STRING", "dims": [-1], "optional": true}),
         ),
     ];
     fill(object, "input", inputs);

@@ -783,6 +783,14 @@ pub struct EvalArgs {
     /// Scoring threads (default: the available cores).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub threads: Option<u32>,
+    /// Evaluate as a filtered page ranks: only items of these item sets compete (comma-separated
+    /// `column=value` names; AND across columns, OR within one); users whose held-out item the
+    /// filter leaves out are not counted (reported as targets_outside_filter).
+    #[arg(long, value_delimiter = ',', value_name = "SETS")]
+    pub include_item_sets: Vec<String>,
+    /// Evaluate without the items of these item sets (comma-separated names), as above.
+    #[arg(long, value_delimiter = ',', value_name = "SETS")]
+    pub exclude_item_sets: Vec<String>,
 }
 
 /// `--threads` when not given: the cores this process may use.

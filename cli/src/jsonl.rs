@@ -1,5 +1,6 @@
 //! The input lines of `recsys predict`: one JSON object per line with `item_ids` (the history),
-//! optional `exclude_item_ids` and `k`; every other field passes through to the output line.
+//! optional `exclude_item_ids`, `candidate_item_ids`, `include_item_sets`, `exclude_item_sets`,
+//! `k` and `return_embedding`; every other field passes through to the output line.
 //! Pure parsing, kept apart from the command so it can be fuzzed.
 
 use serde_json::{Map, Value};
@@ -52,6 +53,8 @@ pub struct ParsedLine {
     pub k: Option<i64>,
     /// `"return_embedding": true`: also answer the user embedding.
     pub return_embedding: bool,
+    /// `"include_item_sets"` / `"exclude_item_sets"`: item set names to keep and to drop.
+    pub filter: Option<recsys_engine::ItemFilter>,
     pub passthrough: Map<String, Value>,
 }
 
@@ -95,6 +98,25 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
             }
         },
     };
+    let mut sets = [Vec::new(), Vec::new()];
+    for (field, names) in ["include_item_sets", "exclude_item_sets"]
+        .into_iter()
+        .zip(&mut sets)
+    {
+        match object.remove(field) {
+            None | Some(Value::Null) => {}
+            Some(v) => match set_names(&v, field) {
+                Ok(list) => *names = list,
+                Err(msg) => return fail(msg, object),
+            },
+        }
+    }
+    let [include, exclude_sets] = sets;
+    let filter =
+        (!include.is_empty() || !exclude_sets.is_empty()).then_some(recsys_engine::ItemFilter {
+            include,
+            exclude: exclude_sets,
+        });
     let return_embedding = match object.remove("return_embedding") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => b,
@@ -111,6 +133,24 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
         candidates,
         k,
         return_embedding,
+        filter,
         passthrough: object,
     })
+}
+
+/// An array of item set names (`"category=shoes"`).
+fn set_names(value: &Value, field: &str) -> std::result::Result<Vec<String>, String> {
+    value
+        .as_array()
+        .and_then(|items| {
+            items
+                .iter()
+                .map(|v| v.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| {
+            format!(
+                "\"{field}\" must be an array of item set names (\"column=value\"), found {value}"
+            )
+        })
 }

@@ -396,7 +396,7 @@ fn score_batch(
                     candidates: p.candidates.as_ref().map(|c| external(c, cand_strs)),
                     // Embeddings come from the same encoder pass as the recommendations.
                     embedding: all_embeddings || p.return_embedding,
-                    filter: None,
+                    filter: p.filter.as_ref(),
                 });
             }
             Err(_) => request_of_line.push(None),

@@ -174,6 +174,9 @@ pub struct EvalReport {
     pub unknown_history_ids: usize,
     /// Users whose target is not in the catalogue (counted as misses).
     pub unknown_targets: usize,
+    /// With an item filter: users whose target the filter leaves out (not counted: the filtered
+    /// page could never show it).
+    pub targets_outside_filter: usize,
 }
 
 /// Scores every test user over the full catalogue, `batch` users at a time, calling `progress` with
@@ -183,11 +186,25 @@ pub fn evaluate(
     cases: &[TestCase],
     ks: &[usize],
     batch: usize,
+    progress: impl FnMut(usize),
+) -> EvalReport {
+    evaluate_filtered(engine, cases, ks, batch, None, progress)
+}
+
+/// [`evaluate`] as a filtered page would rank: only the items `eligible` keeps compete (an item
+/// the filter leaves out never ranks above the target), and a user whose target the filter leaves
+/// out is not counted (`targets_outside_filter`), since such a page could never show it.
+pub fn evaluate_filtered(
+    engine: &crate::Engine,
+    cases: &[TestCase],
+    ks: &[usize],
+    batch: usize,
+    eligible: Option<&crate::kernels::item_mask::ItemMask>,
     mut progress: impl FnMut(usize),
 ) -> EvalReport {
     let mut metrics = RankingMetrics::new(ks);
     let mut ranks = Vec::with_capacity(cases.len());
-    let (mut unknown_history_ids, mut unknown_targets) = (0, 0);
+    let (mut unknown_history_ids, mut unknown_targets, mut outside) = (0, 0, 0);
     let n_out = engine.scorer.packed.n;
     let mut excluded = ExclusionSet::new(n_out);
     for chunk in cases.chunks(batch.max(1)) {
@@ -199,13 +216,26 @@ pub fn evaluate(
             })
             .collect();
         let histories: Vec<&[u32]> = mapped.iter().map(|m| m.indices.as_slice()).collect();
-        let scores = engine.score_all(&histories);
+        let mut scores = engine.score_all(&histories);
+        if let Some(mask) = eligible {
+            for row in scores.chunks_exact_mut(n_out) {
+                for (i, s) in row.iter_mut().enumerate() {
+                    if !mask.allows(i as u32) {
+                        *s = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
         for (row, (case, history)) in chunk.iter().zip(&mapped).enumerate() {
             unknown_history_ids += history.unknown;
             let rank = match engine.ids.index_of_str(&case.target) {
                 None => {
                     unknown_targets += 1;
                     None
+                }
+                Some(target) if eligible.is_some_and(|m| !m.allows(target)) => {
+                    outside += 1;
+                    continue;
                 }
                 Some(target) => {
                     excluded.clear();
@@ -228,5 +258,6 @@ pub fn evaluate(
         ranks,
         unknown_history_ids,
         unknown_targets,
+        targets_outside_filter: outside,
     }
 }

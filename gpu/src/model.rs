@@ -911,6 +911,11 @@ impl<D: Device> DeviceModel<D> {
                 "candidate ranking runs on the CPU engine, not on the GPU path".into(),
             ));
         }
+        if batch.iter().any(|r| r.eligible.is_some()) {
+            return Err(GpuError::Invalid(
+                "item set filters run on the CPU engine, not on the GPU path".into(),
+            ));
+        }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, notes) = self.encode(&histories)?;
         let excluded: Vec<Vec<u32>> = batch.iter().map(recsys_engine::excluded_items).collect();

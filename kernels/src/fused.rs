@@ -221,8 +221,11 @@ impl PanelUnion {
 }
 
 /// Fills `union` with the panels of `tile` that rows `row0 .. row0 + size` may receive, and says
-/// whether the group is filtered at all: a row without a filter may receive every item, so the
-/// group scans every panel.
+/// whether the group skips panels in it: not when a row has no filter (it may receive every item),
+/// nor when at least half of the tile's panels hold an eligible item (a 10 % random filter
+/// leaves few 8-panel calls empty, and single-panel calls cost about three panels' time, so
+/// the plain scan of such a tile is as fast as any skipping, and the selection still refuses the
+/// ineligible items).
 fn eligible_panels(
     sink: &impl Sink,
     row0: usize,
@@ -243,7 +246,10 @@ fn eligible_panels(
             *word |= mask.word(first + j);
         }
     }
-    true
+    let busy: usize = (tile.start..tile.end)
+        .filter(|&p| union.panel(p) != 0)
+        .count();
+    2 * busy < tile.len()
 }
 
 /// Scores panels `range` for every row and hands the flagged items to `sink`, in increasing item

@@ -16,6 +16,8 @@ History = Union[Sequence[ItemId], IdArray]
 #: One per user: a sequence of histories, or a 2-D int64 array with a history per row.
 Histories = Union[Sequence[History], IdArray]
 Ids = Union[npt.NDArray[np.int64], list[list[str]]]
+#: Item set names ("category=shoes"): one list for every history, or one list per history.
+SetNames = Union[Sequence[str], Sequence[Sequence[str]]]
 
 class RecsysError(Exception):
     """An engine, checkpoint or file that recsys cannot use; the message says why."""
@@ -50,6 +52,10 @@ class Engine:
     @property
     def item_ids(self) -> Union[npt.NDArray[np.int64], list[str]]:
         """External ids of items 1..=N: the columns of `score`, the rows of `recsys export-items`."""
+    @property
+    def item_sets(self) -> dict[str, int]:
+        """The item set names requests may filter by ("column=value", from the item attributes
+        the engine was converted with), each with its item count."""
     def recommend(
         self,
         histories: Histories,
@@ -57,10 +63,15 @@ class Engine:
         exclude: Histories | None = None,
         exclude_seen: bool = True,
         strict: bool = False,
+        include_sets: SetNames | None = None,
+        exclude_sets: SetNames | None = None,
     ) -> tuple[Ids, npt.NDArray[np.float32]]:
         """Each history's best k items, best first: ids [B, k] (-1 padding; lists for string
         catalogues) and float32 scores [B, k] (-inf padding). `exclude`: one list per history of
-        items never to return; `exclude_seen`: leave the history's own items out."""
+        items never to return; `exclude_seen`: leave the history's own items out;
+        `include_sets`: only items in every named column's sets (OR within a column, AND across
+        columns); `exclude_sets`: no item of these sets. Set names are one list for every history
+        or one list per history; an unknown name raises ValueError naming it."""
     def rerank(
         self,
         histories: Histories,
@@ -69,8 +80,10 @@ class Engine:
         exclude: Histories | None = None,
         exclude_seen: bool = True,
         strict: bool = False,
+        include_sets: SetNames | None = None,
+        exclude_sets: SetNames | None = None,
     ) -> tuple[Ids, npt.NDArray[np.float32]]:
-        """The best k of each history's own candidates (a retrieval stage's), with exactly the
+        """The best k of each history's own candidates (narrowed by the set filters) (a retrieval stage's), with exactly the
         scores the whole-catalogue scan gives them; padded as `recommend`."""
     def embed(self, histories: Histories, strict: bool = False) -> npt.NDArray[np.float32]:
         """User embeddings [B, embedding_dim] = [h, 1]: the inner product with an item's row of
@@ -87,6 +100,8 @@ class Engine:
         exclude_seen: bool = True,
         strict: bool = False,
         embedding: bool = False,
+        include_sets: SetNames | None = None,
+        exclude_sets: SetNames | None = None,
     ) -> tuple[
         list[Union[npt.NDArray[np.int64], list[str]]],
         list[npt.NDArray[np.float32]],
@@ -111,13 +126,15 @@ def convert(
     calibration_percentile: float = 99.99,
     screen: str = "none",
     force: bool = False,
+    item_attributes: Union[str, PathLike[str], None] = None,
 ) -> Engine:
     """`recsys convert`: a PyTorch or RecBole checkpoint (read without executing pickle code) into
     a verified engine directory at `output`; returns it loaded. `int8_mode`: "weight-only",
     "w8a8" (the output layer's input at a calibrated static int8 scale) or "w8a8-all" (every dense
     layer's too, as an explicit-quantization ONNX export computes); both W8A8 modes need
     `calibration`. `screen="int8"` (fp32 and fp16): each top k screened from int8 weights, the
-    same answers bit for bit."""
+    same answers bit for bit. `item_attributes`: a CSV or TSV table keyed by the external item id
+    (list cells as `a|b`); every value of every column becomes an item set requests filter by."""
 
 def evaluate(
     engine: Engine,

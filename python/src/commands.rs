@@ -17,7 +17,8 @@ use crate::engine_error;
 #[pyfunction]
 #[pyo3(signature = (kind, checkpoint, item_map, output, config = None, precision = "fp32",
                     int8_mode = "weight-only", calibration = None, calibration_method = "entropy",
-                    calibration_percentile = 99.99, screen = "none", force = false))]
+                    calibration_percentile = 99.99, screen = "none", force = false,
+                    item_attributes = None))]
 #[allow(clippy::too_many_arguments)] // mirrors the command line's flags, keyword arguments
 pub(crate) fn convert(
     py: Python<'_>,
@@ -33,6 +34,7 @@ pub(crate) fn convert(
     calibration_percentile: f64,
     screen: &str,
     force: bool,
+    item_attributes: Option<PathBuf>,
 ) -> PyResult<PyEngine> {
     let kind: ModelKind = kind.parse().map_err(PyValueError::new_err)?;
     // The command line's options, defaults and refusals (`ConvertOptions`), spelled as keywords.
@@ -70,6 +72,19 @@ pub(crate) fn convert(
             }
         }
     };
+    // CSV or TSV (the engine's reader); the command line also reads Parquet.
+    let item_attributes = match item_attributes {
+        None => None,
+        Some(path) if !path.exists() => {
+            return Err(PyFileNotFoundError::new_err(format!(
+                "item attributes {}: no such file",
+                path.display()
+            )))
+        }
+        Some(path) => Some(
+            recsys_engine::AttributeTable::read_delimited(&path).map_err(PyValueError::new_err)?,
+        ),
+    };
     let calibration = match (calibration, plan.calibration) {
         (Some(path), Some(method)) => Some((read_histories(&path).map_err(engine_error)?, method)),
         _ => None,
@@ -88,7 +103,9 @@ pub(crate) fn convert(
                     .map(|(histories, method)| (histories.as_slice(), *method)),
                 screen: plan.screen,
                 w8a8_layers: plan.w8a8_layers,
-                catalogue: Default::default(),
+                catalogue: recsys_engine::CatalogueInputs {
+                    item_attributes: item_attributes.as_ref(),
+                },
             })
         })
         .map_err(engine_error)?;

@@ -39,6 +39,8 @@ pub(crate) fn download_engine(py: Python<'_>, uri: &str) -> PyResult<tempfile::T
 /// What one call asks of every history.
 struct Ask {
     k: Option<i64>,
+    /// Each history's item set filter (`None`: no filter).
+    filters: Option<Vec<recsys_engine::ItemFilter>>,
     /// The k of a history whose own k is `None`.
     default_k: usize,
     exclude_seen: bool,
@@ -99,7 +101,7 @@ impl PyEngine {
                 exclude: exclude.map(|e| e.row(&exclude_views, i)),
                 candidates: candidates.map(|c| c.row(&candidate_views, i)),
                 embedding: ask.embedding,
-                filter: None,
+                filter: ask.filters.as_ref().map(|f| &f[i]),
             })
             .collect();
         let options = ServeOptions {
@@ -211,13 +213,15 @@ impl PyEngine {
         histories: &Bound<'py, PyAny>,
         candidates: Option<&Bound<'py, PyAny>>,
         exclude: Option<&Bound<'py, PyAny>>,
-        ask: &Ask,
+        sets: (Option<&Bound<'py, PyAny>>, Option<&Bound<'py, PyAny>>),
+        mut ask: Ask,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let width = self.width(ask.k.unwrap_or(10))?;
         let histories = IdLists::extract(histories, "histories")?;
         let candidates = IdLists::optional(candidates, "candidates", histories.len())?;
         let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
-        let answers = self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), ask)?;
+        ask.filters = crate::filters::item_filters(sets.0, sets.1, histories.len())?;
+        let answers = self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), &ask)?;
         self.ranked(py, &answers, width)
     }
 
@@ -298,6 +302,13 @@ impl PyEngine {
         self.engine.model.output().input_size() + 1
     }
 
+    /// The item set names requests may filter by (`column=value`, from `recsys convert
+    /// --item-attributes`), each with its item count.
+    #[getter]
+    fn item_sets(&self) -> std::collections::BTreeMap<String, u64> {
+        self.engine.filters.sets().summary().into_iter().collect()
+    }
+
     /// The external ids of items 1..=N (the columns of `score`): int64 array or list of str.
     #[getter]
     fn item_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
@@ -322,8 +333,12 @@ impl PyEngine {
         }
     }
 
-    /// The best `k` items of each history (oldest first, external ids), best first.
-    #[pyo3(signature = (histories, k = 10, exclude = None, exclude_seen = true, strict = false))]
+    /// The best `k` items of each history (oldest first, external ids), best first; only items
+    /// of the `include_sets` and none of the `exclude_sets` (item set names, one list for all
+    /// histories or one per history).
+    #[pyo3(signature = (histories, k = 10, exclude = None, exclude_seen = true, strict = false,
+                        include_sets = None, exclude_sets = None))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn recommend<'py>(
         &self,
         py: Python<'py>,
@@ -332,20 +347,31 @@ impl PyEngine {
         exclude: Option<&Bound<'py, PyAny>>,
         exclude_seen: bool,
         strict: bool,
+        include_sets: Option<&Bound<'py, PyAny>>,
+        exclude_sets: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let ask = Ask {
             k: Some(k),
+            filters: None,
             default_k: 10,
             exclude_seen,
             strict,
             embedding: false,
         };
-        self.rank(py, histories, None, exclude, &ask)
+        self.rank(
+            py,
+            histories,
+            None,
+            exclude,
+            (include_sets, exclude_sets),
+            ask,
+        )
     }
 
     /// The best `k` of each history's own candidates, with exactly the scores the whole-catalogue
     /// scan gives them.
-    #[pyo3(signature = (histories, candidates, k = 10, exclude = None, exclude_seen = true, strict = false))]
+    #[pyo3(signature = (histories, candidates, k = 10, exclude = None, exclude_seen = true, strict = false,
+                        include_sets = None, exclude_sets = None))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn rerank<'py>(
         &self,
@@ -356,15 +382,25 @@ impl PyEngine {
         exclude: Option<&Bound<'py, PyAny>>,
         exclude_seen: bool,
         strict: bool,
+        include_sets: Option<&Bound<'py, PyAny>>,
+        exclude_sets: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let ask = Ask {
             k: Some(k),
+            filters: None,
             default_k: 10,
             exclude_seen,
             strict,
             embedding: false,
         };
-        self.rank(py, histories, Some(candidates), exclude, &ask)
+        self.rank(
+            py,
+            histories,
+            Some(candidates),
+            exclude,
+            (include_sets, exclude_sets),
+            ask,
+        )
     }
 
     /// Each history's user embedding `[h, 1]`, float32 `[B, embedding_dim]`.
@@ -378,6 +414,7 @@ impl PyEngine {
         let histories = IdLists::extract(histories, "histories")?;
         let ask = Ask {
             k: Some(0),
+            filters: None,
             default_k: 10,
             exclude_seen: true,
             strict,
@@ -426,7 +463,8 @@ impl PyEngine {
     /// unless `embedding`), and the error message (`None` when answered; the other three are then
     /// empty, or `None` for the embedding).
     #[pyo3(signature = (histories, k = None, exclude = None, candidates = None, default_k = 10,
-                        exclude_seen = true, strict = false, embedding = false))]
+                        exclude_seen = true, strict = false, embedding = false,
+                        include_sets = None, exclude_sets = None))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn predict<'py>(
         &self,
@@ -439,6 +477,8 @@ impl PyEngine {
         exclude_seen: bool,
         strict: bool,
         embedding: bool,
+        include_sets: Option<&Bound<'py, PyAny>>,
+        exclude_sets: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PredictTuple> {
         let default_k = self.width(default_k)?;
         let histories = IdLists::extract(histories, "histories")?;
@@ -455,6 +495,7 @@ impl PyEngine {
         let exclude = IdLists::optional(exclude, "exclude", users)?;
         let ask = Ask {
             k: None,
+            filters: crate::filters::item_filters(include_sets, exclude_sets, users)?,
             default_k,
             exclude_seen,
             strict,

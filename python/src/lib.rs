@@ -9,6 +9,7 @@
 mod commands;
 mod device;
 mod engine;
+mod filters;
 mod ids;
 mod recbole;
 

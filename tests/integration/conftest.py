@@ -53,9 +53,35 @@ def backend_dir() -> Path:
     return path
 
 
+def demo_attributes(model_dir: str) -> Path:
+    """The demo item attribute table of a fixture's catalogue (scripts/demo-item-attributes.sh), as
+    scripts/convert-demo-models.sh makes it: category, region (a list), age_rating."""
+    out = ROOT / "build" / "demo-attributes" / f"{model_dir}.tsv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(ROOT / "scripts" / "demo-item-attributes.sh"),
+                    str(FIXTURES / model_dir / "item_id_map.tsv"), str(out)], check=True)
+    return out
+
+
+def read_attributes(path: Path) -> dict[str, set[int]]:
+    """The item sets of an attribute table, by name ("category=shoes"), read here independently of
+    recsys: ids as the table writes them."""
+    sets: dict[str, set[int]] = {}
+    lines = path.read_text().splitlines()
+    columns = lines[0].split("\t")[1:]
+    for line in lines[1:]:
+        fields = line.split("\t")
+        for column, cell in zip(columns, fields[1:]):
+            for value in filter(None, cell.split("|")):
+                sets.setdefault(f"{column}={value}", set()).add(int(fields[0]))
+    return sets
+
+
 def convert(recsys_bin: Path, kind: str, model_dir: str, checkpoint: str, out: Path, item_map: Path | None = None,
             extra: list[str] | None = None):
+    """`recsys convert` of a fixture; with its own item map, with the demo item attributes too."""
     src = FIXTURES / model_dir
+    attributes = [] if item_map else ["--item-attributes", str(demo_attributes(model_dir))]
     subprocess.run(
         [
             str(recsys_bin), "convert", "--force", "--kind", kind,
@@ -63,6 +89,7 @@ def convert(recsys_bin: Path, kind: str, model_dir: str, checkpoint: str, out: P
             "--config", str(src / "config.json"),
             "--item-map", str(item_map or src / "item_id_map.tsv"),
             "--out", str(out),
+            *attributes,
             *(extra or []),
         ],
         check=True,
@@ -88,7 +115,9 @@ input [
   {{ name: "ITEM_IDS" data_type: {id_type} dims: [ -1 ] allow_ragged_batch: true }},
   {{ name: "K" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
   {{ name: "EXCLUDE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }},
-  {{ name: "CANDIDATE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }}
+  {{ name: "CANDIDATE_ITEM_IDS" data_type: {id_type} dims: [ -1 ] optional: true allow_ragged_batch: true }},
+  {{ name: "INCLUDE_ITEM_SETS" data_type: TYPE_STRING dims: [ -1 ] optional: true allow_ragged_batch: true }},
+  {{ name: "EXCLUDE_ITEM_SETS" data_type: TYPE_STRING dims: [ -1 ] optional: true allow_ragged_batch: true }}
 ]
 output [
   {{ name: "TOP_ITEM_IDS" data_type: {id_type} dims: [ -1 ] }},
@@ -129,7 +158,8 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf_screened", extra=["--screen", "int8"])
     # SASRec from RecBole's own checkpoint (kind and config read from it), GRU4Rec from its state dict.
     subprocess.run([str(recsys_bin), "convert", "--force", "--checkpoint", str(FIXTURES / "sasrec" / "recbole_checkpoint.pth"),
-                    "--item-map", str(FIXTURES / "sasrec" / "item_id_map.tsv"), "--output", str(engines / "sasrec")],
+                    "--item-map", str(FIXTURES / "sasrec" / "item_id_map.tsv"), "--output", str(engines / "sasrec"),
+                    "--item-attributes", str(demo_attributes("sasrec"))],
                    check=True, capture_output=True)
     convert(recsys_bin, "gru4rec", "gru4rec", "model.pt", engines / "gru4rec")
     # The same BERT4Rec with a catalogue keyed by strings ("sku-<id>").

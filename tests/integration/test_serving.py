@@ -247,7 +247,9 @@ def test_load_errors_are_clear_and_leave_the_server_serving(model, needle, serve
 def test_auto_complete_fills_a_minimal_config(http, minimal, full):
     config = http.get_model_config(minimal)
     names = {i["name"]: i for i in config["input"]}
-    assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS"}
+    assert set(names) == {"ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS", "INCLUDE_ITEM_SETS",
+                          "EXCLUDE_ITEM_SETS"}
+    assert names["INCLUDE_ITEM_SETS"]["data_type"] == "TYPE_STRING" and names["INCLUDE_ITEM_SETS"]["optional"]
     assert names["CANDIDATE_ITEM_IDS"]["optional"] and names["CANDIDATE_ITEM_IDS"]["allow_ragged_batch"]
     assert names["ITEM_IDS"]["data_type"] == "TYPE_INT64" and names["ITEM_IDS"]["allow_ragged_batch"]
     outputs = {o["name"]: o for o in config["output"]}
