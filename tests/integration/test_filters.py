@@ -153,3 +153,26 @@ def test_predict_and_eval_take_the_same_filters(recsys_bin, repository, tmp_path
     bad = subprocess.run([str(recsys_bin), "eval", "--engine", str(engine_dir), "--test", str(test_set),
                           "--include-item-sets", "category=nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "category=nope" in bad.stderr
+
+
+def test_the_python_package_filters_as_the_server_does(http, repository):
+    engine = recsys.Engine(str(repository / "vaecf" / "1"), threads=1)
+    histories = [[10011403, 10011207], [10011739]]
+    include, exclude = ["category=shoes", "category=hats", "region=EU"], ["age_rating=adult"]
+    ids, scores = engine.recommend(histories, k=10, include_sets=include, exclude_sets=exclude)
+    for row, history in enumerate(histories):
+        inputs = make_inputs(httpclient, history, k=10) + [set_names(httpclient, "INCLUDE_ITEM_SETS", [include]),
+                                                            set_names(httpclient, "EXCLUDE_ITEM_SETS", [exclude])]
+        result = http.infer("vaecf", inputs)
+        assert ids[row].tolist() == result.as_numpy("TOP_ITEM_IDS")[0].tolist()
+        np.testing.assert_array_equal(scores[row], result.as_numpy("TOP_SCORES")[0])
+    # One list per history in predict; a bad name is that history's error, the others answer.
+    got, _, _, errors = engine.predict(histories, include_sets=[["category=toys"], ["category=nope"]])
+    toys = read_attributes(demo_attributes("multivae"))["category=toys"]
+    assert set(got[0].tolist()) <= toys and len(got[0]) == 10 and errors[0] is None
+    assert "category=nope" in errors[1]
+    with pytest.raises(ValueError, match="3 lists for 2 histories"):
+        engine.recommend(histories, include_sets=[["category=toys"]] * 3)
+    with pytest.raises(ValueError, match="not one string"):
+        engine.recommend(histories, include_sets="category=toys")
+    assert engine.item_sets["category=toys"] == len(toys)

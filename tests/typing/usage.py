@@ -23,6 +23,13 @@ def calls(engine: recsys.Engine) -> None:
         engine.score(histories)
     engine.rerank(lists, candidates=arrays, k=5, exclude=matrix)
     engine.predict(arrays, k=[5, None], candidates=lists, embedding=True)
+    # Item set filters: one list for every history, or one per history.
+    engine.recommend(lists, k=10, include_sets=["category=shoes", "region=EU"], exclude_sets=["age_rating=adult"])
+    engine.predict(lists, include_sets=[["category=shoes"], ["category=hats"]])
+    engine.rerank(lists, candidates=lists, exclude_sets=["age_rating=adult"])
+    sets: dict[str, int] = engine.item_sets
+    recsys.convert("bert4rec", "model.pt", "items.tsv", "out", item_attributes="attributes.tsv")
+    _ = sets
     n: int = engine.num_items
     where: str = recsys.Engine("engine", threads=2, device="cuda:0").device
     _ = (ids, top, n, where)
