@@ -12,19 +12,23 @@ mkdir -p build/demo-attributes
 for fixture in bert4rec multivae sasrec gru4rec; do
   scripts/demo-item-attributes.sh "tests/fixtures/$fixture/item_id_map.tsv" "build/demo-attributes/$fixture.tsv"
 done
+# The interaction log of the demo users, counted into each engine's popularity list: the answer to a
+# visitor without history (empty_history_policy).
+scripts/demo-interactions.sh build/demo-attributes/interactions.inter
+popular=(--interactions build/demo-attributes/interactions.inter)
 "$RECSYS" convert --force --kind bert4rec \
   --checkpoint tests/fixtures/bert4rec/model.pt --config tests/fixtures/bert4rec/config.json \
-  --item-map tests/fixtures/bert4rec/item_id_map.tsv --item-attributes build/demo-attributes/bert4rec.tsv \
+  --item-map tests/fixtures/bert4rec/item_id_map.tsv --item-attributes build/demo-attributes/bert4rec.tsv "${popular[@]}" \
   --output model_repository/bert4rec/1
 "$RECSYS" convert --force --kind vaecf \
   --checkpoint tests/fixtures/multivae/model.safetensors --config tests/fixtures/multivae/config.json \
-  --item-map tests/fixtures/multivae/item_id_map.tsv --item-attributes build/demo-attributes/multivae.tsv \
+  --item-map tests/fixtures/multivae/item_id_map.tsv --item-attributes build/demo-attributes/multivae.tsv "${popular[@]}" \
   --output model_repository/vaecf/1
 # SASRec and GRU4Rec from RecBole's own checkpoints: the kind and hyper-parameters are the
 # checkpoint's (read as data; nothing in it is executed).
 for model in sasrec gru4rec; do
   "$RECSYS" convert --force --checkpoint "tests/fixtures/$model/recbole_checkpoint.pth" \
-    --item-map "tests/fixtures/$model/item_id_map.tsv" --item-attributes "build/demo-attributes/$model.tsv" \
+    --item-map "tests/fixtures/$model/item_id_map.tsv" --item-attributes "build/demo-attributes/$model.tsv" "${popular[@]}" \
     --output "model_repository/$model/1"
 done
 # The retrieve_and_rank ensemble: its retrieval stage serves the VAE-CF engine under its own

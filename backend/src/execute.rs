@@ -316,5 +316,7 @@ fn write_outputs(
     if answer.unknown_candidates > 0 {
         response.set_int_parameter("unknown_candidate_count", answer.unknown_candidates as i64)?;
     }
+    // Histories the popularity list answered (empty_history_policy), not the model.
+    response.set_int_parameter("popular_answers", answer.popular as i64)?;
     Ok(())
 }

@@ -19,6 +19,8 @@ pub struct Answer {
     pub unknown_candidates: usize,
     /// Per screened whole-catalogue history, the items its int8 screen kept and rescored.
     pub screen_survivors: Vec<u32>,
+    /// Histories the popularity list answered (no known item, `empty_history_policy`).
+    pub popular: usize,
 }
 
 /// What one batch did, for statistics and metrics.
@@ -122,6 +124,10 @@ pub fn serve(
             let mut embeddings = Vec::with_capacity(planned.count);
             let mut truncated = 0;
             let mut screen_survivors = Vec::new();
+            let popular = prepared[planned.start..planned.start + planned.count]
+                .iter()
+                .filter(|r| r.popular)
+                .count();
             for answer in &answers[planned.start..planned.start + planned.count] {
                 let (items, note, embedding) = answer
                     .as_ref()
@@ -139,6 +145,7 @@ pub fn serve(
                 truncated,
                 unknown_candidates: planned.unknown.candidates,
                 screen_survivors,
+                popular,
             })
         })
         .collect();
@@ -161,7 +168,7 @@ fn answer_rows(
         };
     // The device kernels scan whole catalogues without filters: candidate and filtered rows go to
     // the CPU engine.
-    let on_cpu = |r: &InternalRequest| r.candidates.is_some() || r.eligible.is_some();
+    let on_cpu = |r: &InternalRequest| r.candidates.is_some() || r.eligible.is_some() || r.popular;
     let with_candidates = prepared.iter().filter(|r| on_cpu(r)).count();
     if with_candidates == 0 {
         return run(recommender, prepared);

@@ -5,7 +5,7 @@ use serde_json::{json, Map, Value};
 
 use crate::error::{BackendError, Result};
 use recsys_engine::idmap::IdType;
-use recsys_engine::{Engine, UnknownItemPolicy};
+use recsys_engine::{EmptyHistoryPolicy, Engine, UnknownItemPolicy};
 
 pub const INPUT_ITEM_IDS: &str = "ITEM_IDS";
 pub const INPUT_K: &str = "K";
@@ -85,6 +85,8 @@ pub struct ModelSettings {
     pub threads: usize,
     pub exclude_seen: bool,
     pub unknown_items: UnknownItemPolicy,
+    /// Who answers a history without a known item (parameter `empty_history_policy`).
+    pub empty_history: EmptyHistoryPolicy,
     /// 0 when the model does not batch (shapes then have no batch dimension).
     pub max_batch_size: u64,
     pub item_ids_type: IdTensorType,
@@ -98,6 +100,7 @@ impl ModelSettings {
             default_k: self.default_k,
             exclude_seen: self.exclude_seen,
             unknown_items: self.unknown_items,
+            empty_history: self.empty_history,
         }
     }
 }
@@ -158,6 +161,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "max_id_bytes",
     "max_request_bytes",
     "max_engine_bytes",
+    "empty_history_policy",
 ];
 
 /// The `max_engine_bytes` parameter: the largest engine (all its files) the model may load; read
@@ -246,6 +250,20 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
             .parse()
             .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
     };
+    let empty_history = match parameter(config, "empty_history_policy") {
+        None => EmptyHistoryPolicy::Auto,
+        Some(text) => text
+            .trim()
+            .parse()
+            .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
+    };
+    if empty_history == EmptyHistoryPolicy::Popular && engine.popularity.is_none() {
+        return Err(BackendError::InvalidConfig(
+            "parameter empty_history_policy is \"popular\", but the engine has no popularity \
+             list: convert it with --interactions"
+                .into(),
+        ));
+    }
     let max_batch_size = config
         .get("max_batch_size")
         .and_then(as_i64)
@@ -350,6 +368,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         threads,
         exclude_seen,
         unknown_items,
+        empty_history,
         max_batch_size,
         item_ids_type,
         exclude_type,

@@ -26,6 +26,7 @@ fn bench_models(c: &mut Criterion) {
                     candidates: None,
                     embedding: false,
                     eligible: None,
+                    popular: false,
                 })
                 .collect();
             group.bench_with_input(

@@ -686,6 +686,14 @@ pub struct ConvertArgs {
     /// Percentile for --calibration-method percentile.
     #[arg(long, default_value_t = ConvertOptions::default().calibration_percentile)]
     pub calibration_percentile: f64,
+    /// An interaction log (CSV, TSV, or RecBole's atomic .inter file) whose item column is counted
+    /// into the popularity list stored with the engine: the answer to a visitor without history
+    /// (empty_history_policy popular).
+    #[arg(long, value_name = "FILE")]
+    pub interactions: Option<PathBuf>,
+    /// The interaction log's item column (default: item_id:token, item_id, item or itemid).
+    #[arg(long, value_name = "NAME", requires = "interactions")]
+    pub interactions_item_column: Option<String>,
     /// Item attributes to store with the engine: a Parquet, CSV or TSV table whose first column
     /// is the external item id and whose other columns hold strings, integers or lists (a CSV/TSV
     /// list is `a|b`). Every value becomes an item set requests filter by (`category=shoes`).
@@ -737,6 +745,11 @@ pub struct PredictArgs {
     /// Fail a line whose history holds ids unknown to the model, instead of dropping those ids.
     #[arg(long)]
     pub strict_ids: bool,
+    /// Who answers a history with no known item: popular (the engine's popularity list, from
+    /// convert --interactions), model (the model's own answer; SASRec and GRU4Rec have none),
+    /// error, or auto (popular when the engine has the list, else model).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "popular", "model", "error"])]
+    pub empty_history_policy: String,
     /// Scoring threads (default: the available cores); each scores whole batches, output order
     /// is kept.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]

@@ -91,6 +91,25 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         Some(path) => Some(crate::attributes::read(path)?),
         None => None,
     };
+    // Counted against the catalogue, so the item map is read here too (convert reads it again).
+    let popularity = match &args.interactions {
+        None => None,
+        Some(path) => {
+            let ids = args
+                .items
+                .source()
+                .read(args.max_checkpoint_bytes)
+                .map_err(CliError::from)?;
+            let bar = progress::spinner(&format!("counting {}", path.display()));
+            let counted = recsys_engine::popularity::Popularity::count_file(
+                path,
+                args.interactions_item_column.as_deref(),
+                &ids,
+            );
+            bar.finish_and_clear();
+            Some(counted.map_err(CliError::Input)?)
+        }
+    };
     let bar = progress::spinner(&format!("converting {}", args.checkpoint.display()));
     let engine = recsys_engine::convert_limited(
         &ConvertRequest {
@@ -105,6 +124,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             w8a8_layers: plan.w8a8_layers,
             catalogue: recsys_engine::CatalogueInputs {
                 item_attributes: item_attributes.as_ref(),
+                popularity: popularity.as_ref(),
             },
         },
         args.max_checkpoint_bytes,
@@ -133,6 +153,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             "source": {"file": m.source.file, "format": m.source.format, "sha256": m.source.sha256},
             "calibration": m.calibration,
             "item_attributes": m.item_attributes,
+            "popularity": m.popularity,
         });
         println!("{summary}");
         return Ok(0);
@@ -166,6 +187,19 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
                     " ({} row(s) name items the catalogue does not hold: skipped)",
                     a.unknown_items
                 )
+            } else {
+                String::new()
+            }
+        );
+    }
+    if let Some(p) = &m.popularity {
+        println!(
+            "popularity: {} interactions ({}) over {} item(s){}: the answer for a visitor without history",
+            p.interactions,
+            p.column,
+            p.items,
+            if p.unknown_items > 0 {
+                format!(", {} naming items the catalogue does not hold (skipped)", p.unknown_items)
             } else {
                 String::new()
             }

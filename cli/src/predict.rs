@@ -147,6 +147,7 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
         } else {
             UnknownItemPolicy::Drop
         },
+        empty_history: args.empty_history_policy.parse().map_err(CliError::Usage)?,
     };
     let skip = if args.resume {
         resume_point(&args.output)?
@@ -439,6 +440,10 @@ fn score_batch(
                             "scores".into(),
                             Value::Array(rec.items.iter().map(|s| Value::from(s.score)).collect()),
                         );
+                        if rec.popular {
+                            // Scores are shares of the interactions, not the model's.
+                            out.insert("answered_by".into(), Value::from("popular"));
+                        }
                         if all_embeddings || parsed.return_embedding {
                             out.insert(
                                 "embedding".into(),

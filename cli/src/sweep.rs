@@ -170,6 +170,7 @@ fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
         candidates: None,
         embedding: false,
         eligible: None,
+        popular: false,
     };
     engine.recommend_internal(&[request])[0]
         .0
@@ -194,6 +195,7 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
                 candidates: None,
                 embedding: false,
                 eligible: None,
+                popular: false,
             })
             .collect()
     };

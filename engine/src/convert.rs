@@ -19,6 +19,7 @@ use crate::import::Checkpoint;
 use crate::item_sets::{AttributeTable, ItemSets};
 use crate::kernels::packed::{quantize_int8_per_row, to_bf16_bits, to_f16_bits};
 use crate::models::Model;
+use crate::popularity::{Popularity, PopularityReport};
 use crate::weights::scale_name;
 
 /// Inputs of a conversion.
@@ -50,6 +51,9 @@ pub struct CatalogueInputs<'a> {
     /// Item attributes: every (column, value) becomes a named item set requests can filter by
     /// ([`crate::item_sets`]).
     pub item_attributes: Option<&'a AttributeTable>,
+    /// Interaction counts per item (and what counting found): the answer for an empty history
+    /// ([`crate::popularity`]).
+    pub popularity: Option<&'a (Popularity, PopularityReport)>,
 }
 
 impl ConvertRequest<'_> {
@@ -182,6 +186,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
                 screen: screen.as_ref(),
             }),
             item_sets: item_sets.as_ref(),
+            popularity: request.catalogue.popularity,
         },
     )?;
     drop((model, packed, screen));

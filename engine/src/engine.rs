@@ -13,9 +13,10 @@ use crate::kernels::packed::PackedOutput;
 use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
 use crate::models::{EncodeScratch, HistoryNote, Model};
+use crate::popularity::Popularity;
 use crate::request::{
-    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
-    ServeOptions, UnknownIds, UnknownItemPolicy,
+    excluded_items, BatchRecommender, EmptyHistoryPolicy, InternalRequest, Recommendation, Request,
+    RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
 };
 use crate::topk::Scored;
 
@@ -101,6 +102,9 @@ pub struct Engine {
     pub scorer: Scorer,
     /// The item attribute sets requests filter by, and their resolved masks.
     pub filters: Filters,
+    /// Interaction counts, the answer to an empty history (an engine converted with
+    /// `--interactions`).
+    pub popularity: Option<Popularity>,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -193,6 +197,7 @@ impl Engine {
         let packed = packed_output(&loaded)?;
         let screen = screen_table(&loaded)?;
         let filters = Filters::new(loaded.item_sets, loaded.model.output().n_outputs());
+        let popularity = loaded.popularity;
         Ok(Engine {
             manifest: loaded.manifest,
             model: loaded.model,
@@ -205,6 +210,7 @@ impl Engine {
                 threads: 1,
             },
             filters,
+            popularity,
         })
     }
 
@@ -254,6 +260,41 @@ impl Engine {
         self.ids.len()
     }
 
+    /// Whether the popularity list answers a history that holds no known item (`history`), under
+    /// `options.empty_history`; `Ok(false)`: the model answers it; an error when neither may.
+    fn answers_empty_popular(
+        &self,
+        options: &ServeOptions,
+        history: &crate::idmap::Mapped,
+    ) -> Result<bool> {
+        let what = format!(
+            "ITEM_IDS holds no item known to the model ({} id(s), {} unknown)",
+            history.indices.len() + history.unknown,
+            history.unknown
+        );
+        match (options.empty_history, &self.popularity) {
+            (EmptyHistoryPolicy::Popular | EmptyHistoryPolicy::Auto, Some(_)) => Ok(true),
+            (EmptyHistoryPolicy::Popular, None) => Err(EngineError::InvalidRequest(format!(
+                "{what} and empty_history_policy is \"popular\", but this engine has no \
+                 popularity list (convert it with --interactions)"
+            ))),
+            (EmptyHistoryPolicy::Error, _) => Err(EngineError::InvalidRequest(format!(
+                "{what} (empty_history_policy is \"error\")"
+            ))),
+            (EmptyHistoryPolicy::Model | EmptyHistoryPolicy::Auto, _)
+                if self.kind().needs_history() =>
+            {
+                Err(EngineError::InvalidRequest(format!(
+                    "{what}: {} answers from the history's last item, so it needs at least one \
+                     (empty_history_policy \"popular\", with an engine converted with \
+                     --interactions, answers such visitors with the most popular items)",
+                    self.kind()
+                )))
+            }
+            (EmptyHistoryPolicy::Model | EmptyHistoryPolicy::Auto, _) => Ok(false),
+        }
+    }
+
     /// Maps and validates one request. Errors name the offending input.
     pub fn prepare(
         &self,
@@ -283,14 +324,14 @@ impl Engine {
                 history.unknown
             )));
         }
-        if history.indices.is_empty() && self.kind().needs_history() {
-            return Err(EngineError::InvalidRequest(format!(
-                "ITEM_IDS holds no item known to the model ({} id(s), {} unknown): {} answers \
-                 from the history's last item, so it needs at least one",
-                history.indices.len() + history.unknown,
-                history.unknown,
-                self.kind()
-            )));
+        let popular =
+            history.indices.is_empty() && self.answers_empty_popular(options, &history)?;
+        if popular && request.embedding {
+            return Err(EngineError::InvalidRequest(
+                "a history without a known item has no user embedding (the popularity list \
+                 answers it, empty_history_policy \"popular\")"
+                    .into(),
+            ));
         }
         let exclude = request
             .exclude
@@ -340,6 +381,7 @@ impl Engine {
                 candidates,
                 embedding: request.embedding,
                 eligible,
+                popular,
             },
             UnknownIds {
                 history: history.unknown,
@@ -386,7 +428,7 @@ impl Engine {
         let answers = if batch.is_empty() {
             Vec::new()
         } else {
-            match recommender.recommend_batch(&batch) {
+            match self.answer_split(recommender, &batch) {
                 Ok(answers) => answers,
                 Err(e) => {
                     let message = e.to_string();
@@ -400,8 +442,8 @@ impl Engine {
                 }
             }
         };
-        for ((slot, (items, note, embedding)), n_unknown) in
-            slots.into_iter().zip(answers).zip(unknown)
+        for (((slot, (items, note, embedding)), n_unknown), prepared) in
+            slots.into_iter().zip(answers).zip(unknown).zip(&batch)
         {
             results[slot] = Some(Ok(Recommendation {
                 items,
@@ -409,6 +451,7 @@ impl Engine {
                 truncated: note.truncated,
                 unknown_candidates: n_unknown.candidates,
                 embedding,
+                popular: prepared.popular,
             }));
         }
         results
@@ -474,6 +517,50 @@ impl Engine {
         (hidden, notes)
     }
 
+    /// `batch`'s answers: the rows the popularity list answers from it, the others from
+    /// `recommender` (the model on a device never sees them).
+    fn answer_split(
+        &self,
+        recommender: &dyn BatchRecommender,
+        batch: &[InternalRequest],
+    ) -> Result<Vec<RowAnswer>> {
+        if !batch.iter().any(|r| r.popular) {
+            return recommender.recommend_batch(batch);
+        }
+        let model_rows: Vec<InternalRequest> =
+            batch.iter().filter(|r| !r.popular).cloned().collect();
+        let mut from_model = if model_rows.is_empty() {
+            Vec::new()
+        } else {
+            recommender.recommend_batch(&model_rows)?
+        }
+        .into_iter();
+        Ok(batch
+            .iter()
+            .map(|r| {
+                if r.popular {
+                    self.popular_answer(r)
+                } else {
+                    from_model.next().expect("one answer per model row")
+                }
+            })
+            .collect())
+    }
+
+    /// The popularity list's answer to a prepared row (see [`Popularity::top_k_for`]).
+    fn popular_answer(&self, request: &InternalRequest) -> RowAnswer {
+        let items = match &self.popularity {
+            Some(p) => p.top_k_for(
+                request.k,
+                &excluded_items(request),
+                request.eligible.as_deref(),
+                request.candidates.as_deref(),
+            ),
+            None => Vec::new(),
+        };
+        (items, HistoryNote::default(), Vec::new())
+    }
+
     /// Each prepared request's answer on the CPU kernels: its best items (internal indices, best
     /// first), its history note, and its user embedding where it asks for one (`[hidden, 1]`, see
     /// [`Recommendation::embedding`]; empty otherwise). Rows with `k = 0` are encoded and not
@@ -481,6 +568,11 @@ impl Engine {
     pub fn recommend_internal(&self, batch: &[InternalRequest]) -> Vec<RowAnswer> {
         if batch.is_empty() {
             return Vec::new();
+        }
+        if batch.iter().any(|r| r.popular) {
+            return self
+                .answer_split(self, batch)
+                .expect("the CPU engine answers every batch");
         }
         // A pool worker wakes while the batch starts, and stays awake between its split steps.
         let _awake = (self.scorer.threads > 1).then(crate::parallel::Batch::begin);

@@ -21,6 +21,7 @@ pub mod import;
 pub mod item_sets;
 pub mod metrics;
 pub mod models;
+pub mod popularity;
 pub mod request;
 pub mod tensor;
 pub mod weights;
@@ -37,6 +38,6 @@ pub use error::{EngineError, Result};
 pub use idmap::{ExternalId, ExternalIds, IdMap, ItemMapSource};
 pub use item_sets::{AttributeTable, ItemFilter, ItemSets};
 pub use request::{
-    excluded_items, BatchRecommender, InternalRequest, Recommendation, Request, RowAnswer,
-    ServeOptions, UnknownIds, UnknownItemPolicy,
+    excluded_items, BatchRecommender, EmptyHistoryPolicy, InternalRequest, Recommendation, Request,
+    RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
 };

@@ -32,6 +32,36 @@ impl std::str::FromStr for UnknownItemPolicy {
     }
 }
 
+/// Who answers a history that is empty or holds no item the catalogue knows (a new visitor).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EmptyHistoryPolicy {
+    /// `popular` when the engine holds a popularity list, else `model`.
+    #[default]
+    Auto,
+    /// The most popular items (the engine's popularity list), filtered like any answer.
+    Popular,
+    /// The model's own answer for an empty input (BERT4Rec, Mult-VAE); refused for models that
+    /// answer from the last item (SASRec, GRU4Rec).
+    Model,
+    /// Refuse the request.
+    Error,
+}
+
+impl std::str::FromStr for EmptyHistoryPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(EmptyHistoryPolicy::Auto),
+            "popular" => Ok(EmptyHistoryPolicy::Popular),
+            "model" => Ok(EmptyHistoryPolicy::Model),
+            "error" => Ok(EmptyHistoryPolicy::Error),
+            _ => Err(format!(
+                "empty_history_policy must be \"popular\", \"model\", \"error\" or \"auto\", found {s:?}"
+            )),
+        }
+    }
+}
+
 /// Serving options that hold for every request of a model.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -39,6 +69,8 @@ pub struct ServeOptions {
     /// Leave the history's own items out of the answer.
     pub exclude_seen: bool,
     pub unknown_items: UnknownItemPolicy,
+    /// Who answers an empty history (or one without a known item).
+    pub empty_history: EmptyHistoryPolicy,
 }
 
 impl Default for ServeOptions {
@@ -47,6 +79,7 @@ impl Default for ServeOptions {
             default_k: 10,
             exclude_seen: true,
             unknown_items: UnknownItemPolicy::Drop,
+            empty_history: EmptyHistoryPolicy::Auto,
         }
     }
 }
@@ -86,6 +119,9 @@ pub struct Recommendation {
     /// vector followed by a 1, whose inner product with an item's `[embedding, bias]` row
     /// (`recsys export-items`) is the model's score for that item.
     pub embedding: Vec<f32>,
+    /// The popularity list answered (an empty history under `empty_history_policy: popular`);
+    /// the scores are then each item's share of the interactions counted.
+    pub popular: bool,
 }
 
 /// The ids of a request that the catalogue does not know ([`crate::Engine::prepare`]).
@@ -110,6 +146,9 @@ pub struct InternalRequest {
     /// Whole-catalogue rows: only these items may be recommended (the request's filter; a
     /// candidate list is narrowed by it instead). `None`: every item.
     pub eligible: Option<Arc<ItemMask>>,
+    /// Answered from the popularity list, not the model (an empty history under
+    /// `empty_history_policy: popular`); only the CPU engine answers such rows.
+    pub popular: bool,
 }
 
 /// One prepared row's answer: its best items (best first), what the model noted about its

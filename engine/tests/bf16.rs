@@ -40,6 +40,7 @@ fn every_kernel_path_gives_a_bf16_engine_the_same_bits() {
                 candidates: None,
                 embedding: true,
                 eligible: None,
+                popular: false,
             })
             .collect();
         // The SIMD paths share every f32 operation's bits (fused multiply-adds in one order),

@@ -65,6 +65,7 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
             candidates: Some(candidates),
             embedding: false,
             eligible: None,
+            popular: false,
         });
     }
     // Whole-catalogue rows in the same batch keep their answers.
@@ -76,6 +77,7 @@ fn check_exact(kind: ModelKind, engine: &mut recsys_engine::Engine, variant: &st
         candidates: None,
         embedding: false,
         eligible: None,
+        popular: false,
     });
     let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
     let all = engine.score_all(&histories);

@@ -160,6 +160,7 @@ fn convert_with(
         w8a8_layers: Default::default(),
         catalogue: CatalogueInputs {
             item_attributes: Some(table),
+            popularity: None,
         },
     })
     .unwrap_or_else(|e| panic!("{kind} {precision:?} {screen:?}: {e}"))

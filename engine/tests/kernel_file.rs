@@ -48,6 +48,7 @@ fn requests(engine: &Engine) -> Vec<InternalRequest> {
                 candidates: None,
                 embedding: false,
                 eligible: None,
+                popular: false,
             }
         })
         .collect()

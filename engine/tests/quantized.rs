@@ -61,6 +61,7 @@ fn compare(kind: ModelKind, reference: &Engine, quantized: &Engine) -> Compariso
             candidates: None,
             embedding: false,
             eligible: None,
+            popular: false,
         };
         let top = |e: &Engine, k| -> Vec<u32> {
             e.recommend_internal(&[request(k)])[0]

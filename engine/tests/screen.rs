@@ -40,6 +40,7 @@ fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
                 embedding: i % 5 == 0,
                 history,
                 eligible: None,
+                popular: false,
             }
         })
         .collect()
@@ -149,6 +150,7 @@ fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
                         candidates: None,
                         embedding: false,
                         eligible: None,
+                        popular: false,
                     }
                 })
                 .collect();

@@ -26,6 +26,7 @@ fn batch_of(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
                 candidates: None,
                 embedding: true,
                 eligible: None,
+                popular: false,
             }
         })
         .collect()

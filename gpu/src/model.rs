@@ -840,6 +840,7 @@ impl<D: Device> DeviceModel<D> {
                 candidates: None,
                 embedding: false,
                 eligible: None,
+                popular: false,
             })
             .collect();
         let cpu = self.engine.recommend_internal(&batch);
@@ -909,6 +910,11 @@ impl<D: Device> DeviceModel<D> {
         if batch.iter().any(|r| r.candidates.is_some()) {
             return Err(GpuError::Invalid(
                 "candidate ranking runs on the CPU engine, not on the GPU path".into(),
+            ));
+        }
+        if batch.iter().any(|r| r.popular) {
+            return Err(GpuError::Invalid(
+                "popularity answers come from the CPU engine, not the GPU path".into(),
             ));
         }
         if batch.iter().any(|r| r.eligible.is_some()) {

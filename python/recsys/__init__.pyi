@@ -127,6 +127,8 @@ def convert(
     screen: str = "none",
     force: bool = False,
     item_attributes: Union[str, PathLike[str], None] = None,
+    interactions: Union[str, PathLike[str], None] = None,
+    interactions_item_column: str | None = None,
 ) -> Engine:
     """`recsys convert`: a PyTorch or RecBole checkpoint (read without executing pickle code) into
     a verified engine directory at `output`; returns it loaded. `int8_mode`: "weight-only",
@@ -134,7 +136,9 @@ def convert(
     layer's too, as an explicit-quantization ONNX export computes); both W8A8 modes need
     `calibration`. `screen="int8"` (fp32 and fp16): each top k screened from int8 weights, the
     same answers bit for bit. `item_attributes`: a CSV or TSV table keyed by the external item id
-    (list cells as `a|b`); every value of every column becomes an item set requests filter by."""
+    (list cells as `a|b`); every value of every column becomes an item set requests filter by.
+    `interactions`: an interaction log (CSV, TSV or RecBole's .inter) whose item column is counted
+    into the popularity list that answers histories without a known item."""
 
 def evaluate(
     engine: Engine,

@@ -18,7 +18,7 @@ use crate::engine_error;
 #[pyo3(signature = (kind, checkpoint, item_map, output, config = None, precision = "fp32",
                     int8_mode = "weight-only", calibration = None, calibration_method = "entropy",
                     calibration_percentile = 99.99, screen = "none", force = false,
-                    item_attributes = None))]
+                    item_attributes = None, interactions = None, interactions_item_column = None))]
 #[allow(clippy::too_many_arguments)] // mirrors the command line's flags, keyword arguments
 pub(crate) fn convert(
     py: Python<'_>,
@@ -35,6 +35,8 @@ pub(crate) fn convert(
     screen: &str,
     force: bool,
     item_attributes: Option<PathBuf>,
+    interactions: Option<PathBuf>,
+    interactions_item_column: Option<String>,
 ) -> PyResult<PyEngine> {
     let kind: ModelKind = kind.parse().map_err(PyValueError::new_err)?;
     // The command line's options, defaults and refusals (`ConvertOptions`), spelled as keywords.
@@ -85,6 +87,22 @@ pub(crate) fn convert(
             recsys_engine::AttributeTable::read_delimited(&path).map_err(PyValueError::new_err)?,
         ),
     };
+    let popularity = match interactions {
+        None => None,
+        Some(path) => {
+            let ids = recsys_engine::ItemMapSource::Tsv(&item_map)
+                .read(recsys_engine::import::DEFAULT_MAX_CHECKPOINT_BYTES)
+                .map_err(engine_error)?;
+            Some(
+                recsys_engine::popularity::Popularity::count_file(
+                    &path,
+                    interactions_item_column.as_deref(),
+                    &ids,
+                )
+                .map_err(PyValueError::new_err)?,
+            )
+        }
+    };
     let calibration = match (calibration, plan.calibration) {
         (Some(path), Some(method)) => Some((read_histories(&path).map_err(engine_error)?, method)),
         _ => None,
@@ -105,6 +123,7 @@ pub(crate) fn convert(
                 w8a8_layers: plan.w8a8_layers,
                 catalogue: recsys_engine::CatalogueInputs {
                     item_attributes: item_attributes.as_ref(),
+                    popularity: popularity.as_ref(),
                 },
             })
         })

@@ -112,6 +112,7 @@ impl PyEngine {
             } else {
                 UnknownItemPolicy::Drop
             },
+            empty_history: Default::default(),
         };
         let engine = &self.engine;
         let recommender: &dyn BatchRecommender = match &self.on_device {

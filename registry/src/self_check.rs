@@ -103,6 +103,7 @@ impl SelfCheck {
             default_k: k,
             exclude_seen: false,
             unknown_items: UnknownItemPolicy::Error,
+            empty_history: Default::default(),
         };
         let request = Request {
             history: ids,

@@ -21,7 +21,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
                "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal",
-               "vaecf_candidates", "retrieve_and_rank"]
+               "vaecf_candidates", "retrieve_and_rank", "sasrec_cold", "vaecf_cold", "vaecf_cold_model"]
 BROKEN_MODELS = [
     "missing_engine",
     "corrupted_engine",
@@ -30,6 +30,7 @@ BROKEN_MODELS = [
     "contradicting",
     "gpu_instance",
     "engine_too_big",
+    "popular_without_list",
 ]
 
 
@@ -194,6 +195,25 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     for name in ["bert4rec", "sasrec", "gru4rec"]:
         model(f"{name}_mixed", contract_config(f"{name}_mixed", queue_delay_us=20000, embedding_width=65,
                                                params={"unknown_item_policy": "error"}), engines / name)
+
+    # Visitors without history: SASRec (no answer of its own for them) and Mult-VAE converted with
+    # the demo interaction log's popularity list, under the explicit and the default policy.
+    interactions = ROOT / "build" / "demo-attributes" / "interactions.inter"
+    subprocess.run([str(ROOT / "scripts" / "demo-interactions.sh"), str(interactions)], check=True)
+    subprocess.run([str(recsys_bin), "convert", "--force", "--checkpoint", str(FIXTURES / "sasrec" / "recbole_checkpoint.pth"),
+                    "--item-map", str(FIXTURES / "sasrec" / "item_id_map.tsv"), "--output", str(engines / "sasrec_cold"),
+                    "--item-attributes", str(demo_attributes("sasrec")), "--interactions", str(interactions)],
+                   check=True, capture_output=True)
+    convert(recsys_bin, "vaecf", "multivae", "model.safetensors", engines / "vaecf_cold",
+            extra=["--interactions", str(interactions)])
+    model("sasrec_cold", contract_config("sasrec_cold", params={"empty_history_policy": "popular"}),
+          engines / "sasrec_cold")
+    model("vaecf_cold", contract_config("vaecf_cold"), engines / "vaecf_cold")
+    model("vaecf_cold_model", contract_config("vaecf_cold_model", params={"empty_history_policy": "model"}),
+          engines / "vaecf_cold")
+    # Popular without a popularity list: refused at load, naming the fix.
+    model("popular_without_list", contract_config("popular_without_list", params={"empty_history_policy": "popular"}),
+          engines / "vaecf")
 
     # Models that must fail to load, each for one reason.
     model("missing_engine", contract_config("missing_engine"), None)

@@ -228,6 +228,7 @@ def test_a_bad_request_does_not_fail_its_batch(grpc, predict):
         ("contradicting", "must be TYPE_STRING"),
         ("gpu_instance", "GPU"),
         ("engine_too_big", "more than the limit of 4096"),
+        ("popular_without_list", "convert it with --interactions"),
     ],
 )
 def test_load_errors_are_clear_and_leave_the_server_serving(model, needle, server, http):

@@ -65,6 +65,7 @@ fn main() {
                             .map(|lists| lists[user % lists.len()].clone()),
                         embedding: false,
                         eligible: None,
+                        popular: false,
                     }
                 })
                 .collect()

@@ -144,6 +144,10 @@ pub struct Manifest {
     /// The item attributes the engine was converted with (`item_sets.bin`); absent without.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub item_attributes: Option<ItemAttributesRecord>,
+    /// The interactions the popularity list was counted from (`item_popularity.bin`); absent
+    /// without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub popularity: Option<PopularityRecord>,
     pub created_by: String,
     pub created_at: String,
 }
@@ -159,6 +163,19 @@ pub struct ItemAttributesRecord {
     pub items: usize,
     /// Table rows whose id the catalogue does not know (skipped).
     pub unknown_items: usize,
+}
+
+/// What `recsys convert --interactions` counted (`manifest.popularity`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PopularityRecord {
+    /// The interaction log's item column.
+    pub column: String,
+    /// Interactions counted.
+    pub interactions: u64,
+    /// Interactions naming items the catalogue does not hold (skipped).
+    pub unknown_items: u64,
+    /// Items with at least one interaction (the most an empty history's answer can hold).
+    pub items: usize,
 }
 
 /// What a reduced precision stores how (`manifest.quantization`; absent at fp32). The prose

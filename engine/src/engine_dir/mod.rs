@@ -8,6 +8,7 @@
 //! item_ids.tsv           internal index -> external id
 //! kernels.bin            the output layer (and screen) laid out for the kernels, mapped at load
 //! item_sets.bin          item attribute sets (optional; `crate::item_sets`)
+//! item_popularity.bin    interaction counts per item (optional; `crate::popularity`)
 //! ```
 //! Loading checks the format version, every file's size and sha256, and the tensors' shapes.
 
@@ -21,6 +22,7 @@ use crate::error::{EngineError, Result};
 use crate::idmap::IdMap;
 use crate::item_sets::{AttributeReport, ItemSets, ITEM_SETS_FILE};
 use crate::models::Model;
+use crate::popularity::{Popularity, PopularityReport, POPULARITY_FILE};
 use crate::tensor::TensorMap;
 use crate::tensor::{Storage, Tensor};
 pub use crate::weights::RawTensor;
@@ -47,6 +49,8 @@ pub struct EngineParts<'a> {
     pub kernels: Option<KernelParts<'a>>,
     /// Item attribute sets and what made them, for `item_sets.bin`.
     pub item_sets: Option<&'a (ItemSets, AttributeReport)>,
+    /// Interaction counts per item, for `item_popularity.bin`.
+    pub popularity: Option<&'a (Popularity, PopularityReport)>,
 }
 
 /// What `kernels.bin` holds.
@@ -150,6 +154,20 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
             unknown_items: report.unknown_items,
         }
     });
+    let popularity = parts.popularity.map(|(_, report)| {
+        written.push(POPULARITY_FILE);
+        PopularityRecord {
+            column: report.column.clone(),
+            interactions: report.interactions,
+            unknown_items: report.unknown_items,
+            items: report.items,
+        }
+    });
+    if let Some((counts, _)) = parts.popularity {
+        let path = dir.join(POPULARITY_FILE);
+        std::fs::write(&path, counts.to_bytes())
+            .map_err(|e| EngineError::io(format!("cannot write {}", path.display()), e))?;
+    }
     if let Some((sets, _)) = parts.item_sets {
         let path = dir.join(ITEM_SETS_FILE);
         std::fs::write(&path, sets.to_bytes())
@@ -179,6 +197,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         files,
         kernel_layout,
         item_attributes,
+        popularity,
         created_by: format!("recsys {}", env!("CARGO_PKG_VERSION")),
         created_at: utc_now_rfc3339(),
     };
@@ -200,6 +219,8 @@ pub struct LoadedDir {
     pub kernels: Option<crate::kernels::shared::Backing>,
     /// The item attribute sets of an engine converted with them (else none).
     pub item_sets: ItemSets,
+    /// The interaction counts of an engine converted with them.
+    pub popularity: Option<Popularity>,
 }
 
 /// Largest engine (all files of the manifest together) loaded by default: 64 GiB.
@@ -366,7 +387,23 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
             Some(bytes)
         }
     };
+    let popularity_bytes = match manifest.files.get(POPULARITY_FILE) {
+        None => None,
+        Some(entry) => {
+            let path = dir.join(POPULARITY_FILE);
+            let bytes = std::fs::read(&path)
+                .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
+            verify(&path, &bytes, &entry.sha256)?;
+            Some(bytes)
+        }
+    };
     let mut loaded = from_parts(dir, manifest, storage, ids_bytes)?;
+    if let Some(bytes) = popularity_bytes {
+        loaded.popularity = Some(
+            Popularity::from_bytes(&bytes, loaded.ids.len() + 1)
+                .map_err(|reason| bad(format!("{POPULARITY_FILE}: {reason}")))?,
+        );
+    }
     loaded.kernels = kernels;
     if let Some(bytes) = sets_bytes {
         loaded.item_sets = ItemSets::from_bytes(&bytes, loaded.ids.len() + 1)
@@ -432,6 +469,7 @@ pub fn from_parts(
         weights,
         kernels: None,
         item_sets,
+        popularity: None,
     })
 }
 

@@ -69,6 +69,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
                 candidates: None,
                 embedding: false,
                 eligible: None,
+                popular: false,
             }
         })
         .collect();
@@ -80,6 +81,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         candidates: None,
         embedding: false,
         eligible: None,
+        popular: false,
     });
     let long: Vec<u32> = (1..=120).collect();
     batch.push(InternalRequest {
@@ -90,6 +92,7 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         candidates: None,
         embedding: false,
         eligible: None,
+        popular: false,
     });
     batch
 }
