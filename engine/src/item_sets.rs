@@ -37,6 +37,21 @@ const MAX_HEADER_BYTES: usize = 256 << 20;
 /// The separator of list values in one CSV/TSV cell (`tags`: `sale|new`).
 pub const LIST_SEPARATOR: char = '|';
 
+/// A CSV (`.csv`) or tab-separated (any other extension) file with a header row, its rows
+/// allowed to be ragged so the caller can refuse one naming its line.
+pub(crate) fn delimited_reader(path: &Path) -> Result<csv::Reader<std::fs::File>, String> {
+    let delimiter = match path.extension().and_then(|e| e.to_str()) {
+        Some(e) if e.eq_ignore_ascii_case("csv") => b',',
+        _ => b'\t',
+    };
+    csv::ReaderBuilder::new()
+        .delimiter(delimiter)
+        .has_headers(true)
+        .flexible(true)
+        .from_path(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
 /// An attribute table as read from a file: one row per item, the values of each column (none,
 /// one, or a list).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -52,17 +67,7 @@ impl AttributeTable {
     /// first column is the external item id, every other one an attribute; empty cells carry no
     /// value; a cell with `|` holds a list.
     pub fn read_delimited(path: &Path) -> Result<AttributeTable, String> {
-        let delimiter = match path.extension().and_then(|e| e.to_str()) {
-            Some(e) if e.eq_ignore_ascii_case("csv") => b',',
-            _ => b'\t',
-        };
-        let mut reader = csv::ReaderBuilder::new()
-            .delimiter(delimiter)
-            .has_headers(true)
-            // Ragged rows are refused below, with the row's number and both counts.
-            .flexible(true)
-            .from_path(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let mut reader = delimited_reader(path)?;
         let header = reader
             .headers()
             .map_err(|e| format!("{}: {e}", path.display()))?

@@ -69,15 +69,7 @@ impl Popularity {
         column: Option<&str>,
         ids: &IdMap,
     ) -> Result<(Popularity, PopularityReport), String> {
-        let delimiter = match path.extension().and_then(|e| e.to_str()) {
-            Some(e) if e.eq_ignore_ascii_case("csv") => b',',
-            _ => b'\t',
-        };
-        let mut reader = csv::ReaderBuilder::new()
-            .delimiter(delimiter)
-            .flexible(true)
-            .from_path(path)
-            .map_err(|e| format!("cannot read interactions {}: {e}", path.display()))?;
+        let mut reader = crate::item_sets::delimited_reader(path)?;
         let header = reader
             .headers()
             .map_err(|e| format!("{}: {e}", path.display()))?

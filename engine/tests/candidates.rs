@@ -8,17 +8,6 @@ use common::*;
 use recsys_engine::topk::{rank_order, Scored};
 use recsys_engine::{ExternalIds, InternalRequest, ModelKind, Request, ServeOptions};
 
-/// A small deterministic generator (the tests need no randomness crate).
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 /// The reference: the whole-catalogue scores of the candidates, minus exclusions, in the engine's
 /// order (score descending, ties to the lower index), cut to k.
 fn reference(all: &[f32], candidates: &[u32], excluded: &[u32], k: usize) -> Vec<Scored> {

@@ -11,8 +11,8 @@ use common::*;
 use recsys_engine::engine_dir::{Precision, Screen};
 use recsys_engine::popularity::Popularity;
 use recsys_engine::{
-    CatalogueInputs, ConvertRequest, EmptyHistoryPolicy, Engine, ExternalIds, ItemFilter,
-    ModelKind, Request, ServeOptions,
+    CatalogueInputs, EmptyHistoryPolicy, Engine, ExternalIds, ItemFilter, ModelKind, Request,
+    ServeOptions,
 };
 
 /// The fixtures' histories as an interaction log (RecBole's atomic format).
@@ -37,28 +37,23 @@ fn convert_with_popularity(
     dir: &std::path::Path,
     log: &std::path::Path,
 ) -> Engine {
-    let config = config_json(kind);
     let item_map = model_dir(kind).join("item_id_map.tsv");
     let ids = recsys_engine::ItemMapSource::Tsv(&item_map)
         .read(u64::MAX)
         .unwrap();
     let counted = Popularity::count_file(log, None, &ids).unwrap();
     assert_eq!(counted.1.unknown_items, 1);
-    recsys_engine::convert(&ConvertRequest {
-        kind: Some(kind),
-        checkpoint: &model_dir(kind).join("model.safetensors"),
-        config: Some(&config),
-        item_map: recsys_engine::ItemMapSource::Tsv(&item_map),
-        out: &dir.join(kind.as_str()),
-        precision: Precision::Fp32,
-        calibration: None,
-        screen: Screen::None,
-        w8a8_layers: Default::default(),
-        catalogue: CatalogueInputs {
-            item_attributes: None,
-            popularity: Some(&counted),
-        },
-    })
+    let catalogue = CatalogueInputs {
+        item_attributes: None,
+        popularity: Some(&counted),
+    };
+    convert_fixture_with(
+        kind,
+        &dir.join(kind.as_str()),
+        Precision::Fp32,
+        Screen::None,
+        catalogue,
+    )
     .unwrap()
 }
 

@@ -12,19 +12,9 @@ use common::*;
 use recsys_engine::engine_dir::{Precision, Screen};
 use recsys_engine::topk::{rank_order, Scored};
 use recsys_engine::{
-    AttributeTable, CatalogueInputs, ConvertRequest, Engine, ExternalIds, ItemFilter, ModelKind,
-    Request, ServeOptions,
+    AttributeTable, CatalogueInputs, Engine, ExternalIds, ItemFilter, ModelKind, Request,
+    ServeOptions,
 };
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
 
 const CATEGORIES: [&str; 8] = [
     "shoes", "hats", "bags", "socks", "coats", "belts", "toys", "pens",
@@ -147,23 +137,12 @@ fn convert_with(
     precision: Precision,
     screen: Screen,
 ) -> Engine {
-    let config = config_json(kind);
-    recsys_engine::convert(&ConvertRequest {
-        kind: Some(kind),
-        checkpoint: &model_dir(kind).join("model.safetensors"),
-        config: Some(&config),
-        item_map: recsys_engine::ItemMapSource::Tsv(&model_dir(kind).join("item_id_map.tsv")),
-        out,
-        precision,
-        calibration: None,
-        screen,
-        w8a8_layers: Default::default(),
-        catalogue: CatalogueInputs {
-            item_attributes: Some(table),
-            popularity: None,
-        },
-    })
-    .unwrap_or_else(|e| panic!("{kind} {precision:?} {screen:?}: {e}"))
+    let catalogue = CatalogueInputs {
+        item_attributes: Some(table),
+        popularity: None,
+    };
+    convert_fixture_with(kind, out, precision, screen, catalogue)
+        .unwrap_or_else(|e| panic!("{kind} {precision:?} {screen:?}: {e}"))
 }
 
 #[test]

@@ -377,26 +377,8 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
     let ids_bytes = std::fs::read(&ids_path)
         .map_err(|e| EngineError::io(format!("cannot read {}", ids_path.display()), e))?;
     verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
-    let sets_bytes = match manifest.files.get(ITEM_SETS_FILE) {
-        None => None,
-        Some(entry) => {
-            let path = dir.join(ITEM_SETS_FILE);
-            let bytes = std::fs::read(&path)
-                .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
-            verify(&path, &bytes, &entry.sha256)?;
-            Some(bytes)
-        }
-    };
-    let popularity_bytes = match manifest.files.get(POPULARITY_FILE) {
-        None => None,
-        Some(entry) => {
-            let path = dir.join(POPULARITY_FILE);
-            let bytes = std::fs::read(&path)
-                .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
-            verify(&path, &bytes, &entry.sha256)?;
-            Some(bytes)
-        }
-    };
+    let sets_bytes = read_optional(dir, &manifest, ITEM_SETS_FILE)?;
+    let popularity_bytes = read_optional(dir, &manifest, POPULARITY_FILE)?;
     let mut loaded = from_parts(dir, manifest, storage, ids_bytes)?;
     if let Some(bytes) = popularity_bytes {
         loaded.popularity = Some(
@@ -471,6 +453,18 @@ pub fn from_parts(
         item_sets,
         popularity: None,
     })
+}
+
+/// The verified bytes of `file` when the manifest lists it (an optional part of the engine).
+fn read_optional(dir: &Path, manifest: &Manifest, file: &str) -> Result<Option<Vec<u8>>> {
+    let Some(entry) = manifest.files.get(file) else {
+        return Ok(None);
+    };
+    let path = dir.join(file);
+    let bytes = std::fs::read(&path)
+        .map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
+    verify(&path, &bytes, &entry.sha256)?;
+    Ok(Some(bytes))
 }
 
 /// Internal indices of a catalogue (PAD included).

@@ -42,6 +42,17 @@ pub fn convert_fixture_screened(
     precision: Precision,
     screen: recsys_engine::engine_dir::Screen,
 ) -> recsys_engine::Result<Engine> {
+    convert_fixture_with(kind, out, precision, screen, Default::default())
+}
+
+/// [`convert_fixture_screened`] with catalogue data (item attributes, popularity) stored too.
+pub fn convert_fixture_with(
+    kind: ModelKind,
+    out: &Path,
+    precision: Precision,
+    screen: recsys_engine::engine_dir::Screen,
+    catalogue: recsys_engine::CatalogueInputs<'_>,
+) -> recsys_engine::Result<Engine> {
     let config = config_json(kind);
     recsys_engine::convert(&recsys_engine::ConvertRequest {
         kind: Some(kind),
@@ -53,8 +64,20 @@ pub fn convert_fixture_screened(
         calibration: None,
         screen,
         w8a8_layers: Default::default(),
-        catalogue: Default::default(),
+        catalogue,
     })
+}
+
+/// A small deterministic generator (the tests need no randomness crate).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
 }
 
 /// Converts the fixture's safetensors checkpoint to a W8A8 engine calibrated on `histories`.
