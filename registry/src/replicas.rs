@@ -345,8 +345,10 @@ fn converge_one(server: &str, plan: &RolloutPlan<'_>) -> std::result::Result<boo
     if serves_it_alone && !forced && !in_transition(&agent, base, plan.model) {
         return Ok(false);
     }
-    reload_and_wait(
-        server,
+    // Liveness was checked above: one GET per replica, not two.
+    reload_live(
+        &agent,
+        base,
         plan.model,
         plan.version,
         plan.repository_config,
@@ -389,8 +391,20 @@ pub fn reload_and_wait(
     let base = server.trim_end_matches('/');
     let agent = agent(timeout);
     check_live(&agent, base, timeout)?;
+    reload_live(&agent, base, model, version, repository_config, timeout)
+}
+
+/// [`reload_and_wait`] on a replica already known to be live, through `agent`.
+fn reload_live(
+    agent: &ureq::Agent,
+    base: &str,
+    model: &str,
+    version: u64,
+    repository_config: Option<&str>,
+    timeout: Duration,
+) -> std::result::Result<(), ReplicaError> {
     let failed = |text: String| ReplicaError::Failed(text);
-    post_load(&agent, base, model, None).map_err(|e| {
+    post_load(agent, base, model, None).map_err(|e| {
         let e = e.to_string();
         if e.contains("timed out") {
             ReplicaError::TimedOut(format!(
@@ -401,25 +415,25 @@ pub fn reload_and_wait(
             failed(format!("the server refused to reload {model}: {e}"))
         }
     })?;
-    if wait_for_versions(&agent, base, model, &[version], RELOAD_GRACE.min(timeout)).is_ok() {
+    if wait_for_versions(agent, base, model, &[version], RELOAD_GRACE.min(timeout)).is_ok() {
         return Ok(());
     }
-    let still = ready_versions(&agent, base, model).unwrap_or_default();
+    let still = ready_versions(agent, base, model).unwrap_or_default();
     if !still.is_empty() && !still.contains(&version.to_string()) {
         let config = override_config(
             model,
             version,
             repository_config,
-            loaded_config(&agent, base, model).as_ref(),
+            loaded_config(agent, base, model).as_ref(),
         );
-        post_load(&agent, base, model, Some(&config)).map_err(|e| {
+        post_load(agent, base, model, Some(&config)).map_err(|e| {
             failed(format!(
                 "the server kept versions {still:?} after the reload and refused to load \
                  version {version} by override: {e}"
             ))
         })?;
     }
-    wait_for_versions(&agent, base, model, &[version], timeout).map_err(|e| {
+    wait_for_versions(agent, base, model, &[version], timeout).map_err(|e| {
         let text = format!("{model} version {version} was not the only ready version: {e}");
         // A load that failed says so in the index; anything else ran out of time.
         if e.contains(" failed to load: ") {

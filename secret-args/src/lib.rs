@@ -13,6 +13,7 @@
 //! as its key would accept whoever reads the command line.
 
 use std::ffi::{c_char, c_int, CStr, CString};
+use std::io::Write;
 
 /// The markers an argument's secret reference starts with.
 const FILE_MARKER: &str = "@file:";
@@ -96,7 +97,12 @@ extern "C" fn resolve_secret_arguments(
         Ok(Err(e)) => e,
         Err(_) => "an internal error".to_string(),
     };
-    eprintln!("recsys-secret-args: {error}; refusing to start with an unresolved secret reference");
+    // `eprintln!` panics when stderr is closed, and a panic here would unwind into C: write and
+    // ignore a failure instead.
+    let _ = writeln!(
+        std::io::stderr(),
+        "recsys-secret-args: {error}; refusing to start with an unresolved secret reference"
+    );
     std::process::exit(78);
 }
 
