@@ -95,6 +95,7 @@ mod tests {
                         exclude_seen: i % 4 != 3,
                         candidates: None,
                         embedding: false,
+                        ..Default::default()
                     }
                 })
                 .collect();
@@ -106,6 +107,7 @@ mod tests {
                     exclude_seen: true,
                     candidates: None,
                     embedding: false,
+                    ..Default::default()
                 });
             }
             batch

@@ -517,29 +517,40 @@ impl Engine {
         (hidden, notes)
     }
 
-    /// `batch`'s answers: the rows the popularity list answers from it, the others from
-    /// `recommender` (the model on a device never sees them).
+    /// `batch`'s answers: the rows the popularity list answers from it; when `recommender` is not
+    /// this engine (a device), the rows only the CPU engine ranks (candidates, item set filters)
+    /// from this engine; the others from `recommender`, which never sees the rest.
     fn answer_split(
         &self,
         recommender: &dyn BatchRecommender,
         batch: &[InternalRequest],
     ) -> Result<Vec<RowAnswer>> {
-        if !batch.iter().any(|r| r.popular) {
+        let elsewhere = !std::ptr::addr_eq(recommender as *const dyn BatchRecommender, self);
+        let on_cpu =
+            |r: &InternalRequest| elsewhere && (r.candidates.is_some() || r.eligible.is_some());
+        if !batch.iter().any(|r| r.popular || on_cpu(r)) {
             return recommender.recommend_batch(batch);
         }
-        let model_rows: Vec<InternalRequest> =
-            batch.iter().filter(|r| !r.popular).cloned().collect();
-        let mut from_model = if model_rows.is_empty() {
-            Vec::new()
-        } else {
-            recommender.recommend_batch(&model_rows)?
-        }
-        .into_iter();
+        let pick = |keep: &dyn Fn(&InternalRequest) -> bool| -> Vec<InternalRequest> {
+            batch.iter().filter(|r| keep(r)).cloned().collect()
+        };
+        let run =
+            |r: &dyn BatchRecommender, rows: Vec<InternalRequest>| -> Result<Vec<RowAnswer>> {
+                if rows.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    r.recommend_batch(&rows)
+                }
+            };
+        let mut from_cpu = run(self, pick(&|r| !r.popular && on_cpu(r)))?.into_iter();
+        let mut from_model = run(recommender, pick(&|r| !r.popular && !on_cpu(r)))?.into_iter();
         Ok(batch
             .iter()
             .map(|r| {
                 if r.popular {
                     self.popular_answer(r)
+                } else if on_cpu(r) {
+                    from_cpu.next().expect("one answer per CPU row")
                 } else {
                     from_model.next().expect("one answer per model row")
                 }

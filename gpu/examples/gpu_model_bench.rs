@@ -82,6 +82,7 @@ fn main() {
                             exclude_seen: true,
                             candidates: None,
                             embedding: false,
+                            ..Default::default()
                         }
                     })
                     .collect();

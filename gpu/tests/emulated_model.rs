@@ -204,3 +204,150 @@ fn bf16_engines_are_refused_naming_the_precision_to_use() {
         }
     }
 }
+
+/// The device model behind the engine's [`recsys_engine::BatchRecommender`] interface, as the
+/// serving layers hold it.
+struct OnDevice(std::sync::Mutex<recsys_gpu::model::DeviceModel<EmulatedDevice>>);
+
+impl recsys_engine::BatchRecommender for OnDevice {
+    fn recommend_batch(
+        &self,
+        batch: &[recsys_engine::InternalRequest],
+    ) -> recsys_engine::Result<Vec<recsys_engine::RowAnswer>> {
+        self.0
+            .lock()
+            .unwrap()
+            .recommend_with_embeddings(batch)
+            .map_err(|e| recsys_engine::EngineError::Device(e.to_string()))
+    }
+}
+
+#[test]
+fn filtered_candidate_and_cold_start_rows_reach_the_cpu_engine_not_the_device() {
+    use recsys_engine::{ExternalIds, ItemFilter, Request, ServeOptions};
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = ModelKind::Vaecf;
+    let model = recsys_engine::fixtures::model_dir(kind);
+    let config = recsys_engine::fixtures::config(kind).unwrap();
+    // Attributes and a popularity list from the item map itself: every third item on sale, and
+    // a log where item i occurs i % 7 times.
+    let map = std::fs::read_to_string(model.join("item_id_map.tsv")).unwrap();
+    let ids: Vec<String> = map
+        .lines()
+        .skip(1)
+        .map(|l| l.split('\t').nth(1).unwrap().to_string())
+        .collect();
+    let table = recsys_engine::AttributeTable {
+        columns: vec!["promo".into()],
+        rows: ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                (
+                    id.clone(),
+                    vec![if i % 3 == 0 {
+                        vec!["sale".into()]
+                    } else {
+                        vec![]
+                    }],
+                )
+            })
+            .collect(),
+    };
+    let log = tmp.path().join("log.tsv");
+    let mut text = String::from("user\titem_id\n");
+    for (i, id) in ids.iter().enumerate() {
+        for _ in 0..i % 7 {
+            text.push_str(&format!("0\t{id}\n"));
+        }
+    }
+    std::fs::write(&log, text).unwrap();
+    let item_map = model.join("item_id_map.tsv");
+    let id_map = recsys_engine::ItemMapSource::Tsv(&item_map)
+        .read(u64::MAX)
+        .unwrap();
+    let counted = recsys_engine::popularity::Popularity::count_file(&log, None, &id_map).unwrap();
+    let engine = Arc::new(
+        recsys_engine::convert(&recsys_engine::ConvertRequest {
+            kind: Some(kind),
+            checkpoint: &model.join("model.safetensors"),
+            config: Some(&config),
+            item_map: recsys_engine::ItemMapSource::Tsv(&item_map),
+            out: &tmp.path().join("engine"),
+            precision: Precision::Fp32,
+            calibration: None,
+            screen: Default::default(),
+            w8a8_layers: Default::default(),
+            catalogue: recsys_engine::CatalogueInputs {
+                item_attributes: Some(&table),
+                popularity: Some(&counted),
+            },
+        })
+        .unwrap(),
+    );
+    let device = OnDevice(std::sync::Mutex::new(
+        recsys_gpu::model::DeviceModel::new(EmulatedDevice::default(), Arc::clone(&engine))
+            .unwrap(),
+    ));
+    let sale = ItemFilter {
+        include: vec!["promo=sale".into()],
+        exclude: vec![],
+    };
+    let history = [ids[10].as_str(), ids[20].as_str()];
+    let candidates: Vec<&str> = ids.iter().step_by(5).map(String::as_str).collect();
+    fn request<'a>(history: &'a [&'a str]) -> Request<'a> {
+        Request {
+            history: ExternalIds::Str(history),
+            k: Some(10),
+            exclude: None,
+            candidates: None,
+            embedding: false,
+            filter: None,
+        }
+    }
+    let requests = vec![
+        request(&history),
+        Request {
+            filter: Some(&sale),
+            ..request(&history)
+        },
+        Request {
+            candidates: Some(ExternalIds::Str(&candidates)),
+            ..request(&history)
+        },
+        request(&[]),
+        Request {
+            filter: Some(&sale),
+            ..request(&[])
+        },
+    ];
+    let options = ServeOptions::default();
+    let on_cpu = engine.recommend(&requests, &options);
+    let mixed = engine.recommend_on(&device, &requests, &options);
+    for (r, (cpu, dev)) in on_cpu.iter().zip(&mixed).enumerate() {
+        let (cpu, dev) = (cpu.as_ref().unwrap(), dev.as_ref().unwrap());
+        let ids =
+            |a: &recsys_engine::Recommendation| a.items.iter().map(|s| s.index).collect::<Vec<_>>();
+        assert_eq!(ids(cpu), ids(dev), "row {r}");
+        assert_eq!(cpu.popular, dev.popular, "row {r}");
+        if r > 0 {
+            // Answered by the CPU engine (or the popularity list): the same scores, bit for bit.
+            assert_eq!(cpu.items, dev.items, "row {r}");
+        }
+    }
+    assert!(mixed[3].as_ref().unwrap().popular && mixed[4].as_ref().unwrap().popular);
+    // The device alone refuses what it cannot rank, naming it.
+    let prepared = engine.prepare(&requests[1], &options).unwrap().0;
+    let err = device
+        .0
+        .lock()
+        .unwrap()
+        .recommend_with_embeddings(&[prepared])
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("item set filters run on the CPU engine"),
+        "{err}"
+    );
+}
