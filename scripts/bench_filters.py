@@ -86,8 +86,8 @@ def main() -> None:
         print("| filter keeps | recsys ms | recsys / unfiltered | FAISS ms | FAISS / unfiltered | recsys speed-up over FAISS |")
         print("|---|---|---|---|---|---|")
         for name in ["none"] + [f"page {s:g}" for s in SHARES] + ["none, again"]:
-            label = {"none": "(unfiltered)", "none, again": "(unfiltered, again: the noise)"}.get(
-                name, f"{float(name.split()[1]) * 100:g} %")
+            fixed = {"none": "(unfiltered)", "none, again": "(unfiltered, again: the noise)"}
+            label = fixed[name] if name in fixed else f"{float(name.split()[1]) * 100:g} %"
             r, f = ours[name], theirs[name]
             print(f"| {label} | {r:.3f} | {r / ours['none']:.2f} | {f:.3f} | {f / theirs['none']:.2f} | {f / r:.2f}x |")
 

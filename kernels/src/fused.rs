@@ -10,7 +10,7 @@
 //! selections, merged at the end by the total ranking order (score, then lower index), so the result
 //! is identical whatever the thread count.
 
-use super::item_mask::ItemMask;
+use super::item_mask::{busy_in_word, ItemMask};
 use super::packed::{PackedOutput, PanelData, QuantizedActivations};
 use super::{
     panels_slot, prefetch, row_group_at, rows_slot, Epilogue, KernelTable, MAX_CALL_PANELS,
@@ -233,7 +233,14 @@ fn eligible_panels(
     tile: std::ops::Range<usize>,
     union: &mut PanelUnion,
 ) -> bool {
-    if (0..size).any(|r| sink.eligible(row0 + r).is_none()) {
+    // A row that may receive every item, or whose own eligible items fill half the panels of
+    // the catalogue (so the group's union does too), makes the group scan everything: decided
+    // from the masks' counts, with no work per tile.
+    let dense = |r: usize| {
+        sink.eligible(row0 + r)
+            .is_none_or(|m| 2 * m.busy_panels() >= m.n().div_ceil(8))
+    };
+    if (0..size).any(dense) {
         return false;
     }
     let (first, last) = (tile.start / 8, (tile.end - 1) / 8);
@@ -246,9 +253,10 @@ fn eligible_panels(
             *word |= mask.word(first + j);
         }
     }
-    let busy: usize = (tile.start..tile.end)
-        .filter(|&p| union.panel(p) != 0)
-        .count();
+    // Panels holding an eligible item, a word (eight panels) at a time: a byte is non-zero when
+    // any of its bits is, folded onto its lowest bit. Whole words, so the tile's edges may count
+    // a few panels of its neighbours: the choice is an estimate either way.
+    let busy: usize = union.words.iter().map(|&w| busy_in_word(w)).sum();
     2 * busy < tile.len()
 }
 

@@ -12,6 +12,9 @@ pub struct ItemMask {
     /// Bit `i % 64` of word `i / 64` is item `i`: little-endian, so byte `p` is panel `p`.
     words: Vec<u64>,
     n: usize,
+    /// Panels holding an eligible item, counted once when first asked (a mask is built, then
+    /// shared read-only by the requests that use it; a change forgets the count).
+    busy: std::sync::OnceLock<usize>,
 }
 
 impl ItemMask {
@@ -20,6 +23,7 @@ impl ItemMask {
         ItemMask {
             words: vec![0; n.div_ceil(64)],
             n,
+            busy: Default::default(),
         }
     }
 
@@ -28,6 +32,7 @@ impl ItemMask {
         let mut mask = ItemMask {
             words: vec![u64::MAX; n.div_ceil(64)],
             n,
+            busy: Default::default(),
         };
         mask.clear_tail();
         mask
@@ -48,6 +53,7 @@ impl ItemMask {
         self.words.resize(n.div_ceil(64), 0);
         self.n = n;
         self.clear_tail();
+        self.busy = Default::default();
         self
     }
 
@@ -66,6 +72,7 @@ impl ItemMask {
         let i = index as usize;
         if i < self.n {
             self.words[i / 64] |= 1 << (i % 64);
+            self.busy = Default::default();
         }
     }
 
@@ -73,6 +80,7 @@ impl ItemMask {
         let i = index as usize;
         if i < self.n {
             self.words[i / 64] &= !(1 << (i % 64));
+            self.busy = Default::default();
         }
     }
 
@@ -82,6 +90,7 @@ impl ItemMask {
         for (a, b) in self.words.iter_mut().zip(&other.words) {
             *a &= b;
         }
+        self.busy = Default::default();
     }
 
     /// Adds the items `other` allows (same catalogue size).
@@ -90,6 +99,7 @@ impl ItemMask {
         for (a, b) in self.words.iter_mut().zip(&other.words) {
             *a |= b;
         }
+        self.busy = Default::default();
     }
 
     /// Eligible items.
@@ -120,6 +130,13 @@ impl ItemMask {
             .map_or(0, |w| (w >> (8 * (p % 8))) as u8)
     }
 
+    /// Panels (of eight items) holding at least one eligible item.
+    pub fn busy_panels(&self) -> usize {
+        *self
+            .busy
+            .get_or_init(|| self.words.iter().map(|&w| busy_in_word(w)).sum())
+    }
+
     /// Whether any of the 64 items of panels `8w .. 8w + 8` is eligible (a whole word at once, so
     /// a sparse filter's empty stretches are skipped eight panels at a time).
     #[inline]
@@ -136,6 +153,16 @@ impl ItemMask {
     }
 }
 
+/// Non-zero bytes of `word` (panels with an eligible item among its eight): each byte folded
+/// onto its lowest bit.
+#[inline]
+pub(crate) fn busy_in_word(word: u64) -> usize {
+    let folded = word | (word >> 4);
+    let folded = folded | (folded >> 2);
+    let folded = folded | (folded >> 1);
+    (folded & 0x0101_0101_0101_0101).count_ones() as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +176,7 @@ mod tests {
         assert_eq!(mask.panel(8), 0b0010_0001);
         assert_eq!(mask.panel(9), 0);
         assert_eq!(mask.count(), 6);
+        assert_eq!(mask.busy_panels(), 4);
         assert!(!mask.allows(70) && !mask.allows(500));
         assert_eq!(
             mask.indices().collect::<Vec<_>>(),
