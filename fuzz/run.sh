@@ -30,9 +30,12 @@ cargo build --release -p recsys-cli
 # Converted by this build every run (under a second): an engine left by another build may be in a
 # format this one refuses, and the targets would fail on loading it rather than on their input.
 engine=fuzz/work/engine
+mkdir -p fuzz/work
+# With the demo item attributes, so set names in INCLUDE_ITEM_SETS / EXCLUDE_ITEM_SETS resolve too.
+scripts/demo-item-attributes.sh tests/fixtures/bert4rec/item_id_map.tsv fuzz/work/attributes.tsv
 target/release/recsys convert --kind bert4rec --checkpoint tests/fixtures/bert4rec/model.safetensors \
   --config tests/fixtures/bert4rec/config.json --item-map tests/fixtures/bert4rec/item_id_map.tsv \
-  --out "$engine" --force >/dev/null
+  --item-attributes fuzz/work/attributes.tsv --out "$engine" --force >/dev/null
 export RECSYS_FUZZ_ENGINE=$PWD/$engine
 status=0
 for t in "${targets[@]}"; do

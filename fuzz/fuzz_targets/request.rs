@@ -40,7 +40,15 @@ fn engine() -> &'static Engine {
 }
 
 fuzz_target!(|input: Input| {
-    let names = ["ITEM_IDS", "K", "EXCLUDE_ITEM_IDS", "CANDIDATE_ITEM_IDS", "OTHER"];
+    let names = [
+        "ITEM_IDS",
+        "K",
+        "EXCLUDE_ITEM_IDS",
+        "CANDIDATE_ITEM_IDS",
+        "INCLUDE_ITEM_SETS",
+        "EXCLUDE_ITEM_SETS",
+        "OTHER",
+    ];
     let dtypes = [DType::Int64, DType::Int32, DType::Bytes, DType::Other("FP32")];
     let tensors: Vec<InputTensor> = input
         .tensors
@@ -59,6 +67,7 @@ fuzz_target!(|input: Input| {
             max_k: 5,
             max_exclude: 4,
             max_candidates: 4,
+            max_item_sets: 3,
             max_id_bytes: 6,
             max_request_bytes: 256,
         }
