@@ -53,6 +53,73 @@ pub enum Command {
     ExportOnnx(ExportOnnxArgs),
     /// Export the item table ([embedding, bias] per item, with the external ids) for an ANN index.
     ExportItems(ExportItemsArgs),
+    /// Live availability: item sets (in stock, available in a region) the servers of a model
+    /// poll and swap in without a new version.
+    #[command(subcommand)]
+    Availability(AvailabilityCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum AvailabilityCommand {
+    /// Publish a table's sets as the model's availability, one version above the stored one:
+    /// every server of the model that names it as `availability_source` takes it in within one
+    /// poll interval.
+    Publish(AvailabilityPublishArgs),
+    /// Show the availability object a repository holds for a model (or any source): version, age,
+    /// items and sets.
+    Show(AvailabilityShowArgs),
+}
+
+const AVAILABILITY_HELP: &str = "The table has the same formats as convert --item-attributes: \
+Parquet, CSV (.csv) or TSV, keyed by the external item id in its first column; every (column, value) \
+becomes a set named column=value (stock=in, available_in=EU) that requests name in INCLUDE_ITEM_SETS \
+and EXCLUDE_ITEM_SETS. A column of the availability hides the engine's attribute column of the same \
+name. Ids the engine's catalogue does not hold are left out when a server takes the object in.\n\n\
+The object is written to <repository>/<model>/recsys-availability.bin; the model's config.pbtxt names \
+it for its servers:\n\n  \
+parameters { key: \"availability_source\" value { string_value: \"s3://host:9000/models/shop/recsys-availability.bin\" } }\n  \
+parameters { key: \"availability_poll_seconds\" value { string_value: \"10\" } }\n\n\
+The repository is a local directory or object storage, in tritonserver's --model-repository syntax \
+(s3://bucket/path, s3://host:port/bucket/path, gs://bucket/path).";
+
+#[derive(Args, Debug)]
+#[command(after_help = AVAILABILITY_HELP)]
+pub struct AvailabilityPublishArgs {
+    /// The Triton model repository the model's servers load from.
+    #[arg(long)]
+    pub repository: String,
+    /// Model name (a folder of the repository).
+    #[arg(long)]
+    pub model: String,
+    /// The availability table (Parquet, CSV or TSV; first column the external item id).
+    #[arg(value_name = "FILE")]
+    pub table: PathBuf,
+    /// The version to publish (above the stored one); default: the stored version plus one.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub version: Option<u64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(after_help = AVAILABILITY_HELP)]
+pub struct AvailabilityShowArgs {
+    /// The Triton model repository (with --model).
+    #[arg(long, requires = "model", conflicts_with = "source")]
+    pub repository: Option<String>,
+    /// Model name (with --repository).
+    #[arg(long, requires = "repository")]
+    pub model: Option<String>,
+    /// Any availability source as a server names it (a file, s3://..., gs://...).
+    #[arg(long, required_unless_present = "repository")]
+    pub source: Option<String>,
+    /// List every set with its item count.
+    #[arg(long)]
+    pub sets: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The file formats of `recsys export-items`.

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod attributes;
+mod availability;
 mod cli;
 mod convert;
 mod error;
@@ -54,6 +55,12 @@ fn main() {
         cli::Command::Sweep(args) => sweep::run(&args),
         cli::Command::ExportOnnx(args) => export_onnx::run(&args),
         cli::Command::ExportItems(args) => export_items::run(&args),
+        cli::Command::Availability(cli::AvailabilityCommand::Publish(args)) => {
+            availability::publish(&args)
+        }
+        cli::Command::Availability(cli::AvailabilityCommand::Show(args)) => {
+            availability::show(&args)
+        }
     };
     match code {
         Ok(code) => std::process::exit(code),

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use crate::config::ModelKind;
 use crate::engine_dir::{self, Manifest, Screen};
 use crate::error::{EngineError, Result};
-use crate::filters::Filters;
+use crate::filters::{FilterView, Filters};
 use crate::idmap::{ExternalId, IdMap};
 use crate::kernels::fused::{self, Exclusions, RowQuery};
 use crate::kernels::item_mask::ItemMask;
@@ -301,6 +301,17 @@ impl Engine {
         request: &Request<'_>,
         options: &ServeOptions,
     ) -> Result<(InternalRequest, UnknownIds)> {
+        self.prepare_in(&self.filters.view(), request, options)
+    }
+
+    /// [`Self::prepare`] with the request's filter resolved in `view`: a batch resolves all its
+    /// requests in the one view it took, so a live availability update never splits a batch.
+    pub fn prepare_in(
+        &self,
+        view: &FilterView,
+        request: &Request<'_>,
+        options: &ServeOptions,
+    ) -> Result<(InternalRequest, UnknownIds)> {
         let k =
             match request.k {
                 None => options.default_k,
@@ -338,11 +349,9 @@ impl Engine {
             .map(|e| self.ids.map(e).indices)
             .unwrap_or_default();
         let eligible = match request.filter {
-            Some(filter) if !filter.is_empty() => Some(
-                self.filters
-                    .resolve(filter)
-                    .map_err(EngineError::InvalidRequest)?,
-            ),
+            Some(filter) if !filter.is_empty() => {
+                Some(view.resolve(filter).map_err(EngineError::InvalidRequest)?)
+            }
             _ => None,
         };
         let mut unknown_candidates = 0;
@@ -414,8 +423,9 @@ impl Engine {
         let mut batch = Vec::new();
         let mut unknown = Vec::new();
         let mut slots = Vec::new();
+        let view = self.filters.view();
         for (i, request) in requests.iter().enumerate() {
-            match self.prepare(request, options) {
+            match self.prepare_in(&view, request, options) {
                 Ok((prepared, n_unknown)) => {
                     batch.push(prepared);
                     unknown.push(n_unknown);

@@ -253,6 +253,24 @@ impl ItemSets {
         Ok((sets, report))
     }
 
+    /// Adds an (empty) attribute column, so a column whose every set is empty is still known.
+    pub(crate) fn add_column(&mut self, column: &str) {
+        self.columns.entry(column.to_owned()).or_default();
+    }
+
+    /// Adds (or replaces) the set `column=value`.
+    pub(crate) fn add_set(&mut self, column: &str, value: &str, set: RoaringBitmap) {
+        self.columns
+            .entry(column.to_owned())
+            .or_default()
+            .insert(value.to_owned(), set);
+    }
+
+    /// Whether `column` is one of the attribute columns.
+    pub fn has_column(&self, column: &str) -> bool {
+        self.columns.contains_key(column)
+    }
+
     /// Internal indices the sets index (`0 ..`, PAD included).
     pub fn n_items(&self) -> usize {
         self.items
@@ -312,32 +330,7 @@ impl ItemSets {
     /// excluded set; never PAD (0) nor an index past the catalogue. An unknown name is refused,
     /// naming it.
     pub fn resolve(&self, filter: &ItemFilter, mask_len: usize) -> Result<ItemMask, String> {
-        let mut by_column: BTreeMap<&str, RoaringBitmap> = BTreeMap::new();
-        for name in &filter.include {
-            let set = self.get(name)?;
-            let column = name.split_once('=').map_or("", |(c, _)| c);
-            *by_column.entry(column).or_default() |= set;
-        }
-        let mut excluded = RoaringBitmap::new();
-        for name in &filter.exclude {
-            excluded |= self.get(name)?;
-        }
-        let mut columns = by_column.into_values();
-        let mask = match columns.next() {
-            None => {
-                let mut all = ItemMask::all(self.items);
-                all.remove(0);
-                for i in &excluded {
-                    all.remove(i);
-                }
-                all
-            }
-            Some(first) => {
-                let kept = columns.fold(first, |acc, c| acc & c) - excluded;
-                ItemMask::of(self.items, kept.iter())
-            }
-        };
-        Ok(mask.resized(mask_len))
+        resolve_with(self.items, |name| self.get(name), filter, mask_len)
     }
 
     /// `item_sets.bin`'s bytes.
@@ -447,6 +440,42 @@ impl ItemSets {
         }
         Ok(sets)
     }
+}
+
+/// [`ItemSets::resolve`] over sets found by `get` (one engine's sets, or its sets overlaid with a
+/// live availability object), for an `items`-index catalogue.
+pub(crate) fn resolve_with<'a>(
+    items: usize,
+    get: impl Fn(&str) -> Result<&'a RoaringBitmap, String>,
+    filter: &ItemFilter,
+    mask_len: usize,
+) -> Result<ItemMask, String> {
+    let mut by_column: BTreeMap<&str, RoaringBitmap> = BTreeMap::new();
+    for name in &filter.include {
+        let set = get(name)?;
+        let column = name.split_once('=').map_or("", |(c, _)| c);
+        *by_column.entry(column).or_default() |= set;
+    }
+    let mut excluded = RoaringBitmap::new();
+    for name in &filter.exclude {
+        excluded |= get(name)?;
+    }
+    let mut columns = by_column.into_values();
+    let mask = match columns.next() {
+        None => {
+            let mut all = ItemMask::all(items);
+            all.remove(0);
+            for i in &excluded {
+                all.remove(i);
+            }
+            all
+        }
+        Some(first) => {
+            let kept = columns.fold(first, |acc, c| acc & c) - excluded;
+            ItemMask::of(items, kept.iter())
+        }
+    };
+    Ok(mask.resized(mask_len))
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! ([`engine_dir`]); an [`Engine`] loads it and answers requests in external item ids
 //! ([`idmap`]) with the top-k items ([`topk`]); [`metrics`] scores it offline.
 
+pub mod availability;
 pub mod calibration;
 pub mod config;
 pub mod convert;
@@ -30,11 +31,13 @@ pub mod weights;
 pub use recsys_kernels as kernels;
 pub use recsys_kernels::{parallel, profile, topk};
 
+pub use availability::{Availability, AvailabilityFile};
 pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, CatalogueInputs, ConvertRequest, W8a8Layers};
 pub use convert_options::{CalibrationChoice, ConvertOptions, ConvertPlan, Int8Mode, Spelling};
 pub use engine::{Engine, RankedRows, Scorer};
 pub use error::{EngineError, Result};
+pub use filters::FilterView;
 pub use idmap::{ExternalId, ExternalIds, IdMap, ItemMapSource};
 pub use item_sets::{AttributeTable, ItemFilter, ItemSets};
 pub use request::{

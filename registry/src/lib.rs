@@ -18,9 +18,11 @@
 //! - [`replicas`]: reloading every replica and reporting each one;
 //! - [`triton`]: the calls of Triton's HTTP API that loading a version needs;
 //! - [`pushgateway`]: a release command's outcome pushed to a Prometheus Pushgateway;
-//! - [`transfer`]: single files and folders to and from object storage.
+//! - [`transfer`]: single files and folders to and from object storage;
+//! - [`availability`]: live availability objects published for a fleet and polled by servers.
 #![forbid(unsafe_code)]
 
+pub mod availability;
 mod aws_files;
 pub mod canary;
 pub mod config;

@@ -29,6 +29,23 @@ pub struct Object {
     version: UpdateVersion,
 }
 
+impl Object {
+    /// The store's entity tag of the object as read (`None` where the store keeps none).
+    pub fn etag(&self) -> Option<&str> {
+        self.version.e_tag.as_deref()
+    }
+}
+
+/// What [`Repository::read_if_changed`] found.
+#[derive(Debug)]
+pub enum Fetched {
+    /// The object still carries the entity tag the caller holds.
+    Unchanged,
+    /// There is no object at the key.
+    Missing,
+    Changed(Object),
+}
+
 /// A repository opened for reading and writing.
 pub struct Repository {
     store: Arc<dyn ObjectStore>,
@@ -176,6 +193,40 @@ impl Repository {
                     }))
                 }
                 Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(RegistryError::store(format!(
+                    "cannot read {}",
+                    self.describe(key)
+                ))(e)),
+            }
+        })
+    }
+
+    /// The object at `key` unless it still carries the entity tag `known` (then nothing is
+    /// transferred: the store answers "not modified"), for callers that poll one object.
+    pub fn read_if_changed(&self, key: &str, known: Option<&str>) -> Result<Fetched> {
+        let path = Path::from(key);
+        let options = object_store::GetOptions {
+            if_none_match: known.map(str::to_owned),
+            ..Default::default()
+        };
+        self.runtime.block_on(async {
+            match self.store.get_opts(&path, options).await {
+                Ok(result) => {
+                    let version = UpdateVersion {
+                        e_tag: result.meta.e_tag.clone(),
+                        version: result.meta.version.clone(),
+                    };
+                    let bytes = result.bytes().await.map_err(RegistryError::store(format!(
+                        "cannot read {}",
+                        self.describe(key)
+                    )))?;
+                    Ok(Fetched::Changed(Object {
+                        bytes: bytes.to_vec(),
+                        version,
+                    }))
+                }
+                Err(object_store::Error::NotModified { .. }) => Ok(Fetched::Unchanged),
+                Err(object_store::Error::NotFound { .. }) => Ok(Fetched::Missing),
                 Err(e) => Err(RegistryError::store(format!(
                     "cannot read {}",
                     self.describe(key)

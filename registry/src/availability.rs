@@ -1,0 +1,304 @@
+//! Live availability objects (see `recsys_engine::availability`) in a model repository: publishing
+//! a newer one for a whole fleet with one conditional write, and the source a server polls.
+//!
+//! A model's object lives next to its config (`<model>/recsys-availability.bin`), outside every
+//! version folder, so it outlives versions; the servers name it in their config
+//! (`availability_source`) and poll it. Publishing never goes back: the new object's version is
+//! above the one stored (the next number, or one the caller gives), and it is written only if the
+//! stored object is still the one read, so two publishers racing cannot both win with one number.
+
+use std::path::Path;
+
+use recsys_engine::availability::{AvailabilityFile, AVAILABILITY_OBJECT};
+use recsys_engine::AttributeTable;
+
+use crate::config::CONFIG_FILE;
+use crate::error::{RegistryError, Result};
+use crate::location::Location;
+use crate::store::{Fetched, Repository};
+
+/// Publishers racing on one model are retried this often before giving up.
+const PUBLISH_ATTEMPTS: usize = 8;
+
+/// The key of a model's availability object in its repository.
+pub fn object_key(model: &str) -> String {
+    format!("{model}/{AVAILABILITY_OBJECT}")
+}
+
+/// The `availability_source` a server of `model` names: the object's URI in the repository's
+/// syntax (an absolute path for a local repository).
+pub fn source_uri(repository: &Repository, model: &str) -> String {
+    match repository.location() {
+        Location::Local(dir) => {
+            let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            dir.join(model)
+                .join(AVAILABILITY_OBJECT)
+                .display()
+                .to_string()
+        }
+        _ => format!(
+            "{}/{}",
+            repository.uri().trim_end_matches('/'),
+            object_key(model)
+        ),
+    }
+}
+
+/// What [`publish`] wrote.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Published {
+    pub model: String,
+    pub version: u64,
+    /// The version it replaced (`None`: the model had none).
+    pub previous: Option<u64>,
+    pub published_unix: u64,
+    pub items: usize,
+    pub sets: Vec<(String, u64)>,
+    pub bytes: usize,
+    pub sha256: String,
+    /// What the model's servers name as `availability_source`.
+    pub source: String,
+    /// Whether the model's `config.pbtxt` names an availability source at all (if not, no server
+    /// reads the object).
+    pub configured: bool,
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Publishes `table`'s sets as `model`'s availability: version `version` (which must be above the
+/// stored one) or the stored version plus one. The model must exist in the repository.
+pub fn publish(
+    repository: &Repository,
+    model: &str,
+    table: &AttributeTable,
+    version: Option<u64>,
+) -> Result<Published> {
+    let config = repository
+        .read(&format!("{model}/{CONFIG_FILE}"))?
+        .ok_or_else(|| {
+            RegistryError::Input(format!(
+                "{} holds no model {model:?} (no {model}/{CONFIG_FILE}); publish its engine first",
+                repository.uri()
+            ))
+        })?;
+    let configured = String::from_utf8_lossy(&config.bytes).contains("availability_source");
+    let key = object_key(model);
+    for _ in 0..PUBLISH_ATTEMPTS {
+        let stored = repository.read(&key)?;
+        let previous = match &stored {
+            None => None,
+            Some(object) => match AvailabilityFile::peek(&object.bytes) {
+                Ok((v, _, _)) => Some(v),
+                // The servers hold the last good object; the caller's number must be above it.
+                Err(_) if version.is_some() => None,
+                Err(e) => {
+                    return Err(RegistryError::Input(format!(
+                        "the stored availability object of {model} is not readable ({e}): give \
+                         --version N above the version its servers report (response parameter \
+                         availability_version) to replace it"
+                    )))
+                }
+            },
+        };
+        let next = match (version, previous) {
+            (Some(v), Some(p)) if v <= p => {
+                return Err(RegistryError::Input(format!(
+                    "availability version {v} is not newer than version {p} stored for {model}: \
+                     servers never go back to an older one"
+                )))
+            }
+            (Some(0), None) => {
+                return Err(RegistryError::Usage(
+                    "availability versions start at 1".into(),
+                ))
+            }
+            (Some(v), _) => v,
+            (None, p) => p.map_or(1, |p| p + 1),
+        };
+        let published_unix = now_unix();
+        let file = AvailabilityFile::from_table(table, next, published_unix)
+            .map_err(RegistryError::Input)?;
+        let bytes = file.to_bytes();
+        let written = match &stored {
+            None => repository.create(&key, &bytes)?,
+            Some(object) => repository.replace(&key, &bytes, object)?,
+        };
+        if written {
+            return Ok(Published {
+                model: model.to_string(),
+                version: next,
+                previous,
+                published_unix,
+                items: file.n_ids(),
+                sets: file.summary(),
+                bytes: bytes.len(),
+                sha256: file.sha256().to_string(),
+                source: source_uri(repository, model),
+                configured,
+            });
+        }
+        // Another publisher wrote between our read and our write: read theirs and go above it.
+    }
+    Err(RegistryError::Input(format!(
+        "the availability object of {model} kept changing while publishing ({PUBLISH_ATTEMPTS} \
+         attempts): another publisher is writing it"
+    )))
+}
+
+/// An availability source as a server names it: a local file (relative to the model's folder) or
+/// an object in a repository (`s3://...`, `gs://...`), read only when it changed.
+pub struct AvailabilitySource {
+    repository: Repository,
+    key: String,
+    text: String,
+}
+
+impl std::fmt::Debug for AvailabilitySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl AvailabilitySource {
+    /// The source `text`; a relative local path is taken from `model_dir`.
+    pub fn open(text: &str, model_dir: &Path) -> Result<AvailabilitySource> {
+        let text = text.trim();
+        let bad = |why: &str| RegistryError::Input(format!("availability_source {text:?}: {why}"));
+        if text.contains("://") {
+            // Checked whole first, so the error names the source as given.
+            Location::parse(text)?;
+            let (scheme, rest) = text.split_once("://").expect("checked above");
+            let (parent, name) = rest
+                .rsplit_once('/')
+                .filter(|(parent, name)| !parent.is_empty() && !name.is_empty())
+                .ok_or_else(|| bad("it names a bucket or folder, not an object in it"))?;
+            return Ok(AvailabilitySource {
+                repository: Repository::open(&format!("{scheme}://{parent}"))?,
+                key: name.to_string(),
+                text: text.to_string(),
+            });
+        }
+        let path = model_dir.join(text);
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(bad("it names no file"));
+        };
+        if !dir.is_dir() {
+            return Err(bad(&format!("no directory {}", dir.display())));
+        }
+        Ok(AvailabilitySource {
+            repository: Repository::open(&dir.display().to_string())?,
+            key: name.to_string_lossy().into_owned(),
+            text: path.display().to_string(),
+        })
+    }
+
+    /// The source as resolved (what log lines name).
+    pub fn describe(&self) -> &str {
+        &self.text
+    }
+
+    /// The object unless it still carries the entity tag `known`.
+    pub fn fetch(&self, known: Option<&str>) -> Result<Fetched> {
+        self.repository.read_if_changed(&self.key, known)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(stock: &[(&str, &str)]) -> AttributeTable {
+        AttributeTable {
+            columns: vec!["stock".into()],
+            rows: stock
+                .iter()
+                .map(|(id, s)| (id.to_string(), vec![vec![s.to_string()]]))
+                .collect(),
+        }
+    }
+
+    fn repository_with_model() -> (tempfile::TempDir, Repository) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("shop")).unwrap();
+        std::fs::write(
+            dir.path().join("shop/config.pbtxt"),
+            "backend: \"recsys\"\nparameters { key: \"availability_source\" value { string_value: \"recsys-availability.bin\" } }\n",
+        )
+        .unwrap();
+        let repo = Repository::open(&dir.path().display().to_string()).unwrap();
+        (dir, repo)
+    }
+
+    #[test]
+    fn publishing_numbers_forward_and_never_back() {
+        let (dir, repo) = repository_with_model();
+        let first = publish(&repo, "shop", &table(&[("1", "in"), ("2", "out")]), None).unwrap();
+        assert_eq!((first.version, first.previous), (1, None));
+        assert!(first.configured);
+        assert_eq!(
+            first.source,
+            std::fs::canonicalize(dir.path())
+                .unwrap()
+                .join("shop/recsys-availability.bin")
+                .display()
+                .to_string()
+        );
+        let second = publish(&repo, "shop", &table(&[("1", "out")]), None).unwrap();
+        assert_eq!((second.version, second.previous), (2, Some(1)));
+        let err = publish(&repo, "shop", &table(&[("1", "in")]), Some(2)).unwrap_err();
+        assert!(err.to_string().contains("not newer"), "{err}");
+        let jumped = publish(&repo, "shop", &table(&[("1", "in")]), Some(10)).unwrap();
+        assert_eq!(jumped.version, 10);
+        let stored = repo.read(&object_key("shop")).unwrap().unwrap();
+        let file = AvailabilityFile::from_bytes(&stored.bytes).unwrap();
+        assert_eq!(
+            (file.version, file.summary()),
+            (10, vec![("stock=in".into(), 1)])
+        );
+
+        // A damaged stored object is replaced only with an explicit version.
+        std::fs::write(dir.path().join("shop/recsys-availability.bin"), b"garbage").unwrap();
+        let err = publish(&repo, "shop", &table(&[("1", "in")]), None).unwrap_err();
+        assert!(err.to_string().contains("--version"), "{err}");
+        assert_eq!(
+            publish(&repo, "shop", &table(&[("1", "in")]), Some(11))
+                .unwrap()
+                .version,
+            11
+        );
+
+        let err = publish(&repo, "nope", &table(&[("1", "in")]), None).unwrap_err();
+        assert!(err.to_string().contains("no model \"nope\""), "{err}");
+    }
+
+    #[test]
+    fn a_source_is_read_again_only_when_it_changed() {
+        let (dir, repo) = repository_with_model();
+        let model_dir = dir.path().join("shop");
+        let source = AvailabilitySource::open("recsys-availability.bin", &model_dir).unwrap();
+        assert!(matches!(source.fetch(None).unwrap(), Fetched::Missing));
+        publish(&repo, "shop", &table(&[("1", "in")]), None).unwrap();
+        let Fetched::Changed(object) = source.fetch(None).unwrap() else {
+            panic!("the object is there");
+        };
+        let tag = object.etag().map(str::to_owned);
+        assert!(tag.is_some());
+        assert!(matches!(
+            source.fetch(tag.as_deref()).unwrap(),
+            Fetched::Unchanged
+        ));
+        publish(&repo, "shop", &table(&[("1", "out")]), None).unwrap();
+        assert!(matches!(
+            source.fetch(tag.as_deref()).unwrap(),
+            Fetched::Changed(_)
+        ));
+
+        assert!(AvailabilitySource::open("missing-dir/x.bin", &model_dir).is_err());
+        assert!(AvailabilitySource::open("s3://bucket", &model_dir).is_err());
+        assert!(AvailabilitySource::open("ftp://host/x", &model_dir).is_err());
+    }
+}
