@@ -31,6 +31,10 @@ for model in sasrec gru4rec; do
     --item-map "tests/fixtures/$model/item_id_map.tsv" --item-attributes "build/demo-attributes/$model.tsv" "${popular[@]}" \
     --output "model_repository/$model/1"
 done
+# A made-up stock feed for VAE-CF, published as its live availability (its config names the object;
+# the server polls it, so publishing another feed changes the answers without a reload).
+scripts/demo-stock.sh tests/fixtures/multivae/item_id_map.tsv build/demo-attributes/stock.tsv
+"$RECSYS" availability publish --repository model_repository --model vaecf build/demo-attributes/stock.tsv
 # The retrieve_and_rank ensemble: its retrieval stage serves the VAE-CF engine under its own
 # config (hard links, not a second copy), and the ensemble itself needs an empty version directory.
 rm -rf model_repository/vaecf_candidates/1

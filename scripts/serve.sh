@@ -69,6 +69,7 @@ curl -sf "http://$CLIENT_HOST:$HTTP_PORT/v2/health/ready" >/dev/null || {
 
 CURL_EXAMPLE="curl -s -X POST http://$CLIENT_HOST:$HTTP_PORT/v2/models/bert4rec/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 3], \"data\": [10011403, 10011207, 10011739]}, {\"name\": \"K\", \"datatype\": \"INT32\", \"shape\": [1, 1], \"data\": [5]}]}'"
 ENSEMBLE_EXAMPLE="curl -s -X POST http://$CLIENT_HOST:$HTTP_PORT/v2/models/retrieve_and_rank/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 3], \"data\": [10011403, 10011207, 10011739]}, {\"name\": \"K\", \"datatype\": \"INT32\", \"shape\": [1, 1], \"data\": [5]}]}'"
+STOCK_EXAMPLE="curl -s -X POST http://$CLIENT_HOST:$HTTP_PORT/v2/models/vaecf/infer -d '{\"inputs\": [{\"name\": \"ITEM_IDS\", \"datatype\": \"INT64\", \"shape\": [1, 2], \"data\": [10011403, 10011207]}, {\"name\": \"EXCLUDE_ITEM_SETS\", \"datatype\": \"BYTES\", \"shape\": [1, 1], \"data\": [\"stock=out\"]}]}'"
 PY_EXAMPLE="$VENV/bin/python examples/client.py --http $CLIENT_HOST:$HTTP_PORT --grpc $CLIENT_HOST:$GRPC_PORT"
 cat <<MSG
 
@@ -79,7 +80,13 @@ items ranked by BERT4Rec, one request). Try:
 
   $ENSEMBLE_EXAMPLE
 
+  $STOCK_EXAMPLE
+
   $PY_EXAMPLE
+
+The last curl leaves out what the live stock feed marks out of stock; publish another feed
+(scripts/demo-stock.sh ... stock.tsv 2, then target/release/recsys availability publish
+--repository model_repository --model vaecf stock.tsv) and the answers change within 10 s.
 
 Metrics: curl -s http://$CLIENT_HOST:$METRICS_PORT/metrics | grep recsys_
 MSG
@@ -89,6 +96,13 @@ eval "$CURL_EXAMPLE"
 echo
 echo "--- retrieval and ranking in one call (the retrieve_and_rank ensemble) ---"
 eval "$ENSEMBLE_EXAMPLE"
+echo
+echo "--- an out-of-stock feed (vaecf, live availability) ---"
+eval "$STOCK_EXAMPLE" | tee build/stock-example.json
+grep -q '"availability_version":[1-9]' build/stock-example.json || {
+  echo "the stock example names no availability version; see $LOG" >&2
+  exit 1
+}
 echo
 echo "--- Python example ---"
 $PY_EXAMPLE

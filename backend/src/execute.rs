@@ -318,5 +318,14 @@ fn write_outputs(
     }
     // Histories the popularity list answered (empty_history_policy), not the model.
     response.set_int_parameter("popular_answers", answer.popular as i64)?;
+    // The live availability the answer was filtered by (0: the model names a source, and no
+    // object from it is in force yet).
+    if let Some(version) =
+        answer
+            .availability_version
+            .or(state.settings.availability.as_ref().map(|_| 0))
+    {
+        response.set_int_parameter("availability_version", version as i64)?;
+    }
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! below touch the C API and are tested through the real server (the Triton symbols only resolve
 //! inside it, so they are left out of unit-test and fuzzing builds).
 
+pub mod availability;
 pub mod decode;
 pub mod device_choice;
 pub mod error;
@@ -21,6 +22,8 @@ mod execute;
 mod lifecycle;
 #[cfg(not(any(test, fuzzing)))]
 mod metrics;
+#[cfg(not(any(test, fuzzing)))]
+mod poller;
 #[cfg(not(any(test, fuzzing)))]
 mod statistics;
 #[cfg(not(any(test, fuzzing)))]

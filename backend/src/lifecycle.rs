@@ -54,6 +54,9 @@ pub(crate) struct ModelState {
     engine: Arc<Engine>,
     settings: ModelSettings,
     metrics: Option<Arc<ModelMetrics>>,
+    /// Polls the model's availability source (parameter `availability_source`); stopped when the
+    /// state is dropped.
+    _availability: Option<crate::poller::Poller>,
 }
 
 pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<()> {
@@ -158,12 +161,45 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             settings.default_k
         ),
     );
+    let engine = Arc::new(engine);
+    let availability = match &settings.availability {
+        None => None,
+        Some(wanted) => {
+            let source = recsys_registry::availability::AvailabilitySource::open(
+                &wanted.source,
+                std::path::Path::new(&location),
+            )
+            .map_err(|e| {
+                BackendError::InvalidConfig(format!("model '{name}' version {version}: {e}"))
+            })?;
+            log(
+                LogLevel::Info,
+                &format!(
+                    "recsys: model {name} version {version}: availability from {} ({})",
+                    source.describe(),
+                    wanted
+                        .poll
+                        .map_or("read at load only".to_string(), |p| format!(
+                            "checked every {:.1} s",
+                            p.as_secs_f64()
+                        ))
+                ),
+            );
+            Some(crate::poller::Poller::start(
+                crate::availability::Tracker::new(&name, source),
+                Arc::clone(&engine),
+                wanted.poll,
+                metrics.clone(),
+            ))
+        }
+    };
     let state = Box::new(ModelState {
         name,
         version,
-        engine: Arc::new(engine),
+        engine,
         settings,
         metrics,
+        _availability: availability,
     });
     let raw = Box::into_raw(state);
     // SAFETY: ownership of the box passes to Triton until ModelFinalize takes it back.

@@ -24,6 +24,9 @@ struct Families {
     invalid_requests: Family,
     batch_size: Family,
     screen_survivors: Family,
+    availability_version: Family,
+    availability_age: Family,
+    availability_refused: Family,
 }
 
 static FAMILIES: Mutex<Option<Families>> = Mutex::new(None);
@@ -70,6 +73,21 @@ fn make_families() -> Result<Families> {
                 "recsys_screen_survivors",
                 "Items the int8 screen kept (and rescored exactly) per whole-catalogue history, for engines converted with --screen int8",
             )?,
+            availability_version: family(
+                sys::TRITONSERVER_METRIC_KIND_GAUGE,
+                "recsys_availability_version",
+                "Version of the live availability object in force (0: none yet), for models with an availability_source",
+            )?,
+            availability_age: family(
+                sys::TRITONSERVER_METRIC_KIND_GAUGE,
+                "recsys_availability_age_seconds",
+                "Seconds since the availability object in force was published, as of the last poll of its source",
+            )?,
+            availability_refused: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_availability_refused_total",
+                "Availability objects read from the source and refused (truncated, malformed, older than the one in force, or of another catalogue); the one in force stays",
+            )?,
         })
 }
 
@@ -91,6 +109,9 @@ pub(crate) fn finalize_families() {
             families.invalid_requests,
             families.batch_size,
             families.screen_survivors,
+            families.availability_version,
+            families.availability_age,
+            families.availability_refused,
         ] {
             // SAFETY: every metric of the family was deleted with its model; the family is deleted once.
             let _ = unsafe { ffi_call!(TRITONSERVER_MetricFamilyDelete(f.0)) };
@@ -128,6 +149,9 @@ pub(crate) struct ModelMetrics {
     invalid_requests: Metric,
     batch_size: Metric,
     screen_survivors: Metric,
+    availability_version: Metric,
+    availability_age: Metric,
+    availability_refused: Metric,
 }
 
 impl ModelMetrics {
@@ -209,6 +233,9 @@ impl ModelMetrics {
                     invalid_requests: new_metric(&families.invalid_requests)?,
                     batch_size: histogram(&families.batch_size, &BATCH_BUCKETS)?,
                     screen_survivors: histogram(&families.screen_survivors, &SURVIVOR_BUCKETS)?,
+                    availability_version: new_metric(&families.availability_version)?,
+                    availability_age: new_metric(&families.availability_age)?,
+                    availability_refused: new_metric(&families.availability_refused)?,
                 })
             });
             for label in labels {
@@ -260,5 +287,28 @@ impl ModelMetrics {
                 ));
             }
         }
+    }
+
+    /// The availability object in force: its version (0 for none) and its age in seconds.
+    pub(crate) fn set_availability(&self, version: u64, age_seconds: f64) {
+        // SAFETY: the metrics are live for as long as `self`.
+        unsafe {
+            let _ = ffi_call!(TRITONSERVER_MetricSet(
+                self.availability_version.0,
+                version as f64
+            ));
+            let _ = ffi_call!(TRITONSERVER_MetricSet(self.availability_age.0, age_seconds));
+        }
+    }
+
+    /// One availability object refused.
+    pub(crate) fn availability_refused(&self) {
+        // SAFETY: the metric is live for as long as `self`.
+        let _ = unsafe {
+            ffi_call!(TRITONSERVER_MetricIncrement(
+                self.availability_refused.0,
+                1.0
+            ))
+        };
     }
 }

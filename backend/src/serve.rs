@@ -21,6 +21,9 @@ pub struct Answer {
     pub screen_survivors: Vec<u32>,
     /// Histories the popularity list answered (no known item, `empty_history_policy`).
     pub popular: usize,
+    /// The version of the live availability object the batch was filtered by (`None`: none in
+    /// force).
+    pub availability_version: Option<u64>,
 }
 
 /// What one batch did, for statistics and metrics.
@@ -51,6 +54,8 @@ pub fn serve(
     requests: Vec<Result<DecodedRequest>>,
     recommender: &dyn recsys_engine::BatchRecommender,
 ) -> (Vec<Result<Answer>>, BatchSummary) {
+    // One view for the whole batch: a live availability update lands between batches.
+    let view = engine.filters.view();
     let mut prepared: Vec<InternalRequest> = Vec::new();
     let mut plan: Vec<Result<Planned>> = Vec::with_capacity(requests.len());
     for request in requests {
@@ -68,7 +73,8 @@ pub fn serve(
             let result = row.history.with_external(|history| {
                 OwnedIds::with_optional(row.exclude.as_ref(), |exclude| {
                     OwnedIds::with_optional(row.candidates.as_ref(), |candidates| {
-                        engine.prepare(
+                        engine.prepare_in(
+                            &view,
                             &Request {
                                 history,
                                 k: row.k,
@@ -146,6 +152,7 @@ pub fn serve(
                 unknown_candidates: planned.unknown.candidates,
                 screen_survivors,
                 popular,
+                availability_version: view.availability_version(),
             })
         })
         .collect();

@@ -92,7 +92,24 @@ pub struct ModelSettings {
     pub item_ids_type: IdTensorType,
     pub exclude_type: IdTensorType,
     pub output_ids_type: IdTensorType,
+    /// Where the model's live availability object is read from, and how often.
+    pub availability: Option<AvailabilitySettings>,
 }
+
+/// Parameters `availability_source` and `availability_poll_seconds`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AvailabilitySettings {
+    /// A file (relative to the model's folder, or absolute) or an object (`s3://...`, `gs://...`).
+    pub source: String,
+    /// How often the source is checked; `None`: only when the model loads.
+    pub poll: Option<std::time::Duration>,
+}
+
+/// Default of `availability_poll_seconds`: a stock change shows within seconds, and a check of
+/// an unchanged object is one conditional GET.
+pub const DEFAULT_AVAILABILITY_POLL_SECONDS: f64 = 10.0;
+/// The shortest poll interval accepted (a tighter loop only loads the store).
+const MIN_AVAILABILITY_POLL_SECONDS: f64 = 0.1;
 
 impl ModelSettings {
     pub fn options(&self) -> recsys_engine::ServeOptions {
@@ -162,7 +179,43 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "max_request_bytes",
     "max_engine_bytes",
     "empty_history_policy",
+    "availability_source",
+    "availability_poll_seconds",
 ];
+
+/// The availability parameters: none without a source; a poll interval needs one.
+fn availability(config: &Value) -> Result<Option<AvailabilitySettings>> {
+    let poll = match parameter(config, "availability_poll_seconds").map(str::trim) {
+        None => None,
+        Some(text) => match text.parse::<f64>() {
+            Ok(0.0) => Some(None),
+            Ok(s) if s.is_finite() && s >= MIN_AVAILABILITY_POLL_SECONDS => {
+                Some(Some(std::time::Duration::from_secs_f64(s)))
+            }
+            _ => {
+                return Err(BackendError::InvalidConfig(format!(
+                    "parameter availability_poll_seconds must be 0 (read at load only) or a \
+                     number of seconds from {MIN_AVAILABILITY_POLL_SECONDS}, found {text:?}"
+                )))
+            }
+        },
+    };
+    match parameter(config, "availability_source").map(str::trim) {
+        None if poll.is_some() => Err(BackendError::InvalidConfig(
+            "parameter availability_poll_seconds is set, but availability_source is not".into(),
+        )),
+        None => Ok(None),
+        Some("") => Err(BackendError::InvalidConfig(
+            "parameter availability_source is empty".into(),
+        )),
+        Some(source) => Ok(Some(AvailabilitySettings {
+            source: source.to_string(),
+            poll: poll.unwrap_or(Some(std::time::Duration::from_secs_f64(
+                DEFAULT_AVAILABILITY_POLL_SECONDS,
+            ))),
+        })),
+    }
+}
 
 /// The `max_engine_bytes` parameter: the largest engine (all its files) the model may load; read
 /// before the engine, so an oversized one is refused without being read.
@@ -373,6 +426,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         item_ids_type,
         exclude_type,
         output_ids_type,
+        availability: availability(config)?,
     })
 }
 
@@ -508,6 +562,67 @@ mod tests {
             c["parameters"][key] = json!({"string_value": value});
             let err = parse(&c, &engine).unwrap_err().to_string();
             assert!(err.contains(needle), "{key}={value}: {err}");
+        }
+    }
+
+    #[test]
+    fn availability_parameters_are_read_and_checked() {
+        let (engine, _tmp) = engine();
+        let mut config = minimal();
+        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
+        assert_eq!(parse(&config, &engine).unwrap().availability, None);
+        let with = |pairs: &[(&str, &str)]| {
+            let mut c = config.clone();
+            for (key, value) in pairs {
+                c["parameters"][*key] = json!({ "string_value": value });
+            }
+            parse(&c, &engine).map(|s| s.availability)
+        };
+        let seconds = std::time::Duration::from_secs_f64;
+        assert_eq!(
+            with(&[(
+                "availability_source",
+                "s3://models/shop/recsys-availability.bin"
+            )])
+            .unwrap(),
+            Some(AvailabilitySettings {
+                source: "s3://models/shop/recsys-availability.bin".into(),
+                poll: Some(seconds(DEFAULT_AVAILABILITY_POLL_SECONDS)),
+            })
+        );
+        let polled = with(&[
+            ("availability_source", "stock.bin"),
+            ("availability_poll_seconds", "0.5"),
+        ]);
+        assert_eq!(polled.unwrap().unwrap().poll, Some(seconds(0.5)));
+        let at_load = with(&[
+            ("availability_source", "stock.bin"),
+            ("availability_poll_seconds", "0"),
+        ]);
+        assert_eq!(at_load.unwrap().unwrap().poll, None);
+        for (pairs, needle) in [
+            (
+                &[("availability_poll_seconds", "5")][..],
+                "availability_source is not",
+            ),
+            (&[("availability_source", " ")][..], "is empty"),
+            (
+                &[
+                    ("availability_source", "x"),
+                    ("availability_poll_seconds", "0.01"),
+                ][..],
+                "availability_poll_seconds must be",
+            ),
+            (
+                &[
+                    ("availability_source", "x"),
+                    ("availability_poll_seconds", "soon"),
+                ][..],
+                "availability_poll_seconds must be",
+            ),
+        ] {
+            let err = with(pairs).unwrap_err().to_string();
+            assert!(err.contains(needle), "{pairs:?}: {err}");
         }
     }
 

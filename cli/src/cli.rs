@@ -817,6 +817,11 @@ pub struct PredictArgs {
     /// error, or auto (popular when the engine has the list, else model).
     #[arg(long, default_value = "auto", value_parser = ["auto", "popular", "model", "error"])]
     pub empty_history_policy: String,
+    /// A live availability object to filter by, as the servers do (a file, or s3://.../gs://...;
+    /// see `recsys availability`): its sets join the engine's, so `include_item_sets` and
+    /// `exclude_item_sets` may name them (`stock=out`).
+    #[arg(long, value_name = "SOURCE")]
+    pub availability: Option<String>,
     /// Scoring threads (default: the available cores); each scores whole batches, output order
     /// is kept.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]

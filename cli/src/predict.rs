@@ -139,6 +139,14 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
         ));
     }
     let engine = Engine::load(&args.engine)?;
+    if let Some(source) = &args.availability {
+        let applied = recsys_registry::availability::apply(&engine, source)?;
+        eprintln!(
+            "predict: availability version {} from {source}: {} items, {} ids not in the \
+             catalogue left out",
+            applied.version, applied.known_items, applied.unknown_items
+        );
+    }
     let options = ServeOptions {
         default_k: args.k as usize,
         exclude_seen: !args.include_seen,

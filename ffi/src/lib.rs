@@ -184,6 +184,10 @@ extern "C" {
         metric: *mut TRITONSERVER_Metric,
         value: f64,
     ) -> *mut TRITONSERVER_Error;
+    pub fn TRITONSERVER_MetricSet(
+        metric: *mut TRITONSERVER_Metric,
+        value: f64,
+    ) -> *mut TRITONSERVER_Error;
     pub fn TRITONSERVER_MetricObserve(
         metric: *mut TRITONSERVER_Metric,
         value: f64,

@@ -55,7 +55,15 @@ class Engine:
     @property
     def item_sets(self) -> dict[str, int]:
         """The item set names requests may filter by ("column=value", from the item attributes
-        the engine was converted with), each with its item count."""
+        the engine was converted with, and from the availability object in force), each with its
+        item count."""
+    def load_availability(self, source: str) -> int:
+        """Puts a live availability object in force (a file, or s3://... / gs://...; written by
+        `recsys availability publish`): its sets join `item_sets`. Refused (RecsysError) when it is
+        damaged or not newer than the one in force. Returns its version."""
+    @property
+    def availability_version(self) -> int | None:
+        """The version of the availability object in force (None: none)."""
     def recommend(
         self,
         histories: Histories,

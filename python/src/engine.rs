@@ -307,7 +307,24 @@ impl PyEngine {
     /// --item-attributes`), each with its item count.
     #[getter]
     fn item_sets(&self) -> std::collections::BTreeMap<String, u64> {
-        self.engine.filters.sets().summary().into_iter().collect()
+        self.engine.filters.view().summary().into_iter().collect()
+    }
+
+    /// Puts a live availability object in force (a file, or s3://... / gs://...; written by
+    /// `recsys availability publish`): its sets join `item_sets` (a column of the same name hides
+    /// the engine's) and filters may name them. Refused when it is damaged or not newer than the
+    /// one in force. Returns its version.
+    fn load_availability(&self, py: Python<'_>, source: &str) -> PyResult<u64> {
+        let engine = &self.engine;
+        py.detach(|| recsys_registry::availability::apply(engine, source))
+            .map(|applied| applied.version)
+            .map_err(|e| RecsysError::new_err(e.to_string()))
+    }
+
+    /// The version of the availability object in force (`None`: none).
+    #[getter]
+    fn availability_version(&self) -> Option<u64> {
+        self.engine.filters.availability_version()
     }
 
     /// The external ids of items 1..=N (the columns of `score`): int64 array or list of str.

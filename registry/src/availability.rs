@@ -207,6 +207,44 @@ impl AvailabilitySource {
     }
 }
 
+/// What [`apply`] put in force.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Applied {
+    pub version: u64,
+    /// The object's ids the engine's catalogue holds, and those it does not (left out).
+    pub known_items: usize,
+    pub unknown_items: usize,
+}
+
+/// Reads the availability object at `source` (a file, or `s3://...`/`gs://...`) and puts it in
+/// force in `engine`'s filters: offline scoring with the sets the servers use.
+pub fn apply(engine: &recsys_engine::Engine, source: &str) -> Result<Applied> {
+    let opened = AvailabilitySource::open(source, Path::new("."))?;
+    let object = match opened.fetch(None)? {
+        Fetched::Changed(object) => object,
+        Fetched::Missing | Fetched::Unchanged => {
+            return Err(RegistryError::Input(format!(
+                "no availability object at {}",
+                opened.describe()
+            )))
+        }
+    };
+    let file = AvailabilityFile::from_bytes(&object.bytes).map_err(|e| {
+        RegistryError::Input(format!("availability object {}: {e}", opened.describe()))
+    })?;
+    let mapped = file.map(&engine.ids);
+    let applied = Applied {
+        version: mapped.version,
+        known_items: mapped.known_items,
+        unknown_items: mapped.unknown_items,
+    };
+    engine
+        .filters
+        .replace_availability(mapped)
+        .map_err(RegistryError::Input)?;
+    Ok(applied)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -174,6 +174,14 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     for name in ["bert4rec", "vaecf", "sasrec", "gru4rec"]:
         config = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
         model(name, config, engines / name)
+        if name == "vaecf":
+            # Its live stock feed, as scripts/convert-demo-models.sh publishes it.
+            assert "availability_source" in config
+            feed = repo.parent / f"{name}-stock.tsv"
+            subprocess.run([str(ROOT / "scripts" / "demo-stock.sh"),
+                            str(FIXTURES / "multivae" / "item_id_map.tsv"), str(feed)], check=True)
+            subprocess.run([str(recsys_bin), "availability", "publish", "--repository", str(repo), "--model", name,
+                            str(feed)], check=True, capture_output=True)
         model(f"{name}_emb", with_user_embedding(config).replace(f'name: "{name}"', f'name: "{name}_emb"'),
               engines / name)
     # The demo repository's ensemble as shipped: VAE-CF's candidates ranked by BERT4Rec in one call.

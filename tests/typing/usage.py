@@ -28,6 +28,10 @@ def calls(engine: recsys.Engine) -> None:
     engine.predict(lists, include_sets=[["category=shoes"], ["category=hats"]])
     engine.rerank(lists, candidates=lists, exclude_sets=["age_rating=adult"])
     sets: dict[str, int] = engine.item_sets
+    # Live availability: an object published by `recsys availability publish`.
+    version: int = engine.load_availability("s3://models/shop/recsys-availability.bin")
+    in_force: int | None = engine.availability_version
+    _ = (version, in_force)
     recsys.convert("bert4rec", "model.pt", "items.tsv", "out", item_attributes="attributes.tsv")
     _ = sets
     n: int = engine.num_items

@@ -1,0 +1,193 @@
+//! The thread that polls a model's availability source ([`crate::availability::Tracker`]), and
+//! the log lines and metrics each poll leaves.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use recsys_engine::Engine;
+
+use crate::availability::{Polled, Tracker};
+use crate::metrics::ModelMetrics;
+use crate::triton::{log, LogLevel};
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Polls, then logs and counts what happened. `last_problem` keeps the last store error
+/// logged, so a store that stays unreachable is logged once, not at every poll.
+pub(crate) fn poll_and_report(
+    tracker: &mut Tracker,
+    engine: &Engine,
+    metrics: Option<&ModelMetrics>,
+    last_problem: &mut Option<String>,
+) {
+    let polled = tracker.poll(engine);
+    let source = tracker.source().to_string();
+    let model = tracker.model().to_string();
+    match &polled {
+        Polled::Swapped {
+            version,
+            previous,
+            known_items,
+            unknown_items,
+        } => {
+            *last_problem = None;
+            let previous = previous.map_or("none".to_string(), |p| p.to_string());
+            log(
+                LogLevel::Info,
+                &format!(
+                    "recsys: model {model}: availability version {version} in force (was \
+                     {previous}) from {source}: {known_items} items, {unknown_items} ids not \
+                     in the catalogue left out"
+                ),
+            );
+        }
+        Polled::Refused(why) => {
+            *last_problem = None;
+            if let Some(m) = metrics {
+                m.availability_refused();
+            }
+            let kept = engine
+                .filters
+                .availability_version()
+                .map_or("no availability object is in force yet".to_string(), |v| {
+                    format!("version {v} stays in force")
+                });
+            log(
+                LogLevel::Error,
+                &format!(
+                    "recsys: model {model}: availability update from {source} refused, \
+                     {kept}: {why}"
+                ),
+            );
+            if engine.filters.availability_version().is_none() {
+                engine.filters.note_availability_waiting(format!(
+                    "the availability object is refused: {why}"
+                ));
+            }
+        }
+        Polled::Missing | Polled::Unreadable(_) => {
+            let problem = match &polled {
+                Polled::Missing => format!("no availability object at {source}"),
+                Polled::Unreadable(e) => format!("availability source unreadable: {e}"),
+                _ => unreachable!("matched above"),
+            };
+            if last_problem.as_deref() != Some(problem.as_str()) {
+                log(
+                    LogLevel::Warn,
+                    &format!(
+                        "recsys: model {model}: {problem} ({})",
+                        engine
+                            .filters
+                            .availability_version()
+                            .map_or("nothing in force yet".to_string(), |v| {
+                                format!("version {v} stays in force")
+                            })
+                    ),
+                );
+                if engine.filters.availability_version().is_none() {
+                    engine.filters.note_availability_waiting(problem.clone());
+                }
+                *last_problem = Some(problem);
+            }
+        }
+        Polled::Unchanged => {}
+    }
+    if let Some(m) = metrics {
+        let view = engine.filters.view();
+        let (version, age) = view.availability().map_or((0, 0.0), |a| {
+            (
+                a.version,
+                now_unix().saturating_sub(a.published_unix) as f64,
+            )
+        });
+        m.set_availability(version, age);
+    }
+}
+
+/// The thread polling one model's source; stopped and joined when dropped (model unload).
+pub(crate) struct Poller {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Poller {
+    /// Reads the source once now (so the model serves with its availability from its first
+    /// request), then every `interval` on a thread when one is given.
+    pub(crate) fn start(
+        mut tracker: Tracker,
+        engine: Arc<Engine>,
+        interval: Option<Duration>,
+        metrics: Option<Arc<ModelMetrics>>,
+    ) -> Poller {
+        let mut last_problem = None;
+        poll_and_report(&mut tracker, &engine, metrics.as_deref(), &mut last_problem);
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let thread = interval.map(|interval| {
+            let stop = Arc::clone(&stop);
+            let name = format!("recsys-availability-{}", tracker.model());
+            let spawned = std::thread::Builder::new().name(name).spawn(move || {
+                let (lock, wake) = &*stop;
+                loop {
+                    let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                    let (guard, _) = wake
+                        .wait_timeout_while(guard, interval, |stopped| !*stopped)
+                        .unwrap_or_else(|p| p.into_inner());
+                    if *guard {
+                        return;
+                    }
+                    drop(guard);
+                    // A panic here would end the polling silently; log it and go on polling.
+                    let polled = catch_unwind(AssertUnwindSafe(|| {
+                        poll_and_report(
+                            &mut tracker,
+                            &engine,
+                            metrics.as_deref(),
+                            &mut last_problem,
+                        )
+                    }));
+                    if polled.is_err() {
+                        log(
+                            LogLevel::Error,
+                            &format!(
+                                "recsys: model {}: the availability poll panicked; the object \
+                                 in force stays, and the next poll tries again",
+                                tracker.model()
+                            ),
+                        );
+                    }
+                }
+            });
+            match spawned {
+                Ok(handle) => Some(handle),
+                Err(e) => {
+                    log(
+                        LogLevel::Error,
+                        &format!("recsys: cannot start the availability poller: {e}"),
+                    );
+                    None
+                }
+            }
+        });
+        Poller {
+            stop,
+            thread: thread.flatten(),
+        }
+    }
+}
+
+impl Drop for Poller {
+    fn drop(&mut self) {
+        let (lock, wake) = &*self.stop;
+        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        wake.notify_all();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
