@@ -10,8 +10,9 @@
 # DIR receives the release test binaries and examples built with the CUDA bindings for that major
 # version (kernel sources are embedded in them and compiled by NVRTC at load), the recsys Python
 # package built with the same bindings, the trained fixtures they read, the Python peer, check and
-# summary scripts, and run.sh (gpu/bundle/run.sh). The bundle must
-# stay under 48 MiB: 64 MiB travel to the GPU machine in all, the repository included.
+# summary scripts, and run.sh (gpu/bundle/run.sh). The bundle must stay under 56 MiB: a device
+# call carries 64 MiB, and the bundle is kept under 60 with room for what a change adds (the
+# backend's test binary links the object-store client of the live availability poller).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +29,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$dir" ]] || usage
 [[ "$cuda" == 12 || "$cuda" == 13 ]] || { echo "error: --cuda takes 12 or 13, not $cuda" >&2; exit 2; }
-limit_mib=48
+limit_mib=56
 
 # Executables of one cargo invocation, from its JSON messages: "name path" lines.
 executables() {
