@@ -289,6 +289,18 @@ pub(super) fn scan(
             let h = &hidden[row0 * d..(row0 + size) * d];
             let filtered = eligible_panels(sink, row0, size, tile_start..tile_end, &mut union);
             let any_filtered = (0..size).any(|r| sink.eligible(row0 + r).is_some());
+            if any_filtered {
+                // The tile's stretch of each filtered row's mask, read now so the flagged calls
+                // below find it cached: distinct masks per row (a batch of different pages) are
+                // megabytes together, and the flagged calls touch them too sparsely for the
+                // hardware to stream them.
+                for r in 0..size {
+                    if let Some(mask) = sink.eligible(row0 + r) {
+                        std::hint::black_box(mask.word(tile_start / 8));
+                        std::hint::black_box(mask.word((tile_end - 1) / 8));
+                    }
+                }
+            }
             let mut p = tile_start;
             while p < tile_end {
                 let count = if filtered {
@@ -346,31 +358,51 @@ pub(super) fn scan(
                         (table.i8[rs][ps])(hq, d, &q[span_q], &epilogue, &mut scores, &mut masks)
                     }
                 }
-                // A filtered row's flags of items it may not receive are dropped here, with one
-                // AND per flag byte, rather than one refusal per item in the selection: a 10 %
-                // filter's bar sits lower than the unfiltered one, so many more items beat it.
-                if any_filtered && masks[..size * count].iter().any(|&m| m != 0) {
+                // The call's flag bytes (row-major: byte r * count + c, bit l) as words of eight,
+                // so a call that flagged nothing, almost every call once the bars have risen,
+                // costs a few word tests instead of a loop over its bytes; set bits come out row
+                // by row, each row's items in increasing order.
+                let flag_bytes = size * count;
+                // One spare word: a row's bytes may straddle two words.
+                let mut words = [0u64; MAX_CALL_PANELS.div_ceil(8) + 1];
+                let mut any = 0u64;
+                for (word, bytes) in words.iter_mut().zip(masks[..flag_bytes].chunks(8)) {
+                    let mut eight = [0u8; 8];
+                    eight[..bytes.len()].copy_from_slice(bytes);
+                    *word = u64::from_le_bytes(eight);
+                    any |= *word;
+                }
+                if any != 0 && any_filtered {
+                    // A filtered row's flags of items it may not receive are dropped here, a row's
+                    // flag bytes ANDed with its mask's bytes for the call's panels as one word,
+                    // rather than one refusal per item in the selection: a 10 % filter's bar sits
+                    // lower than the unfiltered one, so many more items beat it.
+                    let row_bytes = if count >= 8 {
+                        u128::from(u64::MAX)
+                    } else {
+                        (1u128 << (8 * count)) - 1
+                    };
                     for r in 0..size {
                         if let Some(mask) = sink.eligible(row0 + r) {
-                            for c in 0..count {
-                                masks[r * count + c] &= mask.panel(p + c);
-                            }
+                            let (at, shift) = ((r * count) / 8, 8 * ((r * count) % 8));
+                            let window = u128::from(words[at]) | (u128::from(words[at + 1]) << 64);
+                            let keep = (u128::from(mask.panels(p, count)) << shift)
+                                | !(row_bytes << shift);
+                            let window = window & keep;
+                            words[at] = window as u64;
+                            words[at + 1] = (window >> 64) as u64;
                         }
                     }
                 }
-                // The call's flag bytes (row-major: byte r * count + c, bit l) as one word, so a
-                // call that flagged nothing, almost every call once the bars have risen, costs one
-                // test instead of a loop over its bytes; set bits come out row by row, each row's
-                // items in increasing order.
-                for (word, bytes) in masks[..size * count].chunks(8).enumerate() {
-                    let mut eight = [0u8; 8];
-                    eight[..bytes.len()].copy_from_slice(bytes);
-                    let mut flags = u64::from_le_bytes(eight);
-                    while flags != 0 {
-                        let bit = 64 * word + flags.trailing_zeros() as usize;
-                        flags &= flags - 1;
-                        let (r, c, l) = (bit / 8 / count, bit / 8 % count, bit % 8);
-                        sink.take(row0 + r, ((p + c) * 8 + l) as u32, scores[bit]);
+                if any != 0 {
+                    for (word, &flags) in words[..flag_bytes.div_ceil(8)].iter().enumerate() {
+                        let mut flags = flags;
+                        while flags != 0 {
+                            let bit = 64 * word + flags.trailing_zeros() as usize;
+                            flags &= flags - 1;
+                            let (r, c, l) = (bit / 8 / count, bit / 8 % count, bit % 8);
+                            sink.take(row0 + r, ((p + c) * 8 + l) as u32, scores[bit]);
+                        }
                     }
                 }
                 p += count;

@@ -130,6 +130,26 @@ impl ItemMask {
             .map_or(0, |w| (w >> (8 * (p % 8))) as u8)
     }
 
+    /// Panels `p .. p + count` (`count` at most 8) as bytes of one word, panel `p` lowest: what a
+    /// call over those panels ANDs its flag bytes with. Panels past the mask are empty.
+    #[inline]
+    pub fn panels(&self, p: usize, count: usize) -> u64 {
+        debug_assert!(count <= 8);
+        let (word, shift) = (p / 8, 8 * (p % 8));
+        let lo = self.words.get(word).map_or(0, |w| w >> shift);
+        let hi = if shift == 0 {
+            0
+        } else {
+            self.words.get(word + 1).map_or(0, |w| w << (64 - shift))
+        };
+        let keep = if count >= 8 {
+            u64::MAX
+        } else {
+            (1u64 << (8 * count)) - 1
+        };
+        (lo | hi) & keep
+    }
+
     /// Panels (of eight items) holding at least one eligible item.
     pub fn busy_panels(&self) -> usize {
         *self
@@ -166,6 +186,22 @@ pub(crate) fn busy_in_word(word: u64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_of_panels_is_their_bytes_in_order() {
+        // Items spread so that every byte differs, across word boundaries and past the end.
+        let mask = ItemMask::of(300, (0..300).filter(|i| (i * 7 + i / 5) % 3 != 0));
+        for p in 0..40 {
+            for count in 1..=8 {
+                let word = mask.panels(p, count);
+                for c in 0..8 {
+                    let byte = (word >> (8 * c)) as u8;
+                    let want = if c < count { mask.panel(p + c) } else { 0 };
+                    assert_eq!(byte, want, "panels({p}, {count}) byte {c}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn bytes_are_panels_and_the_tail_is_never_eligible() {
