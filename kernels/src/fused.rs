@@ -220,12 +220,21 @@ impl PanelUnion {
     }
 }
 
-/// Fills `union` with the panels of `tile` that rows `row0 .. row0 + size` may receive, and says
-/// whether the group skips panels in it: not when a row has no filter (it may receive every item),
-/// nor when at least half of the tile's panels hold an eligible item (a 10 % random filter
-/// leaves few 8-panel calls empty, and single-panel calls cost about three panels' time, so
-/// the plain scan of such a tile is as fast as any skipping, and the selection still refuses the
-/// ineligible items).
+/// Whether rows `row0 .. row0 + size` may skip panels at all: not when a row has no filter (it
+/// may receive every item), nor when a row's own eligible items fill half the panels of the
+/// catalogue (so the group's union does too). Decided once per scan from the masks' counts.
+fn group_may_skip(sink: &impl Sink, row0: usize, size: usize) -> bool {
+    (0..size).all(|r| {
+        sink.eligible(row0 + r)
+            .is_some_and(|m| 2 * m.busy_panels() < m.n().div_ceil(8))
+    })
+}
+
+/// Fills `union` with the panels of `tile` that rows `row0 .. row0 + size` (a group that may
+/// skip, [`group_may_skip`]) may receive, and says whether the group skips panels in this tile:
+/// not when at least half of the tile's panels hold an eligible item (a 10 % random filter leaves
+/// few 8-panel calls empty, and single-panel calls cost about three panels' time, so the plain
+/// scan of such a tile is as fast as any skipping, and the ineligible items' flags are dropped).
 fn eligible_panels(
     sink: &impl Sink,
     row0: usize,
@@ -233,22 +242,14 @@ fn eligible_panels(
     tile: std::ops::Range<usize>,
     union: &mut PanelUnion,
 ) -> bool {
-    // A row that may receive every item, or whose own eligible items fill half the panels of
-    // the catalogue (so the group's union does too), makes the group scan everything: decided
-    // from the masks' counts, with no work per tile.
-    let dense = |r: usize| {
-        sink.eligible(row0 + r)
-            .is_none_or(|m| 2 * m.busy_panels() >= m.n().div_ceil(8))
-    };
-    if (0..size).any(dense) {
-        return false;
-    }
     let (first, last) = (tile.start / 8, (tile.end - 1) / 8);
     union.first_word = first;
     union.words.clear();
     union.words.resize(last - first + 1, 0);
     for r in 0..size {
-        let mask = sink.eligible(row0 + r).expect("checked above");
+        let mask = sink
+            .eligible(row0 + r)
+            .expect("a group that may skip filters every row");
         for (j, word) in union.words.iter_mut().enumerate() {
             *word |= mask.word(first + j);
         }
@@ -282,13 +283,23 @@ pub(super) fn scan(
     let width_q = d.div_ceil(2) * 2;
     let (table_bytes, panel_bytes) = (out.weight_bytes(), out.panel_bytes());
     let mut union = PanelUnion::default();
+    // Per row group, decided once: whether any row is filtered, and whether the group may skip.
+    let group_filters: Vec<(bool, bool)> = groups
+        .iter()
+        .map(|&(row0, size, _)| {
+            let any = (0..size).any(|r| sink.eligible(row0 + r).is_some());
+            (any, any && group_may_skip(sink, row0, size))
+        })
+        .collect();
     let mut tile_start = range.start;
     while tile_start < range.end {
         let tile_end = (tile_start + tile).min(range.end);
-        for &(row0, size, per_call) in &groups {
+        for (&(row0, size, per_call), &(any_filtered, may_skip)) in
+            groups.iter().zip(&group_filters)
+        {
             let h = &hidden[row0 * d..(row0 + size) * d];
-            let filtered = eligible_panels(sink, row0, size, tile_start..tile_end, &mut union);
-            let any_filtered = (0..size).any(|r| sink.eligible(row0 + r).is_some());
+            let filtered =
+                may_skip && eligible_panels(sink, row0, size, tile_start..tile_end, &mut union);
             if any_filtered {
                 // The tile's stretch of each filtered row's mask, read now so the flagged calls
                 // below find it cached: distinct masks per row (a batch of different pages) are
