@@ -300,18 +300,6 @@ pub(super) fn scan(
             let h = &hidden[row0 * d..(row0 + size) * d];
             let filtered =
                 may_skip && eligible_panels(sink, row0, size, tile_start..tile_end, &mut union);
-            if any_filtered {
-                // The tile's stretch of each filtered row's mask, read now so the flagged calls
-                // below find it cached: distinct masks per row (a batch of different pages) are
-                // megabytes together, and the flagged calls touch them too sparsely for the
-                // hardware to stream them.
-                for r in 0..size {
-                    if let Some(mask) = sink.eligible(row0 + r) {
-                        std::hint::black_box(mask.word(tile_start / 8));
-                        std::hint::black_box(mask.word((tile_end - 1) / 8));
-                    }
-                }
-            }
             let mut p = tile_start;
             while p < tile_end {
                 let count = if filtered {
