@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from bench_models import read_safetensors  # noqa: E402
 from bench_peers import backend_directory, peer_config  # noqa: E402
-from bench_serving import perf_analyzer  # noqa: E402
+from bench_serving import cell, measure, ratio, spread  # noqa: E402
 from triton_harness import TritonServer  # noqa: E402
 
 RECSYS = ROOT / "target" / "release" / "recsys"
@@ -270,17 +270,10 @@ def main() -> None:
                     answers[name] = top10(server, name, histories[:50])
                     rss = resident_mib(server)
                     for c in levels:
-                        print(f"perf_analyzer {name} grpc concurrency {c} ...", file=sys.stderr, flush=True)
                         sampler = None
                         if args.profile and isinstance(engine, Path) and c == min(levels):
                             sampler = start_sampling(server, work / f"{name}.perf.data")
-                        try:
-                            r = perf_analyzer(server, name, "grpc", c, data, work / f"{name}-{c}.csv")
-                        except RuntimeError as e:
-                            print(f"  unstable, retrying with longer windows: {str(e).splitlines()[-1]}",
-                                  file=sys.stderr)
-                            r = perf_analyzer(server, name, "grpc", c, data, work / f"{name}-{c}.csv",
-                                              window_ms=4000, stability_pct=30)
+                        r = measure(server, name, "grpc", c, data, work / f"{name}-{c}.csv")
                         if sampler is not None:
                             profiles.append((name, c, stop_sampling(sampler, work / f"{name}.perf.data")))
                         r["load_s"], r["rss_mib"] = load_s, rss
@@ -303,20 +296,20 @@ def main() -> None:
         *[f"- {n}" for n in notes],
         "",
         "| model | items | variant | concurrency | infer/s | vs ORT peer | vs OpenVINO f32 peer | vs OpenVINO default peer | "
-        "p50 ms | p99 ms | p99 vs ORT peer | compute share | mean survivors | load s | resident MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "p50 ms | p99 ms | p99 vs ORT peer | compute share | mean survivors | load s | resident MiB | windows infer/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, items, name, c, r in results:
         peer = by.get((kind, f"{kind}_peer", c))
-        ratio = f"{r['throughput'] / peer['throughput']:.2f}" if peer else "-"
+        vs_ort = ratio(r, peer, "throughput") if peer else "-"
         ov = [by.get((kind, f"{kind}_peer_{s}", c)) for s in ("ov", "ovd")]
-        ov_ratio = [f"{r['throughput'] / o['throughput']:.2f}" if o else "-" for o in ov]
-        p99 = f"{r['p99_ms'] / peer['p99_ms']:.2f}" if peer else "-"
+        ov_ratio = [ratio(r, o, "throughput") if o else "-" for o in ov]
+        p99 = ratio(r, peer, "p99_ms") if peer else "-"
         surv = f"{r['survivors'][1]:.0f}" if r["survivors"] else "-"
-        out.append(f"| {kind} | {items:,} | {name.removeprefix(kind + '_')} | {c} | {r['throughput']:.0f} | {ratio} | "
-                   f"{ov_ratio[0]} | {ov_ratio[1]} | "
-                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {p99} | {100 * r['compute_share']:.0f} % | {surv} | "
-                   f"{r['load_s']:.1f} | {r['rss_mib']:.0f} |")
+        out.append(f"| {kind} | {items:,} | {name.removeprefix(kind + '_')} | {c} | {cell(r, 'throughput', digits=0)} | "
+                   f"{vs_ort} | {ov_ratio[0]} | {ov_ratio[1]} | "
+                   f"{cell(r, 'p50_ms', digits=2)} | {cell(r, 'p99_ms', digits=2)} | {p99} | "
+                   f"{cell(r, 'compute_share', 100, 0)} % | {surv} | {r['load_s']:.1f} | {r['rss_mib']:.0f} | {spread(r)} |")
     for name, c, report in profiles:
         out += ["", f"`perf record` of the {name} server during concurrency {c} (share of samples, by shared "
                     "object and symbol, top entries):", "", "```", report, "```"]

@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from bench_serving import input_data, perf_analyzer  # noqa: E402
+from bench_serving import cell, input_data, ratio, spread  # noqa: E402
+from bench_serving import measure as measure_cell  # noqa: E402
 from triton_harness import TritonServer  # noqa: E402
 
 DELAYS_US = [0, 100, 500, 2000]
@@ -164,15 +165,7 @@ def main() -> None:
         repo = build_repository(tmp, models, not args.skip_batching)
         with TritonServer(repo, backend_directory(tmp), log_path=tmp / "server.log") as server:
             def measure(model: str, c: int) -> dict:
-                print(f"perf_analyzer {model} grpc concurrency {c} ...", file=sys.stderr, flush=True)
-                try:
-                    return perf_analyzer(server, model, "grpc", c, data, tmp / f"{model}-{c}.csv")
-                except RuntimeError as e:
-                    # A noisy neighbour on 2 shared cores can keep 2 s windows from settling: one
-                    # retry with 4 s windows and a 30 % band, then give up (the error says why).
-                    print(f"  unstable, retrying with longer windows: {str(e).splitlines()[-1]}", file=sys.stderr)
-                    return perf_analyzer(server, model, "grpc", c, data, tmp / f"{model}-{c}.csv",
-                                         window_ms=4000, stability_pct=30)
+                return measure_cell(server, model, "grpc", c, data, tmp / f"{model}-{c}.csv")
 
             agreement = {(m, suffix): same_answers(server, m, suffix) for m in models for suffix, *_ in PEERS}
             for model in models:
@@ -197,15 +190,20 @@ def main() -> None:
         + ", ".join(f"{m} vs {labels[s]} {100 * a:.0f} %" for (m, s), a in agreement.items()),
         "",
         "| model | concurrency | peer | recsys infer/s | peer infer/s | throughput ratio | recsys p50 ms | peer p50 ms | "
-        "recsys p99 ms | peer p99 ms | p99 ratio (recsys/peer) | recsys compute share | peer compute share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "recsys p99 ms | peer p99 ms | p99 ratio (recsys/peer) | recsys compute share | peer compute share | "
+        "recsys windows infer/s | peer windows infer/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, c, label, a, b in peer_rows:
         out.append(
-            f"| {model} | {c} | {label} | {a['throughput']:.0f} | {b['throughput']:.0f} | "
-            f"{a['throughput'] / b['throughput']:.2f} | "
-            f"{a['p50_ms']:.3f} | {b['p50_ms']:.3f} | {a['p99_ms']:.3f} | {b['p99_ms']:.3f} | "
-            f"{a['p99_ms'] / b['p99_ms']:.2f} | {100 * a['compute_share']:.0f} % | {100 * b['compute_share']:.0f} % |")
+            f"| {model} | {c} | {label} | {cell(a, 'throughput', digits=0)} | {cell(b, 'throughput', digits=0)} | "
+            f"{ratio(a, b, 'throughput')} | "
+            f"{cell(a, 'p50_ms')} | {cell(b, 'p50_ms')} | {cell(a, 'p99_ms')} | {cell(b, 'p99_ms')} | "
+            f"{ratio(a, b, 'p99_ms')} | {cell(a, 'compute_share', 100, 0)} % | {cell(b, 'compute_share', 100, 0)} % | "
+            f"{spread(a)} | {spread(b)} |")
+    out += ["", "windows: each perf_analyzer window's throughput (min-max); UNSTABLE: no 3 windows settled within "
+                "30 % (the cell is three windows as they came; its ratios carry a '?'); failed: perf_analyzer could "
+                "not measure the cell (the reason follows), and the run went on."]
     if batch_rows:
         out += [
             "",
@@ -215,8 +213,9 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for model, d, pref, c, r in batch_rows:
-            out.append(f"| {model} | {d} | {'yes' if pref else 'no'} | {r['throughput']:.0f} | {r['p50_ms']:.3f} | "
-                       f"{r['p99_ms']:.3f} | {r['queue_ms']:.3f} | {r['compute_ms']:.3f} | {100 * r['compute_share']:.0f} % |")
+            out.append(f"| {model} | {d} | {'yes' if pref else 'no'} | {cell(r, 'throughput', digits=0)} | "
+                       f"{cell(r, 'p50_ms')} | {cell(r, 'p99_ms')} | {cell(r, 'queue_ms')} | {cell(r, 'compute_ms')} | "
+                       f"{cell(r, 'compute_share', 100, 0)} % |")
     table = "\n".join(out) + "\n"
     print(table)
     if args.out:
