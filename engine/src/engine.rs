@@ -14,6 +14,7 @@ use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
 use crate::models::{EncodeScratch, HistoryNote, Model};
 use crate::popularity::Popularity;
+use crate::prefix_cache::PrefixCache;
 use crate::request::{
     excluded_items, BatchRecommender, EmptyHistoryPolicy, InternalRequest, Recommendation, Request,
     RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
@@ -105,6 +106,9 @@ pub struct Engine {
     /// Interaction counts, the answer to an empty history (an engine converted with
     /// `--interactions`).
     pub popularity: Option<Popularity>,
+    /// States after recent histories, so a history one event longer computes one event (causal
+    /// models only; see [`Engine::set_prefix_cache`]).
+    prefix_cache: Option<PrefixCache>,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -211,7 +215,35 @@ impl Engine {
             },
             filters,
             popularity,
+            prefix_cache: None,
         })
+    }
+
+    /// Keeps the states of recent histories in `cache`, so a history that extends a cached one
+    /// computes only its new events; answers never change (see [`crate::prefix_cache`]). Only
+    /// GRU4Rec carries its state today: for other models this is refused, naming why. `None`
+    /// turns the cache off.
+    pub fn set_prefix_cache(&mut self, cache: Option<PrefixCache>) -> Result<()> {
+        if cache.is_some() && self.kind() != ModelKind::Gru4rec {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prefix cache serves GRU4Rec engines; a {} engine recomputes every history \
+                 ({})",
+                self.kind(),
+                match self.kind() {
+                    ModelKind::Bert4rec =>
+                        "its attention is bidirectional: a new event changes every position",
+                    ModelKind::Vaecf => "it reads the history as a set, in one layer",
+                    _ => "its incremental path is not built yet",
+                }
+            )));
+        }
+        self.prefix_cache = cache;
+        Ok(())
+    }
+
+    /// The prefix cache, when one is set.
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.prefix_cache.as_ref()
     }
 
     /// Bytes the engine holds: the weights file (memory-mapped and read at load, so resident) plus
@@ -476,6 +508,9 @@ impl Engine {
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let threads = self.scorer.threads.max(1);
+        if let Some(cache) = &self.prefix_cache {
+            return self.encode_cached(cache, histories, threads);
+        }
         let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
         let runs = split_into_runs(histories, threads, window);
         if runs.len() <= 1 {
@@ -493,6 +528,61 @@ impl Engine {
         for (part_hidden, part_notes) in parts {
             hidden.extend_from_slice(&part_hidden);
             notes.extend(part_notes);
+        }
+        (hidden, notes)
+    }
+
+    /// The encoder over a batch with the prefix cache: each history whose model input is cached
+    /// up to some item resumes there, and every history's state after its last item is kept.
+    /// A history longer than the model's window is recomputed (its window slides, and RecBole's
+    /// GRU4Rec restarts at the window's first item) and not kept.
+    fn encode_cached(
+        &self,
+        cache: &PrefixCache,
+        histories: &[&[u32]],
+        threads: usize,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
+        let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
+        let found: Vec<Option<(usize, std::sync::Arc<[f32]>)>> = histories
+            .iter()
+            .map(|h| {
+                (!h.is_empty() && h.len() <= window)
+                    .then(|| cache.longest_prefix(h))
+                    .flatten()
+            })
+            .collect();
+        let starts: Vec<Option<(usize, &[f32])>> = found
+            .iter()
+            .map(|f| f.as_ref().map(|(done, state)| (*done, &state[..])))
+            .collect();
+        let mut ends = Vec::new();
+        let mut hidden = Vec::with_capacity(histories.len() * self.model.output().input_size());
+        let mut notes = Vec::with_capacity(histories.len());
+        let carry = crate::models::Carry {
+            starts: &starts,
+            ends: &mut ends,
+        };
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<EncodeScratch> = Default::default();
+        }
+        SCRATCH.with(|cell| {
+            let mut own = EncodeScratch::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let scratch = match borrowed.as_deref_mut() {
+                Ok(s) => s,
+                Err(_) => &mut own,
+            };
+            self.model
+                .encode_carried(histories, scratch, &mut hidden, &mut notes, threads, carry)
+                .expect("the prefix cache is set on GRU4Rec engines only");
+        });
+        let width = ends.len() / histories.len().max(1);
+        for (b, history) in histories.iter().enumerate() {
+            let done = starts[b].map_or(0, |(done, _)| done);
+            cache.computed(history.len().min(window) - done.min(history.len()));
+            if history.len() <= window && !history.is_empty() && done < history.len() {
+                cache.insert(history, &ends[b * width..(b + 1) * width]);
+            }
         }
         (hidden, notes)
     }

@@ -23,6 +23,7 @@ pub mod item_sets;
 pub mod metrics;
 pub mod models;
 pub mod popularity;
+pub mod prefix_cache;
 pub mod request;
 pub mod tensor;
 pub mod weights;

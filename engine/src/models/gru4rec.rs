@@ -251,27 +251,73 @@ impl Gru4Rec {
         observing: bool,
         observe: ActivationObserver<'_>,
     ) {
+        self.encode_carried(
+            histories, scratch, hidden, notes, threads, observing, observe, None,
+        )
+    }
+
+    /// The layers' states after a history's model input (`[layers x hidden]`, layer after
+    /// layer): what lets a later call that extends the history compute only its new items.
+    pub fn state_len(&self) -> usize {
+        self.layers.len() * self.config.hidden_size
+    }
+
+    /// [`Gru4Rec::encode_into`], each history resuming from `carry`'s state after the first
+    /// items of its model input (computing only the items after them) and leaving its states
+    /// after its last item in `carry.ends`. The GRU's rows are independent of one another and a
+    /// resumed state holds the very bits the full pass computed at that item, so the hidden
+    /// vectors are the full pass's, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_carried(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut Gru4RecScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+        observing: bool,
+        observe: ActivationObserver<'_>,
+        mut carry: Option<Carry<'_>>,
+    ) {
         let (e, h) = (self.config.embedding_size, self.config.hidden_size);
         let s = scratch;
         let batch = histories.len();
         notes.clear();
         s.kept.clear();
-        for history in histories {
+        s.done.clear();
+        for (b, history) in histories.iter().enumerate() {
             let (kept, note) = self.model_input(history);
             notes.push(note);
+            let done =
+                carry
+                    .as_ref()
+                    .and_then(|c| c.starts[b].as_ref())
+                    .map_or(0, |(done, states)| {
+                        assert!(
+                            *done <= kept.len() && states.len() == self.state_len(),
+                            "a carried state covers part of its history's model input"
+                        );
+                        *done
+                    });
             s.kept.push(kept.len());
+            s.done.push(done);
         }
-        // Longest first (stable), so the histories still running at any step are a prefix.
+        // Most items left first (stable), so the histories still running at any step are a prefix.
         s.order.clear();
         s.order.extend(0..batch);
-        s.order.sort_by_key(|&b| std::cmp::Reverse(s.kept[b]));
-        let steps = s.order.first().map_or(0, |&b| s.kept[b]);
+        s.order
+            .sort_by_key(|&b| std::cmp::Reverse(s.kept[b] - s.done[b]));
+        let steps = s.order.first().map_or(0, |&b| s.kept[b] - s.done[b]);
         // Histories still running at each step, and where each step's rows start.
         s.running.clear();
         s.step_starts.clear();
         let mut tokens = 0;
         for t in 0..steps {
-            let running = s.order.iter().take_while(|&&b| s.kept[b] > t).count();
+            let running = s
+                .order
+                .iter()
+                .take_while(|&&b| s.kept[b] - s.done[b] > t)
+                .count();
             s.step_starts.push(tokens);
             s.running.push(running);
             tokens += running;
@@ -281,7 +327,7 @@ impl Gru4Rec {
         for t in 0..steps {
             s.items.extend(s.order[..s.running[t]].iter().map(|&b| {
                 let history = histories[b];
-                history[history.len() - s.kept[b] + t]
+                history[history.len() - s.kept[b] + s.done[b] + t]
             }));
         }
         let table = if observing { None } else { self.input_table() };
@@ -309,7 +355,14 @@ impl Gru4Rec {
                     observe,
                 );
             }
-            s.state.fill(0.0);
+            // Each history's state: where its carried prefix left this layer, else the GRU's zeros.
+            for (i, &b) in s.order.iter().enumerate() {
+                let row = &mut s.state[i * h..(i + 1) * h];
+                match carry.as_ref().and_then(|c| c.starts[b].as_ref()) {
+                    Some((_, states)) => row.copy_from_slice(&states[l * h..(l + 1) * h]),
+                    None => row.fill(0.0),
+                }
+            }
             if !last {
                 s.next.resize(tokens * h, 0.0);
             }
@@ -343,6 +396,14 @@ impl Gru4Rec {
                 );
                 if !last {
                     s.next[start * h..(start + running) * h].copy_from_slice(state);
+                }
+            }
+            if let Some(c) = carry.as_mut() {
+                let width = self.state_len();
+                c.ends.resize(batch * width, 0.0);
+                for (i, &b) in s.order.iter().enumerate() {
+                    c.ends[b * width + l * h..b * width + (l + 1) * h]
+                        .copy_from_slice(&s.state[i * h..(i + 1) * h]);
                 }
             }
             if !last {
@@ -412,11 +473,22 @@ impl Gru4Rec {
     }
 }
 
+/// Where the histories of a [`Gru4Rec::encode_carried`] pass start and where their states go.
+pub struct Carry<'a> {
+    /// Per history: how many items of its model input a carried state already covers, and the
+    /// layers' states after them (`[layers x hidden]`); `None` starts from the GRU's zeros.
+    pub starts: &'a [Option<(usize, &'a [f32])>],
+    /// Filled with every history's states after its last item, `[B, layers x hidden]`.
+    pub ends: &'a mut Vec<f32>,
+}
+
 /// The buffers one GRU4Rec pass works in (see [`Gru4Rec::encode_into`]).
 #[derive(Debug, Default)]
 pub struct Gru4RecScratch {
     /// Items kept per history, in the batch's order.
     kept: Vec<usize>,
+    /// Items of each history's model input a carried state covers (not computed again).
+    done: Vec<usize>,
     /// The batch's histories, longest first.
     order: Vec<usize>,
     /// The tokens' items, step after step.

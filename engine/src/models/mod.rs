@@ -12,7 +12,7 @@ use crate::import::Checkpoint;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-pub use gru4rec::{Gru4Rec, Gru4RecScratch};
+pub use gru4rec::{Carry, Gru4Rec, Gru4RecScratch};
 pub use transformer::{Flavor, Transformer, TransformerScratch};
 pub use vaecf::{VaeCf, VaeCfScratch};
 
@@ -370,6 +370,33 @@ impl Model {
         threads: usize,
     ) {
         self.encode_in(histories, scratch, hidden, notes, threads.max(1), None)
+    }
+
+    /// GRU4Rec's encoder resuming each history from a carried state ([`Gru4Rec::encode_carried`]);
+    /// `None` for the other models (which never carry one: see [`crate::prefix_cache`]).
+    pub(crate) fn encode_carried(
+        &self,
+        histories: &[&[u32]],
+        scratch: &mut EncodeScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+        carry: Carry<'_>,
+    ) -> Option<()> {
+        let Model::Gru4rec(m) = self else {
+            return None;
+        };
+        m.encode_carried(
+            histories,
+            &mut scratch.gru4rec,
+            hidden,
+            notes,
+            threads.max(1),
+            false,
+            &mut |_: &str, _: &[f32]| {},
+            Some(carry),
+        );
+        Some(())
     }
 
     /// The one place a batch is dispatched to its model's encoder.

@@ -1,0 +1,337 @@
+//! The prefix cache: a causal model's state after a history, kept so that the next call with the
+//! same history one event longer computes only the new event.
+//!
+//! Real-time recommenders are called on every click with the user's whole history, each time one
+//! event longer. For a causal model (GRU4Rec: the GRU's states after the last item) everything
+//! but the new events is what the previous call computed. The cache is content-addressed: an
+//! entry is found by a hash of the exact item sequence it covers and accepted only if its items
+//! are that sequence, so a hash collision can cost time but never change an answer, and a lost
+//! entry (evicted, expired, another replica) only costs the recomputation. A request still
+//! carries its whole history.
+//!
+//! Bounded: a byte budget (entries' items and states), least recently used entries evicted first
+//! and entries idle for longer than the expiry dropped, so it never grows past the budget under
+//! any load. Shared: one cache per engine, so a model's instances in one process share it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Bytes an entry costs beyond its items and state (map and order bookkeeping, allocation).
+const ENTRY_OVERHEAD: usize = 96;
+
+/// The hash of every prefix of `items`: `out[i]` covers `items[..i]`, so `out.len() == items.len() + 1`.
+pub fn prefix_hashes(items: &[u32]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(items.len() + 1);
+    // A 64-bit mix per item (splitmix64's finaliser over the running value and the item): cheap,
+    // and equal only by chance for different sequences; entries are verified item by item anyway.
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
+    out.push(h);
+    for &item in items {
+        let mut z = h ^ (u64::from(item).wrapping_add(0x632b_e59b_d9b4_e019));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        h = z ^ (z >> 31);
+        out.push(h);
+    }
+    out
+}
+
+/// The map's keys are already hashes: used as they are.
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+struct Entry {
+    items: Box<[u32]>,
+    state: Arc<[f32]>,
+    /// Position in the recency order (larger: used more recently).
+    tick: u64,
+    used: Instant,
+}
+
+impl Entry {
+    fn bytes(&self) -> usize {
+        4 * self.items.len() + 4 * self.state.len() + ENTRY_OVERHEAD
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: HashMap<u64, Entry, BuildHasherDefault<IdentityHasher>>,
+    /// Tick -> key, oldest first: the eviction order.
+    recency: BTreeMap<u64, u64>,
+    next_tick: u64,
+    bytes: usize,
+}
+
+impl Inner {
+    fn touch(&mut self, key: u64) {
+        let tick = self.next_tick;
+        self.next_tick += 1;
+        if let Some(entry) = self.entries.get_mut(&key) {
+            self.recency.remove(&entry.tick);
+            entry.tick = tick;
+            entry.used = Instant::now();
+            self.recency.insert(tick, key);
+        }
+    }
+
+    fn remove(&mut self, key: u64) -> bool {
+        match self.entries.remove(&key) {
+            Some(entry) => {
+                self.recency.remove(&entry.tick);
+                self.bytes -= entry.bytes();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The least recently used entry's key and when it was used.
+    fn oldest(&self) -> Option<(u64, Instant)> {
+        let (_, &key) = self.recency.iter().next()?;
+        Some((key, self.entries[&key].used))
+    }
+}
+
+/// Counters of what the cache did, since the engine loaded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Histories that found a cached prefix, and those that found none.
+    pub hits: u64,
+    pub misses: u64,
+    /// Events (items) computed, and events whose work a cached prefix saved.
+    pub events_computed: u64,
+    pub events_reused: u64,
+    /// Entries dropped for the budget, and for having been idle past the expiry.
+    pub evictions: u64,
+    pub expirations: u64,
+    /// Bytes and entries held now.
+    pub bytes: u64,
+    pub entries: u64,
+}
+
+/// A model's states after histories, by history (see the module documentation).
+pub struct PrefixCache {
+    inner: Mutex<Inner>,
+    budget: usize,
+    idle: Option<Duration>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    events_computed: AtomicU64,
+    events_reused: AtomicU64,
+    evictions: AtomicU64,
+    expirations: AtomicU64,
+}
+
+impl std::fmt::Debug for PrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PrefixCache({:?})", self.stats())
+    }
+}
+
+impl PrefixCache {
+    /// A cache holding at most `budget` bytes, dropping entries unused for `idle` (`None`: kept
+    /// until the budget needs their room).
+    pub fn new(budget: usize, idle: Option<Duration>) -> Self {
+        PrefixCache {
+            inner: Mutex::new(Inner::default()),
+            budget,
+            idle,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            events_computed: AtomicU64::new(0),
+            events_reused: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+            expirations: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The longest prefix of `items` the cache holds (`items` itself included): how many of its
+    /// items the state covers, and the state; `None` when no prefix is cached.
+    pub fn longest_prefix(&self, items: &[u32]) -> Option<(usize, Arc<[f32]>)> {
+        let hashes = prefix_hashes(items);
+        let mut inner = self.lock();
+        let found = (1..=items.len()).rev().find_map(|len| {
+            let entry = inner.entries.get(&hashes[len])?;
+            // Verified item by item: a colliding hash is a miss, never another history's state.
+            (*entry.items == items[..len]).then(|| (len, hashes[len], Arc::clone(&entry.state)))
+        });
+        match found {
+            Some((len, key, state)) => {
+                inner.touch(key);
+                drop(inner);
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                self.events_reused.fetch_add(len as u64, Ordering::Relaxed);
+                Some((len, state))
+            }
+            None => {
+                drop(inner);
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Counts `events` computed for one history (the items after its cached prefix).
+    pub fn computed(&self, events: usize) {
+        self.events_computed
+            .fetch_add(events as u64, Ordering::Relaxed);
+    }
+
+    /// Keeps `state` as the state after `items`, evicting the least recently used entries (and
+    /// any idle past the expiry) to stay within the budget. An entry larger than the whole
+    /// budget is not kept.
+    pub fn insert(&self, items: &[u32], state: &[f32]) {
+        let key = *prefix_hashes(items).last().expect("one hash per prefix");
+        let entry = Entry {
+            items: items.into(),
+            state: state.into(),
+            tick: 0,
+            used: Instant::now(),
+        };
+        let size = entry.bytes();
+        if size > self.budget {
+            return;
+        }
+        let mut inner = self.lock();
+        inner.remove(key);
+        if let Some(idle) = self.idle {
+            let now = Instant::now();
+            while let Some((oldest, used)) = inner.oldest() {
+                if now.duration_since(used) <= idle {
+                    break;
+                }
+                inner.remove(oldest);
+                self.expirations.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        while inner.bytes + size > self.budget {
+            let Some((oldest, _)) = inner.oldest() else {
+                break;
+            };
+            inner.remove(oldest);
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        inner.bytes += size;
+        inner.entries.insert(key, entry);
+        inner.touch(key);
+    }
+
+    /// What the cache did so far, and what it holds.
+    pub fn stats(&self) -> PrefixCacheStats {
+        let (bytes, entries) = {
+            let inner = self.lock();
+            (inner.bytes as u64, inner.entries.len() as u64)
+        };
+        PrefixCacheStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            events_computed: self.events_computed.load(Ordering::Relaxed),
+            events_reused: self.events_reused.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+            expirations: self.expirations.load(Ordering::Relaxed),
+            bytes,
+            entries,
+        }
+    }
+
+    /// The byte budget.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_cached_prefix_is_found_and_verified() {
+        let cache = PrefixCache::new(1 << 20, None);
+        assert!(cache.longest_prefix(&[1, 2, 3]).is_none());
+        cache.insert(&[1, 2], &[0.5, 0.25]);
+        cache.insert(&[1, 2, 3, 4], &[1.0, 2.0]);
+        let (len, state) = cache.longest_prefix(&[1, 2, 3, 4, 5]).unwrap();
+        assert_eq!((len, &*state), (4, &[1.0f32, 2.0][..]));
+        let (len, _) = cache.longest_prefix(&[1, 2, 3, 9]).unwrap();
+        assert_eq!(len, 2);
+        let (len, _) = cache.longest_prefix(&[1, 2]).unwrap();
+        assert_eq!(len, 2);
+        assert!(cache.longest_prefix(&[2, 1]).is_none());
+        let stats = cache.stats();
+        assert_eq!((stats.hits, stats.misses, stats.events_reused), (3, 2, 8));
+        assert_eq!(stats.entries, 2);
+    }
+
+    #[test]
+    fn a_colliding_hash_is_a_miss() {
+        let cache = PrefixCache::new(1 << 20, None);
+        cache.insert(&[7, 8], &[1.0]);
+        // Plant the entry under the key of another sequence: it must not be taken for it.
+        {
+            let mut inner = cache.lock();
+            let key = prefix_hashes(&[7, 8])[2];
+            let entry = inner.entries.remove(&key).unwrap();
+            let other = prefix_hashes(&[9, 9])[2];
+            inner.recency.insert(entry.tick, other);
+            inner.entries.insert(other, entry);
+        }
+        assert!(cache.longest_prefix(&[9, 9]).is_none());
+    }
+
+    #[test]
+    fn the_budget_evicts_the_least_recently_used_and_is_never_exceeded() {
+        let one = 4 * 3 + 4 * 4 + ENTRY_OVERHEAD;
+        let cache = PrefixCache::new(3 * one, None);
+        for user in 0..3u32 {
+            cache.insert(&[user, 1, 2], &[user as f32; 4]);
+        }
+        // User 0 is used again: user 1 is now the oldest.
+        assert!(cache.longest_prefix(&[0, 1, 2, 3]).is_some());
+        cache.insert(&[3, 1, 2], &[3.0; 4]);
+        assert!(cache.longest_prefix(&[1, 1, 2]).is_none());
+        assert!(cache.longest_prefix(&[0, 1, 2]).is_some());
+        let stats = cache.stats();
+        assert_eq!((stats.evictions, stats.entries), (1, 3));
+        assert!(stats.bytes as usize <= cache.budget());
+        for user in 0..1000u32 {
+            cache.insert(&[user, user + 1, 5], &[0.0; 4]);
+            assert!(cache.stats().bytes as usize <= cache.budget());
+        }
+        // An entry larger than the budget is not kept.
+        cache.insert(&[1; 100], &[0.0; 4]);
+        assert!(cache.longest_prefix(&[1; 100]).is_none());
+    }
+
+    #[test]
+    fn idle_entries_expire() {
+        let cache = PrefixCache::new(1 << 20, Some(Duration::from_millis(30)));
+        cache.insert(&[1, 2], &[1.0]);
+        std::thread::sleep(Duration::from_millis(60));
+        cache.insert(&[3, 4], &[1.0]);
+        assert!(cache.longest_prefix(&[1, 2]).is_none());
+        assert!(cache.longest_prefix(&[3, 4]).is_some());
+        assert_eq!(cache.stats().expirations, 1);
+    }
+}
