@@ -268,6 +268,9 @@ fn answer_batch(
     report_batch(instance, scored.batch_size, &times);
     if let Some(metrics) = &state.metrics {
         metrics.record_batch(scored.engine_rows, unknown, truncated, invalid, &survivors);
+        if let Some(cache) = state.engine.prefix_cache() {
+            metrics.record_prefix_cache(cache.stats());
+        }
     }
 }
 

@@ -134,6 +134,24 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
     let metrics = ModelMetrics::new(&name, version).map(Arc::new);
     let mut engine = engine;
     engine.set_threads(settings.threads);
+    if let Some((bytes, idle)) = settings.prefix_cache {
+        engine
+            .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(
+                bytes, idle,
+            )))
+            .map_err(|e| {
+                BackendError::InvalidConfig(format!("model '{name}' version {version}: {e}"))
+            })?;
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: prefix cache of {} MiB (idle expiry {}): \
+                 a history one event longer than a cached one computes one event",
+                bytes >> 20,
+                idle.map_or("none".to_string(), |d| format!("{} s", d.as_secs()))
+            ),
+        );
+    }
     if engine.manifest.precision == recsys_engine::engine_dir::Precision::Bf16
         && !engine.scorer.kernels.isa.has_native_bf16()
     {

@@ -27,6 +27,12 @@ struct Families {
     availability_version: Family,
     availability_age: Family,
     availability_refused: Family,
+    prefix_hits: Family,
+    prefix_misses: Family,
+    prefix_computed: Family,
+    prefix_reused: Family,
+    prefix_evictions: Family,
+    prefix_bytes: Family,
 }
 
 static FAMILIES: Mutex<Option<Families>> = Mutex::new(None);
@@ -88,6 +94,36 @@ fn make_families() -> Result<Families> {
                 "recsys_availability_refused_total",
                 "Availability objects read from the source and refused (truncated, malformed, older than the one in force, or of another catalogue); the one in force stays",
             )?,
+            prefix_hits: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_prefix_cache_hits_total",
+                "Histories that resumed from a cached prefix (prefix_cache_bytes)",
+            )?,
+            prefix_misses: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_prefix_cache_misses_total",
+                "Histories within the model's window with no cached prefix (computed whole)",
+            )?,
+            prefix_computed: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_prefix_cache_events_computed_total",
+                "History events the model computed, for models with a prefix cache",
+            )?,
+            prefix_reused: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_prefix_cache_events_reused_total",
+                "History events whose work a cached prefix saved",
+            )?,
+            prefix_evictions: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_prefix_cache_evictions_total",
+                "Prefix cache entries dropped to stay within prefix_cache_bytes, or idle past prefix_cache_idle_seconds",
+            )?,
+            prefix_bytes: family(
+                sys::TRITONSERVER_METRIC_KIND_GAUGE,
+                "recsys_prefix_cache_bytes",
+                "Bytes the prefix cache holds (at most prefix_cache_bytes)",
+            )?,
         })
 }
 
@@ -112,6 +148,12 @@ pub(crate) fn finalize_families() {
             families.availability_version,
             families.availability_age,
             families.availability_refused,
+            families.prefix_hits,
+            families.prefix_misses,
+            families.prefix_computed,
+            families.prefix_reused,
+            families.prefix_evictions,
+            families.prefix_bytes,
         ] {
             // SAFETY: every metric of the family was deleted with its model; the family is deleted once.
             let _ = unsafe { ffi_call!(TRITONSERVER_MetricFamilyDelete(f.0)) };
@@ -152,6 +194,15 @@ pub(crate) struct ModelMetrics {
     availability_version: Metric,
     availability_age: Metric,
     availability_refused: Metric,
+    prefix_hits: Metric,
+    prefix_misses: Metric,
+    prefix_computed: Metric,
+    prefix_reused: Metric,
+    prefix_evictions: Metric,
+    prefix_bytes: Metric,
+    /// The prefix cache's counters as last reported: each batch increments Triton's counters by
+    /// what changed since (the instances of a model share the cache and these metrics).
+    prefix_reported: std::sync::Mutex<recsys_engine::prefix_cache::PrefixCacheStats>,
 }
 
 impl ModelMetrics {
@@ -236,6 +287,13 @@ impl ModelMetrics {
                     availability_version: new_metric(&families.availability_version)?,
                     availability_age: new_metric(&families.availability_age)?,
                     availability_refused: new_metric(&families.availability_refused)?,
+                    prefix_hits: new_metric(&families.prefix_hits)?,
+                    prefix_misses: new_metric(&families.prefix_misses)?,
+                    prefix_computed: new_metric(&families.prefix_computed)?,
+                    prefix_reused: new_metric(&families.prefix_reused)?,
+                    prefix_evictions: new_metric(&families.prefix_evictions)?,
+                    prefix_bytes: new_metric(&families.prefix_bytes)?,
+                    prefix_reported: Default::default(),
                 })
             });
             for label in labels {
@@ -310,5 +368,45 @@ impl ModelMetrics {
                 1.0
             ))
         };
+    }
+
+    /// Brings the prefix cache's metrics up to `now` (its counters since the engine loaded).
+    pub(crate) fn record_prefix_cache(&self, now: recsys_engine::prefix_cache::PrefixCacheStats) {
+        let mut reported = self
+            .prefix_reported
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let step = |metric: &Metric, was: u64, is: u64| {
+            if is > was {
+                // SAFETY: the metric is live for as long as `self`.
+                let _ =
+                    unsafe { ffi_call!(TRITONSERVER_MetricIncrement(metric.0, (is - was) as f64)) };
+            }
+        };
+        step(&self.prefix_hits, reported.hits, now.hits);
+        step(&self.prefix_misses, reported.misses, now.misses);
+        step(
+            &self.prefix_computed,
+            reported.events_computed,
+            now.events_computed,
+        );
+        step(
+            &self.prefix_reused,
+            reported.events_reused,
+            now.events_reused,
+        );
+        step(
+            &self.prefix_evictions,
+            reported.evictions + reported.expirations,
+            now.evictions + now.expirations,
+        );
+        // SAFETY: the metric is live for as long as `self`.
+        let _ = unsafe {
+            ffi_call!(TRITONSERVER_MetricSet(
+                self.prefix_bytes.0,
+                now.bytes as f64
+            ))
+        };
+        *reported = now;
     }
 }

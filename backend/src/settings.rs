@@ -94,7 +94,16 @@ pub struct ModelSettings {
     pub output_ids_type: IdTensorType,
     /// Where the model's live availability object is read from, and how often.
     pub availability: Option<AvailabilitySettings>,
+    /// The prefix cache's byte budget and idle expiry (parameters `prefix_cache_bytes`,
+    /// `prefix_cache_idle_seconds`); `None`: no cache.
+    pub prefix_cache: Option<(usize, Option<std::time::Duration>)>,
 }
+
+/// Default of `prefix_cache_bytes` for the models that carry a state (GRU4Rec): a GRU4Rec state is
+/// a few hundred bytes to a few KiB per user, so this holds tens of thousands of users.
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 64 << 20;
+/// Default of `prefix_cache_idle_seconds`: a session idle this long is over.
+pub const DEFAULT_PREFIX_CACHE_IDLE_SECONDS: u64 = 1800;
 
 /// Parameters `availability_source` and `availability_poll_seconds`.
 #[derive(Clone, Debug, PartialEq)]
@@ -181,7 +190,53 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "empty_history_policy",
     "availability_source",
     "availability_poll_seconds",
+    "prefix_cache_bytes",
+    "prefix_cache_idle_seconds",
 ];
+
+/// The prefix cache parameters: on by default for GRU4Rec (the model that carries a state), off
+/// with `prefix_cache_bytes` 0; asked of another model, refused naming why.
+fn prefix_cache(
+    config: &Value,
+    engine: &Engine,
+) -> Result<Option<(usize, Option<std::time::Duration>)>> {
+    let carries = engine.kind() == recsys_engine::ModelKind::Gru4rec;
+    let bytes = match parameter(config, "prefix_cache_bytes").map(str::trim) {
+        None => carries.then_some(DEFAULT_PREFIX_CACHE_BYTES),
+        Some(text) => match text.parse::<usize>() {
+            Ok(0) => None,
+            Ok(bytes) if carries => Some(bytes),
+            Ok(_) => {
+                return Err(BackendError::InvalidConfig(format!(
+                    "parameter prefix_cache_bytes: a {} model recomputes every history (the \
+                     prefix cache serves GRU4Rec); remove the parameter or set it to 0",
+                    engine.kind()
+                )))
+            }
+            Err(_) => {
+                return Err(BackendError::InvalidConfig(format!(
+                "parameter prefix_cache_bytes must be a byte count (0: no cache), found {text:?}"
+            )))
+            }
+        },
+    };
+    let idle = match parameter(config, "prefix_cache_idle_seconds").map(str::trim) {
+        None => Some(std::time::Duration::from_secs(
+            DEFAULT_PREFIX_CACHE_IDLE_SECONDS,
+        )),
+        Some(text) => match text.parse::<u64>() {
+            Ok(0) => None,
+            Ok(seconds) => Some(std::time::Duration::from_secs(seconds)),
+            Err(_) => {
+                return Err(BackendError::InvalidConfig(format!(
+                    "parameter prefix_cache_idle_seconds must be whole seconds (0: no expiry), \
+                     found {text:?}"
+                )))
+            }
+        },
+    };
+    Ok(bytes.map(|b| (b, idle)))
+}
 
 /// The availability parameters: none without a source; a poll interval needs one.
 fn availability(config: &Value) -> Result<Option<AvailabilitySettings>> {
@@ -427,6 +482,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         exclude_type,
         output_ids_type,
         availability: availability(config)?,
+        prefix_cache: prefix_cache(config, engine)?,
     })
 }
 
@@ -624,6 +680,51 @@ mod tests {
             let err = with(pairs).unwrap_err().to_string();
             assert!(err.contains(needle), "{pairs:?}: {err}");
         }
+    }
+
+    #[test]
+    fn the_prefix_cache_is_on_for_gru4rec_by_default_and_refused_elsewhere() {
+        let (gru, _tmp) =
+            crate::test_support::fixture_engine("gru4rec", recsys_engine::ModelKind::Gru4rec);
+        let mut config = minimal();
+        auto_complete(&mut config, IdType::Int64, embedding_width(&gru));
+        let with = |engine: &Engine, pairs: &[(&str, &str)]| {
+            let mut c = config.clone();
+            for (key, value) in pairs {
+                c["parameters"][*key] = json!({ "string_value": value });
+            }
+            parse(&c, engine).map(|s| s.prefix_cache)
+        };
+        let idle = Some(std::time::Duration::from_secs(
+            DEFAULT_PREFIX_CACHE_IDLE_SECONDS,
+        ));
+        assert_eq!(
+            with(&gru, &[]).unwrap(),
+            Some((DEFAULT_PREFIX_CACHE_BYTES, idle))
+        );
+        assert_eq!(with(&gru, &[("prefix_cache_bytes", "0")]).unwrap(), None);
+        assert_eq!(
+            with(
+                &gru,
+                &[
+                    ("prefix_cache_bytes", "1000"),
+                    ("prefix_cache_idle_seconds", "0")
+                ]
+            )
+            .unwrap(),
+            Some((1000, None))
+        );
+        assert!(with(&gru, &[("prefix_cache_bytes", "lots")])
+            .unwrap_err()
+            .to_string()
+            .contains("byte count"));
+        let (bert, _tmp2) = engine();
+        assert_eq!(with(&bert, &[]).unwrap(), None);
+        assert_eq!(with(&bert, &[("prefix_cache_bytes", "0")]).unwrap(), None);
+        assert!(with(&bert, &[("prefix_cache_bytes", "1000")])
+            .unwrap_err()
+            .to_string()
+            .contains("serves GRU4Rec"));
     }
 
     #[test]

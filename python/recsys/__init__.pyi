@@ -25,8 +25,11 @@ class RecsysError(Exception):
 class Engine:
     """A loaded engine directory (written by `recsys convert`)."""
 
-    def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu") -> None:
+    def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
+                 prefix_cache_bytes: int = 0) -> None:
         """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
+        `prefix_cache_bytes` > 0 (GRU4Rec): keep the model's state after recent histories within
+        that many bytes, so a history one event longer computes one event; answers never change.
         `path`: an engine directory, or its folder in object storage (s3://..., gs://..., as the
         command line takes them, with the same credentials), fetched into TMPDIR first.
         `device`: "cpu", or "cuda" / "cuda:N" in a package built with CUDA support
@@ -61,6 +64,10 @@ class Engine:
         """Puts a live availability object in force (a file, or s3://... / gs://...; written by
         `recsys availability publish`): its sets join `item_sets`. Refused (RecsysError) when it is
         damaged or not newer than the one in force. Returns its version."""
+    @property
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """The prefix cache's counters (hits, misses, events_computed, events_reused, evictions,
+        expirations, bytes, entries); None without a cache."""
     @property
     def availability_version(self) -> int | None:
         """The version of the availability object in force (None: none)."""

@@ -242,8 +242,14 @@ impl PyEngine {
     /// cores); `device` "cpu", or "cuda"/"cuda:N" in a package built with CUDA support (the whole
     /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
-    #[pyo3(signature = (path, threads = None, device = "cpu"))]
-    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>, device: &str) -> PyResult<Self> {
+    #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        threads: Option<usize>,
+        device: &str,
+        prefix_cache_bytes: usize,
+    ) -> PyResult<Self> {
         let device = DeviceChoice::parse(device)?;
         let (dir, copy) = match path
             .to_str()
@@ -262,6 +268,14 @@ impl PyEngine {
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
         engine.set_threads(threads);
+        if prefix_cache_bytes > 0 {
+            engine
+                .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(
+                    prefix_cache_bytes,
+                    None,
+                )))
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
         Ok(PyEngine {
@@ -319,6 +333,27 @@ impl PyEngine {
         py.detach(|| recsys_registry::availability::apply(engine, source))
             .map(|applied| applied.version)
             .map_err(|e| RecsysError::new_err(e.to_string()))
+    }
+
+    /// The prefix cache's counters (`None` without one): hits, misses, events computed and
+    /// reused, evictions, expirations, bytes and entries held.
+    #[getter]
+    fn prefix_cache_stats(&self) -> Option<std::collections::BTreeMap<&'static str, u64>> {
+        self.engine.prefix_cache().map(|cache| {
+            let s = cache.stats();
+            [
+                ("hits", s.hits),
+                ("misses", s.misses),
+                ("events_computed", s.events_computed),
+                ("events_reused", s.events_reused),
+                ("evictions", s.evictions),
+                ("expirations", s.expirations),
+                ("bytes", s.bytes),
+                ("entries", s.entries),
+            ]
+            .into_iter()
+            .collect()
+        })
     }
 
     /// The version of the availability object in force (`None`: none).

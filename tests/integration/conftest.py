@@ -21,8 +21,10 @@ FIXTURES = ROOT / "tests" / "fixtures"
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
                "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal",
-               "vaecf_candidates", "retrieve_and_rank", "sasrec_cold", "vaecf_cold", "vaecf_cold_model"]
+               "vaecf_candidates", "retrieve_and_rank", "sasrec_cold", "vaecf_cold", "vaecf_cold_model",
+               "gru4rec_nocache"]
 BROKEN_MODELS = [
+    "bert4rec_prefix_cache",
     "missing_engine",
     "corrupted_engine",
     "future_format",
@@ -222,6 +224,13 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     # Popular without a popularity list: refused at load, naming the fix.
     model("popular_without_list", contract_config("popular_without_list", params={"empty_history_policy": "popular"}),
           engines / "vaecf")
+
+    # GRU4Rec without its prefix cache (on by default): the reference the cached answers must equal.
+    model("gru4rec_nocache", contract_config("gru4rec_nocache", params={"prefix_cache_bytes": "0"}),
+          engines / "gru4rec")
+    # A prefix cache asked of a model that recomputes every history: refused at load, naming why.
+    model("bert4rec_prefix_cache", contract_config("bert4rec_prefix_cache", params={"prefix_cache_bytes": "1000000"}),
+          engines / "bert4rec")
 
     # Models that must fail to load, each for one reason.
     model("missing_engine", contract_config("missing_engine"), None)

@@ -229,6 +229,7 @@ def test_a_bad_request_does_not_fail_its_batch(grpc, predict):
         ("gpu_instance", "GPU"),
         ("engine_too_big", "more than the limit of 4096"),
         ("popular_without_list", "convert it with --interactions"),
+        ("bert4rec_prefix_cache", "the prefix cache serves GRU4Rec"),
     ],
 )
 def test_load_errors_are_clear_and_leave_the_server_serving(model, needle, server, http):

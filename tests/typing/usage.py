@@ -31,6 +31,9 @@ def calls(engine: recsys.Engine) -> None:
     # Live availability: an object published by `recsys availability publish`.
     version: int = engine.load_availability("s3://models/shop/recsys-availability.bin")
     in_force: int | None = engine.availability_version
+    sessions = recsys.Engine("engine", prefix_cache_bytes=64 << 20)
+    cache: dict[str, int] | None = sessions.prefix_cache_stats
+    _ = cache
     _ = (version, in_force)
     recsys.convert("bert4rec", "model.pt", "items.tsv", "out", item_attributes="attributes.tsv")
     _ = sets
