@@ -839,6 +839,12 @@ pub struct PredictArgs {
     /// "return_embedding": true asks for it for that line alone.
     #[arg(long)]
     pub return_embedding: bool,
+    /// Also answer each history after every one of its events ("timeline": one entry per event
+    /// with its "item_ids" and "scores"): replaying a log, simulating, precomputing. GRU4Rec runs
+    /// it in one incremental pass (each event computed once); the other models recompute every
+    /// prefix.
+    #[arg(long)]
+    pub timeline: bool,
 }
 
 #[derive(Args, Debug)]

@@ -138,7 +138,24 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
             "--resume needs an output file, not standard output".into(),
         ));
     }
-    let engine = Engine::load(&args.engine)?;
+    let mut engine = Engine::load(&args.engine)?;
+    if args.timeline {
+        if engine.kind() == recsys_engine::ModelKind::Gru4rec {
+            // Each event's state carried to the next: a timeline of n events computes n steps.
+            // Room for every in-flight history's state many times over.
+            engine.set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(
+                TIMELINE_CACHE_BYTES,
+                None,
+            )))?;
+        } else {
+            eprintln!(
+                "predict: --timeline: {} recomputes each prefix of a history (no incremental \
+                 state), so n events cost n(n+1)/2 event steps",
+                engine.kind()
+            );
+        }
+    }
+    let engine = engine;
     if let Some(source) = &args.availability {
         let applied = recsys_registry::availability::apply(&engine, source)?;
         eprintln!(
@@ -219,12 +236,21 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
         for _ in 0..workers {
             let (job_rx, done_tx, engine, options) = (&job_rx, done_tx.clone(), &engine, &options);
             let embeddings = args.return_embedding;
+            let timeline = args.timeline;
             scope.spawn(move || loop {
                 let job = job_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                 let Ok((seq, batch)) = job else { break };
                 let mut out = Vec::with_capacity(batch.len() * 256);
                 let mut counts = Counts::default();
-                score_batch(engine, options, embeddings, &batch, &mut out, &mut counts);
+                score_batch(
+                    engine,
+                    options,
+                    embeddings,
+                    timeline,
+                    &batch,
+                    &mut out,
+                    &mut counts,
+                );
                 if done_tx.send((seq, out, counts)).is_err() {
                     break;
                 }
@@ -360,10 +386,14 @@ fn skip_rest_of_line(reader: &mut impl BufRead) -> u64 {
     skipped
 }
 
+/// The prefix cache of a `--timeline` run: far more than the states of the histories in flight.
+const TIMELINE_CACHE_BYTES: usize = 256 << 20;
+
 fn score_batch(
     engine: &Engine,
     options: &ServeOptions,
     all_embeddings: bool,
+    timeline: bool,
     batch: &[Line],
     writer: &mut Vec<u8>,
     counts: &mut Counts,
@@ -411,6 +441,12 @@ fn score_batch(
             Err(_) => request_of_line.push(None),
         }
     }
+    // The timeline first: its last event is the whole history, which the cache then holds.
+    let mut timelines: Vec<Vec<Value>> = if timeline {
+        events_of(engine, options, &requests)
+    } else {
+        Vec::new()
+    };
     let mut answers: Vec<Option<recsys_engine::Result<recsys_engine::Recommendation>>> = engine
         .recommend(&requests, options)
         .into_iter()
@@ -452,6 +488,9 @@ fn score_batch(
                             // Scores are shares of the interactions, not the model's.
                             out.insert("answered_by".into(), Value::from("popular"));
                         }
+                        if let Some(events) = slot.and_then(|s| timelines.get_mut(s)) {
+                            out.insert("timeline".into(), Value::Array(std::mem::take(events)));
+                        }
                         if all_embeddings || parsed.return_embedding {
                             out.insert(
                                 "embedding".into(),
@@ -480,6 +519,68 @@ fn score_batch(
         serde_json::to_writer(&mut *writer, &Value::Object(record)).expect("JSON into memory");
         writer.push(b'\n');
     }
+}
+
+/// Each request's answers after each of its history's events, as timeline entries (`event`: how
+/// many of its history's ids were seen; `item_ids` and `scores`, or that step's `error`). Every
+/// request's prefixes of one length run as one batch, shortest first, so with the prefix cache
+/// each step resumes from the one before and computes one event per history.
+fn events_of(engine: &Engine, options: &ServeOptions, requests: &[Request<'_>]) -> Vec<Vec<Value>> {
+    let id_json = |id: ExternalId| match id {
+        ExternalId::Int(i) => Value::from(i),
+        ExternalId::Str(s) => Value::from(s),
+    };
+    fn prefix<'a>(ids: ExternalIds<'a>, t: usize) -> ExternalIds<'a> {
+        match ids {
+            ExternalIds::Int(v) => ExternalIds::Int(&v[..t]),
+            ExternalIds::Str(v) => ExternalIds::Str(&v[..t]),
+        }
+    }
+    let longest = requests.iter().map(|r| r.history.len()).max().unwrap_or(0);
+    let mut out: Vec<Vec<Value>> = requests
+        .iter()
+        .map(|r| Vec::with_capacity(r.history.len()))
+        .collect();
+    for t in 1..=longest {
+        let (which, step): (Vec<usize>, Vec<Request<'_>>) = requests
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.history.len() >= t)
+            .map(|(i, r)| {
+                (
+                    i,
+                    Request {
+                        history: prefix(r.history, t),
+                        embedding: false,
+                        ..*r
+                    },
+                )
+            })
+            .unzip();
+        for (i, answer) in which.into_iter().zip(engine.recommend(&step, options)) {
+            let mut entry = Map::new();
+            entry.insert("event".into(), Value::from(t));
+            match answer {
+                Ok(rec) => {
+                    let ids: Vec<Value> = rec
+                        .items
+                        .iter()
+                        .filter_map(|s| engine.external_id(s.index).map(id_json))
+                        .collect();
+                    entry.insert("item_ids".into(), Value::Array(ids));
+                    entry.insert(
+                        "scores".into(),
+                        Value::Array(rec.items.iter().map(|s| Value::from(s.score)).collect()),
+                    );
+                }
+                Err(e) => {
+                    entry.insert("error".into(), Value::from(e.to_string()));
+                }
+            }
+            out[i].push(Value::Object(entry));
+        }
+    }
+    out
 }
 
 /// The record that takes a failed line's place: the error, the line number, and the caller's own

@@ -468,3 +468,111 @@ fn a_screened_engine_predicts_byte_for_byte_what_the_plain_one_does() {
     assert!(!done.success());
     assert!(done.stderr.as_str().contains("fp32 and fp16"));
 }
+
+/// `predict --timeline` answers each history after every event exactly as `predict` answers that
+/// prefix on its own line: GRU4Rec through its incremental pass, SASRec by recomputing (and saying
+/// so on stderr); a step with no known item is that step's error, not the line's.
+#[test]
+fn timelines_answer_every_prefix_as_its_own_line_would() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(fixtures().join("test_set.tsv")).unwrap();
+    let mut histories: Vec<Vec<i64>> = text
+        .lines()
+        .skip(1)
+        .take(5)
+        .map(|l| {
+            l.split('\t')
+                .nth(2)
+                .unwrap()
+                .split_whitespace()
+                .map(|x| x.parse().unwrap())
+                .take(70)
+                .collect()
+        })
+        .collect();
+    // An unknown id first: the first step has no known item.
+    histories[1].insert(0, -5);
+    for (model_dir, kind, note) in [("gru4rec", "gru4rec", false), ("sasrec", "sasrec", true)] {
+        let engine = tmp.path().join(model_dir);
+        convert(model_dir, kind, "model.safetensors", &engine);
+        let input: String = histories
+            .iter()
+            .map(|h| serde_json::json!({"item_ids": h}).to_string() + "\n")
+            .collect();
+        let prefixes: String = histories
+            .iter()
+            .flat_map(|h| {
+                (1..=h.len())
+                    .map(move |t| serde_json::json!({"item_ids": &h[..t]}).to_string() + "\n")
+            })
+            .collect();
+        std::fs::write(tmp.path().join("in.jsonl"), input).unwrap();
+        std::fs::write(tmp.path().join("prefixes.jsonl"), prefixes).unwrap();
+        let timeline = recsys([
+            "predict",
+            "--k",
+            "20",
+            "--timeline",
+            "--batch-size",
+            "3",
+            "--engine",
+        ])
+        .arg(&engine)
+        .args(["--input"])
+        .arg(tmp.path().join("in.jsonl"))
+        .args(["--output", "-"])
+        .run();
+        // The step with no known item fails alone: the line itself answers.
+        let stdout = timeline.stdout.clone();
+        assert_eq!(
+            stderr_has(&timeline.stderr, "recomputes each prefix"),
+            note,
+            "{}",
+            timeline.stderr
+        );
+        let separate = recsys(["predict", "--k", "20", "--engine"])
+            .arg(&engine)
+            .args(["--input"])
+            .arg(tmp.path().join("prefixes.jsonl"))
+            .args(["--output", "-"])
+            .run();
+        let mut reference = separate
+            .stdout
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+        for (line, history) in stdout.lines().zip(&histories) {
+            let line: serde_json::Value = serde_json::from_str(line).unwrap();
+            let events = line["timeline"].as_array().unwrap();
+            assert_eq!(events.len(), history.len(), "{model_dir}");
+            for (t, event) in events.iter().enumerate() {
+                let want = reference.next().unwrap();
+                assert_eq!(event["event"], t + 1);
+                match want.get("error") {
+                    Some(error) => {
+                        assert_eq!(&event["error"], error, "{model_dir} event {}", t + 1)
+                    }
+                    None => {
+                        assert_eq!(
+                            event["item_ids"],
+                            want["item_ids"],
+                            "{model_dir} event {}",
+                            t + 1
+                        );
+                        assert_eq!(
+                            event["scores"],
+                            want["scores"],
+                            "{model_dir} event {}",
+                            t + 1
+                        );
+                    }
+                }
+            }
+            assert_eq!(line["item_ids"], events.last().unwrap()["item_ids"]);
+        }
+        assert!(reference.next().is_none());
+    }
+}
+
+fn stderr_has(stderr: &str, needle: &str) -> bool {
+    stderr.contains(needle)
+}
