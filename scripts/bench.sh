@@ -9,6 +9,8 @@
 #                                     default precision) (scripts/bench_models.py)
 #   scripts/bench.sh sequential [ARGS] SASRec and GRU4Rec against ONNX Runtime and OpenVINO on their
 #                                     PyTorch-style exports (scripts/bench_sequential.py)
+#   scripts/bench.sh sessions [ARGS]  growing sessions, per event: GRU4Rec with its prefix cache, without
+#                                     it, and ONNX Runtime and OpenVINO recomputing (scripts/bench_sessions.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -32,7 +34,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -91,6 +93,11 @@ case "$kind" in
     ./scripts/python-env.sh --peers
     release_build -p recsys-cli -p recsys-benches --bin model_probe --bin kernel_probe
     exec "$peers_python" scripts/bench_sequential.py "$@"
+    ;;
+  sessions)
+    ./scripts/python-env.sh --peers
+    release_build -p recsys-cli -p recsys-benches --bin session_probe
+    exec "$peers_python" scripts/bench_sessions.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh --peers

@@ -134,6 +134,15 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
     let metrics = ModelMetrics::new(&name, version).map(Arc::new);
     let mut engine = engine;
     engine.set_threads(settings.threads);
+    if let Some(plan) = engine.plan_screen(settings.screen_policy) {
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: screen plan: {}",
+                plan.describe()
+            ),
+        );
+    }
     if let Some((bytes, idle)) = settings.prefix_cache {
         engine
             .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(

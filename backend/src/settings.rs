@@ -97,6 +97,9 @@ pub struct ModelSettings {
     /// The prefix cache's byte budget and idle expiry (parameters `prefix_cache_bytes`,
     /// `prefix_cache_idle_seconds`); `None`: no cache.
     pub prefix_cache: Option<(usize, Option<std::time::Duration>)>,
+    /// Whether a screened engine runs its int8 screen: by measurement (`auto`), or pinned
+    /// (parameter `screen_policy`).
+    pub screen_policy: recsys_engine::plan::ScreenPolicy,
 }
 
 /// Default of `prefix_cache_bytes` for the models that carry a state (GRU4Rec): a GRU4Rec state is
@@ -192,6 +195,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "availability_poll_seconds",
     "prefix_cache_bytes",
     "prefix_cache_idle_seconds",
+    "screen_policy",
 ];
 
 /// The prefix cache parameters: on by default for GRU4Rec (the model that carries a state), off
@@ -483,6 +487,13 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         output_ids_type,
         availability: availability(config)?,
         prefix_cache: prefix_cache(config, engine)?,
+        screen_policy: match parameter(config, "screen_policy") {
+            None => Default::default(),
+            Some(text) => text
+                .trim()
+                .parse()
+                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
+        },
     })
 }
 
@@ -613,6 +624,7 @@ mod tests {
             ("threads", "0", "threads must be an integer from 1 to 256"),
             ("max_k", "x", "max_k must be a positive integer"),
             ("top_k", "5000", "more than max_k"),
+            ("screen_policy", "sometimes", "screen_policy must be"),
         ] {
             let mut c = config.clone();
             c["parameters"][key] = json!({"string_value": value});

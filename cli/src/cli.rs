@@ -817,6 +817,10 @@ pub struct PredictArgs {
     /// error, or auto (popular when the engine has the list, else model).
     #[arg(long, default_value = "auto", value_parser = ["auto", "popular", "model", "error"])]
     pub empty_history_policy: String,
+    /// Screened engines (`convert --screen int8`): run the int8 screen where it measured faster on
+    /// this CPU (auto, the plan kept for the next run), always, or never. The answers are the same.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
+    pub screen_policy: String,
     /// A live availability object to filter by, as the servers do (a file, or s3://.../gs://...;
     /// see `recsys availability`): its sets join the engine's, so `include_item_sets` and
     /// `exclude_item_sets` may name them (`stock=out`).

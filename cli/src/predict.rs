@@ -155,6 +155,10 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
             );
         }
     }
+    // Each worker scores its batches on one thread (the engine's), which the plan is made for.
+    if let Some(plan) = engine.plan_screen(args.screen_policy.parse().map_err(CliError::Usage)?) {
+        eprintln!("predict: screen plan: {}", plan.describe());
+    }
     let engine = engine;
     if let Some(source) = &args.availability {
         let applied = recsys_registry::availability::apply(&engine, source)?;

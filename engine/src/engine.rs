@@ -109,6 +109,9 @@ pub struct Engine {
     /// States after recent histories, so a history one event longer computes one event (causal
     /// models only; see [`Engine::set_prefix_cache`]).
     prefix_cache: Option<PrefixCache>,
+    /// Per batch size, whether a screened engine runs its screen or the plain scan (see
+    /// [`Engine::plan_screen`]); `None`: the screen always runs.
+    screen_plan: Option<crate::plan::ScreenPlan>,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -216,7 +219,104 @@ impl Engine {
             filters,
             popularity,
             prefix_cache: None,
+            screen_plan: None,
         })
+    }
+
+    /// Chooses, per batch size, between a screened engine's int8 screen and its plain scan (the
+    /// same answers either way): by `policy`, and for `Auto` by the plan measured on this CPU for
+    /// this engine and thread count (read from the plan cache when it was measured before; see
+    /// [`crate::plan`]). Call after [`Engine::set_threads`]. `None` for an engine without a
+    /// screen.
+    pub fn plan_screen(
+        &mut self,
+        policy: crate::plan::ScreenPolicy,
+    ) -> Option<&crate::plan::ScreenPlan> {
+        use crate::plan::{self, PlanSource, ScreenPlan, ScreenPolicy};
+        self.scorer.screen.as_ref()?;
+        let chosen = match policy {
+            ScreenPolicy::Always | ScreenPolicy::Never => {
+                ScreenPlan::fixed(policy == ScreenPolicy::Always, PlanSource::Pinned(policy))
+            }
+            ScreenPolicy::Auto if std::env::var("RECSYS_PLAN").as_deref() == Ok("off") => {
+                ScreenPlan::fixed(true, PlanSource::Skipped)
+            }
+            ScreenPolicy::Auto => {
+                let key = plan::PlanKey {
+                    cpu: plan::cpu_model(),
+                    isa: self.scorer.kernels.isa.name().to_string(),
+                    threads: self.scorer.threads,
+                    engine: self.weights_digest(),
+                };
+                let dir = plan::plan_dir();
+                let cached = dir.as_deref().map(|d| plan::read_cached(d, &key));
+                match cached {
+                    Some(Ok(Some(plan))) => plan,
+                    other => {
+                        let ignored = match other {
+                            Some(Err(why)) => Some(why),
+                            _ => None,
+                        };
+                        let timings = self.measure_screen();
+                        let path = dir.and_then(|d| plan::write_cached(&d, &key, &timings).ok());
+                        ScreenPlan::from_timings(timings, PlanSource::Measured { path, ignored })
+                    }
+                }
+            }
+        };
+        self.screen_plan = Some(chosen);
+        self.screen_plan.as_ref()
+    }
+
+    /// The plan the engine runs by ([`Engine::plan_screen`]).
+    pub fn screen_plan(&self) -> Option<&crate::plan::ScreenPlan> {
+        self.screen_plan.as_ref()
+    }
+
+    /// A digest of the engine's stored files (their SHA-256 in the manifest): what a plan is
+    /// made for.
+    fn weights_digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        for (name, file) in &self.manifest.files {
+            hash.update(name.as_bytes());
+            hash.update(file.sha256.as_bytes());
+        }
+        hex::encode(hash.finalize())
+    }
+
+    /// Times the screened and the plain top-10 of this engine at the plan's batch sizes, on
+    /// hidden vectors the model makes from seeded random histories of 8 items.
+    fn measure_screen(&self) -> Vec<crate::plan::Timing> {
+        let n = self.n_items() as u64;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n) as u32 + 1
+        };
+        let largest = *crate::plan::PLAN_BATCHES.iter().max().expect("batch sizes");
+        let histories: Vec<Vec<u32>> = (0..largest)
+            .map(|_| (0..8).map(|_| next()).collect())
+            .collect();
+        let views: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+        let (hidden, _) = self.encode(&views);
+        let width = self.model.output().input_size();
+        let limits = |b: usize| RowLimits {
+            excluded: histories[..b].to_vec(),
+            eligible: vec![None; b],
+        };
+        let ks = vec![10usize.min(self.n_items()); largest];
+        let screen = self.scorer.screen.as_ref().expect("a screened engine");
+        crate::plan::measure(
+            |b| {
+                self.screen_top_k(screen, &hidden[..b * width], &ks[..b], limits(b));
+            },
+            |b| {
+                self.scorer.top_k(&hidden[..b * width], &ks[..b], limits(b));
+            },
+        )
     }
 
     /// Keeps the states of recent histories in `cache`, so a history that extends a cached one
@@ -747,6 +847,26 @@ impl Engine {
         let Some(screen) = &self.scorer.screen else {
             return (self.scorer.top_k(hidden, ks, limits), None);
         };
+        if self
+            .screen_plan
+            .as_ref()
+            .is_some_and(|plan| !plan.screen_for(ks.len()))
+        {
+            // Planned: the plain scan measured faster at this batch size (the same answer).
+            return (self.scorer.top_k(hidden, ks, limits), None);
+        }
+        let (ranked, survivors) = self.screen_top_k(screen, hidden, ks, limits);
+        (ranked, Some(survivors))
+    }
+
+    /// The screened top-k itself: each row's survivors of the screen, rescored exactly.
+    fn screen_top_k(
+        &self,
+        screen: &ScreenTable,
+        hidden: &[f32],
+        ks: &[usize],
+        limits: RowLimits,
+    ) -> (RankedRows, Vec<usize>) {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
         let d = screen.packed.d;
@@ -771,7 +891,7 @@ impl Engine {
                 .remove(0)
             },
         );
-        (ranked, Some(survivors))
+        (ranked, survivors)
     }
 
     /// Ranks every row of `batch` that carries candidates (into `top`), as one batch: rows with the

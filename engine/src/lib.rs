@@ -22,6 +22,7 @@ pub mod import;
 pub mod item_sets;
 pub mod metrics;
 pub mod models;
+pub mod plan;
 pub mod popularity;
 pub mod prefix_cache;
 pub mod request;

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from triton_harness import ROOT, TritonServer  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
+
+# Screen plans (measured when a screened engine loads) go to a folder of the test run, not the
+# user's cache; every server and command started by the tests inherits it.
+os.environ.setdefault("RECSYS_PLAN_DIR", str(Path(tempfile.mkdtemp(prefix="recsys-plans-"))))
 
 # Models the shared server loads at start; the broken ones are loaded by the tests that need them.
 GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal", "bert4rec_x2", "bert4rec_batching",

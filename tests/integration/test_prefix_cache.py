@@ -91,3 +91,4 @@ def test_the_python_package_replays_with_the_same_answers(repository):
     assert stats["hits"] > 0 and stats["events_reused"] > stats["events_computed"], stats
     with pytest.raises(ValueError, match="serves GRU4Rec"):
         recsys.Engine(str(repository / "bert4rec" / "1"), prefix_cache_bytes=1 << 20)
+

@@ -377,3 +377,10 @@ def test_a_panic_while_writing_a_response_fails_that_response_alone(server, http
     assert server.is_live() and http.is_model_ready("bert4rec")
     ids, _ = top(http.infer("bert4rec", make_inputs(httpclient, [10011403])))
     assert len(ids) == 10
+
+
+def test_the_server_log_names_each_screened_model_s_plan(server):
+    """A screened engine's plan (measured at load on this CPU, or read from its file) is logged."""
+    log = server.log()
+    assert "model vaecf_screened version 1: screen plan: batch 1+:" in log, log[-3000:]
+    assert "batch 64+:" in log

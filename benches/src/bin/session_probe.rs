@@ -1,0 +1,109 @@
+//! Per-event latency of growing sessions: groups of `batch` users whose histories come back one
+//! event longer on every call (the whole history each time, as a real-time recommender is called),
+//! with the engine's prefix cache on or off, for `scripts/bench_sessions.py`.
+//!
+//! session_probe ENGINE HISTORIES_JSON batch k threads cache(on|off) groups LENGTHS
+//!
+//! HISTORIES_JSON: a list of histories (lists of external int ids), replayed `batch` at a time
+//! (`groups` groups). LENGTHS: comma-separated event counts to report (e.g. 10,50,100,200).
+//! Prints JSON: per length, the median seconds of the call that brought every history of a group
+//! to that length (encode + fused score + top-k of the batch), and the cache's counters and
+//! bytes per cached user.
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use recsys_engine::prefix_cache::PrefixCache;
+use recsys_engine::{Engine, ExternalIds, InternalRequest};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() != 9 {
+        eprintln!(
+            "usage: session_probe ENGINE HISTORIES_JSON batch k threads cache(on|off) groups LENGTHS"
+        );
+        std::process::exit(2);
+    }
+    let mut engine = Engine::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| panic!("{e}"));
+    let histories: Vec<Vec<i64>> =
+        serde_json::from_str(&std::fs::read_to_string(&args[2]).expect("read histories"))
+            .expect("histories JSON");
+    let batch: usize = args[3].parse().expect("batch");
+    let k: usize = args[4].parse().expect("k");
+    engine.set_threads(args[5].parse().expect("threads"));
+    let cached = match args[6].as_str() {
+        "on" => true,
+        "off" => false,
+        other => panic!("cache must be on or off, not {other}"),
+    };
+    if cached {
+        engine
+            .set_prefix_cache(Some(PrefixCache::new(1 << 30, None)))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let groups: usize = args[7].parse().expect("groups");
+    let lengths: Vec<usize> = args[8]
+        .split(',')
+        .map(|x| x.parse().expect("length"))
+        .collect();
+    let longest = *lengths.iter().max().expect("a length");
+    let mapped: Vec<Vec<u32>> = histories
+        .iter()
+        .map(|h| engine.ids.map(ExternalIds::Int(h)).indices)
+        .filter(|h| h.len() >= longest)
+        .collect();
+    assert!(
+        mapped.len() >= batch * groups,
+        "{} histories of at least {longest} known items; {} needed",
+        mapped.len(),
+        batch * groups
+    );
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); lengths.len()];
+    for g in 0..groups {
+        let users = &mapped[g * batch..(g + 1) * batch];
+        for t in 1..=longest {
+            let requests: Vec<InternalRequest> = users
+                .iter()
+                .map(|h| InternalRequest {
+                    history: h[..t].to_vec(),
+                    k,
+                    exclude_seen: true,
+                    ..Default::default()
+                })
+                .collect();
+            let start = Instant::now();
+            let answers = engine.recommend_internal(&requests);
+            let elapsed = start.elapsed().as_secs_f64();
+            assert_eq!(answers.len(), batch);
+            if let Some(i) = lengths.iter().position(|&l| l == t) {
+                times[i].push(elapsed);
+            }
+        }
+    }
+    let stats = engine.prefix_cache().map(PrefixCache::stats);
+    let out = serde_json::json!({
+        "batch": batch,
+        "cache": cached,
+        "isa": engine.scorer.kernels.isa.name(),
+        "threads": engine.scorer.threads,
+        "per_event": lengths.iter().zip(&times).map(|(l, t)| serde_json::json!({
+            "length": l,
+            "median_s": median(t.clone()),
+        })).collect::<Vec<_>>(),
+        "cache_stats": stats.map(|s| serde_json::json!({
+            "hits": s.hits,
+            "misses": s.misses,
+            "events_computed": s.events_computed,
+            "events_reused": s.events_reused,
+            "bytes": s.bytes,
+            "entries": s.entries,
+            "bytes_per_entry": s.bytes.checked_div(s.entries).unwrap_or(0),
+        })),
+    });
+    println!("{out}");
+}

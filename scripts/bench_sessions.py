@@ -1,0 +1,130 @@
+"""Growing sessions: the per-event latency of a user's history coming back one event longer on every
+call, recsys with its prefix cache against recsys without it, and against ONNX Runtime and OpenVINO
+recomputing the history (the only way they can: the model as RecBole's module exports it).
+
+    scripts/bench.sh sessions [--threads 2] [--out FILE.md]
+
+Model: GRU4Rec at MovieLens-1M's shapes with random weights (3,416 items, embedding 64, hidden 128,
+1 layer, max_len 200; `bench_sequential.py`'s), on histories of at least 200 distinct items. Each
+call carries every history of a group of `batch` users, one event longer than the last call
+(batch 1, and 64 concurrent users); the table gives the median latency of the call that brings the
+histories to 10, 50, 100 and 200 events (encode + score + top-10 with the history excluded).
+recsys: `session_probe` with the cache on and off. Peers: the history up to that event, padded to
+L as RecBole's exported module takes it; they run alternately with recsys, the same threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_models import RECSYS, ml1m_histories
+from bench_sequential import feeds, gru4rec_session, ml1m_model
+from bench_models import read_safetensors
+
+ROOT = Path(__file__).resolve().parents[1]
+SESSION_PROBE = ROOT / "target" / "release" / "session_probe"
+LENGTHS = [10, 50, 100, 200]
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def recsys_side(engine: Path, histories: Path, batch: int, threads: int, cache: bool, groups: int) -> dict:
+    run = subprocess.run([str(SESSION_PROBE), str(engine), str(histories), str(batch), "10", str(threads),
+                          "on" if cache else "off", str(groups), ",".join(map(str, LENGTHS))],
+                         check=True, capture_output=True, text=True, timeout=1800)
+    return json.loads(run.stdout)
+
+
+def peer_side(sess, prefixes: dict[int, list[dict]], reps: int) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for name, runner in sess.runners.items():
+        out[name] = {}
+        for length, batches in prefixes.items():
+            times = []
+            for _ in range(reps):
+                for f in batches:
+                    start = time.perf_counter()
+                    runner(f)
+                    times.append(time.perf_counter() - start)
+            out[name][length] = float(np.median(times))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        rng = np.random.default_rng(44)
+        ckpt, cfg_path, map_path = ml1m_model("gru4rec", tmp, rng)
+        cfg = json.loads(cfg_path.read_text())
+        engine = tmp / "gru4rec"
+        subprocess.run([str(RECSYS), "convert", "--kind", "gru4rec", "--checkpoint", str(ckpt), "--config",
+                        str(cfg_path), "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
+        ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
+        histories = [h for h in ml1m_histories(sorted(ext_to_int), rng, count=4000) if len(h) >= max(LENGTHS)]
+        path = tmp / "histories.json"
+        path.write_text(json.dumps(histories))
+        sess = gru4rec_session(read_safetensors(ckpt), cfg, args.threads)
+        L, N = cfg["max_seq_length"], cfg["n_real_items"]
+        for batch, groups in [(1, 24), (64, 2)]:
+            prefixes = {t: [feeds([h[:t] for h in histories[g * batch:(g + 1) * batch]], ext_to_int, L, N)
+                            for g in range(min(groups, 4))] for t in LENGTHS}
+            best: dict = {}
+            for _ in range(2):  # sides alternating; each keeps its best median
+                for cache in (True, False):
+                    r = recsys_side(engine, path, batch, args.threads, cache, groups)
+                    times = {p["length"]: p["median_s"] for p in r["per_event"]}
+                    key = "on" if cache else "off"
+                    best[key] = times if key not in best else {t: min(best[key][t], times[t]) for t in times}
+                    if cache:
+                        best["stats"] = r["cache_stats"]
+                        best["isa"] = r["isa"]
+                peers = peer_side(sess, prefixes, 30 if batch == 1 else 3)
+                for name, times in peers.items():
+                    best[name] = times if name not in best else {t: min(best[name][t], times[t]) for t in times}
+            rows.append((batch, best))
+    peer_names = [n for n in rows[0][1] if n not in ("on", "off", "stats", "isa")]
+    lines = [
+        f"{datetime.date.today().isoformat()}, CPU (lscpu): {cpu_model()}; {args.threads} threads for every side; "
+        f"recsys {rows[0][1]['isa']} kernels; GRU4Rec at MovieLens-1M's shapes, random weights; median latency of "
+        "the call that brings every history of the batch to that many events",
+        "",
+        "| batch | events | recsys cache on ms | recsys cache off ms | off / on | "
+        + " | ".join(f"{n} ms | {n} / recsys on" for n in peer_names) + " |",
+        "|---|---|---|---|---|" + "---|---|" * len(peer_names),
+    ]
+    for batch, best in rows:
+        for t in LENGTHS:
+            on, off = best["on"][t], best["off"][t]
+            peer_cells = " | ".join(f"{best[n][t] * 1e3:.3f} | {best[n][t] / on:.2f}" for n in peer_names)
+            lines.append(f"| {batch} | {t} | {on * 1e3:.3f} | {off * 1e3:.3f} | {off / on:.2f} | {peer_cells} |")
+    stats = rows[0][1]["stats"]
+    lines += ["", f"Cache memory per cached user (batch 1 run): {stats['bytes_per_entry']} bytes "
+                  f"({stats['entries']} entries, {stats['bytes']} bytes; events computed {stats['events_computed']}, "
+                  f"reused {stats['events_reused']})."]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
