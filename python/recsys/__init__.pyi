@@ -26,10 +26,12 @@ class Engine:
     """A loaded engine directory (written by `recsys convert`)."""
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
-                 prefix_cache_bytes: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, screen_policy: str = "auto") -> None:
         """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
         `prefix_cache_bytes` > 0 (GRU4Rec): keep the model's state after recent histories within
         that many bytes, so a history one event longer computes one event; answers never change.
+        `screen_policy` (screened engines): "auto" runs the int8 screen at the batch sizes where it
+        measured faster on this CPU (the plan is kept for the next load), "always" or "never".
         `path`: an engine directory, or its folder in object storage (s3://..., gs://..., as the
         command line takes them, with the same credentials), fetched into TMPDIR first.
         `device`: "cpu", or "cuda" / "cuda:N" in a package built with CUDA support
@@ -64,6 +66,9 @@ class Engine:
         """Puts a live availability object in force (a file, or s3://... / gs://...; written by
         `recsys availability publish`): its sets join `item_sets`. Refused (RecsysError) when it is
         damaged or not newer than the one in force. Returns its version."""
+    @property
+    def screen_plan(self) -> str | None:
+        """A screened engine's plan per batch size and where it came from; None without a screen."""
     @property
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """The prefix cache's counters (hits, misses, events_computed, events_reused, evictions,

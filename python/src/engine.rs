@@ -242,14 +242,17 @@ impl PyEngine {
     /// cores); `device` "cpu", or "cuda"/"cuda:N" in a package built with CUDA support (the whole
     /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
-    #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0))]
+    #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0, screen_policy = "auto"))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         threads: Option<usize>,
         device: &str,
         prefix_cache_bytes: usize,
+        screen_policy: &str,
     ) -> PyResult<Self> {
+        let screen_policy: recsys_engine::plan::ScreenPolicy =
+            screen_policy.parse().map_err(PyValueError::new_err)?;
         let device = DeviceChoice::parse(device)?;
         let (dir, copy) = match path
             .to_str()
@@ -276,6 +279,7 @@ impl PyEngine {
                 )))
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
+        py.detach(|| engine.plan_screen(screen_policy).is_some());
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
         Ok(PyEngine {
@@ -354,6 +358,13 @@ impl PyEngine {
             .into_iter()
             .collect()
         })
+    }
+
+    /// A screened engine's plan: per batch size, its int8 screen or its plain scan, and where
+    /// the plan came from (`None` for an engine without a screen).
+    #[getter]
+    fn screen_plan(&self) -> Option<String> {
+        self.engine.screen_plan().map(|p| p.describe())
     }
 
     /// The version of the availability object in force (`None`: none).

@@ -366,3 +366,21 @@ def test_recbole_item_map_names_what_it_cannot_use(tmp_path):
         recsys.recbole.item_map(tmp_path / "missing.pth")
     with pytest.raises(TypeError, match="RecBole Dataset or data loader"):
         recsys.recbole.item_map({"item_id": [1, 2]})
+
+
+def test_a_screened_engine_answers_the_same_on_either_path_of_its_plan(repository):
+    """screen_policy pins the plan; "auto" measures it on this CPU (or reads its file); the
+    answers never depend on it."""
+    path = str(repository / "vaecf_screened" / "1")
+    histories = [[10011403, 10011207], [10011739], [10011403, 10011739, 10011207]]
+    engines = {p: recsys.Engine(path, threads=1, screen_policy=p) for p in ("always", "never", "auto")}
+    assert "pinned" in engines["never"].screen_plan and "plain scan" in engines["never"].screen_plan
+    assert "int8 screen" in engines["always"].screen_plan
+    assert "batch 64+" in engines["auto"].screen_plan
+    answers = {p: e.recommend(histories, k=20) for p, e in engines.items()}
+    for p in ("never", "auto"):
+        assert answers[p][0].tolist() == answers["always"][0].tolist(), p
+        np.testing.assert_array_equal(answers[p][1], answers["always"][1])
+    assert recsys.Engine(str(repository / "vaecf" / "1"), threads=1).screen_plan is None
+    with pytest.raises(ValueError, match="screen_policy"):
+        recsys.Engine(path, screen_policy="sometimes")

@@ -33,6 +33,8 @@ def calls(engine: recsys.Engine) -> None:
     in_force: int | None = engine.availability_version
     sessions = recsys.Engine("engine", prefix_cache_bytes=64 << 20)
     cache: dict[str, int] | None = sessions.prefix_cache_stats
+    plan: str | None = recsys.Engine("engine", screen_policy="never").screen_plan
+    _ = plan
     _ = cache
     _ = (version, in_force)
     recsys.convert("bert4rec", "model.pt", "items.tsv", "out", item_attributes="attributes.tsv")
