@@ -55,6 +55,9 @@ struct Row {
     /// Mapped weights file plus the packed copies the kernels read.
     resident_bytes: u64,
     latency: Vec<Latency>,
+    /// A screened variant's plan on this CPU: per batch size, its screen or its plain scan.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    screen_plan: Option<String>,
 }
 
 /// The variants to compare, from `--precisions` and `--int8-modes` (the values `recsys convert`
@@ -296,6 +299,10 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         })?;
         kind = Some(engine.kind());
         engine.set_threads(crate::cli::default_threads(args.threads));
+        // A screened variant is timed as it would serve: with the plan this CPU measures for it.
+        let screen_plan = engine
+            .plan_screen(recsys_engine::plan::ScreenPolicy::Auto)
+            .map(|p| p.describe());
         let resident = engine.memory_bytes() as u64;
         let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
         let hist = histories(&engine, &cases);
@@ -347,6 +354,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             weights_bytes: engine.manifest.files["weights.safetensors"].bytes,
             resident_bytes: resident,
             latency,
+            screen_plan,
         });
         if reference.is_none() {
             reference = Some((engine, hist));
@@ -475,6 +483,11 @@ fn markdown(
                 "| {} | {} | {:.3} | {:.3} | {:.0} |",
                 r.variant, l.batch, l.p50_ms, l.p99_ms, l.histories_per_s
             );
+        }
+    }
+    for r in rows {
+        if let Some(plan) = &r.screen_plan {
+            let _ = writeln!(s, "\nScreen plan of {} on this CPU: {plan}", r.variant);
         }
     }
     let _ = writeln!(

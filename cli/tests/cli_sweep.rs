@@ -86,6 +86,23 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
         .as_str()
         .unwrap()
         .ends_with("--screen int8"));
+    // Screened variants name the plan they were timed with; the others have none.
+    for v in &variants {
+        let screened = v["variant"].as_str().unwrap().contains("screen");
+        let plan = v.get("screen_plan").and_then(|p| p.as_str());
+        assert_eq!(plan.is_some(), screened, "{}", v["variant"]);
+        if let Some(plan) = plan {
+            assert!(
+                plan.contains("batch 1+:") && plan.contains("batch 64+:"),
+                "{plan}"
+            );
+        }
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        md.contains("Screen plan of fp32-screen-int8 on this CPU:"),
+        "{md}"
+    );
     // The fp32 row is the engine's evaluation: PyTorch's float64 metrics.
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("metrics.json")).unwrap()).unwrap();

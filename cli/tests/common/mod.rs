@@ -16,6 +16,11 @@ where
 {
     let mut command = Command::new(env!("CARGO_BIN_EXE_recsys"));
     command.args(args);
+    // Screen plans of the tests' engines stay out of the user's cache.
+    command.env(
+        "RECSYS_PLAN_DIR",
+        std::env::temp_dir().join("recsys-cli-test-plans"),
+    );
     command
 }
 
