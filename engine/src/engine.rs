@@ -681,7 +681,7 @@ impl Engine {
             let done = starts[b].map_or(0, |(done, _)| done);
             cache.computed(history.len().min(window) - done.min(history.len()));
             if history.len() <= window && !history.is_empty() && done < history.len() {
-                cache.insert(history, &ends[b * width..(b + 1) * width]);
+                cache.extend(history, &ends[b * width..(b + 1) * width], done);
             }
         }
         (hidden, notes)

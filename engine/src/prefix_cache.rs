@@ -199,6 +199,24 @@ impl PrefixCache {
             .fetch_add(events as u64, Ordering::Relaxed);
     }
 
+    /// Keeps `state` as the state after `items` in place of the entry of its first `replaced`
+    /// items (the prefix it was computed from: a session grows, so the shorter state would only
+    /// be asked for again by a history that went back on its last events).
+    pub fn extend(&self, items: &[u32], state: &[f32], replaced: usize) {
+        if replaced > 0 && replaced < items.len() {
+            let key = prefix_hashes(&items[..replaced])[replaced];
+            let mut inner = self.lock();
+            if inner
+                .entries
+                .get(&key)
+                .is_some_and(|e| *e.items == items[..replaced])
+            {
+                inner.remove(key);
+            }
+        }
+        self.insert(items, state);
+    }
+
     /// Keeps `state` as the state after `items`, evicting the least recently used entries (and
     /// any idle past the expiry) to stay within the budget. An entry larger than the whole
     /// budget is not kept.
@@ -282,6 +300,21 @@ mod tests {
         let stats = cache.stats();
         assert_eq!((stats.hits, stats.misses, stats.events_reused), (3, 2, 8));
         assert_eq!(stats.entries, 2);
+    }
+
+    #[test]
+    fn a_growing_session_keeps_one_entry() {
+        let cache = PrefixCache::new(1 << 20, None);
+        cache.insert(&[1], &[1.0]);
+        for t in 2..=50u32 {
+            let items: Vec<u32> = (1..=t).collect();
+            let (done, _) = cache.longest_prefix(&items).unwrap();
+            assert_eq!(done, t as usize - 1);
+            cache.extend(&items, &[t as f32], done);
+        }
+        let stats = cache.stats();
+        assert_eq!(stats.entries, 1);
+        assert_eq!(stats.bytes as usize, 4 * 50 + 4 + ENTRY_OVERHEAD);
     }
 
     #[test]
