@@ -26,6 +26,7 @@ use sha2::{Digest, Sha256};
 
 use crate::idmap::IdMap;
 use crate::item_sets::{AttributeTable, ItemSets};
+use crate::set_file::{self, Columns, SetEntry};
 
 /// The object's name inside a model's folder of a repository (`<model>/recsys-availability.bin`).
 pub const AVAILABILITY_OBJECT: &str = "recsys-availability.bin";
@@ -44,14 +45,6 @@ struct Header {
     payload_sha256: String,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct SetEntry {
-    column: String,
-    value: String,
-    count: u64,
-    bytes: usize,
-}
-
 /// A published availability object: named sets over external item ids.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AvailabilityFile {
@@ -61,7 +54,7 @@ pub struct AvailabilityFile {
     pub published_unix: u64,
     /// External item ids, each once; sets hold positions in this list.
     ids: Vec<String>,
-    columns: BTreeMap<String, BTreeMap<String, RoaringBitmap>>,
+    columns: Columns,
     /// SHA-256 of the payload (hex): equal objects have equal digests.
     sha256: String,
 }
@@ -134,7 +127,7 @@ impl AvailabilityFile {
             .collect()
     }
 
-    /// The payload's bytes and each set's header entry.
+    /// The payload's bytes, the ids' share of them, and each set's header entry.
     fn payload(&self) -> (Vec<u8>, usize, Vec<SetEntry>) {
         let mut payload = Vec::new();
         for id in &self.ids {
@@ -142,42 +135,22 @@ impl AvailabilityFile {
             payload.push(b'\n');
         }
         let id_bytes = payload.len();
-        let mut entries = Vec::new();
-        for (column, values) in &self.columns {
-            for (value, set) in values {
-                let before = payload.len();
-                set.serialize_into(&mut payload)
-                    .expect("writing to memory does not fail");
-                entries.push(SetEntry {
-                    column: column.clone(),
-                    value: value.clone(),
-                    count: set.len(),
-                    bytes: payload.len() - before,
-                });
-            }
-        }
+        let entries = set_file::write_sets(&self.columns, &mut payload);
         (payload, id_bytes, entries)
     }
 
     /// The object's bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         let (payload, id_bytes, sets) = self.payload();
-        let header = serde_json::to_vec(&Header {
+        let header = Header {
             version: self.version,
             published_unix: self.published_unix,
             ids: self.ids.len(),
             id_bytes,
             sets,
             payload_sha256: hex::encode(Sha256::digest(&payload)),
-        })
-        .expect("the header serialises");
-        let mut out = Vec::with_capacity(16 + header.len() + payload.len());
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&FORMAT.to_le_bytes());
-        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
-        out.extend_from_slice(&header);
-        out.extend_from_slice(&payload);
-        out
+        };
+        set_file::write(MAGIC, FORMAT, &header, &payload)
     }
 
     /// The version, publication time and digest of an object, from its header alone (no set is
@@ -230,39 +203,12 @@ impl AvailabilityFile {
                 header.ids
             ));
         }
-        let mut columns: BTreeMap<String, BTreeMap<String, RoaringBitmap>> = BTreeMap::new();
-        let mut at = header.id_bytes;
-        for entry in &header.sets {
-            let end = at + entry.bytes;
-            let set = RoaringBitmap::deserialize_from(&payload[at..end]).map_err(|e| {
-                format!(
-                    "set {}={} is not a valid bitmap: {e}",
-                    entry.column, entry.value
-                )
-            })?;
-            if set.len() != entry.count {
-                return Err(format!(
-                    "set {}={} holds {} items, the header says {}",
-                    entry.column,
-                    entry.value,
-                    set.len(),
-                    entry.count
-                ));
-            }
-            if let Some(max) = set.max().filter(|&m| m as usize >= ids.len()) {
-                return Err(format!(
-                    "set {}={} names position {max} of a {}-id list",
-                    entry.column,
-                    entry.value,
-                    ids.len()
-                ));
-            }
-            columns
-                .entry(entry.column.clone())
-                .or_default()
-                .insert(entry.value.clone(), set);
-            at = end;
-        }
+        let (columns, _) = set_file::read_sets(
+            &payload[header.id_bytes..],
+            &header.sets,
+            ids.len(),
+            "position",
+        )?;
         Ok(AvailabilityFile {
             version: header.version,
             published_unix: header.published_unix,
@@ -300,28 +246,13 @@ impl AvailabilityFile {
 
 /// The header and the payload after it, with the framing checked.
 fn header_of(bytes: &[u8]) -> Result<(Header, &[u8]), String> {
-    if bytes.len() < 16 || &bytes[..8] != MAGIC {
-        return Err(format!(
-            "not an availability object (bad magic; {} bytes)",
-            bytes.len()
-        ));
-    }
-    let format = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    if format != FORMAT {
-        return Err(format!(
-            "availability format {format} is not supported (this recsys reads {FORMAT})"
-        ));
-    }
-    let header_len = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
-    if header_len > MAX_HEADER_BYTES || 16 + header_len > bytes.len() {
-        return Err(format!(
-            "the header claims {header_len} bytes; the object has {} (truncated?)",
-            bytes.len()
-        ));
-    }
-    let header: Header = serde_json::from_slice(&bytes[16..16 + header_len])
-        .map_err(|e| format!("the header is not valid: {e}"))?;
-    Ok((header, &bytes[16 + header_len..]))
+    set_file::read(
+        bytes,
+        MAGIC,
+        FORMAT,
+        MAX_HEADER_BYTES,
+        "an availability object",
+    )
 }
 
 /// An availability object mapped onto one engine's catalogue.

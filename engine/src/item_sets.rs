@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::idmap::IdMap;
 use crate::kernels::item_mask::ItemMask;
+use crate::set_file::{self, SetEntry};
 
 /// The file an engine's item sets live in.
 pub const ITEM_SETS_FILE: &str = "item_sets.bin";
@@ -189,14 +190,6 @@ struct Header {
     sets: Vec<SetEntry>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct SetEntry {
-    column: String,
-    value: String,
-    count: u64,
-    bytes: usize,
-}
-
 /// Named sets of a catalogue's items (internal indices below `items`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ItemSets {
@@ -336,109 +329,33 @@ impl ItemSets {
     /// `item_sets.bin`'s bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut payload = Vec::new();
-        let mut entries = Vec::new();
-        for (column, values) in &self.columns {
-            for (value, set) in values {
-                let before = payload.len();
-                set.serialize_into(&mut payload)
-                    .expect("writing to memory does not fail");
-                entries.push(SetEntry {
-                    column: column.clone(),
-                    value: value.clone(),
-                    count: set.len(),
-                    bytes: payload.len() - before,
-                });
-            }
-        }
-        let header = serde_json::to_vec(&Header {
+        let sets = set_file::write_sets(&self.columns, &mut payload);
+        let header = Header {
             items: self.items,
-            sets: entries,
-        })
-        .expect("the header serialises");
-        let mut out = Vec::with_capacity(16 + header.len() + payload.len());
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
-        out.extend_from_slice(&header);
-        out.extend_from_slice(&payload);
-        out
+            sets,
+        };
+        set_file::write(MAGIC, VERSION, &header, &payload)
     }
 
     /// Parses `item_sets.bin` for an `items`-item catalogue, checking every length, count and
     /// index against it.
     pub fn from_bytes(bytes: &[u8], items: usize) -> Result<ItemSets, String> {
-        if bytes.len() < 16 || &bytes[..8] != MAGIC {
-            return Err("not an item sets file (bad magic)".into());
-        }
-        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        if version != VERSION {
-            return Err(format!(
-                "item sets format version {version} is not supported (this recsys reads {VERSION})"
-            ));
-        }
-        let header_len = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
-        if header_len > MAX_HEADER_BYTES || 16 + header_len > bytes.len() {
-            return Err(format!(
-                "the header claims {header_len} bytes; the file has {} (truncated?)",
-                bytes.len()
-            ));
-        }
-        let header: Header = serde_json::from_slice(&bytes[16..16 + header_len])
-            .map_err(|e| format!("the header is not valid: {e}"))?;
+        let (header, payload): (Header, &[u8]) =
+            set_file::read(bytes, MAGIC, VERSION, MAX_HEADER_BYTES, "an item sets file")?;
         if header.items != items {
             return Err(format!(
                 "the sets index {} items, the catalogue has {items}",
                 header.items
             ));
         }
-        let mut sets = ItemSets::empty(items);
-        let mut at = 16 + header_len;
-        for entry in header.sets {
-            let end = at
-                .checked_add(entry.bytes)
-                .filter(|&e| e <= bytes.len())
-                .ok_or_else(|| {
-                    format!(
-                        "set {}={} claims {} bytes past the end of the file (truncated?)",
-                        entry.column, entry.value, entry.bytes
-                    )
-                })?;
-            let set = RoaringBitmap::deserialize_from(&bytes[at..end]).map_err(|e| {
-                format!(
-                    "set {}={} is not a valid bitmap: {e}",
-                    entry.column, entry.value
-                )
-            })?;
-            if set.len() != entry.count {
-                return Err(format!(
-                    "set {}={} holds {} items, the header says {}",
-                    entry.column,
-                    entry.value,
-                    set.len(),
-                    entry.count
-                ));
-            }
-            if set.max().is_some_and(|m| m as usize >= items) {
-                return Err(format!(
-                    "set {}={} names item {} of a {items}-item catalogue",
-                    entry.column,
-                    entry.value,
-                    set.max().unwrap_or(0)
-                ));
-            }
-            sets.columns
-                .entry(entry.column)
-                .or_default()
-                .insert(entry.value, set);
-            at = end;
-        }
-        if at != bytes.len() {
+        let (columns, read) = set_file::read_sets(payload, &header.sets, items, "item")?;
+        if read != payload.len() {
             return Err(format!(
                 "{} bytes follow the last set (not an item sets file, or a damaged one)",
-                bytes.len() - at
+                payload.len() - read
             ));
         }
-        Ok(sets)
+        Ok(ItemSets { items, columns })
     }
 }
 

@@ -26,6 +26,7 @@ pub mod plan;
 pub mod popularity;
 pub mod prefix_cache;
 pub mod request;
+mod set_file;
 pub mod tensor;
 pub mod weights;
 

@@ -175,29 +175,10 @@ impl Repository {
 
     /// The object at `key`, or `None` when there is none.
     pub fn read(&self, key: &str) -> Result<Option<Object>> {
-        let path = Path::from(key);
-        self.runtime.block_on(async {
-            match self.store.get(&path).await {
-                Ok(result) => {
-                    let version = UpdateVersion {
-                        e_tag: result.meta.e_tag.clone(),
-                        version: result.meta.version.clone(),
-                    };
-                    let bytes = result.bytes().await.map_err(RegistryError::store(format!(
-                        "cannot read {}",
-                        self.describe(key)
-                    )))?;
-                    Ok(Some(Object {
-                        bytes: bytes.to_vec(),
-                        version,
-                    }))
-                }
-                Err(object_store::Error::NotFound { .. }) => Ok(None),
-                Err(e) => Err(RegistryError::store(format!(
-                    "cannot read {}",
-                    self.describe(key)
-                ))(e)),
-            }
+        Ok(match self.read_if_changed(key, None)? {
+            Fetched::Changed(object) => Some(object),
+            // Without a tag to compare, the store never answers "not modified".
+            Fetched::Missing | Fetched::Unchanged => None,
         })
     }
 
