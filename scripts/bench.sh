@@ -9,8 +9,11 @@
 #                                     default precision) (scripts/bench_models.py)
 #   scripts/bench.sh sequential [ARGS] SASRec and GRU4Rec against ONNX Runtime and OpenVINO on their
 #                                     PyTorch-style exports (scripts/bench_sequential.py)
-#   scripts/bench.sh sessions [ARGS]  growing sessions, per event: GRU4Rec with its prefix cache, without
-#                                     it, and ONNX Runtime and OpenVINO recomputing (scripts/bench_sessions.py)
+#   scripts/bench.sh sessions [ARGS]  growing sessions, per event: GRU4Rec and SASRec with their prefix caches and
+#                                     without, and ONNX Runtime and OpenVINO recomputing (scripts/bench_sessions.py)
+#   scripts/bench.sh serving-sessions [ARGS] growing sessions through tritonserver under perf_analyzer:
+#                                     GRU4Rec and SASRec with and without the prefix cache, hit rate and
+#                                     p50/p99 (scripts/bench_serving_sessions.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -34,7 +37,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -99,6 +102,11 @@ case "$kind" in
     release_build -p recsys-cli -p recsys-benches --bin session_probe
     exec "$peers_python" scripts/bench_sessions.py "$@"
     ;;
+  serving-sessions)
+    ./scripts/python-env.sh
+    backend_setup
+    exec "$python" scripts/bench_serving_sessions.py "$@"
+    ;;
   predict)
     ./scripts/python-env.sh --peers
     release_build -p recsys-cli
@@ -144,7 +152,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, predict, serving, peers, candidates, ray, catalogue, load)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, sequential, sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, load)" >&2
     exit 2
     ;;
 esac

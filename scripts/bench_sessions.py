@@ -2,15 +2,18 @@
 call, recsys with its prefix cache against recsys without it, and against ONNX Runtime and OpenVINO
 recomputing the history (the only way they can: the model as RecBole's module exports it).
 
-    scripts/bench.sh sessions [--threads 2] [--out FILE.md]
+    scripts/bench.sh sessions [--model gru4rec|sasrec|both] [--threads 2] [--out FILE.md]
 
-Model: GRU4Rec at MovieLens-1M's shapes with random weights (3,416 items, embedding 64, hidden 128,
-1 layer, max_len 200; `bench_sequential.py`'s), on histories of at least 200 distinct items. Each
+Models at MovieLens-1M's shapes with random weights (`bench_sequential.py`'s): GRU4Rec (3,416
+items, embedding 64, hidden 128, 1 layer, max_len 200) and SASRec (3,416 items, hidden 64, 2
+layers of 2 heads, inner 256, max_len 200), on histories of at least 200 distinct items. Each
 call carries every history of a group of `batch` users, one event longer than the last call
 (batch 1, and 64 concurrent users); the table gives the median latency of the call that brings the
 histories to 10, 50, 100 and 200 events (encode + score + top-10 with the history excluded).
-recsys: `session_probe` with the cache on and off. Peers: the history up to that event, padded to
-L as RecBole's exported module takes it; they run alternately with recsys, the same threads.
+recsys: `session_probe` with the cache on and off, the whole call and the encoder alone (the part
+the cache can shorten; the output layer's scan and top-k cost the same either way). Peers: the
+history up to that event, padded to L as RecBole's exported module takes it; they run alternately
+with recsys, the same threads.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_models import RECSYS, ml1m_histories
-from bench_sequential import feeds, gru4rec_session, ml1m_model
+from bench_sequential import feeds, gru4rec_session, ml1m_model, sasrec_session
 from bench_models import read_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +45,11 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def recsys_side(engine: Path, histories: Path, batch: int, threads: int, cache: bool, groups: int) -> dict:
+def recsys_side(engine: Path, histories: Path, batch: int, threads: int, cache: bool, groups: int,
+                encoder_only: bool = False) -> dict:
     run = subprocess.run([str(SESSION_PROBE), str(engine), str(histories), str(batch), "10", str(threads),
-                          "on" if cache else "off", str(groups), ",".join(map(str, LENGTHS))],
+                          "on" if cache else "off", str(groups), ",".join(map(str, LENGTHS))]
+                         + (["encode"] if encoder_only else []),
                          check=True, capture_output=True, text=True, timeout=1800)
     return json.loads(run.stdout)
 
@@ -64,66 +69,81 @@ def peer_side(sess, prefixes: dict[int, list[dict]], reps: int) -> dict[str, dic
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+def measure_model(kind: str, threads: int, tmp: Path) -> list[tuple[int, dict]]:
+    rng = np.random.default_rng(44)
+    ckpt, cfg_path, map_path = ml1m_model(kind, tmp, rng)
+    cfg = json.loads(cfg_path.read_text())
+    engine = tmp / kind
+    subprocess.run([str(RECSYS), "convert", "--kind", kind, "--checkpoint", str(ckpt), "--config",
+                    str(cfg_path), "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
+    ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
+    histories = [h for h in ml1m_histories(sorted(ext_to_int), rng, count=4000) if len(h) >= max(LENGTHS)]
+    path = tmp / f"{kind}-histories.json"
+    path.write_text(json.dumps(histories))
+    sess = (sasrec_session if kind == "sasrec" else gru4rec_session)(read_safetensors(ckpt), cfg, threads)
+    L, N = cfg["max_seq_length"], cfg["n_real_items"]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        rng = np.random.default_rng(44)
-        ckpt, cfg_path, map_path = ml1m_model("gru4rec", tmp, rng)
-        cfg = json.loads(cfg_path.read_text())
-        engine = tmp / "gru4rec"
-        subprocess.run([str(RECSYS), "convert", "--kind", "gru4rec", "--checkpoint", str(ckpt), "--config",
-                        str(cfg_path), "--item-map", str(map_path), "--out", str(engine)], check=True, capture_output=True)
-        ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
-        histories = [h for h in ml1m_histories(sorted(ext_to_int), rng, count=4000) if len(h) >= max(LENGTHS)]
-        path = tmp / "histories.json"
-        path.write_text(json.dumps(histories))
-        sess = gru4rec_session(read_safetensors(ckpt), cfg, args.threads)
-        L, N = cfg["max_seq_length"], cfg["n_real_items"]
-        for batch, groups in [(1, 24), (64, 2)]:
-            prefixes = {t: [feeds([h[:t] for h in histories[g * batch:(g + 1) * batch]], ext_to_int, L, N)
-                            for g in range(min(groups, 4))] for t in LENGTHS}
-            best: dict = {}
-            for _ in range(2):  # sides alternating; each keeps its best median
+    for batch, groups in [(1, 24), (64, 2)]:
+        prefixes = {t: [feeds([h[:t] for h in histories[g * batch:(g + 1) * batch]], ext_to_int, L, N)
+                        for g in range(min(groups, 4))] for t in LENGTHS}
+        best: dict = {}
+        for _ in range(2):  # sides alternating; each keeps its best median
+            for encoder_only in (False, True):
                 for cache in (True, False):
-                    r = recsys_side(engine, path, batch, args.threads, cache, groups)
+                    r = recsys_side(engine, path, batch, threads, cache, groups, encoder_only)
                     times = {p["length"]: p["median_s"] for p in r["per_event"]}
-                    key = "on" if cache else "off"
+                    key = ("enc_" if encoder_only else "") + ("on" if cache else "off")
                     best[key] = times if key not in best else {t: min(best[key][t], times[t]) for t in times}
-                    if cache:
+                    if cache and not encoder_only:
                         best["stats"] = r["cache_stats"]
                         best["isa"] = r["isa"]
-                peers = peer_side(sess, prefixes, 30 if batch == 1 else 3)
-                for name, times in peers.items():
-                    best[name] = times if name not in best else {t: min(best[name][t], times[t]) for t in times}
-            rows.append((batch, best))
-    peer_names = [n for n in rows[0][1] if n not in ("on", "off", "stats", "isa")]
+            peers = peer_side(sess, prefixes, 30 if batch == 1 else 3)
+            for name, times in peers.items():
+                best[name] = times if name not in best else {t: min(best[name][t], times[t]) for t in times}
+        rows.append((batch, best))
+    return rows
+
+
+def table(kind: str, threads: int, rows: list[tuple[int, dict]]) -> str:
+    label = {"gru4rec": "GRU4Rec", "sasrec": "SASRec"}[kind]
+    peer_names = [n for n in rows[0][1] if n not in ("on", "off", "enc_on", "enc_off", "stats", "isa")]
     lines = [
-        f"{datetime.date.today().isoformat()}, CPU (lscpu): {cpu_model()}; {args.threads} threads for every side; "
-        f"recsys {rows[0][1]['isa']} kernels; GRU4Rec at MovieLens-1M's shapes, random weights; median latency of "
-        "the call that brings every history of the batch to that many events",
+        f"{label}: {datetime.date.today().isoformat()}, CPU (lscpu): {cpu_model()}; {threads} threads for every "
+        f"side; recsys {rows[0][1]['isa']} kernels; {label} at MovieLens-1M's shapes, random weights; median "
+        "latency of the call that brings every history of the batch to that many events",
         "",
-        "| batch | events | recsys cache on ms | recsys cache off ms | off / on | "
-        + " | ".join(f"{n} ms | {n} / recsys on" for n in peer_names) + " |",
-        "|---|---|---|---|---|" + "---|---|" * len(peer_names),
+        "| batch | events | recsys cache on ms | recsys cache off ms | off / on | encoder on ms | encoder off ms | "
+        "encoder off / on | " + " | ".join(f"{n} ms | {n} / recsys on" for n in peer_names) + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|---|" * len(peer_names),
     ]
     for batch, best in rows:
         for t in LENGTHS:
             on, off = best["on"][t], best["off"][t]
+            enc_on, enc_off = best["enc_on"][t], best["enc_off"][t]
             peer_cells = " | ".join(f"{best[n][t] * 1e3:.3f} | {best[n][t] / on:.2f}" for n in peer_names)
-            lines.append(f"| {batch} | {t} | {on * 1e3:.3f} | {off * 1e3:.3f} | {off / on:.2f} | {peer_cells} |")
+            lines.append(f"| {batch} | {t} | {on * 1e3:.3f} | {off * 1e3:.3f} | {off / on:.2f} | {enc_on * 1e3:.3f} | "
+                         f"{enc_off * 1e3:.3f} | {enc_off / enc_on:.2f} | {peer_cells} |")
     stats = rows[0][1]["stats"]
-    lines += ["", f"Cache memory per cached user (batch 1 run): {stats['bytes_per_entry']} bytes "
-                  f"({stats['entries']} entries, {stats['bytes']} bytes; events computed {stats['events_computed']}, "
-                  f"reused {stats['events_reused']})."]
-    table = "\n".join(lines) + "\n"
-    print(table)
+    lines += ["", f"Cache memory per cached user (batch 1 run, {max(LENGTHS)} events): {stats['bytes_per_entry']} "
+                  f"bytes ({stats['entries']} entries, {stats['bytes']} bytes; events computed "
+                  f"{stats['events_computed']}, reused {stats['events_reused']})."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["gru4rec", "sasrec", "both"], default="both")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    kinds = ["gru4rec", "sasrec"] if args.model == "both" else [args.model]
+    tables = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in kinds:
+            tables.append(table(kind, args.threads, measure_model(kind, args.threads, Path(tmp))))
+            print(tables[-1], flush=True)
     if args.out:
-        args.out.write_text(table)
+        args.out.write_text("\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -72,9 +72,11 @@ echo "==> GPU bundle (CUDA 13): build, size budget, dry run; the spill check on 
 ./scripts/gpu-bundle.sh build/gpu-bundle --cuda 13
 rm -rf build/gpu-bundle-dry-run
 build/gpu-bundle/run.sh --dry-run build/gpu-bundle-dry-run 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+rm -rf build/gpu-bundle-unpacked
+build/gpu-bundle/run.sh --unpack build/gpu-bundle-unpacked || rust_status=$?
 LD_LIBRARY_PATH="$PWD/.venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
   RECSYS_PTXAS=$PWD/.venv/cuda-13.0/nvidia/cu13/bin/ptxas RECSYS_EXPECT_NVRTC=13.0 \
-  build/gpu-bundle/bin/nvrtc_compile --nocapture 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+  build/gpu-bundle-unpacked/bin/nvrtc_compile --nocapture 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
 echo "==> Dockerfile lint"
 .venv/bin/hadolint docker/Dockerfile docker/Dockerfile.cpu

@@ -143,6 +143,15 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             ),
         );
     }
+    if let Some(plan) = engine.plan_bf16_path(settings.bf16_path) {
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: kernel plan: {}",
+                plan.describe()
+            ),
+        );
+    }
     if let Some((bytes, idle)) = settings.prefix_cache {
         engine
             .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(

@@ -100,11 +100,18 @@ pub struct ModelSettings {
     /// Whether a screened engine runs its int8 screen: by measurement (`auto`), or pinned
     /// (parameter `screen_policy`).
     pub screen_policy: recsys_engine::plan::ScreenPolicy,
+    /// Which kernels a bf16 engine runs on a CPU with AVX512-BF16: by measurement (`auto`), or
+    /// pinned (parameter `bf16_path`: `native` or `widened`).
+    pub bf16_path: recsys_engine::plan::Bf16Path,
 }
 
-/// Default of `prefix_cache_bytes` for the models that carry a state (GRU4Rec): a GRU4Rec state is
-/// a few hundred bytes to a few KiB per user, so this holds tens of thousands of users.
+/// Default of `prefix_cache_bytes` for GRU4Rec: a GRU4Rec state is a few hundred bytes to a few
+/// KiB per user, so this holds tens of thousands of users.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 64 << 20;
+/// Default of `prefix_cache_bytes` for SASRec, whose state grows with the history: every layer's
+/// key and value rows per event (1 KiB per event at MovieLens-1M's shape, 2 layers of 64), so
+/// this holds about 1,300 users at 200 events, or 5,000 at 50.
+pub const DEFAULT_PREFIX_CACHE_BYTES_SASREC: usize = 256 << 20;
 /// Default of `prefix_cache_idle_seconds`: a session idle this long is over.
 pub const DEFAULT_PREFIX_CACHE_IDLE_SECONDS: u64 = 1800;
 
@@ -196,27 +203,35 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "prefix_cache_bytes",
     "prefix_cache_idle_seconds",
     "screen_policy",
+    "bf16_path",
 ];
 
-/// The prefix cache parameters: on by default for GRU4Rec (the model that carries a state), off
-/// with `prefix_cache_bytes` 0; asked of another model, refused naming why.
+/// The prefix cache parameters: on by default for the models that carry a state (GRU4Rec,
+/// SASRec), off with `prefix_cache_bytes` 0; asked of another model, refused naming why.
 fn prefix_cache(
     config: &Value,
     engine: &Engine,
 ) -> Result<Option<(usize, Option<std::time::Duration>)>> {
-    let carries = engine.kind() == recsys_engine::ModelKind::Gru4rec;
+    let why_not = engine.why_no_prefix_cache();
+    let default = match engine.kind() {
+        recsys_engine::ModelKind::Sasrec => DEFAULT_PREFIX_CACHE_BYTES_SASREC,
+        _ => DEFAULT_PREFIX_CACHE_BYTES,
+    };
     let bytes = match parameter(config, "prefix_cache_bytes").map(str::trim) {
-        None => carries.then_some(DEFAULT_PREFIX_CACHE_BYTES),
+        None => why_not.is_none().then_some(default),
         Some(text) => match text.parse::<usize>() {
             Ok(0) => None,
-            Ok(bytes) if carries => Some(bytes),
-            Ok(_) => {
-                return Err(BackendError::InvalidConfig(format!(
-                    "parameter prefix_cache_bytes: a {} model recomputes every history (the \
-                     prefix cache serves GRU4Rec); remove the parameter or set it to 0",
-                    engine.kind()
-                )))
-            }
+            Ok(bytes) => match why_not {
+                None => Some(bytes),
+                Some(why) => {
+                    return Err(BackendError::InvalidConfig(format!(
+                        "parameter prefix_cache_bytes: a {} model recomputes every history \
+                         ({why}; the prefix cache serves GRU4Rec and SASRec); remove the \
+                         parameter or set it to 0",
+                        engine.kind()
+                    )))
+                }
+            },
             Err(_) => {
                 return Err(BackendError::InvalidConfig(format!(
                 "parameter prefix_cache_bytes must be a byte count (0: no cache), found {text:?}"
@@ -494,6 +509,13 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
                 .parse()
                 .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
         },
+        bf16_path: match parameter(config, "bf16_path") {
+            None => Default::default(),
+            Some(text) => text
+                .trim()
+                .parse()
+                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
+        },
     })
 }
 
@@ -625,6 +647,7 @@ mod tests {
             ("max_k", "x", "max_k must be a positive integer"),
             ("top_k", "5000", "more than max_k"),
             ("screen_policy", "sometimes", "screen_policy must be"),
+            ("bf16_path", "fastest", "bf16_path must be"),
         ] {
             let mut c = config.clone();
             c["parameters"][key] = json!({"string_value": value});
@@ -695,7 +718,7 @@ mod tests {
     }
 
     #[test]
-    fn the_prefix_cache_is_on_for_gru4rec_by_default_and_refused_elsewhere() {
+    fn the_prefix_cache_is_on_for_gru4rec_and_sasrec_by_default_and_refused_elsewhere() {
         let (gru, _tmp) =
             crate::test_support::fixture_engine("gru4rec", recsys_engine::ModelKind::Gru4rec);
         let mut config = minimal();
@@ -730,13 +753,26 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("byte count"));
+        let (sasrec, _tmp3) =
+            crate::test_support::fixture_engine("sasrec", recsys_engine::ModelKind::Sasrec);
+        assert_eq!(
+            with(&sasrec, &[]).unwrap(),
+            Some((DEFAULT_PREFIX_CACHE_BYTES_SASREC, idle))
+        );
+        assert_eq!(
+            with(&sasrec, &[("prefix_cache_bytes", "5000")]).unwrap(),
+            Some((5000, idle))
+        );
         let (bert, _tmp2) = engine();
         assert_eq!(with(&bert, &[]).unwrap(), None);
         assert_eq!(with(&bert, &[("prefix_cache_bytes", "0")]).unwrap(), None);
-        assert!(with(&bert, &[("prefix_cache_bytes", "1000")])
+        let refused = with(&bert, &[("prefix_cache_bytes", "1000")])
             .unwrap_err()
-            .to_string()
-            .contains("serves GRU4Rec"));
+            .to_string();
+        assert!(
+            refused.contains("serves GRU4Rec and SASRec") && refused.contains("bidirectional"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -821,6 +821,11 @@ pub struct PredictArgs {
     /// this CPU (auto, the plan kept for the next run), always, or never. The answers are the same.
     #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
     pub screen_policy: String,
+    /// A bf16 engine on a CPU with AVX512-BF16: its kernels by measurement on this CPU (auto, the
+    /// plan kept for the next run), `vdpbf16ps` (native) or bf16 widened to f32 (widened). The
+    /// answers are the same.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "native", "widened"])]
+    pub bf16_path: String,
     /// A live availability object to filter by, as the servers do (a file, or s3://.../gs://...;
     /// see `recsys availability`): its sets join the engine's, so `include_item_sets` and
     /// `exclude_item_sets` may name them (`stock=out`).

@@ -140,7 +140,7 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
     }
     let mut engine = Engine::load(&args.engine)?;
     if args.timeline {
-        if engine.kind() == recsys_engine::ModelKind::Gru4rec {
+        if engine.why_no_prefix_cache().is_none() {
             // Each event's state carried to the next: a timeline of n events computes n steps.
             // Room for every in-flight history's state many times over.
             engine.set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(
@@ -158,6 +158,9 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
     // Each worker scores its batches on one thread (the engine's), which the plan is made for.
     if let Some(plan) = engine.plan_screen(args.screen_policy.parse().map_err(CliError::Usage)?) {
         eprintln!("predict: screen plan: {}", plan.describe());
+    }
+    if let Some(plan) = engine.plan_bf16_path(args.bf16_path.parse().map_err(CliError::Usage)?) {
+        eprintln!("predict: kernel plan: {}", plan.describe());
     }
     let engine = engine;
     if let Some(source) = &args.availability {

@@ -58,6 +58,9 @@ struct Row {
     /// A screened variant's plan on this CPU: per batch size, its screen or its plain scan.
     #[serde(skip_serializing_if = "Option::is_none")]
     screen_plan: Option<String>,
+    /// A bf16 variant's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or widened, as measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kernel_plan: Option<String>,
 }
 
 /// The variants to compare, from `--precisions` and `--int8-modes` (the values `recsys convert`
@@ -303,6 +306,9 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         let screen_plan = engine
             .plan_screen(recsys_engine::plan::ScreenPolicy::Auto)
             .map(|p| p.describe());
+        let kernel_plan = engine
+            .plan_bf16_path(recsys_engine::plan::Bf16Path::Auto)
+            .map(|p| p.describe());
         let resident = engine.memory_bytes() as u64;
         let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
         let hist = histories(&engine, &cases);
@@ -355,6 +361,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             resident_bytes: resident,
             latency,
             screen_plan,
+            kernel_plan,
         });
         if reference.is_none() {
             reference = Some((engine, hist));
@@ -488,6 +495,9 @@ fn markdown(
     for r in rows {
         if let Some(plan) = &r.screen_plan {
             let _ = writeln!(s, "\nScreen plan of {} on this CPU: {plan}", r.variant);
+        }
+        if let Some(plan) = &r.kernel_plan {
+            let _ = writeln!(s, "\nKernel plan of {} on this CPU: {plan}", r.variant);
         }
     }
     let _ = writeln!(

@@ -470,8 +470,9 @@ fn a_screened_engine_predicts_byte_for_byte_what_the_plain_one_does() {
 }
 
 /// `predict --timeline` answers each history after every event exactly as `predict` answers that
-/// prefix on its own line: GRU4Rec through its incremental pass, SASRec by recomputing (and saying
-/// so on stderr); a step with no known item is that step's error, not the line's.
+/// prefix on its own line: GRU4Rec and SASRec through their incremental passes, BERT4Rec by
+/// recomputing (and saying so on stderr); a step with no known item is that step's error, not the
+/// line's.
 #[test]
 fn timelines_answer_every_prefix_as_its_own_line_would() {
     let tmp = tempfile::tempdir().unwrap();
@@ -492,7 +493,11 @@ fn timelines_answer_every_prefix_as_its_own_line_would() {
         .collect();
     // An unknown id first: the first step has no known item.
     histories[1].insert(0, -5);
-    for (model_dir, kind, note) in [("gru4rec", "gru4rec", false), ("sasrec", "sasrec", true)] {
+    for (model_dir, kind, note) in [
+        ("gru4rec", "gru4rec", false),
+        ("sasrec", "sasrec", false),
+        ("bert4rec", "bert4rec", true),
+    ] {
         let engine = tmp.path().join(model_dir);
         convert(model_dir, kind, "model.safetensors", &engine);
         let input: String = histories

@@ -14,7 +14,7 @@ use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
 use crate::models::{EncodeScratch, HistoryNote, Model};
 use crate::popularity::Popularity;
-use crate::prefix_cache::PrefixCache;
+use crate::prefix_cache::{PrefixCache, State};
 use crate::request::{
     excluded_items, BatchRecommender, EmptyHistoryPolicy, InternalRequest, Recommendation, Request,
     RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
@@ -112,6 +112,9 @@ pub struct Engine {
     /// Per batch size, whether a screened engine runs its screen or the plain scan (see
     /// [`Engine::plan_screen`]); `None`: the screen always runs.
     screen_plan: Option<crate::plan::ScreenPlan>,
+    /// A bf16 engine's kernel path on a CPU with AVX512-BF16 (see [`Engine::plan_bf16_path`]);
+    /// `None`: the native path (or nothing to choose).
+    bf16_path_plan: Option<crate::plan::Bf16PathPlan>,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -220,6 +223,7 @@ impl Engine {
             popularity,
             prefix_cache: None,
             screen_plan: None,
+            bf16_path_plan: None,
         })
     }
 
@@ -232,40 +236,140 @@ impl Engine {
         &mut self,
         policy: crate::plan::ScreenPolicy,
     ) -> Option<&crate::plan::ScreenPlan> {
-        use crate::plan::{self, PlanSource, ScreenPlan, ScreenPolicy};
+        use crate::plan::{PlanSource, ScreenPlan, ScreenPolicy};
         self.scorer.screen.as_ref()?;
         let chosen = match policy {
-            ScreenPolicy::Always | ScreenPolicy::Never => {
-                ScreenPlan::fixed(policy == ScreenPolicy::Always, PlanSource::Pinned(policy))
-            }
-            ScreenPolicy::Auto if std::env::var("RECSYS_PLAN").as_deref() == Ok("off") => {
-                ScreenPlan::fixed(true, PlanSource::Skipped)
-            }
+            ScreenPolicy::Always | ScreenPolicy::Never => ScreenPlan::fixed(
+                policy == ScreenPolicy::Always,
+                PlanSource::Pinned(format!("{policy:?}").to_lowercase()),
+            ),
+            ScreenPolicy::Auto if plans_off() => ScreenPlan::fixed(true, PlanSource::Skipped),
             ScreenPolicy::Auto => {
-                let key = plan::PlanKey {
-                    cpu: plan::cpu_model(),
-                    isa: self.scorer.kernels.isa.name().to_string(),
-                    threads: self.scorer.threads,
-                    engine: self.weights_digest(),
-                };
-                let dir = plan::plan_dir();
-                let cached = dir.as_deref().map(|d| plan::read_cached(d, &key));
-                match cached {
-                    Some(Ok(Some(plan))) => plan,
-                    other => {
-                        let ignored = match other {
-                            Some(Err(why)) => Some(why),
-                            _ => None,
-                        };
-                        let timings = self.measure_screen();
-                        let path = dir.and_then(|d| plan::write_cached(&d, &key, &timings).ok());
-                        ScreenPlan::from_timings(timings, PlanSource::Measured { path, ignored })
-                    }
-                }
+                let (timings, source) = self.planned("screen", Engine::measure_screen);
+                ScreenPlan::from_timings(timings, source)
             }
         };
         self.screen_plan = Some(chosen);
         self.screen_plan.as_ref()
+    }
+
+    /// The timings of the plan `plan` for this CPU, engine and thread count: read from the plan
+    /// cache when they were measured before, else measured now by `measure` (and kept there).
+    fn planned(
+        &mut self,
+        plan: &str,
+        measure: impl FnOnce(&mut Engine) -> Vec<crate::plan::Timing>,
+    ) -> (Vec<crate::plan::Timing>, crate::plan::PlanSource) {
+        use crate::plan::{self, PlanSource};
+        let key = plan::PlanKey {
+            plan: plan.to_string(),
+            cpu: plan::cpu_model(),
+            isa: self.scorer.kernels.isa.name().to_string(),
+            threads: self.scorer.threads,
+            engine: self.weights_digest(),
+        };
+        let dir = plan::plan_dir();
+        match dir.as_deref().map(|d| plan::read_cached(d, &key)) {
+            Some(Ok(Some((timings, path)))) => (timings, PlanSource::Cached(path)),
+            other => {
+                let ignored = match other {
+                    Some(Err(why)) => Some(why),
+                    _ => None,
+                };
+                // Measured without the prefix cache: the plan's made-up histories are nobody's
+                // session, and a cached repeat would time the cache instead of the kernels.
+                let cache = self.prefix_cache.take();
+                let timings = measure(self);
+                self.prefix_cache = cache;
+                let path = dir.and_then(|d| plan::write_cached(&d, &key, &timings).ok());
+                (timings, PlanSource::Measured { path, ignored })
+            }
+        }
+    }
+
+    /// Chooses a bf16 engine's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or bf16 widened to
+    /// f32 (the same answers either way; see [`crate::plan::Bf16Path`]): by `policy`, and for
+    /// `Auto` by timing whole calls with each on this CPU (or its cached plan). Call after
+    /// [`Engine::set_threads`]. `None` for other engines and CPUs (nothing to choose).
+    pub fn plan_bf16_path(
+        &mut self,
+        policy: crate::plan::Bf16Path,
+    ) -> Option<&crate::plan::Bf16PathPlan> {
+        use crate::kernels::{Isa, KernelTable};
+        use crate::plan::{Bf16Path, Bf16PathPlan, PlanSource};
+        let bf16 = matches!(
+            self.model.output().weight,
+            crate::weights::Matrix::Bf16 { .. }
+        );
+        let native = self.scorer.kernels.isa == Isa::Avx512Bf16;
+        if !bf16 || !(native || self.bf16_path_plan.is_some()) {
+            return None;
+        }
+        // Plans are keyed by the native ISA: put it back before measuring or reading one.
+        self.set_kernels(KernelTable::for_isa(Isa::Avx512Bf16));
+        let chosen = match policy {
+            Bf16Path::Native | Bf16Path::Widened => Bf16PathPlan::fixed(
+                policy == Bf16Path::Native,
+                PlanSource::Pinned(format!("{policy:?}").to_lowercase()),
+            ),
+            Bf16Path::Auto if plans_off() => Bf16PathPlan::fixed(true, PlanSource::Skipped),
+            Bf16Path::Auto => {
+                let (timings, source) = self.planned("bf16-path", Engine::measure_bf16_paths);
+                Bf16PathPlan::from_timings(timings, source)
+            }
+        };
+        if !chosen.native {
+            self.set_kernels(KernelTable::for_isa(Isa::Avx512));
+        }
+        self.bf16_path_plan = Some(chosen);
+        self.bf16_path_plan.as_ref()
+    }
+
+    /// The bf16 kernel plan the engine runs by ([`Engine::plan_bf16_path`]).
+    pub fn bf16_path_plan(&self) -> Option<&crate::plan::Bf16PathPlan> {
+        self.bf16_path_plan.as_ref()
+    }
+
+    /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
+    /// size, with `vdpbf16ps` (the candidate) and widened (the fallback) kernels in turn.
+    fn measure_bf16_paths(&mut self) -> Vec<crate::plan::Timing> {
+        use crate::kernels::{Isa, KernelTable};
+        let histories = self.plan_histories(16);
+        let largest = histories.len();
+        let requests: Vec<InternalRequest> = histories
+            .into_iter()
+            .map(|history| InternalRequest {
+                history,
+                k: 10.min(self.n_items()),
+                exclude_seen: true,
+                ..Default::default()
+            })
+            .collect();
+        let timings = crate::plan::measure(|native, b| {
+            let isa = if native { Isa::Avx512Bf16 } else { Isa::Avx512 };
+            self.set_kernels(KernelTable::for_isa(isa));
+            let answers = self.recommend_internal(&requests[..b.min(largest)]);
+            std::hint::black_box(answers);
+        });
+        self.set_kernels(KernelTable::for_isa(Isa::Avx512Bf16));
+        timings
+    }
+
+    /// Seeded random histories of `length` items, as many as the largest plan batch: what the
+    /// plans time the engine on (the model makes real hidden vectors of them).
+    fn plan_histories(&self, length: usize) -> Vec<Vec<u32>> {
+        let n = self.n_items() as u64;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n) as u32 + 1
+        };
+        let largest = *crate::plan::PLAN_BATCHES.iter().max().expect("batch sizes");
+        (0..largest)
+            .map(|_| (0..length).map(|_| next()).collect())
+            .collect()
     }
 
     /// The plan the engine runs by ([`Engine::plan_screen`]).
@@ -287,19 +391,9 @@ impl Engine {
 
     /// Times the screened and the plain top-10 of this engine at the plan's batch sizes, on
     /// hidden vectors the model makes from seeded random histories of 8 items.
-    fn measure_screen(&self) -> Vec<crate::plan::Timing> {
-        let n = self.n_items() as u64;
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % n) as u32 + 1
-        };
-        let largest = *crate::plan::PLAN_BATCHES.iter().max().expect("batch sizes");
-        let histories: Vec<Vec<u32>> = (0..largest)
-            .map(|_| (0..8).map(|_| next()).collect())
-            .collect();
+    fn measure_screen(&mut self) -> Vec<crate::plan::Timing> {
+        let histories = self.plan_histories(8);
+        let largest = histories.len();
         let views: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
         let (hidden, _) = self.encode(&views);
         let width = self.model.output().input_size();
@@ -309,36 +403,41 @@ impl Engine {
         };
         let ks = vec![10usize.min(self.n_items()); largest];
         let screen = self.scorer.screen.as_ref().expect("a screened engine");
-        crate::plan::measure(
-            |b| {
+        crate::plan::measure(|screened, b| {
+            if screened {
                 self.screen_top_k(screen, &hidden[..b * width], &ks[..b], limits(b));
-            },
-            |b| {
+            } else {
                 self.scorer.top_k(&hidden[..b * width], &ks[..b], limits(b));
-            },
-        )
+            }
+        })
     }
 
     /// Keeps the states of recent histories in `cache`, so a history that extends a cached one
-    /// computes only its new events; answers never change (see [`crate::prefix_cache`]). Only
-    /// GRU4Rec carries its state today: for other models this is refused, naming why. `None`
-    /// turns the cache off.
+    /// computes only its new events; answers never change (see [`crate::prefix_cache`]). GRU4Rec
+    /// carries its GRU states, SASRec every layer's keys and values; BERT4Rec and Mult-VAE are
+    /// refused, naming why. `None` turns the cache off.
     pub fn set_prefix_cache(&mut self, cache: Option<PrefixCache>) -> Result<()> {
-        if cache.is_some() && self.kind() != ModelKind::Gru4rec {
+        if let (Some(why), Some(_)) = (self.why_no_prefix_cache(), &cache) {
             return Err(EngineError::InvalidRequest(format!(
-                "the prefix cache serves GRU4Rec engines; a {} engine recomputes every history \
-                 ({})",
+                "the prefix cache serves GRU4Rec and SASRec engines; a {} engine recomputes \
+                 every history ({why})",
                 self.kind(),
-                match self.kind() {
-                    ModelKind::Bert4rec =>
-                        "its attention is bidirectional: a new event changes every position",
-                    ModelKind::Vaecf => "it reads the history as a set, in one layer",
-                    _ => "its incremental path is not built yet",
-                }
             )));
         }
         self.prefix_cache = cache;
         Ok(())
+    }
+
+    /// Why this engine's model cannot resume from a cached prefix (BERT4Rec, Mult-VAE); `None`
+    /// for the causal models that can (GRU4Rec, SASRec).
+    pub fn why_no_prefix_cache(&self) -> Option<&'static str> {
+        match self.kind() {
+            ModelKind::Gru4rec | ModelKind::Sasrec => None,
+            ModelKind::Bert4rec => {
+                Some("its attention is bidirectional: a new event changes every position")
+            }
+            ModelKind::Vaecf => Some("it reads the history as a set, in one layer"),
+        }
     }
 
     /// The prefix cache, when one is set.
@@ -608,19 +707,36 @@ impl Engine {
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let threads = self.scorer.threads.max(1);
-        if let Some(cache) = &self.prefix_cache {
-            return self.encode_cached(cache, histories, threads);
+        match &self.prefix_cache {
+            // With the prefix cache, each run resumes its own histories (see `encode_cached_run`:
+            // a history longer than the window is recomputed and not kept, since its window
+            // slides, which moves every SASRec item to another position and restarts RecBole's
+            // GRU4Rec at the window's first item).
+            Some(cache) => self.encode_in_runs(histories, threads, |run, t| {
+                self.encode_cached_run(cache, run, t)
+            }),
+            None => self.encode_in_runs(histories, threads, |run, t| self.encode_run(run, t)),
         }
+    }
+
+    /// `encode_run` over `histories` split into at most `threads` runs of about equal work, the
+    /// runs on the worker pool (fewer histories than threads: each run splits its own layers over
+    /// the threads left), their hidden vectors and notes joined in order.
+    fn encode_in_runs(
+        &self,
+        histories: &[&[u32]],
+        threads: usize,
+        encode_run: impl Fn(&[&[u32]], usize) -> (Vec<f32>, Vec<HistoryNote>) + Sync,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
         let runs = split_into_runs(histories, threads, window);
         if runs.len() <= 1 {
-            return self.encode_run(histories, threads);
+            return encode_run(histories, threads);
         }
-        // Fewer histories than threads: each run splits its own layers over the threads left.
         let threads_per_run = threads / runs.len();
         let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> =
             crate::parallel::map_pieces(runs.len(), |i| {
-                self.encode_run(&histories[runs[i].clone()], threads_per_run)
+                encode_run(&histories[runs[i].clone()], threads_per_run)
             });
         let width = self.model.output().input_size();
         let mut hidden = Vec::with_capacity(histories.len() * width);
@@ -632,18 +748,18 @@ impl Engine {
         (hidden, notes)
     }
 
-    /// The encoder over a batch with the prefix cache: each history whose model input is cached
-    /// up to some item resumes there, and every history's state after its last item is kept.
-    /// A history longer than the model's window is recomputed (its window slides, and RecBole's
-    /// GRU4Rec restarts at the window's first item) and not kept.
-    fn encode_cached(
+    /// The encoder over one run of histories with the prefix cache, on this thread's buffers, its
+    /// larger layers split over up to `threads` pool threads: each history whose model input is
+    /// cached up to some item resumes there, and every history's state after its last item is
+    /// kept (a history longer than the window is recomputed and not kept).
+    fn encode_cached_run(
         &self,
         cache: &PrefixCache,
         histories: &[&[u32]],
         threads: usize,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
-        let found: Vec<Option<(usize, std::sync::Arc<[f32]>)>> = histories
+        let found: Vec<Option<(usize, State)>> = histories
             .iter()
             .map(|h| {
                 (!h.is_empty() && h.len() <= window)
@@ -651,16 +767,17 @@ impl Engine {
                     .flatten()
             })
             .collect();
-        let starts: Vec<Option<(usize, &[f32])>> = found
+        let starts: Vec<Option<(usize, &State)>> = found
             .iter()
-            .map(|f| f.as_ref().map(|(done, state)| (*done, &state[..])))
+            .map(|f| f.as_ref().map(|(done, state)| (*done, state)))
             .collect();
-        let mut ends = Vec::new();
+        let (mut ends, mut ends_at) = (Vec::new(), Vec::new());
         let mut hidden = Vec::with_capacity(histories.len() * self.model.output().input_size());
         let mut notes = Vec::with_capacity(histories.len());
         let carry = crate::models::Carry {
             starts: &starts,
             ends: &mut ends,
+            ends_at: &mut ends_at,
         };
         thread_local! {
             static SCRATCH: std::cell::RefCell<EncodeScratch> = Default::default();
@@ -674,14 +791,28 @@ impl Engine {
             };
             self.model
                 .encode_carried(histories, scratch, &mut hidden, &mut notes, threads, carry)
-                .expect("the prefix cache is set on GRU4Rec engines only");
+                .expect("the prefix cache is set on GRU4Rec and SASRec engines only");
         });
-        let width = ends.len() / histories.len().max(1);
+        // A state that grows by appending (SASRec's) is stored as the carried one's runs plus the
+        // new part; SASRec does not carry the answer slot's output, so a repeated history
+        // computes its last event again (and stores nothing new).
+        let appends = crate::models::Carry::appends(self.kind());
         for (b, history) in histories.iter().enumerate() {
-            let done = starts[b].map_or(0, |(done, _)| done);
-            cache.computed(history.len().min(window) - done.min(history.len()));
-            if history.len() <= window && !history.is_empty() && done < history.len() {
-                cache.extend(history, &ends[b * width..(b + 1) * width], done);
+            let kept = history.len().min(window);
+            let cached = starts[b].map_or(0, |(done, _)| done.min(kept));
+            let resumed = if appends && cached == kept {
+                kept.saturating_sub(1)
+            } else {
+                cached
+            };
+            cache.computed(kept - resumed);
+            if history.len() <= window && !history.is_empty() && cached < history.len() {
+                let part = &ends[ends_at[b]..ends_at[b + 1]];
+                let state = match starts[b] {
+                    Some((_, carried)) if appends => carried.appended(part),
+                    _ => State::from_slice(part),
+                };
+                cache.extend(history, state, cached);
             }
         }
         (hidden, notes)
@@ -1042,6 +1173,11 @@ impl Engine {
     pub fn external_id(&self, index: u32) -> Option<ExternalId> {
         self.ids.external(index)
     }
+}
+
+/// `RECSYS_PLAN=off`: no plan is measured or read; engines run their defaults.
+fn plans_off() -> bool {
+    std::env::var("RECSYS_PLAN").as_deref() == Ok("off")
 }
 
 /// Splits `histories` into at most `threads` contiguous runs of about equal encoder work (a

@@ -14,6 +14,10 @@
 //! plan made on another CPU or for another engine is never read, and a damaged file is ignored
 //! (the reason is reported) and measured again. `RECSYS_PLAN=off` skips measuring (the screen
 //! always runs, as an engine without a plan); `ScreenPolicy::Always` / `Never` pin the choice.
+//!
+//! The second is a bf16 engine's kernels on a CPU with AVX512-BF16 ([`Bf16Path`]): `vdpbf16ps`
+//! or bf16 widened to f32, the same bits either way; whole calls are timed with each, and the
+//! engine keeps the faster over the measured batch sizes.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -26,8 +30,8 @@ use sha2::{Digest, Sha256};
 pub const PLAN_BATCHES: [usize; 3] = [1, 8, 64];
 /// Runs per side and batch size (the best counts: noise only adds time).
 const RUNS: usize = 3;
-/// The plan file's format.
-const FORMAT: u32 = 1;
+/// The plan file's format (2: the plan's kind in the file and its name, neutral timing names).
+const FORMAT: u32 = 2;
 
 /// How a screened engine picks between its screen and the plain scan.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -55,12 +59,14 @@ impl std::str::FromStr for ScreenPolicy {
     }
 }
 
-/// One measured batch size: the best seconds of the screened and of the plain top-k.
+/// One measured batch size: the best seconds of the two sides a plan chooses between, the
+/// candidate (the int8 screen; AVX512-BF16's `vdpbf16ps`) and the fallback it must beat (the
+/// plain scan; bf16 widened to f32).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Timing {
     pub batch: usize,
-    pub screened_s: f64,
-    pub plain_s: f64,
+    pub candidate_s: f64,
+    pub fallback_s: f64,
 }
 
 /// Where a plan came from.
@@ -74,9 +80,9 @@ pub enum PlanSource {
     },
     /// Read from the plan file made on this CPU for this engine.
     Cached(PathBuf),
-    /// Pinned by the caller's policy.
-    Pinned(ScreenPolicy),
-    /// `RECSYS_PLAN=off`: nothing measured, the screen always runs.
+    /// Pinned by the caller's policy (its name).
+    Pinned(String),
+    /// `RECSYS_PLAN=off`: nothing measured, the default runs (the screen; the native bf16 path).
     Skipped,
 }
 
@@ -104,7 +110,7 @@ impl ScreenPlan {
         ScreenPlan {
             by_batch: timings
                 .iter()
-                .map(|t| (t.batch, t.screened_s < t.plain_s))
+                .map(|t| (t.batch, t.candidate_s < t.fallback_s))
                 .collect(),
             timings,
             source,
@@ -133,13 +139,20 @@ impl ScreenPlan {
                     if *screen { "int8 screen" } else { "plain scan" },
                     timing.map_or(String::new(), |t| format!(
                         " ({:.3} ms screened, {:.3} ms plain)",
-                        t.screened_s * 1e3,
-                        t.plain_s * 1e3
+                        t.candidate_s * 1e3,
+                        t.fallback_s * 1e3
                     ))
                 )
             })
             .collect();
-        let source = match &self.source {
+        format!("{} — {}", choices.join(", "), self.source.describe())
+    }
+}
+
+impl PlanSource {
+    /// Where the plan came from, for logs.
+    pub fn describe(&self) -> String {
+        match self {
             PlanSource::Measured { path, ignored } => format!(
                 "measured on this CPU{}{}",
                 path.as_ref()
@@ -149,10 +162,104 @@ impl ScreenPlan {
                 ))
             ),
             PlanSource::Cached(path) => format!("read from {}", path.display()),
-            PlanSource::Pinned(policy) => format!("pinned ({policy:?})"),
+            PlanSource::Pinned(policy) => format!("pinned ({policy})"),
             PlanSource::Skipped => "RECSYS_PLAN=off: not measured".into(),
-        };
-        format!("{} — {source}", choices.join(", "))
+        }
+    }
+}
+
+/// How a bf16 engine on a CPU with AVX512-BF16 picks its kernels: `vdpbf16ps` (two bf16 products
+/// per lane and instruction) or AVX-512 widening bf16 to f32 and using fused multiply-adds. Both
+/// give the same bits (every SIMD path rounds each f32 operation alike: `tests/bf16.rs`), so only
+/// time differs, and which is faster depends on the CPU: `vdpbf16ps` doubled the output layer's
+/// rate on Zen 5, while a bf16 engine measured no faster than fp32 on an Emerald Rapids Xeon.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// By measurement on this CPU (or its cached plan).
+    #[default]
+    Auto,
+    /// Always `vdpbf16ps` (what an engine without a plan runs on such a CPU).
+    Native,
+    /// Always widened to f32.
+    Widened,
+}
+
+impl std::str::FromStr for Bf16Path {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Bf16Path::Auto),
+            "native" | "vdpbf16ps" => Ok(Bf16Path::Native),
+            "widened" => Ok(Bf16Path::Widened),
+            _ => Err(format!(
+                "bf16_path must be \"auto\", \"native\" or \"widened\", found {s:?}"
+            )),
+        }
+    }
+}
+
+/// Which kernels a bf16 engine runs: one choice for every batch size (the kernels are the
+/// engine's), the one whose times over the measured batch sizes have the smaller geometric mean.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bf16PathPlan {
+    /// `vdpbf16ps` (true) or widened (false).
+    pub native: bool,
+    /// Whole calls (encoder and output layer) per batch size: candidate = native.
+    pub timings: Vec<Timing>,
+    pub source: PlanSource,
+}
+
+impl Bf16PathPlan {
+    pub fn fixed(native: bool, source: PlanSource) -> Self {
+        Bf16PathPlan {
+            native,
+            timings: Vec::new(),
+            source,
+        }
+    }
+
+    /// The path whose times have the smaller geometric mean over the batch sizes (each batch size
+    /// weighs alike whatever its absolute time); native on a tie.
+    pub fn from_timings(timings: Vec<Timing>, source: PlanSource) -> Self {
+        let log_ratio: f64 = timings
+            .iter()
+            .map(|t| (t.candidate_s / t.fallback_s).ln())
+            .sum();
+        Bf16PathPlan {
+            native: log_ratio <= 0.0,
+            timings,
+            source,
+        }
+    }
+
+    /// One line for logs: the path, the times behind it and where the plan came from.
+    pub fn describe(&self) -> String {
+        let times: Vec<String> = self
+            .timings
+            .iter()
+            .map(|t| {
+                format!(
+                    "batch {}: {:.3} ms native, {:.3} ms widened",
+                    t.batch,
+                    t.candidate_s * 1e3,
+                    t.fallback_s * 1e3
+                )
+            })
+            .collect();
+        format!(
+            "bf16 {}{} — {}",
+            if self.native {
+                "vdpbf16ps (native)"
+            } else {
+                "widened to f32"
+            },
+            if times.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", times.join("; "))
+            },
+            self.source.describe()
+        )
     }
 }
 
@@ -160,6 +267,7 @@ impl ScreenPlan {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct PlanFile {
     format: u32,
+    plan: String,
     recsys: String,
     cpu: String,
     isa: String,
@@ -196,6 +304,8 @@ pub fn plan_dir() -> Option<PathBuf> {
 /// The identity a plan is made for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanKey {
+    /// Which choice: "screen" or "bf16-path".
+    pub plan: String,
     pub cpu: String,
     pub isa: String,
     pub threads: usize,
@@ -207,7 +317,8 @@ impl PlanKey {
     fn file_name(&self) -> String {
         let digest = Sha256::digest(
             format!(
-                "{FORMAT}\n{}\n{}\n{}\n{}\n{}",
+                "{FORMAT}\n{}\n{}\n{}\n{}\n{}\n{}",
+                self.plan,
                 env!("CARGO_PKG_VERSION"),
                 self.cpu,
                 self.isa,
@@ -216,12 +327,13 @@ impl PlanKey {
             )
             .as_bytes(),
         );
-        format!("screen-{}.json", &hex::encode(digest)[..24])
+        format!("{}-{}.json", self.plan, &hex::encode(digest)[..24])
     }
 
     fn matches(&self, file: &PlanFile) -> Result<(), String> {
         let checks = [
             ("format", file.format.to_string(), FORMAT.to_string()),
+            ("plan", file.plan.clone(), self.plan.clone()),
             (
                 "recsys",
                 file.recsys.clone(),
@@ -248,10 +360,13 @@ impl PlanKey {
     }
 }
 
-/// The cached plan for `key` in `dir`: `Ok(Some)` when a valid one is there, `Ok(None)` when
-/// there is none, `Err(why)` when the file there cannot be used (damaged, or made for another
-/// CPU or engine under a colliding name).
-pub fn read_cached(dir: &std::path::Path, key: &PlanKey) -> Result<Option<ScreenPlan>, String> {
+/// The cached plan's timings for `key` in `dir`, and its path: `Ok(Some)` when a valid one is
+/// there, `Ok(None)` when there is none, `Err(why)` when the file there cannot be used (damaged,
+/// or made for another CPU or engine under a colliding name).
+pub fn read_cached(
+    dir: &std::path::Path,
+    key: &PlanKey,
+) -> Result<Option<(Vec<Timing>, PathBuf)>, String> {
     let path = dir.join(key.file_name());
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
@@ -262,10 +377,7 @@ pub fn read_cached(dir: &std::path::Path, key: &PlanKey) -> Result<Option<Screen
         .map_err(|e| format!("{} is not a plan file: {e}", path.display()))?;
     key.matches(&file)
         .map_err(|why| format!("{}: {why}", path.display()))?;
-    Ok(Some(ScreenPlan::from_timings(
-        file.timings,
-        PlanSource::Cached(path),
-    )))
+    Ok(Some((file.timings, path)))
 }
 
 /// Writes a measured plan for `key` into `dir` (whole or not at all: written aside, then renamed);
@@ -279,6 +391,7 @@ pub fn write_cached(
     let path = dir.join(key.file_name());
     let file = PlanFile {
         format: FORMAT,
+        plan: key.plan.clone(),
         recsys: env!("CARGO_PKG_VERSION").into(),
         cpu: key.cpu.clone(),
         isa: key.isa.clone(),
@@ -296,27 +409,28 @@ pub fn write_cached(
     Ok(path)
 }
 
-/// Times `screened` against `plain` at every batch size of [`PLAN_BATCHES`]: each side in turn,
-/// the best of [`RUNS`] runs after one warm-up run.
-pub fn measure(mut screened: impl FnMut(usize), mut plain: impl FnMut(usize)) -> Vec<Timing> {
+/// Times the candidate (`run(true, batch)`) against the fallback (`run(false, batch)`) at every
+/// batch size of [`PLAN_BATCHES`]: each side in turn, the best of [`RUNS`] runs after one warm-up
+/// run each.
+pub fn measure(mut run: impl FnMut(bool, usize)) -> Vec<Timing> {
     PLAN_BATCHES
         .iter()
         .map(|&batch| {
-            screened(batch);
-            plain(batch);
-            let (mut best_screened, mut best_plain) = (f64::INFINITY, f64::INFINITY);
+            run(true, batch);
+            run(false, batch);
+            let (mut best_candidate, mut best_fallback) = (f64::INFINITY, f64::INFINITY);
             for _ in 0..RUNS {
                 let start = Instant::now();
-                screened(batch);
-                best_screened = best_screened.min(start.elapsed().as_secs_f64());
+                run(true, batch);
+                best_candidate = best_candidate.min(start.elapsed().as_secs_f64());
                 let start = Instant::now();
-                plain(batch);
-                best_plain = best_plain.min(start.elapsed().as_secs_f64());
+                run(false, batch);
+                best_fallback = best_fallback.min(start.elapsed().as_secs_f64());
             }
             Timing {
                 batch,
-                screened_s: best_screened,
-                plain_s: best_plain,
+                candidate_s: best_candidate,
+                fallback_s: best_fallback,
             }
         })
         .collect()
@@ -328,6 +442,7 @@ mod tests {
 
     fn key() -> PlanKey {
         PlanKey {
+            plan: "screen".into(),
             cpu: "Test CPU".into(),
             isa: "avx2".into(),
             threads: 2,
@@ -339,18 +454,18 @@ mod tests {
         vec![
             Timing {
                 batch: 1,
-                screened_s: 1.0,
-                plain_s: 2.0,
+                candidate_s: 1.0,
+                fallback_s: 2.0,
             },
             Timing {
                 batch: 8,
-                screened_s: 3.0,
-                plain_s: 2.0,
+                candidate_s: 3.0,
+                fallback_s: 2.0,
             },
             Timing {
                 batch: 64,
-                screened_s: 1.0,
-                plain_s: 2.0,
+                candidate_s: 1.0,
+                fallback_s: 2.0,
             },
         ]
     }
@@ -365,8 +480,7 @@ mod tests {
         assert_eq!(chosen, [true, true, true, false, false, true, true]);
         assert!(plan.describe().contains("batch 8+: plain scan"));
         assert!(
-            ScreenPlan::fixed(false, PlanSource::Pinned(ScreenPolicy::Never)).by_batch
-                == [(1, false)]
+            ScreenPlan::fixed(false, PlanSource::Pinned("never".into())).by_batch == [(1, false)]
         );
     }
 
@@ -375,11 +489,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(read_cached(dir.path(), &key()).unwrap(), None);
         let path = write_cached(dir.path(), &key(), &timings()).unwrap();
-        let plan = read_cached(dir.path(), &key()).unwrap().unwrap();
-        assert_eq!(plan.source, PlanSource::Cached(path.clone()));
-        assert_eq!(plan.timings, timings());
-        // Another CPU, another engine, other threads: another file name, so no plan.
+        let (cached, at) = read_cached(dir.path(), &key()).unwrap().unwrap();
+        assert_eq!((cached, &at), (timings(), &path));
+        // Another CPU, another engine, other threads, another kind of plan: another file name,
+        // so no plan.
         for other in [
+            PlanKey {
+                plan: "bf16-path".into(),
+                ..key()
+            },
             PlanKey {
                 cpu: "Other CPU".into(),
                 ..key()
@@ -410,9 +528,52 @@ mod tests {
     #[test]
     fn measuring_times_both_sides_at_every_batch() {
         let (mut s, mut p) = (Vec::new(), Vec::new());
-        let t = measure(|b| s.push(b), |b| p.push(b));
+        let t = measure(|candidate, b| if candidate { s.push(b) } else { p.push(b) });
         assert_eq!(t.iter().map(|t| t.batch).collect::<Vec<_>>(), PLAN_BATCHES);
         assert_eq!(s.len(), PLAN_BATCHES.len() * (RUNS + 1));
         assert_eq!(s, p);
+    }
+
+    #[test]
+    fn the_bf16_path_is_the_one_faster_over_the_batch_sizes() {
+        // Native 2x faster at batch 1, 1.5x slower at 8 and 64: widened overall.
+        let timings = vec![
+            Timing {
+                batch: 1,
+                candidate_s: 1.0,
+                fallback_s: 2.0,
+            },
+            Timing {
+                batch: 8,
+                candidate_s: 3.0,
+                fallback_s: 2.0,
+            },
+            Timing {
+                batch: 64,
+                candidate_s: 3.0,
+                fallback_s: 2.0,
+            },
+        ];
+        let plan = Bf16PathPlan::from_timings(timings.clone(), PlanSource::Skipped);
+        assert!(!plan.native);
+        assert!(plan
+            .describe()
+            .starts_with("bf16 widened to f32 (batch 1: 1000.000 ms native, 2000.000 ms widened"));
+        let mut faster = timings;
+        faster[1].candidate_s = 1.0;
+        assert!(Bf16PathPlan::from_timings(faster, PlanSource::Skipped).native);
+        assert_eq!(
+            ["auto", "native", "vdpbf16ps", "widened"].map(|s| s.parse::<Bf16Path>().unwrap()),
+            [
+                Bf16Path::Auto,
+                Bf16Path::Native,
+                Bf16Path::Native,
+                Bf16Path::Widened
+            ]
+        );
+        assert!("fast"
+            .parse::<Bf16Path>()
+            .unwrap_err()
+            .contains("bf16_path must be"));
     }
 }

@@ -12,6 +12,11 @@
 //! Bounded: a byte budget (entries' items and states), least recently used entries evicted first
 //! and entries idle for longer than the expiry dropped, so it never grows past the budget under
 //! any load. Shared: one cache per engine, so a model's instances in one process share it.
+//!
+//! A state is kept as runs of floats read in order ([`State`]): a model whose state grows by
+//! appending (SASRec's keys and values, a row per event) stores a longer history's state as the
+//! shorter one's runs plus one new run, so a session that grows by one event costs that event's
+//! bytes, not a copy of everything before it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -21,6 +26,78 @@ use std::time::{Duration, Instant};
 
 /// Bytes an entry costs beyond its items and state (map and order bookkeeping, allocation).
 const ENTRY_OVERHEAD: usize = 96;
+/// Bytes a run of a state costs beyond its floats (its pointer, length and shared counts).
+const RUN_OVERHEAD: usize = 32;
+/// Runs a state may have before appending merges them into one: bounds the work of reading a
+/// state and of copying its list, at the cost of copying the whole state once every so many
+/// appends.
+const MAX_RUNS: usize = 32;
+
+/// A cached state: runs of floats read in order as one sequence, shared between states (cloning
+/// one copies its list of runs, not its floats).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct State {
+    runs: Vec<Arc<[f32]>>,
+    len: usize,
+}
+
+impl State {
+    /// A state of one run holding `values`.
+    pub fn from_slice(values: &[f32]) -> State {
+        State {
+            runs: vec![values.into()],
+            len: values.len(),
+        }
+    }
+
+    /// This state followed by `more`: the runs shared, `more` a new run (all merged into one run
+    /// when there would be more than [`MAX_RUNS`]).
+    pub fn appended(&self, more: &[f32]) -> State {
+        if self.runs.len() + 1 > MAX_RUNS {
+            let mut all = Vec::with_capacity(self.len + more.len());
+            for run in &self.runs {
+                all.extend_from_slice(run);
+            }
+            all.extend_from_slice(more);
+            return State::from_slice(&all);
+        }
+        let mut runs = self.runs.clone();
+        if !more.is_empty() {
+            runs.push(more.into());
+        }
+        State {
+            runs,
+            len: self.len + more.len(),
+        }
+    }
+
+    /// The runs, in order.
+    pub fn runs(&self) -> &[Arc<[f32]>] {
+        &self.runs
+    }
+
+    /// Floats in all runs.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The floats, in one piece: borrowed when the state is one run.
+    pub fn contiguous(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self.runs.as_slice() {
+            [] => std::borrow::Cow::Borrowed(&[]),
+            [one] => std::borrow::Cow::Borrowed(one),
+            runs => std::borrow::Cow::Owned(runs.iter().flat_map(|r| r.iter().copied()).collect()),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        4 * self.len + RUN_OVERHEAD * self.runs.len()
+    }
+}
 
 /// The hash of every prefix of `items`: `out[i]` covers `items[..i]`, so `out.len() == items.len() + 1`.
 pub fn prefix_hashes(items: &[u32]) -> Vec<u64> {
@@ -59,7 +136,7 @@ impl Hasher for IdentityHasher {
 
 struct Entry {
     items: Box<[u32]>,
-    state: Arc<[f32]>,
+    state: State,
     /// Position in the recency order (larger: used more recently).
     tick: u64,
     used: Instant,
@@ -67,7 +144,7 @@ struct Entry {
 
 impl Entry {
     fn bytes(&self) -> usize {
-        4 * self.items.len() + 4 * self.state.len() + ENTRY_OVERHEAD
+        4 * self.items.len() + self.state.bytes() + ENTRY_OVERHEAD
     }
 }
 
@@ -169,13 +246,13 @@ impl PrefixCache {
 
     /// The longest prefix of `items` the cache holds (`items` itself included): how many of its
     /// items the state covers, and the state; `None` when no prefix is cached.
-    pub fn longest_prefix(&self, items: &[u32]) -> Option<(usize, Arc<[f32]>)> {
+    pub fn longest_prefix(&self, items: &[u32]) -> Option<(usize, State)> {
         let hashes = prefix_hashes(items);
         let mut inner = self.lock();
         let found = (1..=items.len()).rev().find_map(|len| {
             let entry = inner.entries.get(&hashes[len])?;
             // Verified item by item: a colliding hash is a miss, never another history's state.
-            (*entry.items == items[..len]).then(|| (len, hashes[len], Arc::clone(&entry.state)))
+            (*entry.items == items[..len]).then(|| (len, hashes[len], entry.state.clone()))
         });
         match found {
             Some((len, key, state)) => {
@@ -202,7 +279,7 @@ impl PrefixCache {
     /// Keeps `state` as the state after `items` in place of the entry of its first `replaced`
     /// items (the prefix it was computed from: a session grows, so the shorter state would only
     /// be asked for again by a history that went back on its last events).
-    pub fn extend(&self, items: &[u32], state: &[f32], replaced: usize) {
+    pub fn extend(&self, items: &[u32], state: State, replaced: usize) {
         if replaced > 0 && replaced < items.len() {
             let key = prefix_hashes(&items[..replaced])[replaced];
             let mut inner = self.lock();
@@ -220,11 +297,11 @@ impl PrefixCache {
     /// Keeps `state` as the state after `items`, evicting the least recently used entries (and
     /// any idle past the expiry) to stay within the budget. An entry larger than the whole
     /// budget is not kept.
-    pub fn insert(&self, items: &[u32], state: &[f32]) {
+    pub fn insert(&self, items: &[u32], state: State) {
         let key = *prefix_hashes(items).last().expect("one hash per prefix");
         let entry = Entry {
             items: items.into(),
-            state: state.into(),
+            state,
             tick: 0,
             used: Instant::now(),
         };
@@ -288,10 +365,10 @@ mod tests {
     fn the_longest_cached_prefix_is_found_and_verified() {
         let cache = PrefixCache::new(1 << 20, None);
         assert!(cache.longest_prefix(&[1, 2, 3]).is_none());
-        cache.insert(&[1, 2], &[0.5, 0.25]);
-        cache.insert(&[1, 2, 3, 4], &[1.0, 2.0]);
+        cache.insert(&[1, 2], State::from_slice(&[0.5, 0.25]));
+        cache.insert(&[1, 2, 3, 4], State::from_slice(&[1.0, 2.0]));
         let (len, state) = cache.longest_prefix(&[1, 2, 3, 4, 5]).unwrap();
-        assert_eq!((len, &*state), (4, &[1.0f32, 2.0][..]));
+        assert_eq!((len, &*state.contiguous()), (4, &[1.0f32, 2.0][..]));
         let (len, _) = cache.longest_prefix(&[1, 2, 3, 9]).unwrap();
         assert_eq!(len, 2);
         let (len, _) = cache.longest_prefix(&[1, 2]).unwrap();
@@ -305,22 +382,37 @@ mod tests {
     #[test]
     fn a_growing_session_keeps_one_entry() {
         let cache = PrefixCache::new(1 << 20, None);
-        cache.insert(&[1], &[1.0]);
+        cache.insert(&[1], State::from_slice(&[1.0]));
         for t in 2..=50u32 {
             let items: Vec<u32> = (1..=t).collect();
-            let (done, _) = cache.longest_prefix(&items).unwrap();
+            let (done, state) = cache.longest_prefix(&items).unwrap();
             assert_eq!(done, t as usize - 1);
-            cache.extend(&items, &[t as f32], done);
+            // Replaced (a GRU's state) for the first half, appended to (SASRec's) after.
+            let state = if t <= 25 {
+                State::from_slice(&[t as f32])
+            } else {
+                state.appended(&[t as f32])
+            };
+            cache.extend(&items, state, done);
         }
         let stats = cache.stats();
         assert_eq!(stats.entries, 1);
-        assert_eq!(stats.bytes as usize, 4 * 50 + 4 + ENTRY_OVERHEAD);
+        let (_, state) = cache
+            .longest_prefix(&(1..=50).collect::<Vec<u32>>())
+            .unwrap();
+        let want: Vec<f32> = (25..=50).map(|t| t as f32).collect();
+        assert_eq!(&*state.contiguous(), &want[..]);
+        assert_eq!(
+            stats.bytes as usize,
+            4 * 50 + state.bytes() + ENTRY_OVERHEAD,
+            "one entry, its runs counted"
+        );
     }
 
     #[test]
     fn a_colliding_hash_is_a_miss() {
         let cache = PrefixCache::new(1 << 20, None);
-        cache.insert(&[7, 8], &[1.0]);
+        cache.insert(&[7, 8], State::from_slice(&[1.0]));
         // Plant the entry under the key of another sequence: it must not be taken for it.
         {
             let mut inner = cache.lock();
@@ -335,34 +427,53 @@ mod tests {
 
     #[test]
     fn the_budget_evicts_the_least_recently_used_and_is_never_exceeded() {
-        let one = 4 * 3 + 4 * 4 + ENTRY_OVERHEAD;
+        let one = 4 * 3 + 4 * 4 + RUN_OVERHEAD + ENTRY_OVERHEAD;
         let cache = PrefixCache::new(3 * one, None);
         for user in 0..3u32 {
-            cache.insert(&[user, 1, 2], &[user as f32; 4]);
+            cache.insert(&[user, 1, 2], State::from_slice(&[user as f32; 4]));
         }
         // User 0 is used again: user 1 is now the oldest.
         assert!(cache.longest_prefix(&[0, 1, 2, 3]).is_some());
-        cache.insert(&[3, 1, 2], &[3.0; 4]);
+        cache.insert(&[3, 1, 2], State::from_slice(&[3.0; 4]));
         assert!(cache.longest_prefix(&[1, 1, 2]).is_none());
         assert!(cache.longest_prefix(&[0, 1, 2]).is_some());
         let stats = cache.stats();
         assert_eq!((stats.evictions, stats.entries), (1, 3));
         assert!(stats.bytes as usize <= cache.budget());
         for user in 0..1000u32 {
-            cache.insert(&[user, user + 1, 5], &[0.0; 4]);
+            cache.insert(&[user, user + 1, 5], State::from_slice(&[0.0; 4]));
             assert!(cache.stats().bytes as usize <= cache.budget());
         }
         // An entry larger than the budget is not kept.
-        cache.insert(&[1; 100], &[0.0; 4]);
+        cache.insert(&[1; 100], State::from_slice(&[0.0; 4]));
         assert!(cache.longest_prefix(&[1; 100]).is_none());
+    }
+
+    #[test]
+    fn appended_states_share_their_runs_and_merge_past_the_limit() {
+        let mut state = State::from_slice(&[0.0, 1.0]);
+        let first = Arc::clone(&state.runs()[0]);
+        for i in 1..MAX_RUNS {
+            state = state.appended(&[2.0 * i as f32, 2.0 * i as f32 + 1.0]);
+        }
+        assert_eq!(state.runs().len(), MAX_RUNS);
+        assert!(
+            Arc::ptr_eq(&first, &state.runs()[0]),
+            "the first run is shared, not copied"
+        );
+        state = state.appended(&[64.0, 65.0]);
+        assert_eq!(state.runs().len(), 1);
+        let want: Vec<f32> = (0..66).map(|v| v as f32).collect();
+        assert_eq!((state.len(), &*state.contiguous()), (66, &want[..]));
+        assert_eq!(state.appended(&[]).runs().len(), 1);
     }
 
     #[test]
     fn idle_entries_expire() {
         let cache = PrefixCache::new(1 << 20, Some(Duration::from_millis(30)));
-        cache.insert(&[1, 2], &[1.0]);
+        cache.insert(&[1, 2], State::from_slice(&[1.0]));
         std::thread::sleep(Duration::from_millis(60));
-        cache.insert(&[3, 4], &[1.0]);
+        cache.insert(&[3, 4], State::from_slice(&[1.0]));
         assert!(cache.longest_prefix(&[1, 2]).is_none());
         assert!(cache.longest_prefix(&[3, 4]).is_some());
         assert_eq!(cache.stats().expirations, 1);

@@ -68,7 +68,7 @@ fn plans_are_measured_once_kept_and_ignored_when_made_elsewhere_or_damaged() {
     assert!(plan
         .timings
         .iter()
-        .all(|t| t.screened_s > 0.0 && t.plain_s > 0.0));
+        .all(|t| t.candidate_s > 0.0 && t.fallback_s > 0.0));
     // The same engine loaded again (same weights, CPU and threads): read, not measured.
     let mut again = screened(&dir.path().join("b"));
     let cached = again.plan_screen(ScreenPolicy::Auto).unwrap();

@@ -312,6 +312,18 @@ pub fn pack_columns_into(
     pack_into(out, n, d, row);
 }
 
+/// [`pack_columns_into`] with the rows given one by one: item `i` is `row(i)` restricted to the
+/// columns `cols` (attention's keys when they lie in several buffers: carried and new).
+pub fn pack_rows_into<'a>(
+    out: &mut Vec<f32>,
+    n: usize,
+    cols: std::ops::Range<usize>,
+    row: impl Fn(usize) -> &'a [f32],
+) {
+    let d = cols.len();
+    pack_into(out, n, d, |i| &row(i)[cols.clone()]);
+}
+
 /// The transpose of that sub-matrix as items, into `out` (replacing what it held): item `c` is
 /// column `cols.start + c`, its features the rows `rows` (`d = rows.len()`), so the panels of the
 /// transposed copy without making it (attention's per-head values).
@@ -323,21 +335,35 @@ pub fn pack_columns_transposed_into(
     cols: std::ops::Range<usize>,
 ) {
     assert!(cols.end <= stride && rows.end * stride <= table.len());
+    let first = rows.start;
+    pack_rows_transposed_into(out, rows.len(), cols, |j| {
+        &table[(first + j) * stride..(first + j + 1) * stride]
+    });
+}
+
+/// [`pack_columns_transposed_into`] with the rows given one by one: feature `j` of every item is
+/// `row(j)`'s columns `cols` (attention's values when they lie in several buffers).
+pub fn pack_rows_transposed_into<'a>(
+    out: &mut Vec<f32>,
+    d: usize,
+    cols: std::ops::Range<usize>,
+    row: impl Fn(usize) -> &'a [f32],
+) {
     let n = cols.len();
-    let d = rows.len();
     // Resized, not cleared: every value is written below.
     out.resize(n.div_ceil(8) * d * 8, 0.0);
     for (p, panel) in out.chunks_exact_mut((d * 8).max(1)).enumerate() {
         let lanes = (n - p * 8).min(8);
-        for (j, slot) in rows.clone().zip(panel.chunks_exact_mut(8)) {
-            // Feature j of items 8p.. is row j's run of columns: contiguous in the table.
-            let start = j * stride + cols.start + p * 8;
+        for (j, slot) in panel.chunks_exact_mut(8).enumerate() {
+            // Feature j of items 8p.. is row j's run of columns: contiguous in that row.
+            let start = cols.start + p * 8;
+            let values = row(j);
             if lanes == 8 {
                 // A fixed-size copy: two vector moves, not a call to memcpy.
-                let run: &[f32; 8] = table[start..start + 8].try_into().expect("8 lanes");
+                let run: &[f32; 8] = values[start..start + 8].try_into().expect("8 lanes");
                 slot.copy_from_slice(run);
             } else {
-                slot[..lanes].copy_from_slice(&table[start..start + lanes]);
+                slot[..lanes].copy_from_slice(&values[start..start + lanes]);
                 slot[lanes..].fill(0.0);
             }
         }

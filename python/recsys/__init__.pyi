@@ -26,12 +26,16 @@ class Engine:
     """A loaded engine directory (written by `recsys convert`)."""
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
-                 prefix_cache_bytes: int = 0, screen_policy: str = "auto") -> None:
+                 prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto") -> None:
         """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
-        `prefix_cache_bytes` > 0 (GRU4Rec): keep the model's state after recent histories within
-        that many bytes, so a history one event longer computes one event; answers never change.
+        `prefix_cache_bytes` > 0 (GRU4Rec, SASRec): keep the model's state after recent histories
+        within that many bytes, so a history one event longer computes one event; answers never
+        change (BERT4Rec and Mult-VAE refuse it, naming why).
         `screen_policy` (screened engines): "auto" runs the int8 screen at the batch sizes where it
         measured faster on this CPU (the plan is kept for the next load), "always" or "never".
+        `bf16_path` (bf16 engines on CPUs with AVX512-BF16): "auto" runs `vdpbf16ps` or bf16
+        widened to f32, whichever measured faster here (kept like the screen's plan), "native"
+        or "widened"; the answers are the same.
         `path`: an engine directory, or its folder in object storage (s3://..., gs://..., as the
         command line takes them, with the same credentials), fetched into TMPDIR first.
         `device`: "cpu", or "cuda" / "cuda:N" in a package built with CUDA support
@@ -69,6 +73,10 @@ class Engine:
     @property
     def screen_plan(self) -> str | None:
         """A screened engine's plan per batch size and where it came from; None without a screen."""
+    @property
+    def kernel_plan(self) -> str | None:
+        """A bf16 engine's kernels on a CPU with AVX512-BF16 ("vdpbf16ps" or widened), the times
+        behind the choice and where it came from; None for other engines and CPUs."""
     @property
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """The prefix cache's counters (hits, misses, events_computed, events_reused, evictions,
@@ -132,6 +140,23 @@ class Engine:
         `k` one value per history (None: `default_k`); a refused history gets its error message
         (and empty ids and scores) instead of failing the call. Returns (ids, scores, embeddings,
         errors), one entry per history, each answer its own length."""
+    def timelines(
+        self,
+        histories: Histories,
+        k: int = 10,
+        exclude_seen: bool = True,
+        strict: bool = False,
+    ) -> list[
+        tuple[
+            list[Union[npt.NDArray[np.int64], list[str]]],
+            list[npt.NDArray[np.float32]],
+            list[str | None],
+        ]
+    ]:
+        """Each history's answers after each of its events (event t answers its first t ids as
+        `predict` would), for replaying a log: one (ids, scores, errors) triple per history, each
+        a list with an entry per event. With `prefix_cache_bytes` set (GRU4Rec, SASRec) each step
+        computes one event per history; without, every prefix is recomputed."""
 
 def convert(
     kind: str,

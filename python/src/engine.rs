@@ -65,6 +65,9 @@ type PredictTuple = (
     Vec<Option<String>>,
 );
 
+/// [`PyEngine::timelines`]'s answer for one history: ids, scores and errors, one entry per event.
+type TimelineTuple = (Vec<Py<PyAny>>, Vec<Py<PyAny>>, Vec<Option<String>>);
+
 /// A loaded engine directory (written by `recsys convert`).
 #[pyclass(name = "Engine", module = "recsys", frozen)]
 pub(crate) struct PyEngine {
@@ -120,6 +123,60 @@ impl PyEngine {
             None => engine.as_ref(),
         };
         py.detach(|| engine.recommend_on(recommender, &requests, &options))
+    }
+
+    /// One history's answer as [`PyEngine::predict`] returns it, appended to `rows`: ids (int64
+    /// array or list of str) and float32 scores, the embedding when asked, or the refusal's
+    /// message with empty ids and scores.
+    fn push_row(
+        &self,
+        py: Python<'_>,
+        rows: &mut PredictRows,
+        answer: recsys_engine::Result<Recommendation>,
+        embedding: bool,
+    ) -> PyResult<()> {
+        let string_ids = self.engine.manifest.id_type == recsys_engine::idmap::IdType::String;
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(e) => {
+                rows.ids.push(if string_ids {
+                    Vec::<String>::new().into_pyobject(py)?.into_any().unbind()
+                } else {
+                    PyArray1::<i64>::zeros(py, 0, false).into_any().unbind()
+                });
+                rows.scores
+                    .push(PyArray1::<f32>::zeros(py, 0, false).into_any().unbind());
+                rows.embeddings.push(None);
+                rows.errors.push(Some(e.to_string()));
+                return Ok(());
+            }
+        };
+        let mut ints = Vec::with_capacity(answer.items.len());
+        let mut names = Vec::new();
+        for item in &answer.items {
+            match self.engine.external_id(item.index) {
+                Some(ExternalId::Int(i)) => ints.push(i),
+                Some(ExternalId::Str(s)) => names.push(s),
+                None => {
+                    return Err(RecsysError::new_err(format!(
+                        "the engine returned item index {}, outside its catalogue",
+                        item.index
+                    )))
+                }
+            }
+        }
+        rows.ids.push(if string_ids {
+            names.into_pyobject(py)?.into_any().unbind()
+        } else {
+            PyArray1::from_vec(py, ints).into_any().unbind()
+        });
+        let scores: Vec<f32> = answer.items.iter().map(|s| s.score).collect();
+        rows.scores
+            .push(PyArray1::from_vec(py, scores).into_any().unbind());
+        rows.embeddings
+            .push(embedding.then(|| PyArray1::from_vec(py, answer.embedding).into_any().unbind()));
+        rows.errors.push(None);
+        Ok(())
     }
 
     /// [`Self::answer_each`] for calls that fail as a whole: the first refused history raises.
@@ -242,7 +299,9 @@ impl PyEngine {
     /// cores); `device` "cpu", or "cuda"/"cuda:N" in a package built with CUDA support (the whole
     /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
-    #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0, screen_policy = "auto"))]
+    #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0, screen_policy = "auto",
+                        bf16_path = "auto"))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -250,9 +309,12 @@ impl PyEngine {
         device: &str,
         prefix_cache_bytes: usize,
         screen_policy: &str,
+        bf16_path: &str,
     ) -> PyResult<Self> {
         let screen_policy: recsys_engine::plan::ScreenPolicy =
             screen_policy.parse().map_err(PyValueError::new_err)?;
+        let bf16_path: recsys_engine::plan::Bf16Path =
+            bf16_path.parse().map_err(PyValueError::new_err)?;
         let device = DeviceChoice::parse(device)?;
         let (dir, copy) = match path
             .to_str()
@@ -280,6 +342,7 @@ impl PyEngine {
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
         py.detach(|| engine.plan_screen(screen_policy).is_some());
+        py.detach(|| engine.plan_bf16_path(bf16_path).is_some());
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
         Ok(PyEngine {
@@ -365,6 +428,13 @@ impl PyEngine {
     #[getter]
     fn screen_plan(&self) -> Option<String> {
         self.engine.screen_plan().map(|p| p.describe())
+    }
+
+    /// A bf16 engine's kernels on a CPU with AVX512-BF16 (`vdpbf16ps` or widened to f32), the
+    /// times behind the choice and where it came from; `None` for other engines and CPUs.
+    #[getter]
+    fn kernel_plan(&self) -> Option<String> {
+        self.engine.bf16_path_plan().map(|p| p.describe())
     }
 
     /// The version of the availability object in force (`None`: none).
@@ -573,52 +643,53 @@ impl PyEngine {
             candidates.as_ref(),
             &ask,
         );
-        let string_ids = self.engine.manifest.id_type == recsys_engine::idmap::IdType::String;
         let mut rows = PredictRows::default();
         for answer in answers {
-            let answer = match answer {
-                Ok(answer) => answer,
-                Err(e) => {
-                    rows.ids.push(if string_ids {
-                        Vec::<String>::new().into_pyobject(py)?.into_any().unbind()
-                    } else {
-                        PyArray1::<i64>::zeros(py, 0, false).into_any().unbind()
-                    });
-                    rows.scores
-                        .push(PyArray1::<f32>::zeros(py, 0, false).into_any().unbind());
-                    rows.embeddings.push(None);
-                    rows.errors.push(Some(e.to_string()));
-                    continue;
-                }
-            };
-            let mut ints = Vec::with_capacity(answer.items.len());
-            let mut names = Vec::new();
-            for item in &answer.items {
-                match self.engine.external_id(item.index) {
-                    Some(ExternalId::Int(i)) => ints.push(i),
-                    Some(ExternalId::Str(s)) => names.push(s),
-                    None => {
-                        return Err(RecsysError::new_err(format!(
-                            "the engine returned item index {}, outside its catalogue",
-                            item.index
-                        )))
-                    }
-                }
-            }
-            rows.ids.push(if string_ids {
-                names.into_pyobject(py)?.into_any().unbind()
-            } else {
-                PyArray1::from_vec(py, ints).into_any().unbind()
-            });
-            let scores: Vec<f32> = answer.items.iter().map(|s| s.score).collect();
-            rows.scores
-                .push(PyArray1::from_vec(py, scores).into_any().unbind());
-            rows.embeddings.push(
-                embedding.then(|| PyArray1::from_vec(py, answer.embedding).into_any().unbind()),
-            );
-            rows.errors.push(None);
+            self.push_row(py, &mut rows, answer, embedding)?;
         }
         Ok((rows.ids, rows.scores, rows.embeddings, rows.errors))
+    }
+
+    /// Each history's answers after each of its events, for replaying a log or precomputing:
+    /// event t answers the history's first t ids as `predict` would. Every history's prefixes of
+    /// one length run as one batch, shortest first, so an engine with a prefix cache
+    /// (`prefix_cache_bytes`, GRU4Rec and SASRec) computes one event per history per step, n
+    /// steps for n events; without one each prefix is recomputed (n(n+1)/2 events). Returns one
+    /// `(ids, scores, errors)` triple per history, each a list with one entry per event (a step
+    /// with no known item has its error and empty ids and scores).
+    #[pyo3(signature = (histories, k = 10, exclude_seen = true, strict = false))]
+    fn timelines(
+        &self,
+        py: Python<'_>,
+        histories: &Bound<'_, PyAny>,
+        k: i64,
+        exclude_seen: bool,
+        strict: bool,
+    ) -> PyResult<Vec<TimelineTuple>> {
+        let default_k = self.width(k)?;
+        let histories = IdLists::extract(histories, "histories")?;
+        let ask = Ask {
+            k: None,
+            filters: None,
+            default_k,
+            exclude_seen,
+            strict,
+            embedding: false,
+        };
+        let mut timelines: Vec<PredictRows> = (0..histories.len())
+            .map(|_| PredictRows::default())
+            .collect();
+        for t in 1..=histories.longest() {
+            let (which, step) = histories.prefixes(t);
+            let answers = self.answer_each(py, &step, None, None, None, &ask);
+            for (i, answer) in which.into_iter().zip(answers) {
+                self.push_row(py, &mut timelines[i], answer, false)?;
+            }
+        }
+        Ok(timelines
+            .into_iter()
+            .map(|rows| (rows.ids, rows.scores, rows.errors))
+            .collect())
     }
 
     /// Where batches run: "cpu" or "cuda:N".

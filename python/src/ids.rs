@@ -77,6 +77,36 @@ impl IdLists {
     }
 
     /// Borrowed `&str` rows for string lists (empty for int lists); [`Self::row`] reads them.
+    /// The longest list's length.
+    pub(crate) fn longest(&self) -> usize {
+        match self {
+            IdLists::Int(v) => v.iter().map(Vec::len).max().unwrap_or(0),
+            IdLists::Str(v) => v.iter().map(Vec::len).max().unwrap_or(0),
+        }
+    }
+
+    /// The first `t` ids of every list at least that long, and which lists they are.
+    pub(crate) fn prefixes(&self, t: usize) -> (Vec<usize>, IdLists) {
+        fn take<T: Clone>(lists: &[Vec<T>], t: usize) -> (Vec<usize>, Vec<Vec<T>>) {
+            lists
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.len() >= t)
+                .map(|(i, l)| (i, l[..t].to_vec()))
+                .unzip()
+        }
+        match self {
+            IdLists::Int(v) => {
+                let (which, lists) = take(v, t);
+                (which, IdLists::Int(lists))
+            }
+            IdLists::Str(v) => {
+                let (which, lists) = take(v, t);
+                (which, IdLists::Str(lists))
+            }
+        }
+    }
+
     pub(crate) fn str_views(&self) -> Vec<Vec<&str>> {
         match self {
             IdLists::Int(_) => Vec::new(),

@@ -27,7 +27,7 @@ GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal"
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
                "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal",
                "vaecf_candidates", "retrieve_and_rank", "sasrec_cold", "vaecf_cold", "vaecf_cold_model",
-               "gru4rec_nocache"]
+               "gru4rec_nocache", "sasrec_nocache"]
 BROKEN_MODELS = [
     "bert4rec_prefix_cache",
     "missing_engine",
@@ -230,9 +230,12 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
     model("popular_without_list", contract_config("popular_without_list", params={"empty_history_policy": "popular"}),
           engines / "vaecf")
 
-    # GRU4Rec without its prefix cache (on by default): the reference the cached answers must equal.
+    # GRU4Rec and SASRec without their prefix caches (on by default): the references the cached
+    # answers must equal.
     model("gru4rec_nocache", contract_config("gru4rec_nocache", params={"prefix_cache_bytes": "0"}),
           engines / "gru4rec")
+    model("sasrec_nocache", contract_config("sasrec_nocache", params={"prefix_cache_bytes": "0"}),
+          engines / "sasrec")
     # A prefix cache asked of a model that recomputes every history: refused at load, naming why.
     model("bert4rec_prefix_cache", contract_config("bert4rec_prefix_cache", params={"prefix_cache_bytes": "1000000"}),
           engines / "bert4rec")

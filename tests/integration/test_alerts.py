@@ -3,18 +3,20 @@ Prometheus, over real tritonservers and a real Pushgateway fed by `recsys ... --
 induced as it happens in a fleet, with the rules' waits (`for:`) shortened so the test runs in
 seconds: a replica without the model (its load failed), a replica left on the version the
 repository no longer names after an approve that did not reach it (two versions serving at once),
-resolved by the next approve's reconcile pass, and a command that ends with a replica unreachable."""
+resolved by the next approve's reconcile pass, and a command that ends with a replica unreachable;
+a live availability feed that stops publishing (stale) and one whose new object a server refuses."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import yaml
 
-from conftest import convert
+from conftest import contract_config, convert
 from prometheus_harness import Prometheus, Pushgateway
 from triton_harness import ROOT, TritonServer, free_port
 
@@ -27,10 +29,10 @@ def test_the_rule_file_is_a_prometheus_rule_that_promtool_accepts(tmp_path):
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(rule["spec"]))
     run = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and "4 rules found" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 0 and "6 rules found" in run.stdout, run.stdout + run.stderr
     names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert names == {"RecsysVersionsDiverge", "RecsysPodOffRepositoryVersion", "RecsysModelMissingOnReplicas",
-                     "RecsysReleaseIncomplete"}
+                     "RecsysReleaseIncomplete", "RecsysAvailabilityStale", "RecsysAvailabilityRefused"}
 
 
 def wait_until(condition, what: str, timeout: float = 30.0):
@@ -98,3 +100,52 @@ def test_the_alerts_fire_on_induced_drift_and_resolve_when_reconciled(tmp_path, 
                 assert incomplete[0]["command"] == "approve" and incomplete[0]["model"] == "bert4rec", incomplete
                 pushed = prometheus.query('recsys_repository_version_info{model="bert4rec"}')["data"]["result"]
                 assert [r["metric"]["version"] for r in pushed] == ["2"], pushed
+
+
+def test_the_availability_alerts_fire_on_a_stale_feed_and_a_refused_object(tmp_path, recsys_bin, backend_dir,
+                                                                           repository):
+    """A feed that stops publishing: RecsysAvailabilityStale fires once the object in force is older
+    than the threshold (shortened here from 30 minutes to 8 s) and resolves when a new version is
+    published; a damaged object where the feed's object belongs: the server keeps the last good one
+    and RecsysAvailabilityRefused fires."""
+    spec = yaml.safe_dump(yaml.safe_load(RULES.read_text())["spec"])
+    assert "recsys_availability_age_seconds > 1800" in spec
+    shortened = re.sub(r"for: \d+[smh]", "for: 0s", spec.replace("recsys_availability_age_seconds > 1800",
+                                                                  "recsys_availability_age_seconds > 8"))
+    rules = tmp_path / "rules.yml"
+    rules.write_text(shortened)
+    repo = tmp_path / "repo"
+    (repo / "shop").mkdir(parents=True)
+    shutil.copytree(repository.parent / "engines" / "sasrec", repo / "shop" / "1")
+    (repo / "shop" / "config.pbtxt").write_text(contract_config(
+        "shop", params={"availability_source": "recsys-availability.bin", "availability_poll_seconds": "0.2"}))
+    ids = [int(line.split("\t")[1]) for line in
+           (repo / "shop" / "1" / "item_ids.tsv").read_text().splitlines()[1:40]]
+    table = tmp_path / "stock.tsv"
+    table.write_text("item_id\tstock\n" + "".join(f"{i}\t{'in' if i % 2 else 'out'}\n" for i in ids))
+
+    def publish(version: int):
+        run = subprocess.run([str(recsys_bin), "availability", "publish", "--repository", str(repo), "--model", "shop",
+                              "--version", str(version), str(table)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+
+    with TritonServer(repo, backend_dir, explicit=True, load_models=["shop"], log_path=tmp_path / "t.log") as server:
+        host = server.metrics_url.split("/")[2]
+        with Prometheus(tmp_path / "prometheus", {"triton": [host]}, rule_files=[rules]) as prometheus:
+            publish(1)
+            version = lambda: [r["value"][1] for r in prometheus.query(  # noqa: E731
+                'recsys_availability_version{model="shop"}')["data"]["result"]]
+            wait_until(lambda: version() == ["1"], f"version 1 scraped (now {version()})")
+            assert not prometheus.firing("RecsysAvailabilityStale")
+            stale = wait_until(lambda: prometheus.firing("RecsysAvailabilityStale"), "the stale feed", timeout=40)
+            assert stale[0]["model"] == "shop", stale
+            publish(2)
+            wait_until(lambda: not prometheus.firing("RecsysAvailabilityStale"), "a fresh version resolving it")
+            assert not prometheus.firing("RecsysAvailabilityRefused")
+            source = repo / "shop" / "recsys-availability.bin"
+            data = source.read_bytes()
+            (source.with_suffix(".partial")).write_bytes(data[: len(data) // 2])
+            source.with_suffix(".partial").replace(source)
+            refused = wait_until(lambda: prometheus.firing("RecsysAvailabilityRefused"), "the refused object")
+            assert refused[0]["model"] == "shop", refused
+            assert version() == ["2"], "the last good version stays in force"

@@ -1,8 +1,9 @@
 """The prefix cache through a real tritonserver and the Python package: the fixture's test users
 replayed event by event (every call carries the whole history, one event longer each time) are
-answered by GRU4Rec with its prefix cache (on by default) exactly as without it (a second model on
-the same engine with prefix_cache_bytes 0), and equal RecBole's golden answers at the final event of
-the golden histories; the Prometheus counters show the events reused."""
+answered by GRU4Rec and SASRec with their prefix caches (on by default) exactly as without them (a
+second model on the same engine with prefix_cache_bytes 0), and equal RecBole's golden answers at
+the final event of the golden histories; the Prometheus counters show the events reused; the
+Python package's timelines answer every prefix as its own call does."""
 
 from __future__ import annotations
 
@@ -30,30 +31,35 @@ def metric(server, name: str, model: str) -> float:
     raise AssertionError(f"no {name} for {model}")
 
 
-def test_replayed_sessions_are_answered_as_without_the_cache(server, http):
-    reused_before = metric(server, "recsys_prefix_cache_events_reused_total", "gru4rec")
+CAUSAL = [("gru4rec", 64 << 20), ("sasrec", 256 << 20)]
+
+
+@pytest.mark.parametrize("model,budget", CAUSAL)
+def test_replayed_sessions_are_answered_as_without_the_cache(server, http, model, budget):
+    reused_before = metric(server, "recsys_prefix_cache_events_reused_total", model)
     events = 0
     for user, history in enumerate(fixture_users(6)):
         for t in range(1, min(len(history), 60) + 1):
             inputs = make_inputs(httpclient, history[:t], k=20)
-            cached = http.infer("gru4rec", inputs)
-            plain = http.infer("gru4rec_nocache", inputs)
+            cached = http.infer(model, inputs)
+            plain = http.infer(f"{model}_nocache", inputs)
             assert cached.as_numpy("TOP_ITEM_IDS").tolist() == plain.as_numpy("TOP_ITEM_IDS").tolist(), (user, t)
             np.testing.assert_array_equal(cached.as_numpy("TOP_SCORES"), plain.as_numpy("TOP_SCORES"))
             events += 1
-    reused = metric(server, "recsys_prefix_cache_events_reused_total", "gru4rec") - reused_before
+    reused = metric(server, "recsys_prefix_cache_events_reused_total", model) - reused_before
     # Every call after a user's first extends the previous one (within the window of 50 events).
     assert reused > events, (reused, events)
-    assert metric(server, "recsys_prefix_cache_hits_total", "gru4rec") > 0
-    assert 0 < metric(server, "recsys_prefix_cache_bytes", "gru4rec") <= 64 << 20
+    assert metric(server, "recsys_prefix_cache_hits_total", model) > 0
+    assert 0 < metric(server, "recsys_prefix_cache_bytes", model) <= budget
 
 
-def test_golden_histories_replayed_end_on_recbole_s_answer(http):
+@pytest.mark.parametrize("model", [m for m, _ in CAUSAL])
+def test_golden_histories_replayed_end_on_recbole_s_answer(http, model):
     """RecBole's golden top-10 (seen items already left out) at the final event of each golden
     history replayed one event at a time: each position's score within 5e-5 of RecBole's float64
     one (two items RecBole scores within that may trade places), the same set of items."""
     checked = 0
-    for case in golden_cases("gru4rec"):
+    for case in golden_cases(model):
         if case.get("topk") is None:
             continue
         # The known items one at a time, then the raw history (its unknown ids are dropped, so it
@@ -61,8 +67,8 @@ def test_golden_histories_replayed_end_on_recbole_s_answer(http):
         known = case["effective_history_ext"]
         history = case["history_ext"]
         for t in range(1, len(known)):
-            http.infer("gru4rec", make_inputs(httpclient, known[:t], k=10))
-        result = http.infer("gru4rec", make_inputs(httpclient, history, k=10))
+            http.infer(model, make_inputs(httpclient, known[:t], k=10))
+        result = http.infer(model, make_inputs(httpclient, history, k=10))
         ids = result.as_numpy("TOP_ITEM_IDS")[0].tolist()
         scores = result.as_numpy("TOP_SCORES")[0]
         golden = case["topk"][:10]
@@ -70,15 +76,16 @@ def test_golden_histories_replayed_end_on_recbole_s_answer(http):
         tied_at_the_end = abs(golden[9]["score"] - case["topk"][10]["score"]) < 1e-4
         if not tied_at_the_end:
             assert set(ids) == {g["external"] for g in golden}, case["case"]
-        plain = http.infer("gru4rec_nocache", make_inputs(httpclient, history, k=10))
+        plain = http.infer(f"{model}_nocache", make_inputs(httpclient, history, k=10))
         assert ids == plain.as_numpy("TOP_ITEM_IDS")[0].tolist()
         checked += 1
     assert checked >= 5
 
 
-def test_the_python_package_replays_with_the_same_answers(repository):
-    engine_dir = str(repository / "gru4rec" / "1")
-    cached = recsys.Engine(engine_dir, threads=1, prefix_cache_bytes=1 << 20)
+@pytest.mark.parametrize("model", [m for m, _ in CAUSAL])
+def test_the_python_package_replays_with_the_same_answers(repository, model):
+    engine_dir = str(repository / model / "1")
+    cached = recsys.Engine(engine_dir, threads=1, prefix_cache_bytes=8 << 20)
     plain = recsys.Engine(engine_dir, threads=1)
     assert plain.prefix_cache_stats is None
     for history in fixture_users(4):
@@ -89,6 +96,35 @@ def test_the_python_package_replays_with_the_same_answers(repository):
             np.testing.assert_array_equal(a_scores, b_scores)
     stats = cached.prefix_cache_stats
     assert stats["hits"] > 0 and stats["events_reused"] > stats["events_computed"], stats
-    with pytest.raises(ValueError, match="serves GRU4Rec"):
+    with pytest.raises(ValueError, match="serves GRU4Rec and SASRec"):
         recsys.Engine(str(repository / "bert4rec" / "1"), prefix_cache_bytes=1 << 20)
 
+
+@pytest.mark.parametrize("model", [m for m, _ in CAUSAL] + ["bert4rec"])
+def test_timelines_answer_each_prefix_as_its_own_call(repository, model):
+    """`Engine.timelines`: event t of each history answers its first t ids exactly as `predict`
+    does on its own; with the cache each step computes one event per history (within the window),
+    so n events cost n steps, not n(n+1)/2."""
+    engine_dir = str(repository / model / "1")
+    histories = [h[:45] for h in fixture_users(5)]
+    histories[1] = [-5] + histories[1]  # an unknown id first: event 1 has no known item (an
+    # error for the causal models, BERT4Rec's empty-history answer for BERT4Rec, as predict gives)
+    reference = recsys.Engine(engine_dir, threads=1)
+    carries = model != "bert4rec"
+    engine = recsys.Engine(engine_dir, threads=1, prefix_cache_bytes=(8 << 20) if carries else 0)
+    timelines = engine.timelines(histories, k=15)
+    assert len(timelines) == len(histories)
+    for history, (ids, scores, errors) in zip(histories, timelines):
+        assert len(ids) == len(scores) == len(errors) == len(history)
+        want_ids, want_scores, _, want_errors = reference.predict(
+            [history[:t] for t in range(1, len(history) + 1)], default_k=15)
+        assert errors == want_errors
+        for t in range(len(history)):
+            assert ids[t].tolist() == want_ids[t].tolist(), (model, t)
+            np.testing.assert_array_equal(scores[t], want_scores[t])
+    if carries:
+        stats = engine.prefix_cache_stats
+        known_events = sum(len(h) for h in histories) - 1
+        # One event computed per history per step, plus the step after the unknown id (which
+        # had nothing to resume from); SASRec recomputes nothing else.
+        assert stats["events_computed"] <= known_events + len(histories), stats

@@ -2,13 +2,13 @@
 //! event longer on every call (the whole history each time, as a real-time recommender is called),
 //! with the engine's prefix cache on or off, for `scripts/bench_sessions.py`.
 //!
-//! session_probe ENGINE HISTORIES_JSON batch k threads cache(on|off) groups LENGTHS
+//! session_probe ENGINE HISTORIES_JSON batch k threads cache(on|off) groups LENGTHS [encode]
 //!
 //! HISTORIES_JSON: a list of histories (lists of external int ids), replayed `batch` at a time
 //! (`groups` groups). LENGTHS: comma-separated event counts to report (e.g. 10,50,100,200).
 //! Prints JSON: per length, the median seconds of the call that brought every history of a group
-//! to that length (encode + fused score + top-k of the batch), and the cache's counters and
-//! bytes per cached user.
+//! to that length (encode + fused score + top-k of the batch; with `encode`, the encoder alone:
+//! the part of a call the cache can shorten), and the cache's counters and bytes per cached user.
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
@@ -23,12 +23,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 9 {
+    if args.len() != 9 && !(args.len() == 10 && args[9] == "encode") {
         eprintln!(
-            "usage: session_probe ENGINE HISTORIES_JSON batch k threads cache(on|off) groups LENGTHS"
+            "usage: session_probe ENGINE HISTORIES_JSON batch k threads cache(on|off) groups \
+             LENGTHS [encode]"
         );
         std::process::exit(2);
     }
+    let encoder_only = args.len() == 10;
     let mut engine = Engine::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| panic!("{e}"));
     let histories: Vec<Vec<i64>> =
         serde_json::from_str(&std::fs::read_to_string(&args[2]).expect("read histories"))
@@ -77,9 +79,15 @@ fn main() {
                 })
                 .collect();
             let start = Instant::now();
-            let answers = engine.recommend_internal(&requests);
+            if encoder_only {
+                let histories: Vec<&[u32]> = requests.iter().map(|r| &r.history[..]).collect();
+                let (hidden, _) = engine.encode(&histories);
+                assert!(!hidden.is_empty());
+            } else {
+                let answers = engine.recommend_internal(&requests);
+                assert_eq!(answers.len(), batch);
+            }
             let elapsed = start.elapsed().as_secs_f64();
-            assert_eq!(answers.len(), batch);
             if let Some(i) = lengths.iter().position(|&l| l == t) {
                 times[i].push(elapsed);
             }
@@ -89,6 +97,7 @@ fn main() {
     let out = serde_json::json!({
         "batch": batch,
         "cache": cached,
+        "encoder_only": encoder_only,
         "isa": engine.scorer.kernels.isa.name(),
         "threads": engine.scorer.threads,
         "per_event": lengths.iter().zip(&times).map(|(l, t)| serde_json::json!({

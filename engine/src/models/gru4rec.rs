@@ -12,7 +12,7 @@
 //! embedding, it depends on the item alone, so it is computed once per item (by the same kernels,
 //! so with the same bits) and each token copies its item's row.
 
-use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
+use super::{ActivationObserver, Carry, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::Gru4RecConfig;
 use crate::error::Result;
 use crate::import::Checkpoint;
@@ -292,9 +292,9 @@ impl Gru4Rec {
                 carry
                     .as_ref()
                     .and_then(|c| c.starts[b].as_ref())
-                    .map_or(0, |(done, states)| {
+                    .map_or(0, |(done, state)| {
                         assert!(
-                            *done <= kept.len() && states.len() == self.state_len(),
+                            *done <= kept.len() && state.len() == self.state_len(),
                             "a carried state covers part of its history's model input"
                         );
                         *done
@@ -359,7 +359,9 @@ impl Gru4Rec {
             for (i, &b) in s.order.iter().enumerate() {
                 let row = &mut s.state[i * h..(i + 1) * h];
                 match carry.as_ref().and_then(|c| c.starts[b].as_ref()) {
-                    Some((_, states)) => row.copy_from_slice(&states[l * h..(l + 1) * h]),
+                    Some((_, state)) => {
+                        row.copy_from_slice(&state.contiguous()[l * h..(l + 1) * h])
+                    }
                     None => row.fill(0.0),
                 }
             }
@@ -401,6 +403,8 @@ impl Gru4Rec {
             if let Some(c) = carry.as_mut() {
                 let width = self.state_len();
                 c.ends.resize(batch * width, 0.0);
+                c.ends_at.clear();
+                c.ends_at.extend((0..=batch).map(|b| b * width));
                 for (i, &b) in s.order.iter().enumerate() {
                     c.ends[b * width + l * h..b * width + (l + 1) * h]
                         .copy_from_slice(&s.state[i * h..(i + 1) * h]);
@@ -471,15 +475,6 @@ impl Gru4Rec {
             }
         }
     }
-}
-
-/// Where the histories of a [`Gru4Rec::encode_carried`] pass start and where their states go.
-pub struct Carry<'a> {
-    /// Per history: how many items of its model input a carried state already covers, and the
-    /// layers' states after them (`[layers x hidden]`); `None` starts from the GRU's zeros.
-    pub starts: &'a [Option<(usize, &'a [f32])>],
-    /// Filled with every history's states after its last item, `[B, layers x hidden]`.
-    pub ends: &'a mut Vec<f32>,
 }
 
 /// The buffers one GRU4Rec pass works in (see [`Gru4Rec::encode_into`]).

@@ -12,8 +12,8 @@ use crate::import::Checkpoint;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-pub use gru4rec::{Carry, Gru4Rec, Gru4RecScratch};
-pub use transformer::{Flavor, Transformer, TransformerScratch};
+pub use gru4rec::{Gru4Rec, Gru4RecScratch};
+pub use transformer::{CarriedScratch, Flavor, Transformer, TransformerScratch};
 pub use vaecf::{VaeCf, VaeCfScratch};
 
 /// The buffers an encoder pass works in, for any model, kept from batch to batch by whoever
@@ -22,8 +22,33 @@ pub use vaecf::{VaeCf, VaeCfScratch};
 #[derive(Debug, Default)]
 pub struct EncodeScratch {
     transformer: TransformerScratch,
+    carried: CarriedScratch,
     vaecf: VaeCfScratch,
     gru4rec: Gru4RecScratch,
+}
+
+/// Where the histories of a pass resuming from carried states start and where their states go
+/// ([`Gru4Rec::encode_carried`], [`Transformer::encode_carried`]: the prefix cache's passes).
+pub struct Carry<'a> {
+    /// Per history: how many items of its model input a carried state already covers, and the
+    /// state after them (GRU4Rec: the layers' states, `[layers x hidden]`; SASRec: at least that
+    /// many slots' keys and values); `None` starts from the beginning.
+    pub starts: &'a [Option<(usize, &'a crate::prefix_cache::State)>],
+    /// Filled with what each history's state after its last item adds, history after history:
+    /// GRU4Rec's whole state (`layers x hidden`, which replaces the carried one); SASRec's new
+    /// slots' keys and values (appended to the carried ones, see [`Carry::appends`]).
+    pub ends: &'a mut Vec<f32>,
+    /// Filled with where each history's part starts in `ends`, and where the last one ends
+    /// (`B + 1` offsets).
+    pub ends_at: &'a mut Vec<usize>,
+}
+
+impl Carry<'_> {
+    /// Whether a history's state after the pass is its carried state followed by its part of
+    /// `ends` (SASRec), rather than that part alone (GRU4Rec).
+    pub fn appends(kind: crate::config::ModelKind) -> bool {
+        kind == crate::config::ModelKind::Sasrec
+    }
 }
 
 /// `scores = hidden @ weight^T + bias` over all N+1 outputs (index 0 is PAD); the engine packs it
@@ -372,8 +397,9 @@ impl Model {
         self.encode_in(histories, scratch, hidden, notes, threads.max(1), None)
     }
 
-    /// GRU4Rec's encoder resuming each history from a carried state ([`Gru4Rec::encode_carried`]);
-    /// `None` for the other models (which never carry one: see [`crate::prefix_cache`]).
+    /// The encoder resuming each history from a carried state: GRU4Rec's states
+    /// ([`Gru4Rec::encode_carried`]) or SASRec's keys and values ([`Transformer::encode_carried`]);
+    /// `None` for BERT4Rec and Mult-VAE (which never carry one: see [`crate::prefix_cache`]).
     pub(crate) fn encode_carried(
         &self,
         histories: &[&[u32]],
@@ -383,8 +409,20 @@ impl Model {
         threads: usize,
         carry: Carry<'_>,
     ) -> Option<()> {
-        let Model::Gru4rec(m) = self else {
-            return None;
+        let m = match self {
+            Model::Gru4rec(m) => m,
+            Model::Sasrec(m) => {
+                m.encode_carried(
+                    histories,
+                    &mut scratch.carried,
+                    hidden,
+                    notes,
+                    threads.max(1),
+                    carry,
+                );
+                return Some(());
+            }
+            Model::Bert4rec(_) | Model::Vaecf(_) => return None,
         };
         m.encode_carried(
             histories,

@@ -90,11 +90,32 @@ pub fn reference(
     all.into_iter().map(|(i, s)| (i, s as f32)).collect()
 }
 
-/// Asserts one row's answer against the reference: same length, every score within
-/// SCORE_ABS_TOL, and an index different from the reference's only where the reference itself
-/// holds that index at a near-tie score.
-pub fn assert_row_matches(got: &[(u32, f32)], want: &[(u32, f32)], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
+/// Items past k the reference keeps, so that a near-tie swap at the last rank (a kernel keeping
+/// the item the reference ranks k+1 by a rounding difference) finds that item's reference score.
+const TIE_MARGIN: usize = 16;
+
+/// Asserts one row's top-`k` answer against the f64 reference computed here (see
+/// [`assert_row_matches`]).
+#[allow(clippy::too_many_arguments)]
+pub fn assert_top_k_matches(
+    got: &[(u32, f32)],
+    w: &Matrix,
+    bias: &[f32],
+    h: &[f32],
+    k: usize,
+    excluded: &[u32],
+    what: &str,
+) {
+    let want = reference(w, bias, h, k + TIE_MARGIN, excluded);
+    assert_row_matches(got, &want, k, what);
+}
+
+/// Asserts one row's top-`k` answer against a reference ranking of at least k entries where the
+/// catalogue allows (more are only consulted for ties): the length the reference allows, every
+/// score within SCORE_ABS_TOL of the reference's at that rank, and an index different from the
+/// reference's only where the reference holds that index at a near-tie score.
+pub fn assert_row_matches(got: &[(u32, f32)], want: &[(u32, f32)], k: usize, what: &str) {
+    assert_eq!(got.len(), want.len().min(k), "{what}: length");
     for (pos, (g, e)) in got.iter().zip(want).enumerate() {
         assert!(
             (g.1 - e.1).abs() <= SCORE_ABS_TOL,

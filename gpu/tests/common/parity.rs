@@ -23,6 +23,8 @@ const HIDDEN_ABS_TOL_INT8: f32 = 1e-3;
 /// quantize the hidden vector to int16 (weight-only) where the device multiplies in f32.
 const SCORE_ABS_TOL_FLOAT: f32 = 2e-4;
 const SCORE_ABS_TOL_INT8: f32 = 5e-3;
+/// Ranks past k the CPU ranking is taken to, only to look up near-tie swaps at the last rank.
+const TIE_MARGIN: usize = 16;
 
 pub use recsys_engine::fixtures::dir as fixtures;
 
@@ -130,8 +132,20 @@ pub fn compare<D: Device>(
         Precision::Int8 => SCORE_ABS_TOL_INT8,
         _ => SCORE_ABS_TOL_FLOAT,
     };
+    // The CPU ranking a little past each k, so that a near-tie swap at the last rank (the device
+    // keeping the item the CPU ranks k+1) finds that item's CPU score.
+    let deeper: Vec<InternalRequest> = requests
+        .iter()
+        .map(|r| InternalRequest {
+            k: r.k + TIE_MARGIN,
+            ..r.clone()
+        })
+        .collect();
+    let cpu_deeper = engine.recommend_internal(&deeper);
     let (mut score_err, mut same_ids, mut entries) = (0f32, 0usize, 0usize);
-    for (r, ((c, cn, _), (d, dn))) in cpu.iter().zip(&dev).enumerate() {
+    for (r, (((c, cn, _), (d, dn)), (deep, _, _))) in
+        cpu.iter().zip(&dev).zip(&cpu_deeper).enumerate()
+    {
         assert_eq!(cn, dn, "{sub} row {r}: notes");
         assert_eq!(c.len(), d.len(), "{sub} row {r}: lengths");
         for (pos, (x, y)) in c.iter().zip(d).enumerate() {
@@ -145,7 +159,7 @@ pub fn compare<D: Device>(
                 same_ids += 1;
             } else {
                 // Only a near-tie may swap: the device's item must hold a CPU score this close.
-                let tie = c
+                let tie = deep
                     .iter()
                     .any(|o| o.index == y.index && (o.score - x.score).abs() <= 2.0 * tol);
                 assert!(tie, "{sub} row {r} rank {pos}: {x:?} vs {y:?}");

@@ -5,6 +5,52 @@ use crate::kernels::dense;
 use crate::kernels::packed::{self, QuantizedActivations};
 
 use super::layers::{dense_panels, Columns};
+
+/// Where attention reads each token's key and value rows (token `r` of the layer's row space,
+/// which the sequences' spans index).
+#[derive(Clone, Copy)]
+pub(super) enum KeyValues<'a> {
+    /// The layer's projections of every token: keys and values are columns of them.
+    Projected {
+        keys: Columns<'a>,
+        values: Columns<'a>,
+    },
+    /// A row table: token `r`'s key row starts at `sources[at[r].source][at[r].key..]` and its
+    /// value row at `[at[r].value..]` (SASRec resuming: carried rows lie in the cached state's
+    /// runs, new ones in the layer's projections), so no row is copied to gather them.
+    Table {
+        sources: &'a [&'a [f32]],
+        at: &'a [RowAt],
+    },
+}
+
+/// Where one token's key and value rows start (see [`KeyValues::Table`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RowAt {
+    pub(super) source: usize,
+    pub(super) key: usize,
+    pub(super) value: usize,
+}
+
+impl<'a> KeyValues<'a> {
+    /// Token `r`'s key row (its first value is the key's first column).
+    fn key(&self, r: usize) -> &'a [f32] {
+        match *self {
+            KeyValues::Projected { keys, .. } => &keys.data[r * keys.stride + keys.offset..],
+            KeyValues::Table { sources, at } => &sources[at[r].source][at[r].key..],
+        }
+    }
+
+    /// Token `r`'s value row.
+    fn value(&self, r: usize) -> &'a [f32] {
+        match *self {
+            KeyValues::Projected { values, .. } => {
+                &values.data[r * values.stride + values.offset..]
+            }
+            KeyValues::Table { sources, at } => &sources[at[r].source][at[r].value..],
+        }
+    }
+}
 use super::{Flavor, Transformer};
 
 impl Transformer {
@@ -16,8 +62,7 @@ impl Transformer {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention(
         &self,
-        keys: Columns<'_>,
-        values: Columns<'_>,
+        kv: KeyValues<'_>,
         queries: Columns<'_>,
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
@@ -57,7 +102,7 @@ impl Transformer {
                 let mine = (i * heads_per_piece).min(heads)..((i + 1) * heads_per_piece).min(heads);
                 a.out.resize(mine.len() * query_rows.len() * d, 0.0);
                 for (slot, head) in mine.enumerate() {
-                    self.attention_head(head, keys, values, queries, spans, query_rows, slot, a);
+                    self.attention_head(head, kv, queries, spans, query_rows, slot, a);
                 }
             })
         };
@@ -80,8 +125,7 @@ impl Transformer {
     pub(super) fn attention_head(
         &self,
         head: usize,
-        keys: Columns<'_>,
-        values: Columns<'_>,
+        kv: KeyValues<'_>,
         queries: Columns<'_>,
         spans: &[std::ops::Range<usize>],
         query_rows: &[usize],
@@ -107,9 +151,9 @@ impl Transformer {
                 // A sequence none of whose rows this piece answers.
                 continue;
             }
-            // Keys and values are packed straight from the layer outputs (no per-head copy).
-            let key_cols = keys.offset + cols.start..keys.offset + cols.end;
-            packed::pack_columns_into(&mut a.keys, keys.data, keys.stride, span.clone(), key_cols);
+            // Keys and values are packed straight from where they lie (no per-head copy).
+            let first = span.start;
+            packed::pack_rows_into(&mut a.keys, t, cols.clone(), |i| kv.key(first + i));
             let keys_h = dense_panels(&a.keys, t, d, &a.zeros);
             a.q_h.clear();
             for qi in first_query..first_query + n_queries {
@@ -132,13 +176,9 @@ impl Transformer {
                 (self.kernels.elementwise.softmax)(visible);
                 later.fill(0.0);
             }
-            packed::pack_columns_transposed_into(
-                &mut a.values,
-                values.data,
-                values.stride,
-                span.clone(),
-                values.offset + cols.start..values.offset + cols.end,
-            );
+            packed::pack_rows_transposed_into(&mut a.values, t, cols.clone(), |j| {
+                kv.value(first + j)
+            });
             let values_h = dense_panels(&a.values, d, t, &a.zeros);
             let out = &mut a.out[block + first_query * d..block + (first_query + n_queries) * d];
             dense::linear_into(self.kernels, values_h, &a.scores, out, &mut a.unused);

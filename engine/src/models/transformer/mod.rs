@@ -17,12 +17,16 @@
 //!
 //! Files by job: this one holds the model (its layers as loaded, the pass over a batch, the
 //! scratch buffers), `layers` the layer primitives (dense layers, LayerNorm, the fused key/value/
-//! query projections), `attention` the per-sequence, per-head attention on the packed kernels, and
-//! `split` how a layer's rows are split over threads without changing a bit.
+//! query projections), `attention` the per-sequence, per-head attention on the packed kernels,
+//! `split` how a layer's rows are split over threads without changing a bit, and `carry` SASRec's
+//! pass resuming from carried keys and values (the prefix cache's).
 
 mod attention;
+mod carry;
 mod layers;
 mod split;
+
+pub use carry::CarriedScratch;
 
 use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
 use crate::config::{ModelKind, TransformerConfig};
@@ -33,7 +37,7 @@ use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-use attention::AttentionScratch;
+use attention::{AttentionScratch, KeyValues};
 use layers::{project, Columns, Dense, LayerNorm, Projections};
 use split::RowPiece;
 
@@ -503,8 +507,7 @@ impl Transformer {
         };
 
         self.attention(
-            keys,
-            values,
+            KeyValues::Projected { keys, values },
             queries,
             &s.spans,
             &s.query_rows,
@@ -704,7 +707,9 @@ mod tests {
     }
 
     /// Long sequences split the heads over threads: every bit as on one thread, for the full
-    /// layer (every row a query) and the last (one query row per sequence).
+    /// layer (every row a query) and the last (one query row per sequence); and keys and values
+    /// read through a row table (rows scattered over several buffers, as SASRec's carried and new
+    /// rows are) give the same bits as read from the projections.
     #[test]
     fn attention_heads_split_over_threads_change_no_bit() {
         crate::parallel::split_by_floor_only();
@@ -735,16 +740,39 @@ mod tests {
             spans.iter().map(|s| s.end - 1).collect(),
         ] {
             let queries: Vec<f32> = (0..query_rows.len() * h).map(|_| value()).collect();
-            let run = |threads: usize| {
+            // The same rows in a table: each token's [key | value] in one of three buffers, in
+            // turn, after some padding.
+            let mut buffers = [vec![0.5f32; 7], vec![0.25f32; 3], Vec::new()];
+            let mut at = Vec::with_capacity(tokens);
+            for r in 0..tokens {
+                let buffer = &mut buffers[r % 3];
+                let key = buffer.len();
+                buffer.extend_from_slice(&keys[r * h..(r + 1) * h]);
+                buffer.extend_from_slice(&values[r * h..(r + 1) * h]);
+                at.push(super::attention::RowAt {
+                    source: r % 3,
+                    key,
+                    value: key + h,
+                });
+            }
+            let sources: Vec<&[f32]> = buffers.iter().map(Vec::as_slice).collect();
+            let table = super::KeyValues::Table {
+                sources: &sources,
+                at: &at,
+            };
+            let run_with = |threads: usize, kv: Option<super::KeyValues<'_>>| {
                 let (mut context, mut pieces) = (Vec::new(), Vec::new());
                 let columns = |data| super::Columns {
                     data,
                     stride: h,
                     offset: 0,
                 };
+                let projected = super::KeyValues::Projected {
+                    keys: columns(&keys),
+                    values: columns(&values),
+                };
                 model.attention(
-                    columns(&keys),
-                    columns(&values),
+                    kv.unwrap_or(projected),
                     columns(&queries),
                     &spans,
                     &query_rows,
@@ -754,8 +782,18 @@ mod tests {
                 );
                 (context, pieces.len())
             };
+            let run = |threads: usize| run_with(threads, None);
             let (one, pieces_one) = run(1);
             assert_eq!(pieces_one, 1);
+            let (through_table, _) = run_with(1, Some(table));
+            assert!(
+                through_table
+                    .iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} query rows through a row table",
+                query_rows.len()
+            );
             for threads in [2, 3, 8] {
                 let (got, pieces) = run(threads);
                 if query_rows.len() == tokens {

@@ -6,6 +6,7 @@ use crate::kernels::dense;
 use crate::kernels::packed::QuantizedActivations;
 
 use super::attention::AttentionScratch;
+use super::attention::KeyValues;
 use super::layers::Columns;
 use super::{Transformer, TransformerLayer, TransformerScratch};
 
@@ -143,8 +144,7 @@ impl Transformer {
             let q = query_ranges[i].clone();
             let p = &mut **piece;
             self.attention(
-                keys,
-                values,
+                KeyValues::Projected { keys, values },
                 queries.rows(q.clone()),
                 spans,
                 &all_query_rows[q.clone()],
