@@ -152,6 +152,16 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             ),
         );
     }
+    // Last: it times whole calls with the kernels the plans above chose.
+    if let Some(plan) = engine.plan_threads(settings.thread_plan) {
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: thread plan: {}",
+                plan.describe()
+            ),
+        );
+    }
     if let Some((bytes, idle)) = settings.prefix_cache {
         engine
             .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(

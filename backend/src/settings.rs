@@ -103,6 +103,9 @@ pub struct ModelSettings {
     /// Which kernels a bf16 engine runs on a CPU with AVX512-BF16: by measurement (`auto`), or
     /// pinned (parameter `bf16_path`: `native` or `widened`).
     pub bf16_path: recsys_engine::plan::Bf16Path,
+    /// How many of the instance's threads each batch size gets: by measurement (`auto`), all of
+    /// them (`all`), or a fixed count (parameter `thread_plan`).
+    pub thread_plan: recsys_engine::plan::ThreadPolicy,
 }
 
 /// Default of `prefix_cache_bytes` for GRU4Rec: a GRU4Rec state is a few hundred bytes to a few
@@ -204,6 +207,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "prefix_cache_idle_seconds",
     "screen_policy",
     "bf16_path",
+    "thread_plan",
 ];
 
 /// The prefix cache parameters: on by default for the models that carry a state (GRU4Rec,
@@ -516,6 +520,13 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
                 .parse()
                 .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
         },
+        thread_plan: match parameter(config, "thread_plan") {
+            None => Default::default(),
+            Some(text) => text
+                .trim()
+                .parse()
+                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
+        },
     })
 }
 
@@ -648,6 +659,8 @@ mod tests {
             ("top_k", "5000", "more than max_k"),
             ("screen_policy", "sometimes", "screen_policy must be"),
             ("bf16_path", "fastest", "bf16_path must be"),
+            ("thread_plan", "0", "thread_plan must be"),
+            ("thread_plan", "most", "thread_plan must be"),
         ] {
             let mut c = config.clone();
             c["parameters"][key] = json!({"string_value": value});

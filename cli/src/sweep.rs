@@ -61,6 +61,9 @@ struct Row {
     /// A bf16 variant's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or widened, as measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     kernel_plan: Option<String>,
+    /// The threads each batch size gets on this CPU, as measured (engines of more than one thread).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    thread_plan: Option<String>,
 }
 
 /// The variants to compare, from `--precisions` and `--int8-modes` (the values `recsys convert`
@@ -309,6 +312,9 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         let kernel_plan = engine
             .plan_bf16_path(recsys_engine::plan::Bf16Path::Auto)
             .map(|p| p.describe());
+        let thread_plan = engine
+            .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
+            .map(|p| p.describe());
         let resident = engine.memory_bytes() as u64;
         let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
         let hist = histories(&engine, &cases);
@@ -362,6 +368,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             latency,
             screen_plan,
             kernel_plan,
+            thread_plan,
         });
         if reference.is_none() {
             reference = Some((engine, hist));
@@ -498,6 +505,9 @@ fn markdown(
         }
         if let Some(plan) = &r.kernel_plan {
             let _ = writeln!(s, "\nKernel plan of {} on this CPU: {plan}", r.variant);
+        }
+        if let Some(plan) = &r.thread_plan {
+            let _ = writeln!(s, "\nThread plan of {} on this CPU: {plan}", r.variant);
         }
     }
     let _ = writeln!(

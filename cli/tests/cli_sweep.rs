@@ -127,7 +127,9 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
     let row = variants
         .iter()
         .find(|v| v["variant"] == recommended)
-        .unwrap();
+        .unwrap_or_else(|| {
+            panic!("recommended {recommended:?} is not among {names:?}: {report:#}")
+        });
     assert!(row["ndcg10_relative_loss"].as_f64().unwrap() <= 0.01);
     assert!(report["recommendation"]["command"]
         .as_str()

@@ -87,10 +87,11 @@ pub(crate) struct RowLimits {
 impl Scorer {
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
     /// (PAD) nor any of `limits.excluded[row]` (unsorted, may repeat), only items its mask keeps.
-    fn top_k(&self, hidden: &[f32], ks: &[usize], limits: RowLimits) -> RankedRows {
+    /// On up to `threads` pool threads.
+    fn top_k(&self, hidden: &[f32], ks: &[usize], limits: RowLimits, threads: usize) -> RankedRows {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
-        fused::top_k(self.kernels, &self.packed, hidden, &queries, self.threads)
+        fused::top_k(self.kernels, &self.packed, hidden, &queries, threads)
     }
 }
 
@@ -115,6 +116,9 @@ pub struct Engine {
     /// A bf16 engine's kernel path on a CPU with AVX512-BF16 (see [`Engine::plan_bf16_path`]);
     /// `None`: the native path (or nothing to choose).
     bf16_path_plan: Option<crate::plan::Bf16PathPlan>,
+    /// Per batch size, how many of the scorer's threads a call uses (see
+    /// [`Engine::plan_threads`]); `None`: all of them.
+    thread_plan: Option<crate::plan::ThreadPlan>,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -224,6 +228,7 @@ impl Engine {
             prefix_cache: None,
             screen_plan: None,
             bf16_path_plan: None,
+            thread_plan: None,
         })
     }
 
@@ -255,11 +260,11 @@ impl Engine {
 
     /// The timings of the plan `plan` for this CPU, engine and thread count: read from the plan
     /// cache when they were measured before, else measured now by `measure` (and kept there).
-    fn planned(
+    fn planned<T: serde::Serialize + serde::de::DeserializeOwned + Clone>(
         &mut self,
         plan: &str,
-        measure: impl FnOnce(&mut Engine) -> Vec<crate::plan::Timing>,
-    ) -> (Vec<crate::plan::Timing>, crate::plan::PlanSource) {
+        measure: impl FnOnce(&mut Engine) -> Vec<T>,
+    ) -> (Vec<T>, crate::plan::PlanSource) {
         use crate::plan::{self, PlanSource};
         let key = plan::PlanKey {
             plan: plan.to_string(),
@@ -334,17 +339,8 @@ impl Engine {
     /// size, with `vdpbf16ps` (the candidate) and widened (the fallback) kernels in turn.
     fn measure_bf16_paths(&mut self) -> Vec<crate::plan::Timing> {
         use crate::kernels::{Isa, KernelTable};
-        let histories = self.plan_histories(16);
-        let largest = histories.len();
-        let requests: Vec<InternalRequest> = histories
-            .into_iter()
-            .map(|history| InternalRequest {
-                history,
-                k: 10.min(self.n_items()),
-                exclude_seen: true,
-                ..Default::default()
-            })
-            .collect();
+        let requests = self.plan_requests(16);
+        let largest = requests.len();
         let timings = crate::plan::measure(|native, b| {
             let isa = if native { Isa::Avx512Bf16 } else { Isa::Avx512 };
             self.set_kernels(KernelTable::for_isa(isa));
@@ -353,6 +349,19 @@ impl Engine {
         });
         self.set_kernels(KernelTable::for_isa(Isa::Avx512Bf16));
         timings
+    }
+
+    /// Top-10 requests (the history excluded) for the [`Engine::plan_histories`] of `length`.
+    fn plan_requests(&self, length: usize) -> Vec<InternalRequest> {
+        self.plan_histories(length)
+            .into_iter()
+            .map(|history| InternalRequest {
+                history,
+                k: 10.min(self.n_items()),
+                exclude_seen: true,
+                ..Default::default()
+            })
+            .collect()
     }
 
     /// Seeded random histories of `length` items, as many as the largest plan batch: what the
@@ -405,9 +414,12 @@ impl Engine {
         let screen = self.scorer.screen.as_ref().expect("a screened engine");
         crate::plan::measure(|screened, b| {
             if screened {
-                self.screen_top_k(screen, &hidden[..b * width], &ks[..b], limits(b));
+                let threads = self.scorer.threads;
+                self.screen_top_k(screen, &hidden[..b * width], &ks[..b], limits(b), threads);
             } else {
-                self.scorer.top_k(&hidden[..b * width], &ks[..b], limits(b));
+                let threads = self.scorer.threads;
+                self.scorer
+                    .top_k(&hidden[..b * width], &ks[..b], limits(b), threads);
             }
         })
     }
@@ -465,9 +477,71 @@ impl Engine {
                 .map_or(0, ScreenTable::memory_bytes)
     }
 
-    /// Threads for scoring one batch (at least 1).
+    /// Threads for scoring one batch (at least 1). A thread plan made for another count is
+    /// dropped ([`Engine::plan_threads`] makes one for this count).
     pub fn set_threads(&mut self, threads: usize) {
         self.scorer.threads = threads.max(1);
+        self.thread_plan = None;
+    }
+
+    /// The threads a call of `batch` histories uses: its thread plan's count for that batch
+    /// size, never more than the engine's threads; all of them without a plan.
+    pub fn call_threads(&self, batch: usize) -> usize {
+        let all = self.scorer.threads.max(1);
+        self.thread_plan
+            .as_ref()
+            .map_or(all, |plan| plan.threads_for(batch).clamp(1, all))
+    }
+
+    /// Chooses how many of the engine's threads each batch size gets (the same answers whatever
+    /// the count; see [`crate::plan::ThreadPlan`]): by `policy`, and for `Auto` by timing whole
+    /// calls at 1, 2, 4 ... threads on this CPU (or its cached plan). Call after
+    /// [`Engine::set_threads`] and the other plans (it times the kernels they chose). `None` for
+    /// an engine of one thread (nothing to choose).
+    pub fn plan_threads(
+        &mut self,
+        policy: crate::plan::ThreadPolicy,
+    ) -> Option<&crate::plan::ThreadPlan> {
+        use crate::plan::{PlanSource, ThreadPlan, ThreadPolicy};
+        let all = self.scorer.threads;
+        if all <= 1 {
+            self.thread_plan = None;
+            return None;
+        }
+        let chosen = match policy {
+            ThreadPolicy::All => ThreadPlan::fixed(all, PlanSource::Pinned("all".into())),
+            ThreadPolicy::Fixed(t) => {
+                ThreadPlan::fixed(t.min(all), PlanSource::Pinned(t.to_string()))
+            }
+            ThreadPolicy::Auto if plans_off() => ThreadPlan::fixed(all, PlanSource::Skipped),
+            ThreadPolicy::Auto => {
+                let (timings, source) = self.planned("threads", Engine::measure_threads);
+                ThreadPlan::from_timings(timings, source)
+            }
+        };
+        self.thread_plan = Some(chosen);
+        self.thread_plan.as_ref()
+    }
+
+    /// The thread plan the engine runs by ([`Engine::plan_threads`]).
+    pub fn thread_plan(&self) -> Option<&crate::plan::ThreadPlan> {
+        self.thread_plan.as_ref()
+    }
+
+    /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
+    /// size and each candidate thread count in turn.
+    fn measure_threads(&mut self) -> Vec<crate::plan::ThreadTiming> {
+        use crate::plan::{thread_candidates, PlanSource, ThreadPlan};
+        let requests = self.plan_requests(16);
+        let largest = requests.len();
+        let kept = self.thread_plan.take();
+        let timings =
+            crate::plan::measure_threads(&thread_candidates(self.scorer.threads), |threads, b| {
+                self.thread_plan = Some(ThreadPlan::fixed(threads, PlanSource::Skipped));
+                std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
+            });
+        self.thread_plan = kept;
+        timings
     }
 
     /// Replaces the kernel set (tests and benches run every ISA path).
@@ -706,7 +780,11 @@ impl Engine {
     /// depend on the rows encoded beside it, so the split changes no bit of the answer; it only
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
-        let threads = self.scorer.threads.max(1);
+        self.encode_on(histories, self.call_threads(histories.len()))
+    }
+
+    /// [`Engine::encode`] on up to `threads` pool threads.
+    fn encode_on(&self, histories: &[&[u32]], threads: usize) -> (Vec<f32>, Vec<HistoryNote>) {
         match &self.prefix_cache {
             // With the prefix cache, each run resumes its own histories (see `encode_cached_run`:
             // a history longer than the window is recomputed and not kept, since its window
@@ -917,9 +995,10 @@ impl Engine {
                 .expect("the CPU engine answers every batch");
         }
         // A pool worker wakes while the batch starts, and stays awake between its split steps.
-        let _awake = (self.scorer.threads > 1).then(crate::parallel::Batch::begin);
+        let threads = self.call_threads(batch.len());
+        let _awake = (threads > 1).then(crate::parallel::Batch::begin);
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
-        let (hidden, mut notes) = self.encode(&histories);
+        let (hidden, mut notes) = self.encode_on(&histories, threads);
         let width = self.model.output().input_size();
         let user = |r: usize| &hidden[r * width..(r + 1) * width];
         // Whole-catalogue rows go through the scorer together; candidate rows each score their
@@ -938,7 +1017,7 @@ impl Engine {
                 eligible: whole.iter().map(|&r| batch[r].eligible.clone()).collect(),
             };
             let ks: Vec<usize> = whole.iter().map(|&r| batch[r].k).collect();
-            let (ranked, survivors) = self.screened_top_k(&rows_hidden, &ks, limits);
+            let (ranked, survivors) = self.screened_top_k(&rows_hidden, &ks, limits, threads);
             for (i, (r, ranked)) in whole.iter().zip(ranked).enumerate() {
                 top[*r] = ranked;
                 if let Some(survivors) = &survivors {
@@ -946,7 +1025,7 @@ impl Engine {
                 }
             }
         }
-        self.rank_candidate_rows(batch, &hidden, &mut top);
+        self.rank_candidate_rows(batch, &hidden, &mut top, threads);
         top.into_iter()
             .zip(notes)
             .enumerate()
@@ -974,9 +1053,10 @@ impl Engine {
         hidden: &[f32],
         ks: &[usize],
         limits: RowLimits,
+        threads: usize,
     ) -> (RankedRows, Option<Vec<usize>>) {
         let Some(screen) = &self.scorer.screen else {
-            return (self.scorer.top_k(hidden, ks, limits), None);
+            return (self.scorer.top_k(hidden, ks, limits, threads), None);
         };
         if self
             .screen_plan
@@ -984,9 +1064,9 @@ impl Engine {
             .is_some_and(|plan| !plan.screen_for(ks.len()))
         {
             // Planned: the plain scan measured faster at this batch size (the same answer).
-            return (self.scorer.top_k(hidden, ks, limits), None);
+            return (self.scorer.top_k(hidden, ks, limits, threads), None);
         }
-        let (ranked, survivors) = self.screen_top_k(screen, hidden, ks, limits);
+        let (ranked, survivors) = self.screen_top_k(screen, hidden, ks, limits, threads);
         (ranked, Some(survivors))
     }
 
@@ -997,6 +1077,7 @@ impl Engine {
         hidden: &[f32],
         ks: &[usize],
         limits: RowLimits,
+        threads: usize,
     ) -> (RankedRows, Vec<usize>) {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
@@ -1006,7 +1087,7 @@ impl Engine {
             screen,
             hidden,
             &queries,
-            self.scorer.threads.max(1),
+            threads,
             |row, items| {
                 // Survivors are eligible already: nothing left to exclude. They are a few
                 // scattered rows of a table the screen exists not to read, so a large table
@@ -1034,6 +1115,7 @@ impl Engine {
         batch: &[InternalRequest],
         hidden: &[f32],
         top: &mut [Vec<Scored>],
+        threads: usize,
     ) {
         let mut groups: Vec<(&[u32], Vec<usize>)> = Vec::new();
         let mut group_of: std::collections::HashMap<&[u32], usize> = Default::default();
@@ -1063,7 +1145,6 @@ impl Engine {
             let excluded: Vec<Vec<u32>> = rows.iter().map(|&r| excluded_items(&batch[r])).collect();
             self.top_k_among_rows(&users, candidates, &ks, &excluded, threads)
         };
-        let threads = self.scorer.threads.max(1);
         let ranked: Vec<RankedRows> = if groups.len() == 1 || threads == 1 {
             groups.iter().map(|g| rank(g, threads)).collect()
         } else {

@@ -18,10 +18,18 @@
 //! The second is a bf16 engine's kernels on a CPU with AVX512-BF16 ([`Bf16Path`]): `vdpbf16ps`
 //! or bf16 widened to f32, the same bits either way; whole calls are timed with each, and the
 //! engine keeps the faster over the measured batch sizes.
+//!
+//! The third is how many of its threads each batch size gets ([`ThreadPlan`]): a second core pays
+//! for a batch of 64 on every CPU measured, for one history on some and not on others (a handoff
+//! costs 5-800 us depending on the machine and its neighbours). Whole calls are timed at 1, 2, 4 ...
+//! threads up to the engine's; a batch size gets the fewest threads within [`THREAD_MARGIN`] of
+//! its fastest, so a thread that does not pay is left to the other requests. Rows never depend on
+//! the threads that computed them, so the plan changes time only.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -263,9 +271,178 @@ impl Bf16PathPlan {
     }
 }
 
-/// What a plan file holds; every identifying field must match for it to be used.
+/// Fewer threads are kept when within this fraction of the fastest count's time: a thread that
+/// saves less is worth more to the requests beside this one.
+pub const THREAD_MARGIN: f64 = 0.05;
+
+/// How an engine gives its threads to each batch size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ThreadPolicy {
+    /// By measurement on this CPU (or its cached plan).
+    #[default]
+    Auto,
+    /// Every batch gets all the engine's threads (what an engine without a plan does).
+    All,
+    /// Every batch gets this many (at most the engine's).
+    Fixed(usize),
+}
+
+impl std::str::FromStr for ThreadPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ThreadPolicy::Auto),
+            "all" => Ok(ThreadPolicy::All),
+            n => match n.parse::<usize>() {
+                Ok(t) if t >= 1 => Ok(ThreadPolicy::Fixed(t)),
+                _ => Err(format!(
+                    "thread_plan must be \"auto\", \"all\" or a thread count of at least 1, \
+                     found {s:?}"
+                )),
+            },
+        }
+    }
+}
+
+/// One thread count's best time at one batch size (whole calls).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ThreadTiming {
+    pub batch: usize,
+    pub threads: usize,
+    pub seconds: f64,
+}
+
+/// Per batch size, the threads a call gets.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ThreadPlan {
+    /// `(smallest batch, threads)`, ascending.
+    pub by_batch: Vec<(usize, usize)>,
+    pub timings: Vec<ThreadTiming>,
+    pub source: PlanSource,
+}
+
+impl ThreadPlan {
+    /// The same threads for every batch size.
+    pub fn fixed(threads: usize, source: PlanSource) -> Self {
+        ThreadPlan {
+            by_batch: vec![(1, threads.max(1))],
+            timings: Vec::new(),
+            source,
+        }
+    }
+
+    /// From timings: per batch size, the fewest threads within [`THREAD_MARGIN`] of the fastest.
+    pub fn from_timings(timings: Vec<ThreadTiming>, source: PlanSource) -> Self {
+        let mut batches: Vec<usize> = timings.iter().map(|t| t.batch).collect();
+        batches.sort_unstable();
+        batches.dedup();
+        let by_batch = batches
+            .into_iter()
+            .map(|batch| {
+                let at: Vec<&ThreadTiming> = timings.iter().filter(|t| t.batch == batch).collect();
+                let best = at.iter().map(|t| t.seconds).fold(f64::INFINITY, f64::min);
+                let threads = at
+                    .iter()
+                    .filter(|t| t.seconds <= best * (1.0 + THREAD_MARGIN))
+                    .map(|t| t.threads)
+                    .min()
+                    .unwrap_or(1);
+                (batch, threads)
+            })
+            .collect();
+        ThreadPlan {
+            by_batch,
+            timings,
+            source,
+        }
+    }
+
+    /// The threads a batch of `batch` histories gets (the decision of the largest measured size
+    /// not above it).
+    pub fn threads_for(&self, batch: usize) -> usize {
+        self.by_batch
+            .iter()
+            .rev()
+            .find(|(from, _)| *from <= batch)
+            .or(self.by_batch.first())
+            .map_or(1, |(_, threads)| *threads)
+    }
+
+    /// One line for logs: the threads per batch size, the times behind them, the source.
+    pub fn describe(&self) -> String {
+        let choices: Vec<String> = self
+            .by_batch
+            .iter()
+            .map(|&(batch, threads)| {
+                let times: Vec<String> = self
+                    .timings
+                    .iter()
+                    .filter(|t| t.batch == batch)
+                    .map(|t| format!("{:.3} ms on {}", t.seconds * 1e3, t.threads))
+                    .collect();
+                format!(
+                    "batch {batch}+: {threads} thread{}{}",
+                    if threads == 1 { "" } else { "s" },
+                    if times.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", times.join(", "))
+                    }
+                )
+            })
+            .collect();
+        format!("{} — {}", choices.join("; "), self.source.describe())
+    }
+}
+
+/// The thread counts a plan times for an engine of `threads`: 1, 2, 4 ... and `threads` itself.
+pub fn thread_candidates(threads: usize) -> Vec<usize> {
+    let mut candidates: Vec<usize> = std::iter::successors(Some(1usize), |t| Some(t * 2))
+        .take_while(|&t| t < threads)
+        .collect();
+    candidates.push(threads.max(1));
+    candidates.dedup();
+    candidates
+}
+
+/// Times `run(threads, batch)` for every candidate thread count at every batch size of
+/// [`PLAN_BATCHES`]: one warm-up run each, then [`RUNS`] rounds taking the counts in turn, the
+/// best of each counting.
+pub fn measure_threads(
+    candidates: &[usize],
+    mut run: impl FnMut(usize, usize),
+) -> Vec<ThreadTiming> {
+    let mut timings = Vec::new();
+    for &batch in &PLAN_BATCHES {
+        for &threads in candidates {
+            run(threads, batch);
+        }
+        let mut best = vec![f64::INFINITY; candidates.len()];
+        for _ in 0..RUNS {
+            for (slot, &threads) in candidates.iter().enumerate() {
+                let start = Instant::now();
+                run(threads, batch);
+                best[slot] = best[slot].min(start.elapsed().as_secs_f64());
+            }
+        }
+        timings.extend(
+            candidates
+                .iter()
+                .zip(best)
+                .map(|(&threads, seconds)| ThreadTiming {
+                    batch,
+                    threads,
+                    seconds,
+                }),
+        );
+    }
+    timings
+}
+
+/// What a plan file holds; every identifying field must match for it to be used. `T`: the
+/// plan's timings ([`Timing`] for the two-way choices, [`ThreadTiming`] for threads).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-struct PlanFile {
+struct PlanFile<T> {
     format: u32,
     plan: String,
     recsys: String,
@@ -273,7 +450,7 @@ struct PlanFile {
     isa: String,
     threads: usize,
     engine: String,
-    timings: Vec<Timing>,
+    timings: Vec<T>,
 }
 
 /// The CPU's model name (`model name` of /proc/cpuinfo), or "unknown".
@@ -304,7 +481,7 @@ pub fn plan_dir() -> Option<PathBuf> {
 /// The identity a plan is made for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanKey {
-    /// Which choice: "screen" or "bf16-path".
+    /// Which choice: "screen", "bf16-path" or "threads".
     pub plan: String,
     pub cpu: String,
     pub isa: String,
@@ -330,7 +507,7 @@ impl PlanKey {
         format!("{}-{}.json", self.plan, &hex::encode(digest)[..24])
     }
 
-    fn matches(&self, file: &PlanFile) -> Result<(), String> {
+    fn matches<T>(&self, file: &PlanFile<T>) -> Result<(), String> {
         let checks = [
             ("format", file.format.to_string(), FORMAT.to_string()),
             ("plan", file.plan.clone(), self.plan.clone()),
@@ -363,17 +540,17 @@ impl PlanKey {
 /// The cached plan's timings for `key` in `dir`, and its path: `Ok(Some)` when a valid one is
 /// there, `Ok(None)` when there is none, `Err(why)` when the file there cannot be used (damaged,
 /// or made for another CPU or engine under a colliding name).
-pub fn read_cached(
+pub fn read_cached<T: DeserializeOwned>(
     dir: &std::path::Path,
     key: &PlanKey,
-) -> Result<Option<(Vec<Timing>, PathBuf)>, String> {
+) -> Result<Option<(Vec<T>, PathBuf)>, String> {
     let path = dir.join(key.file_name());
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    let file: PlanFile = serde_json::from_str(&text)
+    let file: PlanFile<T> = serde_json::from_str(&text)
         .map_err(|e| format!("{} is not a plan file: {e}", path.display()))?;
     key.matches(&file)
         .map_err(|why| format!("{}: {why}", path.display()))?;
@@ -382,10 +559,10 @@ pub fn read_cached(
 
 /// Writes a measured plan for `key` into `dir` (whole or not at all: written aside, then renamed);
 /// the path, or why it could not be written.
-pub fn write_cached(
+pub fn write_cached<T: Serialize + Clone>(
     dir: &std::path::Path,
     key: &PlanKey,
-    timings: &[Timing],
+    timings: &[T],
 ) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join(key.file_name());
@@ -487,9 +664,9 @@ mod tests {
     #[test]
     fn cached_plans_are_used_only_for_their_cpu_and_engine_and_damage_is_reported() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(read_cached(dir.path(), &key()).unwrap(), None);
+        assert_eq!(read_cached::<Timing>(dir.path(), &key()).unwrap(), None);
         let path = write_cached(dir.path(), &key(), &timings()).unwrap();
-        let (cached, at) = read_cached(dir.path(), &key()).unwrap().unwrap();
+        let (cached, at) = read_cached::<Timing>(dir.path(), &key()).unwrap().unwrap();
         assert_eq!((cached, &at), (timings(), &path));
         // Another CPU, another engine, other threads, another kind of plan: another file name,
         // so no plan.
@@ -511,17 +688,17 @@ mod tests {
                 ..key()
             },
         ] {
-            assert_eq!(read_cached(dir.path(), &other).unwrap(), None);
+            assert_eq!(read_cached::<Timing>(dir.path(), &other).unwrap(), None);
         }
         // A file under this key's name made elsewhere (copied between machines) is refused.
         let text = std::fs::read_to_string(&path)
             .unwrap()
             .replace("Test CPU", "Other CPU");
         std::fs::write(&path, text).unwrap();
-        let err = read_cached(dir.path(), &key()).unwrap_err();
+        let err = read_cached::<Timing>(dir.path(), &key()).unwrap_err();
         assert!(err.contains("made for cpu \"Other CPU\""), "{err}");
         std::fs::write(&path, b"{ not json").unwrap();
-        let err = read_cached(dir.path(), &key()).unwrap_err();
+        let err = read_cached::<Timing>(dir.path(), &key()).unwrap_err();
         assert!(err.contains("not a plan file"), "{err}");
     }
 
@@ -575,5 +752,62 @@ mod tests {
             .parse::<Bf16Path>()
             .unwrap_err()
             .contains("bf16_path must be"));
+    }
+
+    #[test]
+    fn each_batch_size_gets_the_fewest_threads_within_the_margin_of_its_fastest() {
+        let t = |batch, threads, ms: f64| ThreadTiming {
+            batch,
+            threads,
+            seconds: ms / 1e3,
+        };
+        // Batch 1: two threads 3 % faster (within the margin): one. Batch 8: two threads 20 %
+        // faster: two. Batch 64: four fastest, two 10 % behind: four.
+        let timings = vec![
+            t(1, 1, 1.00),
+            t(1, 2, 0.97),
+            t(1, 4, 1.20),
+            t(8, 1, 2.0),
+            t(8, 2, 1.6),
+            t(8, 4, 1.7),
+            t(64, 1, 8.0),
+            t(64, 2, 4.4),
+            t(64, 4, 4.0),
+        ];
+        let plan = ThreadPlan::from_timings(timings.clone(), PlanSource::Skipped);
+        assert_eq!(plan.by_batch, [(1, 1), (8, 2), (64, 4)]);
+        let chosen: Vec<usize> = [1, 7, 8, 63, 64, 1000]
+            .iter()
+            .map(|&b| plan.threads_for(b))
+            .collect();
+        assert_eq!(chosen, [1, 1, 2, 2, 4, 4]);
+        assert!(
+            plan.describe()
+                .starts_with("batch 1+: 1 thread (1.000 ms on 1, 0.970 ms on 2, 1.200 ms on 4)"),
+            "{}",
+            plan.describe()
+        );
+        assert_eq!(thread_candidates(1), [1]);
+        assert_eq!(thread_candidates(2), [1, 2]);
+        assert_eq!(thread_candidates(6), [1, 2, 4, 6]);
+        assert_eq!(thread_candidates(8), [1, 2, 4, 8]);
+        let (mut seen, candidates) = (Vec::new(), thread_candidates(3));
+        let measured = measure_threads(&candidates, |threads, batch| seen.push((threads, batch)));
+        assert_eq!(measured.len(), PLAN_BATCHES.len() * candidates.len());
+        assert_eq!(seen.len(), measured.len() * (RUNS + 1));
+        assert_eq!(
+            ["auto", "all", "3"].map(|s| s.parse::<ThreadPolicy>().unwrap()),
+            [
+                ThreadPolicy::Auto,
+                ThreadPolicy::All,
+                ThreadPolicy::Fixed(3)
+            ]
+        );
+        for bad in ["0", "many", ""] {
+            assert!(bad
+                .parse::<ThreadPolicy>()
+                .unwrap_err()
+                .contains("thread_plan must be"));
+        }
     }
 }

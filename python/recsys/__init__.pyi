@@ -26,7 +26,8 @@ class Engine:
     """A loaded engine directory (written by `recsys convert`)."""
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
-                 prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto") -> None:
+                 prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto",
+                 thread_plan: str = "auto") -> None:
         """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
         `prefix_cache_bytes` > 0 (GRU4Rec, SASRec): keep the model's state after recent histories
         within that many bytes, so a history one event longer computes one event; answers never
@@ -36,6 +37,9 @@ class Engine:
         `bf16_path` (bf16 engines on CPUs with AVX512-BF16): "auto" runs `vdpbf16ps` or bf16
         widened to f32, whichever measured faster here (kept like the screen's plan), "native"
         or "widened"; the answers are the same.
+        `thread_plan` (engines of more than one thread): "auto" gives each batch size the fewest
+        threads within 5 % of its fastest on this CPU (kept like the screen's plan), "all", or a
+        count ("1", "2" ...); the answers are the same.
         `path`: an engine directory, or its folder in object storage (s3://..., gs://..., as the
         command line takes them, with the same credentials), fetched into TMPDIR first.
         `device`: "cpu", or "cuda" / "cuda:N" in a package built with CUDA support
@@ -77,6 +81,10 @@ class Engine:
     def kernel_plan(self) -> str | None:
         """A bf16 engine's kernels on a CPU with AVX512-BF16 ("vdpbf16ps" or widened), the times
         behind the choice and where it came from; None for other engines and CPUs."""
+    @property
+    def thread_plan(self) -> str | None:
+        """Threads per batch size ("batch 1+: 1 thread (...); batch 8+: 2 threads ..."), the times
+        behind them and where the plan came from; None for an engine of one thread."""
     @property
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """The prefix cache's counters (hits, misses, events_computed, events_reused, evictions,

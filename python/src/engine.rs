@@ -300,7 +300,7 @@ impl PyEngine {
     /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
     #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0, screen_policy = "auto",
-                        bf16_path = "auto"))]
+                        bf16_path = "auto", thread_plan = "auto"))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn new(
         py: Python<'_>,
@@ -310,11 +310,14 @@ impl PyEngine {
         prefix_cache_bytes: usize,
         screen_policy: &str,
         bf16_path: &str,
+        thread_plan: &str,
     ) -> PyResult<Self> {
         let screen_policy: recsys_engine::plan::ScreenPolicy =
             screen_policy.parse().map_err(PyValueError::new_err)?;
         let bf16_path: recsys_engine::plan::Bf16Path =
             bf16_path.parse().map_err(PyValueError::new_err)?;
+        let thread_plan: recsys_engine::plan::ThreadPolicy =
+            thread_plan.parse().map_err(PyValueError::new_err)?;
         let device = DeviceChoice::parse(device)?;
         let (dir, copy) = match path
             .to_str()
@@ -343,6 +346,7 @@ impl PyEngine {
         }
         py.detach(|| engine.plan_screen(screen_policy).is_some());
         py.detach(|| engine.plan_bf16_path(bf16_path).is_some());
+        py.detach(|| engine.plan_threads(thread_plan).is_some());
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
         Ok(PyEngine {
@@ -435,6 +439,13 @@ impl PyEngine {
     #[getter]
     fn kernel_plan(&self) -> Option<String> {
         self.engine.bf16_path_plan().map(|p| p.describe())
+    }
+
+    /// How many of the engine's threads each batch size gets, the times behind it and where the
+    /// plan came from; `None` for an engine of one thread.
+    #[getter]
+    fn thread_plan(&self) -> Option<String> {
+        self.engine.thread_plan().map(|p| p.describe())
     }
 
     /// The version of the availability object in force (`None`: none).

@@ -386,6 +386,25 @@ def test_a_screened_engine_answers_the_same_on_either_path_of_its_plan(repositor
         recsys.Engine(path, screen_policy="sometimes")
 
 
+def test_every_thread_plan_gives_the_same_answers(engines, users):
+    """thread_plan pins how many of its threads each batch size gets ("all", a count); "auto"
+    measures it on this CPU (or reads the kept plan); the answers are the same bits. An engine of
+    one thread has nothing to plan."""
+    path = str(engines["sasrec"])
+    by_plan = {p: recsys.Engine(path, threads=2, thread_plan=p) for p in ("1", "all", "auto")}
+    assert by_plan["1"].thread_plan.startswith("batch 1+: 1 thread — pinned (1)")
+    assert by_plan["all"].thread_plan.startswith("batch 1+: 2 threads — pinned (all)")
+    assert re.match(r"batch 1\+: [12] threads? \(.* ms on 1, .* ms on 2\); batch 8\+: .*; batch 64\+: ",
+                    by_plan["auto"].thread_plan), by_plan["auto"].thread_plan
+    answers = {p: e.recommend(users[:64], k=20) for p, e in by_plan.items()}
+    for p in ("1", "auto"):
+        assert answers[p][0].tolist() == answers["all"][0].tolist(), p
+        np.testing.assert_array_equal(answers[p][1], answers["all"][1])
+    assert recsys.Engine(path, threads=1).thread_plan is None
+    with pytest.raises(ValueError, match="thread_plan must be"):
+        recsys.Engine(path, threads=2, thread_plan="0")
+
+
 def test_a_bf16_engine_answers_the_same_on_either_kernel_path(engines, users):
     """bf16_path pins a bf16 engine's kernels on a CPU with AVX512-BF16 ("native" vdpbf16ps or
     "widened" to f32); "auto" measures them on this CPU (or reads the kept plan); the answers are

@@ -7,8 +7,10 @@
 //! HISTORIES_JSON: a list of histories (lists of external int ids). Batches cycle through them.
 //! CANDIDATES_JSON (optional): one candidate list per history (external int ids): each request
 //! then ranks only its candidates (`scripts/bench_candidates.py`).
-//! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, and the
-//! thread-seconds per batch spent in dense layers, attention and the output layer.
+//! The engine runs as the server runs it: with the plans this CPU measures for it (screen, bf16
+//! path, threads per batch size; kept in the plan cache, `RECSYS_PLAN=off` skips them).
+//! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, the
+//! thread-seconds per batch spent in dense layers, attention and the output layer, and the plans.
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
@@ -30,6 +32,20 @@ fn main() {
     let batch: usize = args[3].parse().expect("batch");
     let k: usize = args[4].parse().expect("k");
     engine.set_threads(args[5].parse().expect("threads"));
+    let plans: Vec<String> = [
+        engine
+            .plan_screen(recsys_engine::plan::ScreenPolicy::Auto)
+            .map(|p| format!("screen: {}", p.describe())),
+        engine
+            .plan_bf16_path(recsys_engine::plan::Bf16Path::Auto)
+            .map(|p| format!("kernels: {}", p.describe())),
+        engine
+            .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
+            .map(|p| format!("threads: {}", p.describe())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let reps: usize = args[6].parse().expect("reps");
     let mapped: Vec<Vec<u32>> = histories
         .iter()
@@ -102,6 +118,7 @@ fn main() {
             "top_first": top,
             // Per batch, summed over the threads that ran each kind (recsys_engine::profile).
             "thread_seconds": {"dense": per_batch(dense), "attention": per_batch(attention), "output": per_batch(output)},
+            "plans": plans,
         })
     );
 }
