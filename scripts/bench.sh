@@ -14,6 +14,8 @@
 #   scripts/bench.sh serving-sessions [ARGS] growing sessions through tritonserver under perf_analyzer:
 #                                     GRU4Rec and SASRec with and without the prefix cache, hit rate and
 #                                     p50/p99 (scripts/bench_serving_sessions.py)
+#   scripts/bench.sh threads [ARGS]   the thread plan against all threads and one thread, per batch
+#                                     size, on the four fixture models (scripts/bench_threads.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -37,7 +39,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -106,6 +108,10 @@ case "$kind" in
     ./scripts/python-env.sh
     backend_setup
     exec "$python" scripts/bench_serving_sessions.py "$@"
+    ;;
+  threads)
+    release_build -p recsys-cli -p recsys-benches --bin model_probe
+    exec python3 scripts/bench_threads.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh --peers
