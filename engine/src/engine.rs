@@ -339,7 +339,7 @@ impl Engine {
     /// size, with `vdpbf16ps` (the candidate) and widened (the fallback) kernels in turn.
     fn measure_bf16_paths(&mut self) -> Vec<crate::plan::Timing> {
         use crate::kernels::{Isa, KernelTable};
-        let requests = self.plan_requests(16);
+        let requests = self.plan_requests();
         let largest = requests.len();
         let timings = crate::plan::measure(|native, b| {
             let isa = if native { Isa::Avx512Bf16 } else { Isa::Avx512 };
@@ -351,9 +351,12 @@ impl Engine {
         timings
     }
 
-    /// Top-10 requests (the history excluded) for the [`Engine::plan_histories`] of `length`.
-    fn plan_requests(&self, length: usize) -> Vec<InternalRequest> {
-        self.plan_histories(length)
+    /// Top-10 requests (the history excluded) on histories of the lengths real sessions have
+    /// ([`crate::plan::session_length`]): what the whole-call plans time. One length for all
+    /// would misjudge them: at batch 8, a second thread lost on 16-event histories and won by 1.4x
+    /// on the fixture's test users (lengths 9 to 299, median 24).
+    fn plan_requests(&self) -> Vec<InternalRequest> {
+        self.plan_histories(crate::plan::session_length)
             .into_iter()
             .map(|history| InternalRequest {
                 history,
@@ -364,9 +367,9 @@ impl Engine {
             .collect()
     }
 
-    /// Seeded random histories of `length` items, as many as the largest plan batch: what the
-    /// plans time the engine on (the model makes real hidden vectors of them).
-    fn plan_histories(&self, length: usize) -> Vec<Vec<u32>> {
+    /// Seeded random histories, row `r` of `length(r)` items, as many as the largest plan batch:
+    /// what the plans time the engine on (the model makes real hidden vectors of them).
+    fn plan_histories(&self, length: fn(usize) -> usize) -> Vec<Vec<u32>> {
         let n = self.n_items() as u64;
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut next = move || {
@@ -377,7 +380,7 @@ impl Engine {
         };
         let largest = *crate::plan::PLAN_BATCHES.iter().max().expect("batch sizes");
         (0..largest)
-            .map(|_| (0..length).map(|_| next()).collect())
+            .map(|row| (0..length(row)).map(|_| next()).collect())
             .collect()
     }
 
@@ -401,7 +404,7 @@ impl Engine {
     /// Times the screened and the plain top-10 of this engine at the plan's batch sizes, on
     /// hidden vectors the model makes from seeded random histories of 8 items.
     fn measure_screen(&mut self) -> Vec<crate::plan::Timing> {
-        let histories = self.plan_histories(8);
+        let histories = self.plan_histories(|_| 8);
         let largest = histories.len();
         let views: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
         let (hidden, _) = self.encode(&views);
@@ -532,7 +535,7 @@ impl Engine {
     /// size and each candidate thread count in turn.
     fn measure_threads(&mut self) -> Vec<crate::plan::ThreadTiming> {
         use crate::plan::{thread_candidates, PlanSource, ThreadPlan};
-        let requests = self.plan_requests(16);
+        let requests = self.plan_requests();
         let largest = requests.len();
         let kept = self.thread_plan.take();
         let timings =

@@ -395,6 +395,16 @@ impl ThreadPlan {
     }
 }
 
+/// The length of row `row` of the histories the whole-call plans time: spread log-uniformly over
+/// 4 to 128 events (median about 23, mean about 36, as in the fixtures' test users: median 24,
+/// mean 32) in a low-discrepancy order, so that every batch size's rows hold short and long
+/// histories alike; row 0 has the median length.
+pub fn session_length(row: usize) -> usize {
+    const GOLDEN: f64 = 0.618_033_988_749_894_9;
+    let u = (0.5 + row as f64 * GOLDEN).fract();
+    (4.0 * 32f64.powf(u)).round() as usize
+}
+
 /// The thread counts a plan times for an engine of `threads`: 1, 2, 4 ... and `threads` itself.
 pub fn thread_candidates(threads: usize) -> Vec<usize> {
     let mut candidates: Vec<usize> = std::iter::successors(Some(1usize), |t| Some(t * 2))
@@ -405,9 +415,15 @@ pub fn thread_candidates(threads: usize) -> Vec<usize> {
     candidates
 }
 
+/// Calls timed back to back for one thread-plan sample. A single call after a call on another
+/// thread count finds the pool's workers asleep and pays their wake-up, which a server under load
+/// (and a burst of calls) does not: on a 2-vCPU Zen 5, one call at a time made one thread look
+/// faster at batch 8 while back to back two threads were 1.4x faster.
+pub const THREAD_BURST: usize = 4;
+
 /// Times `run(threads, batch)` for every candidate thread count at every batch size of
-/// [`PLAN_BATCHES`]: one warm-up run each, then [`RUNS`] rounds taking the counts in turn, the
-/// best of each counting.
+/// [`PLAN_BATCHES`]: one warm-up burst each, then [`RUNS`] rounds taking the counts in turn, each
+/// sample the mean of a burst of [`THREAD_BURST`] calls back to back, the best sample counting.
 pub fn measure_threads(
     candidates: &[usize],
     mut run: impl FnMut(usize, usize),
@@ -415,14 +431,23 @@ pub fn measure_threads(
     let mut timings = Vec::new();
     for &batch in &PLAN_BATCHES {
         for &threads in candidates {
-            run(threads, batch);
+            for _ in 0..THREAD_BURST {
+                run(threads, batch);
+            }
         }
         let mut best = vec![f64::INFINITY; candidates.len()];
         for _ in 0..RUNS {
             for (slot, &threads) in candidates.iter().enumerate() {
+                // Untimed first: the pool's handoff estimate settles on this count's calls.
+                for _ in 0..THREAD_BURST {
+                    run(threads, batch);
+                }
                 let start = Instant::now();
-                run(threads, batch);
-                best[slot] = best[slot].min(start.elapsed().as_secs_f64());
+                for _ in 0..THREAD_BURST {
+                    run(threads, batch);
+                }
+                let per_call = start.elapsed().as_secs_f64() / THREAD_BURST as f64;
+                best[slot] = best[slot].min(per_call);
             }
         }
         timings.extend(
@@ -787,6 +812,18 @@ mod tests {
             "{}",
             plan.describe()
         );
+        // Plan histories: the median first, then short and long alike in every prefix.
+        assert_eq!(session_length(0), 23);
+        let lengths: Vec<usize> = (0..64).map(session_length).collect();
+        assert!(lengths.iter().all(|l| (4..=128).contains(l)));
+        let median = |rows: &[usize]| {
+            let mut v = rows.to_vec();
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        assert!((16..=32).contains(&median(&lengths[..8])), "{lengths:?}");
+        assert!((16..=32).contains(&median(&lengths)), "{lengths:?}");
+        assert!(lengths[..8].iter().any(|&l| l < 10) && lengths[..8].iter().any(|&l| l > 60));
         assert_eq!(thread_candidates(1), [1]);
         assert_eq!(thread_candidates(2), [1, 2]);
         assert_eq!(thread_candidates(6), [1, 2, 4, 6]);
@@ -794,7 +831,9 @@ mod tests {
         let (mut seen, candidates) = (Vec::new(), thread_candidates(3));
         let measured = measure_threads(&candidates, |threads, batch| seen.push((threads, batch)));
         assert_eq!(measured.len(), PLAN_BATCHES.len() * candidates.len());
-        assert_eq!(seen.len(), measured.len() * (RUNS + 1));
+        assert_eq!(seen.len(), measured.len() * (2 * RUNS + 1) * THREAD_BURST);
+        // A burst runs one count back to back.
+        assert!(seen[..THREAD_BURST].iter().all(|&s| s == (1, 1)));
         assert_eq!(
             ["auto", "all", "3"].map(|s| s.parse::<ThreadPolicy>().unwrap()),
             [
