@@ -41,6 +41,17 @@ const RUNS: usize = 3;
 /// The plan file's format (2: the plan's kind in the file and its name, neutral timing names).
 const FORMAT: u32 = 2;
 
+/// The decision of the largest measured batch size not above `batch` in `by_batch` (`(smallest
+/// batch, decision)`, ascending), or the first one's for a batch below them all.
+fn decision_for<T: Copy>(by_batch: &[(usize, T)], batch: usize) -> Option<T> {
+    by_batch
+        .iter()
+        .rev()
+        .find(|(from, _)| *from <= batch)
+        .or(by_batch.first())
+        .map(|(_, decision)| *decision)
+}
+
 /// How a screened engine picks between its screen and the plain scan.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ScreenPolicy {
@@ -127,12 +138,7 @@ impl ScreenPlan {
 
     /// Whether a batch of `batch` histories runs the screen.
     pub fn screen_for(&self, batch: usize) -> bool {
-        self.by_batch
-            .iter()
-            .rev()
-            .find(|(from, _)| *from <= batch)
-            .or(self.by_batch.first())
-            .is_none_or(|(_, screen)| *screen)
+        decision_for(&self.by_batch, batch).unwrap_or(true)
     }
 
     /// One line for logs: the decision per batch size and where it came from.
@@ -360,12 +366,7 @@ impl ThreadPlan {
     /// The threads a batch of `batch` histories gets (the decision of the largest measured size
     /// not above it).
     pub fn threads_for(&self, batch: usize) -> usize {
-        self.by_batch
-            .iter()
-            .rev()
-            .find(|(from, _)| *from <= batch)
-            .or(self.by_batch.first())
-            .map_or(1, |(_, threads)| *threads)
+        decision_for(&self.by_batch, batch).unwrap_or(1)
     }
 
     /// One line for logs: the threads per batch size, the times behind them, the source.
