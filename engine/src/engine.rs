@@ -415,12 +415,11 @@ impl Engine {
         };
         let ks = vec![10usize.min(self.n_items()); largest];
         let screen = self.scorer.screen.as_ref().expect("a screened engine");
+        let threads = self.scorer.threads;
         crate::plan::measure(|screened, b| {
             if screened {
-                let threads = self.scorer.threads;
                 self.screen_top_k(screen, &hidden[..b * width], &ks[..b], limits(b), threads);
             } else {
-                let threads = self.scorer.threads;
                 self.scorer
                     .top_k(&hidden[..b * width], &ks[..b], limits(b), threads);
             }
