@@ -152,7 +152,7 @@ fn f16_k<const R: usize, const P: usize>(
 }
 
 fn bf16_k<const R: usize, const P: usize>(
-    h: &[u16],
+    h: super::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     e: &Epilogue<'_>,
@@ -177,13 +177,14 @@ fn widen_pair_avx2(lanes: __m256i, upper: __m256i) -> (__m256, __m256) {
 /// bfloat16 activations x bfloat16 weight pairs, widened exactly to f32: each 256-bit load is 8
 /// items x 2 features, split into the even and odd features' values, and each row adds the odd
 /// product and then the even one with a fused multiply-add (the product is exact, so each
-/// addition rounds once: `vdpbf16ps`'s arithmetic, see the crate documentation).
+/// addition rounds once: `vdpbf16ps`'s arithmetic, see the crate documentation). The activations
+/// come widened already ([`super::Bf16Rows::wide`]): each is one broadcast.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA. Bounds are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn panels_bf16<const R: usize, const P: usize>(
-    hidden: &[u16],
+    hidden: super::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     epilogue: &Epilogue<'_>,
@@ -191,10 +192,10 @@ pub(super) unsafe fn panels_bf16<const R: usize, const P: usize>(
     masks: &mut [u8],
 ) {
     let (pairs, width) =
-        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, false);
+        super::assert_pair_call::<R, P, _, _>(hidden.wide, d, w, epilogue, out, masks, false);
     let mut acc = [[_mm256_setzero_ps(); P]; R];
     let upper = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-    let hp = hidden.as_ptr();
+    let hp = hidden.wide.as_ptr();
     let wp = w.as_ptr();
     // As in `panels`: a later call's panels requested ahead (never faults, may lie past `w`).
     let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);
@@ -214,11 +215,13 @@ pub(super) unsafe fn panels_bf16<const R: usize, const P: usize>(
             (even[p], odd[p]) = widen_pair_avx2(lanes, upper);
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // The activations 2jp, 2jp+1 of row r read as one 32-bit pair.
-            // SAFETY: in bounds: r*width + 2jp + 2 <= R*width <= hidden.len() (asserted);
-            // read_unaligned needs no alignment.
-            let pair = unsafe { hp.add(r * width + 2 * jp).cast::<i32>().read_unaligned() };
-            let (h_even, h_odd) = widen_pair_avx2(_mm256_set1_epi32(pair), upper);
+            // SAFETY: in bounds: r*width + 2jp + 1 < R*width <= hidden.wide.len() (asserted).
+            let (h_even, h_odd) = unsafe {
+                (
+                    _mm256_broadcast_ss(&*hp.add(r * width + 2 * jp)),
+                    _mm256_broadcast_ss(&*hp.add(r * width + 2 * jp + 1)),
+                )
+            };
             for (p, a) in acc_r.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(h_odd, odd[p], *a);
                 *a = _mm256_fmadd_ps(h_even, even[p], *a);

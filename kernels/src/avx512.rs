@@ -215,7 +215,7 @@ unsafe fn panels<const R: usize, const P: usize, T: avx2::Load8>(
 }
 
 fn bf16_k<const R: usize, const P: usize>(
-    h: &[u16],
+    h: super::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     e: &Epilogue<'_>,
@@ -252,7 +252,7 @@ pub(super) unsafe fn bf16_panel_pair(w: *const u16, pairs: usize, q: usize, jp: 
 /// The CPU must support AVX2, FMA, F16C and AVX-512 F. Bounds are asserted.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 unsafe fn panels_bf16<const R: usize, const P: usize>(
-    hidden: &[u16],
+    hidden: super::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     epilogue: &Epilogue<'_>,
@@ -264,7 +264,7 @@ unsafe fn panels_bf16<const R: usize, const P: usize>(
         return unsafe { avx2::panels_bf16::<R, P>(hidden, d, w, epilogue, out, masks) };
     }
     let (pairs, width) =
-        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, false);
+        super::assert_pair_call::<R, P, _, _>(hidden.wide, d, w, epilogue, out, masks, false);
     // The first P / 2 of each row's registers are used (P / 2 cannot size an array here, and
     // arrays sized P made the compiler keep some accumulators on the stack).
     let mut acc = [[_mm512_setzero_ps(); MAX_PANEL_PAIRS]; R];
@@ -275,7 +275,7 @@ unsafe fn panels_bf16<const R: usize, const P: usize>(
             _mm512_castsi512_ps(_mm512_and_si512(lanes, upper)),
         )
     };
-    let hp = hidden.as_ptr();
+    let hp = hidden.wide.as_ptr();
     let wp = w.as_ptr();
     // As in `avx2::panels`: a later call's panels requested ahead (never faults).
     let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);
@@ -293,9 +293,14 @@ unsafe fn panels_bf16<const R: usize, const P: usize>(
             (even[q], odd[q]) = widen(unsafe { bf16_panel_pair(wp, pairs, q, jp) });
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: in bounds: r*width + 2jp + 2 <= R*width <= hidden.len() (asserted).
-            let pair = unsafe { hp.add(r * width + 2 * jp).cast::<i32>().read_unaligned() };
-            let (h_even, h_odd) = widen(_mm512_set1_epi32(pair));
+            // The activations come widened ([`super::Bf16Rows::wide`]): one broadcast each.
+            // SAFETY: in bounds: r*width + 2jp + 1 < R*width <= hidden.wide.len() (asserted).
+            let (h_even, h_odd) = unsafe {
+                (
+                    _mm512_set1_ps(*hp.add(r * width + 2 * jp)),
+                    _mm512_set1_ps(*hp.add(r * width + 2 * jp + 1)),
+                )
+            };
             for (q, a) in acc_r.iter_mut().take(P / 2).enumerate() {
                 *a = _mm512_fmadd_ps(h_odd, odd[q], *a);
                 *a = _mm512_fmadd_ps(h_even, even[q], *a);

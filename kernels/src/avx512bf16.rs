@@ -19,7 +19,7 @@ use super::{avx2, avx512};
 use super::{Epilogue, Isa, KernelTable};
 
 fn dpbf16_k<const R: usize, const P: usize>(
-    h: &[u16],
+    h: super::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     e: &Epilogue<'_>,
@@ -38,7 +38,7 @@ fn dpbf16_k<const R: usize, const P: usize>(
 /// The CPU must support AVX2, FMA, F16C and AVX-512 F/BW/VNNI/BF16. Bounds are asserted.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
 unsafe fn panels_dpbf16<const R: usize, const P: usize>(
-    hidden: &[u16],
+    hidden: super::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     epilogue: &Epilogue<'_>,
@@ -51,10 +51,10 @@ unsafe fn panels_dpbf16<const R: usize, const P: usize>(
         return unsafe { avx2::panels_bf16::<R, P>(hidden, d, w, epilogue, out, masks) };
     }
     let (pairs, width) =
-        super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, false);
+        super::assert_pair_call::<R, P, _, _>(hidden.bits, d, w, epilogue, out, masks, false);
     // The first P / 2 of each row's registers are used (see `avx512::MAX_PANEL_PAIRS`).
     let mut acc = [[_mm512_setzero_ps(); avx512::MAX_PANEL_PAIRS]; R];
-    let hp = hidden.as_ptr();
+    let hp = hidden.bits.as_ptr();
     let wp = w.as_ptr();
     // As in `avx2::panels`: a later call's panels requested ahead (never faults).
     let ahead = (wp as *const i8).wrapping_add(epilogue.prefetch);

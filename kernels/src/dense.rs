@@ -161,7 +161,7 @@ fn linear_rows(
                     &mut masks,
                 ),
                 PanelRef::Bf16(w) => (table.bf16[rs][ps])(
-                    &quantized.bf16[row0 * width_q..(row0 + size) * width_q],
+                    quantized.bf16_rows(row0..row0 + size, width_q),
                     d,
                     &w[p * pairs * 16..(p + count) * pairs * 16],
                     &epilogue,

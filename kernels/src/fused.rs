@@ -278,8 +278,7 @@ pub(super) fn scan(
     let tile = tile_panels(out);
     let mut scores = [0f32; MAX_CALL_SCORES];
     let mut masks = [0u8; MAX_CALL_PANELS];
-    let (hidden_q, hidden_scales, hidden_bf16) =
-        (&prepared.values, &prepared.scales, &prepared.bf16);
+    let (hidden_q, hidden_scales) = (&prepared.values, &prepared.scales);
     let width_q = d.div_ceil(2) * 2;
     let (table_bytes, panel_bytes) = (out.weight_bytes(), out.panel_bytes());
     let mut union = PanelUnion::default();
@@ -346,7 +345,7 @@ pub(super) fn scan(
                     }
                     PanelData::Bf16(w) => {
                         let pairs = d.div_ceil(2);
-                        let hb = &hidden_bf16[row0 * width_q..(row0 + size) * width_q];
+                        let hb = prepared.bf16_rows(row0..row0 + size, width_q);
                         let span_b = p * pairs * 16..(p + count) * pairs * 16;
                         (table.bf16[rs][ps])(hb, d, &w[span_b], &epilogue, &mut scores, &mut masks)
                     }

@@ -183,9 +183,21 @@ pub type PanelF16 = fn(&[f32], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u
 /// accumulate exactly in i32: 16 multiply-adds per instruction, and bit-identical on every ISA.
 pub type PanelI8 = fn(&[i16], usize, &[i8], &Epilogue<'_>, &mut [f32], &mut [u8]);
 /// bfloat16 weights (feature pairs, [`packed::PanelData::Bf16`]) take activations rounded to
-/// bfloat16 (rows padded to an even width) and compute the function of the crate documentation:
-/// bit-identical on every ISA.
-pub type PanelBf16 = fn(&[u16], usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u8]);
+/// bfloat16 (rows padded to an even width, [`Bf16Rows`]) and compute the function of the crate
+/// documentation: bit-identical on every ISA.
+pub type PanelBf16 = fn(Bf16Rows<'_>, usize, &[u16], &Epilogue<'_>, &mut [f32], &mut [u8]);
+
+/// The activations of a bf16 kernel call, rounded to bfloat16, in the two forms kernels read:
+/// the bits (what `vdpbf16ps` multiplies, two features to a 32-bit lane) and the same values
+/// widened to f32 (what the widening kernels broadcast: widened once per batch rather than once
+/// per pair, row and call inside the kernel, where the two widening operations competed with the
+/// fused multiply-adds for the vector ports). Both hold the call's rows, each `d` rounded up to
+/// even wide.
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16Rows<'a> {
+    pub bits: &'a [u16],
+    pub wide: &'a [f32],
+}
 
 /// The bounds every SIMD kernel over feature pairs (int8 and bf16) relies on, asserted once per
 /// call (their `// SAFETY:` comments cite them): `R` rows of activations `width` wide, `P` panels

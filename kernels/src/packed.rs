@@ -246,6 +246,8 @@ pub struct QuantizedActivations {
     pub scales: Vec<f32>,
     /// A bf16 layer's input rounded to bfloat16 ([`round_to_bf16`]), rows padded to an even width.
     pub bf16: Vec<u16>,
+    /// The same values widened to f32 (exactly), for the kernels that widen ([`crate::Bf16Rows`]).
+    pub bf16_wide: Vec<f32>,
 }
 
 impl QuantizedActivations {
@@ -253,6 +255,18 @@ impl QuantizedActivations {
     /// each row padded to an even width with zeros (what the bf16 kernels read).
     pub fn round_to_bf16(&mut self, hidden: &[f32], d: usize) {
         round_rows_to_bf16(&mut self.bf16, hidden, d);
+        self.bf16_wide.clear();
+        self.bf16_wide
+            .extend(self.bf16.iter().map(|&bits| bf16_to_f32(bits)));
+    }
+
+    /// Rows `rows` of the bf16 activations (rows `width` wide), both forms.
+    pub fn bf16_rows(&self, rows: std::ops::Range<usize>, width: usize) -> crate::Bf16Rows<'_> {
+        let span = rows.start * width..rows.end * width;
+        crate::Bf16Rows {
+            bits: &self.bf16[span.clone()],
+            wide: &self.bf16_wide[span],
+        }
     }
 
     /// Replaces the held activations with `hidden` (`[rows, d]`): each row at its own symmetric

@@ -85,7 +85,7 @@ fn f16_k<const R: usize, const P: usize>(
 /// even one's added to the f32 sum. Each product of two bfloat16 values is exact in f32, so
 /// `acc + a * w` rounds once, as a fused multiply-add and `vdpbf16ps` do: the SIMD paths' bits.
 fn bf16_k<const R: usize, const P: usize>(
-    h: &[u16],
+    h: crate::Bf16Rows<'_>,
     d: usize,
     w: &[u16],
     e: &Epilogue<'_>,
@@ -98,6 +98,7 @@ fn bf16_k<const R: usize, const P: usize>(
     let mut acc = [[[0f32; 8]; P]; R];
     for jp in 0..pairs {
         for (r, acc_r) in acc.iter_mut().enumerate() {
+            let h = h.bits;
             let (even, odd) = (f(h[r * width + 2 * jp]), f(h[r * width + 2 * jp + 1]));
             for (p, acc_rp) in acc_r.iter_mut().enumerate() {
                 let base = p * pairs * 16 + jp * 16;
