@@ -33,11 +33,17 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
                     .saturating_sub(1)
                     .max(1)
             });
-        rayon::ThreadPoolBuilder::new()
+        let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(workers)
             .thread_name(|i| format!("recsys-worker-{i}"))
             .build()
-            .ok()
+            .ok()?;
+        // Every worker started before the first piece is handed out: otherwise the first
+        // handoff timed is a thread's start (2.6 ms measured on a 2-core Zen 2), which made
+        // [`min_macs_per_piece`] keep a batch of 64 Mult-VAE histories (131 M multiply-adds)
+        // on one thread until that estimate went stale.
+        pool.broadcast(|_| ());
+        Some(pool)
     })
     .as_ref()
 }
@@ -182,8 +188,12 @@ mod handoff {
     /// When the last sample came, in nanoseconds since [`epoch`].
     static LAST_NS: AtomicU64 = AtomicU64::new(0);
     /// An average older than this is forgotten: work that stopped splitting because handoffs were
-    /// slow splits again now and then, and so measures them again.
-    const STALE: Duration = Duration::from_millis(500);
+    /// slow splits again now and then, and so measures them again. Short, because a slow
+    /// estimate stops the very splits that would correct it: one slow sample on a quiet pool
+    /// (a worker descheduled for a moment) kept every split step of the next 500 ms on one
+    /// thread when this was 500 ms; one slow split every 100 ms costs little where handoffs
+    /// really are slow.
+    const STALE: Duration = Duration::from_millis(100);
 
     fn epoch() -> Instant {
         static EPOCH: OnceLock<Instant> = OnceLock::new();
