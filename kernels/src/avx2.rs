@@ -218,8 +218,8 @@ pub(super) unsafe fn panels_bf16<const R: usize, const P: usize>(
             // SAFETY: in bounds: r*width + 2jp + 1 < R*width <= hidden.wide.len() (asserted).
             let (h_even, h_odd) = unsafe {
                 (
-                    _mm256_broadcast_ss(&*hp.add(r * width + 2 * jp)),
                     _mm256_broadcast_ss(&*hp.add(r * width + 2 * jp + 1)),
+                    _mm256_broadcast_ss(&*hp.add(r * width + 2 * jp)),
                 )
             };
             for (p, a) in acc_r.iter_mut().enumerate() {
@@ -370,6 +370,20 @@ unsafe fn layer_norm_avx2(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f3
 fn layer_norm(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64) {
     // SAFETY: as for gelu.
     unsafe { layer_norm_avx2(x, width, gamma, beta, eps) }
+}
+
+/// [`super::packed::round_rows_to_bf16_both`] compiled for AVX2 (the same code, so the same bits).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn round_rows_to_bf16(
+    hidden: &[f32],
+    d: usize,
+    bits: &mut [u16],
+    wide: &mut [f32],
+) {
+    super::packed::round_rows_to_bf16_both(hidden, d, bits, wide)
 }
 
 /// # Safety

@@ -297,8 +297,8 @@ unsafe fn panels_bf16<const R: usize, const P: usize>(
             // SAFETY: in bounds: r*width + 2jp + 1 < R*width <= hidden.wide.len() (asserted).
             let (h_even, h_odd) = unsafe {
                 (
-                    _mm512_set1_ps(*hp.add(r * width + 2 * jp)),
                     _mm512_set1_ps(*hp.add(r * width + 2 * jp + 1)),
+                    _mm512_set1_ps(*hp.add(r * width + 2 * jp)),
                 )
             };
             for (q, a) in acc_r.iter_mut().take(P / 2).enumerate() {

@@ -45,7 +45,7 @@ pub fn linear_into(
 pub(crate) fn prepare_input(layer: LayerRef<'_>, x: &[f32], quantized: &mut QuantizedActivations) {
     match layer.data {
         PanelRef::I8 { .. } => quantized.quantize(x, layer.d, layer.activation_scale),
-        PanelRef::Bf16(_) => quantized.round_to_bf16(x, layer.d),
+        PanelRef::Bf16(_) | PanelRef::Bf16Wide(_) => quantized.round_to_bf16(x, layer.d),
         PanelRef::F32(_) | PanelRef::F16(_) => {}
     }
 }
@@ -111,7 +111,7 @@ fn linear_rows(
     let mut masks = [0u8; MAX_CALL_PANELS];
     let width_q = d.div_ceil(2) * 2;
     let pairs = d.div_ceil(2);
-    let panels_per_call = table.panels_per_call.of(layer.precision());
+    let panels_per_call = layer.panels_per_call(table);
     let panels = layer.panels();
     let (table_bytes, panel_bytes) = (layer.weight_bytes(), layer.panel_bytes());
     // A call covers `per_call` panels or, at the end of a row, one: their prefetch distances,
@@ -168,6 +168,14 @@ fn linear_rows(
                     &mut scores,
                     &mut masks,
                 ),
+                PanelRef::Bf16Wide(w) => (table.f32[rs][ps])(
+                    &quantized.bf16_wide[row0 * width_q..(row0 + size) * width_q],
+                    width_q,
+                    &w[p * width_q * 8..(p + count) * width_q * 8],
+                    &epilogue,
+                    &mut scores,
+                    &mut masks,
+                ),
                 PanelRef::I8 { q, .. } => (table.i8[rs][ps])(
                     &quantized.values[row0 * width_q..(row0 + size) * width_q],
                     d,
@@ -220,6 +228,68 @@ mod tests {
                     linear(table, &layer, &x[r * d..(r + 1) * d]),
                     y[r * n..(r + 1) * n].to_vec()
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_widened_bf16_layer_gives_the_bits_of_its_bf16_layer_on_every_isa() {
+        use crate::packed::to_bf16_bits;
+        // Odd and even widths (an odd one pads its last pair), a partial last panel, row counts
+        // that take every row group, and values spanning magnitudes (sums that round).
+        for (n, d, rows) in [(37, 29, 9), (64, 64, 4), (19, 600, 3), (8, 1, 5)] {
+            let mut next = lcg(n as u64 * 31 + d as u64);
+            let w: Vec<f32> = (0..n * d).map(|i| next() * (1 + i % 7) as f32).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let x: Vec<f32> = (0..rows * d).map(|_| next() * 5.0).collect();
+            let bf16 = PackedOutput::from_bf16_bits(&to_bf16_bits(&w), &b, d);
+            let wide = bf16.widened_bf16().expect("a bf16 layer widens");
+            assert!(PackedOutput::from_f32(&w, &b, d).widened_bf16().is_none());
+            assert_eq!(wide.precision(), bf16.precision());
+            assert_eq!(wide.weight_bytes(), 2 * bf16.weight_bytes());
+            // The reference: the portable kernel of the bf16 layout.
+            let want = linear(KernelTable::for_isa(Isa::Scalar), &bf16, &x);
+            for isa in Isa::available() {
+                let table = KernelTable::for_isa(isa);
+                for layer in [&bf16, &wide] {
+                    let got = linear(table, layer, &x);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?}, n {n}, d {d}, widened {}",
+                        std::ptr::eq(layer, &wide)
+                    );
+                }
+                // Split over threads, and a range of outputs (keys/values packed side by side).
+                let mut split = vec![0f32; rows * n];
+                linear_into_threads(
+                    table,
+                    wide.view(),
+                    &x,
+                    &mut split,
+                    &mut QuantizedActivations::default(),
+                    3,
+                    crate::profile::Work::Dense,
+                );
+                assert_eq!(split, want, "{isa:?} split");
+                if n > 8 {
+                    let part = wide.view().outputs(8..n);
+                    let mut y = vec![0f32; rows * (n - 8)];
+                    linear_into(
+                        table,
+                        part,
+                        &x,
+                        &mut y,
+                        &mut QuantizedActivations::default(),
+                    );
+                    for r in 0..rows {
+                        assert_eq!(
+                            y[r * (n - 8)..(r + 1) * (n - 8)],
+                            want[r * n + 8..(r + 1) * n]
+                        );
+                    }
+                }
             }
         }
     }

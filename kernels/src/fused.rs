@@ -274,7 +274,7 @@ pub(super) fn scan(
 ) {
     let d = out.d;
     let rows = hidden.len() / d;
-    let groups = row_groups(rows, table.panels_per_call.of(out.precision()));
+    let groups = row_groups(rows, out.view().panels_per_call(table));
     let tile = tile_panels(out);
     let mut scores = [0f32; MAX_CALL_SCORES];
     let mut masks = [0u8; MAX_CALL_PANELS];
@@ -348,6 +348,18 @@ pub(super) fn scan(
                         let hb = prepared.bf16_rows(row0..row0 + size, width_q);
                         let span_b = p * pairs * 16..(p + count) * pairs * 16;
                         (table.bf16[rs][ps])(hb, d, &w[span_b], &epilogue, &mut scores, &mut masks)
+                    }
+                    PanelData::Bf16Wide(w) => {
+                        let hw = &prepared.bf16_wide[row0 * width_q..(row0 + size) * width_q];
+                        let span_w = p * width_q * 8..(p + count) * width_q * 8;
+                        (table.f32[rs][ps])(
+                            hw,
+                            width_q,
+                            &w[span_w],
+                            &epilogue,
+                            &mut scores,
+                            &mut masks,
+                        )
                     }
                     PanelData::I8 { q, .. } => {
                         let pairs = d.div_ceil(2);

@@ -192,7 +192,9 @@ pub type PanelBf16 = fn(Bf16Rows<'_>, usize, &[u16], &Epilogue<'_>, &mut [f32], 
 /// widened to f32 (what the widening kernels broadcast: widened once per batch rather than once
 /// per pair, row and call inside the kernel, where the two widening operations competed with the
 /// fused multiply-adds for the vector ports). Both hold the call's rows, each `d` rounded up to
-/// even wide.
+/// even wide; `wide` holds each pair odd value first (feature 2j + 1, then 2j), the order the
+/// kernels add their products in, so that a [`packed::PanelData::Bf16Wide`] layer runs on the
+/// fp32 kernels with these rows as they are.
 #[derive(Clone, Copy, Debug)]
 pub struct Bf16Rows<'a> {
     pub bits: &'a [u16],

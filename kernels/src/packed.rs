@@ -18,6 +18,15 @@ pub enum PanelData {
     /// lane holds the pair `vdpbf16ps` multiplies; the activations are rounded to bfloat16 too
     /// ([`round_to_bf16`]).
     Bf16(Shared<u16>),
+    /// A bf16 layer's values widened exactly to f32 for CPUs without `vdpbf16ps`
+    /// ([`PackedOutput::widened_bf16`]): laid out as an f32 layer `2 * pairs` features wide whose
+    /// features come pair by pair, odd then even (`panel[(2 * pair) * 8 + l]` is feature
+    /// `2 * pair + 1` of item 8p + l, `panel[(2 * pair + 1) * 8 + l]` feature `2 * pair`), and
+    /// multiplied by the fp32 kernels with the activations rounded to bfloat16 in the same order
+    /// ([`crate::Bf16Rows::wide`]): the fused multiply-adds of the bf16 kernels in their order,
+    /// so the same bits, at fp32's speed (no widening in the kernels' loop). Twice the bytes of
+    /// [`PanelData::Bf16`]: for the small, compute-bound dense layers.
+    Bf16Wide(Shared<f32>),
     /// Symmetric int8 with one scale per item (output row).
     I8 {
         q: Shared<i8>,
@@ -56,6 +65,7 @@ pub enum PanelRef<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
+    Bf16Wide(&'a [f32]),
     I8 { q: &'a [i8], scales: &'a [f32] },
 }
 
@@ -82,8 +92,17 @@ impl<'a> LayerRef<'a> {
         match self.data {
             PanelRef::F32(_) => OutputPrecision::F32,
             PanelRef::F16(_) => OutputPrecision::F16,
-            PanelRef::Bf16(_) => OutputPrecision::Bf16,
+            PanelRef::Bf16(_) | PanelRef::Bf16Wide(_) => OutputPrecision::Bf16,
             PanelRef::I8 { .. } => OutputPrecision::Int8,
+        }
+    }
+
+    /// Panels per micro-kernel call for row groups of 1, 2 and 4 rows: those of the kernels that
+    /// run this layer (fp32's for a widened bf16 layer).
+    pub fn panels_per_call(&self, table: &crate::KernelTable) -> [usize; 3] {
+        match self.data {
+            PanelRef::Bf16Wide(_) => table.panels_per_call.f32,
+            _ => table.panels_per_call.of(self.precision()),
         }
     }
 
@@ -104,6 +123,9 @@ impl<'a> LayerRef<'a> {
             PanelRef::F32(w) => PanelRef::F32(&w[first * per_panel(4)..last * per_panel(4)]),
             PanelRef::F16(w) => PanelRef::F16(&w[first * per_panel(2)..last * per_panel(2)]),
             PanelRef::Bf16(w) => PanelRef::Bf16(&w[first * per_panel(2)..last * per_panel(2)]),
+            PanelRef::Bf16Wide(w) => {
+                PanelRef::Bf16Wide(&w[first * per_panel(4)..last * per_panel(4)])
+            }
             PanelRef::I8 { q, scales } => PanelRef::I8 {
                 q: &q[first * per_panel(1)..last * per_panel(1)],
                 scales: &scales[first * 8..last * 8],
@@ -124,6 +146,7 @@ impl<'a> LayerRef<'a> {
             PanelRef::F32(_) => self.d * 8 * 4,
             PanelRef::F16(_) => self.d * 8 * 2,
             PanelRef::Bf16(_) => self.d.div_ceil(2) * 16 * 2,
+            PanelRef::Bf16Wide(_) => self.d.div_ceil(2) * 16 * 4,
             PanelRef::I8 { .. } => self.d.div_ceil(2) * 16,
         }
     }
@@ -131,7 +154,7 @@ impl<'a> LayerRef<'a> {
     /// Bytes of weights streamed per full pass over the items.
     pub fn weight_bytes(&self) -> usize {
         match self.data {
-            PanelRef::F32(v) => v.len() * 4,
+            PanelRef::F32(v) | PanelRef::Bf16Wide(v) => v.len() * 4,
             PanelRef::F16(v) | PanelRef::Bf16(v) => v.len() * 2,
             PanelRef::I8 { q, scales } => q.len() + scales.len() * 4,
         }
@@ -246,7 +269,8 @@ pub struct QuantizedActivations {
     pub scales: Vec<f32>,
     /// A bf16 layer's input rounded to bfloat16 ([`round_to_bf16`]), rows padded to an even width.
     pub bf16: Vec<u16>,
-    /// The same values widened to f32 (exactly), for the kernels that widen ([`crate::Bf16Rows`]).
+    /// The same values widened to f32 (exactly), each pair odd value first, for the kernels that
+    /// widen ([`crate::Bf16Rows`]).
     pub bf16_wide: Vec<f32>,
 }
 
@@ -254,10 +278,22 @@ impl QuantizedActivations {
     /// Replaces the held bfloat16 activations with `hidden` (`[rows, d]`) rounded to bfloat16,
     /// each row padded to an even width with zeros (what the bf16 kernels read).
     pub fn round_to_bf16(&mut self, hidden: &[f32], d: usize) {
-        round_rows_to_bf16(&mut self.bf16, hidden, d);
+        let width = d.div_ceil(2) * 2;
+        let rows = hidden.len() / d.max(1);
+        self.bf16.clear();
+        self.bf16.resize(rows * width, 0);
         self.bf16_wide.clear();
-        self.bf16_wide
-            .extend(self.bf16.iter().map(|&bits| bf16_to_f32(bits)));
+        self.bf16_wide.resize(rows * width, 0.0);
+        // A dense layer's whole input goes through here (a BERT4Rec batch of 64: millions of
+        // values per layer), so it runs vectorised: compiled for AVX2 where the CPU has it.
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected on this CPU just above.
+            return unsafe {
+                crate::avx2::round_rows_to_bf16(hidden, d, &mut self.bf16, &mut self.bf16_wide)
+            };
+        }
+        round_rows_to_bf16_both(hidden, d, &mut self.bf16, &mut self.bf16_wide);
     }
 
     /// Rows `rows` of the bf16 activations (rows `width` wide), both forms.
@@ -410,9 +446,10 @@ impl PackedOutput {
     /// result has no static activation scale of its own.
     pub fn side_by_side(parts: &[&PackedOutput]) -> Option<PackedOutput> {
         let first = parts.first()?;
+        let layout = |p: &PackedOutput| std::mem::discriminant(&p.data);
         if parts
             .iter()
-            .any(|p| p.d != first.d || p.precision() != first.precision())
+            .any(|p| p.d != first.d || layout(p) != layout(first))
         {
             return None;
         }
@@ -434,6 +471,16 @@ impl PackedOutput {
             ),
             PanelData::F16(_) => PanelData::F16(half_bits(parts).into()),
             PanelData::Bf16(_) => PanelData::Bf16(half_bits(parts).into()),
+            PanelData::Bf16Wide(_) => PanelData::Bf16Wide(
+                parts
+                    .iter()
+                    .flat_map(|p| match &p.data {
+                        PanelData::Bf16Wide(w) => w.iter().copied(),
+                        _ => unreachable!("the parts share a layout"),
+                    })
+                    .collect::<Vec<f32>>()
+                    .into(),
+            ),
             PanelData::I8 { .. } => {
                 let (mut q, mut scales) = (Vec::new(), Vec::new());
                 for p in parts {
@@ -556,6 +603,30 @@ impl PackedOutput {
         Self::with_panels(n, d, data, bias)
     }
 
+    /// A bf16 layer widened exactly to f32 ([`PanelData::Bf16Wide`]): the same outputs, bit for
+    /// bit, computed by the fp32 kernels; `None` for other precisions.
+    pub fn widened_bf16(&self) -> Option<PackedOutput> {
+        let PanelData::Bf16(bits) = &self.data else {
+            return None;
+        };
+        let pairs = self.d.div_ceil(2);
+        let mut wide = Vec::with_capacity(bits.len());
+        // Each panel's pair `jp` holds (even, odd) per lane, 16 values: out come the 8 odd ones,
+        // then the 8 even ones.
+        for pair in bits.chunks_exact(16) {
+            wide.extend((0..8).map(|l| bf16_to_f32(pair[2 * l + 1])));
+            wide.extend((0..8).map(|l| bf16_to_f32(pair[2 * l])));
+        }
+        debug_assert_eq!(wide.len(), self.panels() * pairs * 16);
+        Some(PackedOutput {
+            n: self.n,
+            d: self.d,
+            data: PanelData::Bf16Wide(wide.into()),
+            bias: self.bias.clone(),
+            activation_scale: None,
+        })
+    }
+
     /// W8A8: use a calibrated static activation scale (int8 weights only).
     pub fn with_static_activation_scale(mut self, scale: f32) -> Self {
         assert!(
@@ -569,7 +640,7 @@ impl PackedOutput {
     /// Whether the weights are mapped from the engine's kernels file rather than packed in memory.
     pub fn is_mapped(&self) -> bool {
         match &self.data {
-            PanelData::F32(w) => w.is_mapped(),
+            PanelData::F32(w) | PanelData::Bf16Wide(w) => w.is_mapped(),
             PanelData::F16(w) | PanelData::Bf16(w) => w.is_mapped(),
             PanelData::I8 { q, .. } => q.is_mapped(),
         }
@@ -584,6 +655,7 @@ impl PackedOutput {
                 PanelData::F32(w) => PanelRef::F32(w),
                 PanelData::F16(w) => PanelRef::F16(w),
                 PanelData::Bf16(w) => PanelRef::Bf16(w),
+                PanelData::Bf16Wide(w) => PanelRef::Bf16Wide(w),
                 PanelData::I8 { q, scales } => PanelRef::I8 { q, scales },
             },
             bias: &self.bias,
@@ -601,21 +673,12 @@ impl PackedOutput {
 
     /// Bytes of one panel's weights as the micro-kernels read them (8 items x d).
     pub fn panel_bytes(&self) -> usize {
-        match &self.data {
-            PanelData::F32(_) => self.d * 8 * 4,
-            PanelData::F16(_) => self.d * 8 * 2,
-            PanelData::Bf16(_) => self.d.div_ceil(2) * 16 * 2,
-            PanelData::I8 { .. } => self.d.div_ceil(2) * 16,
-        }
+        self.view().panel_bytes()
     }
 
     /// Bytes of weights streamed per full pass over the items (what bounds a memory-bound pass).
     pub fn weight_bytes(&self) -> usize {
-        match &self.data {
-            PanelData::F32(v) => v.len() * 4,
-            PanelData::F16(v) | PanelData::Bf16(v) => v.len() * 2,
-            PanelData::I8 { q, scales } => q.len() + scales.len() * 4,
-        }
+        self.view().weight_bytes()
     }
 }
 
@@ -663,6 +726,48 @@ pub fn round_rows_to_bf16(out: &mut Vec<u16>, hidden: &[f32], d: usize) {
             *o = round_to_bf16(h);
         }
     }
+}
+
+/// The rows of `hidden` (`[rows, d]`) rounded to bfloat16 into `bits` and widened back to f32
+/// into `wide`, both `[rows, d rounded up to even]` (already sized; the padding stays zero), each
+/// pair in `wide` odd value first: the order the kernels add them in. Written as loops that
+/// vectorise: rounding without branches, then each pair widened from its two halves of a u32.
+#[inline(always)]
+pub(crate) fn round_rows_to_bf16_both(
+    hidden: &[f32],
+    d: usize,
+    bits: &mut [u16],
+    wide: &mut [f32],
+) {
+    let width = d.div_ceil(2) * 2;
+    for ((bits, wide), row) in bits
+        .chunks_exact_mut(width.max(1))
+        .zip(wide.chunks_exact_mut(width.max(1)))
+        .zip(hidden.chunks_exact(d.max(1)))
+    {
+        for (b, &h) in bits.iter_mut().zip(row) {
+            *b = round_to_bf16_branch_free(h);
+        }
+        for (pair, out) in bits.chunks_exact(2).zip(wide.chunks_exact_mut(2)) {
+            let both = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+            out[0] = f32::from_bits(both & 0xffff_0000);
+            out[1] = f32::from_bits(both << 16);
+        }
+    }
+}
+
+/// [`round_to_bf16`] without branches (selects instead), so loops over it vectorise: the same
+/// bits for every input (tested).
+#[inline(always)]
+fn round_to_bf16_branch_free(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    let subnormal = bits & 0x7f80_0000 == 0;
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let quiet_nan = (bits >> 16) | 0x0040;
+    let signed_zero = (bits >> 16) & 0x8000;
+    let value = if subnormal { signed_zero } else { rounded };
+    (if nan { quiet_nan } else { value }) as u16
 }
 
 /// Rounds every weight to the nearest half (round-to-nearest-even), as IEEE bits.
@@ -774,5 +879,57 @@ mod tests {
             (vec![0; 4], vec![1.0]),
             "a zero row: zeros, scale 1.0"
         );
+    }
+
+    #[test]
+    fn branch_free_bf16_rounding_matches_the_reference_for_every_kind_of_value() {
+        // Every 65,537th bit pattern (all signs, exponents and mantissa regions, NaNs and
+        // subnormals included) and the edges: zeros, the subnormal/normal boundary, infinities,
+        // NaNs, ties and values that round into the next binade or to infinity.
+        let mut patterns: Vec<u32> = (0..=u32::MAX).step_by(65_537).collect();
+        patterns.extend([
+            0,
+            0x8000_0000,
+            1,
+            0x007f_ffff,
+            0x0080_0000,
+            0x8080_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f80_0001,
+            0x7fc0_0000,
+            0xffff_ffff,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x7f7f_ffff,
+            0x3fff_ffff,
+        ]);
+        for bits in patterns {
+            let x = f32::from_bits(bits);
+            assert_eq!(
+                round_to_bf16_branch_free(x),
+                round_to_bf16(x),
+                "{bits:#010x}"
+            );
+        }
+        // Both forms a batch's activations are prepared in: bits, and widened odd-first.
+        let hidden = [1.5f32, -2.25, 3.0e-39, f32::NAN, 7.0];
+        let mut prepared = QuantizedActivations::default();
+        prepared.round_to_bf16(&hidden, 5);
+        assert_eq!(prepared.bf16.len(), 6);
+        let want: Vec<u16> = hidden.iter().map(|&h| round_to_bf16(h)).collect();
+        assert_eq!(&prepared.bf16[..5], &want[..]);
+        assert_eq!(prepared.bf16[5], 0, "an odd row is padded with zero");
+        let wide = &prepared.bf16_wide;
+        assert_eq!((wide[0], wide[1]), (-2.25, 1.5));
+        assert!(wide[2].is_nan(), "NaN stays NaN");
+        assert_eq!(wide[3].to_bits(), 0, "a subnormal becomes zero");
+        assert_eq!((wide[4], wide[5]), (0.0, 7.0));
+        // The portable form (what a CPU without AVX2 runs) fills the same values.
+        let (mut bits, mut wide2) = (vec![0u16; 6], vec![0f32; 6]);
+        round_rows_to_bf16_both(&hidden, 5, &mut bits, &mut wide2);
+        assert_eq!(bits, prepared.bf16);
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same(&wide2, wide));
     }
 }

@@ -34,6 +34,9 @@ fn output_sections<'a>(prefix: &str, packed: &'a PackedOutput) -> Vec<(String, &
         PanelData::F32(w) => out.push((format!("{prefix}.f32"), w.as_bytes())),
         PanelData::F16(w) => out.push((format!("{prefix}.f16"), w.as_bytes())),
         PanelData::Bf16(w) => out.push((format!("{prefix}.bf16"), w.as_bytes())),
+        // Widened at load for CPUs without `vdpbf16ps` and only for dense layers: an engine's
+        // file keeps the bf16 layout. Written under a name of its own, no reader takes it.
+        PanelData::Bf16Wide(w) => out.push((format!("{prefix}.bf16wide"), w.as_bytes())),
         PanelData::I8 { q, scales } => {
             out.push((format!("{prefix}.i8"), q.as_bytes()));
             out.push((format!("{prefix}.scales"), scales.as_bytes()));

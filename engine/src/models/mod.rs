@@ -75,12 +75,51 @@ impl OutputLayer {
 /// calibration measures each layer's activations on the model as it is served.
 pub type ActivationObserver<'a> = &'a mut dyn FnMut(&str, &[f32]);
 
+/// A bf16 dense layer's values widened to f32 ([`PackedOutput::widened_bf16`]), made the first
+/// time kernels without `vdpbf16ps` run the layer and kept: the fp32 kernels then compute it
+/// with the bf16 kernels' bits at fp32's speed (widening in the kernels' loop cost a BERT4Rec
+/// bf16 engine 8-15 % against its fp32 engine on a Zen 2). Dense layers are small beside the
+/// output layer, which stays bf16: its bytes are what bf16 saves.
+///
+/// [`PackedOutput::widened_bf16`]: crate::kernels::packed::PackedOutput::widened_bf16
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Widened(std::sync::OnceLock<Option<crate::kernels::packed::PackedOutput>>);
+
+impl Widened {
+    /// `packed` as `kernels` run it best: widened for a bf16 layer on kernels without native
+    /// bf16, else as it is.
+    pub(crate) fn view<'a>(
+        &'a self,
+        packed: &'a crate::kernels::packed::PackedOutput,
+        kernels: &crate::kernels::KernelTable,
+    ) -> crate::kernels::packed::LayerRef<'a> {
+        use crate::kernels::packed::OutputPrecision;
+        if packed.precision() != OutputPrecision::Bf16 || kernels.isa.has_native_bf16() {
+            return packed.view();
+        }
+        self.0
+            .get_or_init(|| packed.widened_bf16())
+            .as_ref()
+            .map_or_else(|| packed.view(), |wide| wide.view())
+    }
+
+    /// Bytes of the widened copy, once made.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, |wide| wide.weight_bytes() + 4 * wide.bias.len())
+    }
+}
+
 /// A dense layer packed for the micro-kernels of [`crate::kernels::dense`] (`x @ W^T + b`).
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
     /// The weight's prefix in the state dict (`encoder.2`, `output_ffn`, ...).
     name: String,
     packed: crate::kernels::packed::PackedOutput,
+    /// A bf16 layer widened for kernels without native bf16 ([`Widened`]).
+    widened: Widened,
     /// The layer as stored (shares the engine's storage), for devices that pack it their own way.
     weight: Matrix,
     bias: Tensor,
@@ -93,6 +132,7 @@ impl DenseLayer {
         DenseLayer {
             name: name.to_string(),
             packed: weight.pack(bias.as_slice()),
+            widened: Widened::default(),
             weight: weight.clone(),
             bias: bias.clone(),
         }
@@ -112,6 +152,7 @@ impl DenseLayer {
             )));
         }
         self.packed = self.packed.clone().with_static_activation_scale(scale);
+        self.widened = Widened::default();
         Ok(())
     }
 
@@ -131,12 +172,21 @@ impl DenseLayer {
 
     /// Bytes of the packed weights this layer holds in memory.
     pub fn packed_bytes(&self) -> usize {
-        self.packed.weight_bytes() + 4 * self.packed.bias.len()
+        self.packed.weight_bytes() + 4 * self.packed.bias.len() + self.widened.bytes()
+    }
+
+    /// The layer as `kernels` run it ([`Widened`]).
+    fn view(&self, kernels: &crate::kernels::KernelTable) -> crate::kernels::packed::LayerRef<'_> {
+        self.widened.view(&self.packed, kernels)
     }
 
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         crate::profile::account(crate::profile::Work::Dense, || {
-            crate::kernels::dense::linear(kernels, &self.packed, x)
+            let layer = self.view(kernels);
+            let mut y = vec![0.0; x.len() / layer.d * layer.n];
+            let mut quantized = crate::kernels::packed::QuantizedActivations::default();
+            crate::kernels::dense::linear_into(kernels, layer, x, &mut y, &mut quantized);
+            y
         })
     }
 
@@ -159,7 +209,7 @@ impl DenseLayer {
         y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
         crate::kernels::dense::linear_into_threads(
             kernels,
-            self.packed.view(),
+            self.view(kernels),
             x,
             y,
             quantized,
@@ -178,7 +228,7 @@ impl DenseLayer {
         quantized: &mut crate::kernels::packed::QuantizedActivations,
     ) {
         crate::profile::account(crate::profile::Work::Dense, || {
-            crate::kernels::dense::linear_into(kernels, self.packed.view(), x, y, quantized)
+            crate::kernels::dense::linear_into(kernels, self.view(kernels), x, y, quantized)
         })
     }
 }

@@ -181,17 +181,17 @@ impl Transformer {
         // Projections of the new rows, as the full pass makes them.
         let p = &layer.projections;
         let w = p.width;
-        let (stride, queries) = match p.all().filter(|_| every_row) {
+        let (stride, queries) = match p.all(k).filter(|_| every_row) {
             Some(all) => {
                 project(k, all, &s.x, &mut s.projected, &mut s.quantized, threads);
                 (3 * w, None)
             }
             None => {
-                let kv = p.keys_values();
+                let kv = p.keys_values(k);
                 project(k, kv, &s.x, &mut s.projected, &mut s.quantized, threads);
                 project(
                     k,
-                    p.queries(),
+                    p.queries(k),
                     x_q,
                     &mut s.queries,
                     &mut s.quantized,

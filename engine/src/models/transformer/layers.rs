@@ -1,7 +1,7 @@
 //! The transformer's layer primitives: a dense layer loaded by name, LayerNorm, the key, value and
 //! query projections packed as one layer, a projection's columns, and one projection run.
 
-use super::DenseLayer;
+use super::{DenseLayer, Widened};
 use crate::error::Result;
 use crate::kernels::packed::{LayerRef, PackedOutput, PanelRef, QuantizedActivations};
 use crate::kernels::{dense, KernelTable};
@@ -53,6 +53,8 @@ impl LayerNorm {
 #[derive(Clone, Debug)]
 pub(super) struct Projections {
     pub(super) packed: PackedOutput,
+    /// A bf16 layer widened for kernels without native bf16 ([`Widened`]).
+    widened: Widened,
     /// Lanes per projection: the hidden size rounded up to a whole panel.
     pub(super) width: usize,
     /// W8A8: the static scale the keys' and values' input is quantized at (they read the same
@@ -91,32 +93,45 @@ impl Projections {
         Ok(Projections {
             width: key.packed.panels() * 8,
             packed,
+            widened: Widened::default(),
             kv_scale,
             q_scale,
         })
     }
 
-    /// Keys, values and queries of the same rows in one call: when their input is quantized alike.
-    pub(super) fn all(&self) -> Option<LayerRef<'_>> {
+    /// Bytes of the packed weights held in memory (the widened copy included, once made).
+    pub(super) fn packed_bytes(&self) -> usize {
+        self.packed.weight_bytes() + 4 * self.packed.bias.len() + self.widened.bytes()
+    }
+
+    /// Keys, values and queries of the same rows in one call, as `kernels` run them: when their
+    /// input is quantized alike.
+    pub(super) fn all(&self, kernels: &KernelTable) -> Option<LayerRef<'_>> {
         (self.kv_scale == self.q_scale).then(|| LayerRef {
             activation_scale: self.kv_scale,
-            ..self.packed.view()
+            ..self.widened.view(&self.packed, kernels)
         })
     }
 
     /// Keys and values (`[rows, 2 x width]`).
-    pub(super) fn keys_values(&self) -> LayerRef<'_> {
+    pub(super) fn keys_values(&self, kernels: &KernelTable) -> LayerRef<'_> {
         LayerRef {
             activation_scale: self.kv_scale,
-            ..self.packed.view().outputs(0..2 * self.width)
+            ..self
+                .widened
+                .view(&self.packed, kernels)
+                .outputs(0..2 * self.width)
         }
     }
 
     /// Queries (`[rows, width]`).
-    pub(super) fn queries(&self) -> LayerRef<'_> {
+    pub(super) fn queries(&self, kernels: &KernelTable) -> LayerRef<'_> {
         LayerRef {
             activation_scale: self.q_scale,
-            ..self.packed.view().outputs(2 * self.width..3 * self.width)
+            ..self
+                .widened
+                .view(&self.packed, kernels)
+                .outputs(2 * self.width..3 * self.width)
         }
     }
 }

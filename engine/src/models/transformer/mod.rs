@@ -28,7 +28,7 @@ mod split;
 
 pub use carry::CarriedScratch;
 
-use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer};
+use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer, Widened};
 use crate::config::{ModelKind, TransformerConfig};
 use crate::error::Result;
 use crate::import::Checkpoint;
@@ -249,8 +249,7 @@ impl Transformer {
             .iter()
             .map(|d| d.0.packed_bytes())
             .sum::<usize>()
-                + l.projections.packed.weight_bytes()
-                + 4 * l.projections.packed.bias.len()
+                + l.projections.packed_bytes()
         };
         self.layers.iter().map(layer).sum::<usize>()
             + self
@@ -471,7 +470,7 @@ impl Transformer {
         observe(layer.query.0.name(), x_q);
         let p = &layer.projections;
         let w = p.width;
-        let (keys, values, queries) = match p.all().filter(|_| every_row) {
+        let (keys, values, queries) = match p.all(k).filter(|_| every_row) {
             Some(all) => {
                 project(k, all, &s.x, &mut s.projected, &mut s.quantized, threads);
                 let at = |offset| Columns {
@@ -482,11 +481,11 @@ impl Transformer {
                 (at(0), at(w), at(2 * w))
             }
             None => {
-                let kv = p.keys_values();
+                let kv = p.keys_values(k);
                 project(k, kv, &s.x, &mut s.projected, &mut s.quantized, threads);
                 project(
                     k,
-                    p.queries(),
+                    p.queries(k),
                     x_q,
                     &mut s.queries,
                     &mut s.quantized,
@@ -688,10 +687,10 @@ mod tests {
                     })
                 };
                 let w = p.width;
-                let kv = run(p.keys_values());
+                let kv = run(p.keys_values(k));
                 assert!(same(&kv, 2 * w, 0, &want[0]) && same(&kv, 2 * w, w, &want[1]));
-                assert!(same(&run(p.queries()), w, 0, &want[2]));
-                if let Some(all) = p.all() {
+                assert!(same(&run(p.queries(k)), w, 0, &want[2]));
+                if let Some(all) = p.all(k) {
                     fused_calls += 1;
                     let got = run(all);
                     for (i, want) in want.iter().enumerate() {

@@ -67,7 +67,7 @@ impl Transformer {
         let w = p.width;
         // Keys, values and queries in one layer when every row is a query and their input is
         // quantized alike; otherwise keys and values for every row, queries for the query rows.
-        let all = p.all().filter(|_| every_row);
+        let all = p.all(k).filter(|_| every_row);
         let projected_width = if all.is_some() { 3 * w } else { 2 * w };
         s.projected.resize(tokens * projected_width, 0.0);
         s.queries
@@ -107,10 +107,10 @@ impl Transformer {
                         dense::linear_into(k, all, x_rows, token_rows, &mut piece.quantized)
                     }
                     None => {
-                        let kv = p.keys_values();
+                        let kv = p.keys_values(k);
                         dense::linear_into(k, kv, x_rows, token_rows, &mut piece.quantized);
                         let xq_rows = &x_q[q.start * h..q.end * h];
-                        let queries = p.queries();
+                        let queries = p.queries(k);
                         dense::linear_into(k, queries, xq_rows, query_rows, &mut piece.quantized);
                     }
                 })
