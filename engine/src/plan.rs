@@ -422,45 +422,57 @@ pub fn thread_candidates(threads: usize) -> Vec<usize> {
 /// faster at batch 8 while back to back two threads were 1.4x faster.
 pub const THREAD_BURST: usize = 4;
 
+/// How long a thread count with pool workers runs untimed before its samples: long enough for
+/// the pool to reach the rhythm of a busy server. On a 2-vCPU Zen 2 VM, after the pool had idled
+/// through the one-thread samples, each call's worker wake-up took 80-400 us for the next few
+/// milliseconds of calls (a halted vCPU woken by the hypervisor; the handoff estimate raised by
+/// them then kept steps on one thread), and a burst of 4 settling calls timed two threads 1.3x
+/// slower than one at batch 8 where back to back they were 1.5x faster (3 plans of 4 wrong);
+/// with this settling and [`THREAD_WARM_UP`], 6 plans of 6 matched the back-to-back times.
+pub const THREAD_SETTLE: std::time::Duration = std::time::Duration::from_millis(30);
+
+/// How long the engine runs on all its threads before a thread plan's first sample.
+pub const THREAD_WARM_UP: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Times `run(threads, batch)` for every candidate thread count at every batch size of
-/// [`PLAN_BATCHES`]: one warm-up burst each, then [`RUNS`] rounds taking the counts in turn, each
-/// sample the mean of a burst of [`THREAD_BURST`] calls back to back, the best sample counting.
+/// [`PLAN_BATCHES`]: per batch size, each count in turn runs a settling burst of [`THREAD_BURST`]
+/// calls (and, with pool workers, for at least [`THREAD_SETTLE`]), then [`RUNS`] samples back
+/// to back, each the mean of a burst of [`THREAD_BURST`] calls; the best sample counts.
 pub fn measure_threads(
     candidates: &[usize],
     mut run: impl FnMut(usize, usize),
 ) -> Vec<ThreadTiming> {
     let mut timings = Vec::new();
+    // The machine brought to a busy server's state first: every core awake and clocked up, the
+    // pool's workers in their rhythm (timed straight after a load, one thread's first samples
+    // ran 1.4x slower than a few hundred milliseconds later).
+    let all = candidates.iter().copied().max().unwrap_or(1);
+    let warm = Instant::now();
+    while warm.elapsed() < THREAD_WARM_UP {
+        run(all, PLAN_BATCHES[1]);
+    }
     for &batch in &PLAN_BATCHES {
         for &threads in candidates {
-            for _ in 0..THREAD_BURST {
+            let settle = Instant::now();
+            let mut calls = 0;
+            while calls < THREAD_BURST || (threads > 1 && settle.elapsed() < THREAD_SETTLE) {
                 run(threads, batch);
+                calls += 1;
             }
-        }
-        let mut best = vec![f64::INFINITY; candidates.len()];
-        for _ in 0..RUNS {
-            for (slot, &threads) in candidates.iter().enumerate() {
-                // Untimed first: the pool's handoff estimate settles on this count's calls.
-                for _ in 0..THREAD_BURST {
-                    run(threads, batch);
-                }
+            let mut best = f64::INFINITY;
+            for _ in 0..RUNS {
                 let start = Instant::now();
                 for _ in 0..THREAD_BURST {
                     run(threads, batch);
                 }
-                let per_call = start.elapsed().as_secs_f64() / THREAD_BURST as f64;
-                best[slot] = best[slot].min(per_call);
+                best = best.min(start.elapsed().as_secs_f64() / THREAD_BURST as f64);
             }
+            timings.push(ThreadTiming {
+                batch,
+                threads,
+                seconds: best,
+            });
         }
-        timings.extend(
-            candidates
-                .iter()
-                .zip(best)
-                .map(|(&threads, seconds)| ThreadTiming {
-                    batch,
-                    threads,
-                    seconds,
-                }),
-        );
     }
     timings
 }
@@ -829,12 +841,34 @@ mod tests {
         assert_eq!(thread_candidates(2), [1, 2]);
         assert_eq!(thread_candidates(6), [1, 2, 4, 6]);
         assert_eq!(thread_candidates(8), [1, 2, 4, 8]);
-        let (mut seen, candidates) = (Vec::new(), thread_candidates(3));
-        let measured = measure_threads(&candidates, |threads, batch| seen.push((threads, batch)));
+        // Calls per (threads, batch), and the order in which the pairs first came.
+        let candidates = thread_candidates(3);
+        let mut calls = std::collections::HashMap::<(usize, usize), usize>::new();
+        let mut order = Vec::new();
+        let started = Instant::now();
+        let measured = measure_threads(&candidates, |threads, batch| {
+            let n = calls.entry((threads, batch)).or_default();
+            if *n == 0 {
+                order.push((threads, batch));
+            }
+            *n += 1;
+        });
         assert_eq!(measured.len(), PLAN_BATCHES.len() * candidates.len());
-        assert_eq!(seen.len(), measured.len() * (2 * RUNS + 1) * THREAD_BURST);
-        // A burst runs one count back to back.
-        assert!(seen[..THREAD_BURST].iter().all(|&s| s == (1, 1)));
+        // First the warm-up on every thread at the middle batch size, for THREAD_WARM_UP.
+        assert_eq!(order[0], (3, PLAN_BATCHES[1]));
+        assert!(started.elapsed() >= THREAD_WARM_UP + THREAD_SETTLE);
+        // Then each batch size, each count in turn: one thread runs its settling burst and
+        // RUNS timed bursts exactly; counts with workers settle for THREAD_SETTLE at least.
+        let per_batch: Vec<(usize, usize)> = PLAN_BATCHES
+            .iter()
+            .flat_map(|&b| candidates.iter().map(move |&t| (t, b)))
+            .filter(|&pair| pair != (3, PLAN_BATCHES[1]))
+            .collect();
+        assert_eq!(order[1..], per_batch[..]);
+        for &batch in &PLAN_BATCHES {
+            assert_eq!(calls[&(1, batch)], (RUNS + 1) * THREAD_BURST);
+            assert!(calls[&(2, batch)] >= (RUNS + 1) * THREAD_BURST);
+        }
         assert_eq!(
             ["auto", "all", "3"].map(|s| s.parse::<ThreadPolicy>().unwrap()),
             [
