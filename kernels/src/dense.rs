@@ -202,7 +202,7 @@ fn linear_rows(
 mod tests {
     use super::*;
     use crate::lcg;
-    use crate::packed::{quantize_int8_per_row, to_f16_bits};
+    use crate::packed::{quantize_int8_per_row, to_f16_bits, PanelData};
     use crate::Isa;
 
     #[test]
@@ -247,6 +247,15 @@ mod tests {
             assert!(PackedOutput::from_f32(&w, &b, d).widened_bf16().is_none());
             assert_eq!(wide.precision(), bf16.precision());
             assert_eq!(wide.weight_bytes(), 2 * bf16.weight_bytes());
+            // Widening commutes with packing layers side by side (the transformer's projections).
+            let (joined, wide_joined) = (
+                PackedOutput::side_by_side(&[&bf16, &bf16]).unwrap(),
+                PackedOutput::side_by_side(&[&wide, &wide]).unwrap(),
+            );
+            match (&joined.widened_bf16().unwrap().data, &wide_joined.data) {
+                (PanelData::Bf16Wide(a), PanelData::Bf16Wide(b)) => assert_eq!(a[..], b[..]),
+                _ => panic!("widened layers stay widened"),
+            }
             // The reference: the portable kernel of the bf16 layout.
             let want = linear(KernelTable::for_isa(Isa::Scalar), &bf16, &x);
             for isa in Isa::available() {

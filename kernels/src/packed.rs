@@ -421,6 +421,17 @@ pub fn pack_rows_transposed_into<'a>(
 }
 
 /// The 16-bit panels (fp16 or bf16: the parts share one precision) of `parts`, one after the other.
+/// The f32 panels of `parts` (fp32 or widened bf16, one layout for all), one after the other.
+fn f32_values(parts: &[&PackedOutput]) -> Vec<f32> {
+    parts
+        .iter()
+        .flat_map(|p| match &p.data {
+            PanelData::F32(w) | PanelData::Bf16Wide(w) => w.iter().copied(),
+            _ => unreachable!("the parts share a layout"),
+        })
+        .collect()
+}
+
 fn half_bits(parts: &[&PackedOutput]) -> Vec<u16> {
     parts
         .iter()
@@ -459,28 +470,10 @@ impl PackedOutput {
             bias.extend_from_slice(&p.bias[..lanes(p)]);
         }
         let data = match &first.data {
-            PanelData::F32(_) => PanelData::F32(
-                parts
-                    .iter()
-                    .flat_map(|p| match &p.data {
-                        PanelData::F32(w) => w.iter().copied(),
-                        _ => unreachable!("the parts share a precision"),
-                    })
-                    .collect::<Vec<f32>>()
-                    .into(),
-            ),
+            PanelData::F32(_) => PanelData::F32(f32_values(parts).into()),
             PanelData::F16(_) => PanelData::F16(half_bits(parts).into()),
             PanelData::Bf16(_) => PanelData::Bf16(half_bits(parts).into()),
-            PanelData::Bf16Wide(_) => PanelData::Bf16Wide(
-                parts
-                    .iter()
-                    .flat_map(|p| match &p.data {
-                        PanelData::Bf16Wide(w) => w.iter().copied(),
-                        _ => unreachable!("the parts share a layout"),
-                    })
-                    .collect::<Vec<f32>>()
-                    .into(),
-            ),
+            PanelData::Bf16Wide(_) => PanelData::Bf16Wide(f32_values(parts).into()),
             PanelData::I8 { .. } => {
                 let (mut q, mut scales) = (Vec::new(), Vec::new());
                 for p in parts {
