@@ -91,17 +91,17 @@ case "$kind" in
     ;;
   models)
     ./scripts/python-env.sh --peers
-    release_build -p recsys-cli -p recsys-benches --bin model_probe --bin kernel_probe
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe --bin kernel_probe
     exec "$peers_python" scripts/bench_models.py "$@"
     ;;
   sequential)
     ./scripts/python-env.sh --peers
-    release_build -p recsys-cli -p recsys-benches --bin model_probe --bin kernel_probe
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe --bin kernel_probe
     exec "$peers_python" scripts/bench_sequential.py "$@"
     ;;
   sessions)
     ./scripts/python-env.sh --peers
-    release_build -p recsys-cli -p recsys-benches --bin session_probe
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin session_probe
     exec "$peers_python" scripts/bench_sessions.py "$@"
     ;;
   serving-sessions)
@@ -110,7 +110,7 @@ case "$kind" in
     exec "$python" scripts/bench_serving_sessions.py "$@"
     ;;
   threads)
-    release_build -p recsys-cli -p recsys-benches --bin model_probe
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
     exec python3 scripts/bench_threads.py "$@"
     ;;
   predict)
