@@ -368,10 +368,12 @@ pub(super) const KERNELS: KernelTable = KernelTable {
     f16: kernel_table!(@rows f16_k, super::PanelF16),
     bf16: kernel_table!(@rows bf16_k, super::PanelBf16),
     i8: kernel_table!(@rows i8_k, super::PanelI8),
+    // 8 rows x 4 panels: the same 16 accumulators as 4 x 8, each weight vector loaded once for
+    // 8 rows ([`super::RowBlock`]).
     panels_per_call: super::PanelsPerCall {
-        f32: [8, 8, 8],
-        f16: [8, 8, 4],
-        bf16: [8, 8, 4],
+        f32: [8, 8, 8, 4],
+        f16: [8, 8, 4, 4],
+        bf16: [8, 8, 4, 0],
         ..super::PanelsPerCall::EIGHT_ACCUMULATORS
     },
     elementwise: super::Elementwise {
@@ -382,3 +384,9 @@ pub(super) const KERNELS: KernelTable = KernelTable {
 };
 
 pub(super) static TABLE: KernelTable = KERNELS;
+
+/// The same kernels cutting batches into row groups of at most 4 ([`super::RowBlock::Four`]).
+pub(super) static TABLE_FOUR_ROWS: KernelTable = KernelTable {
+    panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
+    ..KERNELS
+};

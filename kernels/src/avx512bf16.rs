@@ -95,12 +95,20 @@ fn as_bf16_pairs(v: __m512i) -> __m512bh {
     unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
 
-pub(super) static TABLE: KernelTable = KernelTable {
+const KERNELS: KernelTable = KernelTable {
     isa: Isa::Avx512Bf16,
     bf16: kernel_table!(@rows dpbf16_k, super::PanelBf16),
     panels_per_call: super::PanelsPerCall {
-        bf16: [8, 8, 8],
+        bf16: [8, 8, 8, 4],
         ..avx512::KERNELS.panels_per_call
     },
     ..avx512::KERNELS
+};
+
+pub(super) static TABLE: KernelTable = KERNELS;
+
+/// The same kernels cutting batches into row groups of at most 4 ([`super::RowBlock::Four`]).
+pub(super) static TABLE_FOUR_ROWS: KernelTable = KernelTable {
+    panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
+    ..KERNELS
 };

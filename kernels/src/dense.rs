@@ -6,7 +6,7 @@
 use crate::packed::{LayerRef, PackedOutput, PanelRef, QuantizedActivations};
 use crate::{
     panels_slot, prefetch, row_group_at, rows_slot, Epilogue, KernelTable, MAX_CALL_PANELS,
-    MAX_CALL_SCORES,
+    MAX_CALL_SCORES, MAX_GROUP_ROWS,
 };
 
 /// A dense layer on the same micro-kernels: `x @ W^T + b` for `x` of `[rows, d]`, `[rows, n]` out,
@@ -122,7 +122,7 @@ fn linear_rows(
     while row0 < rows.end {
         let (size, per_call) = row_group_at(rows.end - row0, panels_per_call);
         let h = &x[row0 * d..(row0 + size) * d];
-        let mut row_scales = [1f32; 4];
+        let mut row_scales = [1f32; MAX_GROUP_ROWS];
         for (r, scale) in row_scales.iter_mut().enumerate().take(size) {
             if let Some(&s) = quantized.scales.get(row0 + r) {
                 *scale = s;
@@ -138,7 +138,7 @@ fn linear_rows(
                     PanelRef::I8 { scales, .. } => &scales[items.clone()],
                     _ => &[],
                 },
-                bars: [f32::INFINITY; 4],
+                bars: [f32::INFINITY; MAX_GROUP_ROWS],
                 row_scales,
                 prefetch: prefetch_by_count[count],
             };

@@ -14,7 +14,7 @@ use super::item_mask::{busy_in_word, ItemMask};
 use super::packed::{PackedOutput, PanelData, QuantizedActivations};
 use super::{
     panels_slot, prefetch, row_group_at, rows_slot, Epilogue, KernelTable, MAX_CALL_PANELS,
-    MAX_CALL_SCORES,
+    MAX_CALL_SCORES, MAX_GROUP_ROWS,
 };
 use crate::topk::{rank_order, Scored};
 
@@ -118,7 +118,7 @@ impl<'a> Selection<'a> {
 }
 
 /// Every row group of a batch of `rows`: `(first row, rows, panels per call)`.
-fn row_groups(rows: usize, panels_per_call: [usize; 3]) -> Vec<(usize, usize, usize)> {
+fn row_groups(rows: usize, panels_per_call: [usize; 4]) -> Vec<(usize, usize, usize)> {
     let mut groups = Vec::new();
     let mut start = 0;
     while start < rows {
@@ -317,8 +317,8 @@ pub(super) fn scan(
                 let (rs, ps) = (rows_slot(size), panels_slot(count));
                 let span = p * d * 8..(p + count) * d * 8;
                 let items = p * 8..(p + count) * 8;
-                let mut bars = [f32::INFINITY; 4];
-                let mut row_scales = [1f32; 4];
+                let mut bars = [f32::INFINITY; MAX_GROUP_ROWS];
+                let mut row_scales = [1f32; MAX_GROUP_ROWS];
                 for r in 0..size {
                     bars[r] = sink.bar(row0 + r);
                     if let Some(&s) = hidden_scales.get(row0 + r) {
@@ -642,6 +642,65 @@ mod tests {
                     prop_assert_eq!(&alone[0], &fused[0]);
                 }
             }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// Row groups of 8 (where an ISA has them) and of at most 4 give every score, top-k and
+        /// dense layer output the bits of each row scored alone, on every ISA and precision, for
+        /// batches that mix groups of 8, 4, 2 and 1 rows, and with filters that skip panels.
+        #[test]
+        fn row_blocks_never_change_a_bit(
+            n in 1usize..400, d in 1usize..70, rows in 1usize..20, k in 1usize..30, seed in 0u64..10_000,
+        ) {
+            use crate::RowBlock;
+            let mut next = lcg(seed);
+            let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..n).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+            let masks: Vec<Option<ItemMask>> = (0..rows).map(|r| random_mask(n, r, &mut next)).collect();
+            let none = Exclusions::default();
+            let queries: Vec<RowQuery> = (0..rows)
+                .map(|r| RowQuery { k, excluded: &none, eligible: masks[r].as_ref() })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for isa in Isa::available() {
+                let eight = KernelTable::for_isa_rows(isa, RowBlock::Eight);
+                let four = KernelTable::for_isa_rows(isa, RowBlock::Four);
+                prop_assert_eq!(four.row_block(), RowBlock::Four);
+                for (name, packed, _) in packed_variants(&w, &b, d) {
+                    let alone: Vec<f32> = (0..rows)
+                        .flat_map(|r| score_all(four, &packed, &hidden[r * d..(r + 1) * d]))
+                        .collect();
+                    for table in [eight, four] {
+                        let label = (isa, name, table.row_block());
+                        prop_assert_eq!(bits(&score_all(table, &packed, &hidden)), bits(&alone), "{:?}", label);
+                        prop_assert_eq!(bits(&linear(table, &packed, &hidden)), bits(&alone), "{:?}", label);
+                        let batch = top_k(table, &packed, &hidden, &queries, 1);
+                        for r in 0..rows {
+                            let single = top_k(four, &packed, &hidden[r * d..(r + 1) * d], &queries[r..r + 1], 1);
+                            prop_assert_eq!(&batch[r], &single[0], "{:?} row {}", label, r);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_offers_both_row_blocks() {
+        use crate::RowBlock;
+        for isa in Isa::available() {
+            let eight = KernelTable::for_isa_rows(isa, RowBlock::Eight);
+            let both = matches!(isa, Isa::Avx512 | Isa::Avx512Bf16);
+            assert_eq!(KernelTable::offers_row_blocks(isa), both, "{isa:?}");
+            assert_eq!(eight.row_block() == RowBlock::Eight, both, "{isa:?}");
+            assert!(
+                std::ptr::eq(KernelTable::for_isa(isa), eight),
+                "{isa:?}: the default"
+            );
+            assert_eq!(KernelTable::for_isa_rows(isa, RowBlock::Four).isa, isa);
         }
     }
 

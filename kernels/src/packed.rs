@@ -99,7 +99,7 @@ impl<'a> LayerRef<'a> {
 
     /// Panels per micro-kernel call for row groups of 1, 2 and 4 rows: those of the kernels that
     /// run this layer (fp32's for a widened bf16 layer).
-    pub fn panels_per_call(&self, table: &crate::KernelTable) -> [usize; 3] {
+    pub fn panels_per_call(&self, table: &crate::KernelTable) -> [usize; 4] {
         match self.data {
             PanelRef::Bf16Wide(_) => table.panels_per_call.f32,
             _ => table.panels_per_call.of(self.precision()),

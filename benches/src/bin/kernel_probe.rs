@@ -2,8 +2,9 @@
 //! script can run ONNX Runtime and numpy on the very same weights in the same invocation. Also
 //! measures the machine's floor: streaming read bandwidth and FMA throughput.
 //!
-//! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps
-//!   (precision: fp32, fp16, bf16, int8, or screened-int8: the int8 screen with exact fp32 rescoring)
+//! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps [rows]
+//!   (precision: fp32, fp16, bf16, int8, or screened-int8: the int8 screen with exact fp32 rescoring;
+//!   rows: the largest row group, 4 or 8, where the CPU's kernels offer both; default theirs)
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
 //!
@@ -15,7 +16,7 @@ use std::time::Instant;
 use recsys_kernels::fused::{top_k, Exclusions, RowQuery};
 use recsys_kernels::packed::{quantize_int8_per_row, to_bf16_bits, to_f16_bits, PackedOutput};
 use recsys_kernels::screen::{top_k_from_f32, ScreenTable};
-use recsys_kernels::{fma_peak_flops, KernelTable};
+use recsys_kernels::{fma_peak_flops, KernelTable, RowBlock};
 
 fn read_f32(path: &str) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
@@ -36,6 +37,17 @@ fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
         .unwrap_or_else(|| panic!("argument {i} ({what}) missing or invalid"))
 }
 
+/// The kernels, with the row block `rows` (argument 12) when it is given.
+fn kernels(args: &[String]) -> &'static KernelTable {
+    let table = KernelTable::detect();
+    match args.get(12).map(String::as_str) {
+        None => table,
+        Some("4") => KernelTable::for_isa_rows(table.isa, RowBlock::Four),
+        Some("8") => KernelTable::for_isa_rows(table.isa, RowBlock::Eight),
+        Some(other) => panic!("rows must be 4 or 8, not {other}"),
+    }
+}
+
 fn topk(args: &[String]) {
     let (weights, bias, hidden) = (read_f32(&args[2]), read_f32(&args[3]), read_f32(&args[4]));
     let n: usize = arg(args, 5, "n");
@@ -49,7 +61,17 @@ fn topk(args: &[String]) {
     assert_eq!(bias.len(), n);
     assert!(hidden.len() >= batch * d);
     if precision == "screened-int8" {
-        return screened(&weights, &bias, &hidden, d, batch, k, threads, reps);
+        return screened(
+            &weights,
+            &bias,
+            &hidden,
+            d,
+            batch,
+            k,
+            threads,
+            reps,
+            kernels(args),
+        );
     }
     let packed = match precision {
         "fp32" => PackedOutput::from_f32(&weights, &bias, d),
@@ -62,7 +84,7 @@ fn topk(args: &[String]) {
         other => panic!("unknown precision {other}"),
     };
     drop(weights);
-    let table = KernelTable::detect();
+    let table = kernels(args);
     let none = Exclusions::default();
     let queries = vec![RowQuery::new(k, &none); batch];
     let h = &hidden[..batch * d];
@@ -80,6 +102,7 @@ fn topk(args: &[String]) {
             "median_s": median(times.clone()),
             "min_s": times.iter().cloned().fold(f64::INFINITY, f64::min),
             "isa": table.isa.name(),
+            "rows": table.row_block().rows(),
             "weight_bytes": packed.weight_bytes(),
             "top_row0": first,
         })
@@ -98,9 +121,9 @@ fn screened(
     k: usize,
     threads: usize,
     reps: usize,
+    table: &'static KernelTable,
 ) {
     let screen = ScreenTable::new(weights, bias, d);
-    let table = KernelTable::detect();
     let none = Exclusions::default();
     let queries = vec![RowQuery::new(k, &none); batch];
     let h = &hidden[..batch * d];
@@ -120,6 +143,7 @@ fn screened(
             "median_s": median(times.clone()),
             "min_s": times.iter().cloned().fold(f64::INFINITY, f64::min),
             "isa": table.isa.name(),
+            "rows": table.row_block().rows(),
             "weight_bytes": screen.weight_bytes(),
             "top_row0": first,
             "survivors_median": survivors[survivors.len() / 2],
