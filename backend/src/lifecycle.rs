@@ -152,6 +152,15 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             ),
         );
     }
+    if let Some(plan) = engine.plan_row_block(settings.row_block) {
+        log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: row-block plan: {}",
+                plan.describe()
+            ),
+        );
+    }
     // Last: it times whole calls with the kernels the plans above chose.
     if let Some(plan) = engine.plan_threads(settings.thread_plan) {
         log(

@@ -103,6 +103,9 @@ pub struct ModelSettings {
     /// Which kernels a bf16 engine runs on a CPU with AVX512-BF16: by measurement (`auto`), or
     /// pinned (parameter `bf16_path`: `native` or `widened`).
     pub bf16_path: recsys_engine::plan::Bf16Path,
+    /// The largest row group an instance whose kernels come in two (AVX-512) cuts batches into:
+    /// by measurement (`auto`), or pinned (parameter `row_block`: `4` or `8`).
+    pub row_block: recsys_engine::plan::RowBlockPolicy,
     /// How many of the instance's threads each batch size gets: by measurement (`auto`), all of
     /// them (`all`), or a fixed count (parameter `thread_plan`).
     pub thread_plan: recsys_engine::plan::ThreadPolicy,
@@ -207,6 +210,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "prefix_cache_idle_seconds",
     "screen_policy",
     "bf16_path",
+    "row_block",
     "thread_plan",
 ];
 
@@ -520,6 +524,13 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
                 .parse()
                 .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
         },
+        row_block: match parameter(config, "row_block") {
+            None => Default::default(),
+            Some(text) => text
+                .trim()
+                .parse()
+                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
+        },
         thread_plan: match parameter(config, "thread_plan") {
             None => Default::default(),
             Some(text) => text
@@ -659,6 +670,7 @@ mod tests {
             ("top_k", "5000", "more than max_k"),
             ("screen_policy", "sometimes", "screen_policy must be"),
             ("bf16_path", "fastest", "bf16_path must be"),
+            ("row_block", "16", "row_block must be"),
             ("thread_plan", "0", "thread_plan must be"),
             ("thread_plan", "most", "thread_plan must be"),
         ] {

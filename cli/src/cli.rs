@@ -826,6 +826,10 @@ pub struct PredictArgs {
     /// answers are the same.
     #[arg(long, default_value = "auto", value_parser = ["auto", "native", "widened"])]
     pub bf16_path: String,
+    /// AVX-512 kernels: the largest row group a batch is cut into, by measurement on this CPU
+    /// (auto, the plan kept for the next run), 4 or 8 rows. The answers are the same.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "4", "8"])]
+    pub row_block: String,
     /// A live availability object to filter by, as the servers do (a file, or s3://.../gs://...;
     /// see `recsys availability`): its sets join the engine's, so `include_item_sets` and
     /// `exclude_item_sets` may name them (`stock=out`).

@@ -162,6 +162,9 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
     if let Some(plan) = engine.plan_bf16_path(args.bf16_path.parse().map_err(CliError::Usage)?) {
         eprintln!("predict: kernel plan: {}", plan.describe());
     }
+    if let Some(plan) = engine.plan_row_block(args.row_block.parse().map_err(CliError::Usage)?) {
+        eprintln!("predict: row-block plan: {}", plan.describe());
+    }
     let engine = engine;
     if let Some(source) = &args.availability {
         let applied = recsys_registry::availability::apply(&engine, source)?;

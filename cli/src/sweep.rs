@@ -309,9 +309,16 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         let screen_plan = engine
             .plan_screen(recsys_engine::plan::ScreenPolicy::Auto)
             .map(|p| p.describe());
-        let kernel_plan = engine
+        let bf16_plan = engine
             .plan_bf16_path(recsys_engine::plan::Bf16Path::Auto)
             .map(|p| p.describe());
+        let row_block_plan = engine
+            .plan_row_block(recsys_engine::plan::RowBlockPolicy::Auto)
+            .map(|p| p.describe());
+        let kernel_plan = match (bf16_plan, row_block_plan) {
+            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+            (a, b) => a.or(b),
+        };
         let thread_plan = engine
             .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
             .map(|p| p.describe());

@@ -116,6 +116,8 @@ pub struct Engine {
     /// A bf16 engine's kernel path on a CPU with AVX512-BF16 (see [`Engine::plan_bf16_path`]);
     /// `None`: the native path (or nothing to choose).
     bf16_path_plan: Option<crate::plan::Bf16PathPlan>,
+    /// The row block of an engine whose kernels come in two (see [`Engine::plan_row_block`]).
+    row_block_plan: Option<crate::plan::RowBlockPlan>,
     /// Per batch size, how many of the scorer's threads a call uses (see
     /// [`Engine::plan_threads`]); `None`: all of them.
     thread_plan: Option<crate::plan::ThreadPlan>,
@@ -228,6 +230,7 @@ impl Engine {
             prefix_cache: None,
             screen_plan: None,
             bf16_path_plan: None,
+            row_block_plan: None,
             thread_plan: None,
         })
     }
@@ -310,8 +313,10 @@ impl Engine {
         if !bf16 || !(native || self.bf16_path_plan.is_some()) {
             return None;
         }
-        // Plans are keyed by the native ISA: put it back before measuring or reading one.
-        self.set_kernels(KernelTable::for_isa(Isa::Avx512Bf16));
+        // Plans are keyed by the native ISA: put it back before measuring or reading one (with
+        // the row block chosen so far).
+        let block = self.scorer.kernels.row_block();
+        self.set_kernels(KernelTable::for_isa_rows(Isa::Avx512Bf16, block));
         let chosen = match policy {
             Bf16Path::Native | Bf16Path::Widened => Bf16PathPlan::fixed(
                 policy == Bf16Path::Native,
@@ -324,7 +329,7 @@ impl Engine {
             }
         };
         if !chosen.native {
-            self.set_kernels(KernelTable::for_isa(Isa::Avx512));
+            self.set_kernels(KernelTable::for_isa_rows(Isa::Avx512, block));
         }
         self.bf16_path_plan = Some(chosen);
         self.bf16_path_plan.as_ref()
@@ -341,13 +346,72 @@ impl Engine {
         use crate::kernels::{Isa, KernelTable};
         let requests = self.plan_requests();
         let largest = requests.len();
+        let block = self.scorer.kernels.row_block();
         let timings = crate::plan::measure(|native, b| {
             let isa = if native { Isa::Avx512Bf16 } else { Isa::Avx512 };
-            self.set_kernels(KernelTable::for_isa(isa));
+            self.set_kernels(KernelTable::for_isa_rows(isa, block));
             let answers = self.recommend_internal(&requests[..b.min(largest)]);
             std::hint::black_box(answers);
         });
-        self.set_kernels(KernelTable::for_isa(Isa::Avx512Bf16));
+        self.set_kernels(KernelTable::for_isa_rows(Isa::Avx512Bf16, block));
+        timings
+    }
+
+    /// Chooses the row block of an engine whose kernels come in two (AVX-512): batches cut into
+    /// row groups of up to 8 rows or of up to 4 (the same answers either way; see
+    /// [`crate::plan::RowBlockPolicy`]): by `policy`, and for `Auto` by timing whole calls with
+    /// each on this CPU (or its cached plan). Call after [`Engine::set_threads`] and
+    /// [`Engine::plan_bf16_path`] (it times the kernels that plan chose). `None` for kernels with
+    /// one row block (scalar, AVX2).
+    pub fn plan_row_block(
+        &mut self,
+        policy: crate::plan::RowBlockPolicy,
+    ) -> Option<&crate::plan::RowBlockPlan> {
+        use crate::kernels::RowBlock;
+        use crate::plan::{PlanSource, RowBlockPlan, RowBlockPolicy};
+        let isa = self.scorer.kernels.isa;
+        if !KernelTable::offers_row_blocks(isa) {
+            return None;
+        }
+        let chosen = match policy {
+            RowBlockPolicy::Fixed(block) => {
+                RowBlockPlan::fixed(block, PlanSource::Pinned(block.rows().to_string()))
+            }
+            RowBlockPolicy::Auto if plans_off() => {
+                RowBlockPlan::fixed(RowBlock::Eight, PlanSource::Skipped)
+            }
+            RowBlockPolicy::Auto => {
+                let (timings, source) = self.planned("row-block", Engine::measure_row_blocks);
+                RowBlockPlan::from_timings(timings, source)
+            }
+        };
+        self.set_kernels(KernelTable::for_isa_rows(isa, chosen.block));
+        self.row_block_plan = Some(chosen);
+        self.row_block_plan.as_ref()
+    }
+
+    /// The row block the engine runs by ([`Engine::plan_row_block`]).
+    pub fn row_block_plan(&self) -> Option<&crate::plan::RowBlockPlan> {
+        self.row_block_plan.as_ref()
+    }
+
+    /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
+    /// size, with row groups of up to 8 rows (the candidate) and of up to 4 in turn.
+    fn measure_row_blocks(&mut self) -> Vec<crate::plan::Timing> {
+        use crate::kernels::RowBlock;
+        let requests = self.plan_requests();
+        let largest = requests.len();
+        let isa = self.scorer.kernels.isa;
+        let timings = crate::plan::measure(|eight, b| {
+            let block = if eight {
+                RowBlock::Eight
+            } else {
+                RowBlock::Four
+            };
+            self.set_kernels(KernelTable::for_isa_rows(isa, block));
+            std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
+        });
+        self.set_kernels(KernelTable::for_isa_rows(isa, RowBlock::Eight));
         timings
     }
 

@@ -27,7 +27,7 @@ class Engine:
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
                  prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto",
-                 thread_plan: str = "auto") -> None:
+                 row_block: str = "auto", thread_plan: str = "auto") -> None:
         """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
         `prefix_cache_bytes` > 0 (GRU4Rec, SASRec): keep the model's state after recent histories
         within that many bytes, so a history one event longer computes one event; answers never
@@ -37,6 +37,9 @@ class Engine:
         `bf16_path` (bf16 engines on CPUs with AVX512-BF16): "auto" runs `vdpbf16ps` or bf16
         widened to f32, whichever measured faster here (kept like the screen's plan), "native"
         or "widened"; the answers are the same.
+        `row_block` (AVX-512 kernels): "auto" cuts batches into row groups of up to 8 rows or of
+        up to 4, whichever measured faster here (kept like the screen's plan), "4" or "8"; the
+        answers are the same.
         `thread_plan` (engines of more than one thread): "auto" gives each batch size the fewest
         threads within 5 % of its fastest on this CPU (kept like the screen's plan), "all", or a
         count ("1", "2" ...); the answers are the same.
@@ -81,6 +84,10 @@ class Engine:
     def kernel_plan(self) -> str | None:
         """A bf16 engine's kernels on a CPU with AVX512-BF16 ("vdpbf16ps" or widened), the times
         behind the choice and where it came from; None for other engines and CPUs."""
+    @property
+    def row_block_plan(self) -> str | None:
+        """The largest row group AVX-512 kernels cut a batch into ("row groups of up to 8 rows
+        (...)"), the times behind it and where it came from; None for scalar and AVX2 kernels."""
     @property
     def thread_plan(self) -> str | None:
         """Threads per batch size ("batch 1+: 1 thread (...); batch 8+: 2 threads ..."), the times

@@ -300,7 +300,7 @@ impl PyEngine {
     /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
     #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0, screen_policy = "auto",
-                        bf16_path = "auto", thread_plan = "auto"))]
+                        bf16_path = "auto", row_block = "auto", thread_plan = "auto"))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn new(
         py: Python<'_>,
@@ -310,12 +310,15 @@ impl PyEngine {
         prefix_cache_bytes: usize,
         screen_policy: &str,
         bf16_path: &str,
+        row_block: &str,
         thread_plan: &str,
     ) -> PyResult<Self> {
         let screen_policy: recsys_engine::plan::ScreenPolicy =
             screen_policy.parse().map_err(PyValueError::new_err)?;
         let bf16_path: recsys_engine::plan::Bf16Path =
             bf16_path.parse().map_err(PyValueError::new_err)?;
+        let row_block: recsys_engine::plan::RowBlockPolicy =
+            row_block.parse().map_err(PyValueError::new_err)?;
         let thread_plan: recsys_engine::plan::ThreadPolicy =
             thread_plan.parse().map_err(PyValueError::new_err)?;
         let device = DeviceChoice::parse(device)?;
@@ -346,6 +349,7 @@ impl PyEngine {
         }
         py.detach(|| engine.plan_screen(screen_policy).is_some());
         py.detach(|| engine.plan_bf16_path(bf16_path).is_some());
+        py.detach(|| engine.plan_row_block(row_block).is_some());
         py.detach(|| engine.plan_threads(thread_plan).is_some());
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
@@ -439,6 +443,13 @@ impl PyEngine {
     #[getter]
     fn kernel_plan(&self) -> Option<String> {
         self.engine.bf16_path_plan().map(|p| p.describe())
+    }
+
+    /// The largest row group AVX-512 kernels cut a batch into (8 or 4 rows), the times behind the
+    /// choice and where it came from; `None` for kernels with one row block (scalar, AVX2).
+    #[getter]
+    fn row_block_plan(&self) -> Option<String> {
+        self.engine.row_block_plan().map(|p| p.describe())
     }
 
     /// How many of the engine's threads each batch size gets, the times behind it and where the

@@ -405,6 +405,28 @@ def test_every_thread_plan_gives_the_same_answers(engines, users):
         recsys.Engine(path, threads=2, thread_plan="0")
 
 
+def test_the_row_block_changes_no_answer(engines, users):
+    """row_block pins the largest row group of AVX-512 kernels ("4" or "8"); "auto" measures both
+    on this CPU (or reads the kept plan); the answers are the same bits at a batch of 40 (groups of
+    8 and of 4). Without AVX-512 there is one row block (row_block_plan is None)."""
+    path = str(engines["vaecf"])
+    flags = Path("/proc/cpuinfo").read_text()
+    avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+    by_block = {b: recsys.Engine(path, threads=2, row_block=b) for b in ("4", "8", "auto")}
+    if avx512:
+        assert "row groups of up to 4 rows — pinned (4)" in by_block["4"].row_block_plan
+        assert "row groups of up to 8 rows — pinned (8)" in by_block["8"].row_block_plan
+        assert "batch 64:" in by_block["auto"].row_block_plan
+    else:
+        assert all(e.row_block_plan is None for e in by_block.values())
+    answers = {b: e.recommend(users[:40], k=20) for b, e in by_block.items()}
+    for b in ("8", "auto"):
+        assert answers[b][0].tolist() == answers["4"][0].tolist(), b
+        np.testing.assert_array_equal(answers[b][1], answers["4"][1])
+    with pytest.raises(ValueError, match="row_block must be"):
+        recsys.Engine(path, row_block="16")
+
+
 def test_a_bf16_engine_answers_the_same_on_either_kernel_path(engines, users):
     """bf16_path pins a bf16 engine's kernels on a CPU with AVX512-BF16 ("native" vdpbf16ps or
     "widened" to f32); "auto" measures them on this CPU (or reads the kept plan); the answers are

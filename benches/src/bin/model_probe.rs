@@ -8,7 +8,7 @@
 //! CANDIDATES_JSON (optional): one candidate list per history (external int ids): each request
 //! then ranks only its candidates (`scripts/bench_candidates.py`).
 //! The engine runs as the server runs it: with the plans this CPU measures for it (screen, bf16
-//! path, threads per batch size; kept in the plan cache, `RECSYS_PLAN=off` skips them).
+//! path, row block, threads per batch size; kept in the plan cache, `RECSYS_PLAN=off` skips them).
 //! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, the
 //! thread-seconds per batch spent in dense layers, attention and the output layer, and the plans.
 #![forbid(unsafe_code)]
@@ -39,6 +39,9 @@ fn main() {
         engine
             .plan_bf16_path(recsys_engine::plan::Bf16Path::Auto)
             .map(|p| format!("kernels: {}", p.describe())),
+        engine
+            .plan_row_block(recsys_engine::plan::RowBlockPolicy::Auto)
+            .map(|p| format!("row block: {}", p.describe())),
         engine
             .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
             .map(|p| format!("threads: {}", p.describe())),
