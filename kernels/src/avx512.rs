@@ -390,3 +390,36 @@ pub(super) static TABLE_FOUR_ROWS: KernelTable = KernelTable {
     panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
     ..KERNELS
 };
+
+/// FLOPs per second of one core running independent 16-wide FMA chains (12 of them: enough to
+/// cover the latency on two ports). Runs `iterations` x 12 FMAs per chain.
+pub(super) fn fma_peak_flops(iterations: u64) -> f64 {
+    assert!(
+        Isa::available().contains(&Isa::Avx512),
+        "the AVX-512 FMA probe needs AVX-512 F"
+    );
+    // SAFETY: AVX-512 F (with the AVX2 and FMA it implies here) was just checked.
+    let (seconds, sink) = unsafe { fma_chains(iterations) };
+    std::hint::black_box(sink);
+    (iterations * 12 * 16 * 2) as f64 / seconds
+}
+
+/// # Safety
+/// The CPU must support AVX-512 F (checked by `fma_peak_flops`). No memory is touched but locals.
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn fma_chains(iterations: u64) -> (f64, f32) {
+    let mut acc = [_mm512_set1_ps(0.0); 12];
+    let a = _mm512_set1_ps(0.999_999);
+    let b = _mm512_set1_ps(1e-7);
+    let start = std::time::Instant::now();
+    for _ in 0..iterations {
+        for v in acc.iter_mut() {
+            *v = _mm512_fmadd_ps(*v, a, b);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let total = acc
+        .iter()
+        .fold(_mm512_setzero_ps(), |t, v| _mm512_add_ps(t, *v));
+    (seconds, _mm512_reduce_add_ps(total))
+}

@@ -70,9 +70,14 @@ mod avx512;
 mod avx512bf16;
 mod scalar;
 
-/// Measures one core's FMA throughput (FLOP/s) with AVX2, for the benchmarks' compute floor; `None`
-/// without AVX2/FMA.
+/// Measures one core's FMA throughput (FLOP/s) with the widest vectors the kernels use (AVX-512
+/// where available: two 512-bit FMA units double AVX2's rate on some CPUs, not on others), for
+/// the benchmarks' compute floor; `None` without AVX2/FMA.
 pub fn fma_peak_flops(iterations: u64) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::available().contains(&Isa::Avx512) {
+        return Some(avx512::fma_peak_flops(iterations));
+    }
     #[cfg(target_arch = "x86_64")]
     if Isa::available().contains(&Isa::Avx2) {
         return Some(avx2::fma_peak_flops(iterations));
