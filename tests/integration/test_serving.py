@@ -389,3 +389,10 @@ def test_the_server_log_names_each_screened_model_s_plan(server):
     assert re.search(r"model vaecf_screened version 1: thread plan: batch 1\+: [12] threads? \(", log), log[-3000:]
     # A model of one thread has nothing to plan.
     assert "model vaecf version 1: thread plan" not in log
+    # AVX-512 kernels come in two row blocks, planned for every model; other kernels have one.
+    flags = open("/proc/cpuinfo").read()
+    if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
+        assert re.search(r"model vaecf version 1: row-block plan: row groups of up to [48] rows \(batch 8: ", log), \
+            log[-3000:]
+    else:
+        assert "row-block plan" not in log
