@@ -148,6 +148,21 @@ impl ModelSettings {
 }
 
 /// A `parameters { key: ... value { string_value: ... } }` entry.
+/// A plan's policy parameter (`screen_policy`, `bf16_path`, `row_block`, `thread_plan`): its
+/// default (`auto`) when absent; a value the policy does not take is refused with its message.
+fn plan_policy<T: std::str::FromStr<Err = String> + Default>(
+    config: &Value,
+    key: &str,
+) -> Result<T, BackendError> {
+    match parameter(config, key) {
+        None => Ok(T::default()),
+        Some(text) => text
+            .trim()
+            .parse()
+            .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}"))),
+    }
+}
+
 fn parameter<'a>(config: &'a Value, key: &str) -> Option<&'a str> {
     config
         .get("parameters")?
@@ -510,34 +525,10 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         output_ids_type,
         availability: availability(config)?,
         prefix_cache: prefix_cache(config, engine)?,
-        screen_policy: match parameter(config, "screen_policy") {
-            None => Default::default(),
-            Some(text) => text
-                .trim()
-                .parse()
-                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
-        },
-        bf16_path: match parameter(config, "bf16_path") {
-            None => Default::default(),
-            Some(text) => text
-                .trim()
-                .parse()
-                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
-        },
-        row_block: match parameter(config, "row_block") {
-            None => Default::default(),
-            Some(text) => text
-                .trim()
-                .parse()
-                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
-        },
-        thread_plan: match parameter(config, "thread_plan") {
-            None => Default::default(),
-            Some(text) => text
-                .trim()
-                .parse()
-                .map_err(|e: String| BackendError::InvalidConfig(format!("parameter {e}")))?,
-        },
+        screen_policy: plan_policy(config, "screen_policy")?,
+        bf16_path: plan_policy(config, "bf16_path")?,
+        row_block: plan_policy(config, "row_block")?,
+        thread_plan: plan_policy(config, "thread_plan")?,
     })
 }
 

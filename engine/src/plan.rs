@@ -58,6 +58,18 @@ fn decision_for<T: Copy>(by_batch: &[(usize, T)], batch: usize) -> Option<T> {
         .map(|(_, decision)| *decision)
 }
 
+/// Whether the candidate's times over the measured batch sizes of at least `from_batch` have a
+/// geometric mean no larger than the fallback's (each batch size weighs alike whatever its
+/// absolute time): the rule of the plans that make one choice for every batch size.
+fn candidate_at_least_as_fast(timings: &[Timing], from_batch: usize) -> bool {
+    let log_ratio: f64 = timings
+        .iter()
+        .filter(|t| t.batch >= from_batch)
+        .map(|t| (t.candidate_s / t.fallback_s).ln())
+        .sum();
+    log_ratio <= 0.0
+}
+
 /// How a screened engine picks between its screen and the plain scan.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ScreenPolicy {
@@ -241,12 +253,8 @@ impl Bf16PathPlan {
     /// The path whose times have the smaller geometric mean over the batch sizes (each batch size
     /// weighs alike whatever its absolute time); native on a tie.
     pub fn from_timings(timings: Vec<Timing>, source: PlanSource) -> Self {
-        let log_ratio: f64 = timings
-            .iter()
-            .map(|t| (t.candidate_s / t.fallback_s).ln())
-            .sum();
         Bf16PathPlan {
-            native: log_ratio <= 0.0,
+            native: candidate_at_least_as_fast(&timings, 1),
             timings,
             source,
         }
@@ -332,13 +340,8 @@ impl RowBlockPlan {
 
     /// 8 rows unless 4 measured faster (geometric mean over the batch sizes of at least 8 rows).
     pub fn from_timings(timings: Vec<Timing>, source: PlanSource) -> Self {
-        let log_ratio: f64 = timings
-            .iter()
-            .filter(|t| t.batch >= 8)
-            .map(|t| (t.candidate_s / t.fallback_s).ln())
-            .sum();
         RowBlockPlan {
-            block: if log_ratio <= 0.0 {
+            block: if candidate_at_least_as_fast(&timings, 8) {
                 RowBlock::Eight
             } else {
                 RowBlock::Four
