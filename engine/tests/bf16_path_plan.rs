@@ -21,11 +21,7 @@ fn answers(engine: &Engine, batch: usize) -> Vec<Vec<(u32, u32)>> {
             ..Default::default()
         })
         .collect();
-    engine
-        .recommend_internal(&requests)
-        .into_iter()
-        .map(|(items, _, _)| items.iter().map(|s| (s.index, s.score.to_bits())).collect())
-        .collect()
+    ranked_bits(engine, &requests)
 }
 
 #[test]

@@ -208,3 +208,16 @@ pub fn i64s(v: &serde_json::Value) -> Vec<i64> {
         .map(|x| x.as_i64().unwrap())
         .collect()
 }
+
+/// Each request's answer as (item, score bits) pairs, best first: what the plan tests compare
+/// across kernels, row blocks, screens and thread counts, which must never change a bit.
+pub fn ranked_bits(
+    engine: &Engine,
+    requests: &[recsys_engine::InternalRequest],
+) -> Vec<Vec<(u32, u32)>> {
+    engine
+        .recommend_internal(requests)
+        .into_iter()
+        .map(|(items, _, _)| items.iter().map(|s| (s.index, s.score.to_bits())).collect())
+        .collect()
+}
