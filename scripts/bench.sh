@@ -16,6 +16,8 @@
 #                                     p50/p99 (scripts/bench_serving_sessions.py)
 #   scripts/bench.sh threads [ARGS]   the thread plan against all threads and one thread, per batch
 #                                     size, on the four fixture models (scripts/bench_threads.py)
+#   scripts/bench.sh bf16 [ARGS]      bf16 engines on AVX512-BF16: the per-batch kernel plan against
+#                                     vdpbf16ps and widened pinned, and against fp32 (scripts/bench_bf16.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -39,7 +41,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -112,6 +114,10 @@ case "$kind" in
   threads)
     release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
     exec python3 scripts/bench_threads.py "$@"
+    ;;
+  bf16)
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
+    exec python3 scripts/bench_bf16.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh --peers

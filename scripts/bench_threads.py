@@ -25,7 +25,8 @@ PROBE = ROOT / "target" / "release" / "model_probe"
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
-def convert(kind: str, out: Path) -> None:
+def convert(kind: str, out: Path, *extra: str) -> None:
+    """Converts fixture model `kind` into engine `out` (`extra`: more `recsys convert` flags)."""
     if kind in ("sasrec", "gru4rec"):
         args = ["--checkpoint", FIXTURES / kind / "recbole_checkpoint.pth", "--item-map",
                 FIXTURES / kind / "item_id_map.tsv"]
@@ -33,7 +34,7 @@ def convert(kind: str, out: Path) -> None:
         src = "multivae" if kind == "vaecf" else kind
         args = ["--kind", kind, "--checkpoint", FIXTURES / src / "model.safetensors",
                 "--config", FIXTURES / src / "config.json", "--item-map", FIXTURES / src / "item_id_map.tsv"]
-    subprocess.run([RECSYS, "convert", "--force", *map(str, args), "--output", str(out)],
+    subprocess.run([RECSYS, "convert", "--force", *map(str, args), *extra, "--output", str(out)],
                    check=True, capture_output=True)
 
 
@@ -41,6 +42,14 @@ def probe(engine: Path, histories: Path, batch: int, threads: int, reps: int, en
     out = subprocess.run([str(PROBE), str(engine), str(histories), str(batch), "10", str(threads), str(reps)],
                          check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout)
+
+
+def print_plans(plans: dict[str, list[str]]) -> None:
+    """Each model's plans as model_probe described them, one list item each."""
+    print()
+    for model, lines in plans.items():
+        for line in lines:
+            print(f"- {model}: {line}")
 
 
 def cpu_model() -> str:
@@ -90,10 +99,7 @@ def main() -> None:
                 ms = {k: v * 1e3 for k, v in best.items()}
                 print(f"| {model} | {batch} | {threads_for} | {ms['planned']:.3f} | {ms['all']:.3f} | "
                       f"{ms['all'] / ms['planned']:.2f} | {ms['one']:.3f} | {ms['one'] / ms['planned']:.2f} |")
-        print()
-        for model, p in plans.items():
-            for line in p:
-                print(f"- {model}: {line}")
+        print_plans(plans)
 
 
 if __name__ == "__main__":

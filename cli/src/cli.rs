@@ -821,8 +821,8 @@ pub struct PredictArgs {
     /// this CPU (auto, the plan kept for the next run), always, or never. The answers are the same.
     #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
     pub screen_policy: String,
-    /// A bf16 engine on a CPU with AVX512-BF16: its kernels by measurement on this CPU (auto, the
-    /// plan kept for the next run), `vdpbf16ps` (native) or bf16 widened to f32 (widened). The
+    /// A bf16 engine on a CPU with AVX512-BF16: its kernels per batch size by measurement on this
+    /// CPU (auto, the plan kept for the next run), `vdpbf16ps` (native) or bf16 widened to f32 (widened). The
     /// answers are the same.
     #[arg(long, default_value = "auto", value_parser = ["auto", "native", "widened"])]
     pub bf16_path: String,

@@ -58,7 +58,7 @@ struct Row {
     /// A screened variant's plan on this CPU: per batch size, its screen or its plain scan.
     #[serde(skip_serializing_if = "Option::is_none")]
     screen_plan: Option<String>,
-    /// A bf16 variant's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or widened, as measured.
+    /// A bf16 variant's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or widened per batch size, as measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     kernel_plan: Option<String>,
     /// The threads each batch size gets on this CPU, as measured (engines of more than one thread).

@@ -87,11 +87,18 @@ pub(crate) struct RowLimits {
 impl Scorer {
     /// For each row of `hidden` (`[rows, d]`): its best `ks[row]` items, best first, never index 0
     /// (PAD) nor any of `limits.excluded[row]` (unsorted, may repeat), only items its mask keeps.
-    /// On up to `threads` pool threads.
-    fn top_k(&self, hidden: &[f32], ks: &[usize], limits: RowLimits, threads: usize) -> RankedRows {
+    /// On up to `threads` pool threads, with `kernels` (the call's: see [`Engine::kernels_for`]).
+    fn top_k(
+        &self,
+        kernels: &KernelTable,
+        hidden: &[f32],
+        ks: &[usize],
+        limits: RowLimits,
+        threads: usize,
+    ) -> RankedRows {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
-        fused::top_k(self.kernels, &self.packed, hidden, &queries, threads)
+        fused::top_k(kernels, &self.packed, hidden, &queries, threads)
     }
 }
 
@@ -261,6 +268,19 @@ impl Engine {
         self.screen_plan.as_ref()
     }
 
+    /// The identity of this engine's plan `plan` ("screen", "bf16-path", "row-block" or
+    /// "threads") on this CPU, with its kernels and thread count: what its plan file is kept
+    /// under (see [`crate::plan::read_cached`]).
+    pub fn plan_key(&self, plan: &str) -> crate::plan::PlanKey {
+        crate::plan::PlanKey {
+            plan: plan.to_string(),
+            cpu: crate::plan::cpu_model(),
+            isa: self.scorer.kernels.isa.name().to_string(),
+            threads: self.scorer.threads,
+            engine: self.weights_digest(),
+        }
+    }
+
     /// The timings of the plan `plan` for this CPU, engine and thread count: read from the plan
     /// cache when they were measured before, else measured now by `measure` (and kept there).
     fn planned<T: serde::Serialize + serde::de::DeserializeOwned + Clone>(
@@ -269,13 +289,7 @@ impl Engine {
         measure: impl FnOnce(&mut Engine) -> Vec<T>,
     ) -> (Vec<T>, crate::plan::PlanSource) {
         use crate::plan::{self, PlanSource};
-        let key = plan::PlanKey {
-            plan: plan.to_string(),
-            cpu: plan::cpu_model(),
-            isa: self.scorer.kernels.isa.name().to_string(),
-            threads: self.scorer.threads,
-            engine: self.weights_digest(),
-        };
+        let key = self.plan_key(plan);
         let dir = plan::plan_dir();
         match dir.as_deref().map(|d| plan::read_cached(d, &key)) {
             Some(Ok(Some((timings, path)))) => (timings, PlanSource::Cached(path)),
@@ -295,28 +309,25 @@ impl Engine {
         }
     }
 
-    /// Chooses a bf16 engine's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or bf16 widened to
-    /// f32 (the same answers either way; see [`crate::plan::Bf16Path`]): by `policy`, and for
-    /// `Auto` by timing whole calls with each on this CPU (or its cached plan). Call after
+    /// Chooses a bf16 engine's kernels on a CPU with AVX512-BF16, per batch size: `vdpbf16ps` or
+    /// bf16 widened to f32 (the same answers either way; see [`crate::plan::Bf16Path`]): by
+    /// `policy`, and for `Auto` by timing whole calls with each on this CPU (or its cached plan).
+    /// The engine's kernels stay the native table (what plans are keyed by); each call runs the
+    /// table its batch size was given ([`Engine::kernels_for`]). Call after
     /// [`Engine::set_threads`]. `None` for other engines and CPUs (nothing to choose).
     pub fn plan_bf16_path(
         &mut self,
         policy: crate::plan::Bf16Path,
     ) -> Option<&crate::plan::Bf16PathPlan> {
-        use crate::kernels::{Isa, KernelTable};
+        use crate::kernels::Isa;
         use crate::plan::{Bf16Path, Bf16PathPlan, PlanSource};
         let bf16 = matches!(
             self.model.output().weight,
             crate::weights::Matrix::Bf16 { .. }
         );
-        let native = self.scorer.kernels.isa == Isa::Avx512Bf16;
-        if !bf16 || !(native || self.bf16_path_plan.is_some()) {
+        if !bf16 || self.scorer.kernels.isa != Isa::Avx512Bf16 {
             return None;
         }
-        // Plans are keyed by the native ISA: put it back before measuring or reading one (with
-        // the row block chosen so far).
-        let block = self.scorer.kernels.row_block();
-        self.set_kernels(KernelTable::for_isa_rows(Isa::Avx512Bf16, block));
         let chosen = match policy {
             Bf16Path::Native | Bf16Path::Widened => Bf16PathPlan::fixed(
                 policy == Bf16Path::Native,
@@ -324,13 +335,11 @@ impl Engine {
             ),
             Bf16Path::Auto if plans_off() => Bf16PathPlan::fixed(true, PlanSource::Skipped),
             Bf16Path::Auto => {
+                self.bf16_path_plan = None;
                 let (timings, source) = self.planned("bf16-path", Engine::measure_bf16_paths);
                 Bf16PathPlan::from_timings(timings, source)
             }
         };
-        if !chosen.native {
-            self.set_kernels(KernelTable::for_isa_rows(Isa::Avx512, block));
-        }
         self.bf16_path_plan = Some(chosen);
         self.bf16_path_plan.as_ref()
     }
@@ -340,20 +349,32 @@ impl Engine {
         self.bf16_path_plan.as_ref()
     }
 
+    /// The kernels a call of `batch` histories runs: the engine's, or for a bf16 engine whose
+    /// plan widens at this batch size, the AVX-512 table that widens bf16 to f32 (same row
+    /// block). Every table gives the same bits; only time differs.
+    pub fn kernels_for(&self, batch: usize) -> &'static KernelTable {
+        match &self.bf16_path_plan {
+            Some(plan) if !plan.native_for(batch) => KernelTable::for_isa_rows(
+                crate::kernels::Isa::Avx512,
+                self.scorer.kernels.row_block(),
+            ),
+            _ => self.scorer.kernels,
+        }
+    }
+
     /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
     /// size, with `vdpbf16ps` (the candidate) and widened (the fallback) kernels in turn.
     fn measure_bf16_paths(&mut self) -> Vec<crate::plan::Timing> {
-        use crate::kernels::{Isa, KernelTable};
+        use crate::plan::{Bf16PathPlan, PlanSource};
         let requests = self.plan_requests();
         let largest = requests.len();
-        let block = self.scorer.kernels.row_block();
+        let kept = self.bf16_path_plan.take();
         let timings = crate::plan::measure(|native, b| {
-            let isa = if native { Isa::Avx512Bf16 } else { Isa::Avx512 };
-            self.set_kernels(KernelTable::for_isa_rows(isa, block));
+            self.bf16_path_plan = Some(Bf16PathPlan::fixed(native, PlanSource::Skipped));
             let answers = self.recommend_internal(&requests[..b.min(largest)]);
             std::hint::black_box(answers);
         });
-        self.set_kernels(KernelTable::for_isa_rows(Isa::Avx512Bf16, block));
+        self.bf16_path_plan = kept;
         timings
     }
 
@@ -385,7 +406,7 @@ impl Engine {
                 RowBlockPlan::from_timings(timings, source)
             }
         };
-        self.set_kernels(KernelTable::for_isa_rows(isa, chosen.block));
+        self.put_kernels(KernelTable::for_isa_rows(isa, chosen.block));
         self.row_block_plan = Some(chosen);
         self.row_block_plan.as_ref()
     }
@@ -408,10 +429,10 @@ impl Engine {
             } else {
                 RowBlock::Four
             };
-            self.set_kernels(KernelTable::for_isa_rows(isa, block));
+            self.put_kernels(KernelTable::for_isa_rows(isa, block));
             std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
         });
-        self.set_kernels(KernelTable::for_isa_rows(isa, RowBlock::Eight));
+        self.put_kernels(KernelTable::for_isa_rows(isa, RowBlock::Eight));
         timings
     }
 
@@ -482,10 +503,19 @@ impl Engine {
         let threads = self.scorer.threads;
         crate::plan::measure(|screened, b| {
             if screened {
-                self.screen_top_k(screen, &hidden[..b * width], &ks[..b], limits(b), threads);
+                let kernels = self.kernels_for(b);
+                self.screen_top_k(
+                    kernels,
+                    screen,
+                    &hidden[..b * width],
+                    &ks[..b],
+                    limits(b),
+                    threads,
+                );
             } else {
+                let kernels = self.kernels_for(b);
                 self.scorer
-                    .top_k(&hidden[..b * width], &ks[..b], limits(b), threads);
+                    .top_k(kernels, &hidden[..b * width], &ks[..b], limits(b), threads);
             }
         })
     }
@@ -610,8 +640,15 @@ impl Engine {
         timings
     }
 
-    /// Replaces the kernel set (tests and benches run every ISA path).
+    /// Replaces the kernel set (tests and benches run every ISA path): every call runs it, so a
+    /// bf16 path plan, made for the native table, is dropped.
     pub fn set_kernels(&mut self, kernels: &'static KernelTable) {
+        self.bf16_path_plan = None;
+        self.put_kernels(kernels);
+    }
+
+    /// Replaces the kernel set, keeping the plans (the row-block plan swaps tables of one ISA).
+    fn put_kernels(&mut self, kernels: &'static KernelTable) {
         self.scorer.kernels = kernels;
         self.model.set_kernels(kernels);
     }
@@ -620,7 +657,8 @@ impl Engine {
     /// (for evaluation; serving never materialises this).
     pub fn score_all(&self, histories: &[&[u32]]) -> Vec<f32> {
         let (hidden, _) = self.encode(histories);
-        fused::score_all(self.scorer.kernels, &self.scorer.packed, &hidden)
+        let kernels = self.kernels_for(histories.len());
+        fused::score_all(kernels, &self.scorer.packed, &hidden)
     }
 
     pub fn kind(&self) -> ModelKind {
@@ -846,20 +884,28 @@ impl Engine {
     /// depend on the rows encoded beside it, so the split changes no bit of the answer; it only
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
-        self.encode_on(histories, self.call_threads(histories.len()))
+        let batch = histories.len();
+        self.encode_on(self.kernels_for(batch), histories, self.call_threads(batch))
     }
 
-    /// [`Engine::encode`] on up to `threads` pool threads.
-    fn encode_on(&self, histories: &[&[u32]], threads: usize) -> (Vec<f32>, Vec<HistoryNote>) {
+    /// [`Engine::encode`] on `kernels` and up to `threads` pool threads.
+    fn encode_on(
+        &self,
+        kernels: &'static KernelTable,
+        histories: &[&[u32]],
+        threads: usize,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         match &self.prefix_cache {
             // With the prefix cache, each run resumes its own histories (see `encode_cached_run`:
             // a history longer than the window is recomputed and not kept, since its window
             // slides, which moves every SASRec item to another position and restarts RecBole's
             // GRU4Rec at the window's first item).
             Some(cache) => self.encode_in_runs(histories, threads, |run, t| {
-                self.encode_cached_run(cache, run, t)
+                self.encode_cached_run(kernels, cache, run, t)
             }),
-            None => self.encode_in_runs(histories, threads, |run, t| self.encode_run(run, t)),
+            None => self.encode_in_runs(histories, threads, |run, t| {
+                self.encode_run(kernels, run, t)
+            }),
         }
     }
 
@@ -898,6 +944,7 @@ impl Engine {
     /// kept (a history longer than the window is recomputed and not kept).
     fn encode_cached_run(
         &self,
+        kernels: &'static KernelTable,
         cache: &PrefixCache,
         histories: &[&[u32]],
         threads: usize,
@@ -934,7 +981,15 @@ impl Engine {
                 Err(_) => &mut own,
             };
             self.model
-                .encode_carried(histories, scratch, &mut hidden, &mut notes, threads, carry)
+                .encode_carried(
+                    kernels,
+                    histories,
+                    scratch,
+                    &mut hidden,
+                    &mut notes,
+                    threads,
+                    carry,
+                )
                 .expect("the prefix cache is set on GRU4Rec and SASRec engines only");
         });
         // A state that grows by appending (SASRec's) is stored as the carried one's runs plus the
@@ -965,14 +1020,20 @@ impl Engine {
     /// The encoder over `histories` on this thread, in this thread's buffers (so a stream of
     /// batches reuses its activations' memory rather than allocating it per batch), its larger
     /// layers split over up to `threads` pool threads.
-    fn encode_run(&self, histories: &[&[u32]], threads: usize) -> (Vec<f32>, Vec<HistoryNote>) {
+    fn encode_run(
+        &self,
+        kernels: &'static KernelTable,
+        histories: &[&[u32]],
+        threads: usize,
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         thread_local! {
             static SCRATCH: std::cell::RefCell<EncodeScratch> = Default::default();
         }
         let mut hidden = Vec::with_capacity(histories.len() * self.model.output().input_size());
         let mut notes = Vec::with_capacity(histories.len());
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => self.model.encode_into_threads(
+            Ok(mut scratch) => self.model.encode_with(
+                kernels,
                 histories,
                 &mut scratch,
                 &mut hidden,
@@ -981,7 +1042,8 @@ impl Engine {
             ),
             // Only if this thread is already encoding further up its stack (a pool thread that
             // picked up another batch's piece while waiting): that pass keeps the buffers.
-            Err(_) => self.model.encode_into_threads(
+            Err(_) => self.model.encode_with(
+                kernels,
                 histories,
                 &mut EncodeScratch::default(),
                 &mut hidden,
@@ -1062,9 +1124,10 @@ impl Engine {
         }
         // A pool worker wakes while the batch starts, and stays awake between its split steps.
         let threads = self.call_threads(batch.len());
+        let kernels = self.kernels_for(batch.len());
         let _awake = (threads > 1).then(crate::parallel::Batch::begin);
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
-        let (hidden, mut notes) = self.encode_on(&histories, threads);
+        let (hidden, mut notes) = self.encode_on(kernels, &histories, threads);
         let width = self.model.output().input_size();
         let user = |r: usize| &hidden[r * width..(r + 1) * width];
         // Whole-catalogue rows go through the scorer together; candidate rows each score their
@@ -1083,7 +1146,8 @@ impl Engine {
                 eligible: whole.iter().map(|&r| batch[r].eligible.clone()).collect(),
             };
             let ks: Vec<usize> = whole.iter().map(|&r| batch[r].k).collect();
-            let (ranked, survivors) = self.screened_top_k(&rows_hidden, &ks, limits, threads);
+            let (ranked, survivors) =
+                self.screened_top_k(kernels, &rows_hidden, &ks, limits, threads);
             for (i, (r, ranked)) in whole.iter().zip(ranked).enumerate() {
                 top[*r] = ranked;
                 if let Some(survivors) = &survivors {
@@ -1091,7 +1155,7 @@ impl Engine {
                 }
             }
         }
-        self.rank_candidate_rows(batch, &hidden, &mut top, threads);
+        self.rank_candidate_rows(kernels, batch, &hidden, &mut top, threads);
         top.into_iter()
             .zip(notes)
             .enumerate()
@@ -1116,13 +1180,17 @@ impl Engine {
     /// with each row's count of screen survivors (the items rescored) when the engine screens.
     fn screened_top_k(
         &self,
+        kernels: &KernelTable,
         hidden: &[f32],
         ks: &[usize],
         limits: RowLimits,
         threads: usize,
     ) -> (RankedRows, Option<Vec<usize>>) {
         let Some(screen) = &self.scorer.screen else {
-            return (self.scorer.top_k(hidden, ks, limits, threads), None);
+            return (
+                self.scorer.top_k(kernels, hidden, ks, limits, threads),
+                None,
+            );
         };
         if self
             .screen_plan
@@ -1130,15 +1198,19 @@ impl Engine {
             .is_some_and(|plan| !plan.screen_for(ks.len()))
         {
             // Planned: the plain scan measured faster at this batch size (the same answer).
-            return (self.scorer.top_k(hidden, ks, limits, threads), None);
+            return (
+                self.scorer.top_k(kernels, hidden, ks, limits, threads),
+                None,
+            );
         }
-        let (ranked, survivors) = self.screen_top_k(screen, hidden, ks, limits, threads);
+        let (ranked, survivors) = self.screen_top_k(kernels, screen, hidden, ks, limits, threads);
         (ranked, Some(survivors))
     }
 
     /// The screened top-k itself: each row's survivors of the screen, rescored exactly.
     fn screen_top_k(
         &self,
+        kernels: &KernelTable,
         screen: &ScreenTable,
         hidden: &[f32],
         ks: &[usize],
@@ -1148,17 +1220,13 @@ impl Engine {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
         let d = screen.packed.d;
-        let (ranked, survivors) = screen::top_k(
-            self.scorer.kernels,
-            screen,
-            hidden,
-            &queries,
-            threads,
-            |row, items| {
+        let (ranked, survivors) =
+            screen::top_k(kernels, screen, hidden, &queries, threads, |row, items| {
                 // Survivors are eligible already: nothing left to exclude. They are a few
                 // scattered rows of a table the screen exists not to read, so a large table
                 // gives them by reads of its file rather than by mapping its pages.
                 self.rank_rows(
+                    kernels,
                     &hidden[row * d..(row + 1) * d],
                     items,
                     &[ks[row]],
@@ -1167,8 +1235,7 @@ impl Engine {
                     RowAccess::Scattered,
                 )
                 .remove(0)
-            },
-        );
+            });
         (ranked, survivors)
     }
 
@@ -1178,6 +1245,7 @@ impl Engine {
     /// the scorer's threads.
     fn rank_candidate_rows(
         &self,
+        kernels: &KernelTable,
         batch: &[InternalRequest],
         hidden: &[f32],
         top: &mut [Vec<Scored>],
@@ -1209,7 +1277,7 @@ impl Engine {
                 .collect();
             let ks: Vec<usize> = rows.iter().map(|&r| batch[r].k).collect();
             let excluded: Vec<Vec<u32>> = rows.iter().map(|&r| excluded_items(&batch[r])).collect();
-            self.top_k_among_rows(&users, candidates, &ks, &excluded, threads)
+            self.top_k_among_rows(kernels, &users, candidates, &ks, &excluded, threads)
         };
         let ranked: Vec<RankedRows> = if groups.len() == 1 || threads == 1 {
             groups.iter().map(|g| rank(g, threads)).collect()
@@ -1247,18 +1315,29 @@ impl Engine {
     /// catalogue.
     fn top_k_among_rows(
         &self,
+        kernels: &KernelTable,
         hidden: &[f32],
         candidates: &[u32],
         ks: &[usize],
         excluded: &[Vec<u32>],
         threads: usize,
     ) -> RankedRows {
-        self.rank_rows(hidden, candidates, ks, excluded, threads, RowAccess::Mapped)
+        self.rank_rows(
+            kernels,
+            hidden,
+            candidates,
+            ks,
+            excluded,
+            threads,
+            RowAccess::Mapped,
+        )
     }
 
     /// [`Self::top_k_among_rows`], reading the candidates' rows as `access` says.
+    #[allow(clippy::too_many_arguments)]
     fn rank_rows(
         &self,
+        kernels: &KernelTable,
         hidden: &[f32],
         candidates: &[u32],
         ks: &[usize],
@@ -1303,7 +1382,7 @@ impl Engine {
             .zip(&exclusions)
             .map(|(&k, excluded)| RowQuery::new(k.min(candidates.len()), excluded))
             .collect();
-        fused::top_k(self.scorer.kernels, &packed, hidden, &queries, threads)
+        fused::top_k(kernels, &packed, hidden, &queries, threads)
             .into_iter()
             .map(|row| {
                 row.into_iter()

@@ -16,8 +16,8 @@
 //! always runs, as an engine without a plan); `ScreenPolicy::Always` / `Never` pin the choice.
 //!
 //! The second is a bf16 engine's kernels on a CPU with AVX512-BF16 ([`Bf16Path`]): `vdpbf16ps`
-//! or bf16 widened to f32, the same bits either way; whole calls are timed with each, and the
-//! engine keeps the faster over the measured batch sizes.
+//! or bf16 widened to f32, the same bits either way; whole calls are timed with each, and each
+//! batch size runs the faster (a call picks its kernel table by its batch size).
 //!
 //! Then the row block of an engine whose kernels come in two ([`RowBlockPolicy`]): batches cut
 //! into row groups of up to 8 rows or of up to 4, the same bits either way; whole calls at batch 8
@@ -230,64 +230,78 @@ impl std::str::FromStr for Bf16Path {
     }
 }
 
-/// Which kernels a bf16 engine runs: one choice for every batch size (the kernels are the
-/// engine's), the one whose times over the measured batch sizes have the smaller geometric mean.
+/// Which kernels a bf16 engine runs, per batch size: `vdpbf16ps` where it measured at least as
+/// fast as the widened path, widened elsewhere. One choice for the engine was not enough: on a
+/// Sapphire Rapids class Xeon `vdpbf16ps` won at batch 1 and left a Mult-VAE bf16 engine at
+/// 0.90x its fp32 engine at batch 64 (it gains little from 8-row groups, widened f32 FMAs do).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Bf16PathPlan {
-    /// `vdpbf16ps` (true) or widened (false).
-    pub native: bool,
+    /// `(smallest batch, vdpbf16ps?)`, ascending.
+    pub by_batch: Vec<(usize, bool)>,
     /// Whole calls (encoder and output layer) per batch size: candidate = native.
     pub timings: Vec<Timing>,
     pub source: PlanSource,
 }
 
 impl Bf16PathPlan {
+    /// One path for every batch size.
     pub fn fixed(native: bool, source: PlanSource) -> Self {
         Bf16PathPlan {
-            native,
+            by_batch: vec![(1, native)],
             timings: Vec::new(),
             source,
         }
     }
 
-    /// The path whose times have the smaller geometric mean over the batch sizes (each batch size
-    /// weighs alike whatever its absolute time); native on a tie.
+    /// Per batch size, the path that measured faster; native on a tie.
     pub fn from_timings(timings: Vec<Timing>, source: PlanSource) -> Self {
         Bf16PathPlan {
-            native: candidate_at_least_as_fast(&timings, 1),
+            by_batch: timings
+                .iter()
+                .map(|t| (t.batch, t.candidate_s <= t.fallback_s))
+                .collect(),
             timings,
             source,
         }
     }
 
-    /// One line for logs: the path, the times behind it and where the plan came from.
+    /// Whether a batch of `batch` histories runs `vdpbf16ps` (the decision of the largest
+    /// measured batch size not above it).
+    pub fn native_for(&self, batch: usize) -> bool {
+        decision_for(&self.by_batch, batch).unwrap_or(true)
+    }
+
+    /// Whether some batch size runs `vdpbf16ps`, and whether some runs widened.
+    pub fn paths(&self) -> (bool, bool) {
+        (
+            self.by_batch.iter().any(|&(_, native)| native),
+            self.by_batch.iter().any(|&(_, native)| !native),
+        )
+    }
+
+    /// One line for logs: the path per batch size, the times behind it, where it came from.
     pub fn describe(&self) -> String {
-        let times: Vec<String> = self
-            .timings
+        let choices: Vec<String> = self
+            .by_batch
             .iter()
-            .map(|t| {
+            .map(|&(batch, native)| {
+                let timing = self.timings.iter().find(|t| t.batch == batch);
                 format!(
-                    "batch {}: {:.3} ms native, {:.3} ms widened",
-                    t.batch,
-                    t.candidate_s * 1e3,
-                    t.fallback_s * 1e3
+                    "batch {batch}+: {}{}",
+                    if native {
+                        "vdpbf16ps (native)"
+                    } else {
+                        "widened to f32"
+                    },
+                    timing.map_or(String::new(), |t| format!(
+                        " ({:.3} ms native, {:.3} ms widened)",
+                        t.candidate_s * 1e3,
+                        t.fallback_s * 1e3
+                    ))
                 )
             })
             .collect();
-        format!(
-            "bf16 {}{} — {}",
-            if self.native {
-                "vdpbf16ps (native)"
-            } else {
-                "widened to f32"
-            },
-            if times.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", times.join("; "))
-            },
-            self.source.describe()
-        )
+        format!("bf16 {} — {}", choices.join(", "), self.source.describe())
     }
 }
 
@@ -621,7 +635,7 @@ pub fn plan_dir() -> Option<PathBuf> {
 /// The identity a plan is made for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanKey {
-    /// Which choice: "screen", "bf16-path" or "threads".
+    /// Which choice: "screen", "bf16-path", "row-block" or "threads".
     pub plan: String,
     pub cpu: String,
     pub isa: String,
@@ -852,8 +866,9 @@ mod tests {
     }
 
     #[test]
-    fn the_bf16_path_is_the_one_faster_over_the_batch_sizes() {
-        // Native 2x faster at batch 1, 1.5x slower at 8 and 64: widened overall.
+    fn the_bf16_path_is_chosen_per_batch_size() {
+        // Native 2x faster at batch 1, 1.5x slower at 8 and 64: native for single histories,
+        // widened from 8 on.
         let timings = vec![
             Timing {
                 batch: 1,
@@ -872,13 +887,29 @@ mod tests {
             },
         ];
         let plan = Bf16PathPlan::from_timings(timings.clone(), PlanSource::Skipped);
-        assert!(!plan.native);
-        assert!(plan
-            .describe()
-            .starts_with("bf16 widened to f32 (batch 1: 1000.000 ms native, 2000.000 ms widened"));
-        let mut faster = timings;
-        faster[1].candidate_s = 1.0;
-        assert!(Bf16PathPlan::from_timings(faster, PlanSource::Skipped).native);
+        assert_eq!(plan.by_batch, [(1, true), (8, false), (64, false)]);
+        let chosen: Vec<bool> = [1, 7, 8, 64, 1000]
+            .iter()
+            .map(|&b| plan.native_for(b))
+            .collect();
+        assert_eq!(chosen, [true, true, false, false, false]);
+        assert_eq!(plan.paths(), (true, true));
+        assert!(
+            plan.describe().starts_with(
+                "bf16 batch 1+: vdpbf16ps (native) (1000.000 ms native, 2000.000 ms widened), \
+                 batch 8+: widened to f32 (3000.000 ms native"
+            ),
+            "{}",
+            plan.describe()
+        );
+        // A tie keeps the native path.
+        let mut tie = timings;
+        tie[1].candidate_s = 2.0;
+        let plan = Bf16PathPlan::from_timings(tie, PlanSource::Skipped);
+        assert_eq!(plan.by_batch, [(1, true), (8, true), (64, false)]);
+        let pinned = Bf16PathPlan::fixed(false, PlanSource::Pinned("widened".into()));
+        assert!(!pinned.native_for(1) && !pinned.native_for(64));
+        assert_eq!(pinned.paths(), (false, true));
         assert_eq!(
             ["auto", "native", "vdpbf16ps", "widened"].map(|s| s.parse::<Bf16Path>().unwrap()),
             [

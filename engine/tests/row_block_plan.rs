@@ -101,11 +101,13 @@ fn the_row_block_is_planned_by_measurement_and_never_changes_an_answer() {
         );
         engine.plan_row_block(RowBlockPolicy::Fixed(RowBlock::Four));
         engine.plan_bf16_path(path);
-        assert_eq!(
-            engine.scorer.kernels.row_block(),
-            RowBlock::Four,
-            "{path:?}"
-        );
+        for batch in [1, 8, 64] {
+            assert_eq!(
+                engine.kernels_for(batch).row_block(),
+                RowBlock::Four,
+                "{path:?} batch {batch}"
+            );
+        }
     }
     std::env::remove_var("RECSYS_PLAN_DIR");
 }

@@ -35,7 +35,8 @@ class Engine:
         `screen_policy` (screened engines): "auto" runs the int8 screen at the batch sizes where it
         measured faster on this CPU (the plan is kept for the next load), "always" or "never".
         `bf16_path` (bf16 engines on CPUs with AVX512-BF16): "auto" runs `vdpbf16ps` or bf16
-        widened to f32, whichever measured faster here (kept like the screen's plan), "native"
+        widened to f32 per batch size, whichever measured faster here (kept like the screen's
+        plan), "native"
         or "widened"; the answers are the same.
         `row_block` (AVX-512 kernels): "auto" cuts batches into row groups of up to 8 rows or of
         up to 4, whichever measured faster here (kept like the screen's plan), "4" or "8"; the
@@ -82,8 +83,8 @@ class Engine:
         """A screened engine's plan per batch size and where it came from; None without a screen."""
     @property
     def kernel_plan(self) -> str | None:
-        """A bf16 engine's kernels on a CPU with AVX512-BF16 ("vdpbf16ps" or widened), the times
-        behind the choice and where it came from; None for other engines and CPUs."""
+        """A bf16 engine's kernels on a CPU with AVX512-BF16 ("vdpbf16ps" or widened) per batch
+        size, the times behind the choice and where it came from; None for other engines and CPUs."""
     @property
     def row_block_plan(self) -> str | None:
         """The largest row group AVX-512 kernels cut a batch into ("row groups of up to 8 rows

@@ -438,8 +438,8 @@ impl PyEngine {
         self.engine.screen_plan().map(|p| p.describe())
     }
 
-    /// A bf16 engine's kernels on a CPU with AVX512-BF16 (`vdpbf16ps` or widened to f32), the
-    /// times behind the choice and where it came from; `None` for other engines and CPUs.
+    /// A bf16 engine's kernels on a CPU with AVX512-BF16 (`vdpbf16ps` or widened to f32) per
+    /// batch size, the times behind the choice and where it came from; `None` for other engines and CPUs.
     #[getter]
     fn kernel_plan(&self) -> Option<String> {
         self.engine.bf16_path_plan().map(|p| p.describe())

@@ -8,7 +8,8 @@
 //! CANDIDATES_JSON (optional): one candidate list per history (external int ids): each request
 //! then ranks only its candidates (`scripts/bench_candidates.py`).
 //! The engine runs as the server runs it: with the plans this CPU measures for it (screen, bf16
-//! path, row block, threads per batch size; kept in the plan cache, `RECSYS_PLAN=off` skips them).
+//! path, row block, threads per batch size; kept in the plan cache, `RECSYS_PLAN=off` skips them);
+//! `RECSYS_PROBE_BF16_PATH=native|widened` pins a bf16 engine's kernel path.
 //! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, the
 //! thread-seconds per batch spent in dense layers, attention and the output layer, and the plans.
 #![forbid(unsafe_code)]
@@ -32,12 +33,18 @@ fn main() {
     let batch: usize = args[3].parse().expect("batch");
     let k: usize = args[4].parse().expect("k");
     engine.set_threads(args[5].parse().expect("threads"));
+    // A bf16 engine's kernel path as the backend parameter `bf16_path` pins it (auto by default):
+    // `scripts/bench_bf16.py` times the pinned paths against the per-batch plan.
+    let bf16_path: recsys_engine::plan::Bf16Path = std::env::var("RECSYS_PROBE_BF16_PATH")
+        .unwrap_or_else(|_| "auto".into())
+        .parse()
+        .unwrap_or_else(|e: String| panic!("RECSYS_PROBE_BF16_PATH: {e}"));
     let plans: Vec<String> = [
         engine
             .plan_screen(recsys_engine::plan::ScreenPolicy::Auto)
             .map(|p| format!("screen: {}", p.describe())),
         engine
-            .plan_bf16_path(recsys_engine::plan::Bf16Path::Auto)
+            .plan_bf16_path(bf16_path)
             .map(|p| format!("kernels: {}", p.describe())),
         engine
             .plan_row_block(recsys_engine::plan::RowBlockPolicy::Auto)

@@ -199,6 +199,11 @@ impl Gru4Rec {
         self.input_table = Default::default();
     }
 
+    /// The kernels the model runs when a call names none.
+    pub(crate) fn kernels(&self) -> &'static KernelTable {
+        self.kernels
+    }
+
     /// The layers by role, for a device that runs the whole model.
     pub fn view(&self) -> super::Gru4RecView<'_> {
         super::Gru4RecView {
@@ -243,6 +248,7 @@ impl Gru4Rec {
     #[allow(clippy::too_many_arguments)]
     pub fn encode_into(
         &self,
+        k: &KernelTable,
         histories: &[&[u32]],
         scratch: &mut Gru4RecScratch,
         hidden: &mut Vec<f32>,
@@ -252,7 +258,7 @@ impl Gru4Rec {
         observe: ActivationObserver<'_>,
     ) {
         self.encode_carried(
-            histories, scratch, hidden, notes, threads, observing, observe, None,
+            k, histories, scratch, hidden, notes, threads, observing, observe, None,
         )
     }
 
@@ -270,6 +276,7 @@ impl Gru4Rec {
     #[allow(clippy::too_many_arguments)]
     pub fn encode_carried(
         &self,
+        k: &KernelTable,
         histories: &[&[u32]],
         scratch: &mut Gru4RecScratch,
         hidden: &mut Vec<f32>,
@@ -347,7 +354,7 @@ impl Gru4Rec {
             let from_table = table.filter(|_| l == 0);
             if from_table.is_none() {
                 layer.input.forward_into(
-                    self.kernels,
+                    k,
                     &s.x,
                     &mut s.input_gates,
                     &mut s.quantized,
@@ -372,7 +379,7 @@ impl Gru4Rec {
                 let running = s.running[t];
                 let state = &mut s.state[..running * h];
                 layer.recurrent.forward_into(
-                    self.kernels,
+                    k,
                     state,
                     &mut s.recurrent_gates,
                     &mut s.quantized,
@@ -390,6 +397,7 @@ impl Gru4Rec {
                     }
                 };
                 self.gru_step(
+                    k,
                     input_gates,
                     &s.recurrent_gates,
                     state,
@@ -416,7 +424,7 @@ impl Gru4Rec {
         }
         // The dense layer on the final states, then back into the batch's order.
         self.dense.forward_into(
-            self.kernels,
+            k,
             &s.state,
             &mut s.projected,
             &mut s.quantized,
@@ -436,6 +444,7 @@ impl Gru4Rec {
     /// The sigmoid is `(1 + tanh(x / 2)) / 2`, on the ISA's vectorised tanh.
     fn gru_step<'a>(
         &self,
+        k: &KernelTable,
         input_gates: impl Fn(usize) -> &'a [f32],
         recurrent_gates: &[f32],
         state: &mut [f32],
@@ -444,7 +453,7 @@ impl Gru4Rec {
     ) {
         let h = self.config.hidden_size;
         let rows = state.len() / h;
-        let tanh = self.kernels.elementwise.tanh;
+        let tanh = k.elementwise.tanh;
         reset_update.resize(rows * 2 * h, 0.0);
         for (r, out) in reset_update.chunks_exact_mut(2 * h).enumerate() {
             let (i, g) = (

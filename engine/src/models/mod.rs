@@ -396,7 +396,16 @@ impl Model {
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
         let mut scratch = EncodeScratch::default();
-        self.encode_in(histories, &mut scratch, &mut hidden, &mut notes, 1, None);
+        let kernels = self.kernels();
+        self.encode_in(
+            kernels,
+            histories,
+            &mut scratch,
+            &mut hidden,
+            &mut notes,
+            1,
+            None,
+        );
         (hidden, notes)
     }
 
@@ -409,6 +418,7 @@ impl Model {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
         let mut scratch = EncodeScratch::default();
         self.encode_in(
+            self.kernels(),
             histories,
             &mut scratch,
             &mut hidden,
@@ -444,14 +454,47 @@ impl Model {
         notes: &mut Vec<HistoryNote>,
         threads: usize,
     ) {
-        self.encode_in(histories, scratch, hidden, notes, threads.max(1), None)
+        self.encode_with(self.kernels(), histories, scratch, hidden, notes, threads)
+    }
+
+    /// [`Model::encode_into_threads`] on `kernels` rather than the model's own (the same bits on
+    /// every kernel table of one precision; a call's plan may pick the table by batch size).
+    pub(crate) fn encode_with(
+        &self,
+        kernels: &'static crate::kernels::KernelTable,
+        histories: &[&[u32]],
+        scratch: &mut EncodeScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+    ) {
+        self.encode_in(
+            kernels,
+            histories,
+            scratch,
+            hidden,
+            notes,
+            threads.max(1),
+            None,
+        )
+    }
+
+    /// The kernels the model runs when a call names none ([`Model::set_kernels`]).
+    pub fn kernels(&self) -> &'static crate::kernels::KernelTable {
+        match self {
+            Model::Bert4rec(m) | Model::Sasrec(m) => m.kernels(),
+            Model::Vaecf(m) => m.kernels(),
+            Model::Gru4rec(m) => m.kernels(),
+        }
     }
 
     /// The encoder resuming each history from a carried state: GRU4Rec's states
     /// ([`Gru4Rec::encode_carried`]) or SASRec's keys and values ([`Transformer::encode_carried`]);
     /// `None` for BERT4Rec and Mult-VAE (which never carry one: see [`crate::prefix_cache`]).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode_carried(
         &self,
+        kernels: &'static crate::kernels::KernelTable,
         histories: &[&[u32]],
         scratch: &mut EncodeScratch,
         hidden: &mut Vec<f32>,
@@ -463,6 +506,7 @@ impl Model {
             Model::Gru4rec(m) => m,
             Model::Sasrec(m) => {
                 m.encode_carried(
+                    kernels,
                     histories,
                     &mut scratch.carried,
                     hidden,
@@ -475,6 +519,7 @@ impl Model {
             Model::Bert4rec(_) | Model::Vaecf(_) => return None,
         };
         m.encode_carried(
+            kernels,
             histories,
             &mut scratch.gru4rec,
             hidden,
@@ -488,8 +533,10 @@ impl Model {
     }
 
     /// The one place a batch is dispatched to its model's encoder.
+    #[allow(clippy::too_many_arguments)]
     fn encode_in(
         &self,
+        kernels: &'static crate::kernels::KernelTable,
         histories: &[&[u32]],
         scratch: &mut EncodeScratch,
         hidden: &mut Vec<f32>,
@@ -505,6 +552,7 @@ impl Model {
         };
         match self {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.encode_into(
+                kernels,
                 histories,
                 &mut scratch.transformer,
                 hidden,
@@ -513,6 +561,7 @@ impl Model {
                 observe,
             ),
             Model::Vaecf(m) => m.encode_into(
+                kernels,
                 histories,
                 &mut scratch.vaecf,
                 hidden,
@@ -521,6 +570,7 @@ impl Model {
                 observe,
             ),
             Model::Gru4rec(m) => m.encode_into(
+                kernels,
                 histories,
                 &mut scratch.gru4rec,
                 hidden,

@@ -158,6 +158,11 @@ impl VaeCf {
         self.kernels = kernels;
     }
 
+    /// The kernels the model runs when a call names none.
+    pub(crate) fn kernels(&self) -> &'static KernelTable {
+        self.kernels
+    }
+
     /// The layers by role, for a device that runs the whole model.
     pub fn view(&self) -> super::VaeCfView<'_> {
         super::VaeCfView {
@@ -193,9 +198,12 @@ impl VaeCf {
 
     /// The hidden vectors of `histories` into `hidden` and `notes` (replacing what they held), working in
     /// `scratch`, the dense layers' rows split over up to `threads` threads: once the buffers have
-    /// grown to a batch's size, batches no larger allocate nothing (on one thread).
+    /// grown to a batch's size, batches no larger allocate nothing (on one thread). On kernels `k`
+    /// (the call's table; every table of one precision gives the same bits).
+    #[allow(clippy::too_many_arguments)]
     pub fn encode_into(
         &self,
+        k: &KernelTable,
         histories: &[&[u32]],
         scratch: &mut VaeCfScratch,
         hidden: &mut Vec<f32>,
@@ -216,7 +224,7 @@ impl VaeCf {
         s.x.clear();
         s.x.resize(histories.len() * width, 0.0);
         // The first dense layer, as a gather-sum of each history's weight rows.
-        self.gather_first_layer(s, threads);
+        self.gather_first_layer(k, s, threads);
         for (h, acc) in s.x.chunks_exact_mut(width).enumerate() {
             let count = s.item_ends[h] - if h == 0 { 0 } else { s.item_ends[h - 1] };
             // F.normalize: x / max(||x||_2, 1e-12); the norm of a binary vector is sqrt(count).
@@ -224,7 +232,7 @@ impl VaeCf {
             for (a, b) in acc.iter_mut().zip(self.first_bias.as_slice()) {
                 *a = *a * scale + b;
             }
-            (self.kernels.elementwise.tanh)(acc);
+            (k.elementwise.tanh)(acc);
         }
         // The encoder's layers after the first (tanh after each but the last, which yields mu),
         // then the decoder's hidden layers (tanh after each); the last one writes `hidden`.
@@ -234,9 +242,9 @@ impl VaeCf {
         for (i, layer) in all.enumerate() {
             let last = i + 1 == n_all;
             let y = if last { &mut *hidden } else { &mut s.next };
-            layer.forward_into(self.kernels, &s.x, y, &mut s.quantized, threads, observe);
+            layer.forward_into(k, &s.x, y, &mut s.quantized, threads, observe);
             if i + 1 != n_rest {
-                (self.kernels.elementwise.tanh)(y);
+                (k.elementwise.tanh)(y);
             }
             if !last {
                 std::mem::swap(&mut s.x, &mut s.next);
@@ -260,7 +268,7 @@ impl VaeCf {
     /// Adds each history's first-layer rows (`s.items`, ranges ending at `s.item_ends`) into its
     /// row of `s.x`, the histories split over up to `threads` threads by the work they hold (a
     /// history is summed by one thread alone, so the split changes no bit).
-    fn gather_first_layer(&self, s: &mut VaeCfScratch, threads: usize) {
+    fn gather_first_layer(&self, k: &KernelTable, s: &mut VaeCfScratch, threads: usize) {
         let width = self.first_bias.len();
         let histories = s.item_ends.len();
         s.cursors.clear();
@@ -275,7 +283,7 @@ impl VaeCf {
         if pieces <= 1 {
             // One thread: no piece list (a warm batch allocates nothing).
             return crate::profile::account(crate::profile::Work::Dense, || {
-                self.gather_histories(items, ends, &mut s.cursors, &mut s.x)
+                self.gather_histories(k, items, ends, &mut s.cursors, &mut s.x)
             });
         }
         let per_piece = histories.div_ceil(pieces);
@@ -286,7 +294,7 @@ impl VaeCf {
         crate::parallel::for_each_mut(&mut parts, |i, (x, cursors)| {
             let ends = &ends[i * per_piece..i * per_piece + cursors.len()];
             crate::profile::account(crate::profile::Work::Dense, || {
-                self.gather_histories(items, ends, cursors, x)
+                self.gather_histories(k, items, ends, cursors, x)
             })
         });
     }
@@ -299,6 +307,7 @@ impl VaeCf {
     /// its rows in increasing item order, so the sums keep their bits.
     fn gather_histories(
         &self,
+        k: &KernelTable,
         items: &[u32],
         ends: &[usize],
         cursors: &mut [usize],
@@ -341,11 +350,9 @@ impl VaeCf {
                 }
                 let rows = &items[first..*cursor];
                 match in_memory {
-                    Some(Table::F32(table)) => {
-                        (self.kernels.elementwise.add_rows)(table, width, rows, acc)
-                    }
+                    Some(Table::F32(table)) => (k.elementwise.add_rows)(table, width, rows, acc),
                     Some(Table::Bf16(table)) => {
-                        (self.kernels.elementwise.add_rows_bf16)(table, width, rows, acc)
+                        (k.elementwise.add_rows_bf16)(table, width, rows, acc)
                     }
                     None => {
                         for &row in rows {

@@ -1,8 +1,8 @@
 //! Attention per sequence and head on the packed kernels (scores = Q_h K_h^T, then context =
 //! P V_h), its heads split over threads when there is work for more than one.
 
-use crate::kernels::dense;
 use crate::kernels::packed::{self, QuantizedActivations};
+use crate::kernels::{dense, KernelTable};
 
 use super::layers::{dense_panels, Columns};
 
@@ -62,6 +62,7 @@ impl Transformer {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention(
         &self,
+        k: &'static KernelTable,
         kv: KeyValues<'_>,
         queries: Columns<'_>,
         spans: &[std::ops::Range<usize>],
@@ -102,7 +103,7 @@ impl Transformer {
                 let mine = (i * heads_per_piece).min(heads)..((i + 1) * heads_per_piece).min(heads);
                 a.out.resize(mine.len() * query_rows.len() * d, 0.0);
                 for (slot, head) in mine.enumerate() {
-                    self.attention_head(head, kv, queries, spans, query_rows, slot, a);
+                    self.attention_head(k, head, kv, queries, spans, query_rows, slot, a);
                 }
             })
         };
@@ -124,6 +125,7 @@ impl Transformer {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_head(
         &self,
+        k: &KernelTable,
         head: usize,
         kv: KeyValues<'_>,
         queries: Columns<'_>,
@@ -160,7 +162,7 @@ impl Transformer {
                 a.q_h.extend_from_slice(queries.row(qi, cols.clone()));
             }
             a.scores.resize(n_queries * t, 0.0);
-            dense::linear_into(self.kernels, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
+            dense::linear_into(k, keys_h, &a.q_h, &mut a.scores, &mut a.unused);
             let query_slots = &query_rows[first_query..first_query + n_queries];
             for (row, &query_row) in a.scores.chunks_exact_mut(t).zip(query_slots) {
                 // SASRec: a slot sees itself and the slots before it. The later ones weigh exactly
@@ -173,7 +175,7 @@ impl Transformer {
                 for v in visible.iter_mut() {
                     *v /= sqrt_d;
                 }
-                (self.kernels.elementwise.softmax)(visible);
+                (k.elementwise.softmax)(visible);
                 later.fill(0.0);
             }
             packed::pack_rows_transposed_into(&mut a.values, t, cols.clone(), |j| {
@@ -181,7 +183,7 @@ impl Transformer {
             });
             let values_h = dense_panels(&a.values, d, t, &a.zeros);
             let out = &mut a.out[block + first_query * d..block + (first_query + n_queries) * d];
-            dense::linear_into(self.kernels, values_h, &a.scores, out, &mut a.unused);
+            dense::linear_into(k, values_h, &a.scores, out, &mut a.unused);
             first_query += n_queries;
         }
     }

@@ -18,6 +18,7 @@ use super::attention::{AttentionScratch, KeyValues, RowAt};
 use super::layers::{project, Columns};
 use super::{Flavor, Transformer, TransformerLayer};
 use crate::kernels::packed::QuantizedActivations;
+use crate::kernels::KernelTable;
 use crate::models::{Carry, HistoryNote};
 use crate::prefix_cache::State;
 
@@ -65,8 +66,10 @@ impl Transformer {
     /// # Panics
     /// On a BERT4Rec model (bidirectional: a new event changes every slot), and when a state is
     /// shorter than the slots it claims to cover.
+    #[allow(clippy::too_many_arguments)]
     pub fn encode_carried(
         &self,
+        k: &'static KernelTable,
         histories: &[&[u32]],
         s: &mut CarriedScratch,
         hidden: &mut Vec<f32>,
@@ -81,7 +84,6 @@ impl Transformer {
         );
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
-        let k = self.kernels;
         let per_slot = self.carried_floats_per_slot();
         notes.clear();
         s.slots.clear();
@@ -125,7 +127,7 @@ impl Transformer {
         let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
             let last = l + 1 == n_layers;
-            self.carried_layer(l, layer, last, s, carry.starts, carry.ends, threads);
+            self.carried_layer(k, l, layer, last, s, carry.starts, carry.ends, threads);
             std::mem::swap(&mut s.x, &mut s.out);
         }
         debug_assert_eq!(s.x.len(), histories.len() * h, "one row per history");
@@ -140,6 +142,7 @@ impl Transformer {
     #[allow(clippy::too_many_arguments)]
     fn carried_layer(
         &self,
+        k: &'static KernelTable,
         l: usize,
         layer: &TransformerLayer,
         last: bool,
@@ -149,7 +152,6 @@ impl Transformer {
         threads: usize,
     ) {
         let h = self.config.hidden_size;
-        let k = self.kernels;
         let per_slot = self.carried_floats_per_slot();
         let new_rows = s.x.len() / h;
 
@@ -269,6 +271,7 @@ impl Transformer {
             },
         };
         self.attention(
+            k,
             KeyValues::Table {
                 sources: &sources,
                 at: &s.rows_at,
@@ -283,6 +286,7 @@ impl Transformer {
 
         s.out.resize(s.query_rows.len() * h, 0.0);
         self.finish_rows(
+            k,
             layer,
             &s.context,
             x_q,

@@ -266,6 +266,11 @@ impl Transformer {
         self.kernels = kernels;
     }
 
+    /// The kernels the model runs when a call names none.
+    pub(crate) fn kernels(&self) -> &'static KernelTable {
+        self.kernels
+    }
+
     /// The layers by role, for a device that runs the whole model.
     pub fn view(&self) -> super::TransformerView<'_> {
         fn norm(n: &LayerNorm) -> super::NormView<'_> {
@@ -358,9 +363,12 @@ impl Transformer {
     /// The hidden vectors of `histories` into `hidden` and `notes` (replacing what they held), working
     /// in `scratch`, the dense layers' rows and the attention heads split over up to `threads`
     /// threads: once the buffers have grown to a batch's size, batches no larger allocate nothing
-    /// (on one thread).
+    /// (on one thread). On kernels `k` (the call's table; every table of one precision gives the
+    /// same bits).
+    #[allow(clippy::too_many_arguments)]
     pub fn encode_into(
         &self,
+        k: &'static KernelTable,
         histories: &[&[u32]],
         scratch: &mut TransformerScratch,
         hidden: &mut Vec<f32>,
@@ -370,7 +378,6 @@ impl Transformer {
     ) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
-        let k = self.kernels;
         notes.clear();
         let s = scratch;
         // Token ranges of each sequence in the stacked matrix.
@@ -406,7 +413,7 @@ impl Transformer {
             } else {
                 s.query_rows.extend(0..s.x.len() / h);
             }
-            self.transformer_layer(layer, s, threads, observe);
+            self.transformer_layer(k, layer, s, threads, observe);
             std::mem::swap(&mut s.x, &mut s.out);
         }
         debug_assert_eq!(
@@ -417,15 +424,10 @@ impl Transformer {
 
         match &self.head {
             Some(head) => {
-                head.dense.0.forward_into(
-                    self.kernels,
-                    &s.x,
-                    hidden,
-                    &mut s.quantized,
-                    threads,
-                    observe,
-                );
-                (self.kernels.elementwise.gelu)(hidden);
+                head.dense
+                    .0
+                    .forward_into(k, &s.x, hidden, &mut s.quantized, threads, observe);
+                (k.elementwise.gelu)(hidden);
                 head.norm.apply(k, hidden, eps);
             }
             None => {
@@ -444,16 +446,16 @@ impl Transformer {
     /// `s.out`.
     fn transformer_layer(
         &self,
+        k: &'static KernelTable,
         layer: &TransformerLayer,
         s: &mut TransformerScratch,
         threads: usize,
         observe: ActivationObserver<'_>,
     ) {
         let h = self.config.hidden_size;
-        let k = self.kernels;
         let pieces = self.row_pieces(s.x.len() / h, s.query_rows.len(), threads);
         if pieces != (1, 1) {
-            return self.transformer_layer_split(layer, s, pieces);
+            return self.transformer_layer_split(k, layer, s, pieces);
         }
 
         // Every row is a query except in the last layer; only then are the query rows gathered.
@@ -506,6 +508,7 @@ impl Transformer {
         };
 
         self.attention(
+            k,
             KeyValues::Projected { keys, values },
             queries,
             &s.spans,
@@ -517,6 +520,7 @@ impl Transformer {
 
         s.out.resize(s.query_rows.len() * h, 0.0);
         self.finish_rows(
+            k,
             layer,
             &s.context,
             x_q,
@@ -537,6 +541,7 @@ impl Transformer {
     #[allow(clippy::too_many_arguments)]
     fn finish_rows(
         &self,
+        k: &KernelTable,
         layer: &TransformerLayer,
         context: &[f32],
         residual: &[f32],
@@ -548,7 +553,6 @@ impl Transformer {
     ) {
         let (h, width) = (self.config.hidden_size, self.config.inner_size);
         let eps = self.config.layer_norm_eps;
-        let k = self.kernels;
         let block = FINISH_BLOCK_ROWS * h;
         for ((context, residual), out) in context
             .chunks(block)
@@ -771,6 +775,7 @@ mod tests {
                     values: columns(&values),
                 };
                 model.attention(
+                    model.kernels,
                     kv.unwrap_or(projected),
                     columns(&queries),
                     &spans,

@@ -2,8 +2,8 @@
 //! the two-step run (projections, then the rest of the layer) that computes every row as one
 //! thread would.
 
-use crate::kernels::dense;
 use crate::kernels::packed::QuantizedActivations;
+use crate::kernels::{dense, KernelTable};
 
 use super::attention::AttentionScratch;
 use super::attention::KeyValues;
@@ -48,12 +48,12 @@ impl Transformer {
     /// shown to an observer here: calibration runs on one thread.
     pub(super) fn transformer_layer_split(
         &self,
+        k: &'static KernelTable,
         layer: &TransformerLayer,
         s: &mut TransformerScratch,
         (projection_pieces, rest_pieces): (usize, usize),
     ) {
         let h = self.config.hidden_size;
-        let k = self.kernels;
         let tokens = s.x.len() / h;
         let n_queries = s.query_rows.len();
         let every_row = n_queries == tokens;
@@ -144,6 +144,7 @@ impl Transformer {
             let q = query_ranges[i].clone();
             let p = &mut **piece;
             self.attention(
+                k,
                 KeyValues::Projected { keys, values },
                 queries.rows(q.clone()),
                 spans,
@@ -153,6 +154,7 @@ impl Transformer {
                 1,
             );
             self.finish_rows(
+                k,
                 layer,
                 &p.context,
                 &x_q[q.start * h..q.end * h],
