@@ -553,7 +553,8 @@ pub const THREAD_WARM_UP: std::time::Duration = std::time::Duration::from_millis
 /// Times `run(threads, batch)` for every candidate thread count at every batch size of
 /// [`PLAN_BATCHES`]: per batch size, each count in turn runs a settling burst of [`THREAD_BURST`]
 /// calls (and, with pool workers, for at least [`THREAD_SETTLE`]), then [`RUNS`] samples back
-/// to back, each the mean of a burst of [`THREAD_BURST`] calls; the best sample counts.
+/// to back, each the mean of a burst of [`THREAD_BURST`] calls, each starting from a forgotten
+/// handoff estimate ([`crate::kernels::parallel::forget_handoffs`]); the best sample counts.
 pub fn measure_threads(
     candidates: &[usize],
     mut run: impl FnMut(usize, usize),
@@ -577,6 +578,9 @@ pub fn measure_threads(
             }
             let mut best = f64::INFINITY;
             for _ in 0..RUNS {
+                // Each sample starts from no handoff estimate: a slow handoff in one sample
+                // keeps that sample on fewer threads, not every sample of this count.
+                crate::kernels::parallel::forget_handoffs();
                 let start = Instant::now();
                 for _ in 0..THREAD_BURST {
                     run(threads, batch);

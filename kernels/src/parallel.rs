@@ -224,6 +224,12 @@ mod handoff {
         }
     }
 
+    /// Drops the estimate: the next split steps split by their floor and measure anew.
+    pub(super) fn forget() {
+        AVERAGE_NS.store(0, Ordering::Relaxed);
+        LAST_NS.store(0, Ordering::Relaxed);
+    }
+
     /// The current estimate (zero when none is recent).
     pub(super) fn estimate() -> Duration {
         let last = LAST_NS.load(Ordering::Relaxed);
@@ -253,6 +259,17 @@ pub fn min_macs_per_piece(floor: usize) -> usize {
 }
 
 static FLOOR_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// Forgets what handoffs have cost so far: the next split steps split by their own floor and
+/// measure handoffs anew. For a measurement of what more threads buy (the engine's thread plan):
+/// one slow handoff just before it (a worker's vCPU descheduled for a moment) would otherwise keep
+/// every split of the next [`handoff`] window on one thread, and the plan would time one thread
+/// under the name of two. On a 2-vCPU Zen 4 a Mult-VAE of 20,108 items was planned once at
+/// batch 1 with two threads timed at 1.454 ms against 1.450 on one, where two take 0.48-0.80 ms;
+/// the plan kept it on one thread.
+pub fn forget_handoffs() {
+    handoff::forget();
+}
 
 /// From now on, in this process, every split rule asks only its own floor of work per piece and
 /// ignores what handoffs cost. For tests that check a split changes no bit: on a loaded machine
@@ -370,6 +387,15 @@ mod tests {
         // Recording works (other tests record too, so only that some estimate exists).
         handoff::record(Duration::from_micros(80));
         assert!(handoff::estimate() > Duration::ZERO);
+        // Forgotten: no estimate until the next handoff (other tests' handoffs may record one
+        // between the two calls, so a few tries).
+        assert!(
+            (0..100).any(|_| {
+                super::forget_handoffs();
+                handoff::estimate() == Duration::ZERO
+            }),
+            "forget_handoffs leaves no estimate"
+        );
     }
 
     /// Waits (at most 5 s) for the spinner to stop.
