@@ -57,40 +57,19 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
 ) {
     let (pairs, width) =
         super::assert_pair_call::<R, P, _, _>(hidden, d, w, epilogue, out, masks, true);
-    let mut acc = [[_mm512_setzero_si512(); P]; R];
     let hp = hidden.as_ptr().cast::<u8>();
     let wp = w.as_ptr();
-    // As in `avx2::panels`: a later call's panels requested ahead (never faults, may lie past `w`).
-    let ahead = wp.wrapping_add(epilogue.prefetch);
-    let prefetch = epilogue.prefetch != 0;
-    // Lanes 0-7 take the first i32 of the loaded activations (pair 2q), lanes 8-15 the second.
-    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let quads = pairs / 2;
-    for q in 0..quads {
-        if prefetch {
-            for line in (0..P * 32).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(q * P * 32 + line));
-            }
-        }
-        let mut wv = [_mm512_setzero_si512(); P];
-        for (p, v) in wv.iter_mut().enumerate() {
-            // SAFETY: in bounds: pairs 2q and 2q+1 of panel p end at p*pairs*16 + (2q+2)*16 <=
-            // P*pairs*16 <= w.len() (asserted), since 2q+2 <= pairs.
-            *v = _mm512_cvtepi8_epi16(unsafe {
-                _mm256_loadu_si256(wp.add(p * pairs * 16 + q * 32) as *const __m256i)
-            });
-        }
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            // The four i16 activations 4q..4q+4 of row r, as two i32 pairs.
-            // SAFETY: in bounds: r*width + 4q + 4 <= r*width + 2*pairs = (r+1)*width <=
-            // hidden.len() (asserted); the load needs no alignment.
-            let two = unsafe { _mm_loadl_epi64(hp.add(2 * (r * width + 4 * q)) as *const __m128i) };
-            let act = _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two));
-            for (a, v) in acc_r.iter_mut().zip(&wv) {
-                *a = _mm512_dpwssd_epi32(*a, *v, act);
-            }
-        }
-    }
+    // One row streaming its table from memory reads each panel through in address order; every
+    // other call (more rows share each weight vector, or the table is cached) keeps the panels
+    // side by side, which keeps the most multiply-adds in flight. Either way each item's sum is
+    // the same exact i32, so the choice changes no bit.
+    let acc = if R == 1 && epilogue.prefetch != 0 {
+        // SAFETY: the caller's features; the bounds were asserted above.
+        unsafe { quads_panel_by_panel::<R, P>(hidden, width, pairs, w, epilogue.prefetch) }
+    } else {
+        // SAFETY: as above.
+        unsafe { quads_side_by_side::<R, P>(hidden, width, pairs, w, epilogue.prefetch) }
+    };
     // Even and odd pairs' sums added, then the odd last pair (if any) at 256 bits.
     let mut folded = [[_mm256_setzero_si256(); P]; R];
     for (f_r, acc_r) in folded.iter_mut().zip(&acc) {
@@ -124,6 +103,133 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     }
     // SAFETY: this function has the AVX2 the epilogue needs; it asserts its own bounds.
     unsafe { avx2::i8_epilogue::<R, P>(&folded, epilogue, out, masks) }
+}
+
+/// Lanes 0-7 of a pair-spread register take the first i32 of the loaded activations (pair 2q),
+/// lanes 8-15 the second (pair 2q + 1).
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn spread_pairs(two: __m128i) -> __m512i {
+    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two))
+}
+
+/// The i32 sums of the whole feature quads of `R` rows x `P` panels, each quad of every panel in
+/// turn: per quad one weight register per panel, reused by every row.
+///
+/// # Safety
+/// The CPU must support AVX2 and AVX-512 F/BW/VNNI; `hidden` holds `R * width` values and `w`
+/// `P * pairs * 16` (asserted by the caller, `assert_pair_call`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn quads_side_by_side<const R: usize, const P: usize>(
+    hidden: &[i16],
+    width: usize,
+    pairs: usize,
+    w: &[i8],
+    prefetch: usize,
+) -> [[__m512i; P]; R] {
+    let mut acc = [[_mm512_setzero_si512(); P]; R];
+    let hp = hidden.as_ptr().cast::<u8>();
+    let wp = w.as_ptr();
+    // As in `avx2::panels`: a later call's panels requested ahead (never faults, may lie past `w`).
+    let ahead = wp.wrapping_add(prefetch);
+    for q in 0..pairs / 2 {
+        if prefetch != 0 {
+            for line in (0..P * 32).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(q * P * 32 + line));
+            }
+        }
+        let mut wv = [_mm512_setzero_si512(); P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            // SAFETY: in bounds: pairs 2q and 2q+1 of panel p end at p*pairs*16 + (2q+2)*16 <=
+            // P*pairs*16 <= w.len() (asserted), since 2q+2 <= pairs.
+            *v = _mm512_cvtepi8_epi16(unsafe {
+                _mm256_loadu_si256(wp.add(p * pairs * 16 + q * 32) as *const __m256i)
+            });
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // The four i16 activations 4q..4q+4 of row r, as two i32 pairs.
+            // SAFETY: in bounds: r*width + 4q + 4 <= r*width + 2*pairs = (r+1)*width <=
+            // hidden.len() (asserted); the load needs no alignment.
+            let two = unsafe { _mm_loadl_epi64(hp.add(2 * (r * width + 4 * q)) as *const __m128i) };
+            // SAFETY: AVX-512 F is enabled here.
+            let act = unsafe { spread_pairs(two) };
+            for (a, v) in acc_r.iter_mut().zip(&wv) {
+                *a = _mm512_dpwssd_epi32(*a, *v, act);
+            }
+        }
+    }
+    acc
+}
+
+/// Quads per run of [`quads_panel_by_panel`]: 16 spread activation registers a row (64 features).
+const QUADS_PER_RUN: usize = 16;
+
+/// The same sums as [`quads_side_by_side`], reading each panel's quads in address order before
+/// the next panel's (in runs of [`QUADS_PER_RUN`] quads, whose activations are spread once).
+///
+/// Why: the side-by-side order reads 8 panels as 8 interleaved 32-byte streams, and on a table
+/// streaming from memory one row does too little work per byte to hide that: over a 1e6 x 64
+/// int8 table (one row, one thread, Zen 4) the side-by-side order read 17-19 GB/s and this one
+/// 22-26 GB/s, the fp32 scan's rate; with more rows per call, or a cached table, the side-by-side
+/// order was the faster one (1.2x-2.4x), so only one-row calls on tables read from memory come
+/// here.
+///
+/// # Safety
+/// As [`quads_side_by_side`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn quads_panel_by_panel<const R: usize, const P: usize>(
+    hidden: &[i16],
+    width: usize,
+    pairs: usize,
+    w: &[i8],
+    prefetch: usize,
+) -> [[__m512i; P]; R] {
+    let mut acc = [[_mm512_setzero_si512(); P]; R];
+    let hp = hidden.as_ptr().cast::<u8>();
+    let wp = w.as_ptr();
+    let ahead = wp.wrapping_add(prefetch);
+    let quads = pairs / 2;
+    let mut first = 0;
+    while first < quads {
+        let run = (quads - first).min(QUADS_PER_RUN);
+        let mut acts = [[_mm512_setzero_si512(); QUADS_PER_RUN]; R];
+        for (r, acts_r) in acts.iter_mut().enumerate() {
+            for (i, act) in acts_r.iter_mut().take(run).enumerate() {
+                let q = first + i;
+                // SAFETY: in bounds as in `quads_side_by_side`: q < pairs / 2.
+                let two =
+                    unsafe { _mm_loadl_epi64(hp.add(2 * (r * width + 4 * q)) as *const __m128i) };
+                // SAFETY: AVX-512 F is enabled here.
+                *act = unsafe { spread_pairs(two) };
+            }
+        }
+        for p in 0..P {
+            let start = p * pairs * 16 + first * 32;
+            if prefetch != 0 {
+                for line in (0..run * 32).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(start + line));
+                }
+            }
+            for i in 0..run {
+                // SAFETY: in bounds: start + 32(i+1) = p*pairs*16 + 32(q+1) <= P*pairs*16 <=
+                // w.len() (asserted), since q = first + i < pairs / 2.
+                let v = _mm512_cvtepi8_epi16(unsafe {
+                    _mm256_loadu_si256(wp.add(start + i * 32) as *const __m256i)
+                });
+                for (acc_r, acts_r) in acc.iter_mut().zip(&acts) {
+                    acc_r[p] = _mm512_dpwssd_epi32(acc_r[p], v, acts_r[i]);
+                }
+            }
+        }
+        first += run;
+    }
+    acc
 }
 
 fn f32_k<const R: usize, const P: usize>(

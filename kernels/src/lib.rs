@@ -538,6 +538,92 @@ mod elementwise_tests {
 }
 
 #[cfg(test)]
+mod prefetch_tests {
+    use super::packed::{quantize_activations, quantize_int8_per_row};
+    use super::{lcg, Epilogue, Isa, KernelTable, MAX_GROUP_ROWS};
+
+    /// A call's prefetch distance only requests lines (and, in the AVX-512 int8 kernel, makes a
+    /// one-row call read its panels in address order rather than side by side): every call shape
+    /// of every ISA gives the same scores and flags with and without it, and the int8 kernels
+    /// give the scalar kernel's bits either way. The widths cover odd feature pairs and several
+    /// runs of activation registers (`d` past 64 and 128).
+    #[test]
+    fn a_call_gives_the_same_bits_whatever_its_prefetch_distance() {
+        let scalar = KernelTable::for_isa(Isa::Scalar);
+        for d in [1usize, 2, 3, 8, 63, 64, 65, 130, 131, 200, 257] {
+            let pairs = d.div_ceil(2);
+            let mut next = lcg(d as u64);
+            let items = 8 * 8;
+            let weights: Vec<f32> = (0..items * d).map(|_| next()).collect();
+            let (q, scales) = quantize_int8_per_row(&weights, d);
+            let bias: Vec<f32> = (0..items).map(|_| next()).collect();
+            let hidden: Vec<f32> = (0..MAX_GROUP_ROWS * d).map(|_| next()).collect();
+            let (hq, row_scales_all) = quantize_activations(&hidden, d);
+            // Feature-pair panels (any values: each call's sums are exact in i32) and f32 panels.
+            let q_panels: Vec<i8> = (0..8 * pairs * 16).map(|i| q[i % q.len()]).collect();
+            let f_panels: Vec<f32> = (0..8 * d * 8).map(|i| weights[i % weights.len()]).collect();
+            for rows in [1, 2, 4, 8] {
+                let mut row_scales = [1f32; MAX_GROUP_ROWS];
+                row_scales[..rows].copy_from_slice(&row_scales_all[..rows]);
+                let mut bars = [f32::INFINITY; MAX_GROUP_ROWS];
+                bars[..rows].fill(0.0);
+                for (ps, panels) in [1, 2, 4, 8].into_iter().enumerate() {
+                    let rs = super::rows_slot(rows);
+                    let call_bytes = panels * pairs * 16;
+                    let run = |table: &KernelTable, prefetch: usize, int8: bool| {
+                        let epilogue = Epilogue {
+                            bias: &bias[..panels * 8],
+                            scales: if int8 { &scales[..panels * 8] } else { &[] },
+                            bars,
+                            row_scales: if int8 {
+                                row_scales
+                            } else {
+                                [1.0; MAX_GROUP_ROWS]
+                            },
+                            prefetch,
+                        };
+                        let mut out = vec![0f32; rows * panels * 8];
+                        let mut masks = vec![0u8; rows * panels];
+                        if int8 {
+                            (table.i8[rs][ps])(
+                                &hq[..rows * pairs * 2],
+                                d,
+                                &q_panels[..panels * pairs * 16],
+                                &epilogue,
+                                &mut out,
+                                &mut masks,
+                            );
+                        } else {
+                            (table.f32[rs][ps])(
+                                &hidden[..rows * d],
+                                d,
+                                &f_panels[..panels * d * 8],
+                                &epilogue,
+                                &mut out,
+                                &mut masks,
+                            );
+                        }
+                        let bits: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+                        (bits, masks)
+                    };
+                    let int8_reference = run(scalar, 0, true);
+                    for isa in Isa::available() {
+                        let table = KernelTable::for_isa(isa);
+                        let label = format!("{isa:?} d {d} rows {rows} panels {panels}");
+                        let f32_near = run(table, 0, false);
+                        for distance in [call_bytes, 64 * 1024] {
+                            assert_eq!(run(table, distance, true), int8_reference, "int8 {label}");
+                            assert_eq!(run(table, distance, false), f32_near, "f32 {label}");
+                        }
+                        assert_eq!(run(table, 0, true), int8_reference, "int8 {label}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
 mod require_isa {
     /// The kernel tests run on every ISA `Isa::available()` reports; on a CPU without AVX2 they
     /// would pass on the scalar path alone. CI sets REQUIRE_AVX2=1, so that cannot happen there
