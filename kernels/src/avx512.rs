@@ -475,12 +475,14 @@ pub(super) const KERNELS: KernelTable = KernelTable {
     bf16: kernel_table!(@rows bf16_k, super::PanelBf16),
     i8: kernel_table!(@rows i8_k, super::PanelI8),
     // 8 rows x 4 panels: the same 16 accumulators as 4 x 8, each weight vector loaded once for
-    // 8 rows ([`super::RowBlock`]).
+    // 8 rows ([`super::RowBlock`]). int8 calls also keep 16 accumulators from two rows up (2 x 8,
+    // 4 x 4, 8 x 2 panels): 1.1x-1.2x the 8-accumulator calls at 2-64 rows on a Zen 4 (an older
+    // measurement that found them slower predates VL, whose absence spilled them).
     panels_per_call: super::PanelsPerCall {
         f32: [8, 8, 8, 4],
         f16: [8, 8, 4, 4],
         bf16: [8, 8, 4, 0],
-        ..super::PanelsPerCall::EIGHT_ACCUMULATORS
+        i8: [8, 8, 4, 2],
     },
     elementwise: super::Elementwise {
         tanh,
