@@ -454,7 +454,7 @@ impl Engine {
 
     /// Seeded random histories, row `r` of `length(r)` items, as many as the largest plan batch:
     /// what the plans time the engine on (the model makes real hidden vectors of them).
-    fn plan_histories(&self, length: fn(usize) -> usize) -> Vec<Vec<u32>> {
+    fn plan_histories(&self, length: impl Fn(usize) -> usize) -> Vec<Vec<u32>> {
         let n = self.n_items() as u64;
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut next = move || {
@@ -580,13 +580,31 @@ impl Engine {
         self.thread_plan = None;
     }
 
-    /// The threads a call of `batch` histories uses: its thread plan's count for that batch
-    /// size, never more than the engine's threads; all of them without a plan.
+    /// The threads a call of `batch` histories of the plan's session lengths uses: its thread
+    /// plan's count for that batch size, never more than the engine's threads; all of them
+    /// without a plan.
     pub fn call_threads(&self, batch: usize) -> usize {
         let all = self.scorer.threads.max(1);
         self.thread_plan
             .as_ref()
             .map_or(all, |plan| plan.threads_for(batch).clamp(1, all))
+    }
+
+    /// The threads a call on `histories` uses: as [`Engine::call_threads`], and for a
+    /// sequential model by the events its histories average too (the items the model reads of
+    /// each; [`crate::plan::LongHistoryThreads`]).
+    pub fn call_threads_for(&self, histories: &[&[u32]]) -> usize {
+        let all = self.scorer.threads.max(1);
+        let Some(plan) = self.thread_plan.as_ref() else {
+            return all;
+        };
+        let events = match (self.model.history_window(), histories.len()) {
+            (Some(window), n) if n > 0 => {
+                histories.iter().map(|h| h.len().min(window)).sum::<usize>() / n
+            }
+            _ => 0,
+        };
+        plan.threads_for_call(histories.len(), events).clamp(1, all)
     }
 
     /// Chooses how many of the engine's threads each batch size gets (the same answers whatever
@@ -625,17 +643,42 @@ impl Engine {
     }
 
     /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
-    /// size and each candidate thread count in turn.
+    /// size and each candidate thread count in turn; for a sequential model that reads more than
+    /// twice the plan's median history, batch 1 once more on a history as long as it reads
+    /// ([`crate::plan::LongHistoryThreads`]).
     fn measure_threads(&mut self) -> Vec<crate::plan::ThreadTiming> {
-        use crate::plan::{thread_candidates, PlanSource, ThreadPlan};
+        use crate::plan::{session_length, thread_candidates, PlanSource, ThreadPlan};
+        let candidates = thread_candidates(self.scorer.threads);
         let requests = self.plan_requests();
         let largest = requests.len();
         let kept = self.thread_plan.take();
-        let timings =
-            crate::plan::measure_threads(&thread_candidates(self.scorer.threads), |threads, b| {
-                self.thread_plan = Some(ThreadPlan::fixed(threads, PlanSource::Skipped));
-                std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
-            });
+        let mut timings = crate::plan::measure_threads(&candidates, |threads, b| {
+            self.thread_plan = Some(ThreadPlan::fixed(threads, PlanSource::Skipped));
+            std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
+        });
+        if let Some(window) = self
+            .model
+            .history_window()
+            .filter(|&w| w >= 2 * session_length(0))
+        {
+            let long = self.plan_histories(|_| window).swap_remove(0);
+            let request = [InternalRequest {
+                history: long,
+                k: 10.min(self.n_items()),
+                exclude_seen: true,
+                ..Default::default()
+            }];
+            timings.extend(crate::plan::measure_threads_at(
+                &candidates,
+                &[1],
+                false,
+                window,
+                |threads, _| {
+                    self.thread_plan = Some(ThreadPlan::fixed(threads, PlanSource::Skipped));
+                    std::hint::black_box(self.recommend_internal(&request));
+                },
+            ));
+        }
         self.thread_plan = kept;
         timings
     }
@@ -885,7 +928,11 @@ impl Engine {
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
         let batch = histories.len();
-        self.encode_on(self.kernels_for(batch), histories, self.call_threads(batch))
+        self.encode_on(
+            self.kernels_for(batch),
+            histories,
+            self.call_threads_for(histories),
+        )
     }
 
     /// [`Engine::encode`] on `kernels` and up to `threads` pool threads.
@@ -1123,10 +1170,10 @@ impl Engine {
                 .expect("the CPU engine answers every batch");
         }
         // A pool worker wakes while the batch starts, and stays awake between its split steps.
-        let threads = self.call_threads(batch.len());
+        let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
+        let threads = self.call_threads_for(&histories);
         let kernels = self.kernels_for(batch.len());
         let _awake = (threads > 1).then(crate::parallel::Batch::begin);
-        let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
         let (hidden, mut notes) = self.encode_on(kernels, &histories, threads);
         let width = self.model.output().input_size();
         let user = |r: usize| &hidden[r * width..(r + 1) * width];

@@ -46,8 +46,9 @@ pub const PLAN_BATCHES: [usize; 3] = [1, 8, 64];
 const RUNS: usize = 3;
 /// The plan file's format (2: the plan's kind in the file and its name, neutral timing names; 3:
 /// thread plans measured from a forgotten handoff estimate, so files measured the old way, which
-/// could time one thread under the name of two, are measured again).
-const FORMAT: u32 = 3;
+/// could time one thread under the name of two, are measured again; 4: thread plans of
+/// sequential models also time single histories as long as the model reads).
+const FORMAT: u32 = 4;
 
 /// The decision of the largest measured batch size not above `batch` in `by_batch` (`(smallest
 /// batch, decision)`, ascending), or the first one's for a batch below them all.
@@ -434,15 +435,45 @@ pub struct ThreadTiming {
     pub batch: usize,
     pub threads: usize,
     pub seconds: f64,
+    /// The events (items the model reads) of each history of a long-history sample; 0 for the
+    /// plan's histories of session lengths ([`session_length`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub events: usize,
 }
 
-/// Per batch size, the threads a call gets.
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// Per batch size, the threads a call gets; for a sequential model, also what calls of single
+/// long histories get ([`LongHistoryThreads`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ThreadPlan {
     /// `(smallest batch, threads)`, ascending.
     pub by_batch: Vec<(usize, usize)>,
+    pub long_histories: Option<LongHistoryThreads>,
     pub timings: Vec<ThreadTiming>,
     pub source: PlanSource,
+}
+
+/// The threads of a call of fewer histories than the second plan batch size whose histories are
+/// long. A sequential model's work grows with the events it reads, and batch 1 is where a second
+/// thread pays or not by that work: a bf16 BERT4Rec of MovieLens-1M's shape (200 events) timed
+/// one history of the plan's median length (23 events) 1.2x faster on one thread than on two,
+/// and so ran MovieLens-1M's own histories (median about 100 events) on one thread, 0.22 ms,
+/// where two took 0.14-0.17. So such models also time batch 1 on a history as long as the model
+/// reads, and calls whose histories average at least [`LongHistoryThreads::from_events`] events
+/// take that count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LongHistoryThreads {
+    /// The geometric mean of the two samples' lengths: a call whose histories average at least
+    /// this many events is nearer the long sample.
+    pub from_events: usize,
+    /// The long sample's events per history.
+    pub sample_events: usize,
+    /// Threads for such calls: the long sample's count, never fewer than the short one's (more
+    /// work never makes a thread pay less).
+    pub threads: usize,
 }
 
 impl ThreadPlan {
@@ -450,41 +481,74 @@ impl ThreadPlan {
     pub fn fixed(threads: usize, source: PlanSource) -> Self {
         ThreadPlan {
             by_batch: vec![(1, threads.max(1))],
+            long_histories: None,
             timings: Vec::new(),
             source,
         }
     }
 
-    /// From timings: per batch size, the fewest threads within [`THREAD_MARGIN`] of the fastest.
+    /// From timings: per batch size, the fewest threads within [`THREAD_MARGIN`] of the fastest;
+    /// the same for the long-history samples, if any.
     pub fn from_timings(timings: Vec<ThreadTiming>, source: PlanSource) -> Self {
-        let mut batches: Vec<usize> = timings.iter().map(|t| t.batch).collect();
+        let fewest_near_best = |at: &[&ThreadTiming]| {
+            let best = at.iter().map(|t| t.seconds).fold(f64::INFINITY, f64::min);
+            at.iter()
+                .filter(|t| t.seconds <= best * (1.0 + THREAD_MARGIN))
+                .map(|t| t.threads)
+                .min()
+                .unwrap_or(1)
+        };
+        let mut batches: Vec<usize> = timings
+            .iter()
+            .filter(|t| t.events == 0)
+            .map(|t| t.batch)
+            .collect();
         batches.sort_unstable();
         batches.dedup();
-        let by_batch = batches
+        let by_batch: Vec<(usize, usize)> = batches
             .into_iter()
             .map(|batch| {
-                let at: Vec<&ThreadTiming> = timings.iter().filter(|t| t.batch == batch).collect();
-                let best = at.iter().map(|t| t.seconds).fold(f64::INFINITY, f64::min);
-                let threads = at
+                let at: Vec<&ThreadTiming> = timings
                     .iter()
-                    .filter(|t| t.seconds <= best * (1.0 + THREAD_MARGIN))
-                    .map(|t| t.threads)
-                    .min()
-                    .unwrap_or(1);
-                (batch, threads)
+                    .filter(|t| t.batch == batch && t.events == 0)
+                    .collect();
+                (batch, fewest_near_best(&at))
             })
             .collect();
+        let long: Vec<&ThreadTiming> = timings.iter().filter(|t| t.events > 0).collect();
+        let long_histories = long.first().map(|first| {
+            let sample_events = first.events;
+            let short_events = session_length(0);
+            LongHistoryThreads {
+                from_events: ((sample_events * short_events) as f64).sqrt().ceil() as usize,
+                sample_events,
+                threads: fewest_near_best(&long)
+                    .max(decision_for(&by_batch, first.batch).unwrap_or(1)),
+            }
+        });
         ThreadPlan {
             by_batch,
+            long_histories,
             timings,
             source,
         }
     }
 
-    /// The threads a batch of `batch` histories gets (the decision of the largest measured size
-    /// not above it).
+    /// The threads a batch of `batch` histories of the plan's session lengths gets (the decision
+    /// of the largest measured size not above it).
     pub fn threads_for(&self, batch: usize) -> usize {
         decision_for(&self.by_batch, batch).unwrap_or(1)
+    }
+
+    /// The threads a call of `batch` histories averaging `events` events (the items the model
+    /// reads of each) gets: [`ThreadPlan::threads_for`], or, for fewer histories than the second
+    /// plan batch size that average at least [`LongHistoryThreads::from_events`] events, the
+    /// long-history count.
+    pub fn threads_for_call(&self, batch: usize, events: usize) -> usize {
+        match self.long_histories {
+            Some(long) if batch < PLAN_BATCHES[1] && events >= long.from_events => long.threads,
+            _ => self.threads_for(batch),
+        }
     }
 
     /// One line for logs: the threads per batch size, the times behind them, the source.
@@ -496,7 +560,7 @@ impl ThreadPlan {
                 let times: Vec<String> = self
                     .timings
                     .iter()
-                    .filter(|t| t.batch == batch)
+                    .filter(|t| t.batch == batch && t.events == 0)
                     .map(|t| format!("{:.3} ms on {}", t.seconds * 1e3, t.threads))
                     .collect();
                 format!(
@@ -510,7 +574,29 @@ impl ThreadPlan {
                 )
             })
             .collect();
-        format!("{} — {}", choices.join("; "), self.source.describe())
+        let long = self.long_histories.map(|long| {
+            let times: Vec<String> = self
+                .timings
+                .iter()
+                .filter(|t| t.events > 0)
+                .map(|t| format!("{:.3} ms on {}", t.seconds * 1e3, t.threads))
+                .collect();
+            format!(
+                "; batch 1-{} of histories averaging {}+ events: {} thread{} ({} at {} events)",
+                PLAN_BATCHES[1] - 1,
+                long.from_events,
+                long.threads,
+                if long.threads == 1 { "" } else { "s" },
+                times.join(", "),
+                long.sample_events
+            )
+        });
+        format!(
+            "{}{} — {}",
+            choices.join("; "),
+            long.unwrap_or_default(),
+            self.source.describe()
+        )
     }
 }
 
@@ -557,8 +643,18 @@ pub const THREAD_WARM_UP: std::time::Duration = std::time::Duration::from_millis
 /// calls (and, with pool workers, for at least [`THREAD_SETTLE`]), then [`RUNS`] samples back
 /// to back, each the mean of a burst of [`THREAD_BURST`] calls, each starting from a forgotten
 /// handoff estimate ([`crate::kernels::parallel::forget_handoffs`]); the best sample counts.
-pub fn measure_threads(
+pub fn measure_threads(candidates: &[usize], run: impl FnMut(usize, usize)) -> Vec<ThreadTiming> {
+    measure_threads_at(candidates, &PLAN_BATCHES, true, 0, run)
+}
+
+/// [`measure_threads`] at `batches`, warming the machine up first when `warm_up` (a second
+/// measurement straight after a first needs none), each timing marked with `events` (0: the
+/// plan's session-length histories; else the events of each history `run` takes).
+pub fn measure_threads_at(
     candidates: &[usize],
+    batches: &[usize],
+    warm_up: bool,
+    events: usize,
     mut run: impl FnMut(usize, usize),
 ) -> Vec<ThreadTiming> {
     let mut timings = Vec::new();
@@ -567,10 +663,10 @@ pub fn measure_threads(
     // ran 1.4x slower than a few hundred milliseconds later).
     let all = candidates.iter().copied().max().unwrap_or(1);
     let warm = Instant::now();
-    while warm.elapsed() < THREAD_WARM_UP {
-        run(all, PLAN_BATCHES[1]);
+    while warm_up && warm.elapsed() < THREAD_WARM_UP {
+        run(all, batches[batches.len().min(2) - 1]);
     }
-    for &batch in &PLAN_BATCHES {
+    for &batch in batches {
         for &threads in candidates {
             let settle = Instant::now();
             let mut calls = 0;
@@ -593,6 +689,7 @@ pub fn measure_threads(
                 batch,
                 threads,
                 seconds: best,
+                events,
             });
         }
     }
@@ -967,11 +1064,90 @@ mod tests {
     }
 
     #[test]
+    fn calls_of_long_histories_take_the_long_sample_count() {
+        let t = |batch, threads, ms: f64, events| ThreadTiming {
+            batch,
+            threads,
+            seconds: ms / 1e3,
+            events,
+        };
+        // Batch 1 of a median history: one thread (two lose); of 200 events: two (1.5x).
+        let mut timings = vec![
+            t(1, 1, 0.048, 0),
+            t(1, 2, 0.059, 0),
+            t(8, 1, 0.60, 0),
+            t(8, 2, 0.40, 0),
+            t(64, 1, 4.8, 0),
+            t(64, 2, 2.6, 0),
+        ];
+        let short = ThreadPlan::from_timings(timings.clone(), PlanSource::Skipped);
+        assert_eq!(short.long_histories, None);
+        assert_eq!(
+            short.threads_for_call(1, 200),
+            1,
+            "no long sample: by batch only"
+        );
+        timings.extend([t(1, 1, 0.22, 200), t(1, 2, 0.15, 200)]);
+        let plan = ThreadPlan::from_timings(timings.clone(), PlanSource::Skipped);
+        assert_eq!(
+            plan.by_batch,
+            [(1, 1), (8, 2), (64, 2)],
+            "the long sample is not a batch"
+        );
+        // sqrt(23 * 200) = 67.8: from 68 events on a call counts as long.
+        assert_eq!(
+            plan.long_histories,
+            Some(LongHistoryThreads {
+                from_events: 68,
+                sample_events: 200,
+                threads: 2
+            })
+        );
+        let chosen: Vec<usize> = [
+            (1, 23),
+            (1, 67),
+            (1, 68),
+            (7, 68),
+            (7, 200),
+            (8, 200),
+            (8, 4),
+            (64, 4),
+        ]
+        .iter()
+        .map(|&(b, e)| plan.threads_for_call(b, e))
+        .collect();
+        assert_eq!(chosen, [1, 1, 2, 2, 2, 2, 2, 2]);
+        assert_eq!(plan.threads_for(1), 1);
+        assert!(
+            plan.describe().contains(
+                "batch 1-7 of histories averaging 68+ events: 2 threads (0.220 ms on 1, 0.150 ms on 2 at 200 events)"
+            ),
+            "{}",
+            plan.describe()
+        );
+        // A long sample that measured fewer threads than the short one keeps the short count.
+        let odd = vec![
+            t(1, 1, 0.10, 0),
+            t(1, 2, 0.05, 0),
+            t(1, 1, 0.20, 200),
+            t(1, 2, 0.30, 200),
+        ];
+        let plan = ThreadPlan::from_timings(odd, PlanSource::Skipped);
+        assert_eq!(plan.long_histories.map(|l| l.threads), Some(2));
+        // Plan files keep the field only where it is set, and read older timings as 0.
+        let json = serde_json::to_string(&timings).unwrap();
+        assert_eq!(json.matches("\"events\"").count(), 2, "{json}");
+        let back: Vec<ThreadTiming> = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, timings);
+    }
+
+    #[test]
     fn each_batch_size_gets_the_fewest_threads_within_the_margin_of_its_fastest() {
         let t = |batch, threads, ms: f64| ThreadTiming {
             batch,
             threads,
             seconds: ms / 1e3,
+            events: 0,
         };
         // Batch 1: two threads 3 % faster (within the margin): one. Batch 8: two threads 20 %
         // faster: two. Batch 64: four fastest, two 10 % behind: four.

@@ -1,8 +1,9 @@
 //! The thread plan changes time, never answers: an engine pinned to one thread, to two and to all
 //! of its threads gives the same items and score bits at every batch size, for every model kind
 //! (whole-catalogue rows and candidate rows alike); the measured plan times every candidate count
-//! at every plan batch size, is kept and read back on the next load, and a damaged file is
-//! ignored with the reason; an engine of one thread has nothing to plan, `RECSYS_PLAN=off` gives
+//! at every plan batch size (and, for a sequential model, batch 1 on a history as long as it
+//! reads, whose decision calls of long histories take), is kept and read back on the next load,
+//! and a damaged file is ignored with the reason; an engine of one thread has nothing to plan, `RECSYS_PLAN=off` gives
 //! every batch all the threads, and a new thread count drops the plan made for the old one.
 
 mod common;
@@ -119,6 +120,49 @@ fn the_plan_is_measured_kept_read_back_and_dropped_with_its_thread_count() {
         matches!(&plan.source, PlanSource::Measured { ignored: Some(why), .. } if why.contains("not a plan file")),
         "{plan:?}"
     );
+    // Mult-VAE's work does not grow with its histories: no long-history sample.
+    assert_eq!(plan.long_histories, None);
+    // A sequential model reading more than twice the plan's median history also times batch 1
+    // on a history as long as it reads, and calls of long histories take that count.
+    let mut bert = convert_fixture(
+        ModelKind::Bert4rec,
+        "model.safetensors",
+        &dir.path().join("bert"),
+    );
+    bert.set_threads(2);
+    let plan = bert.plan_threads(ThreadPolicy::Auto).unwrap().clone();
+    let window = 49; // the fixture's L = 50, less the [MASK] that follows the history
+    let long_samples: Vec<_> = plan.timings.iter().filter(|t| t.events > 0).collect();
+    assert_eq!(long_samples.len(), thread_candidates(2).len(), "{plan:?}");
+    assert!(long_samples
+        .iter()
+        .all(|t| t.batch == 1 && t.events == window && t.seconds > 0.0));
+    let long = plan.long_histories.expect("a long-history decision");
+    assert_eq!((long.sample_events, long.from_events), (window, 34)); // sqrt(23 * 49) = 33.6
+    assert!(long.threads >= plan.threads_for(1));
+    assert!(plan.describe().contains("events"), "{}", plan.describe());
+    let short_history: Vec<u32> = (1..=10).collect();
+    let long_history: Vec<u32> = (1..=300).collect();
+    assert_eq!(
+        bert.call_threads_for(&[&short_history]),
+        plan.threads_for(1)
+    );
+    assert_eq!(bert.call_threads_for(&[&long_history]), long.threads);
+    assert_eq!(
+        bert.call_threads_for(&[long_history.as_slice(); 8]),
+        plan.threads_for(8),
+        "from the second plan batch size on, by batch size"
+    );
+    // Read back with its long-history decision.
+    let mut bert_again = convert_fixture(
+        ModelKind::Bert4rec,
+        "model.safetensors",
+        &dir.path().join("bert_again"),
+    );
+    bert_again.set_threads(2);
+    let cached = bert_again.plan_threads(ThreadPolicy::Auto).unwrap();
+    assert!(matches!(cached.source, PlanSource::Cached(_)), "{cached:?}");
+    assert_eq!(cached.long_histories, Some(long));
     // One thread: nothing to choose.
     assert!(load("d", 1).plan_threads(ThreadPolicy::Auto).is_none());
     // RECSYS_PLAN=off: nothing measured, every batch gets all the threads.
