@@ -592,13 +592,18 @@ impl Engine {
 
     /// The threads a call on `histories` uses: as [`Engine::call_threads`], and for a
     /// sequential model by the events its histories average too (the items the model reads of
-    /// each; [`crate::plan::LongHistoryThreads`]).
+    /// each; [`crate::plan::LongHistoryThreads`]). With a prefix cache a history's call computes
+    /// only its events past the cached prefix, a few for a session's next click, so such an
+    /// engine's calls keep the count by batch size.
     pub fn call_threads_for(&self, histories: &[&[u32]]) -> usize {
         let all = self.scorer.threads.max(1);
         let Some(plan) = self.thread_plan.as_ref() else {
             return all;
         };
-        let events = match (self.model.history_window(), histories.len()) {
+        if self.prefix_cache.is_some() {
+            return self.call_threads(histories.len());
+        }
+        let events = match (self.manifest.model.history_window(), histories.len()) {
             (Some(window), n) if n > 0 => {
                 histories.iter().map(|h| h.len().min(window)).sum::<usize>() / n
             }
@@ -657,6 +662,7 @@ impl Engine {
             std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
         });
         if let Some(window) = self
+            .manifest
             .model
             .history_window()
             .filter(|&w| w >= 2 * session_length(0))

@@ -153,6 +153,25 @@ fn the_plan_is_measured_kept_read_back_and_dropped_with_its_thread_count() {
         plan.threads_for(8),
         "from the second plan batch size on, by batch size"
     );
+    // A SASRec with a prefix cache computes only a history's new events: by batch size.
+    let mut sasrec = convert_fixture(
+        ModelKind::Sasrec,
+        "model.safetensors",
+        &dir.path().join("sasrec"),
+    );
+    sasrec.set_threads(2);
+    let sasrec_plan = sasrec.plan_threads(ThreadPolicy::Auto).unwrap().clone();
+    assert!(sasrec_plan.long_histories.is_some(), "{sasrec_plan:?}");
+    sasrec
+        .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(
+            1 << 20,
+            None,
+        )))
+        .unwrap();
+    assert_eq!(
+        sasrec.call_threads_for(&[&long_history]),
+        sasrec_plan.threads_for(1)
+    );
     // Read back with its long-history decision.
     let mut bert_again = convert_fixture(
         ModelKind::Bert4rec,

@@ -226,11 +226,6 @@ impl Gru4Rec {
         super::most_recent(history, self.config.max_len)
     }
 
-    /// How many of a history's most recent items the model reads (L).
-    pub(crate) fn items_kept(&self) -> usize {
-        self.config.max_len
-    }
-
     /// The dense layers in the order they run.
     pub(crate) fn dense_layers_mut(&mut self) -> Vec<&mut DenseLayer> {
         // The caller may change them (static activation scales): the table follows.

@@ -648,17 +648,6 @@ impl Model {
         }
     }
 
-    /// How many of a history's most recent items a sequential model reads, its work growing with
-    /// them; `None` for Mult-VAE, whose encoder costs about the same for any history (it sums the
-    /// history's rows once, then runs dense layers of fixed size).
-    pub fn history_window(&self) -> Option<usize> {
-        match self {
-            Model::Bert4rec(m) | Model::Sasrec(m) => Some(m.items_kept()),
-            Model::Gru4rec(m) => Some(m.items_kept()),
-            Model::Vaecf(_) => None,
-        }
-    }
-
     pub fn output(&self) -> &OutputLayer {
         match self {
             Model::Bert4rec(m) | Model::Sasrec(m) => &m.output,

@@ -327,12 +327,7 @@ impl Transformer {
     /// The part of `history` the model sees (BERT4Rec's last L-1 items, which [MASK] follows;
     /// SASRec's last L).
     fn kept_history<'h>(&self, history: &'h [u32]) -> (&'h [u32], HistoryNote) {
-        super::most_recent(history, self.items_kept())
-    }
-
-    /// How many of a history's most recent items the model reads.
-    pub(crate) fn items_kept(&self) -> usize {
-        self.flavor.items_kept(self.config.max_len)
+        super::most_recent(history, self.flavor.items_kept(self.config.max_len))
     }
 
     /// The dense layers in the order they run.
