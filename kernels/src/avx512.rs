@@ -105,14 +105,16 @@ unsafe fn panels_i8<const R: usize, const P: usize>(
     unsafe { avx2::i8_epilogue::<R, P>(&folded, epilogue, out, masks) }
 }
 
-/// Lanes 0-7 of a pair-spread register take the first i32 of the loaded activations (pair 2q),
-/// lanes 8-15 the second (pair 2q + 1).
+/// The four i16 activations 4q..4q+4 of row `r` as two i32 pairs spread over a register: lanes
+/// 0-7 take the first pair (2q), lanes 8-15 the second (2q + 1), as the weight registers hold them.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F.
+/// `hidden` must hold `r * width + 4 * q + 4` values; the CPU must support AVX-512 F.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn spread_pairs(two: __m128i) -> __m512i {
+unsafe fn row_quad(hidden: &[i16], width: usize, r: usize, q: usize) -> __m512i {
+    // SAFETY: as the caller guarantees; the load needs no alignment.
+    let two = unsafe { _mm_loadl_epi64(hidden.as_ptr().add(r * width + 4 * q) as *const __m128i) };
     let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two))
 }
@@ -133,7 +135,6 @@ unsafe fn quads_side_by_side<const R: usize, const P: usize>(
     prefetch: usize,
 ) -> [[__m512i; P]; R] {
     let mut acc = [[_mm512_setzero_si512(); P]; R];
-    let hp = hidden.as_ptr().cast::<u8>();
     let wp = w.as_ptr();
     // As in `avx2::panels`: a later call's panels requested ahead (never faults, may lie past `w`).
     let ahead = wp.wrapping_add(prefetch);
@@ -152,12 +153,9 @@ unsafe fn quads_side_by_side<const R: usize, const P: usize>(
             });
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // The four i16 activations 4q..4q+4 of row r, as two i32 pairs.
             // SAFETY: in bounds: r*width + 4q + 4 <= r*width + 2*pairs = (r+1)*width <=
-            // hidden.len() (asserted); the load needs no alignment.
-            let two = unsafe { _mm_loadl_epi64(hp.add(2 * (r * width + 4 * q)) as *const __m128i) };
-            // SAFETY: AVX-512 F is enabled here.
-            let act = unsafe { spread_pairs(two) };
+            // hidden.len() (asserted); AVX-512 F is enabled here.
+            let act = unsafe { row_quad(hidden, width, r, q) };
             for (a, v) in acc_r.iter_mut().zip(&wv) {
                 *a = _mm512_dpwssd_epi32(*a, *v, act);
             }
@@ -191,7 +189,6 @@ unsafe fn quads_panel_by_panel<const R: usize, const P: usize>(
     prefetch: usize,
 ) -> [[__m512i; P]; R] {
     let mut acc = [[_mm512_setzero_si512(); P]; R];
-    let hp = hidden.as_ptr().cast::<u8>();
     let wp = w.as_ptr();
     let ahead = wp.wrapping_add(prefetch);
     let quads = pairs / 2;
@@ -201,12 +198,8 @@ unsafe fn quads_panel_by_panel<const R: usize, const P: usize>(
         let mut acts = [[_mm512_setzero_si512(); QUADS_PER_RUN]; R];
         for (r, acts_r) in acts.iter_mut().enumerate() {
             for (i, act) in acts_r.iter_mut().take(run).enumerate() {
-                let q = first + i;
-                // SAFETY: in bounds as in `quads_side_by_side`: q < pairs / 2.
-                let two =
-                    unsafe { _mm_loadl_epi64(hp.add(2 * (r * width + 4 * q)) as *const __m128i) };
-                // SAFETY: AVX-512 F is enabled here.
-                *act = unsafe { spread_pairs(two) };
+                // SAFETY: in bounds as in `quads_side_by_side`: first + i < pairs / 2.
+                *act = unsafe { row_quad(hidden, width, r, first + i) };
             }
         }
         for p in 0..P {
