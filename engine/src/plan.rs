@@ -551,18 +551,22 @@ impl ThreadPlan {
         }
     }
 
+    /// "0.048 ms on 1", ... for the timings `keep` selects.
+    fn times_where(&self, keep: impl Fn(&ThreadTiming) -> bool) -> Vec<String> {
+        self.timings
+            .iter()
+            .filter(|t| keep(t))
+            .map(|t| format!("{:.3} ms on {}", t.seconds * 1e3, t.threads))
+            .collect()
+    }
+
     /// One line for logs: the threads per batch size, the times behind them, the source.
     pub fn describe(&self) -> String {
         let choices: Vec<String> = self
             .by_batch
             .iter()
             .map(|&(batch, threads)| {
-                let times: Vec<String> = self
-                    .timings
-                    .iter()
-                    .filter(|t| t.batch == batch && t.events == 0)
-                    .map(|t| format!("{:.3} ms on {}", t.seconds * 1e3, t.threads))
-                    .collect();
+                let times = self.times_where(|t| t.batch == batch && t.events == 0);
                 format!(
                     "batch {batch}+: {threads} thread{}{}",
                     if threads == 1 { "" } else { "s" },
@@ -575,12 +579,7 @@ impl ThreadPlan {
             })
             .collect();
         let long = self.long_histories.map(|long| {
-            let times: Vec<String> = self
-                .timings
-                .iter()
-                .filter(|t| t.events > 0)
-                .map(|t| format!("{:.3} ms on {}", t.seconds * 1e3, t.threads))
-                .collect();
+            let times = self.times_where(|t| t.events > 0);
             format!(
                 "; batch 1-{} of histories averaging {}+ events: {} thread{} ({} at {} events)",
                 PLAN_BATCHES[1] - 1,
@@ -664,7 +663,7 @@ pub fn measure_threads_at(
     let all = candidates.iter().copied().max().unwrap_or(1);
     let warm = Instant::now();
     while warm_up && warm.elapsed() < THREAD_WARM_UP {
-        run(all, batches[batches.len().min(2) - 1]);
+        run(all, PLAN_BATCHES[1]);
     }
     for &batch in batches {
         for &threads in candidates {
