@@ -48,6 +48,7 @@ echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy -D warnings"
 cargo clippy --locked --workspace --all-targets -- -D warnings
+cargo clippy --locked -p recsys-registry -p recsys-cli --features recsys-cli/fault-injection --all-targets -- -D warnings
 
 echo "==> cargo test"
 rust_status=0
@@ -97,6 +98,13 @@ cp target/release/libtriton_recsys.so build/test-backends/recsys/
 ./scripts/build-release.sh --cuda --backend-only --target-dir target/cuda
 mkdir -p build/test-backends-cuda/recsys
 cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
+# The release path's fault-injection suite (test_chaos.py) runs `recsys` built with its fault hooks
+# (RECSYS_FAULTS; never shipped) from build/chaos; the shipped binary goes back in place after.
+cargo build --release --locked -p recsys-backend -p recsys-cli -p recsys-secret-args \
+  --features recsys-cli/fault-injection
+mkdir -p build/chaos
+cp target/release/recsys build/chaos/recsys
+./scripts/build-release.sh
 # The Python package as users get it: the abi3 wheel (PyO3, built by maturin from PyPI in pip's
 # build environment; it reuses the release build of the engine above), installed for
 # tests/integration/test_python.py and test_ray.py.

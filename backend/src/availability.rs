@@ -37,15 +37,18 @@ pub enum Polled {
 pub struct Tracker {
     model: String,
     source: AvailabilitySource,
+    /// The largest object read (`availability_max_bytes`); a larger one is refused from its size.
+    max_bytes: u64,
     /// The entity tag of the last object read, accepted or refused.
     seen: Option<String>,
 }
 
 impl Tracker {
-    pub fn new(model: &str, source: AvailabilitySource) -> Tracker {
+    pub fn new(model: &str, source: AvailabilitySource, max_bytes: u64) -> Tracker {
         Tracker {
             model: model.to_string(),
             source,
+            max_bytes,
             seen: None,
         }
     }
@@ -62,13 +65,21 @@ impl Tracker {
 
     /// Reads the source if it changed and puts a new object in force when it passes every check.
     pub fn poll(&mut self, engine: &Engine) -> Polled {
-        let object = match self.source.fetch(self.seen.as_deref()) {
+        let object = match self.source.fetch(self.seen.as_deref(), self.max_bytes) {
             Ok(Fetched::Unchanged) => return Polled::Unchanged,
             Ok(Fetched::Missing) => {
                 self.seen = None;
                 return Polled::Missing;
             }
             Ok(Fetched::Changed(object)) => object,
+            Ok(Fetched::Refused { why, etag }) => {
+                self.seen = etag;
+                return Polled::Refused(format!(
+                    "{why} (parameter availability_max_bytes: {} bytes; by default 16 MiB plus \
+                     512 bytes per catalogue item)",
+                    self.max_bytes
+                ));
+            }
             Err(e) => return Polled::Unreadable(e.to_string()),
         };
         // Remembered whether it passes or not: a refused object is not read (nor reported) again
@@ -134,6 +145,7 @@ mod tests {
         let mut tracker = Tracker::new(
             "sasrec",
             AvailabilitySource::open("stock.bin", dir.path()).unwrap(),
+            recsys_engine::default_max_availability_bytes(engine.ids.len()),
         );
         assert_eq!(tracker.poll(&engine), Polled::Missing);
 
@@ -181,6 +193,32 @@ mod tests {
         assert_eq!(mask.indices().collect::<Vec<_>>(), vec![2]);
         std::fs::remove_file(&path).unwrap();
         assert_eq!(tracker.poll(&engine), Polled::Missing);
+        assert_eq!(engine.filters.availability_version(), Some(2));
+
+        // An object over availability_max_bytes is refused from its size, naming the parameter;
+        // a huge one at the key never reaches memory.
+        let big = write(3, &[(ids[0].clone(), "in"), (ids[1].clone(), "out")]);
+        let mut bounded = Tracker::new(
+            "sasrec",
+            AvailabilitySource::open("stock.bin", dir.path()).unwrap(),
+            big.len() as u64 - 1,
+        );
+        let Polled::Refused(why) = bounded.poll(&engine) else {
+            panic!("an object over the bound is refused");
+        };
+        assert!(
+            why.contains(&format!("holds {} bytes", big.len()))
+                && why.contains("availability_max_bytes"),
+            "{why}"
+        );
+        assert_eq!(bounded.poll(&engine), Polled::Unchanged, "refused once");
+        assert_eq!(engine.filters.availability_version(), Some(2));
+        let huge = std::fs::File::create(&path).unwrap();
+        huge.set_len(3 << 30).unwrap(); // sparse: 3 GiB that take no disk
+        let Polled::Refused(why) = tracker.poll(&engine) else {
+            panic!("a 3 GiB object is refused");
+        };
+        assert!(why.contains("3221225472 bytes"), "{why}");
         assert_eq!(engine.filters.availability_version(), Some(2));
     }
 }

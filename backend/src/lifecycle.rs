@@ -227,10 +227,14 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             .map_err(|e| {
                 BackendError::InvalidConfig(format!("model '{name}' version {version}: {e}"))
             })?;
+            let max_bytes = wanted
+                .max_bytes
+                .unwrap_or_else(|| recsys_engine::default_max_availability_bytes(engine.ids.len()));
             log(
                 LogLevel::Info,
                 &format!(
-                    "recsys: model {name} version {version}: availability from {} ({})",
+                    "recsys: model {name} version {version}: availability from {} ({}, objects \
+                     up to {max_bytes} bytes)",
                     source.describe(),
                     wanted
                         .poll
@@ -241,7 +245,7 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
                 ),
             );
             Some(crate::poller::Poller::start(
-                crate::availability::Tracker::new(&name, source),
+                crate::availability::Tracker::new(&name, source, max_bytes),
                 Arc::clone(&engine),
                 wanted.poll,
                 metrics.clone(),

@@ -121,13 +121,16 @@ pub const DEFAULT_PREFIX_CACHE_BYTES_SASREC: usize = 256 << 20;
 /// Default of `prefix_cache_idle_seconds`: a session idle this long is over.
 pub const DEFAULT_PREFIX_CACHE_IDLE_SECONDS: u64 = 1800;
 
-/// Parameters `availability_source` and `availability_poll_seconds`.
+/// Parameters `availability_source`, `availability_poll_seconds` and `availability_max_bytes`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AvailabilitySettings {
     /// A file (relative to the model's folder, or absolute) or an object (`s3://...`, `gs://...`).
     pub source: String,
     /// How often the source is checked; `None`: only when the model loads.
     pub poll: Option<std::time::Duration>,
+    /// The largest object read (`None`: derived from the catalogue's size,
+    /// `recsys_engine::default_max_availability_bytes`).
+    pub max_bytes: Option<u64>,
 }
 
 /// Default of `availability_poll_seconds`: a stock change shows within seconds, and a check of
@@ -221,6 +224,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "empty_history_policy",
     "availability_source",
     "availability_poll_seconds",
+    "availability_max_bytes",
     "prefix_cache_bytes",
     "prefix_cache_idle_seconds",
     "screen_policy",
@@ -297,9 +301,15 @@ fn availability(config: &Value) -> Result<Option<AvailabilitySettings>> {
             }
         },
     };
+    let max_bytes = match parameter(config, "availability_max_bytes") {
+        None => None,
+        Some(_) => Some(limit(config, "availability_max_bytes", 1)? as u64),
+    };
     match parameter(config, "availability_source").map(str::trim) {
-        None if poll.is_some() => Err(BackendError::InvalidConfig(
-            "parameter availability_poll_seconds is set, but availability_source is not".into(),
+        None if poll.is_some() || max_bytes.is_some() => Err(BackendError::InvalidConfig(
+            "parameters availability_poll_seconds and availability_max_bytes need \
+             availability_source, which is not set"
+                .into(),
         )),
         None => Ok(None),
         Some("") => Err(BackendError::InvalidConfig(
@@ -310,6 +320,7 @@ fn availability(config: &Value) -> Result<Option<AvailabilitySettings>> {
             poll: poll.unwrap_or(Some(std::time::Duration::from_secs_f64(
                 DEFAULT_AVAILABILITY_POLL_SECONDS,
             ))),
+            max_bytes,
         })),
     }
 }
@@ -695,8 +706,14 @@ mod tests {
             Some(AvailabilitySettings {
                 source: "s3://models/shop/recsys-availability.bin".into(),
                 poll: Some(seconds(DEFAULT_AVAILABILITY_POLL_SECONDS)),
+                max_bytes: None,
             })
         );
+        let bounded = with(&[
+            ("availability_source", "stock.bin"),
+            ("availability_max_bytes", "1048576"),
+        ]);
+        assert_eq!(bounded.unwrap().unwrap().max_bytes, Some(1 << 20));
         let polled = with(&[
             ("availability_source", "stock.bin"),
             ("availability_poll_seconds", "0.5"),
@@ -710,7 +727,18 @@ mod tests {
         for (pairs, needle) in [
             (
                 &[("availability_poll_seconds", "5")][..],
-                "availability_source is not",
+                "need availability_source",
+            ),
+            (
+                &[("availability_max_bytes", "100")][..],
+                "need availability_source",
+            ),
+            (
+                &[
+                    ("availability_source", "x"),
+                    ("availability_max_bytes", "0"),
+                ][..],
+                "availability_max_bytes",
             ),
             (&[("availability_source", " ")][..], "is empty"),
             (

@@ -1,5 +1,6 @@
 //! `recsys availability publish | show`: a model's live availability object in its repository.
 
+use crate::output::{say, tell};
 use recsys_engine::AvailabilityFile;
 use recsys_registry::availability::{self, AvailabilitySource};
 use recsys_registry::store::Fetched;
@@ -19,7 +20,7 @@ pub fn publish(args: &AvailabilityPublishArgs) -> Result<i32> {
     let repository = Repository::open(&args.repository)?;
     let published = availability::publish(&repository, &args.model, &table, args.version)?;
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&published).expect("serialisable")
         );
@@ -28,7 +29,7 @@ pub fn publish(args: &AvailabilityPublishArgs) -> Result<i32> {
     let previous = published.previous.map_or("none before".to_string(), |p| {
         format!("replacing version {p}")
     });
-    println!(
+    say!(
         "published {} availability version {} ({previous}): {} items, {} sets, {} bytes",
         published.model,
         published.version,
@@ -36,13 +37,14 @@ pub fn publish(args: &AvailabilityPublishArgs) -> Result<i32> {
         published.sets.len(),
         published.bytes
     );
-    println!("source: {}", published.source);
+    say!("source: {}", published.source);
     if !published.configured {
-        eprintln!(
+        tell!(
             "warning: {}'s config.pbtxt names no availability_source, so no server reads this \
              object; add\n  parameters {{ key: \"availability_source\" value {{ string_value: \
              \"{}\" }} }}\nand reload the model",
-            published.model, published.source
+            published.model,
+            published.source
         );
     }
     Ok(0)
@@ -68,7 +70,9 @@ pub fn show(args: &AvailabilityShowArgs) -> Result<i32> {
             ))
         }
     };
-    let object = match source.fetch(None)? {
+    // No catalogue to derive a bound from here: the object's head is still checked as it
+    // arrives, so anything that is not an availability object is refused at once.
+    let object = match source.fetch(None, u64::MAX)? {
         Fetched::Changed(object) => object,
         Fetched::Missing | Fetched::Unchanged => {
             return Err(CliError::Input(format!(
@@ -76,13 +80,16 @@ pub fn show(args: &AvailabilityShowArgs) -> Result<i32> {
                  publish`)"
             )))
         }
+        Fetched::Refused { why, .. } => {
+            return Err(CliError::Input(format!("{text}: refused: {why}")))
+        }
     };
     let file = AvailabilityFile::from_bytes(&object.bytes)
         .map_err(|e| CliError::Input(format!("{text}: refused: {e}")))?;
     let age = now_unix().saturating_sub(file.published_unix);
     let sets = file.summary();
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "source": text,
@@ -98,7 +105,7 @@ pub fn show(args: &AvailabilityShowArgs) -> Result<i32> {
         );
         return Ok(0);
     }
-    println!(
+    say!(
         "{text}: version {}, published {age} s ago, {} items, {} sets, {} bytes, sha256 {}",
         file.version,
         file.n_ids(),
@@ -108,7 +115,7 @@ pub fn show(args: &AvailabilityShowArgs) -> Result<i32> {
     );
     if args.sets {
         for (name, count) in &sets {
-            println!("  {name}\t{count}");
+            say!("  {name}\t{count}");
         }
     }
     Ok(0)

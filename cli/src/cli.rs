@@ -432,7 +432,7 @@ pub struct FleetArgs {
 pub struct QualityArgs {
     /// The largest relative drop of the candidate's NDCG@10 below the serving version's, on the
     /// same held-out histories, that the quality gate lets through (0.05: 5 %).
-    #[arg(long, value_name = "FRACTION", default_value_t = recsys_registry::quality::DEFAULT_MAX_NDCG_DROP)]
+    #[arg(long, value_name = "FRACTION", default_value_t = recsys_registry::quality::DEFAULT_MAX_NDCG_DROP, value_parser = max_ndcg_drop, allow_negative_numbers = true)]
     pub max_ndcg_drop: f64,
     /// Held-out histories of the evaluation set the canary sends to each version.
     #[arg(long, value_name = "N", default_value_t = recsys_registry::quality::DEFAULT_QUALITY_HISTORIES as u64, value_parser = clap::value_parser!(u64).range(1..=100_000))]
@@ -910,4 +910,13 @@ pub enum DedupArg {
     Auto,
     Scatter,
     Pairs,
+}
+
+/// `--max-ndcg-drop`: a fraction in [0, 1) (see `quality::check_max_drop`).
+fn max_ndcg_drop(text: &str) -> Result<f64, String> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number"))?;
+    recsys_registry::quality::check_max_drop(value)
 }

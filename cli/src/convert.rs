@@ -2,6 +2,7 @@
 
 use crate::cli::ConvertArgs;
 use crate::error::{CliError, Result};
+use crate::output::say;
 use crate::progress;
 use recsys_engine::calibration::read_histories;
 use recsys_engine::{ConvertOptions, ConvertRequest, ModelKind, Spelling};
@@ -155,10 +156,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             "item_attributes": m.item_attributes,
             "popularity": m.popularity,
         });
-        println!("{summary}");
+        say!("{summary}");
         return Ok(0);
     }
-    println!(
+    say!(
         "wrote {} engine to {}: {} items ({} ids), precision {}, weights {:.1} MiB, source {} ({}, sha256 {})",
         m.model.kind(),
         args.output.display(),
@@ -171,13 +172,13 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         &m.source.sha256[..12],
     );
     if m.screen == recsys_engine::engine_dir::Screen::Int8 {
-        println!(
+        say!(
             "screen: int8 (each top k screened from int8 weights, survivors rescored at {}: the same answers)",
             name(serde_json::json!(m.precision))
         );
     }
     if let Some(a) = &m.item_attributes {
-        println!(
+        say!(
             "item attributes: {} set(s) over column(s) {} for {} item(s){}",
             a.sets,
             a.columns.join(", "),
@@ -193,7 +194,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         );
     }
     if let Some(p) = &m.popularity {
-        println!(
+        say!(
             "popularity: {} interactions ({}) over {} item(s){}: the answer for a visitor without history",
             p.interactions,
             p.column,
@@ -211,7 +212,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             recsys_engine::calibration::CalibrationMethod::Percentile { .. } => "percentile",
             recsys_engine::calibration::CalibrationMethod::Entropy => "entropy",
         };
-        println!(
+        say!(
             "calibration: {method} over {} histories ({} values): |activation| max {:.4}, threshold {:.4}, {:.4}% clipped",
             c.histories,
             c.values,

@@ -30,12 +30,16 @@ pub enum CliError {
 
 impl CliError {
     /// The process exit status: 2 for bad flags (as clap exits for unparsable ones), 6 for a
-    /// model's lease held by another command, 1 otherwise.
+    /// model's lease held by another command, 10 for a lease lost while the command ran, 1
+    /// otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Usage(_) | CliError::Registry(recsys_registry::RegistryError::Usage(_)) => 2,
             CliError::Registry(recsys_registry::RegistryError::LeaseHeld(_)) => {
-                crate::versions::LEASE_HELD_EXIT
+                crate::exit::LEASE_HELD_EXIT
+            }
+            CliError::Registry(recsys_registry::RegistryError::LeaseLost(_)) => {
+                crate::exit::LEASE_LOST_EXIT
             }
             _ => 1,
         }

@@ -2,6 +2,7 @@
 
 use crate::cli::EvalArgs;
 use crate::error::{CliError, Result};
+use crate::output::say;
 use crate::progress;
 use recsys_engine::metrics::{evaluate_filtered, read_test_set};
 use recsys_engine::{Engine, ItemFilter};
@@ -51,7 +52,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         json["metrics"]["n_users"] = serde_json::json!(n as u64);
     }
     let text = serde_json::to_string_pretty(&json).expect("report serialises");
-    println!("{text}");
+    say!("{text}");
     if let Some(path) = &args.output {
         std::fs::write(path, text + "\n")
             .map_err(CliError::io(format!("cannot write {}", path.display())))?;

@@ -7,6 +7,7 @@
 //! exact for fp32 and fp16 engines; an int8 engine's own scores also quantize `h`, so theirs can
 //! differ from the inner product by that rounding.
 
+use crate::output::say;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -316,10 +317,10 @@ pub fn run(args: &ExportItemsArgs) -> Result<i32> {
         "precision": engine.manifest.precision,
     });
     if args.json {
-        println!("{summary}");
+        say!("{summary}");
     } else {
         let written: Vec<String> = targets.iter().map(|p| p.display().to_string()).collect();
-        println!(
+        say!(
             "wrote {} ({} items x {} columns: embedding, bias; external ids in item order)",
             written.join(", "),
             table.rows,

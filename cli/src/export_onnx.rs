@@ -1,5 +1,6 @@
 //! `recsys export-onnx`: the engine as an ONNX graph, or as a Triton onnxruntime model.
 
+use crate::output::say;
 use recsys_onnx::{ExportOptions, ExportSummary, GraphOutput, RepositoryModel};
 
 use crate::cli::ExportOnnxArgs;
@@ -96,7 +97,7 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
                 summary.external_data = data;
             }
             if !args.json {
-                println!(
+                say!(
                     "wrote Triton model {} (onnxruntime backend, {}) in {}",
                     target.name,
                     if target.gpu { "KIND_GPU" } else { "KIND_CPU" },
@@ -120,10 +121,10 @@ pub fn run(args: &ExportOnnxArgs) -> Result<i32> {
     if args.json {
         let mut json = summary_json(&summary);
         json["trtexec"] = serde_json::json!(trtexec);
-        println!("{json}");
+        say!("{json}");
     } else {
         report(&summary);
-        println!("TensorRT 10 build: {trtexec}");
+        say!("TensorRT 10 build: {trtexec}");
     }
     Ok(0)
 }
@@ -163,7 +164,7 @@ fn report(s: &ExportSummary) {
         .as_deref()
         .map(|m| format!(" ({m})"))
         .unwrap_or_default();
-    println!(
+    say!(
         "wrote {} ({:.1} MB): {} at {}{mode}, opset {}, {} nodes, {} QuantizeLinear, {} DequantizeLinear",
         s.path.display(),
         s.bytes as f64 / 1e6,
@@ -175,7 +176,7 @@ fn report(s: &ExportSummary) {
         s.dequantize_nodes
     );
     if let Some(data) = &s.external_data {
-        println!("weights in {}", data.display());
+        say!("weights in {}", data.display());
     }
     let fmt = |list: &[recsys_onnx::TensorSpec]| {
         list.iter()
@@ -192,20 +193,20 @@ fn report(s: &ExportSummary) {
             .collect::<Vec<_>>()
             .join("; ")
     };
-    println!("inputs: {}", fmt(&s.inputs));
-    println!("outputs: {}", fmt(&s.outputs));
-    println!(
+    say!("inputs: {}", fmt(&s.inputs));
+    say!("outputs: {}", fmt(&s.outputs));
+    say!(
         "TensorRT 10 rules: passed (parser, explicit quantization, strong typing: \
          docs/QUANTIZATION.md; checked on the graph, no TensorRT build run)"
     );
     match s.int8_mode.as_deref() {
-        Some("weight-only") => println!(
+        Some("weight-only") => say!(
             "note: weight-only int8 multiplies float activations; TensorRT builds these layers in \
              float, not as INT8 GEMMs (an onnxruntime and file-size format). For INT8 kernels convert \
              with --int8-mode w8a8-all"
         ),
         Some("w8a8") if s.quantize_nodes > 0 => {}
-        Some(m) if m.contains("output layer only") => println!(
+        Some(m) if m.contains("output layer only") => say!(
             "note: this engine predates per-layer calibration: only the output layer's input is \
              quantized; re-convert with --calibration for INT8 dense layers"
         ),

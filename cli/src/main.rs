@@ -8,14 +8,18 @@ mod cli;
 mod convert;
 mod error;
 mod eval;
+mod exit;
 mod export_items;
 mod export_onnx;
+mod output;
 mod predict;
 mod progress;
 mod sweep;
 mod versions;
 
 use clap::Parser;
+
+use crate::output::{say, tell};
 
 /// Whether the command line asks for JSON output: then a failure is one JSON object on stdout
 /// too, so a script reading stdout always gets something parseable.
@@ -25,7 +29,7 @@ fn wants_json() -> bool {
 
 fn fail_json(error: &str, exit_code: i32) {
     if wants_json() {
-        println!(
+        say!(
             "{}",
             serde_json::json!({ "error": error, "exit_code": exit_code })
         );
@@ -66,10 +70,10 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             fail_json(&e.to_string(), e.exit_code());
-            eprintln!("error: {e}");
+            tell!("error: {e}");
             let mut source = std::error::Error::source(&e);
             while let Some(cause) = source {
-                eprintln!("  caused by: {cause}");
+                tell!("  caused by: {cause}");
                 source = cause.source();
             }
             std::process::exit(e.exit_code());

@@ -1,6 +1,7 @@
 //! `recsys predict`: offline batch scoring of JSON lines, streamed in batches so memory does not
 //! grow with the file, with output lines in input order.
 
+use crate::output::tell;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::time::Instant;
 
@@ -98,7 +99,7 @@ fn localize(
     if transfer::is_remote(&engine) {
         let dir = scratch.path().join("engine");
         let bytes = transfer::download_folder(&engine, &dir)?;
-        eprintln!(
+        tell!(
             "predict: downloaded the engine {engine} ({:.1} MB)",
             bytes as f64 / 1e6
         );
@@ -121,7 +122,7 @@ pub fn run(args: &PredictArgs) -> Result<i32> {
     let code = run_local(&local)?;
     if let Some(uri) = upload {
         let bytes = recsys_registry::transfer::upload_file(&local.output, &uri, &mut |_| {})?;
-        eprintln!("predict: wrote {uri} ({:.1} MB)", bytes as f64 / 1e6);
+        tell!("predict: wrote {uri} ({:.1} MB)", bytes as f64 / 1e6);
     }
     Ok(code)
 }
@@ -148,7 +149,7 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
                 None,
             )))?;
         } else {
-            eprintln!(
+            tell!(
                 "predict: --timeline: {} recomputes each prefix of a history (no incremental \
                  state), so n events cost n(n+1)/2 event steps",
                 engine.kind()
@@ -157,21 +158,23 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
     }
     // Each worker scores its batches on one thread (the engine's), which the plan is made for.
     if let Some(plan) = engine.plan_screen(args.screen_policy.parse().map_err(CliError::Usage)?) {
-        eprintln!("predict: screen plan: {}", plan.describe());
+        tell!("predict: screen plan: {}", plan.describe());
     }
     if let Some(plan) = engine.plan_bf16_path(args.bf16_path.parse().map_err(CliError::Usage)?) {
-        eprintln!("predict: kernel plan: {}", plan.describe());
+        tell!("predict: kernel plan: {}", plan.describe());
     }
     if let Some(plan) = engine.plan_row_block(args.row_block.parse().map_err(CliError::Usage)?) {
-        eprintln!("predict: row-block plan: {}", plan.describe());
+        tell!("predict: row-block plan: {}", plan.describe());
     }
     let engine = engine;
     if let Some(source) = &args.availability {
         let applied = recsys_registry::availability::apply(&engine, source)?;
-        eprintln!(
+        tell!(
             "predict: availability version {} from {source}: {} items, {} ids not in the \
              catalogue left out",
-            applied.version, applied.known_items, applied.unknown_items
+            applied.version,
+            applied.known_items,
+            applied.unknown_items
         );
     }
     let options = ServeOptions {
@@ -228,7 +231,7 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
         None => progress::spinner("scoring"),
     };
     if skip > 0 {
-        eprintln!(
+        tell!(
             "predict: resuming after {skip} lines already in {}",
             args.output.display()
         );
@@ -363,7 +366,7 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
     bar.finish_and_clear();
 
     let secs = started.elapsed().as_secs_f64();
-    eprintln!(
+    tell!(
         "predict: {} lines, {} ok, {} failed, {} unknown history ids dropped, {:.2} s ({:.0} lines/s){}",
         counts.lines,
         counts.lines - counts.failed,

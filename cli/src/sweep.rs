@@ -1,6 +1,7 @@
 //! `recsys sweep`: convert a checkpoint at every precision, evaluate ranking quality, compare with
 //! fp32, time each engine, and recommend the fastest variant within a quality budget.
 
+use crate::output::{say, tell};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -437,8 +438,8 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
     std::fs::write(args.output.join("pareto.svg"), &svg)
         .map_err(CliError::io("cannot write pareto.svg"))?;
     write_png(&svg, &args.output.join("pareto.png"))?;
-    println!("{md}");
-    println!(
+    say!("{md}");
+    say!(
         "wrote {}/report.md, report.json, pareto.svg and pareto.png",
         args.output.display()
     );
@@ -552,7 +553,7 @@ fn write_png(svg: &str, path: &std::path::Path) -> Result<()> {
         fonts.set_sans_serif_family(family);
     }
     if options.fontdb.is_empty() {
-        eprintln!(
+        tell!(
             "warning: no system fonts found; {} has no text labels (pareto.svg does)",
             path.display()
         );

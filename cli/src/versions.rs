@@ -1,6 +1,7 @@
 //! `recsys publish | approve | reject | rollback | versions`: the registry (recsys-registry) driven
 //! from the command line, with a line per gate and per replica as each finishes.
 
+use crate::output::{say, tell};
 use std::time::Duration;
 
 use recsys_registry::config::{policy_versions, CONFIG_FILE};
@@ -16,45 +17,32 @@ use crate::cli::{
     VersionsArgs,
 };
 use crate::error::{CliError, Result};
-
-/// A gate refused the version: the repository is unchanged (the reason is recorded on the
-/// version).
-pub const REFUSED_EXIT: i32 = 3;
-/// The repository changed but not every replica serves what it names (`--rollout continue`, a
-/// failed or unreachable replica the reconcile pass could not bring over).
-pub const PARTIAL_ROLLOUT_EXIT: i32 = 4;
-/// A replica failed after the switch and the command rolled itself back.
-pub const ROLLED_BACK_EXIT: i32 = 5;
-/// Another command holds the model's lease: nothing changed.
-pub const LEASE_HELD_EXIT: i32 = 6;
-/// An error after the config switched (the object store, a replica list that no longer
-/// resolves): the report says what was done.
-pub const FAILED_AFTER_SWITCH_EXIT: i32 = 7;
-/// The canary could not be put back on the serving version (recorded on the version).
-pub const CANARY_STRANDED_EXIT: i32 = 8;
-/// Another command took the fleet over during this one: this one stopped changing replicas.
-pub const SUPERSEDED_EXIT: i32 = 9;
+use crate::exit::{
+    CANARY_STRANDED_EXIT, FAILED_AFTER_SWITCH_EXIT, LEASE_LOST_EXIT, PARTIAL_ROLLOUT_EXIT,
+    REFUSED_EXIT, ROLLED_BACK_EXIT, SUPERSEDED_EXIT,
+};
 
 fn print_replica(r: &ReplicaReport, model: &str, version: u64) {
     match &r.outcome {
         Outcome::Serving if !r.reloaded => {
-            println!("{} already serves {model} version {version}", r.server)
+            say!("{} already serves {model} version {version}", r.server)
         }
-        Outcome::Serving => println!(
+        Outcome::Serving => say!(
             "{} now serves {model} version {version} ({:.1} s)",
-            r.server, r.seconds
+            r.server,
+            r.seconds
         ),
-        Outcome::Failed(e) => println!("{} FAILED: {e}", r.server),
-        Outcome::Unreachable(e) => println!(
+        Outcome::Failed(e) => say!("{} FAILED: {e}", r.server),
+        Outcome::Unreachable(e) => say!(
             "{} unreachable (starting, stopping or gone; it loads what the repository names when \
              it starts): {e}",
             r.server
         ),
-        Outcome::NotAttempted => println!(
+        Outcome::NotAttempted => say!(
             "{} not attempted: the rollout stops at the first failure (--rollout continue goes on)",
             r.server
         ),
-        Outcome::Stopped(e) => println!("{} left alone: {e}", r.server),
+        Outcome::Stopped(e) => say!("{} left alone: {e}", r.server),
     }
 }
 
@@ -65,23 +53,24 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
             return;
         }
         match step {
-            Step::WaitingForLease(held) => println!(
+            Step::WaitingForLease(held) => say!(
                 "waiting for the lease on {model}: held by {}",
                 held.describe()
             ),
-            Step::Verifying { version } => println!(
-                "verifying {model} version {version}: every stored file against its SHA-256"
-            ),
-            Step::Verified { version, verified } => println!(
+            Step::Verifying { version } => {
+                say!("verifying {model} version {version}: every stored file against its SHA-256")
+            }
+            Step::Verified { version, verified } => say!(
                 "{model} version {version} verified: {} files, {} bytes",
-                verified.files, verified.bytes
+                verified.files,
+                verified.bytes
             ),
             Step::Canary(report) => {
                 if let Some(q) = &report.quality {
                     print_quality(q);
                 }
                 match &report.result {
-                    Ok(()) => println!(
+                    Ok(()) => say!(
                         "canary {} loaded the version and passed its self-check ({:.1} s){}",
                         report.server,
                         report.seconds,
@@ -90,17 +79,17 @@ fn reporter(model: &str, quiet: bool) -> impl FnMut(Step<'_>) + '_ {
                             Err(e) => format!("; it was not put back: {e}"),
                         }
                     ),
-                    Err(e) => println!("canary {} FAILED: {e}", report.server),
+                    Err(e) => say!("canary {} FAILED: {e}", report.server),
                 }
             }
             Step::Replica { version, report }
             | Step::RolledBack { version, report }
             | Step::Reconciled { version, report } => print_replica(report, model, version),
             Step::RollingBack { to, reason } => {
-                println!("rolling back to {model} version {to}: {reason}")
+                say!("rolling back to {model} version {to}: {reason}")
             }
             Step::Reconciling { version } => {
-                println!("reconciling: every replica against {CONFIG_FILE} (version {version})")
+                say!("reconciling: every replica against {CONFIG_FILE} (version {version})")
             }
         }
     }
@@ -152,7 +141,7 @@ fn print_quality(q: &recsys_registry::quality::QualityReport) {
             None => " (nothing serves yet to compare with)".into(),
         },
     };
-    println!(
+    say!(
         "quality gate: version {} NDCG@10 {}{against}, {:.0}% flat answers ({}){}",
         q.candidate.version,
         ndcg(q.candidate.ndcg_at_10),
@@ -210,9 +199,16 @@ fn behind(report: &Rollout) -> Vec<String> {
 fn finish(release: &Release, quiet: bool, retry: &str) -> i32 {
     let say = |text: String| {
         if !quiet {
-            eprintln!("{text}");
+            tell!("{text}");
         }
     };
+    if let Some(reason) = &release.lease_lost {
+        say(format!(
+            "stopped: {reason}\nnothing was written after the lease was lost; the command that \
+             holds it now decides what the fleet serves (`recsys versions` shows the repository)"
+        ));
+        return LEASE_LOST_EXIT;
+    }
     if let Some(reason) = &release.superseded {
         say(format!(
             "stopped: {reason}\nthe command that took over brings the fleet onto what the \
@@ -409,14 +405,14 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
     }
     if !args.json {
         if release.as_ref().is_some_and(|r| r.created_config) {
-            println!(
+            say!(
                 "{}/{}/{CONFIG_FILE} did not exist: wrote a minimal one (backend \"recsys\", max_batch_size {})",
                 args.repository.trim_end_matches('/'),
                 args.model,
                 args.max_batch_size
             );
         }
-        println!(
+        say!(
             "published {} version {} ({}, {} {}) from {}",
             args.model,
             info.version,
@@ -426,7 +422,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
             args.engine.display()
         );
         if info.status == Status::Pending && release.is_none() {
-            println!(
+            say!(
                 "version {} is pending; to serve it:\n  {approve_command}",
                 info.version
             );
@@ -451,7 +447,7 @@ pub fn publish(args: &PublishArgs) -> Result<i32> {
             "approve_command": (info.status != Status::Approved).then_some(&approve_command),
             "exit_code": code,
         });
-        println!("{summary}");
+        say!("{summary}");
     }
     Ok(code)
 }
@@ -463,12 +459,13 @@ fn conclude(release: &Release, json: bool, what: &str, retry: &str) -> i32 {
         let mut summary = release.to_json();
         summary["status"] = serde_json::json!(what);
         summary["exit_code"] = serde_json::json!(code);
-        println!("{summary}");
+        say!("{summary}");
     } else if release.refused.is_none() {
         if let Some(serving) = release.serving {
-            println!(
+            say!(
                 "{} version {} is {what}; the repository names version {serving}",
-                release.model, release.version
+                release.model,
+                release.version
             );
         }
     }
@@ -553,7 +550,7 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
     }
     push_fleet(&mut retry, &args.fleet);
     if !args.json && release.refused.is_none() {
-        println!(
+        say!(
             "{} rolled back from version {} to version {}",
             args.model,
             release.version,
@@ -564,7 +561,7 @@ pub fn rollback(args: &RollbackArgs) -> Result<i32> {
     if args.json {
         let mut summary = release.to_json();
         summary["exit_code"] = serde_json::json!(code);
-        println!("{summary}");
+        say!("{summary}");
     }
     push_outcome(
         gateway,
@@ -591,7 +588,7 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
     let configured = config.as_deref().and_then(policy_versions);
     let lease = recsys_registry::lease::current(&repo, &args.model)?;
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "model": args.model,
@@ -605,9 +602,14 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
         );
         return Ok(0);
     }
-    println!(
+    say!(
         "{:<8} {:<12} {:<8} {:<9} {:<22} {:<21} note",
-        "version", "status", "serving", "precision", "ndcg@10 / recall@10", "created"
+        "version",
+        "status",
+        "serving",
+        "precision",
+        "ndcg@10 / recall@10",
+        "created"
     );
     for v in &versions {
         let metric = |k: &str| {
@@ -618,7 +620,7 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
                 .map_or("-".to_string(), |x| format!("{x:.4}"))
         };
         let serving = configured.as_ref().is_some_and(|c| c.contains(&v.version));
-        println!(
+        say!(
             "{:<8} {:<12} {:<8} {:<9} {:<22} {:<21} {}",
             v.version,
             v.status.to_string(),
@@ -630,7 +632,7 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
         );
     }
     match (&configured, newest_approved) {
-        (Some(c), Some(n)) if c.as_slice() != [n] => eprintln!(
+        (Some(c), Some(n)) if c.as_slice() != [n] => tell!(
             "note: {CONFIG_FILE} names version(s) {c:?} but the newest approved version is {n} \
              (a command stopped between its two writes); `recsys approve --repository {} \
              --model {} --version {n}` finishes the switch",
@@ -640,7 +642,7 @@ pub fn list(args: &VersionsArgs) -> Result<i32> {
         _ => {}
     }
     if let Some(lease) = lease {
-        eprintln!("note: the fleet's lease is held by {}", lease.describe());
+        tell!("note: the fleet's lease is held by {}", lease.describe());
     }
     Ok(0)
 }
@@ -658,16 +660,16 @@ fn prune(args: &VersionsArgs, repo: &Repository, keep: usize) -> Result<i32> {
         repo,
         &request,
         &mut |server, e| {
-            eprintln!("note: {server} is unreachable, so its loaded versions are not known: {e}")
+            tell!("note: {server} is unreachable, so its loaded versions are not known: {e}")
         },
         &mut |v| {
             if !args.json {
-                println!("removed {} version {v}", args.model);
+                say!("removed {} version {v}", args.model);
             }
         },
     )?;
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::json!({
                 "model": args.model,
@@ -680,14 +682,14 @@ fn prune(args: &VersionsArgs, repo: &Repository, keep: usize) -> Result<i32> {
     }
     if args.dry_run {
         for v in &pruned.removed {
-            println!("would remove {} version {v}", args.model);
+            say!("would remove {} version {v}", args.model);
         }
     }
     for (v, why) in &pruned.kept {
-        println!("kept {} version {v}: {why}", args.model);
+        say!("kept {} version {v}: {why}", args.model);
     }
     if pruned.removed.is_empty() {
-        println!("nothing to prune: {} keeps its {keep} newest versions and every version that serves or may serve next", args.model);
+        say!("nothing to prune: {} keeps its {keep} newest versions and every version that serves or may serve next", args.model);
     }
     Ok(0)
 }

@@ -336,3 +336,86 @@ fn versions_names_a_config_that_lags_the_records_and_the_command_that_finishes_t
         .contains("versions: [ 2 ]"));
     assert!(run(&["versions"]).stderr.is_empty());
 }
+
+#[test]
+fn a_release_command_whose_stdout_is_closed_finishes_and_gives_its_lease_back() {
+    // `recsys approve ... | head -n0`: the reader is gone before the first line. The command must
+    // not die half-way (a panic in the printer) nor hang holding the lease: it carries on, does
+    // what it was asked, exits as it would have and releases the lease.
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("repo");
+    let engine = tmp.path().join("engine");
+    convert("bert4rec", "bert4rec", "model.pt", &engine);
+    let base = |command: &mut Command| {
+        command
+            .arg("--repository")
+            .arg(&repo)
+            .args(["--model", "bert4rec"]);
+    };
+    let mut publish = recsys(["publish", "--approve", "--engine"]);
+    publish.arg(&engine);
+    base(&mut publish);
+    publish.run().ok();
+    let mut publish = recsys(["publish", "--engine"]);
+    publish.arg(&engine);
+    base(&mut publish);
+    publish.run().ok();
+
+    for command in [&["approve", "--version", "2"][..], &["rollback"][..]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let mut child = recsys(command);
+        base(&mut child);
+        let mut child = child
+            .stdout(Stdio::from(writer))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > std::time::Duration::from_secs(120) {
+                child.kill().unwrap();
+                panic!("`recsys {}` with its stdout closed hung", command.join(" "));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert_eq!(status.code(), Some(0), "{command:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            !repo.join("bert4rec/recsys-lease.json").exists(),
+            "{command:?} left its lease behind"
+        );
+    }
+    let config = std::fs::read_to_string(repo.join("bert4rec/config.pbtxt")).unwrap();
+    assert!(config.contains("versions: [ 1 ]"), "{config}");
+}
+
+#[test]
+fn a_max_ndcg_drop_outside_zero_to_one_is_a_usage_error_naming_why() {
+    for (value, says) in [
+        ("5", "did you mean 0.05?"),
+        ("nan", "not a number"),
+        ("-0.1", "refuse every candidate"),
+        ("1", "let every candidate through"),
+        ("five", "is not a number"),
+    ] {
+        recsys([
+            "approve",
+            "--repository",
+            "/nonexistent",
+            "--model",
+            "m",
+            "--version",
+            "1",
+            "--max-ndcg-drop",
+            value,
+        ])
+        .run()
+        .fails(2, says);
+    }
+}

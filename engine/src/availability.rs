@@ -245,6 +245,57 @@ impl AvailabilityFile {
 }
 
 /// The header and the payload after it, with the framing checked.
+/// The bytes of availability object a server reads at most by default: 16 MiB, plus 512 bytes per
+/// item of its catalogue (an id and its memberships take a few dozen; a feed may also list items
+/// the model does not know). A larger object is refused from its size alone, before it is read,
+/// so a wrong or runaway object at the key cannot exhaust a server's memory.
+pub fn default_max_availability_bytes(catalogue_items: usize) -> u64 {
+    (16 << 20) + 512 * catalogue_items as u64
+}
+
+impl AvailabilityFile {
+    /// Checks the first bytes of an object of `size` bytes as they arrive, before the rest is
+    /// read: `Ok(Some(n))` while it needs the first `n` bytes, `Ok(None)` once the magic, the
+    /// format and the header are good and the sizes the header announces add up to `size`; an
+    /// error naming the problem otherwise (not an availability object, another format, a header
+    /// that does not parse, an object cut short or with bytes after its last set).
+    pub fn check_head(prefix: &[u8], size: u64) -> Result<Option<usize>, String> {
+        if size < 16 {
+            return Err(format!("not an availability object ({size} bytes)"));
+        }
+        if prefix.len() < 16 {
+            return Ok(Some(16));
+        }
+        let header_len = u32::from_le_bytes(prefix[12..16].try_into().expect("4 bytes")) as usize;
+        if &prefix[..8] == MAGIC && header_len <= MAX_HEADER_BYTES && prefix.len() < 16 + header_len
+        {
+            if 16 + header_len as u64 > size {
+                return Err(format!(
+                    "the header claims {header_len} bytes; the object holds {size} (truncated?)"
+                ));
+            }
+            return Ok(Some(16 + header_len));
+        }
+        let (header, _) = header_of(prefix)?;
+        let mut announced = (16 + header_len).checked_add(header.id_bytes);
+        for set in &header.sets {
+            announced = announced.and_then(|a| a.checked_add(set.bytes));
+        }
+        let announced = announced.ok_or("the header's lengths overflow")?;
+        if announced as u64 != size {
+            return Err(format!(
+                "the header announces {announced} bytes, the object holds {size} ({})",
+                if (announced as u64) > size {
+                    "truncated"
+                } else {
+                    "bytes follow the last set"
+                }
+            ));
+        }
+        Ok(None)
+    }
+}
+
 fn header_of(bytes: &[u8]) -> Result<(Header, &[u8]), String> {
     set_file::read(
         bytes,
@@ -323,6 +374,41 @@ mod tests {
         assert_eq!(set("available_in=US"), vec![1, 3]);
         assert_eq!(set("available_in=JP"), vec![1]);
         assert_eq!(live.sets.n_items(), 5);
+    }
+
+    #[test]
+    fn the_head_of_an_object_is_checked_as_it_arrives() {
+        let bytes = AvailabilityFile::from_table(&table(), 1, 0)
+            .unwrap()
+            .to_bytes();
+        let size = bytes.len() as u64;
+        let header_end = 16 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+        // Prefixes ask for the bytes they lack, then the head is accepted before the payload.
+        assert_eq!(
+            AvailabilityFile::check_head(&bytes[..5], size),
+            Ok(Some(16))
+        );
+        assert_eq!(
+            AvailabilityFile::check_head(&bytes[..16], size),
+            Ok(Some(header_end))
+        );
+        assert_eq!(
+            AvailabilityFile::check_head(&bytes[..header_end], size),
+            Ok(None)
+        );
+        // Not an object, another format, and sizes that do not add up are named at once.
+        let mut garbage = bytes.clone();
+        garbage[..8].copy_from_slice(b"GARBAGE!");
+        let err = AvailabilityFile::check_head(&garbage[..16], size).unwrap_err();
+        assert!(err.contains("bad magic"), "{err}");
+        let err = AvailabilityFile::check_head(&bytes[..header_end], size - 1).unwrap_err();
+        assert!(err.contains("truncated"), "{err}");
+        let err = AvailabilityFile::check_head(&bytes[..header_end], size + 1).unwrap_err();
+        assert!(err.contains("follow the last set"), "{err}");
+        let err = AvailabilityFile::check_head(&bytes[..16], 20).unwrap_err();
+        assert!(err.contains("truncated"), "{err}");
+        assert!(AvailabilityFile::check_head(b"", 3).is_err());
+        assert!(default_max_availability_bytes(1_000_000) > 500_000_000);
     }
 
     #[test]

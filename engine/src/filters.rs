@@ -405,6 +405,45 @@ mod tests {
     }
 
     #[test]
+    fn a_value_the_live_object_lacks_is_an_empty_set_and_a_column_nobody_has_is_refused() {
+        // Every item in stock: the feed has no `stock=out`, and requests that exclude it (the
+        // usual request) or include it must still be answered.
+        let filters = engine_filters();
+        let all_in = live(
+            1,
+            &[
+                ("a", &["in", "shoes"]),
+                ("b", &["in", "hats"]),
+                ("c", &["in", "shoes"]),
+                ("d", &["in", "hats"]),
+            ],
+        );
+        filters.replace_availability(all_in).unwrap();
+        assert_eq!(
+            kept(&filters, &[], &["stock=out"]).unwrap(),
+            vec![1, 2, 3, 4]
+        );
+        assert_eq!(
+            kept(&filters, &["category=shoes"], &["stock=out"]).unwrap(),
+            vec![1, 3]
+        );
+        assert_eq!(
+            kept(&filters, &["stock=out"], &[]).unwrap(),
+            Vec::<u32>::new()
+        );
+        // The engine's own columns behave alike.
+        assert_eq!(
+            kept(&filters, &["brand=z"], &[]).unwrap(),
+            Vec::<u32>::new()
+        );
+        assert_eq!(kept(&filters, &[], &["brand=z"]).unwrap(), vec![1, 2, 3, 4]);
+        for nowhere in ["colour=red", "stock"] {
+            let err = kept(&filters, &[], &[nowhere]).unwrap_err();
+            assert!(err.contains(nowhere), "{err}");
+        }
+    }
+
+    #[test]
     fn sets_of_another_catalogue_are_refused() {
         let filters = engine_filters();
         let other = IdMap::from_string_ids(vec!["a".into()]).unwrap();

@@ -190,6 +190,9 @@ struct Header {
     sets: Vec<SetEntry>,
 }
 
+/// The set of a value no item has.
+static NO_ITEMS: std::sync::LazyLock<RoaringBitmap> = std::sync::LazyLock::new(RoaringBitmap::new);
+
 /// Named sets of a catalogue's items (internal indices below `items`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ItemSets {
@@ -295,7 +298,8 @@ impl ItemSets {
             .collect()
     }
 
-    /// The set `column=value`, or why there is none.
+    /// The set `column=value` (empty when the column exists but no item has the value), or why
+    /// there is none: a name that is not `column=value`, or a column that does not exist.
     pub fn get(&self, name: &str) -> Result<&RoaringBitmap, String> {
         let Some((column, value)) = name.split_once('=') else {
             return Err(format!(
@@ -313,15 +317,15 @@ impl ItemSets {
                 )
             });
         };
-        values
-            .get(value)
-            .ok_or_else(|| format!("unknown item set {name:?}: no item has {column}={value}"))
+        // A value no item has today (every item in stock: no `stock=out`) is a set like any
+        // other, with no items: a request naming it is answered, not refused.
+        Ok(values.get(value).unwrap_or(&NO_ITEMS))
     }
 
     /// The items `filter` keeps, as a mask over `mask_len` indices (the output layer's rows): in
     /// each column it includes, the union of its sets; the intersection of those; minus every
-    /// excluded set; never PAD (0) nor an index past the catalogue. An unknown name is refused,
-    /// naming it.
+    /// excluded set; never PAD (0) nor an index past the catalogue. A name whose column does not
+    /// exist is refused, naming it; a value no item has is an empty set.
     pub fn resolve(&self, filter: &ItemFilter, mask_len: usize) -> Result<ItemMask, String> {
         resolve_with(self.items, |name| self.get(name), filter, mask_len)
     }
@@ -465,7 +469,14 @@ mod tests {
         assert_eq!(kept(&["region=EU"], &["category=hats"]), vec![1, 4]);
         // Exclusions alone keep every other item, never PAD nor the rows past the catalogue.
         assert_eq!(kept(&[], &["region=EU"]), vec![2, 5]);
-        for bad in ["colour=red", "category=boots", "shoes"] {
+        // A value of a known column that no item has is an empty set: nothing included, nothing
+        // excluded.
+        assert_eq!(kept(&["category=boots"], &[]), Vec::<u32>::new());
+        assert_eq!(kept(&["category=boots", "category=hats"], &[]), vec![3]);
+        assert_eq!(kept(&[], &["category=boots"]), vec![1, 2, 3, 4, 5]);
+        assert_eq!(kept(&["region=EU"], &["category=boots"]), vec![1, 3, 4]);
+        // A column that exists nowhere, or a name that is not column=value, is refused.
+        for bad in ["colour=red", "shoes"] {
             let err = sets
                 .resolve(
                     &ItemFilter {

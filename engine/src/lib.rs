@@ -34,7 +34,7 @@ pub mod weights;
 pub use recsys_kernels as kernels;
 pub use recsys_kernels::{parallel, profile, topk};
 
-pub use availability::{Availability, AvailabilityFile};
+pub use availability::{default_max_availability_bytes, Availability, AvailabilityFile};
 pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, CatalogueInputs, ConvertRequest, W8a8Layers};
 pub use convert_options::{CalibrationChoice, ConvertOptions, ConvertPlan, Int8Mode, Spelling};

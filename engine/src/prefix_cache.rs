@@ -169,6 +169,16 @@ impl Inner {
         }
     }
 
+    /// Keeps `entry` under `key` as the most recently used. Its tick is its own from the start:
+    /// an entry never takes over another's place in the recency order.
+    fn add(&mut self, key: u64, mut entry: Entry) {
+        entry.tick = self.next_tick;
+        self.next_tick += 1;
+        self.bytes += entry.bytes();
+        self.recency.insert(entry.tick, key);
+        self.entries.insert(key, entry);
+    }
+
     fn remove(&mut self, key: u64) -> bool {
         match self.entries.remove(&key) {
             Some(entry) => {
@@ -328,9 +338,7 @@ impl PrefixCache {
             inner.remove(oldest);
             self.evictions.fetch_add(1, Ordering::Relaxed);
         }
-        inner.bytes += size;
-        inner.entries.insert(key, entry);
-        inner.touch(key);
+        inner.add(key, entry);
     }
 
     /// What the cache did so far, and what it holds.
@@ -447,6 +455,31 @@ mod tests {
         // An entry larger than the budget is not kept.
         cache.insert(&[1; 100], State::from_slice(&[0.0; 4]));
         assert!(cache.longest_prefix(&[1; 100]).is_none());
+    }
+
+    #[test]
+    fn the_first_entry_is_evicted_like_any_other_and_the_budget_holds() {
+        let one = 4 * 3 + 4 * 4 + RUN_OVERHEAD + ENTRY_OVERHEAD;
+        let cache = PrefixCache::new(2 * one, None);
+        for user in 0..3u32 {
+            cache.insert(&[user, 1, 2], State::from_slice(&[user as f32; 4]));
+        }
+        // Nothing was used again: the first entry is the least recently used and goes first.
+        let stats = cache.stats();
+        assert_eq!((stats.evictions, stats.entries), (1, 2));
+        assert!(cache.longest_prefix(&[0, 1, 2]).is_none());
+        assert!(cache.longest_prefix(&[1, 1, 2]).is_some());
+        assert!(cache.longest_prefix(&[2, 1, 2]).is_some());
+
+        // An entry that needs the room of both evicts both, the first one included.
+        let cache = PrefixCache::new(2 * one, None);
+        cache.insert(&[0, 1, 2], State::from_slice(&[0.0; 4]));
+        cache.insert(&[1, 1, 2], State::from_slice(&[1.0; 4]));
+        cache.insert(&[9, 9, 9], State::from_slice(&[9.0; 12]));
+        let stats = cache.stats();
+        assert_eq!((stats.evictions, stats.entries), (2, 1));
+        assert!(stats.bytes as usize <= cache.budget(), "{stats:?}");
+        assert!(cache.longest_prefix(&[9, 9, 9]).is_some());
     }
 
     #[test]

@@ -372,7 +372,7 @@ fn layer_norm(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64
     unsafe { layer_norm_avx2(x, width, gamma, beta, eps) }
 }
 
-/// [`super::packed::round_rows_to_bf16_both`] compiled for AVX2 (the same code, so the same bits).
+/// [`super::bf16::round_rows_to_bf16_both`] compiled for AVX2 (the same code, so the same bits).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -383,7 +383,7 @@ pub(super) unsafe fn round_rows_to_bf16(
     bits: &mut [u16],
     wide: &mut [f32],
 ) {
-    super::packed::round_rows_to_bf16_both(hidden, d, bits, wide)
+    super::bf16::round_rows_to_bf16_both(hidden, d, bits, wide)
 }
 
 /// # Safety

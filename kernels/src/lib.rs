@@ -18,6 +18,7 @@
 //! (the products of two bfloat16 values are exact in f32). That is what `vdpbf16ps` does, so the
 //! paths without it (which widen to f32 and use two fused multiply-adds) give its bits.
 
+mod bf16;
 pub mod dense;
 pub mod fused;
 pub mod item_mask;

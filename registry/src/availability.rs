@@ -15,7 +15,7 @@ use recsys_engine::AttributeTable;
 use crate::config::CONFIG_FILE;
 use crate::error::{RegistryError, Result};
 use crate::location::Location;
-use crate::store::{Fetched, Repository};
+use crate::store::{Fetched, ReadBound, Repository};
 
 /// Publishers racing on one model are retried this often before giving up.
 const PUBLISH_ATTEMPTS: usize = 8;
@@ -201,9 +201,21 @@ impl AvailabilitySource {
         &self.text
     }
 
-    /// The object unless it still carries the entity tag `known`.
-    pub fn fetch(&self, known: Option<&str>) -> Result<Fetched> {
-        self.repository.read_if_changed(&self.key, known)
+    /// The object unless it still carries the entity tag `known`. An object larger than
+    /// `max_bytes` is refused from its size before it is read, and one that does not start as an
+    /// availability object (magic, format, a header whose sizes add up to the object's) as soon as
+    /// its first bytes arrive ([`Fetched::Refused`]), so memory stays bounded whatever is at the
+    /// key.
+    pub fn fetch(&self, known: Option<&str>, max_bytes: u64) -> Result<Fetched> {
+        let check_head = |head: &[u8], size: u64| AvailabilityFile::check_head(head, size);
+        self.repository.read_if_changed_within(
+            &self.key,
+            known,
+            &ReadBound {
+                max_bytes,
+                check_head: &check_head,
+            },
+        )
     }
 }
 
@@ -220,11 +232,18 @@ pub struct Applied {
 /// force in `engine`'s filters: offline scoring with the sets the servers use.
 pub fn apply(engine: &recsys_engine::Engine, source: &str) -> Result<Applied> {
     let opened = AvailabilitySource::open(source, Path::new("."))?;
-    let object = match opened.fetch(None)? {
+    let max_bytes = recsys_engine::default_max_availability_bytes(engine.ids.len());
+    let object = match opened.fetch(None, max_bytes)? {
         Fetched::Changed(object) => object,
         Fetched::Missing | Fetched::Unchanged => {
             return Err(RegistryError::Input(format!(
                 "no availability object at {}",
+                opened.describe()
+            )))
+        }
+        Fetched::Refused { why, .. } => {
+            return Err(RegistryError::Input(format!(
+                "availability object {} refused: {why}",
                 opened.describe()
             )))
         }
@@ -318,22 +337,50 @@ mod tests {
         let (dir, repo) = repository_with_model();
         let model_dir = dir.path().join("shop");
         let source = AvailabilitySource::open("recsys-availability.bin", &model_dir).unwrap();
-        assert!(matches!(source.fetch(None).unwrap(), Fetched::Missing));
+        assert!(matches!(
+            source.fetch(None, u64::MAX).unwrap(),
+            Fetched::Missing
+        ));
         publish(&repo, "shop", &table(&[("1", "in")]), None).unwrap();
-        let Fetched::Changed(object) = source.fetch(None).unwrap() else {
+        let Fetched::Changed(object) = source.fetch(None, u64::MAX).unwrap() else {
             panic!("the object is there");
         };
         let tag = object.etag().map(str::to_owned);
         assert!(tag.is_some());
         assert!(matches!(
-            source.fetch(tag.as_deref()).unwrap(),
+            source.fetch(tag.as_deref(), u64::MAX).unwrap(),
             Fetched::Unchanged
         ));
         publish(&repo, "shop", &table(&[("1", "out")]), None).unwrap();
         assert!(matches!(
-            source.fetch(tag.as_deref()).unwrap(),
+            source.fetch(tag.as_deref(), u64::MAX).unwrap(),
             Fetched::Changed(_)
         ));
+
+        // Over the bound, or not an availability object: refused without being read whole.
+        let size = std::fs::metadata(model_dir.join("recsys-availability.bin"))
+            .unwrap()
+            .len();
+        let Fetched::Refused { why, etag } = source.fetch(None, size - 1).unwrap() else {
+            panic!("an object over the bound is refused");
+        };
+        assert!(
+            why.contains(&format!("holds {size} bytes, more than the {}", size - 1)),
+            "{why}"
+        );
+        assert!(
+            etag.is_some(),
+            "the refused object's tag, so it is not read again"
+        );
+        std::fs::write(
+            model_dir.join("recsys-availability.bin"),
+            vec![b'x'; 4 << 20],
+        )
+        .unwrap();
+        let Fetched::Refused { why, .. } = source.fetch(None, u64::MAX).unwrap() else {
+            panic!("garbage is refused");
+        };
+        assert!(why.contains("bad magic"), "{why}");
 
         assert!(AvailabilitySource::open("missing-dir/x.bin", &model_dir).is_err());
         assert!(AvailabilitySource::open("s3://bucket", &model_dir).is_err());

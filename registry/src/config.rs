@@ -4,6 +4,7 @@
 //! the new one, never a mix.
 
 use crate::error::{RegistryError, Result};
+use crate::pbtxt;
 use crate::store::Repository;
 use crate::versions;
 
@@ -21,38 +22,52 @@ pub fn minimal(max_batch_size: u32) -> String {
     )
 }
 
-/// The byte range of a `version_policy` entry (with its braced block), if any.
+/// The byte range of the top-level `version_policy` field (its name through its closing brace),
+/// if the config declares one. Found among the file's tokens, so a comment or a string that
+/// mentions `version_policy` is never taken for it.
 fn policy_span(config: &str) -> Option<(usize, usize)> {
-    let start = config.find("version_policy")?;
-    let open = start + config[start..].find('{')?;
-    let mut depth = 0;
-    for (i, c) in config[open..].char_indices() {
-        match c {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some((start, open + i + 1));
-                }
-            }
-            _ => {}
-        }
+    let tokens = pbtxt::tokens(config);
+    let field = pbtxt::top_level_fields(&tokens)
+        .into_iter()
+        .find(|f| f.name == "version_policy")?;
+    let last = tokens.get(field.value.end.checked_sub(1)?)?;
+    if !matches!(last.kind, pbtxt::Kind::Close(_)) {
+        return None;
     }
-    None
+    Some((tokens[field.name_token].start, last.end))
 }
 
 /// The versions a `specific` policy names; `None` for no policy or `latest` / `all`.
 pub fn policy_versions(config: &str) -> Option<Vec<u64>> {
     let (start, end) = policy_span(config)?;
-    let policy = &config[start..end];
-    let specific = policy.find("specific")?;
-    let list = &policy[specific..];
-    let open = list.find('[')?;
-    let close = open + list[open..].find(']')?;
-    list[open + 1..close]
-        .split(',')
-        .map(|v| v.trim().parse::<u64>().ok())
-        .collect()
+    let tokens = pbtxt::tokens(&config[start..end]);
+    let specific = tokens.iter().position(|t| t.is_word("specific"))?;
+    let at = specific
+        + tokens[specific..]
+            .iter()
+            .position(|t| t.is_word("versions"))?;
+    let mut i = at + 1;
+    if tokens.get(i)?.kind == pbtxt::Kind::Colon {
+        i += 1;
+    }
+    let number = |t: &pbtxt::Token| match &t.kind {
+        pbtxt::Kind::Word(w) => w.parse::<u64>().ok(),
+        _ => None,
+    };
+    match &tokens.get(i)?.kind {
+        // `versions: [ 1, 2 ]`
+        pbtxt::Kind::Open('[') => {
+            let close = pbtxt::matching_close(&tokens, i)?;
+            tokens[i + 1..close]
+                .iter()
+                .filter(|t| t.kind != pbtxt::Kind::Other(','))
+                .map(number)
+                .collect()
+        }
+        // `versions: 3` (a repeated field may be given one value at a time)
+        pbtxt::Kind::Word(_) => Some(vec![number(&tokens[i])?]),
+        _ => None,
+    }
 }
 
 /// The fields a config sets at its top level, in order, each with its value when that is a
@@ -61,86 +76,20 @@ pub fn policy_versions(config: &str) -> Option<Vec<u64>> {
 /// skipped, nested messages are not entered: enough to know what the file itself declares
 /// (as opposed to what a backend completed) without a protobuf text parser.
 pub fn top_level_fields(config: &str) -> Vec<(String, Option<String>)> {
-    let mut fields = Vec::new();
-    let mut depth = 0usize;
-    let mut chars = config.chars().peekable();
-    let mut word = String::new();
-    // A field name seen at depth 0, waiting for its value.
-    let mut pending: Option<String> = None;
-    let mut after_colon = false;
-    let finish_word = |word: &mut String,
-                       pending: &mut Option<String>,
-                       after_colon: &mut bool,
-                       fields: &mut Vec<(String, Option<String>)>| {
-        if word.is_empty() {
-            return;
-        }
-        if let (Some(name), true) = (pending.as_ref(), *after_colon) {
-            fields.push((name.clone(), Some(std::mem::take(word))));
-            *pending = None;
-            *after_colon = false;
-        } else {
-            if let Some(name) = pending.take() {
-                fields.push((name, None));
-            }
-            *pending = Some(std::mem::take(word));
-        }
-    };
-    while let Some(c) = chars.next() {
-        match c {
-            '#' => {
-                finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
-                for c in chars.by_ref() {
-                    if c == '\n' {
-                        break;
-                    }
-                }
-            }
-            '"' | '\'' => {
-                let mut value = String::new();
-                while let Some(d) = chars.next() {
-                    match d {
-                        '\\' => {
-                            if let Some(e) = chars.next() {
-                                value.push(e);
-                            }
-                        }
-                        d if d == c => break,
-                        d => value.push(d),
-                    }
-                }
-                if depth == 0 {
-                    if let (Some(name), true) = (pending.take(), after_colon) {
-                        fields.push((name, Some(value)));
-                        after_colon = false;
-                    }
-                }
-            }
-            '{' | '[' | '<' => {
-                if depth == 0 {
-                    finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
-                    if let Some(name) = pending.take() {
-                        fields.push((name, None));
-                    }
-                    after_colon = false;
-                }
-                depth += 1;
-            }
-            '}' | ']' | '>' => depth = depth.saturating_sub(1),
-            ':' if depth == 0 => {
-                finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
-                after_colon = true;
-            }
-            c if depth == 0 && (c.is_alphanumeric() || "_.-+".contains(c)) => word.push(c),
-            _ if depth == 0 => finish_word(&mut word, &mut pending, &mut after_colon, &mut fields),
-            _ => {}
-        }
-    }
-    finish_word(&mut word, &mut pending, &mut after_colon, &mut fields);
-    if let Some(name) = pending {
-        fields.push((name, None));
-    }
-    fields
+    let tokens = pbtxt::tokens(config);
+    pbtxt::top_level_fields(&tokens)
+        .into_iter()
+        .map(|field| {
+            let scalar = match field.value.len() {
+                1 => match &tokens[field.value.start].kind {
+                    pbtxt::Kind::Word(v) | pbtxt::Kind::Text(v) => Some(v.clone()),
+                    _ => None,
+                },
+                _ => None,
+            };
+            (field.name, scalar)
+        })
+        .collect()
 }
 
 /// `config` with its policy replaced by one naming exactly `version`, the rest kept as it was.

@@ -15,13 +15,13 @@
 //! repositories serve one machine, where two operators are rare.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{RegistryError, Result};
-use crate::store::{Object, Repository};
+use crate::store::{Object, Repository, WriteFence, STORE_REQUEST_BOUND};
 
 /// The lease object's name inside the model folder (tritonserver ignores files there that are
 /// not version folders or the config).
@@ -29,6 +29,11 @@ pub const LEASE_FILE: &str = "recsys-lease.json";
 
 /// How long a lease lasts after its last renewal: how long a killed command blocks the next one.
 pub const LEASE_TTL: Duration = Duration::from_secs(120);
+
+// A write that passed its fence must land while the lease it renewed still holds: the store's
+// longest request, retries included, fits in half the lease's lifetime (and a renewal slower
+// than that half is refused).
+const _: () = assert!(2 * STORE_REQUEST_BOUND.as_secs() <= LEASE_TTL.as_secs());
 
 /// What the lease object says.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,22 +82,32 @@ pub struct LeaseOptions {
 pub type OnWait<'a> = &'a mut dyn FnMut(&LeaseRecord);
 
 /// A held lease: released when dropped (a command that fails still lets the next one in).
-/// Renewed through a shared reference, so a heartbeat thread and the command both can.
+/// Renewed through a shared reference, so a heartbeat thread and the command both can. While it
+/// is held, every write through the repository handle it was taken with renews it first (a
+/// compare-and-swap on the lease object): a command that lost it writes nothing more.
 pub struct Lease<'a> {
     repo: &'a Repository,
+    state: Arc<Held>,
+    released: bool,
+}
+
+/// What the holder knows of its lease, shared with the repository's write fence.
+struct Held {
     key: String,
     ttl: Duration,
     /// The record as this holder last wrote it; locked for the whole of a renewal.
     record: Mutex<LeaseRecord>,
     /// Why the lease was lost, once it was: every later renewal fails with it.
     lost: Mutex<Option<String>>,
-    released: bool,
 }
 
+/// This machine's clock, in seconds since the Unix epoch (shifted by the fault plan's clock skew
+/// in the simulation tests' build only).
 fn unix_now() -> u64 {
-    SystemTime::now()
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+        .map_or(0, |d| d.as_secs());
+    now.saturating_add_signed(crate::faults::clock_skew())
 }
 
 fn token() -> String {
@@ -154,12 +169,13 @@ pub fn acquire<'a>(
     on_wait: OnWait<'_>,
 ) -> Result<Lease<'a>> {
     let key = lease_key(model);
+    let ttl = crate::faults::lease_ttl().unwrap_or(options.ttl);
     let started = std::time::Instant::now();
     let mut told = None::<String>;
     loop {
-        let record = LeaseRecord::new(&options.command, options.ttl);
+        let record = LeaseRecord::new(&options.command, ttl);
         if repo.create(&key, &record.to_bytes())? {
-            return Lease::confirm(repo, key, record, options.ttl);
+            return Lease::confirm(repo, key, record, ttl);
         }
         let Some(existing) = repo.read(&key)? else {
             // Released between the create and the read: try again at once.
@@ -168,7 +184,7 @@ pub fn acquire<'a>(
         let held = parse(repo, &key, &existing)?;
         if held.expired(unix_now()) || options.force {
             if repo.replace(&key, &record.to_bytes(), &existing)? {
-                return Lease::confirm(repo, key, record, options.ttl);
+                return Lease::confirm(repo, key, record, ttl);
             }
             continue;
         }
@@ -211,72 +227,45 @@ impl<'a> Lease<'a> {
                 "another command took the lease on {key} at the same moment; run the command again"
             )));
         }
-        Ok(Lease {
-            repo,
+        let state = Arc::new(Held {
             key,
             ttl,
             record: Mutex::new(record),
             lost: Mutex::new(None),
+        });
+        repo.add_write_fence(state.clone());
+        Ok(Lease {
+            repo,
+            state,
             released: false,
         })
     }
 
     pub fn record(&self) -> LeaseRecord {
-        self.record.lock().expect("lease record").clone()
+        self.state.record.lock().expect("lease record").clone()
     }
 
     /// Extends the lease by its ttl from now. Fails with [`RegistryError::LeaseLost`] when another
-    /// command took it over (`--force`, or after it expired): the caller must stop changing the
-    /// fleet at once.
+    /// command took it over (`--force`, or after it expired), or when the store answered so late
+    /// that the lease may have expired meanwhile: the caller must stop changing the fleet at once.
     pub fn renew(&self) -> Result<()> {
-        if let Some(lost) = self.lost.lock().expect("lease state").clone() {
-            return Err(RegistryError::LeaseLost(lost));
-        }
-        let mut record = self.record.lock().expect("lease record");
-        let lose = |by: Option<LeaseRecord>| {
-            let why = match by {
-                Some(other) => format!(
-                    "the lease on {} was taken over by {}; this command stopped changing the fleet",
-                    self.key,
-                    other.describe()
-                ),
-                None => format!(
-                    "the lease on {} was removed by another command; this command stopped \
-                     changing the fleet",
-                    self.key
-                ),
-            };
-            *self.lost.lock().expect("lease state") = Some(why.clone());
-            RegistryError::LeaseLost(why)
-        };
-        let Some(stored) = self.repo.read(&self.key)? else {
-            return Err(lose(None));
-        };
-        let held = parse(self.repo, &self.key, &stored)?;
-        if held.token != record.token {
-            return Err(lose(Some(held)));
-        }
-        let expires = unix_now() + self.ttl.as_secs().max(1);
-        let mut renewed = record.clone();
-        renewed.expires_at_unix = expires;
-        renewed.expires_at = rfc3339(expires);
-        if !self.repo.replace(&self.key, &renewed.to_bytes(), &stored)? {
-            let now = self
-                .repo
-                .read(&self.key)?
-                .map(|o| parse(self.repo, &self.key, &o))
-                .transpose()?;
-            return Err(lose(now));
-        }
-        *record = renewed;
-        Ok(())
+        self.state.renew(self.repo)
     }
 
-    /// Runs `body` while a heartbeat renews the lease every quarter of its ttl (errors of the
-    /// heartbeat itself are left to the command's own renewals, which then fail).
+    /// Runs `body` while a heartbeat renews the lease every quarter of its ttl. A heartbeat that
+    /// finds the lease lost stops; the command's next write then fails (the write fence renews
+    /// first). The heartbeat stops however `body` ends, a panic included, so a failing command
+    /// never goes on holding the lease.
     pub fn with_heartbeat<R>(&self, body: impl FnOnce() -> R) -> R {
+        /// Tells the heartbeat to stop when dropped: on return and on unwinding alike.
+        struct StopOnDrop<'s>(&'s AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
         let stop = AtomicBool::new(false);
-        let period = self.ttl / 4;
+        let period = self.state.ttl / 4;
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 let mut last = Instant::now();
@@ -290,33 +279,109 @@ impl<'a> Lease<'a> {
                     }
                 }
             });
-            let out = body();
-            stop.store(true, Ordering::Relaxed);
-            out
+            let _stop = StopOnDrop(&stop);
+            body()
         })
     }
 
     /// Gives the lease up (deleting it only while it is still this holder's).
     pub fn release(mut self) -> Result<()> {
         self.released = true;
+        self.repo.remove_write_fence(&*self.state);
         self.delete_if_mine()
     }
 
     fn delete_if_mine(&self) -> Result<()> {
-        let Some(stored) = self.repo.read(&self.key)? else {
+        let Some(stored) = self.repo.read(&self.state.key)? else {
             return Ok(());
         };
-        let token = self.record.lock().expect("lease record").token.clone();
-        if parse(self.repo, &self.key, &stored)?.token == token {
-            self.repo.delete(&self.key)?;
+        let token = self.record().token;
+        if parse(self.repo, &self.state.key, &stored)?.token == token {
+            self.repo.delete(&self.state.key)?;
         }
         Ok(())
+    }
+}
+
+impl Held {
+    /// Marks the lease lost for good and says why.
+    fn lose(&self, why: String) -> RegistryError {
+        *self.lost.lock().expect("lease state") = Some(why.clone());
+        RegistryError::LeaseLost(why)
+    }
+
+    fn lost_to(&self, by: Option<LeaseRecord>) -> RegistryError {
+        self.lose(match by {
+            Some(other) => format!(
+                "the lease on {} was taken over by {}; this command stopped changing the fleet",
+                self.key,
+                other.describe()
+            ),
+            None => format!(
+                "the lease on {} was removed by another command; this command stopped changing \
+                 the fleet",
+                self.key
+            ),
+        })
+    }
+
+    fn renew(&self, repo: &Repository) -> Result<()> {
+        if let Some(lost) = self.lost.lock().expect("lease state").clone() {
+            return Err(RegistryError::LeaseLost(lost));
+        }
+        let mut record = self.record.lock().expect("lease record");
+        let began = Instant::now();
+        let Some(stored) = repo.read(&self.key)? else {
+            return Err(self.lost_to(None));
+        };
+        let held = parse(repo, &self.key, &stored)?;
+        if held.token != record.token {
+            return Err(self.lost_to(Some(held)));
+        }
+        let expires = unix_now() + self.ttl.as_secs().max(1);
+        let mut renewed = record.clone();
+        renewed.expires_at_unix = expires;
+        renewed.expires_at = rfc3339(expires);
+        if !repo.replace(&self.key, &renewed.to_bytes(), &stored)? {
+            let now = repo
+                .read(&self.key)?
+                .map(|o| parse(repo, &self.key, &o))
+                .transpose()?;
+            return Err(self.lost_to(now));
+        }
+        *record = renewed;
+        // A renewal the store took half the lease's lifetime to answer leaves too little of it
+        // for the write it guards: another command may take it over before that write lands.
+        let took = began.elapsed();
+        if took > self.ttl / 2 {
+            return Err(self.lose(format!(
+                "renewing the lease on {} took {:.0} s of its {} s lifetime (the store is slow or \
+                 retrying); this command stopped changing the fleet rather than write after the \
+                 lease may have expired",
+                self.key,
+                took.as_secs_f64(),
+                self.ttl.as_secs()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The lease as the repository's write fence: every write but the lease's own renews it first.
+impl WriteFence for Held {
+    fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn before_write(&self, repo: &Repository) -> Result<()> {
+        self.renew(repo)
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
         if !self.released {
+            self.repo.remove_write_fence(&*self.state);
             // Best effort: a lease that cannot be deleted expires by itself.
             let _ = self.delete_if_mine();
         }
@@ -489,6 +554,100 @@ mod tests {
             assert_eq!(stored.token, lease.record().token);
             assert!(stored.expires_at_unix > first_expiry, "{stored:?}");
             lease.renew().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_command_that_panics_stops_its_heartbeat_and_lets_the_next_command_in() {
+        // A panic in the body (stdout closed under `println!`, say) must end the command: its
+        // heartbeat stops and the dropped lease is released, rather than renewed for ever.
+        let repo = std::sync::Arc::new(Repository::in_memory());
+        let (done, ended) = std::sync::mpsc::channel();
+        let command = {
+            let repo = repo.clone();
+            std::thread::spawn(move || {
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let lease = acquire(
+                        &repo,
+                        "m",
+                        &LeaseOptions {
+                            ttl: Duration::from_secs(2),
+                            ..options("approve --version 2", 0)
+                        },
+                        &mut |_| {},
+                    )
+                    .unwrap();
+                    lease.with_heartbeat(|| {
+                        std::thread::sleep(Duration::from_millis(700));
+                        panic!("failed printing to stdout: Broken pipe");
+                    })
+                }));
+                done.send(outcome.is_err()).unwrap();
+            })
+        };
+        let panicked = ended
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the command ended instead of renewing its lease for ever");
+        assert!(panicked);
+        command.join().unwrap();
+        assert!(current(&repo, "m").unwrap().is_none(), "lease released");
+        acquire(&repo, "m", &options("rollback", 0), &mut |_| {}).unwrap();
+    }
+
+    #[test]
+    fn once_another_command_takes_the_lease_over_no_write_of_the_old_holder_lands() {
+        let tmp = tempfile::tempdir().unwrap();
+        for repo in repositories(tmp.path()) {
+            let lease =
+                acquire(&repo, "m", &options("approve --version 2", 0), &mut |_| {}).unwrap();
+            // While it holds the lease, each write renews it first.
+            let before = current(&repo, "m").unwrap().unwrap();
+            std::thread::sleep(Duration::from_millis(1100));
+            repo.overwrite("m/2/record", b"approved").unwrap();
+            let renewed = current(&repo, "m").unwrap().unwrap();
+            assert!(renewed.expires_at_unix > before.expires_at_unix);
+
+            // Another process (its own handle on the store) forces the lease over.
+            let other = repo.another_handle().unwrap();
+            let forced = acquire(
+                &other,
+                "m",
+                &LeaseOptions {
+                    force: true,
+                    ..options("rollback --force", 0)
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+            let staged = tmp.path().join("file");
+            std::fs::write(&staged, b"engine").unwrap();
+            let existing = repo.read("m/2/record").unwrap().unwrap();
+            let refused = [
+                repo.overwrite("m/config.pbtxt", b"version 2").err(),
+                repo.create("m/3/record", b"x").err(),
+                repo.replace("m/2/record", b"rolled back", &existing).err(),
+                repo.delete("m/2/record").err(),
+                repo.upload("m/3/file", &staged, &mut |_| {}).err(),
+            ];
+            for err in refused {
+                let err = err.expect("a write after the takeover was refused");
+                assert!(matches!(err, RegistryError::LeaseLost(_)), "{err}");
+                assert!(err.to_string().contains("rollback --force"), "{err}");
+            }
+            assert!(repo.read("m/config.pbtxt").unwrap().is_none());
+            assert!(repo.read("m/3/record").unwrap().is_none());
+            assert_eq!(repo.read("m/2/record").unwrap().unwrap().bytes, b"approved");
+            assert!(matches!(lease.renew(), Err(RegistryError::LeaseLost(_))));
+            // The new holder writes; the old one's release leaves its lease alone.
+            other.overwrite("m/config.pbtxt", b"version 1").unwrap();
+            drop(lease);
+            assert_eq!(
+                current(&repo, "m").unwrap().unwrap().token,
+                forced.record().token
+            );
+            // The old handle writes again once it holds no lease (a later command).
+            repo.overwrite("m/notes", b"x").unwrap();
+            forced.release().unwrap();
         }
     }
 

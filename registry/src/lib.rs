@@ -14,12 +14,15 @@
 //! - [`quality`]: the champion/challenger gate on held-out histories (NDCG@10, degenerate scores);
 //! - [`status`]: a version's status changed alone (no gate, no rollout);
 //! - [`prune`]: old versions removed, never one that serves or may serve next;
-//! - [`config`]: `config.pbtxt`'s version policy, switched by one atomic write;
+//! - [`config`]: `config.pbtxt`'s version policy, switched by one atomic write (found among
+//!   the file's protobuf-text tokens by `pbtxt`, never inside a comment or a string);
 //! - [`replicas`]: reloading every replica and reporting each one;
 //! - [`triton`]: the calls of Triton's HTTP API that loading a version needs;
 //! - [`pushgateway`]: a release command's outcome pushed to a Prometheus Pushgateway;
 //! - [`transfer`]: single files and folders to and from object storage;
-//! - [`availability`]: live availability objects published for a fleet and polled by servers.
+//! - [`availability`]: live availability objects published for a fleet and polled by servers;
+//! - `faults`: the simulation tests' fault hooks (a panic or an abort at the N-th store write, a
+//!   short lease, a skewed clock), compiled in only with the `fault-injection` feature.
 #![forbid(unsafe_code)]
 
 pub mod availability;
@@ -27,9 +30,11 @@ mod aws_files;
 pub mod canary;
 pub mod config;
 pub mod error;
+mod faults;
 pub mod integrity;
 pub mod lease;
 pub mod location;
+mod pbtxt;
 pub mod prune;
 pub mod publish;
 pub mod pushgateway;

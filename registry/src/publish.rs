@@ -98,6 +98,59 @@ fn checksums(
         .collect()
 }
 
+/// Why a plain publish (without `--approve`) is refused when no version is approved, saying what
+/// state the repository is in: a model with no version yet, or one whose versions were all
+/// rejected or rolled back, or a release command stopped between its writes (the config naming a
+/// version whose record is no longer approved), with the command that repairs it.
+fn no_approved_version(
+    repo: &Repository,
+    model: &str,
+    existing: &[VersionInfo],
+) -> Result<RegistryError> {
+    let published: Vec<&VersionInfo> = existing
+        .iter()
+        .filter(|v| v.status != Status::Incomplete)
+        .collect();
+    if published.is_empty() {
+        return Ok(RegistryError::Usage(
+            "the first version of a model must be published with --approve: with no approved \
+             version there is nothing to serve or roll back to"
+                .into(),
+        ));
+    }
+    let states = published
+        .iter()
+        .map(|v| format!("{} {}", v.version, v.status))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let config_key = format!("{model}/{}", crate::config::CONFIG_FILE);
+    let named = repo
+        .read(&config_key)?
+        .and_then(|o| crate::config::policy_versions(&String::from_utf8_lossy(&o.bytes)));
+    let repair = |version: u64| {
+        format!(
+            "recsys approve --repository {} --model {model} --version {version}",
+            repo.uri()
+        )
+    };
+    Ok(RegistryError::Usage(match named.as_deref() {
+        Some(&[version]) => format!(
+            "{model} has no approved version (versions: {states}), yet {config_key} still names \
+             version {version}: a release command (a rollback or reject) was stopped between its \
+             record write and its config write. Replicas serve version {version}. Approve the \
+             version that should serve to repair it (`{}`), then publish; or publish this engine \
+             with --approve",
+            repair(version)
+        ),
+        _ => format!(
+            "{model} has no approved version (versions: {states}) and {config_key} names none: \
+             nothing serves. Approve a version that should serve (`{}`), or publish this engine \
+             with --approve",
+            repair(published.last().expect("a published version").version)
+        ),
+    }))
+}
+
 /// Publishes `request.engine_dir` as the next version of `request.model`, pending; `progress`
 /// gets (bytes uploaded, bytes in all).
 pub fn publish(
@@ -128,11 +181,7 @@ pub fn publish(
 
     let existing = versions::list(repo, model)?;
     if !request.approve && versions::serving(&existing).is_none() {
-        return Err(RegistryError::Usage(
-            "the first version of a model must be published with --approve: with no approved \
-             version there is nothing to serve or roll back to"
-                .into(),
-        ));
+        return Err(no_approved_version(repo, model, &existing)?);
     }
     let checksums = checksums(&files, &engine.manifest.files)?;
     let self_check = SelfCheck::from_engine(&engine)?;

@@ -52,6 +52,31 @@ impl Default for QualityOptions {
     }
 }
 
+/// `max_drop` if it is a fraction the gate can use: finite, at least 0 and below 1. Anything else
+/// would disable the comparison without a word (`5` meant as 5 %, `nan`: no candidate is ever
+/// below the floor) or refuse every candidate (a negative drop), so it is refused naming why.
+pub fn check_max_drop(max_drop: f64) -> Result<f64, String> {
+    if !max_drop.is_finite() || !(0.0..1.0).contains(&max_drop) {
+        return Err(format!(
+            "the largest NDCG@10 drop is a fraction from 0 up to (not including) 1, e.g. 0.05 for \
+             5 %; {max_drop} {}",
+            if max_drop.is_nan() {
+                "is not a number".to_string()
+            } else if max_drop >= 1.0 {
+                format!(
+                    "would let every candidate through (did you mean {}?)",
+                    max_drop / 100.0
+                )
+            } else if max_drop < 0.0 {
+                "would refuse every candidate that is not better than the serving version".into()
+            } else {
+                "is not finite".into()
+            }
+        ));
+    }
+    Ok(max_drop)
+}
+
 /// One held-out history and the item that came next, in catalogue ids as the request sends them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalCase {
@@ -202,6 +227,10 @@ pub fn judge(
         return None;
     };
     let (champion_version, champion) = champion;
+    // An unusable drop fails closed: the candidate is refused, never waved through.
+    if let Err(why) = check_max_drop(max_drop) {
+        return Some(why);
+    }
     let floor = champion * (1.0 - max_drop);
     (challenger < floor).then(|| {
         format!(
@@ -288,5 +317,33 @@ mod tests {
         assert!(s.iter().all(|c| !c.history.is_empty()));
         assert_eq!(sample(&cases, true, 100).len(), 9);
         assert_eq!(sample(&cases, true, 1)[0].history, vec![json!("0")]);
+    }
+
+    #[test]
+    fn a_max_drop_outside_zero_to_one_is_refused_and_never_waves_a_candidate_through() {
+        for good in [0.0, 0.05, 0.5, 0.999] {
+            assert_eq!(check_max_drop(good), Ok(good));
+        }
+        for (bad, says) in [
+            (5.0, "let every candidate through (did you mean 0.05?)"),
+            (1.0, "let every candidate through"),
+            (f64::NAN, "not a number"),
+            (f64::INFINITY, "let every candidate through"),
+            (-0.05, "refuse every candidate"),
+        ] {
+            let err = check_max_drop(bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        let score = |version: u64, ndcg: f64| VersionScore {
+            version,
+            ndcg_at_10: Some(ndcg),
+            degenerate_share: 0.0,
+            histories: 100,
+        };
+        // A far worse candidate is refused whatever drop the caller passed.
+        for drop in [5.0, f64::NAN] {
+            assert!(judge(&score(2, 0.01), Some(&score(1, 0.2)), drop).is_some());
+        }
+        assert!(judge(&score(2, 0.199), Some(&score(1, 0.2)), 0.05).is_none());
     }
 }

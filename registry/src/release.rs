@@ -95,14 +95,38 @@ impl Fleet<'_> {
                 "cannot read the replica list {}",
                 file.display()
             )))?;
-            named.extend(
-                text.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                    .map(str::to_string),
-            );
+            let listed: Vec<String> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_string)
+                .collect();
+            // An empty list is far more likely an agent caught mid-rewrite than a fleet of no
+            // replicas: going on would switch the repository and reach nobody.
+            if listed.is_empty() {
+                return Err(RegistryError::Input(format!(
+                    "the replica list {} names no replica (empty, or comments only; a \
+                     service-discovery agent may be rewriting it): refusing to change a fleet \
+                     this command cannot see; run it again once the list is written, or name \
+                     the replicas with --server",
+                    file.display()
+                )));
+            }
+            named.extend(listed);
         }
         replicas::expand(&named)
+    }
+
+    /// Checks, before anything changes, that the fleet the command names resolves and that the
+    /// quality gate's settings are usable: a command that cannot reach its fleet fails closed.
+    fn check_before_changing(&self) -> Result<()> {
+        if self.has_traffic() {
+            self.resolve()?;
+        }
+        if !self.quality.skip {
+            quality::check_max_drop(self.quality.max_drop).map_err(RegistryError::Usage)?;
+        }
+        Ok(())
     }
 
     /// Every replica a reconcile pass reaches: the traffic replicas and the canary.
@@ -182,9 +206,12 @@ pub struct Release {
     pub rollback_reason: Option<String>,
     /// The closing reconcile pass: every replica (resolved again) against the config.
     pub reconciled: Option<Rollout>,
-    /// Another command took the fleet over during this one (its lease was taken over, or the
-    /// repository came to name another version): this one stopped changing replicas.
+    /// The repository came to name another version during this one (another command changed
+    /// it): this one stopped changing replicas.
     pub superseded: Option<String>,
+    /// This command's lease was lost (taken over with `--force` or after it expired, or a renewal
+    /// the store answered too late): it stopped before its next write.
+    pub lease_lost: Option<String>,
     /// An error once the repository began to change (a record written; the config switched or
     /// not): a store or resolution failure. The report holds what was done up to it.
     pub failed_after_switch: Option<String>,
@@ -209,6 +236,7 @@ impl Release {
             "rollback_reason": self.rollback_reason,
             "reconciled": self.reconciled.as_ref().map(Rollout::to_json),
             "superseded": self.superseded,
+            "lease_lost": self.lease_lost,
             "failed_after_switch": self.failed_after_switch,
             "waited_for_lease": self.waited_for,
         })
@@ -223,7 +251,10 @@ impl Release {
     /// takeover by another command, or a failure.
     fn halt(&mut self, error: RegistryError) {
         match error {
-            RegistryError::LeaseLost(e) | RegistryError::Superseded(e) => {
+            RegistryError::LeaseLost(e) => {
+                self.lease_lost.get_or_insert(e);
+            }
+            RegistryError::Superseded(e) => {
                 self.superseded.get_or_insert(e);
             }
             other => {
@@ -245,7 +276,7 @@ impl Release {
     }
 
     fn halted(&self) -> bool {
-        self.superseded.is_some() || self.failed_after_switch.is_some()
+        self.superseded.is_some() || self.lease_lost.is_some() || self.failed_after_switch.is_some()
     }
 }
 
@@ -519,6 +550,7 @@ pub fn approve(
     max_batch_size: u32,
     on_step: &mut dyn FnMut(Step<'_>),
 ) -> Result<Release> {
+    fleet.check_before_changing()?;
     let mut release = Release {
         model: model.to_string(),
         version,
@@ -882,6 +914,7 @@ fn switch_back(
     plan: PlanBack<'_>,
     change: ChangeRecords<'_>,
 ) -> Result<Release> {
+    fleet.check_before_changing()?;
     let mut release = Release {
         model: model.to_string(),
         ..Release::default()

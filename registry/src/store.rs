@@ -15,6 +15,7 @@ use object_store::{
 
 use crate::aws_files;
 use crate::error::{RegistryError, Result};
+use crate::faults;
 use crate::location::Location;
 
 /// Files up to this size go up in one request; larger ones in parts of this size (S3's minimum
@@ -44,6 +45,53 @@ pub enum Fetched {
     /// There is no object at the key.
     Missing,
     Changed(Object),
+    /// A bounded read ([`Repository::read_if_changed_within`]) stopped: the object is larger
+    /// than the bound (known from its metadata, before any of it is read) or its first bytes
+    /// fail the caller's check. `etag` is the refused object's, so a poller does not read it
+    /// again until it changes.
+    Refused {
+        why: String,
+        etag: Option<String>,
+    },
+}
+
+/// Called as an object's bytes arrive with what has arrived and the object's size: `Ok(Some(n))`
+/// while it needs the first `n` bytes, `Ok(None)` once they are good, `Err(why)` to stop reading.
+pub type HeadCheck<'a> = &'a dyn Fn(&[u8], u64) -> std::result::Result<Option<usize>, String>;
+
+/// How much of an object a bounded read takes, and what its first bytes must be.
+pub struct ReadBound<'a> {
+    /// The most bytes the object may hold.
+    pub max_bytes: u64,
+    pub check_head: HeadCheck<'a>,
+}
+
+/// The longest one store request may take, its retries included: each attempt times out after
+/// [`REQUEST_TIMEOUT`] and no retry starts after [`RETRY_TIMEOUT`]. Bounded so that a write that
+/// passed its lease check lands while the lease still holds (object_store's own default lets
+/// retries run for three minutes, past a lease's lifetime).
+pub const STORE_REQUEST_BOUND: std::time::Duration =
+    std::time::Duration::from_secs(REQUEST_TIMEOUT.as_secs() + RETRY_TIMEOUT.as_secs());
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+const RETRY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn retry() -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        retry_timeout: RETRY_TIMEOUT,
+        ..Default::default()
+    }
+}
+
+fn client_options() -> object_store::ClientOptions {
+    object_store::ClientOptions::new().with_timeout(REQUEST_TIMEOUT)
+}
+
+/// A check every write through a repository handle makes first (the lease of the command that
+/// holds it: renewed by compare-and-swap, refusing once lost). Writes to the fence's own key
+/// (the lease object) do not run it.
+pub trait WriteFence: Send + Sync {
+    fn key(&self) -> &str;
+    fn before_write(&self, repo: &Repository) -> Result<()>;
 }
 
 /// A repository opened for reading and writing.
@@ -52,6 +100,7 @@ pub struct Repository {
     runtime: tokio::runtime::Runtime,
     text: String,
     location: Location,
+    fences: std::sync::Mutex<Vec<Arc<dyn WriteFence>>>,
 }
 
 impl std::fmt::Debug for Repository {
@@ -68,7 +117,10 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn s3_store(endpoint: &Option<String>, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
-    let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+    let mut builder = object_store::aws::AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_retry(retry())
+        .with_client_options(client_options());
     if let Some(endpoint) = endpoint {
         builder = builder
             .with_endpoint(endpoint)
@@ -100,6 +152,8 @@ fn s3_store(endpoint: &Option<String>, bucket: &str) -> Result<Arc<dyn ObjectSto
 fn gcs_store(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     let store = object_store::gcp::GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
+        .with_retry(retry())
+        .with_client_options(client_options())
         .build()
         .map_err(RegistryError::store(format!(
             "cannot open GCS bucket {bucket}"
@@ -147,6 +201,7 @@ impl Repository {
             runtime: runtime()?,
             text: text.to_string(),
             location,
+            fences: Default::default(),
         })
     }
 
@@ -157,7 +212,43 @@ impl Repository {
             runtime: runtime().expect("a current-thread runtime starts"),
             text: "memory://".into(),
             location: Location::Local("memory".into()),
+            fences: Default::default(),
         }
+    }
+
+    /// A second handle on the same store, as another process would open it: its own client
+    /// runtime and no write fences of this one's.
+    pub fn another_handle(&self) -> Result<Repository> {
+        Ok(Repository {
+            store: self.store.clone(),
+            runtime: runtime()?,
+            text: self.text.clone(),
+            location: self.location.clone(),
+            fences: Default::default(),
+        })
+    }
+
+    /// Every later write through this handle runs `fence` first (see [`WriteFence`]).
+    pub fn add_write_fence(&self, fence: Arc<dyn WriteFence>) {
+        self.fences.lock().expect("write fences").push(fence);
+    }
+
+    /// Drops `fence` (its lease released); other fences stay.
+    pub fn remove_write_fence(&self, fence: &dyn WriteFence) {
+        self.fences
+            .lock()
+            .expect("write fences")
+            .retain(|f| !std::ptr::addr_eq(Arc::as_ptr(f), fence as *const dyn WriteFence));
+    }
+
+    /// Runs the write fences before a write to `key`. The list is copied out first: a fence
+    /// writes through this handle itself (the lease's renewal), which must not wait on the lock.
+    fn fenced(&self, key: &str) -> Result<()> {
+        let fences: Vec<Arc<dyn WriteFence>> = self.fences.lock().expect("write fences").clone();
+        for fence in fences.iter().filter(|f| f.key() != key) {
+            fence.before_write(self)?;
+        }
+        Ok(())
     }
 
     /// The location as given (what tritonserver's `--model-repository` takes).
@@ -179,6 +270,91 @@ impl Repository {
             Fetched::Changed(object) => Some(object),
             // Without a tag to compare, the store never answers "not modified".
             Fetched::Missing | Fetched::Unchanged => None,
+            Fetched::Refused { why, .. } => return Err(RegistryError::Input(why)),
+        })
+    }
+
+    /// [`Repository::read_if_changed`] within `bound`: an object larger than `bound.max_bytes`
+    /// is refused from its metadata before its body is requested past the first chunk, and one
+    /// whose first bytes fail `bound.check_head` as soon as they arrive; a store whose stream
+    /// runs past the size it announced is cut off at the bound. Memory stays within the bound
+    /// whatever is at the key.
+    pub fn read_if_changed_within(
+        &self,
+        key: &str,
+        known: Option<&str>,
+        bound: &ReadBound<'_>,
+    ) -> Result<Fetched> {
+        let path = Path::from(key);
+        let options = object_store::GetOptions {
+            if_none_match: known.map(str::to_owned),
+            ..Default::default()
+        };
+        let context = || format!("cannot read {}", self.describe(key));
+        self.runtime.block_on(async {
+            let result = match self.store.get_opts(&path, options).await {
+                Ok(result) => result,
+                Err(object_store::Error::NotModified { .. }) => return Ok(Fetched::Unchanged),
+                Err(object_store::Error::NotFound { .. }) => return Ok(Fetched::Missing),
+                Err(e) => return Err(RegistryError::store(context())(e)),
+            };
+            let etag = result.meta.e_tag.clone();
+            let version = UpdateVersion {
+                e_tag: result.meta.e_tag.clone(),
+                version: result.meta.version.clone(),
+            };
+            let size = result.meta.size;
+            let refuse = |why: String| Fetched::Refused {
+                why,
+                etag: etag.clone(),
+            };
+            if size > bound.max_bytes {
+                return Ok(refuse(format!(
+                    "{} holds {size} bytes, more than the {} allowed",
+                    self.describe(key),
+                    bound.max_bytes
+                )));
+            }
+            let mut bytes = Vec::with_capacity(size as usize);
+            // Checked once per chunk until the check has what it needs (it asks for more bytes
+            // only while it has fewer than that).
+            let mut head_ok = false;
+            let mut stream = result.into_stream();
+            while let Some(chunk) = stream
+                .try_next()
+                .await
+                .map_err(RegistryError::store(context()))?
+            {
+                if (bytes.len() + chunk.len()) as u64 > size {
+                    return Ok(refuse(format!(
+                        "{} sent more than the {size} bytes it announced",
+                        self.describe(key)
+                    )));
+                }
+                bytes.extend_from_slice(&chunk);
+                if !head_ok {
+                    match (bound.check_head)(&bytes, size) {
+                        Ok(None) => head_ok = true,
+                        Ok(Some(_)) => {}
+                        Err(why) => return Ok(refuse(why)),
+                    }
+                }
+            }
+            if !head_ok {
+                match (bound.check_head)(&bytes, size) {
+                    Ok(None) => head_ok = true,
+                    Ok(Some(_)) => {}
+                    Err(why) => return Ok(refuse(why)),
+                }
+            }
+            if (bytes.len() as u64) < size || !head_ok {
+                return Ok(refuse(format!(
+                    "{} ended after {} of its {size} bytes",
+                    self.describe(key),
+                    bytes.len()
+                )));
+            }
+            Ok(Fetched::Changed(Object { bytes, version }))
         })
     }
 
@@ -218,6 +394,8 @@ impl Repository {
 
     /// Writes `bytes` at `key` only if no object is there; `false` when one already was.
     pub fn create(&self, key: &str, bytes: &[u8]) -> Result<bool> {
+        self.fenced(key)?;
+        faults::before_write(key);
         let options = PutOptions {
             mode: PutMode::Create,
             ..Default::default()
@@ -227,7 +405,10 @@ impl Repository {
             .runtime
             .block_on(self.store.put_opts(&Path::from(key), payload, options))
         {
-            Ok(_) => Ok(true),
+            Ok(_) => {
+                faults::after_write(key);
+                Ok(true)
+            }
             Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
             Err(e) => Err(RegistryError::store(format!(
                 "cannot create {} (the store must support create-if-absent writes)",
@@ -240,6 +421,8 @@ impl Repository {
     /// writer changed it first. Stores without conditional replace (local directories) overwrite;
     /// callers re-read and repair, which converges (see `config::switch`).
     pub fn replace(&self, key: &str, bytes: &[u8], expected: &Object) -> Result<bool> {
+        self.fenced(key)?;
+        faults::before_write(key);
         let path = Path::from(key);
         let options = PutOptions {
             mode: PutMode::Update(expected.version.clone()),
@@ -251,10 +434,14 @@ impl Repository {
             options,
         ));
         match conditional {
-            Ok(_) => Ok(true),
+            Ok(_) => {
+                faults::after_write(key);
+                Ok(true)
+            }
             Err(object_store::Error::Precondition { .. }) => Ok(false),
             Err(object_store::Error::NotImplemented { .. }) => {
-                self.overwrite(key, bytes)?;
+                self.overwrite_unfenced(key, bytes)?;
+                faults::after_write(key);
                 Ok(true)
             }
             Err(e) => Err(RegistryError::store(format!(
@@ -266,6 +453,14 @@ impl Repository {
 
     /// Writes `bytes` at `key`, replacing whatever is there (one atomic write).
     pub fn overwrite(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        self.fenced(key)?;
+        faults::before_write(key);
+        self.overwrite_unfenced(key, bytes)?;
+        faults::after_write(key);
+        Ok(())
+    }
+
+    fn overwrite_unfenced(&self, key: &str, bytes: &[u8]) -> Result<()> {
         self.runtime
             .block_on(
                 self.store
@@ -286,6 +481,8 @@ impl Repository {
         from: &LocalPath,
         progress: &mut dyn FnMut(u64),
     ) -> Result<u64> {
+        self.fenced(key)?;
+        faults::before_write(key);
         let context = || format!("cannot upload {} to {}", from.display(), self.describe(key));
         let mut file = std::fs::File::open(from).map_err(RegistryError::io(context()))?;
         let size = file.metadata().map_err(RegistryError::io(context()))?.len();
@@ -298,6 +495,7 @@ impl Repository {
                 .block_on(self.store.put(&path, PutPayload::from(bytes)))
                 .map_err(RegistryError::store(context()))?;
             progress(size);
+            faults::after_write(key);
             return Ok(size);
         }
         self.runtime.block_on(async {
@@ -330,6 +528,7 @@ impl Repository {
                 .finish()
                 .await
                 .map_err(RegistryError::store(context()))?;
+            faults::after_write(key);
             Ok(sent)
         })
     }
@@ -443,8 +642,13 @@ impl Repository {
 
     /// Removes the object at `key` (absent is fine).
     pub fn delete(&self, key: &str) -> Result<()> {
+        self.fenced(key)?;
+        faults::before_write(key);
         match self.runtime.block_on(self.store.delete(&Path::from(key))) {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {
+                faults::after_write(key);
+                Ok(())
+            }
             Err(e) => Err(RegistryError::store(format!(
                 "cannot delete {}",
                 self.describe(key)

@@ -48,6 +48,22 @@ fn served(repo: &Repository) -> Vec<u64> {
     policy_versions(std::str::from_utf8(&config.bytes).unwrap()).unwrap()
 }
 
+/// Every version's status, oldest first.
+fn statuses(repo: &Repository) -> Vec<Status> {
+    versions::list(repo, "vaecf")
+        .unwrap()
+        .iter()
+        .map(|v| v.status)
+        .collect()
+}
+
+/// Whether no command holds vaecf's lease.
+fn lease_free(repo: &Repository) -> bool {
+    recsys_registry::lease::current(repo, "vaecf")
+        .unwrap()
+        .is_none()
+}
+
 fn repositories(tmp: &Path) -> Vec<Repository> {
     vec![
         Repository::open(tmp.join("repo").to_str().unwrap()).unwrap(),
@@ -433,9 +449,7 @@ fn a_command_finding_the_lease_held_fails_naming_the_holder_and_changes_nothing(
         held.release().unwrap();
         release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap();
         assert_eq!(served(&repo), [2]);
-        assert!(recsys_registry::lease::current(&repo, "vaecf")
-            .unwrap()
-            .is_none());
+        assert!(lease_free(&repo));
     }
 }
 
@@ -491,5 +505,240 @@ fn an_evaluation_set_is_published_with_the_version_and_checked_like_its_engine()
             reason.contains(recsys_registry::quality::EVAL_SET_FILE),
             "{reason}"
         );
+    }
+}
+
+#[test]
+fn approve_and_reject_keep_every_field_of_a_config_whose_comments_and_strings_mention_the_policy() {
+    // A comment naming `version_policy` before the real field, a string holding a brace, and a
+    // comment with a brace inside the policy block: only the top-level field is the policy.
+    let written = "# version_policy below is managed by recsys\n\
+                   name: \"vaecf\"\n\
+                   backend: \"recsys\"\n\
+                   max_batch_size: 16\n\
+                   parameters { key: \"note\" value { string_value: \"version_policy { x\" } }\n\
+                   version_policy: { specific: { versions: [ 1 ] } } # } closed above\n\
+                   dynamic_batching { }\n";
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        repo.overwrite(&format!("vaecf/{CONFIG_FILE}"), written.as_bytes())
+            .unwrap();
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        release::approve(&repo, "vaecf", 2, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        assert_eq!(served(&repo), [2]);
+        let rejected = release::reject(&repo, "vaecf", 2, &Fleet::none(), &mut |_| {}).unwrap();
+        assert_eq!(rejected.serving, Some(1));
+        let config = repo.read(&format!("vaecf/{CONFIG_FILE}")).unwrap().unwrap();
+        let text = String::from_utf8(config.bytes).unwrap();
+        assert_eq!(policy_versions(&text), Some(vec![1]), "{text}");
+        assert_eq!(text.matches("version_policy:").count(), 1, "{text}");
+        for kept in [
+            "# version_policy below is managed by recsys",
+            "backend: \"recsys\"",
+            "max_batch_size: 16",
+            "string_value: \"version_policy { x\" } }",
+            "dynamic_batching { }",
+        ] {
+            assert!(text.contains(kept), "lost `{kept}`:\n{text}");
+        }
+        let fields = recsys_registry::config::top_level_fields(&text);
+        let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "name",
+                "backend",
+                "max_batch_size",
+                "parameters",
+                "dynamic_batching",
+                "version_policy"
+            ],
+            "{text}"
+        );
+    }
+}
+
+/// Takes the lease on vaecf over with `--force` from a second handle on the store, as an operator
+/// in another process would.
+fn force_over(other: &Repository) -> recsys_registry::lease::Lease<'_> {
+    recsys_registry::lease::acquire(
+        other,
+        "vaecf",
+        &recsys_registry::lease::LeaseOptions {
+            command: "rollback --force".into(),
+            force: true,
+            ..Fleet::none().lease
+        },
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
+/// The command stopped on its lost lease: failed with `LeaseLost` before its first write, or
+/// reported it (`lease_lost`) once its report had begun (reject and rollback halt and report).
+fn assert_lease_lost(outcome: recsys_registry::Result<Option<String>>) {
+    let why = match outcome {
+        Err(recsys_registry::RegistryError::LeaseLost(why)) | Ok(Some(why)) => why,
+        Err(other) => panic!("not a lost lease: {other}"),
+        Ok(None) => panic!("the command went on without its lease"),
+    };
+    assert!(why.contains("rollback --force"), "{why}");
+}
+
+#[test]
+fn a_command_whose_lease_is_forced_over_during_its_gates_writes_nothing_more() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        let other = repo.another_handle().unwrap();
+        for _ in 0..2 {
+            publish_approved(&repo, &engine);
+        }
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        let before = statuses(&repo);
+        assert_eq!(
+            before,
+            [Status::Approved, Status::Approved, Status::Pending]
+        );
+
+        // Each command loses its lease while its integrity gate runs (the long step before its
+        // writes): none of them may mark a version or switch the config afterwards.
+        for command in ["approve", "reject", "rollback"] {
+            let mut taken = None;
+            let mut on_step = |step: release::Step<'_>| {
+                if matches!(step, release::Step::Verified { .. }) && taken.is_none() {
+                    taken = Some(force_over(&other));
+                }
+            };
+            let outcome = match command {
+                "approve" => release::approve(&repo, "vaecf", 3, &Fleet::none(), 32, &mut on_step),
+                "reject" => release::reject(&repo, "vaecf", 2, &Fleet::none(), &mut on_step),
+                _ => release::rollback(&repo, "vaecf", None, &Fleet::none(), &mut on_step),
+            }
+            .map(|release| release.lease_lost);
+            assert!(taken.is_some(), "{command} ran its gate");
+            assert_lease_lost(outcome);
+            assert_eq!(statuses(&repo), before, "{command} changed a record");
+            assert_eq!(served(&repo), [2], "{command} switched the config");
+            // The holder's lease stands until it releases it.
+            assert_eq!(
+                recsys_registry::lease::current(&repo, "vaecf")
+                    .unwrap()
+                    .unwrap()
+                    .command,
+                "rollback --force"
+            );
+        }
+
+        // prune loses its lease after its first removal: the second version stays.
+        for _ in 0..2 {
+            publish_approved(&repo, &engine);
+        }
+        // 1, 2 approved; 3 pending; 4 previous; 5 serving: prune --keep 1 would remove 1 and 2.
+        assert_eq!(prune(&repo, 1, true, &mut |_| {}).unwrap().removed, [1, 2]);
+        let mut taken = None;
+        let outcome = prune(&repo, 1, false, &mut |_| {
+            taken.get_or_insert_with(|| force_over(&other));
+        });
+        assert_lease_lost(outcome.map(|_| None));
+        drop(taken);
+        assert_eq!(versions::numbers(&repo, "vaecf").unwrap(), [2, 3, 4, 5]);
+        assert!(!repo.files("vaecf/2").unwrap().is_empty());
+    }
+}
+
+#[test]
+fn an_empty_replica_list_fails_every_command_before_anything_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    let list = tmp.path().join("replicas.txt");
+    for repo in repositories(tmp.path()) {
+        for _ in 0..2 {
+            publish_approved(&repo, &engine);
+        }
+        publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        for text in ["", "\n  \n", "# rewritten by the agent\n"] {
+            std::fs::write(&list, text).unwrap();
+            let fleet = Fleet {
+                servers_file: Some(&list),
+                ..Fleet::none()
+            };
+            let outcomes = [
+                release::rollback(&repo, "vaecf", None, &fleet, &mut |_| {}).map(|_| ()),
+                release::reject(&repo, "vaecf", 2, &fleet, &mut |_| {}).map(|_| ()),
+                release::approve(&repo, "vaecf", 3, &fleet, 32, &mut |_| {}).map(|_| ()),
+            ];
+            for outcome in outcomes {
+                let err = outcome.unwrap_err().to_string();
+                assert!(
+                    err.contains("replicas.txt names no replica") && err.contains("--server"),
+                    "{err}"
+                );
+            }
+            assert_eq!(served(&repo), [2]);
+            assert_eq!(
+                statuses(&repo),
+                [Status::Approved, Status::Approved, Status::Pending]
+            );
+            assert!(lease_free(&repo));
+        }
+    }
+}
+
+#[test]
+fn an_unusable_max_ndcg_drop_is_refused_before_anything_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    let repo = Repository::in_memory();
+    publish_approved(&repo, &engine);
+    publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+    for bad in [5.0, f64::NAN, -0.1] {
+        let fleet = Fleet {
+            quality: recsys_registry::quality::QualityOptions {
+                max_drop: bad,
+                ..Default::default()
+            },
+            ..Fleet::none()
+        };
+        let err = release::approve(&repo, "vaecf", 2, &fleet, 32, &mut |_| {}).unwrap_err();
+        assert!(
+            matches!(err, recsys_registry::RegistryError::Usage(_)),
+            "{bad}: {err}"
+        );
+        assert_eq!(served(&repo), [1]);
+    }
+}
+
+#[test]
+fn publish_after_a_rollback_killed_between_its_writes_says_what_state_the_repository_is_in() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = engine(tmp.path());
+    for repo in repositories(tmp.path()) {
+        publish_approved(&repo, &engine);
+        // The served version's record says rolled-back; the config still names it.
+        versions::update(&repo, "vaecf", 1, &mut |_, v| {
+            v.status = Status::RolledBack;
+            Ok(())
+        })
+        .unwrap();
+        let err = publish(&repo, &request(&engine, false), &mut |_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("first version"), "{err}");
+        for says in [
+            "versions: 1 rolled-back",
+            "still names version 1",
+            "stopped between its record write and its config write",
+            "recsys approve --repository",
+            "--model vaecf --version 1",
+        ] {
+            assert!(err.contains(says), "{says}: {err}");
+        }
+        // The repair it names works, and then the publish.
+        release::approve(&repo, "vaecf", 1, &Fleet::none(), 32, &mut |_| {}).unwrap();
+        let second = publish(&repo, &request(&engine, false), &mut |_, _| {}).unwrap();
+        assert_eq!(second.version, 2);
     }
 }

@@ -11,6 +11,12 @@
 //! A reference that cannot be resolved (a missing or empty file, an unset variable) ends the
 //! process before `main` with the reason on stderr: a server started with the literal reference
 //! as its key would accept whoever reads the command line.
+//!
+//! The images set `LD_PRELOAD` to this library themselves, so `podman run IMAGE tritonserver ...
+//! key=@file:...` resolves the key without the manifests' help (without it, tritonserver would
+//! take the public `@file:...` text as its key). Every process of the image then loads it, so it
+//! acts on `tritonserver` alone (the program's file name, from `argv[0]`): a health check, a
+//! shell or the `recsys` command keep their arguments exactly as given.
 
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::io::Write;
@@ -51,6 +57,15 @@ pub fn resolve(
     Ok(Some(format!("{}{secret}", &argument[..at])))
 }
 
+/// The program this library resolves arguments for.
+const PROGRAM: &str = "tritonserver";
+
+/// Whether a program started as `argv0` is the one this library acts on: its file name is
+/// `tritonserver` (`tritonserver`, `/opt/tritonserver/bin/tritonserver`, a symlink of that name).
+pub fn acts_on(argv0: &str) -> bool {
+    argv0.rsplit('/').next() == Some(PROGRAM)
+}
+
 /// Resolves every argument of `argv` in place (see the crate documentation).
 ///
 /// # Safety
@@ -85,7 +100,13 @@ extern "C" fn resolve_secret_arguments(
 ) {
     // A panic must not unwind into the C runtime: it ends the process like any other failure.
     let outcome = std::panic::catch_unwind(|| {
-        if argv.is_null() {
+        if argv.is_null() || argc < 1 {
+            return Ok(());
+        }
+        // SAFETY: glibc passes argc >= 1 valid C strings in argv (checked non-null above);
+        // argv[0] is the first of them.
+        let argv0 = unsafe { CStr::from_ptr(*argv) }.to_string_lossy();
+        if !acts_on(&argv0) {
             return Ok(());
         }
         // SAFETY: glibc calls `.init_array` functions with the program's argc and argv, before
@@ -144,6 +165,26 @@ mod tests {
             Some(format!("{flag}from-env"))
         );
         assert_eq!(resolve("--http-port=8000", &files, &env).unwrap(), None);
+    }
+
+    #[test]
+    fn only_tritonserver_has_its_arguments_resolved() {
+        for yes in [
+            "tritonserver",
+            "/opt/tritonserver/bin/tritonserver",
+            "./tritonserver",
+        ] {
+            assert!(acts_on(yes), "{yes}");
+        }
+        for no in [
+            "python3",
+            "/bin/bash",
+            "recsys",
+            "tritonserver.sh",
+            "/tritonserver/bin/x",
+        ] {
+            assert!(!acts_on(no), "{no}");
+        }
     }
 
     #[test]

@@ -81,6 +81,42 @@ class S3Server:
         self.stop()
 
 
+def answer_s3_error(handler, status: int, code: str, message: str = "injected") -> None:
+    """Answers the request `handler` (a BaseHTTPRequestHandler) as S3 answers a failure."""
+    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error>").encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/xml")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def forward(handler, target_port: int, body: bytes | None) -> int:
+    """Sends the request `handler` holds to the S3 server on `target_port` and its answer back;
+    returns the answer's status."""
+    import http.client  # noqa: PLC0415
+
+    upstream = http.client.HTTPConnection("127.0.0.1", target_port, timeout=120)
+    headers = {k: v for k, v in handler.headers.items() if k.lower() != "host"}
+    headers["Host"] = f"127.0.0.1:{target_port}"
+    try:
+        upstream.request(handler.command, handler.path, body=body, headers=headers)
+        response = upstream.getresponse()
+        data = response.read()
+        handler.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        if handler.command != "HEAD":
+            handler.wfile.write(data)
+        return response.status
+    finally:
+        upstream.close()
+
+
 class FaultyProxy:
     """An HTTP proxy in front of the S3 server that forwards every request until a request matching
     `trigger` (method, path) has been forwarded, then answers every later one with 403
@@ -107,41 +143,19 @@ class FaultyProxy:
                 pass
 
             def _any(self):
-                import http.client  # noqa: PLC0415
-
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if proxy.failing.is_set():
-                    error = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ExpiredToken</Code>'
-                             b"<Message>The provided token has expired.</Message></Error>")
-                    self.send_response(403)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(error)))
-                    self.end_headers()
-                    self.wfile.write(error)
+                    answer_s3_error(self, 403, "ExpiredToken", "The provided token has expired.")
                     return
                 if slow_once is not None and self.path not in proxy.slowed:
                     wait = slow_once(self.command, self.path)
                     if wait:
                         proxy.slowed.add(self.path)
                         time.sleep(wait)
-                upstream = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = f"127.0.0.1:{target_port}"
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
-                data = response.read()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                upstream.close()
+                status = forward(self, target_port, body)
                 proxy.forwarded.append((self.command, self.path))
-                if trigger is not None and trigger(self.command, self.path) and response.status < 300:
+                if trigger is not None and trigger(self.command, self.path) and status < 300:
                     proxy.failing.set()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any

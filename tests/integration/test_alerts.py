@@ -62,16 +62,33 @@ def test_the_alerts_fire_on_induced_drift_and_resolve_when_reconciled(tmp_path, 
             return run
 
         recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
+        # Another Triton deployment scraped by the same Prometheus: its own repository, serving
+        # version 2 of a model of the same name, and the model missing on one of its servers. The
+        # rules are scoped to the fleet's job: none of this may fire them.
+        other_repo = tmp_path / "other-repo"
+        for _ in range(2):
+            subprocess.run([str(recsys_bin), "publish", "--approve", "--repository", str(other_repo), "--model",
+                            "bert4rec", "--engine", str(tmp_path / "fp32")], capture_output=True, check=True,
+                           timeout=300)
         with TritonServer(repo, backend_dir, explicit=True, load_models=["bert4rec"], log_path=tmp_path / "a.log") as a, \
                 TritonServer(repo, backend_dir, explicit=True, load_models=["bert4rec"], log_path=tmp_path / "b.log") as b, \
-                TritonServer(repo, backend_dir, explicit=True, log_path=tmp_path / "c.log") as c:
+                TritonServer(repo, backend_dir, explicit=True, log_path=tmp_path / "c.log") as c, \
+                TritonServer(other_repo, backend_dir, explicit=True, load_models=["bert4rec"],
+                             log_path=tmp_path / "d.log") as d, \
+                TritonServer(other_repo, backend_dir, explicit=True, log_path=tmp_path / "e.log") as e:
             # c is live without the model, as a replica whose load failed.
             hosts = [s.metrics_url.split("/")[2] for s in (a, b, c)]
-            with Prometheus(tmp_path / "prometheus", {"triton": hosts, "pushgateway": [gateway.url.split("/")[2]]},
+            foreign = [s.metrics_url.split("/")[2] for s in (d, e)]
+            with Prometheus(tmp_path / "prometheus", {"recsys-triton": hosts, "other-triton": foreign,
+                                                      "pushgateway": [gateway.url.split("/")[2]]},
                             rule_files=[rules]) as prometheus:
                 missing = wait_until(lambda: prometheus.firing("RecsysModelMissingOnReplicas"),
                                      "the model missing on one replica")
                 assert missing[0]["model"] == "bert4rec", missing
+                wait_until(lambda: prometheus.query('nv_inference_request_success{job="other-triton",version="2"}')
+                           ["data"]["result"], "the other deployment scraped")
+                time.sleep(2)  # a rule evaluation after it
+                assert len(prometheus.firing("RecsysModelMissingOnReplicas")) == 1
                 assert not prometheus.firing("RecsysVersionsDiverge")
                 assert not prometheus.firing("RecsysPodOffRepositoryVersion")
 
@@ -109,9 +126,9 @@ def test_the_availability_alerts_fire_on_a_stale_feed_and_a_refused_object(tmp_p
     published; a damaged object where the feed's object belongs: the server keeps the last good one
     and RecsysAvailabilityRefused fires."""
     spec = yaml.safe_dump(yaml.safe_load(RULES.read_text())["spec"])
-    assert "recsys_availability_age_seconds > 1800" in spec
-    shortened = re.sub(r"for: \d+[smh]", "for: 0s", spec.replace("recsys_availability_age_seconds > 1800",
-                                                                  "recsys_availability_age_seconds > 8"))
+    assert 'recsys_availability_age_seconds{job="recsys-triton"} > 1800' in spec
+    shortened = re.sub(r"for: \d+[smh]", "for: 0s", spec.replace('recsys_availability_age_seconds{job="recsys-triton"} > 1800',
+                                                                  'recsys_availability_age_seconds{job="recsys-triton"} > 8'))
     rules = tmp_path / "rules.yml"
     rules.write_text(shortened)
     repo = tmp_path / "repo"
@@ -131,7 +148,7 @@ def test_the_availability_alerts_fire_on_a_stale_feed_and_a_refused_object(tmp_p
 
     with TritonServer(repo, backend_dir, explicit=True, load_models=["shop"], log_path=tmp_path / "t.log") as server:
         host = server.metrics_url.split("/")[2]
-        with Prometheus(tmp_path / "prometheus", {"triton": [host]}, rule_files=[rules]) as prometheus:
+        with Prometheus(tmp_path / "prometheus", {"recsys-triton": [host]}, rule_files=[rules]) as prometheus:
             publish(1)
             version = lambda: [r["value"][1] for r in prometheus.query(  # noqa: E731
                 'recsys_availability_version{model="shop"}')["data"]["result"]]

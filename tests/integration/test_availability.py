@@ -223,9 +223,16 @@ def test_fifty_replacements_under_load_lose_no_request_and_keep_the_last_good_ve
         assert len(re.findall(r"availability update from \S+ refused, version \d+ stays in force", log)) == refused, log
         assert "truncated" in log and "SHA-256" in log and "bad magic" in log
 
-        # Unknown set names still say which sets there are; the live ones included.
-        bad = make_inputs(httpclient, HISTORY, k=5) + [set_names(httpclient, "INCLUDE_ITEM_SETS", [["stock=maybe"]])]
-        with pytest.raises(Exception, match="no item has stock=maybe"):
+        # A value no item has in the live object is an empty set: including it answers nothing,
+        # excluding it drops nothing. A column that exists nowhere is refused, naming the columns
+        # there are (the live ones included).
+        empty = make_inputs(httpclient, HISTORY, k=5) + [set_names(httpclient, "INCLUDE_ITEM_SETS", [["stock=maybe"]])]
+        assert (client.infer("shop", empty).as_numpy("TOP_ITEM_IDS")[0] == -1).all()
+        unfiltered = client.infer("shop", make_inputs(httpclient, HISTORY, k=5)).as_numpy("TOP_ITEM_IDS")[0]
+        nothing_dropped = make_inputs(httpclient, HISTORY, k=5) + [set_names(httpclient, "EXCLUDE_ITEM_SETS", [["stock=maybe"]])]
+        assert client.infer("shop", nothing_dropped).as_numpy("TOP_ITEM_IDS")[0].tolist() == unfiltered.tolist()
+        bad = make_inputs(httpclient, HISTORY, k=5) + [set_names(httpclient, "INCLUDE_ITEM_SETS", [["colour=red"]])]
+        with pytest.raises(Exception, match=r'no attribute column "colour" \(columns: [^)]*stock'):
             client.infer("shop", bad)
 
         # Offline as online: the Python package and predict take the same object and answer as

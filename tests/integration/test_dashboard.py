@@ -58,7 +58,7 @@ def test_the_dashboard_is_valid_grafana_json():
 def prometheus(server, tmp_path_factory):
     """Prometheus on 127.0.0.1 scraping the session server's metrics every second; stopped after."""
     target = urllib.parse.urlparse(server.metrics_url).netloc
-    with Prometheus(tmp_path_factory.mktemp("prometheus"), {"triton": [target]}, interval_s=SCRAPE_S) as running:
+    with Prometheus(tmp_path_factory.mktemp("prometheus"), {"recsys-triton": [target]}, interval_s=SCRAPE_S) as running:
         yield running
 
 

@@ -109,13 +109,16 @@ def test_filtered_answers_are_numpy_s_top_k_over_the_masked_scores(model, model_
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_unknown_set_names_are_invalid_arguments_naming_them_and_the_server_keeps_serving(protocol, http, grpc):
+def test_unknown_columns_are_invalid_arguments_naming_them_and_the_server_keeps_serving(protocol, http, grpc):
     client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
     invalid = "400" if protocol == "http" else "INVALID_ARGUMENT"
-    for name, bad in [("INCLUDE_ITEM_SETS", "category=boots"), ("EXCLUDE_ITEM_SETS", "colour=red"),
+    for name, bad in [("INCLUDE_ITEM_SETS", "colour=red"), ("EXCLUDE_ITEM_SETS", "colour=red"),
                       ("INCLUDE_ITEM_SETS", "shoes")]:
         inputs = make_inputs(module, [10011403], k=5) + [set_names(module, name, [[bad]])]
         expect_error(lambda: client.infer("vaecf", inputs), invalid, bad)
+    # A value of a known column that no item has is an empty set, not an error.
+    inputs = make_inputs(module, [10011403], k=5) + [set_names(module, "INCLUDE_ITEM_SETS", [["category=boots"]])]
+    assert (client.infer("vaecf", inputs).as_numpy("TOP_ITEM_IDS")[0] == -1).all()
     inputs = make_inputs(module, [10011403], k=5) + [set_names(module, "INCLUDE_ITEM_SETS", [["category=toys"]])]
     ids = client.infer("vaecf", inputs).as_numpy("TOP_ITEM_IDS")[0].tolist()
     toys = read_attributes(demo_attributes("multivae"))["category=toys"]
@@ -128,7 +131,9 @@ def test_predict_and_eval_take_the_same_filters(recsys_bin, repository, tmp_path
     lines = [
         {"item_ids": [10011403, 10011207], "k": 10, "include_item_sets": ["category=shoes", "region=EU"], "user": 1},
         {"item_ids": [10011403], "k": 10, "exclude_item_sets": ["age_rating=adult"], "user": 2},
-        {"item_ids": [10011403], "include_item_sets": ["category=nope"], "user": 3},
+        {"item_ids": [10011403], "include_item_sets": ["colour=red"], "user": 3},
+        # A value of a known column that no item has: an empty set, answered with nothing.
+        {"item_ids": [10011403], "include_item_sets": ["category=nope"], "user": 4},
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(l) + "\n" for l in lines))
@@ -139,7 +144,8 @@ def test_predict_and_eval_take_the_same_filters(recsys_bin, repository, tmp_path
     first = out[0]["item_ids"]
     assert len(first) == 10 and set(first) <= sets["category=shoes"] & sets["region=EU"]
     assert not set(out[1]["item_ids"]) & sets["age_rating=adult"]
-    assert "category=nope" in out[2]["error"] and out[2]["user"] == 3
+    assert "colour" in out[2]["error"] and out[2]["user"] == 3
+    assert out[3]["item_ids"] == [] and out[3]["user"] == 4
 
     test_set = FIXTURES / "test_set.tsv"
     plain = json.loads(subprocess.run([str(recsys_bin), "eval", "--engine", str(engine_dir), "--test", str(test_set)],
@@ -151,8 +157,8 @@ def test_predict_and_eval_take_the_same_filters(recsys_bin, repository, tmp_path
     assert 0 < outside < plain["metrics"]["n_users"]
     assert page["metrics"]["n_users"] == plain["metrics"]["n_users"] - outside
     bad = subprocess.run([str(recsys_bin), "eval", "--engine", str(engine_dir), "--test", str(test_set),
-                          "--include-item-sets", "category=nope"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "category=nope" in bad.stderr
+                          "--include-item-sets", "colour=nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "colour=nope" in bad.stderr
 
 
 def test_the_python_package_filters_as_the_server_does(http, repository):
@@ -167,10 +173,13 @@ def test_the_python_package_filters_as_the_server_does(http, repository):
         assert ids[row].tolist() == result.as_numpy("TOP_ITEM_IDS")[0].tolist()
         np.testing.assert_array_equal(scores[row], result.as_numpy("TOP_SCORES")[0])
     # One list per history in predict; a bad name is that history's error, the others answer.
-    got, _, _, errors = engine.predict(histories, include_sets=[["category=toys"], ["category=nope"]])
+    got, _, _, errors = engine.predict(histories, include_sets=[["category=toys"], ["colour=red"]])
     toys = read_attributes(demo_attributes("multivae"))["category=toys"]
     assert set(got[0].tolist()) <= toys and len(got[0]) == 10 and errors[0] is None
-    assert "category=nope" in errors[1]
+    assert "colour=red" in errors[1]
+    # A value no item has is an empty set: that history is answered with nothing, not an error.
+    got, _, _, errors = engine.predict(histories, include_sets=[["category=toys"], ["category=nope"]])
+    assert errors == [None, None] and len(got[1]) == 0
     with pytest.raises(ValueError, match="3 lists for 2 histories"):
         engine.recommend(histories, include_sets=[["category=toys"]] * 3)
     with pytest.raises(ValueError, match="not one string"):

@@ -16,11 +16,13 @@ import struct
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from conftest import FIXTURES, convert
@@ -507,10 +509,28 @@ def test_concurrent_publishers_on_s3_get_distinct_versions(tmp_path, recsys_bin,
     assert listed["config_versions"] == [1]
 
 
+def manifest_restricted_flags(key: str) -> list[str]:
+    """The restricted-API flags of deploy/kubernetes/base/serving/deployment.yaml, with `key` in
+    place of the mounted key file's reference (which the preloaded library resolves in the pod)."""
+    import yaml  # noqa: PLC0415
+
+    from triton_harness import ROOT  # noqa: PLC0415
+
+    deployment = next(d for d in yaml.safe_load_all(
+        (ROOT / "deploy" / "kubernetes" / "base" / "serving" / "deployment.yaml").read_text()) if d)
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    flags = [a.replace("@file:/var/run/secrets/recsys-admin/key", key) for a in args
+             if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))]
+    assert len(flags) == 2, args
+    return flags
+
+
 def test_model_control_restricted_to_the_approvers_key(tmp_path, recsys_bin, backend_dir):
-    """tritonserver with its model-repository and model-config APIs restricted to a key (as the
-    manifests run it): an approve without the key is refused by the canary with nothing changed;
-    with RECSYS_TRITON_ADMIN_KEY (or _FILE, as the approver's Secret is mounted) it rolls out."""
+    """tritonserver with the manifests' restricted APIs (model repository, model config, logging,
+    trace, shared memory) behind a key: an approve without the key is refused by the canary with
+    nothing changed; with RECSYS_TRITON_ADMIN_KEY (or _FILE, as the approver's Secret is mounted)
+    it rolls out. A client without the key cannot raise the log level, trace requests or register
+    shared memory, and still gets its answers."""
     repo = tmp_path / "repo"
     convert(recsys_bin, "bert4rec", "bert4rec", "model.pt", tmp_path / "fp32")
     base = ["--repository", str(repo), "--model", "bert4rec"]
@@ -523,10 +543,44 @@ def test_model_control_restricted_to_the_approvers_key(tmp_path, recsys_bin, bac
 
     recsys("publish", "--approve", "--engine", str(tmp_path / "fp32"))
     recsys("publish", "--engine", str(tmp_path / "fp32"))
-    restricted = ["--http-restricted-api=model-repository,model-config:recsys-admin-key=s3cret"]
+    restricted = manifest_restricted_flags("s3cret")
     with TritonServer(repo, backend_dir, explicit=True, load_models=["bert4rec"],
                       log_path=tmp_path / "server.log", extra_args=restricted) as server:
         url = f"http://{server.http_url}"
+
+        def call(path: str, body: dict | None, key: str | None) -> int:
+            request = urllib.request.Request(f"{url}{path}", method="POST" if body is not None else "GET",
+                                             data=None if body is None else json.dumps(body).encode(),
+                                             headers={"recsys-admin-key": key} if key else {})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        operations = [("/v2/logging", {"log_verbose_level": 1}), ("/v2/logging", None),
+                      ("/v2/trace/setting", {"trace_rate": "1"}), ("/v2/trace/setting", None),
+                      ("/v2/systemsharedmemory/status", None),
+                      ("/v2/systemsharedmemory/region/x/register", {"key": "/x", "offset": 0, "byte_size": 8})]
+        for path, body in operations:
+            assert call(path, body, None) in (401, 403), path
+            assert call(path, body, "wrong") in (401, 403), path
+        assert call("/v2/logging", None, "s3cret") == 200
+        assert call("/v2/trace/setting", None, "s3cret") == 200
+        # gRPC: the restricted protocols want the key as `triton-grpc-protocol-<header>` metadata.
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        with pytest.raises(Exception, match="restricted"):
+            grpc.update_log_settings({"log_verbose_level": 1})
+        with pytest.raises(Exception, match="restricted"):
+            grpc.get_trace_settings()
+        allowed = {"triton-grpc-protocol-recsys-admin-key": "s3cret"}
+        assert grpc.get_log_settings(headers=allowed) is not None
+        # Inference, health and metadata stay open.
+        history = np.array([[10011403, 10011207]], dtype=np.int64)
+        inp = httpclient.InferInput("ITEM_IDS", [1, 2], "INT64")
+        inp.set_data_from_numpy(history)
+        assert httpclient.InferenceServerClient(server.http_url).infer("bert4rec", [inp]).as_numpy("TOP_ITEM_IDS").size
+        assert call("/v2/health/ready", None, None) == 200
         run = recsys("approve", "--version", "2", "--canary", url, expect=3)
         assert "recsys-admin-key" in run.stderr, run.stderr
         assert ready_versions(server) == ["1"]

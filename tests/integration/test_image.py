@@ -43,6 +43,9 @@ def test_the_image_serves_the_demo_model_as_the_pod_runs_it(tmp_path, recsys_bin
                                           check=True).stdout)[0]
     assert inspected["Config"]["User"] == "10001:10001", inspected["Config"]
     assert "/v2/health/live" in " ".join(inspected["Healthcheck"]["Test"]), "the image has no HEALTHCHECK"
+    # The image preloads the secret-arguments library itself: run without the manifests' env
+    # (below), tritonserver still gets the key from its file, never the public reference.
+    assert "LD_PRELOAD=/opt/tritonserver/lib/librecsys_secret_args.so" in inspected["Config"]["Env"], inspected
 
     repo = tmp_path / "repo"
     (repo / "bert4rec").mkdir(parents=True)
@@ -60,7 +63,7 @@ def test_the_image_serves_the_demo_model_as_the_pod_runs_it(tmp_path, recsys_bin
     (secrets / "key").chmod(0o444)
     # The manifests' flags (deploy/kubernetes/base/serving/deployment.yaml) but the ports, on the
     # host's loopback only; the key from its file through the preloaded library, as they run it.
-    restricted = "model-repository,model-config:recsys-admin-key=@file:/var/run/secrets/recsys-admin/key"
+    restricted = "model-repository,model-config,logging,trace,shared-memory:recsys-admin-key=@file:/var/run/secrets/recsys-admin/key"
     command = ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit",
                "--load-model=bert4rec", "--exit-on-error=false", "--strict-readiness=true",
                "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
@@ -73,7 +76,6 @@ def test_the_image_serves_the_demo_model_as_the_pod_runs_it(tmp_path, recsys_bin
                           "--tmpfs", "/tmp:rw,size=256m,mode=1777", "--tmpfs", "/models-cache:rw,size=256m,mode=1777",
                           "--volume", f"{repo}:/models:ro", "--env", f"HEALTH_PORT={http_port}",
                           "--volume", f"{secrets}:/var/run/secrets/recsys-admin:ro",
-                          "--env", "LD_PRELOAD=/opt/tritonserver/lib/librecsys_secret_args.so",
                           image, *command], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     try:

@@ -141,8 +141,8 @@ def test_the_pieces_fit_together(rendered):
     key_file = "/var/run/secrets/recsys-admin/key"
     for flag in ("--model-control-mode=explicit", "--model-repository=$(MODEL_REPOSITORY)",
                  "--exit-on-error=false", "--strict-readiness=true",
-                 f"--http-restricted-api=model-repository,model-config:recsys-admin-key=@file:{key_file}",
-                 f"--grpc-restricted-protocol=model-repository,model-config:recsys-admin-key=@file:{key_file}"):
+                 f"--http-restricted-api=model-repository,model-config,logging,trace,shared-memory:recsys-admin-key=@file:{key_file}",
+                 f"--grpc-restricted-protocol=model-repository,model-config,logging,trace,shared-memory:recsys-admin-key=@file:{key_file}"):
         assert flag in triton["args"], flag
     # The key comes from its file through the preloaded library, never through a shell into argv.
     assert triton["command"] == ["tritonserver"]
@@ -270,4 +270,82 @@ def test_the_autoscaling_metrics_are_ones_tritonserver_exports(server, http, ren
     for rule in adapter["rules"]:
         for series in re.findall(r"\b(nv_[a-z_]+)\{", rule["metricsQuery"] + rule["seriesQuery"]):
             assert re.search(rf"^{series}\{{", text, re.M), f"tritonserver exports no {series}"
+
+
+SELECTOR_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
+
+
+def render_at(commit: str, out: Path) -> Path:
+    """Every variant of deploy/kubernetes as it was at `commit`, rendered by the same kustomize."""
+    have = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    assert have.returncode == 0, (f"commit {commit} is not in this clone: the upgrade check needs the history "
+                                  f"back to it (a clone without --depth)")
+    tree = out / "tree"
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "deploy/kubernetes"], capture_output=True,
+                             check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=60)
+    kubectl = ROOT / ".venv" / "bin" / "kubectl"
+    rendered = out / "rendered"
+    rendered.mkdir()
+    variants = {"server": "base", "server-aws-keys": "overlays/aws-keys",
+                "server-workload-identity": "overlays/workload-identity", "server-gpu": "overlays/gpu",
+                "batch-job": "overlays/batch-job", "monitoring": "overlays/monitoring"}
+    for name, folder in variants.items():
+        source = tree / "deploy" / "kubernetes" / folder
+        if source.is_dir():
+            run = subprocess.run([str(kubectl), "kustomize", str(source)], capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, f"{commit} {folder}: {run.stderr}"
+            (rendered / f"{name}.yaml").write_text(run.stdout)
+    return rendered
+
+
+def released_commit() -> str:
+    tags = subprocess.run(["git", "-C", str(ROOT), "tag", "--list", "v*", "--sort=-creatordate"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    if tags:
+        return tags[0]
+    lines = [line.strip() for line in (DEPLOY / "RELEASED").read_text().splitlines()]
+    return next(line for line in lines if line and not line.startswith("#"))
+
+
+def upgrade_problems(before: Path, after: Path) -> list[str]:
+    """What `kubectl apply` of `after` over an install of `before` would break: a selector of a
+    workload that exists in both that changed (immutable: the apply fails), and a Service whose
+    selector the running pods (`before`'s pod templates) no longer match (it would empty until
+    new pods replace them)."""
+    problems = []
+    for path in sorted(before.glob("*.yaml")):
+        if not (after / path.name).exists():
+            continue
+        old, new = documents(path), documents(after / path.name)
+        old_pods = [doc["spec"]["template"]["metadata"].get("labels", {})
+                    for (kind, _), doc in old.items() if kind in SELECTOR_KINDS]
+        for key, doc in new.items():
+            kind, name = key
+            if kind in SELECTOR_KINDS and key in old:
+                if old[key]["spec"].get("selector") != doc["spec"].get("selector"):
+                    problems.append(f"{path.stem}: {kind}/{name} selector {old[key]['spec'].get('selector')} -> "
+                                    f"{doc['spec'].get('selector')}")
+            if kind == "Service" and key in old and doc["spec"].get("selector"):
+                selector = doc["spec"]["selector"]
+                if not any(all(labels.get(k) == v for k, v in selector.items()) for labels in old_pods):
+                    problems.append(f"{path.stem}: Service/{name} selects {selector}, which no running pod has")
+    return problems
+
+
+def test_an_upgrade_from_the_released_manifests_keeps_every_selector(tmp_path, rendered):
+    """`kubectl apply -k` of HEAD over an install of the last release must not fail on an
+    immutable selector nor leave a Service selecting no running pod."""
+    before = render_at(released_commit(), tmp_path / "released")
+    assert upgrade_problems(before, rendered) == []
+
+
+def test_the_upgrade_check_catches_the_selector_change_that_broke_upgrades(tmp_path, rendered):
+    """The change of 7ea70c9 (the traffic Deployment's selector gained recsys.io/role: traffic)
+    is what the check above refuses: rendered from the commit before it, HEAD is no upgrade."""
+    before = render_at("92a5f969c6e85d373cf13d3ae185b34018f3aba6", tmp_path / "before-7ea70c9")
+    problems = upgrade_problems(before, rendered)
+    assert any("Deployment/recsys-triton selector" in p and "recsys.io/role" in p for p in problems), problems
+    assert any("Service/recsys-triton selects" in p for p in problems), problems
 
