@@ -66,7 +66,7 @@ def test_the_fault_hooks_are_absent_from_the_shipped_build(recsys_bin, chaos_bin
 @pytest.mark.parametrize("seed", range(1, SEEDS + 1))
 def test_the_release_path_keeps_its_invariants_under_faults(seed, tmp_path, chaos_bin, backend_dir, store, engines):
     outcome = Simulation(seed, tmp_path, chaos_bin, backend_dir, store, engines).run()
-    report = json.dumps(outcome.to_json(), indent=1)
+    report = json.dumps(outcome.to_json(), indent=1) + f"\nreplay: scripts/chaos.sh --seed {seed}"
     print(report)
     assert outcome.violations == [], report
     assert sum(outcome.faults.values()) > 0, report
