@@ -13,28 +13,28 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
 static STDERR_CLOSED: AtomicBool = AtomicBool::new(false);
 
-/// Writes one line of the report to stdout; a write error (the reader left) drops this line and
-/// every later one.
-pub fn line(text: std::fmt::Arguments<'_>) {
-    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+/// Writes one line to `stream` unless it was found closed; a write error marks it closed, so this
+/// line and every later one are dropped.
+fn write_line(mut stream: impl Write, closed: &AtomicBool, text: std::fmt::Arguments<'_>) {
+    if closed.load(Ordering::Relaxed) {
         return;
     }
-    let mut out = std::io::stdout().lock();
-    if writeln!(out, "{text}").and_then(|()| out.flush()).is_err() {
-        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+    if writeln!(stream, "{text}")
+        .and_then(|()| stream.flush())
+        .is_err()
+    {
+        closed.store(true, Ordering::Relaxed);
     }
 }
 
-/// Writes one line to stderr (a note, a warning, the error the command ends with); a write error
-/// drops this line and every later one, as for stdout.
+/// Writes one line of the report to stdout (see [`write_line`]).
+pub fn line(text: std::fmt::Arguments<'_>) {
+    write_line(std::io::stdout().lock(), &STDOUT_CLOSED, text);
+}
+
+/// Writes one line to stderr (a note, a warning, the error the command ends with), as for stdout.
 pub fn note(text: std::fmt::Arguments<'_>) {
-    if STDERR_CLOSED.load(Ordering::Relaxed) {
-        return;
-    }
-    let mut err = std::io::stderr().lock();
-    if writeln!(err, "{text}").and_then(|()| err.flush()).is_err() {
-        STDERR_CLOSED.store(true, Ordering::Relaxed);
-    }
+    write_line(std::io::stderr().lock(), &STDERR_CLOSED, text);
 }
 
 /// `eprintln!` for the command's notes and errors: never panics on a closed stderr.
