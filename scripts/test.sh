@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 logs=$(mktemp -d)
+# Each stage's line says how long the run has taken so far: CI's budget is an hour, and the stage
+# that grows is the one to look at.
+stage() { printf '==> [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 trap 'rm -rf "$logs"' EXIT
 # Sums the "N <word>" counts ($2: passed, failed, error) on the summary lines ($3, a regex) of log $1.
 count() {
@@ -15,6 +18,7 @@ count() {
   echo "${n:-0}"
 }
 
+stage "Python environment (scripts/python-env.sh)"
 ./scripts/python-env.sh
 # The CUDA emulation tests compile the kernel sources as host C++.
 if ! command -v "${RECSYS_CXX:-c++}" >/dev/null; then
@@ -44,19 +48,19 @@ fi
 # The kernel tests run on every ISA the CPU has; here the AVX2 path must be among them.
 export REQUIRE_AVX2=1
 
-echo "==> cargo fmt --check"
+stage "cargo fmt --check"
 cargo fmt --all -- --check
-echo "==> cargo clippy -D warnings"
+stage "cargo clippy -D warnings"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo clippy --locked -p recsys-registry -p recsys-cli --features recsys-cli/fault-injection --all-targets -- -D warnings
 
-echo "==> cargo test"
+stage "cargo test"
 rust_status=0
 cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log" || rust_status=$?
-echo "==> PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
+stage "PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
 RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity --test sequential_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
-echo "==> CUDA kernels: NVRTC compile for sm_80 and sm_90, ptxas spill check, clean load errors (no GPU needed)"
+stage "CUDA kernels: NVRTC compile for sm_80 and sm_90, ptxas spill check, clean load errors (no GPU needed)"
 # The spill check runs on NVRTC 12.6 (the oldest 12.x the CUDA 12 build takes), 12.9 (the newest
 # 12.x) and, with the GPU bundle's CUDA 13 build, 13.0 (the GPU machine's toolkit); each run checks
 # that the NVRTC it opened is the one named.
@@ -69,7 +73,7 @@ LD_LIBRARY_PATH="$PWD/.venv/cuda-12.9/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-}
 cargo clippy --locked -p recsys-gpu -p recsys-backend -p recsys-python --features recsys-gpu/cuda-12,recsys-backend/cuda,recsys-python/cuda-12 --all-targets -- -D warnings
 cargo clippy --locked -p recsys-gpu -p recsys-backend -p recsys-python --features recsys-gpu/cuda-13,recsys-backend/cuda-13,recsys-python/cuda-13 --all-targets -- -D warnings
 
-echo "==> GPU bundle (CUDA 13): build, size budget, dry run; the spill check on NVRTC 13.0 from its binary"
+stage "GPU bundle (CUDA 13): build, size budget, dry run; the spill check on NVRTC 13.0 from its binary"
 ./scripts/gpu-bundle.sh build/gpu-bundle --cuda 13
 rm -rf build/gpu-bundle-dry-run
 build/gpu-bundle/run.sh --dry-run build/gpu-bundle-dry-run 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
@@ -79,17 +83,17 @@ LD_LIBRARY_PATH="$PWD/.venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
   RECSYS_PTXAS=$PWD/.venv/cuda-13.0/nvidia/cu13/bin/ptxas RECSYS_EXPECT_NVRTC=13.0 \
   build/gpu-bundle-unpacked/bin/nvrtc_compile --nocapture 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
-echo "==> Dockerfile lint"
+stage "Dockerfile lint"
 .venv/bin/hadolint docker/Dockerfile docker/Dockerfile.cpu
 
-echo "==> fuzz smoke (15 s per target; fuzz/run.sh 600 is the long run)"
+stage "fuzz smoke (15 s per target; fuzz/run.sh 600 is the long run)"
 fuzz/run.sh 15
 
-echo "==> the README's main command, in --check mode (builds, converts, serves, runs the examples, stops)"
+stage "the README's main command, in --check mode (builds, converts, serves, runs the examples, stops)"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 HTTP_PORT=$(free_port) GRPC_PORT=$(free_port) METRICS_PORT=$(free_port) ./scripts/serve.sh --check
 
-echo "==> integration tests against the real tritonserver"
+stage "integration tests against the real tritonserver"
 # The backend under test is built with the test-only panic trigger, into its own backend directory.
 cargo build --release --locked -p recsys-backend --features recsys-backend/panic-trigger
 mkdir -p build/test-backends/recsys
@@ -112,7 +116,7 @@ rm -rf build/wheels
 wheel=$(PYTHON=.venv/bin/python scripts/build-wheel.sh build/wheels)
 .venv/bin/pip install --quiet --force-reinstall --no-deps "$wheel"
 py_status=0
-.venv/bin/pytest tests/integration -q -p no:cacheprovider 2>&1 | tee "$logs/py.log" || py_status=$?
+.venv/bin/pytest tests/integration -q -p no:cacheprovider --durations=30 2>&1 | tee "$logs/py.log" || py_status=$?
 # Leave the serving build of the backend in place for scripts/serve.sh and the benchmarks.
 cargo build --release --locked -p recsys-backend >/dev/null 2>&1 || true
 
@@ -122,6 +126,7 @@ py_passed=$(count "$logs/py.log" passed '(passed|failed|error).* in [0-9.]+s')
 py_failed=$(count "$logs/py.log" failed '(passed|failed|error).* in [0-9.]+s')
 py_errors=$(count "$logs/py.log" error '(passed|failed|error).* in [0-9.]+s')
 echo
+stage "done"
 echo "rust: ${rust_passed} passed, ${rust_failed} failed; integration: ${py_passed} passed, $((py_failed + py_errors)) failed"
 echo "all: $((rust_passed + py_passed)) passed, $((rust_failed + py_failed + py_errors)) failed"
 if [[ $rust_status -ne 0 || $py_status -ne 0 ]]; then exit 1; fi
