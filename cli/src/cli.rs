@@ -158,6 +158,12 @@ pub struct ExportItemsArgs {
     /// vector column; both: all of them.
     #[arg(long, value_enum, default_value = "npy")]
     pub format: ItemTableFormat,
+    /// Add each item's input row (the `input_vector` column of the Parquet table): what a history
+    /// holding the item reads. Mult-VAE's differs from the vector; BERT4Rec, SASRec and GRU4Rec
+    /// tie the two. With it, the table is a catalogue delta for any model kind
+    /// (`recsys catalogue`).
+    #[arg(long)]
+    pub with_input_rows: bool,
     /// Replace existing files.
     #[arg(long)]
     pub force: bool,
@@ -835,6 +841,12 @@ pub struct PredictArgs {
     /// `exclude_item_sets` may name them (`stock=out`).
     #[arg(long, value_name = "SOURCE")]
     pub availability: Option<String>,
+    /// A catalogue delta to answer with, as the servers do: items added, replaced or retired
+    /// since the engine was converted (a Parquet table in the schema `recsys export-items
+    /// --format parquet --with-input-rows` writes, with an optional `op` column: upsert or
+    /// retire).
+    #[arg(long, value_name = "TABLE")]
+    pub catalogue: Option<PathBuf>,
     /// Scoring threads (default: the available cores); each scores whole batches, output order
     /// is kept.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]

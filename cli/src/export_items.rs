@@ -71,16 +71,25 @@ struct ItemTable<'a> {
     rows: usize,
     /// Values per row: the embedding's d, then the bias.
     columns: usize,
+    /// Values per input row, when the table carries them (`--with-input-rows`).
+    input_columns: Option<usize>,
 }
 
 impl<'a> ItemTable<'a> {
-    fn new(engine: &'a Engine) -> Self {
+    fn new(engine: &'a Engine, with_input_rows: bool) -> Self {
         let output = engine.model.output();
         ItemTable {
             engine,
             rows: output.n_outputs() - 1,
             columns: output.input_size() + 1,
+            input_columns: with_input_rows.then(|| engine.model.input_rows().cols()),
         }
+    }
+
+    /// Item `r + 1`'s input row into `row` (`input_columns` long).
+    fn input_row_into(&self, r: usize, row: &mut [f32]) {
+        row.iter_mut().for_each(|v| *v = 0.0);
+        self.engine.model.input_rows().add_row_into(r + 1, row);
     }
 
     /// Row `r` (item `r + 1`: item 0 is PAD, never an item) into `row` (`columns` long).
@@ -203,16 +212,30 @@ fn write_parquet(table: &ItemTable<'_>, path: &Path, precision: &str) -> Result<
         ),
         ("recsys.precision".to_string(), precision.to_string()),
     ];
+    let input_columns = table
+        .input_columns
+        .map(|c| {
+            i32::try_from(c)
+                .map_err(|_| CliError::Input(format!("{c} input columns do not fit Arrow")))
+        })
+        .transpose()?;
+    let mut fields = vec![
+        Field::new("item_id", id_type, false),
+        Field::new(
+            "vector",
+            DataType::FixedSizeList(Arc::clone(&value_field), columns),
+            false,
+        ),
+    ];
+    if let Some(input_columns) = input_columns {
+        fields.push(Field::new(
+            "input_vector",
+            DataType::FixedSizeList(Arc::clone(&value_field), input_columns),
+            false,
+        ));
+    }
     let schema = Arc::new(
-        Schema::new(vec![
-            Field::new("item_id", id_type, false),
-            Field::new(
-                "vector",
-                DataType::FixedSizeList(Arc::clone(&value_field), columns),
-                false,
-            ),
-        ])
-        .with_metadata(
+        Schema::new(fields).with_metadata(
             metadata
                 .into_iter()
                 .collect::<std::collections::HashMap<_, _>>(),
@@ -264,8 +287,25 @@ fn write_parquet(table: &ItemTable<'_>, path: &Path, precision: &str) -> Result<
                 None,
             )
             .map_err(arrow_error)?;
-            let batch = RecordBatch::try_new(Arc::clone(&schema), vec![ids, Arc::new(vectors)])
-                .map_err(arrow_error)?;
+            let mut arrays: Vec<ArrayRef> = vec![ids, Arc::new(vectors)];
+            if let (Some(width), Some(input_columns)) = (table.input_columns, input_columns) {
+                let mut input = vec![0f32; width];
+                let mut values = Vec::with_capacity((end - start) * width);
+                for r in start..end {
+                    table.input_row_into(r, &mut input);
+                    values.extend_from_slice(&input);
+                }
+                arrays.push(Arc::new(
+                    FixedSizeListArray::try_new(
+                        Arc::clone(&value_field),
+                        input_columns,
+                        Arc::new(Float32Array::from(values)),
+                        None,
+                    )
+                    .map_err(arrow_error)?,
+                ));
+            }
+            let batch = RecordBatch::try_new(Arc::clone(&schema), arrays).map_err(arrow_error)?;
             writer.write(&batch).map_err(parquet_error)?;
         }
         writer.close().map_err(parquet_error)?;
@@ -287,6 +327,13 @@ pub fn run(args: &ExportItemsArgs) -> Result<i32> {
     if parquet {
         targets.push(&paths.parquet);
     }
+    if args.with_input_rows && !parquet {
+        return Err(CliError::Usage(
+            "--with-input-rows adds the input_vector column of the Parquet table; pass --format \
+             parquet (or both)"
+                .into(),
+        ));
+    }
     for path in &targets {
         if path.exists() && !args.force {
             return Err(CliError::Usage(format!(
@@ -296,7 +343,7 @@ pub fn run(args: &ExportItemsArgs) -> Result<i32> {
         }
     }
     let engine = Engine::load(&args.engine)?;
-    let table = ItemTable::new(&engine);
+    let table = ItemTable::new(&engine, args.with_input_rows);
     let precision = serde_json::to_value(engine.manifest.precision)
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
@@ -314,6 +361,7 @@ pub fn run(args: &ExportItemsArgs) -> Result<i32> {
         "parquet": parquet.then_some(&paths.parquet),
         "items": table.rows,
         "columns": table.columns,
+        "input_columns": table.input_columns,
         "precision": engine.manifest.precision,
     });
     if args.json {

@@ -4,6 +4,7 @@
 
 mod attributes;
 mod availability;
+mod catalogue_table;
 mod cli;
 mod convert;
 mod error;

@@ -140,6 +140,19 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
         ));
     }
     let mut engine = Engine::load(&args.engine)?;
+    if let Some(table) = &args.catalogue {
+        let delta = crate::catalogue_table::read_delta(table)?;
+        engine = engine.with_catalogue(&delta)?;
+        let summary = engine.catalogue().expect("just applied");
+        tell!(
+            "predict: catalogue {}: {} item(s) added, {} replaced, {} retired ({} items in all)",
+            table.display(),
+            summary.added,
+            summary.replaced,
+            summary.retired,
+            engine.n_items()
+        );
+    }
     if args.timeline {
         if engine.why_no_prefix_cache().is_none() {
             // Each event's state carried to the next: a timeline of n events computes n steps.

@@ -142,6 +142,17 @@ impl ModelConfig {
         }
     }
 
+    /// The same model over a catalogue of `n_items` items (a catalogue delta adds items).
+    pub fn with_n_items(&self, n_items: usize) -> ModelConfig {
+        let mut config = self.clone();
+        match &mut config {
+            ModelConfig::Bert4rec(c) | ModelConfig::Sasrec(c) => c.n_items = n_items,
+            ModelConfig::Vaecf(c) => c.n_items = n_items,
+            ModelConfig::Gru4rec(c) => c.n_items = n_items,
+        }
+        config
+    }
+
     /// The most recent history items the model reads (`None`: all of them, as a set).
     pub fn history_window(&self) -> Option<usize> {
         match self {

@@ -1,7 +1,9 @@
 //! The serving API: external ids in, top-k external ids and scores out.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use crate::catalogue::{CatalogueDelta, CatalogueSummary};
 use crate::config::ModelKind;
 use crate::engine_dir::{self, Manifest, Screen};
 use crate::error::{EngineError, Result};
@@ -128,6 +130,18 @@ pub struct Engine {
     /// Per batch size, how many of the scorer's threads a call uses (see
     /// [`Engine::plan_threads`]); `None`: all of them.
     thread_plan: Option<crate::plan::ThreadPlan>,
+    /// The engine as converted: what a catalogue delta applies to ([`Engine::with_catalogue`]).
+    converted: Arc<Converted>,
+    /// The catalogue delta in force (`None`: the catalogue as converted).
+    catalogue: Option<CatalogueSummary>,
+}
+
+/// What a catalogue delta is applied to: the engine's stored tensors (mapped, not copied), ids
+/// and item sets as converted. Every delta applies to these, never to another delta.
+struct Converted {
+    weights: crate::weights::Weights,
+    ids: IdMap,
+    item_sets: crate::item_sets::ItemSets,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -219,6 +233,11 @@ impl Engine {
         let loaded = engine_dir::load_with(dir, options)?;
         let packed = packed_output(&loaded)?;
         let screen = screen_table(&loaded)?;
+        let converted = Arc::new(Converted {
+            weights: loaded.weights.clone(),
+            ids: loaded.ids.clone(),
+            item_sets: loaded.item_sets.clone(),
+        });
         let filters = Filters::new(loaded.item_sets, loaded.model.output().n_outputs());
         let popularity = loaded.popularity;
         Ok(Engine {
@@ -239,7 +258,74 @@ impl Engine {
             bf16_path_plan: None,
             row_block_plan: None,
             thread_plan: None,
+            converted,
+            catalogue: None,
         })
+    }
+
+    /// This engine with `delta` as its catalogue: the engine conversion would have built with
+    /// those rows (see [`crate::catalogue`]), on the same kernels, threads and plans. The delta
+    /// replaces whatever delta this engine had (it holds every change since conversion). A delta
+    /// that cannot apply is refused, naming the item, and this engine is untouched. The new
+    /// engine has no prefix cache: the caller sets one (its states were computed from the rows
+    /// in force).
+    pub fn with_catalogue(&self, delta: &CatalogueDelta) -> Result<Engine> {
+        let converted = &self.converted;
+        let applied = crate::catalogue::apply(
+            &self.manifest.model,
+            &converted.weights,
+            &converted.ids,
+            delta,
+        )?;
+        let mut model = Model::from_tensors(&applied.config, &applied.weights)?;
+        if self.manifest.static_dense_activations() {
+            let scales = self
+                .manifest
+                .dense_activation_scales()
+                .map_err(EngineError::Config)?;
+            model.set_static_activation_scales(&scales)?;
+        }
+        model.set_kernels(self.model.kernels());
+        let out = model.output();
+        let mut packed = out.weight.pack(out.bias.as_slice());
+        if let Some(scale) = self.scorer.packed.activation_scale {
+            packed = packed.with_static_activation_scale(scale);
+        }
+        let screen = self.scorer.screen.is_some().then(|| screen_of(out));
+        let n_outputs = out.n_outputs();
+        let filters = Filters::retiring(
+            converted.item_sets.grown(n_outputs),
+            n_outputs,
+            &applied.retired,
+        );
+        let mut manifest = self.manifest.clone();
+        manifest.model = applied.config;
+        Ok(Engine {
+            manifest,
+            model,
+            ids: applied.ids,
+            path: self.path.clone(),
+            scorer: Scorer {
+                packed,
+                screen,
+                kernels: self.scorer.kernels,
+                threads: self.scorer.threads,
+            },
+            filters,
+            popularity: self.popularity.clone(),
+            prefix_cache: None,
+            screen_plan: self.screen_plan.clone(),
+            bf16_path_plan: self.bf16_path_plan.clone(),
+            row_block_plan: self.row_block_plan.clone(),
+            thread_plan: self.thread_plan.clone(),
+            converted: Arc::clone(converted),
+            catalogue: Some(applied.summary),
+        })
+    }
+
+    /// The catalogue delta in force (`None`: the catalogue as converted).
+    pub fn catalogue(&self) -> Option<&CatalogueSummary> {
+        self.catalogue.as_ref()
     }
 
     /// Chooses, per batch size, between a screened engine's int8 screen and its plain scan (the
@@ -810,7 +896,8 @@ impl Engine {
             Some(filter) if !filter.is_empty() => {
                 Some(view.resolve(filter).map_err(EngineError::InvalidRequest)?)
             }
-            _ => None,
+            // Every item, or every item a catalogue delta has not retired.
+            _ => view.unfiltered(),
         };
         let mut unknown_candidates = 0;
         let candidates = match request.candidates {

@@ -60,6 +60,10 @@ pub enum EngineError {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
 
+    /// A catalogue delta that cannot apply to the engine; the message names the item and why.
+    #[error("catalogue delta: {0}")]
+    Catalogue(String),
+
     /// The device running the output layer (the GPU path) failed.
     #[error("output-layer device: {0}")]
     Device(String),

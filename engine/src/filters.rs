@@ -11,6 +11,10 @@
 //! from both. A new object becomes a new view, swapped in whole ([`Filters::replace_availability`]);
 //! a batch takes the view once ([`Filters::view`]) and keeps it to its end, so no answer mixes two
 //! objects and no request waits for an update (the swap holds the lock for a pointer store).
+//!
+//! Items a live catalogue retired ([`crate::catalogue`]) are out of every mask a view resolves,
+//! and a request without a filter gets the mask of every item still offered
+//! ([`FilterView::unfiltered`]): no path returns a retired item.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -36,6 +40,8 @@ pub struct FilterView {
     waiting: Option<String>,
     /// Rows of the output layer, the length of every mask.
     mask_len: usize,
+    /// Every item still offered, when a catalogue delta retired some (`None`: none retired).
+    offered: Option<Arc<ItemMask>>,
     cache: Mutex<HashMap<ItemFilter, Arc<ItemMask>>>,
 }
 
@@ -45,14 +51,22 @@ impl FilterView {
         live: Option<Arc<Availability>>,
         waiting: Option<String>,
         mask_len: usize,
+        offered: Option<Arc<ItemMask>>,
     ) -> Self {
         FilterView {
             base,
             live,
             waiting,
             mask_len,
+            offered,
             cache: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The mask of a request without a filter: every item still offered when a catalogue delta
+    /// retired some, else `None` (every item: no mask to read).
+    pub fn unfiltered(&self) -> Option<Arc<ItemMask>> {
+        self.offered.clone()
     }
 
     /// The version of the availability object this view filters by (`None`: none is in force).
@@ -113,12 +127,16 @@ impl FilterView {
         }
         // Resolved outside the lock: another thread resolving the same filter meanwhile costs a
         // second resolution, never a wait behind this one.
-        let mask = Arc::new(resolve_with(
+        let mut mask = resolve_with(
             self.base.n_items(),
             |name| self.get(name),
             &key,
             self.mask_len,
-        )?);
+        )?;
+        if let Some(offered) = &self.offered {
+            mask.intersect(offered);
+        }
+        let mask = Arc::new(mask);
         let mut cache = lock();
         if cache.len() >= self.capacity() {
             // Filters in use come back within the next requests; dropping all at once keeps the
@@ -171,6 +189,8 @@ pub enum Replaced {
 pub struct Filters {
     base: Arc<ItemSets>,
     mask_len: usize,
+    /// Every item still offered, when some are retired ([`FilterView::unfiltered`]).
+    offered: Option<Arc<ItemMask>>,
     current: RwLock<Arc<FilterView>>,
     /// Serialises replacements, so two updates racing cannot both pass the version check.
     replacing: Mutex<()>,
@@ -178,16 +198,33 @@ pub struct Filters {
 
 impl Filters {
     pub fn new(sets: ItemSets, mask_len: usize) -> Self {
+        Filters::retiring(sets, mask_len, &[])
+    }
+
+    /// [`Filters::new`] with `retired` items (internal indices) out of every mask: a catalogue
+    /// delta's retirements.
+    pub fn retiring(sets: ItemSets, mask_len: usize, retired: &[u32]) -> Self {
         let base = Arc::new(sets);
+        let offered = (!retired.is_empty()).then(|| {
+            let mut offered = ItemMask::all(mask_len);
+            // PAD is never an item.
+            offered.remove(0);
+            for &i in retired {
+                offered.remove(i);
+            }
+            Arc::new(offered)
+        });
         Filters {
             current: RwLock::new(Arc::new(FilterView::new(
                 Arc::clone(&base),
                 None,
                 None,
                 mask_len,
+                offered.clone(),
             ))),
             base,
             mask_len,
+            offered,
             replacing: Mutex::new(()),
         }
     }
@@ -250,6 +287,7 @@ impl Filters {
             Some(Arc::new(availability)),
             None,
             self.mask_len,
+            self.offered.clone(),
         ));
         Ok(Replaced::Swapped {
             previous: previous.map(|a| a.version),
@@ -268,6 +306,7 @@ impl Filters {
             None,
             Some(why),
             self.mask_len,
+            self.offered.clone(),
         ));
     }
 }

@@ -258,6 +258,47 @@ impl IdMap {
         })
     }
 
+    /// This map followed by `new` ids (items N+1, N+2, ...), which must be of the map's id type
+    /// and not in it (a catalogue delta's new items).
+    pub fn appended(&self, new: &[ExternalId]) -> Result<IdMap, String> {
+        match &self.ids {
+            Ids::Int { by_index, .. } => {
+                let mut all = by_index.clone();
+                for id in new {
+                    match id {
+                        ExternalId::Int(i) => all.push(*i),
+                        ExternalId::Str(s) => {
+                            return Err(format!(
+                                "item id {s:?} is a string; this catalogue's ids are int64"
+                            ))
+                        }
+                    }
+                }
+                IdMap::from_int_ids(all)
+            }
+            Ids::Str { by_index, .. } => {
+                let mut all = by_index.clone();
+                all.extend(new.iter().map(|id| match id {
+                    ExternalId::Int(i) => i.to_string(),
+                    ExternalId::Str(s) => s.clone(),
+                }));
+                IdMap::from_string_ids(all)
+            }
+        }
+    }
+
+    /// The internal index of one external id (`None`: not an item).
+    pub fn index_of(&self, id: &ExternalId) -> Option<u32> {
+        match id {
+            ExternalId::Int(i) => self.index_of_int(*i),
+            ExternalId::Str(s) => match &self.ids {
+                // An int64 catalogue answers only ids that are integers, written exactly so.
+                Ids::Int { lookup, .. } => s.parse::<i64>().ok().and_then(|i| lookup.get(i)),
+                Ids::Str { lookup, .. } => lookup.get(s.as_str()).copied(),
+            },
+        }
+    }
+
     pub fn len(&self) -> usize {
         match &self.ids {
             Ids::Int { by_index, .. } => by_index.len(),

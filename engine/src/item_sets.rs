@@ -267,6 +267,15 @@ impl ItemSets {
         self.columns.contains_key(column)
     }
 
+    /// The same sets over a catalogue grown to `items` internal indices (PAD included): items
+    /// added after conversion belong to no set.
+    pub fn grown(&self, items: usize) -> ItemSets {
+        ItemSets {
+            items: items.max(self.items),
+            columns: self.columns.clone(),
+        }
+    }
+
     /// Internal indices the sets index (`0 ..`, PAD included).
     pub fn n_items(&self) -> usize {
         self.items

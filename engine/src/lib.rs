@@ -6,6 +6,7 @@
 
 pub mod availability;
 pub mod calibration;
+pub mod catalogue;
 pub mod config;
 pub mod convert;
 pub mod convert_options;

@@ -71,6 +71,23 @@ impl OutputLayer {
     }
 }
 
+/// Where a model keeps its rows of each item, by stored tensor name: what a catalogue delta
+/// edits ([`crate::catalogue`]). Row `i` of each table is item `i` (0 is PAD).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ItemTensors {
+    /// The output layer's weight, `[N+1 + trailing_rows, d]`.
+    pub output: String,
+    /// The output layer's bias, `[N+1]`; `None` where the model scores without one (SASRec,
+    /// GRU4Rec: zero).
+    pub output_bias: Option<String>,
+    /// The table a history reads an item's input row from, where it is not the output weight
+    /// (Mult-VAE's first encoder layer by item); `None`: input and output rows are one row.
+    pub input: Option<String>,
+    /// Rows after the items in the output weight's table: BERT4Rec's mask token, which stays the
+    /// table's last row as items are added.
+    pub trailing_rows: usize,
+}
+
 /// Sees the input of every dense layer as a model runs (by the layer's weight prefix): how
 /// calibration measures each layer's activations on the model as it is served.
 pub type ActivationObserver<'a> = &'a mut dyn FnMut(&str, &[f32]);
@@ -361,6 +378,21 @@ impl Model {
         }
     }
 
+    /// Where the model keeps its per-item rows ([`ItemTensors`]).
+    pub fn item_tensors(config: &ModelConfig) -> ItemTensors {
+        let tied = |output_bias: Option<&str>, trailing_rows| ItemTensors {
+            output: "item_embedding.weight".into(),
+            output_bias: output_bias.map(str::to_string),
+            input: None,
+            trailing_rows,
+        };
+        match config {
+            ModelConfig::Bert4rec(_) => tied(Some("output_bias"), 1),
+            ModelConfig::Sasrec(_) | ModelConfig::Gru4rec(_) => tied(None, 0),
+            ModelConfig::Vaecf(c) => vaecf::item_tensors(c),
+        }
+    }
+
     /// The 2-D weights that `--precision fp16|int8` stores at that precision.
     pub fn quantizable(config: &ModelConfig) -> Vec<String> {
         match config {
@@ -645,6 +677,17 @@ impl Model {
             Model::Sasrec(m) => ModelView::Sasrec(m.view()),
             Model::Vaecf(m) => ModelView::Vaecf(m.view()),
             Model::Gru4rec(m) => ModelView::Gru4rec(m.view()),
+        }
+    }
+
+    /// The table of the items' input rows, `[N+1(+1), width]`: what a history holding an item
+    /// reads (Mult-VAE's first encoder layer by item; the item embedding, which is also the output
+    /// layer's weight, for the others).
+    pub fn input_rows(&self) -> &Matrix {
+        match self {
+            Model::Bert4rec(m) | Model::Sasrec(m) => m.view().item_embedding,
+            Model::Vaecf(m) => m.view().first_by_item,
+            Model::Gru4rec(m) => m.view().item_embedding,
         }
     }
 

@@ -75,6 +75,19 @@ pub(super) fn quantizable(c: &VaeCfConfig) -> Vec<String> {
         .collect()
 }
 
+/// The decoder's last layer scores the items; the first encoder layer, stored by item, holds
+/// their input rows.
+pub(super) fn item_tensors(c: &VaeCfConfig) -> super::ItemTensors {
+    let (_, decoder) = layer_shapes(c);
+    let (last, _) = decoder.last().expect("the decoder has an output layer");
+    super::ItemTensors {
+        output: format!("{last}.weight"),
+        output_bias: Some(format!("{last}.bias")),
+        input: Some(FIRST_LAYER_BY_ITEM.to_string()),
+        trailing_rows: 0,
+    }
+}
+
 pub(super) fn engine_tensors(c: &VaeCfConfig, ckpt: &Checkpoint) -> Result<Vec<(String, Tensor)>> {
     let (encoder, decoder) = layer_shapes(c);
     let mut out = Vec::new();

@@ -1,0 +1,485 @@
+//! A live catalogue against engines converted with the same rows: items cut out of each fixture
+//! checkpoint (all four families) and given back as a catalogue delta must answer as the engine
+//! converted from the whole checkpoint, plain, quantized and screened; retired items are never
+//! returned and every other answer stays the full engine's.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::{config_json, fixtures, model_dir, Precision};
+use recsys_engine::catalogue::{CatalogueDelta, ItemOp, ItemRow};
+use recsys_engine::engine_dir::Screen;
+use recsys_engine::idmap::{ExternalId, ExternalIds};
+use recsys_engine::models::ModelView;
+use recsys_engine::request::{Request, ServeOptions};
+use recsys_engine::{Engine, ModelKind};
+
+const KINDS: [ModelKind; 4] = [
+    ModelKind::Bert4rec,
+    ModelKind::Vaecf,
+    ModelKind::Sasrec,
+    ModelKind::Gru4rec,
+];
+
+/// Largest relative difference between a score of the engine with a delta and the converted
+/// engine's where the two do not add in the same order: Mult-VAE sums a history's input rows in
+/// index order (blocked by index, for the cache), and a new item's index is after every
+/// converted item. Float engines: f32 rounding of a 600-wide sum of a few rows (measured up to
+/// 6.1e-7).
+const VAECF_REL_TOL: f32 = 1e-6;
+/// The same for an int8 Mult-VAE, whose dense layers quantize their input per row at run time:
+/// a last-bit change of one activation can move its int8 level (measured up to 1.2e-5).
+const VAECF_INT8_REL_TOL: f32 = 5e-5;
+
+/// Items of the 2,000 cut out of each checkpoint: spread over the catalogue, first and last
+/// included.
+fn cut_indices() -> Vec<usize> {
+    let mut cut: Vec<usize> = (1..=2000).step_by(37).collect();
+    cut.push(2000);
+    cut
+}
+
+/// The fixture checkpoint of `kind` with the items at `cut` (internal indices) removed: every
+/// tensor dimension over the items (N+1 rows, or N+2 with BERT4Rec's mask token) loses those
+/// entries, the item map loses their lines and the config its count of them. Returns the
+/// checkpoint, config and item map written under `dir`.
+fn cut_checkpoint(
+    kind: ModelKind,
+    cut: &[usize],
+    dir: &Path,
+) -> (PathBuf, serde_json::Map<String, serde_json::Value>, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let n = 2000usize;
+    let bytes = std::fs::read(model_dir(kind).join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in tensors.tensors() {
+        assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+        let shape = view.shape().to_vec();
+        let values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (mut shape, mut values) = (shape, values);
+        for axis in 0..shape.len() {
+            if shape[axis] != n + 1 && shape[axis] != n + 2 {
+                continue;
+            }
+            let outer: usize = shape[..axis].iter().product();
+            let inner: usize = shape[axis + 1..].iter().product();
+            let mut kept = Vec::with_capacity(values.len());
+            for o in 0..outer {
+                for i in 0..shape[axis] {
+                    if cut.binary_search(&i).is_ok() {
+                        continue;
+                    }
+                    let at = (o * shape[axis] + i) * inner;
+                    kept.extend_from_slice(&values[at..at + inner]);
+                }
+            }
+            shape[axis] -= cut.len();
+            values = kept;
+        }
+        out.push((
+            name.to_string(),
+            shape,
+            bytemuck::cast_slice(&values).to_vec(),
+        ));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = out
+        .iter()
+        .map(|(name, shape, data)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let checkpoint = dir.join("model.safetensors");
+    std::fs::write(&checkpoint, safetensors::serialize(views, &None).unwrap()).unwrap();
+
+    let map = std::fs::read_to_string(model_dir(kind).join("item_id_map.tsv")).unwrap();
+    let mut lines = vec!["internal_index\texternal_item_id".to_string()];
+    for line in map.lines() {
+        let Some((index, id)) = line.split_once('\t') else {
+            continue;
+        };
+        let Ok(index) = index.parse::<usize>() else {
+            continue;
+        };
+        if cut.binary_search(&index).is_err() {
+            lines.push(format!("{}\t{id}", lines.len()));
+        }
+    }
+    let item_map = dir.join("item_id_map.tsv");
+    std::fs::write(&item_map, lines.join("\n") + "\n").unwrap();
+
+    let mut config = config_json(kind);
+    let kept = (n - cut.len()) as u64;
+    for (key, value) in [
+        ("n_real_items", kept),
+        ("recbole_n_items", kept + 1),
+        ("input_dim", kept + 1),
+        ("mask_index", kept + 1),
+        ("item_embedding_rows", kept + 2),
+    ] {
+        if config.contains_key(key) {
+            config.insert(key.to_string(), value.into());
+        }
+    }
+    (checkpoint, config, item_map)
+}
+
+fn convert(
+    kind: ModelKind,
+    checkpoint: &Path,
+    config: &serde_json::Map<String, serde_json::Value>,
+    item_map: &Path,
+    out: &Path,
+    precision: Precision,
+    screen: Screen,
+) -> Engine {
+    recsys_engine::convert(&recsys_engine::ConvertRequest {
+        kind: Some(kind),
+        checkpoint,
+        config: Some(config),
+        item_map: recsys_engine::ItemMapSource::Tsv(item_map),
+        out,
+        precision,
+        calibration: None,
+        screen,
+        w8a8_layers: Default::default(),
+        catalogue: Default::default(),
+    })
+    .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()))
+}
+
+/// The item's rows in `engine` as `recsys export-items --with-input-rows` writes them:
+/// `[embedding, bias]`, and the input row where the model has one of its own.
+fn rows_of(engine: &Engine, index: u32) -> (Vec<f32>, Option<Vec<f32>>) {
+    let output = engine.model.output();
+    let d = output.input_size();
+    let mut vector = vec![0f32; d + 1];
+    output.weight.add_row_into(index as usize, &mut vector[..d]);
+    vector[d] = output.bias.as_slice()[index as usize];
+    let input = match engine.model.view() {
+        ModelView::Vaecf(view) => {
+            let mut row = vec![0f32; view.first_by_item.cols()];
+            view.first_by_item.add_row_into(index as usize, &mut row);
+            Some(row)
+        }
+        _ => None,
+    };
+    (vector, input)
+}
+
+/// A delta of `op` rows for `ids`, with their rows in `source` (none for a bare retirement).
+fn delta_from(source: &Engine, ids: &[ExternalId], op: ItemOp, with_rows: bool) -> CatalogueDelta {
+    CatalogueDelta {
+        version: 1,
+        rows: ids
+            .iter()
+            .map(|id| {
+                let index = match id {
+                    ExternalId::Int(i) => source.ids.index_of_int(*i),
+                    ExternalId::Str(s) => source.ids.index_of_str(s),
+                }
+                .unwrap();
+                let (vector, input) = rows_of(source, index);
+                ItemRow {
+                    id: id.clone(),
+                    op,
+                    vector: with_rows.then_some(vector),
+                    input_vector: if with_rows { input } else { None },
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Every test-set history's top `k` from `engine`: external ids with scores, best first.
+fn answers(engine: &Engine, k: i64) -> Vec<Vec<(ExternalId, f32)>> {
+    let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    let histories: Vec<Vec<&str>> = cases
+        .iter()
+        .take(200)
+        .map(|c| c.history.iter().map(String::as_str).collect())
+        .collect();
+    let requests: Vec<Request<'_>> = histories
+        .iter()
+        .map(|h| Request {
+            history: ExternalIds::Str(h),
+            k: Some(k),
+            exclude: None,
+            candidates: None,
+            embedding: false,
+            filter: None,
+        })
+        .collect();
+    engine
+        .recommend(&requests, &ServeOptions::default())
+        .into_iter()
+        .map(|answer| {
+            answer
+                .unwrap()
+                .items
+                .iter()
+                .map(|s| (engine.external_id(s.index).unwrap(), s.score))
+                .collect()
+        })
+        .collect()
+}
+
+/// Asserts two answers are the same ranking: the same ids in the same order, except that items
+/// whose scores are within the tolerance (exact: equal bits) may come in either order, with
+/// scores within `rel_tol` relative (`None`: equal bits). Returns the largest relative score
+/// difference seen.
+fn assert_same_answers(
+    what: &str,
+    got: &[Vec<(ExternalId, f32)>],
+    want: &[Vec<(ExternalId, f32)>],
+    rel_tol: Option<f32>,
+) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let mut largest = 0f32;
+    let close = |a: f32, b: f32| match rel_tol {
+        None => a.to_bits() == b.to_bits(),
+        Some(tol) => (a - b).abs() <= tol * b.abs().max(1e-3),
+    };
+    for (row, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: history {row}: answer lengths");
+        for (rank, ((gid, gs), (wid, ws))) in g.iter().zip(w).enumerate() {
+            largest = largest.max((gs - ws).abs() / ws.abs().max(1e-3));
+            assert!(
+                close(*gs, *ws),
+                "{what}: history {row} rank {rank}: score {gs} vs {ws}"
+            );
+            if gid != wid {
+                // Only a tie (within the tolerance) may order two items differently.
+                let tied = w.iter().any(|(id, s)| id == gid && close(*s, *ws));
+                assert!(
+                    tied,
+                    "{what}: history {row} rank {rank}: {gid} (score {gs}) where the converted \
+                     engine has {wid} (score {ws})"
+                );
+            }
+        }
+    }
+    largest
+}
+
+/// Engines of the cut checkpoint plus its cut rows answer as engines of the whole checkpoint, at
+/// every precision and with the int8 screen.
+#[test]
+fn cut_items_given_back_as_a_delta_answer_as_the_converted_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cut = cut_indices();
+    for kind in KINDS {
+        let (checkpoint, config, item_map) =
+            cut_checkpoint(kind, &cut, &tmp.path().join(format!("{kind}-cut")));
+        let full_checkpoint = model_dir(kind).join("model.safetensors");
+        let full_config = config_json(kind);
+        let full_map = model_dir(kind).join("item_id_map.tsv");
+        let fp32_full = convert(
+            kind,
+            &full_checkpoint,
+            &full_config,
+            &full_map,
+            &tmp.path().join(format!("{kind}-full-fp32")),
+            Precision::Fp32,
+            Screen::None,
+        );
+        let cut_ids: Vec<ExternalId> = cut
+            .iter()
+            .map(|&i| fp32_full.external_id(i as u32).unwrap())
+            .collect();
+        // The rows as the model has them (the fp32 engine's): each precision stores them by its
+        // own rules, as conversion of the whole checkpoint did.
+        let delta = delta_from(&fp32_full, &cut_ids, ItemOp::Upsert, true);
+        for (variant, precision, screen) in [
+            ("fp32", Precision::Fp32, Screen::None),
+            ("fp16", Precision::Fp16, Screen::None),
+            ("bf16", Precision::Bf16, Screen::None),
+            ("int8", Precision::Int8, Screen::None),
+            ("fp32-screen", Precision::Fp32, Screen::Int8),
+        ] {
+            let full = convert(
+                kind,
+                &full_checkpoint,
+                &full_config,
+                &full_map,
+                &tmp.path().join(format!("{kind}-full-{variant}")),
+                precision,
+                screen,
+            );
+            let cut_engine = convert(
+                kind,
+                &checkpoint,
+                &config,
+                &item_map,
+                &tmp.path().join(format!("{kind}-cut-{variant}")),
+                precision,
+                screen,
+            );
+            assert_eq!(cut_engine.n_items(), 2000 - cut.len());
+            let with_delta = cut_engine.with_catalogue(&delta).unwrap();
+            assert_eq!(with_delta.n_items(), 2000, "{kind} {variant}");
+            let summary = with_delta.catalogue().unwrap();
+            assert_eq!(
+                (summary.added, summary.replaced, summary.retired),
+                (cut.len(), 0, 0)
+            );
+            // Mult-VAE adds a history's input rows in index order, which a new item changes.
+            let tolerance = match (kind, precision) {
+                (ModelKind::Vaecf, Precision::Int8) => Some(VAECF_INT8_REL_TOL),
+                (ModelKind::Vaecf, _) => Some(VAECF_REL_TOL),
+                _ => None,
+            };
+            let largest = assert_same_answers(
+                &format!("{kind} {variant}"),
+                &answers(&with_delta, 20),
+                &answers(&full, 20),
+                tolerance,
+            );
+            println!("{kind} {variant}: largest relative score difference {largest:e}");
+            // The cut engine alone answers differently: the comparison has teeth.
+            assert_ne!(
+                answers(&cut_engine, 20),
+                answers(&full, 20),
+                "{kind} {variant}"
+            );
+        }
+    }
+}
+
+/// Retired items leave every answer, and each other answer is the engine's own with them left
+/// out; replacing an item's rows with its own rows changes nothing.
+#[test]
+fn retired_items_are_never_returned_and_other_answers_stay() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in KINDS {
+        let engine = common::convert_fixture(
+            kind,
+            "model.safetensors",
+            &tmp.path().join(kind.to_string()),
+        );
+        let before = answers(&engine, 40);
+        // The items the engine recommends most: retiring them changes many answers.
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for answer in &before {
+            for (id, _) in answer.iter().take(5) {
+                *counts.entry(id.to_string()).or_default() += 1;
+            }
+        }
+        let mut popular: Vec<(usize, String)> = counts.into_iter().map(|(id, c)| (c, id)).collect();
+        popular.sort_unstable_by(|a, b| b.cmp(a));
+        let retired: Vec<ExternalId> = popular
+            .iter()
+            .take(5)
+            .map(|(_, id)| ExternalId::Int(id.parse().unwrap()))
+            .collect();
+        let delta = delta_from(&engine, &retired, ItemOp::Retire, false);
+        let live = engine.with_catalogue(&delta).unwrap();
+        assert_eq!(live.catalogue().unwrap().retired, retired.len());
+        let after = answers(&live, 20);
+        for (row, (got, all)) in after.iter().zip(&before).enumerate() {
+            let want: Vec<(ExternalId, f32)> = all
+                .iter()
+                .filter(|(id, _)| !retired.contains(id))
+                .take(20)
+                .cloned()
+                .collect();
+            assert!(
+                got.iter().all(|(id, _)| !retired.contains(id)),
+                "{kind} history {row}"
+            );
+            assert_eq!(got, &want, "{kind} history {row}");
+        }
+        // Retiring an item does not take it out of histories: its input row still counts.
+        let same_rows = delta_from(&engine, &retired, ItemOp::Upsert, true);
+        assert_eq!(
+            answers(&engine.with_catalogue(&same_rows).unwrap(), 20),
+            answers(&engine, 20)
+        );
+    }
+}
+
+/// Rows that cannot apply are refused, naming the item and the problem.
+#[test]
+fn a_delta_that_cannot_apply_is_refused_naming_the_item() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = common::convert_fixture(
+        ModelKind::Sasrec,
+        "model.safetensors",
+        &tmp.path().join("sasrec"),
+    );
+    let vaecf = common::convert_fixture(
+        ModelKind::Vaecf,
+        "model.safetensors",
+        &tmp.path().join("vaecf"),
+    );
+    let row = |id: i64, op, vector: Option<Vec<f32>>| ItemRow {
+        id: ExternalId::Int(id),
+        op,
+        vector,
+        input_vector: None,
+    };
+    let refused = |engine: &Engine, rows: Vec<ItemRow>| {
+        engine
+            .with_catalogue(&CatalogueDelta { version: 1, rows })
+            .err()
+            .expect("refused")
+            .to_string()
+    };
+    let d = engine.model.output().input_size();
+    let good = vec![0.25f32; d + 1];
+    let mut zero_bias = good.clone();
+    zero_bias[d] = 0.0;
+    for (rows, expected) in [
+        (
+            vec![row(1, ItemOp::Upsert, Some(vec![0.0; 3]))],
+            "holds 3 values",
+        ),
+        (
+            vec![row(1, ItemOp::Upsert, Some(good.clone()))],
+            "scores without a bias",
+        ),
+        (
+            vec![
+                row(5, ItemOp::Upsert, Some(zero_bias.clone())),
+                row(5, ItemOp::Retire, None),
+            ],
+            "appears twice",
+        ),
+        (vec![row(99, ItemOp::Retire, None)], "is not in the engine"),
+        (
+            vec![row(7, ItemOp::Upsert, Some(vec![f32::NAN; d + 1]))],
+            "must be finite",
+        ),
+    ] {
+        let message = refused(&engine, rows);
+        assert!(message.contains(expected), "{message}");
+    }
+    let message = refused(
+        &engine,
+        vec![ItemRow {
+            id: ExternalId::Str("not-a-number".into()),
+            op: ItemOp::Upsert,
+            vector: Some(zero_bias),
+            input_vector: None,
+        }],
+    );
+    assert!(message.contains("not an integer"), "{message}");
+    // Mult-VAE reads a new item's input row from input_vector.
+    let vd = vaecf.model.output().input_size();
+    let message = refused(
+        &vaecf,
+        vec![row(42, ItemOp::Upsert, Some(vec![0.1; vd + 1]))],
+    );
+    assert!(message.contains("no input_vector"), "{message}");
+    assert!(engine.catalogue().is_none());
+}
