@@ -240,6 +240,7 @@ impl AvailabilityFile {
             known_items: index_of.iter().filter(|i| i.is_some()).count(),
             unknown_items: index_of.iter().filter(|i| i.is_none()).count(),
             sets,
+            object: std::sync::Arc::new(self.clone()),
         }
     }
 }
@@ -320,6 +321,9 @@ pub struct Availability {
     pub unknown_items: usize,
     /// The sets, over internal indices.
     pub sets: ItemSets,
+    /// The object these sets were mapped from: what a catalogue swap maps again onto the new
+    /// catalogue, so the availability in force survives it.
+    pub object: std::sync::Arc<AvailabilityFile>,
 }
 
 #[cfg(test)]

@@ -298,6 +298,13 @@ impl Engine {
             n_outputs,
             &applied.retired,
         );
+        // The availability in force stays in force, mapped onto the new catalogue (new items are
+        // in its sets when the object lists them).
+        if let Some(live) = self.filters.view().availability() {
+            filters
+                .replace_availability(live.object.map(&applied.ids))
+                .map_err(EngineError::Config)?;
+        }
         let mut manifest = self.manifest.clone();
         manifest.model = applied.config;
         Ok(Engine {

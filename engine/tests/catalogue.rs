@@ -483,3 +483,72 @@ fn a_delta_that_cannot_apply_is_refused_naming_the_item() {
     assert!(message.contains("no input_vector"), "{message}");
     assert!(engine.catalogue().is_none());
 }
+
+/// The availability object in force stays in force across a catalogue swap, mapped onto the new
+/// catalogue: a new item it marks out of stock is filtered out; a retired item stays out of a
+/// filtered answer too.
+#[test]
+fn availability_in_force_survives_a_swap_and_covers_new_items() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cut = cut_indices();
+    let kind = ModelKind::Sasrec;
+    let (checkpoint, config, item_map) = cut_checkpoint(kind, &cut, &tmp.path().join("cut"));
+    let full = common::convert_fixture(kind, "model.safetensors", &tmp.path().join("full"));
+    let engine = convert(
+        kind,
+        &checkpoint,
+        &config,
+        &item_map,
+        &tmp.path().join("engine"),
+        Precision::Fp32,
+        Screen::None,
+    );
+    let new_ids: Vec<ExternalId> = cut
+        .iter()
+        .map(|&i| full.external_id(i as u32).unwrap())
+        .collect();
+    // Every new item out of stock, every other item in stock.
+    let rows: Vec<(String, Vec<Vec<String>>)> = (1..=2000u32)
+        .map(|i| {
+            let id = full.external_id(i).unwrap();
+            let stock = if new_ids.contains(&id) { "out" } else { "in" };
+            (id.to_string(), vec![vec![stock.to_string()]])
+        })
+        .collect();
+    let table = recsys_engine::AttributeTable {
+        columns: vec!["stock".into()],
+        rows,
+    };
+    let object = recsys_engine::AvailabilityFile::from_table(&table, 3, 0).unwrap();
+    engine
+        .filters
+        .replace_availability(object.map(&engine.ids))
+        .unwrap();
+    let retired = engine.external_id(1).unwrap();
+    let mut delta = delta_from(&full, &new_ids, ItemOp::Upsert, true);
+    delta.rows.push(ItemRow {
+        id: retired.clone(),
+        op: ItemOp::Retire,
+        vector: None,
+        input_vector: None,
+    });
+    let live = engine.with_catalogue(&delta).unwrap();
+    assert_eq!(live.filters.availability_version(), Some(3));
+    let filter = recsys_engine::ItemFilter {
+        include: vec![],
+        exclude: vec!["stock=out".into()],
+    };
+    let kept = live.filters.resolve(&filter).unwrap();
+    for id in &new_ids {
+        let index = live.ids.index_of(id).unwrap();
+        assert!(!kept.allows(index), "new item {id} is out of stock");
+    }
+    assert!(
+        !kept.allows(live.ids.index_of(&retired).unwrap()),
+        "retired"
+    );
+    assert_eq!(kept.count(), 2000 - new_ids.len() - 1);
+    // Unfiltered, the new items are offered and the retired one is not.
+    let offered = live.filters.view().unfiltered().unwrap();
+    assert_eq!(offered.count(), 2000 - 1);
+}
