@@ -3,6 +3,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
+use recsys_engine::Engine;
 use recsys_ffi as sys;
 
 use crate::decode::{self, DecodedRequest, RequestedOutputs};
@@ -52,8 +53,8 @@ struct ScoredBatch {
     panic_in_output: Vec<bool>,
 }
 
-/// Decodes and scores every request of the batch.
-fn score_batch(state: &InstanceState, requests: &[Request]) -> ScoredBatch {
+/// Decodes and scores every request of the batch on `engine` (the one in force when it started).
+fn score_batch(state: &InstanceState, engine: &Engine, requests: &[Request]) -> ScoredBatch {
     let decoded: Vec<Result<DecodedRequest>> = requests
         .iter()
         .map(|r| {
@@ -84,12 +85,12 @@ fn score_batch(state: &InstanceState, requests: &[Request]) -> ScoredBatch {
         .sum();
     let compute_start = now_ns();
     let (answers, summary) = serve::serve(
-        &state.engine,
+        engine,
         &state.settings.options(),
         decoded,
         match state.device.as_deref() {
             Some(device) => device,
-            None => &*state.engine,
+            None => engine,
         },
     );
     ScoredBatch {
@@ -178,7 +179,10 @@ fn answer_batch(
         })
         .collect();
 
-    let scored = catch_unwind(AssertUnwindSafe(|| score_batch(state, requests)));
+    // The engine in force now answers the whole batch, its ids mapped back by it too: a
+    // catalogue swap lands between batches.
+    let engine = state.engine.current();
+    let scored = catch_unwind(AssertUnwindSafe(|| score_batch(state, &engine, requests)));
     let scored = match scored {
         Ok(scored) => scored,
         Err(panic) => {
@@ -226,7 +230,7 @@ fn answer_batch(
                 // Writing outputs maps indices to ids and copies into Triton's buffers: a panic
                 // there fails this response alone, which is still sent (below) exactly once.
                 catch_unwind(AssertUnwindSafe(|| {
-                    write_outputs(&mut response, state, &answer, panic_in_output)
+                    write_outputs(&mut response, state, &engine, &answer, panic_in_output)
                 }))
                 .unwrap_or_else(|panic| {
                     Err(BackendError::Internal(format!(
@@ -268,7 +272,7 @@ fn answer_batch(
     report_batch(instance, scored.batch_size, &times);
     if let Some(metrics) = &state.metrics {
         metrics.record_batch(scored.engine_rows, unknown, truncated, invalid, &survivors);
-        if let Some(cache) = state.engine.prefix_cache() {
+        if let Some(cache) = engine.prefix_cache() {
             metrics.record_prefix_cache(cache.stats());
         }
     }
@@ -277,12 +281,13 @@ fn answer_batch(
 fn write_outputs(
     response: &mut Response,
     state: &InstanceState,
+    engine: &Engine,
     answer: &Answer,
     panic_in_output: bool,
 ) -> Result<()> {
     let encoded = decode::encode(
         &answer.rows,
-        &state.engine,
+        engine,
         state.settings.output_ids_type,
         state.batched,
     )?;
@@ -329,6 +334,12 @@ fn write_outputs(
             .or(state.settings.availability.as_ref().map(|_| 0))
     {
         response.set_int_parameter("availability_version", version as i64)?;
+    }
+    // The catalogue delta the answer was scored with (0: the model names a source, and no
+    // object from it is in force yet).
+    if state.settings.catalogue.is_some() {
+        let version = engine.catalogue().map_or(0, |c| c.version);
+        response.set_int_parameter("catalogue_version", version as i64)?;
     }
     Ok(())
 }

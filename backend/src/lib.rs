@@ -8,6 +8,7 @@
 //! inside it, so they are left out of unit-test and fuzzing builds).
 
 pub mod availability;
+pub mod catalogue;
 pub mod decode;
 pub mod device_choice;
 pub mod error;
@@ -20,6 +21,7 @@ mod test_support;
 mod execute;
 #[cfg(not(any(test, fuzzing)))]
 mod lifecycle;
+pub mod live_engine;
 #[cfg(not(any(test, fuzzing)))]
 mod metrics;
 #[cfg(not(any(test, fuzzing)))]

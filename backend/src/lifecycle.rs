@@ -7,6 +7,8 @@ use std::ptr;
 use std::sync::Arc;
 
 use recsys_engine::Engine;
+
+use crate::live_engine::LiveEngine;
 use recsys_ffi as sys;
 
 use crate::error::{BackendError, Result};
@@ -51,9 +53,12 @@ pub(crate) fn finalize() -> Result<()> {
 pub(crate) struct ModelState {
     name: String,
     version: u64,
-    engine: Arc<Engine>,
+    engine: Arc<LiveEngine>,
     settings: ModelSettings,
     metrics: Option<Arc<ModelMetrics>>,
+    /// Polls the model's catalogue source (parameter `catalogue_source`); stopped when the state
+    /// is dropped, before the availability poller.
+    _catalogue: Option<crate::poller::Poller>,
     /// Polls the model's availability source (parameter `availability_source`); stopped when the
     /// state is dropped.
     _availability: Option<crate::poller::Poller>,
@@ -216,39 +221,86 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             settings.default_k
         ),
     );
-    let engine = Arc::new(engine);
+    let engine = Arc::new(LiveEngine::new(engine));
+    let model_dir = std::path::Path::new(&location);
+    // The catalogue first: the availability object is then mapped onto the catalogue in force.
+    let catalogue = match &settings.catalogue {
+        None => None,
+        Some(wanted) => {
+            let source =
+                recsys_registry::catalogue::CatalogueSource::open(&wanted.source, model_dir)
+                    .map_err(|e| {
+                        BackendError::InvalidConfig(format!(
+                            "model '{name}' version {version}: {e}"
+                        ))
+                    })?;
+            let max_bytes = wanted.max_bytes.unwrap_or_else(|| {
+                recsys_registry::catalogue::default_max_bytes(&engine.current())
+            });
+            log(
+                LogLevel::Info,
+                &format!(
+                    "recsys: model {name} version {version}: catalogue from {} ({}, objects up to \
+                     {max_bytes} bytes)",
+                    source.describe(),
+                    poll_text(wanted.poll)
+                ),
+            );
+            let mut tracker = crate::catalogue::Tracker::new(&name, source, max_bytes);
+            let (live, metrics) = (Arc::clone(&engine), metrics.clone());
+            let mut last_problem = None;
+            Some(crate::poller::Poller::start(
+                name.clone(),
+                "catalogue",
+                wanted.poll,
+                move || {
+                    crate::poller::poll_catalogue_and_report(
+                        &mut tracker,
+                        &live,
+                        metrics.as_deref(),
+                        &mut last_problem,
+                    )
+                },
+            ))
+        }
+    };
     let availability = match &settings.availability {
         None => None,
         Some(wanted) => {
-            let source = recsys_registry::availability::AvailabilitySource::open(
-                &wanted.source,
-                std::path::Path::new(&location),
-            )
-            .map_err(|e| {
-                BackendError::InvalidConfig(format!("model '{name}' version {version}: {e}"))
-            })?;
-            let max_bytes = wanted
-                .max_bytes
-                .unwrap_or_else(|| recsys_engine::default_max_availability_bytes(engine.ids.len()));
+            let source =
+                recsys_registry::availability::AvailabilitySource::open(&wanted.source, model_dir)
+                    .map_err(|e| {
+                        BackendError::InvalidConfig(format!(
+                            "model '{name}' version {version}: {e}"
+                        ))
+                    })?;
+            let max_bytes = wanted.max_bytes.unwrap_or_else(|| {
+                recsys_engine::default_max_availability_bytes(engine.current().ids.len())
+            });
             log(
                 LogLevel::Info,
                 &format!(
                     "recsys: model {name} version {version}: availability from {} ({}, objects \
                      up to {max_bytes} bytes)",
                     source.describe(),
-                    wanted
-                        .poll
-                        .map_or("read at load only".to_string(), |p| format!(
-                            "checked every {:.1} s",
-                            p.as_secs_f64()
-                        ))
+                    poll_text(wanted.poll)
                 ),
             );
+            let mut tracker = crate::availability::Tracker::new(&name, source, max_bytes);
+            let (live, metrics) = (Arc::clone(&engine), metrics.clone());
+            let mut last_problem = None;
             Some(crate::poller::Poller::start(
-                crate::availability::Tracker::new(&name, source, max_bytes),
-                Arc::clone(&engine),
+                name.clone(),
+                "availability",
                 wanted.poll,
-                metrics.clone(),
+                move || {
+                    crate::poller::poll_and_report(
+                        &mut tracker,
+                        &live,
+                        metrics.as_deref(),
+                        &mut last_problem,
+                    )
+                },
             ))
         }
     };
@@ -258,6 +310,7 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
         engine,
         settings,
         metrics,
+        _catalogue: catalogue,
         _availability: availability,
     });
     let raw = Box::into_raw(state);
@@ -288,10 +341,17 @@ pub(crate) fn model_finalize(model: *mut sys::TRITONBACKEND_Model) -> Result<()>
     Ok(())
 }
 
-/// State of one model instance: its own handle on the shared (memory-mapped) engine.
+/// How often a live object is read, as log lines say it.
+fn poll_text(poll: Option<std::time::Duration>) -> String {
+    poll.map_or("read at load only".to_string(), |p| {
+        format!("checked every {:.1} s", p.as_secs_f64())
+    })
+}
+
+/// State of one model instance: its own handle on the shared (memory-mapped) engine in force.
 pub(crate) struct InstanceState {
     pub(crate) name: String,
-    pub(crate) engine: Arc<Engine>,
+    pub(crate) engine: Arc<LiveEngine>,
     pub(crate) settings: ModelSettings,
     pub(crate) metrics: Option<Arc<ModelMetrics>>,
     pub(crate) batched: bool,
@@ -321,10 +381,18 @@ pub(crate) fn instance_initialize(instance: *mut sys::TRITONBACKEND_ModelInstanc
     // SAFETY: see above; only shared access is taken, and ModelFinalize runs after every instance's.
     let model_state = unsafe { &*(raw as *const ModelState) };
     let device = if kind == sys::TRITONSERVER_INSTANCEGROUPKIND_GPU {
+        if model_state.settings.catalogue.is_some() {
+            // The device holds the engine's tables as loaded; a catalogue swap replaces the CPU
+            // engine only.
+            return Err(BackendError::InvalidConfig(format!(
+                "instance {name}: parameter catalogue_source is served by KIND_CPU instances; a \
+                 KIND_GPU instance copies the engine's item tables to the device once, at load"
+            )));
+        }
         let (on_device, device_name) = crate::device_choice::gpu_recommender(
             &name,
             device,
-            &model_state.engine,
+            &model_state.engine.current(),
             model_state.settings.limits.max_k,
         )?;
         log(

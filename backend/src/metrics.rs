@@ -27,6 +27,9 @@ struct Families {
     availability_version: Family,
     availability_age: Family,
     availability_refused: Family,
+    catalogue_version: Family,
+    catalogue_delta_items: Family,
+    catalogue_refused: Family,
     prefix_hits: Family,
     prefix_misses: Family,
     prefix_computed: Family,
@@ -94,6 +97,21 @@ fn make_families() -> Result<Families> {
                 "recsys_availability_refused_total",
                 "Availability objects read from the source and refused (truncated, malformed, older than the one in force, or of another catalogue); the one in force stays",
             )?,
+            catalogue_version: family(
+                sys::TRITONSERVER_METRIC_KIND_GAUGE,
+                "recsys_catalogue_version",
+                "Version of the live catalogue delta in force (0: the catalogue as converted), for models with a catalogue_source",
+            )?,
+            catalogue_delta_items: family(
+                sys::TRITONSERVER_METRIC_KIND_GAUGE,
+                "recsys_catalogue_delta_items",
+                "Items the catalogue delta in force adds, replaces or retires (0: none in force)",
+            )?,
+            catalogue_refused: family(
+                sys::TRITONSERVER_METRIC_KIND_COUNTER,
+                "recsys_catalogue_refused_total",
+                "Catalogue objects read from the source and refused (truncated, damaged, over catalogue_max_bytes, made for another engine version, not newer than the one in force, or a row that cannot apply); the one in force stays",
+            )?,
             prefix_hits: family(
                 sys::TRITONSERVER_METRIC_KIND_COUNTER,
                 "recsys_prefix_cache_hits_total",
@@ -148,6 +166,9 @@ pub(crate) fn finalize_families() {
             families.availability_version,
             families.availability_age,
             families.availability_refused,
+            families.catalogue_version,
+            families.catalogue_delta_items,
+            families.catalogue_refused,
             families.prefix_hits,
             families.prefix_misses,
             families.prefix_computed,
@@ -194,6 +215,9 @@ pub(crate) struct ModelMetrics {
     availability_version: Metric,
     availability_age: Metric,
     availability_refused: Metric,
+    catalogue_version: Metric,
+    catalogue_delta_items: Metric,
+    catalogue_refused: Metric,
     prefix_hits: Metric,
     prefix_misses: Metric,
     prefix_computed: Metric,
@@ -287,6 +311,9 @@ impl ModelMetrics {
                     availability_version: new_metric(&families.availability_version)?,
                     availability_age: new_metric(&families.availability_age)?,
                     availability_refused: new_metric(&families.availability_refused)?,
+                    catalogue_version: new_metric(&families.catalogue_version)?,
+                    catalogue_delta_items: new_metric(&families.catalogue_delta_items)?,
+                    catalogue_refused: new_metric(&families.catalogue_refused)?,
                     prefix_hits: new_metric(&families.prefix_hits)?,
                     prefix_misses: new_metric(&families.prefix_misses)?,
                     prefix_computed: new_metric(&families.prefix_computed)?,
@@ -368,6 +395,27 @@ impl ModelMetrics {
                 1.0
             ))
         };
+    }
+
+    /// The catalogue delta in force: its version and rows (0 for none).
+    pub(crate) fn set_catalogue(&self, version: u64, delta_items: usize) {
+        // SAFETY: the metrics are live for as long as `self`.
+        unsafe {
+            let _ = ffi_call!(TRITONSERVER_MetricSet(
+                self.catalogue_version.0,
+                version as f64
+            ));
+            let _ = ffi_call!(TRITONSERVER_MetricSet(
+                self.catalogue_delta_items.0,
+                delta_items as f64
+            ));
+        }
+    }
+
+    /// One catalogue object refused.
+    pub(crate) fn catalogue_refused(&self) {
+        // SAFETY: the metric is live for as long as `self`.
+        let _ = unsafe { ffi_call!(TRITONSERVER_MetricIncrement(self.catalogue_refused.0, 1.0)) };
     }
 
     /// Brings the prefix cache's metrics up to `now` (its counters since the engine loaded).

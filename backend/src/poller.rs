@@ -1,5 +1,6 @@
-//! The thread that polls a model's availability source ([`crate::availability::Tracker`]), and
-//! the log lines and metrics each poll leaves.
+//! The thread that polls a model's live objects (its availability source,
+//! [`crate::availability::Tracker`], and its catalogue source, [`crate::catalogue::Tracker`]),
+//! and the log lines and metrics each availability poll leaves.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
@@ -9,6 +10,8 @@ use std::time::Duration;
 use recsys_engine::Engine;
 
 use crate::availability::{Polled, Tracker};
+use crate::catalogue::{Polled as CataloguePolled, Tracker as CatalogueTracker};
+use crate::live_engine::LiveEngine;
 use crate::metrics::ModelMetrics;
 use crate::triton::{log, LogLevel};
 
@@ -18,9 +21,22 @@ fn now_unix() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Polls, then logs and counts what happened. `last_problem` keeps the last store error
-/// logged, so a store that stays unreachable is logged once, not at every poll.
+/// Polls the availability source, then logs and counts what happened, with every other change
+/// to the engine in force held off. `last_problem` keeps the last store error logged, so a store
+/// that stays unreachable is logged once, not at every poll.
 pub(crate) fn poll_and_report(
+    tracker: &mut Tracker,
+    live: &LiveEngine,
+    metrics: Option<&ModelMetrics>,
+    last_problem: &mut Option<String>,
+) {
+    live.change(|engine| {
+        report_availability(tracker, engine, metrics, last_problem);
+        (None, ())
+    })
+}
+
+fn report_availability(
     tracker: &mut Tracker,
     engine: &Engine,
     metrics: Option<&ModelMetrics>,
@@ -110,65 +126,130 @@ pub(crate) fn poll_and_report(
     }
 }
 
-/// The thread polling one model's source; stopped and joined when dropped (model unload).
+/// Polls the catalogue source, then logs and counts what happened. `last_problem` keeps the last store error logged,
+/// so a store that stays unreachable is logged once, not at every poll.
+pub(crate) fn poll_catalogue_and_report(
+    tracker: &mut CatalogueTracker,
+    live: &LiveEngine,
+    metrics: Option<&ModelMetrics>,
+    last_problem: &mut Option<String>,
+) {
+    let polled = tracker.poll(live);
+    let (source, model) = (tracker.source(), tracker.model());
+    let in_force = || {
+        live.current().catalogue().map_or(
+            "the catalogue as converted stays in force".to_string(),
+            |c| format!("catalogue version {} stays in force", c.version),
+        )
+    };
+    match &polled {
+        CataloguePolled::Swapped {
+            summary,
+            previous,
+            items,
+        } => {
+            *last_problem = None;
+            let previous = previous.map_or("none".to_string(), |p| p.to_string());
+            log(
+                LogLevel::Info,
+                &format!(
+                    "recsys: model {model}: catalogue version {} in force (was {previous}) from \
+                     {source}: {} added, {} replaced, {} retired; {items} items",
+                    summary.version, summary.added, summary.replaced, summary.retired
+                ),
+            );
+        }
+        CataloguePolled::Refused(why) => {
+            *last_problem = None;
+            if let Some(m) = metrics {
+                m.catalogue_refused();
+            }
+            log(
+                LogLevel::Error,
+                &format!(
+                    "recsys: model {model}: catalogue update from {source} refused, {}: {why}",
+                    in_force()
+                ),
+            );
+        }
+        CataloguePolled::Missing | CataloguePolled::Unreadable(_) => {
+            let problem = match &polled {
+                CataloguePolled::Missing => format!("no catalogue object at {source}"),
+                CataloguePolled::Unreadable(e) => format!("catalogue source unreadable: {e}"),
+                _ => unreachable!("matched above"),
+            };
+            if last_problem.as_deref() != Some(problem.as_str()) {
+                log(
+                    LogLevel::Warn,
+                    &format!("recsys: model {model}: {problem} ({})", in_force()),
+                );
+                *last_problem = Some(problem);
+            }
+        }
+        CataloguePolled::Unchanged => {}
+    }
+    if let Some(m) = metrics {
+        let engine = live.current();
+        let (version, rows) = engine
+            .catalogue()
+            .map_or((0, 0), |c| (c.version, c.delta_items));
+        m.set_catalogue(version, rows);
+    }
+}
+
+/// The thread polling one of a model's live objects; stopped and joined when dropped (model
+/// unload).
 pub(crate) struct Poller {
     stop: Arc<(Mutex<bool>, Condvar)>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Poller {
-    /// Reads the source once now (so the model serves with its availability from its first
-    /// request), then every `interval` on a thread when one is given.
+    /// Runs `poll` once now (so the model serves with the object from its first request), then
+    /// every `interval` on a thread named `name` when one is given. A panic in `poll` is logged
+    /// (`what` names the object) and the next poll tries again.
     pub(crate) fn start(
-        mut tracker: Tracker,
-        engine: Arc<Engine>,
+        name: String,
+        what: &'static str,
         interval: Option<Duration>,
-        metrics: Option<Arc<ModelMetrics>>,
+        mut poll: impl FnMut() + Send + 'static,
     ) -> Poller {
-        let mut last_problem = None;
-        poll_and_report(&mut tracker, &engine, metrics.as_deref(), &mut last_problem);
+        poll();
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let thread = interval.map(|interval| {
             let stop = Arc::clone(&stop);
-            let name = format!("recsys-availability-{}", tracker.model());
-            let spawned = std::thread::Builder::new().name(name).spawn(move || {
-                let (lock, wake) = &*stop;
-                loop {
-                    let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-                    let (guard, _) = wake
-                        .wait_timeout_while(guard, interval, |stopped| !*stopped)
-                        .unwrap_or_else(|p| p.into_inner());
-                    if *guard {
-                        return;
+            let model = name.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("recsys-{what}-{name}"))
+                .spawn(move || {
+                    let (lock, wake) = &*stop;
+                    loop {
+                        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                        let (guard, _) = wake
+                            .wait_timeout_while(guard, interval, |stopped| !*stopped)
+                            .unwrap_or_else(|p| p.into_inner());
+                        if *guard {
+                            return;
+                        }
+                        drop(guard);
+                        // A panic here would end the polling silently; log it and go on polling.
+                        if catch_unwind(AssertUnwindSafe(&mut poll)).is_err() {
+                            log(
+                                LogLevel::Error,
+                                &format!(
+                                    "recsys: model {model}: the {what} poll panicked; what is in \
+                                     force stays, and the next poll tries again"
+                                ),
+                            );
+                        }
                     }
-                    drop(guard);
-                    // A panic here would end the polling silently; log it and go on polling.
-                    let polled = catch_unwind(AssertUnwindSafe(|| {
-                        poll_and_report(
-                            &mut tracker,
-                            &engine,
-                            metrics.as_deref(),
-                            &mut last_problem,
-                        )
-                    }));
-                    if polled.is_err() {
-                        log(
-                            LogLevel::Error,
-                            &format!(
-                                "recsys: model {}: the availability poll panicked; the object \
-                                 in force stays, and the next poll tries again",
-                                tracker.model()
-                            ),
-                        );
-                    }
-                }
-            });
+                });
             match spawned {
                 Ok(handle) => Some(handle),
                 Err(e) => {
                     log(
                         LogLevel::Error,
-                        &format!("recsys: cannot start the availability poller: {e}"),
+                        &format!("recsys: cannot start the {what} poller: {e}"),
                     );
                     None
                 }

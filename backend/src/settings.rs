@@ -94,6 +94,8 @@ pub struct ModelSettings {
     pub output_ids_type: IdTensorType,
     /// Where the model's live availability object is read from, and how often.
     pub availability: Option<AvailabilitySettings>,
+    /// Where the model's live catalogue delta is read from, and how often.
+    pub catalogue: Option<LiveObjectSettings>,
     /// The prefix cache's byte budget and idle expiry (parameters `prefix_cache_bytes`,
     /// `prefix_cache_idle_seconds`); `None`: no cache.
     pub prefix_cache: Option<(usize, Option<std::time::Duration>)>,
@@ -121,23 +123,30 @@ pub const DEFAULT_PREFIX_CACHE_BYTES_SASREC: usize = 256 << 20;
 /// Default of `prefix_cache_idle_seconds`: a session idle this long is over.
 pub const DEFAULT_PREFIX_CACHE_IDLE_SECONDS: u64 = 1800;
 
-/// Parameters `availability_source`, `availability_poll_seconds` and `availability_max_bytes`.
+/// Parameters `<object>_source`, `<object>_poll_seconds` and `<object>_max_bytes` of a live
+/// object (`availability`, `catalogue`).
 #[derive(Clone, Debug, PartialEq)]
-pub struct AvailabilitySettings {
+pub struct LiveObjectSettings {
     /// A file (relative to the model's folder, or absolute) or an object (`s3://...`, `gs://...`).
     pub source: String,
     /// How often the source is checked; `None`: only when the model loads.
     pub poll: Option<std::time::Duration>,
     /// The largest object read (`None`: derived from the catalogue's size,
-    /// `recsys_engine::default_max_availability_bytes`).
+    /// `recsys_engine::default_max_availability_bytes`, `default_max_catalogue_bytes`).
     pub max_bytes: Option<u64>,
 }
+
+/// The availability parameters.
+pub type AvailabilitySettings = LiveObjectSettings;
 
 /// Default of `availability_poll_seconds`: a stock change shows within seconds, and a check of
 /// an unchanged object is one conditional GET.
 pub const DEFAULT_AVAILABILITY_POLL_SECONDS: f64 = 10.0;
+/// Default of `catalogue_poll_seconds`: a new product shows within a minute; a swap builds the
+/// catalogue's tables again, so it is not checked as often as stock.
+pub const DEFAULT_CATALOGUE_POLL_SECONDS: f64 = 30.0;
 /// The shortest poll interval accepted (a tighter loop only loads the store).
-const MIN_AVAILABILITY_POLL_SECONDS: f64 = 0.1;
+const MIN_POLL_SECONDS: f64 = 0.1;
 
 impl ModelSettings {
     pub fn options(&self) -> recsys_engine::ServeOptions {
@@ -225,6 +234,9 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "availability_source",
     "availability_poll_seconds",
     "availability_max_bytes",
+    "catalogue_source",
+    "catalogue_poll_seconds",
+    "catalogue_max_bytes",
     "prefix_cache_bytes",
     "prefix_cache_idle_seconds",
     "screen_policy",
@@ -284,41 +296,49 @@ fn prefix_cache(
     Ok(bytes.map(|b| (b, idle)))
 }
 
-/// The availability parameters: none without a source; a poll interval needs one.
-fn availability(config: &Value) -> Result<Option<AvailabilitySettings>> {
-    let poll = match parameter(config, "availability_poll_seconds").map(str::trim) {
+/// A live object's parameters (`<object>_source`, `_poll_seconds`, `_max_bytes`): none without a
+/// source; a poll interval or bound needs one.
+fn live_object(
+    config: &Value,
+    object: &str,
+    default_poll_seconds: f64,
+) -> Result<Option<LiveObjectSettings>> {
+    let (source_key, poll_key, bound_key) = (
+        format!("{object}_source"),
+        format!("{object}_poll_seconds"),
+        format!("{object}_max_bytes"),
+    );
+    let poll = match parameter(config, &poll_key).map(str::trim) {
         None => None,
         Some(text) => match text.parse::<f64>() {
             Ok(0.0) => Some(None),
-            Ok(s) if s.is_finite() && s >= MIN_AVAILABILITY_POLL_SECONDS => {
+            Ok(s) if s.is_finite() && s >= MIN_POLL_SECONDS => {
                 Some(Some(std::time::Duration::from_secs_f64(s)))
             }
             _ => {
                 return Err(BackendError::InvalidConfig(format!(
-                    "parameter availability_poll_seconds must be 0 (read at load only) or a \
-                     number of seconds from {MIN_AVAILABILITY_POLL_SECONDS}, found {text:?}"
+                    "parameter {poll_key} must be 0 (read at load only) or a number of seconds \
+                     from {MIN_POLL_SECONDS}, found {text:?}"
                 )))
             }
         },
     };
-    let max_bytes = match parameter(config, "availability_max_bytes") {
+    let max_bytes = match parameter(config, &bound_key) {
         None => None,
-        Some(_) => Some(limit(config, "availability_max_bytes", 1)? as u64),
+        Some(_) => Some(limit(config, &bound_key, 1)? as u64),
     };
-    match parameter(config, "availability_source").map(str::trim) {
-        None if poll.is_some() || max_bytes.is_some() => Err(BackendError::InvalidConfig(
-            "parameters availability_poll_seconds and availability_max_bytes need \
-             availability_source, which is not set"
-                .into(),
-        )),
+    match parameter(config, &source_key).map(str::trim) {
+        None if poll.is_some() || max_bytes.is_some() => Err(BackendError::InvalidConfig(format!(
+            "parameters {poll_key} and {bound_key} need {source_key}, which is not set"
+        ))),
         None => Ok(None),
-        Some("") => Err(BackendError::InvalidConfig(
-            "parameter availability_source is empty".into(),
-        )),
-        Some(source) => Ok(Some(AvailabilitySettings {
+        Some("") => Err(BackendError::InvalidConfig(format!(
+            "parameter {source_key} is empty"
+        ))),
+        Some(source) => Ok(Some(LiveObjectSettings {
             source: source.to_string(),
             poll: poll.unwrap_or(Some(std::time::Duration::from_secs_f64(
-                DEFAULT_AVAILABILITY_POLL_SECONDS,
+                default_poll_seconds,
             ))),
             max_bytes,
         })),
@@ -534,7 +554,8 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         item_ids_type,
         exclude_type,
         output_ids_type,
-        availability: availability(config)?,
+        availability: live_object(config, "availability", DEFAULT_AVAILABILITY_POLL_SECONDS)?,
+        catalogue: live_object(config, "catalogue", DEFAULT_CATALOGUE_POLL_SECONDS)?,
         prefix_cache: prefix_cache(config, engine)?,
         screen_policy: plan_policy(config, "screen_policy")?,
         bf16_path: plan_policy(config, "bf16_path")?,
@@ -681,6 +702,53 @@ mod tests {
             let err = parse(&c, &engine).unwrap_err().to_string();
             assert!(err.contains(needle), "{key}={value}: {err}");
         }
+    }
+
+    #[test]
+    fn catalogue_parameters_are_read_and_checked() {
+        let (engine, _tmp) = engine();
+        let mut config = minimal();
+        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
+        assert_eq!(parse(&config, &engine).unwrap().catalogue, None);
+        let with = |pairs: &[(&str, &str)]| {
+            let mut c = config.clone();
+            for (key, value) in pairs {
+                c["parameters"][*key] = json!({ "string_value": value });
+            }
+            parse(&c, &engine).map(|s| s.catalogue)
+        };
+        assert_eq!(
+            with(&[("catalogue_source", "recsys-catalogue.bin")]).unwrap(),
+            Some(LiveObjectSettings {
+                source: "recsys-catalogue.bin".into(),
+                poll: Some(std::time::Duration::from_secs_f64(
+                    DEFAULT_CATALOGUE_POLL_SECONDS
+                )),
+                max_bytes: None,
+            })
+        );
+        let set = with(&[
+            ("catalogue_source", "c.bin"),
+            ("catalogue_poll_seconds", "2"),
+            ("catalogue_max_bytes", "4096"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (set.poll, set.max_bytes),
+            (Some(std::time::Duration::from_secs(2)), Some(4096))
+        );
+        let err = with(&[("catalogue_poll_seconds", "5")]).unwrap_err();
+        assert!(err.to_string().contains("need catalogue_source"), "{err}");
+        let err = with(&[
+            ("catalogue_source", "c.bin"),
+            ("catalogue_poll_seconds", "x"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("catalogue_poll_seconds must be"),
+            "{err}"
+        );
     }
 
     #[test]

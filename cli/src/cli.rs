@@ -57,6 +57,77 @@ pub enum Command {
     /// poll and swap in without a new version.
     #[command(subcommand)]
     Availability(AvailabilityCommand),
+    /// Live catalogue: items added, replaced and retired since the engine was converted, which
+    /// the servers of a model poll and swap in without a new version.
+    #[command(subcommand)]
+    Catalogue(CatalogueCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CatalogueCommand {
+    /// Publish a table of item rows as the model's catalogue delta, one version above the stored
+    /// one, for the engine version its servers load; the delta is applied to that engine before
+    /// anything is written. Every server naming it as `catalogue_source` swaps it in within one
+    /// poll interval.
+    Publish(CataloguePublishArgs),
+    /// Show the catalogue object a repository holds for a model (or any source): version, age,
+    /// the engine it is for, and its rows by kind.
+    Show(CatalogueShowArgs),
+}
+
+const CATALOGUE_HELP: &str = "The table is Parquet in the schema `recsys export-items --format parquet \
+--with-input-rows` writes: item_id (int64 or string, the engine's id type), vector ([embedding, bias]), \
+optional input_vector (the item's input row: required for a new Mult-VAE item; the other models tie it \
+to the embedding) and optional op (upsert, the default, or retire: never returned again, still read in \
+histories). An upserted item the engine lacks is added; one it has gets its rows replaced. Each publish \
+carries every change since the engine was converted: the object is the catalogue's whole state.\n\n\
+The object is written to <repository>/<model>/recsys-catalogue.bin; the model's config.pbtxt names it \
+for its servers:\n\n  \
+parameters { key: \"catalogue_source\" value { string_value: \"s3://host:9000/models/shop/recsys-catalogue.bin\" } }\n  \
+parameters { key: \"catalogue_poll_seconds\" value { string_value: \"30\" } }\n\n\
+The repository is a local directory or object storage, in tritonserver's --model-repository syntax \
+(s3://bucket/path, s3://host:port/bucket/path, gs://bucket/path).";
+
+#[derive(Args, Debug)]
+#[command(after_help = CATALOGUE_HELP)]
+pub struct CataloguePublishArgs {
+    /// The Triton model repository the model's servers load from.
+    #[arg(long)]
+    pub repository: String,
+    /// Model name (a folder of the repository).
+    #[arg(long)]
+    pub model: String,
+    /// The catalogue table (Parquet).
+    #[arg(value_name = "TABLE")]
+    pub table: PathBuf,
+    /// The engine version the delta is for; default: the version the model's config serves (the
+    /// newest its version policy names, else the newest folder).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub engine_version: Option<u64>,
+    /// The catalogue version to publish (above the stored one); default: the stored version plus
+    /// one.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub version: Option<u64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(after_help = CATALOGUE_HELP)]
+pub struct CatalogueShowArgs {
+    /// The Triton model repository (with --model).
+    #[arg(long, requires = "model", conflicts_with = "source")]
+    pub repository: Option<String>,
+    /// Model name (with --repository).
+    #[arg(long, requires = "repository")]
+    pub model: Option<String>,
+    /// Any catalogue source as a server names it (a file, s3://..., gs://...).
+    #[arg(long, required_unless_present = "repository")]
+    pub source: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -842,11 +913,12 @@ pub struct PredictArgs {
     #[arg(long, value_name = "SOURCE")]
     pub availability: Option<String>,
     /// A catalogue delta to answer with, as the servers do: items added, replaced or retired
-    /// since the engine was converted (a Parquet table in the schema `recsys export-items
-    /// --format parquet --with-input-rows` writes, with an optional `op` column: upsert or
-    /// retire).
-    #[arg(long, value_name = "TABLE")]
-    pub catalogue: Option<PathBuf>,
+    /// since the engine was converted. A Parquet table (`.parquet`, in the schema `recsys
+    /// export-items --format parquet --with-input-rows` writes, with an optional `op` column:
+    /// upsert or retire) or a published catalogue object (a file, s3://..., gs://...; see
+    /// `recsys catalogue`).
+    #[arg(long, value_name = "SOURCE")]
+    pub catalogue: Option<String>,
     /// Scoring threads (default: the available cores); each scores whole batches, output order
     /// is kept.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]

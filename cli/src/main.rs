@@ -4,6 +4,7 @@
 
 mod attributes;
 mod availability;
+mod catalogue;
 mod catalogue_table;
 mod cli;
 mod convert;
@@ -66,6 +67,8 @@ fn main() {
         cli::Command::Availability(cli::AvailabilityCommand::Show(args)) => {
             availability::show(&args)
         }
+        cli::Command::Catalogue(cli::CatalogueCommand::Publish(args)) => catalogue::publish(&args),
+        cli::Command::Catalogue(cli::CatalogueCommand::Show(args)) => catalogue::show(&args),
     };
     match code {
         Ok(code) => std::process::exit(code),

@@ -140,13 +140,16 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
         ));
     }
     let mut engine = Engine::load(&args.engine)?;
-    if let Some(table) = &args.catalogue {
-        let delta = crate::catalogue_table::read_delta(table)?;
+    if let Some(source) = &args.catalogue {
+        let delta = if source.ends_with(".parquet") {
+            crate::catalogue_table::read_delta(std::path::Path::new(source))?
+        } else {
+            recsys_registry::catalogue::read(&engine, source)?
+        };
         engine = engine.with_catalogue(&delta)?;
         let summary = engine.catalogue().expect("just applied");
         tell!(
-            "predict: catalogue {}: {} item(s) added, {} replaced, {} retired ({} items in all)",
-            table.display(),
+            "predict: catalogue {source}: {} item(s) added, {} replaced, {} retired ({} items in all)",
             summary.added,
             summary.replaced,
             summary.retired,

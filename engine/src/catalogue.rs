@@ -104,6 +104,9 @@ pub(crate) struct Applied {
     pub ids: IdMap,
     /// Internal indices of the retired items, ascending.
     pub retired: Vec<u32>,
+    /// Internal indices of the converted items whose input row the delta replaces, ascending:
+    /// the states a prefix cache holds for histories with them are no longer the model's.
+    pub changed_inputs: Vec<u32>,
     pub summary: CatalogueSummary,
 }
 
@@ -319,6 +322,15 @@ pub(crate) fn apply(
         edit_table(&mut edited, input_name, &input_rows, input_cols)?;
     }
 
+    let mut changed_inputs: Vec<u32> = replaced
+        .iter()
+        .filter(|(_, row)| match tables.input {
+            None => row.vector.is_some(),
+            Some(_) => row.input_vector.is_some(),
+        })
+        .map(|(index, _)| *index as u32)
+        .collect();
+    changed_inputs.sort_unstable();
     let new_ids: Vec<ExternalId> = added.iter().map(|(id, _)| id.clone()).collect();
     let ids = ids.appended(&new_ids).map_err(refused)?;
     let summary = CatalogueSummary {
@@ -334,6 +346,7 @@ pub(crate) fn apply(
         weights: edited,
         ids,
         retired,
+        changed_inputs,
         summary,
     })
 }

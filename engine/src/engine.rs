@@ -134,6 +134,8 @@ pub struct Engine {
     converted: Arc<Converted>,
     /// The catalogue delta in force (`None`: the catalogue as converted).
     catalogue: Option<CatalogueSummary>,
+    /// Converted items whose input rows the delta in force replaced, ascending.
+    changed_inputs: Arc<[u32]>,
 }
 
 /// What a catalogue delta is applied to: the engine's stored tensors (mapped, not copied), ids
@@ -260,6 +262,7 @@ impl Engine {
             thread_plan: None,
             converted,
             catalogue: None,
+            changed_inputs: Arc::from([]),
         })
     }
 
@@ -267,8 +270,8 @@ impl Engine {
     /// those rows (see [`crate::catalogue`]), on the same kernels, threads and plans. The delta
     /// replaces whatever delta this engine had (it holds every change since conversion). A delta
     /// that cannot apply is refused, naming the item, and this engine is untouched. The new
-    /// engine has no prefix cache: the caller sets one (its states were computed from the rows
-    /// in force).
+    /// engine keeps this one's prefix cache (its budget, counters and every state whose history
+    /// holds no item whose input row changed between the two engines) and availability in force.
     pub fn with_catalogue(&self, delta: &CatalogueDelta) -> Result<Engine> {
         let converted = &self.converted;
         let applied = crate::catalogue::apply(
@@ -320,14 +323,29 @@ impl Engine {
             },
             filters,
             popularity: self.popularity.clone(),
-            prefix_cache: None,
+            prefix_cache: self.prefix_cache.as_ref().map(|cache| {
+                let (before, after) = (&self.changed_inputs, &applied.changed_inputs);
+                cache.carried(|i| {
+                    before.binary_search(&i).is_ok() || after.binary_search(&i).is_ok()
+                })
+            }),
             screen_plan: self.screen_plan.clone(),
             bf16_path_plan: self.bf16_path_plan.clone(),
             row_block_plan: self.row_block_plan.clone(),
             thread_plan: self.thread_plan.clone(),
             converted: Arc::clone(converted),
             catalogue: Some(applied.summary),
+            changed_inputs: Arc::from(applied.changed_inputs),
         })
+    }
+
+    /// The SHA-256 of the engine's weights file (as its manifest lists it): what a published
+    /// catalogue delta names as the engine it was made for.
+    pub fn weights_sha256(&self) -> &str {
+        self.manifest
+            .files
+            .get(crate::engine_dir::WEIGHTS_FILE)
+            .map_or("", |f| f.sha256.as_str())
     }
 
     /// The catalogue delta in force (`None`: the catalogue as converted).

@@ -250,6 +250,43 @@ impl PrefixCache {
         }
     }
 
+    /// A cache for the same model over a changed catalogue: the same budget, expiry and counters,
+    /// holding every entry none of whose items `changed` (a history's state depends on its items'
+    /// input rows alone), in the same recency order: what a catalogue swap keeps of the cache.
+    pub fn carried(&self, changed: impl Fn(u32) -> bool) -> PrefixCache {
+        let cache = PrefixCache::new(self.budget, self.idle);
+        for (to, from) in [
+            (&cache.hits, &self.hits),
+            (&cache.misses, &self.misses),
+            (&cache.events_computed, &self.events_computed),
+            (&cache.events_reused, &self.events_reused),
+            (&cache.evictions, &self.evictions),
+            (&cache.expirations, &self.expirations),
+        ] {
+            to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        {
+            let inner = self.lock();
+            let mut kept = cache.lock();
+            for key in inner.recency.values() {
+                let entry = &inner.entries[key];
+                if entry.items.iter().any(|&i| changed(i)) {
+                    continue;
+                }
+                kept.add(
+                    *key,
+                    Entry {
+                        items: entry.items.clone(),
+                        state: entry.state.clone(),
+                        tick: 0,
+                        used: entry.used,
+                    },
+                );
+            }
+        }
+        cache
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }

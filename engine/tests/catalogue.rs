@@ -552,3 +552,49 @@ fn availability_in_force_survives_a_swap_and_covers_new_items() {
     let offered = live.filters.view().unfiltered().unwrap();
     assert_eq!(offered.count(), 2000 - 1);
 }
+
+/// A swap keeps the prefix cache's states for histories without a changed item (and drops the
+/// others), and answers with the kept states as an engine without a cache does.
+#[test]
+fn a_swap_keeps_the_prefix_states_no_changed_row_went_into() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in [ModelKind::Sasrec, ModelKind::Gru4rec] {
+        let dir = tmp.path().join(kind.to_string());
+        let mut engine = common::convert_fixture(kind, "model.safetensors", &dir);
+        engine
+            .set_prefix_cache(Some(recsys_engine::prefix_cache::PrefixCache::new(
+                64 << 20,
+                None,
+            )))
+            .unwrap();
+        answers(&engine, 20);
+        let before = engine.prefix_cache().unwrap().stats();
+        assert!(before.entries > 0);
+        // Item 7's rows become item 8's: every cached history holding item 7 is stale.
+        let changed = engine.external_id(7).unwrap();
+        let (vector, _) = rows_of(&engine, 8);
+        let delta = CatalogueDelta {
+            version: 1,
+            rows: vec![ItemRow {
+                id: changed.clone(),
+                op: ItemOp::Upsert,
+                vector: Some(vector),
+                input_vector: None,
+            }],
+        };
+        let live = engine.with_catalogue(&delta).unwrap();
+        let after = live.prefix_cache().unwrap().stats();
+        assert!(
+            after.entries > 0 && after.entries < before.entries,
+            "{before:?} -> {after:?}"
+        );
+        assert_eq!((after.hits, after.misses), (before.hits, before.misses));
+        let fresh = Engine::load(&dir).unwrap().with_catalogue(&delta).unwrap();
+        assert_same_answers(
+            &format!("{kind} cached"),
+            &answers(&live, 20),
+            &answers(&fresh, 20),
+            None,
+        );
+    }
+}

@@ -14,8 +14,8 @@ use recsys_engine::AttributeTable;
 
 use crate::config::CONFIG_FILE;
 use crate::error::{RegistryError, Result};
-use crate::location::Location;
-use crate::store::{Fetched, ReadBound, Repository};
+use crate::live_source::LiveSource;
+use crate::store::{Fetched, Repository};
 
 /// Publishers racing on one model are retried this often before giving up.
 const PUBLISH_ATTEMPTS: usize = 8;
@@ -28,20 +28,7 @@ pub fn object_key(model: &str) -> String {
 /// The `availability_source` a server of `model` names: the object's URI in the repository's
 /// syntax (an absolute path for a local repository).
 pub fn source_uri(repository: &Repository, model: &str) -> String {
-    match repository.location() {
-        Location::Local(dir) => {
-            let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
-            dir.join(model)
-                .join(AVAILABILITY_OBJECT)
-                .display()
-                .to_string()
-        }
-        _ => format!(
-            "{}/{}",
-            repository.uri().trim_end_matches('/'),
-            object_key(model)
-        ),
-    }
+    crate::live_source::object_uri(repository, model, AVAILABILITY_OBJECT)
 }
 
 /// What [`publish`] wrote.
@@ -149,56 +136,25 @@ pub fn publish(
     )))
 }
 
-/// An availability source as a server names it: a local file (relative to the model's folder) or
-/// an object in a repository (`s3://...`, `gs://...`), read only when it changed.
-pub struct AvailabilitySource {
-    repository: Repository,
-    key: String,
-    text: String,
-}
+/// An availability source as a server names it (parameter `availability_source`): a local file
+/// (relative to the model's folder) or an object in a repository, read only when it changed.
+pub struct AvailabilitySource(LiveSource);
 
 impl std::fmt::Debug for AvailabilitySource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.text)
+        self.0.fmt(f)
     }
 }
 
 impl AvailabilitySource {
     /// The source `text`; a relative local path is taken from `model_dir`.
     pub fn open(text: &str, model_dir: &Path) -> Result<AvailabilitySource> {
-        let text = text.trim();
-        let bad = |why: &str| RegistryError::Input(format!("availability_source {text:?}: {why}"));
-        if text.contains("://") {
-            // Checked whole first, so the error names the source as given.
-            Location::parse(text)?;
-            let (scheme, rest) = text.split_once("://").expect("checked above");
-            let (parent, name) = rest
-                .rsplit_once('/')
-                .filter(|(parent, name)| !parent.is_empty() && !name.is_empty())
-                .ok_or_else(|| bad("it names a bucket or folder, not an object in it"))?;
-            return Ok(AvailabilitySource {
-                repository: Repository::open(&format!("{scheme}://{parent}"))?,
-                key: name.to_string(),
-                text: text.to_string(),
-            });
-        }
-        let path = model_dir.join(text);
-        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-            return Err(bad("it names no file"));
-        };
-        if !dir.is_dir() {
-            return Err(bad(&format!("no directory {}", dir.display())));
-        }
-        Ok(AvailabilitySource {
-            repository: Repository::open(&dir.display().to_string())?,
-            key: name.to_string_lossy().into_owned(),
-            text: path.display().to_string(),
-        })
+        LiveSource::open("availability_source", text, model_dir).map(AvailabilitySource)
     }
 
     /// The source as resolved (what log lines name).
     pub fn describe(&self) -> &str {
-        &self.text
+        self.0.describe()
     }
 
     /// The object unless it still carries the entity tag `known`. An object larger than
@@ -207,15 +163,8 @@ impl AvailabilitySource {
     /// its first bytes arrive ([`Fetched::Refused`]), so memory stays bounded whatever is at the
     /// key.
     pub fn fetch(&self, known: Option<&str>, max_bytes: u64) -> Result<Fetched> {
-        let check_head = |head: &[u8], size: u64| AvailabilityFile::check_head(head, size);
-        self.repository.read_if_changed_within(
-            &self.key,
-            known,
-            &ReadBound {
-                max_bytes,
-                check_head: &check_head,
-            },
-        )
+        self.0
+            .fetch(known, max_bytes, &AvailabilityFile::check_head)
     }
 }
 

@@ -28,11 +28,13 @@
 pub mod availability;
 mod aws_files;
 pub mod canary;
+pub mod catalogue;
 pub mod config;
 pub mod error;
 mod faults;
 pub mod integrity;
 pub mod lease;
+pub mod live_source;
 pub mod location;
 mod pbtxt;
 pub mod prune;

@@ -1,0 +1,142 @@
+//! `recsys catalogue publish | show`: a model's live catalogue object in its repository.
+
+use std::path::Path;
+
+use recsys_engine::catalogue::ItemOp;
+use recsys_engine::catalogue_file::CatalogueFile;
+use recsys_registry::catalogue::{self, CatalogueSource};
+use recsys_registry::store::Fetched;
+use recsys_registry::Repository;
+
+use crate::cli::{CataloguePublishArgs, CatalogueShowArgs};
+use crate::error::{CliError, Result};
+use crate::output::{say, tell};
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub fn publish(args: &CataloguePublishArgs) -> Result<i32> {
+    let delta = crate::catalogue_table::read_delta(&args.table)?;
+    let repository = Repository::open(&args.repository)?;
+    let engine_version = match args.engine_version {
+        Some(v) => v,
+        None => catalogue::served_version(&repository, &args.model)?,
+    };
+    let scratch = tempfile::tempdir().map_err(CliError::io("cannot create a scratch folder"))?;
+    tell!(
+        "catalogue: checking {} row(s) against {} version {engine_version}",
+        delta.rows.len(),
+        args.model
+    );
+    let engine = catalogue::load_engine(&repository, &args.model, engine_version, scratch.path())?;
+    let published = catalogue::publish(
+        &repository,
+        &args.model,
+        &engine,
+        engine_version,
+        delta,
+        args.version,
+    )?;
+    if args.json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(&published).expect("serialisable")
+        );
+        return Ok(0);
+    }
+    let previous = published.previous.map_or("none before".to_string(), |p| {
+        format!("replacing version {p}")
+    });
+    say!(
+        "published {} catalogue version {} ({previous}) for engine version {}: {} added, {} \
+         replaced, {} retired ({} items in all), {} bytes",
+        published.model,
+        published.version,
+        published.engine_version,
+        published.added,
+        published.replaced,
+        published.retired,
+        published.items,
+        published.bytes
+    );
+    say!("source: {}", published.source);
+    if !published.configured {
+        tell!(
+            "warning: {}'s config.pbtxt names no catalogue_source, so no server reads this \
+             object; add\n  parameters {{ key: \"catalogue_source\" value {{ string_value: \
+             \"{}\" }} }}\nand reload the model",
+            published.model,
+            published.source
+        );
+    }
+    Ok(0)
+}
+
+pub fn show(args: &CatalogueShowArgs) -> Result<i32> {
+    let text = match (&args.repository, &args.model, &args.source) {
+        (Some(repository), Some(model), _) => {
+            catalogue::source_uri(&Repository::open(repository)?, model)
+        }
+        (_, _, Some(source)) => source.clone(),
+        _ => {
+            return Err(CliError::Usage(
+                "give --repository and --model, or --source".into(),
+            ))
+        }
+    };
+    let source = CatalogueSource::open(&text, Path::new("."))?;
+    // No engine to derive a bound from here: the object's head is still checked as it arrives,
+    // so anything that is not a catalogue object is refused at once.
+    let object = match source.fetch(None, u64::MAX)? {
+        Fetched::Changed(object) => object,
+        Fetched::Missing | Fetched::Unchanged => {
+            return Err(CliError::Input(format!(
+                "{text}: no catalogue object there (publish one with `recsys catalogue publish`)"
+            )))
+        }
+        Fetched::Refused { why, .. } => {
+            return Err(CliError::Input(format!("{text}: refused: {why}")))
+        }
+    };
+    // Ids are listed as text: without the engine, their type is not known here.
+    let file = CatalogueFile::from_bytes(&object.bytes, recsys_engine::idmap::IdType::String)
+        .map_err(|e| CliError::Input(format!("{text}: refused: {e}")))?;
+    let rows = &file.delta.rows;
+    let retired = rows.iter().filter(|r| r.op == ItemOp::Retire).count();
+    let with_rows = rows.iter().filter(|r| r.vector.is_some()).count();
+    let age = now_unix().saturating_sub(file.published_unix);
+    if args.json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "source": text,
+                "version": file.delta.version,
+                "published_unix": file.published_unix,
+                "age_seconds": age,
+                "engine_sha256": file.engine_sha256,
+                "rows": rows.len(),
+                "rows_with_vectors": with_rows,
+                "retired": retired,
+                "vector_width": file.vector_width,
+                "input_width": file.input_width,
+                "bytes": object.bytes.len(),
+                "sha256": file.sha256,
+            }))
+            .expect("serialisable")
+        );
+        return Ok(0);
+    }
+    say!(
+        "{text}: version {}, published {age} s ago, for the engine with weights sha256 {}: {} \
+         row(s) ({with_rows} with vectors, {retired} retired), {} bytes, sha256 {}",
+        file.delta.version,
+        file.engine_sha256,
+        rows.len(),
+        object.bytes.len(),
+        file.sha256
+    );
+    Ok(0)
+}

@@ -1,0 +1,94 @@
+//! Where a server reads a live object of a model (an availability object, a catalogue delta):
+//! a local file, relative to the model's folder, or an object in a repository (`s3://...`,
+//! `gs://...`), read only when its entity tag changed and never past a size bound.
+
+use std::path::Path;
+
+use crate::error::{RegistryError, Result};
+use crate::location::Location;
+use crate::store::{Fetched, HeadCheck, ReadBound, Repository};
+
+/// The URI of `model`'s live object `name` in `repository`, as a server's parameter names it
+/// (an absolute path for a local repository).
+pub fn object_uri(repository: &Repository, model: &str, name: &str) -> String {
+    match repository.location() {
+        Location::Local(dir) => {
+            let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            dir.join(model).join(name).display().to_string()
+        }
+        _ => format!("{}/{model}/{name}", repository.uri().trim_end_matches('/')),
+    }
+}
+
+/// One live object's source, as a model parameter names it.
+pub struct LiveSource {
+    repository: Repository,
+    key: String,
+    text: String,
+}
+
+impl std::fmt::Debug for LiveSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl LiveSource {
+    /// The source `text` given as model parameter `parameter` (named in errors); a relative
+    /// local path is taken from `model_dir`.
+    pub fn open(parameter: &str, text: &str, model_dir: &Path) -> Result<LiveSource> {
+        let text = text.trim();
+        let bad = |why: &str| RegistryError::Input(format!("{parameter} {text:?}: {why}"));
+        if text.contains("://") {
+            // Checked whole first, so the error names the source as given.
+            Location::parse(text)?;
+            let (scheme, rest) = text.split_once("://").expect("checked above");
+            let (parent, name) = rest
+                .rsplit_once('/')
+                .filter(|(parent, name)| !parent.is_empty() && !name.is_empty())
+                .ok_or_else(|| bad("it names a bucket or folder, not an object in it"))?;
+            return Ok(LiveSource {
+                repository: Repository::open(&format!("{scheme}://{parent}"))?,
+                key: name.to_string(),
+                text: text.to_string(),
+            });
+        }
+        let path = model_dir.join(text);
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(bad("it names no file"));
+        };
+        if !dir.is_dir() {
+            return Err(bad(&format!("no directory {}", dir.display())));
+        }
+        Ok(LiveSource {
+            repository: Repository::open(&dir.display().to_string())?,
+            key: name.to_string_lossy().into_owned(),
+            text: path.display().to_string(),
+        })
+    }
+
+    /// The source as resolved (what log lines name).
+    pub fn describe(&self) -> &str {
+        &self.text
+    }
+
+    /// The object unless it still carries the entity tag `known`. An object larger than
+    /// `max_bytes` is refused from its size before it is read, and one whose first bytes
+    /// `check_head` refuses as soon as they arrive ([`Fetched::Refused`]), so memory stays
+    /// bounded whatever is at the key.
+    pub fn fetch(
+        &self,
+        known: Option<&str>,
+        max_bytes: u64,
+        check_head: HeadCheck<'_>,
+    ) -> Result<Fetched> {
+        self.repository.read_if_changed_within(
+            &self.key,
+            known,
+            &ReadBound {
+                max_bytes,
+                check_head,
+            },
+        )
+    }
+}
