@@ -141,6 +141,7 @@ pub struct Engine {
 /// What a catalogue delta is applied to: the engine's stored tensors (mapped, not copied), ids
 /// and item sets as converted. Every delta applies to these, never to another delta.
 struct Converted {
+    config: crate::config::ModelConfig,
     weights: crate::weights::Weights,
     ids: IdMap,
     item_sets: crate::item_sets::ItemSets,
@@ -236,6 +237,7 @@ impl Engine {
         let packed = packed_output(&loaded)?;
         let screen = screen_table(&loaded)?;
         let converted = Arc::new(Converted {
+            config: loaded.manifest.model.clone(),
             weights: loaded.weights.clone(),
             ids: loaded.ids.clone(),
             item_sets: loaded.item_sets.clone(),
@@ -275,7 +277,7 @@ impl Engine {
     pub fn with_catalogue(&self, delta: &CatalogueDelta) -> Result<Engine> {
         let converted = &self.converted;
         let applied = crate::catalogue::apply(
-            &self.manifest.model,
+            &converted.config,
             &converted.weights,
             &converted.ids,
             delta,

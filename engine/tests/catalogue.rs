@@ -326,7 +326,16 @@ fn cut_items_given_back_as_a_delta_answer_as_the_converted_engine() {
                 screen,
             );
             assert_eq!(cut_engine.n_items(), 2000 - cut.len());
-            let with_delta = cut_engine.with_catalogue(&delta).unwrap();
+            // Applied over another delta (a server's next version): the delta replaces it.
+            let half = CatalogueDelta {
+                version: 1,
+                rows: delta.rows[..delta.rows.len() / 2].to_vec(),
+            };
+            let with_delta = cut_engine
+                .with_catalogue(&half)
+                .unwrap()
+                .with_catalogue(&delta)
+                .unwrap();
             assert_eq!(with_delta.n_items(), 2000, "{kind} {variant}");
             let summary = with_delta.catalogue().unwrap();
             assert_eq!(

@@ -184,3 +184,254 @@ def test_a_table_that_cannot_apply_is_refused_naming_the_item(recsys_bin, tmp_pa
         run = subprocess.run([str(recsys_bin), "predict", "--engine", str(engine), "--input", str(users),
                               "--output", "-", "--catalogue", str(path)], capture_output=True, text=True)
         assert run.returncode != 0 and expected in run.stderr, (expected, run.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through real tritonservers: deltas published by the CLI, polled and swapped in between batches.
+
+import contextlib  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import tritonclient.http as httpclient  # noqa: E402
+
+from conftest import contract_config  # noqa: E402
+from s3_harness import CREDENTIALS, S3Server  # noqa: E402
+from test_availability import metric, wait_for, write_atomically  # noqa: E402
+from test_serving import make_inputs  # noqa: E402
+from triton_harness import TritonServer  # noqa: E402
+
+OBJECT = "recsys-catalogue.bin"
+# Variable-size lists, as pandas and pyarrow write them from Python lists.
+DELTA_SCHEMA = pa.schema([("item_id", pa.int64()), ("vector", pa.list_(pa.float32())),
+                          ("input_vector", pa.list_(pa.float32())), ("op", pa.string())])
+
+
+def histories(count: int) -> list[list[int]]:
+    cases = [line.split("\t") for line in (FIXTURES / "test_set.tsv").read_text().splitlines()[1:]]
+    return [[int(i) for i in case[2].split()][-20:] for case in cases[:count]]
+
+
+def catalogue_publish(recsys_bin: Path, repository: str, model: str, table: Path) -> int:
+    run = subprocess.run([str(recsys_bin), "catalogue", "publish", "--repository", repository, "--model", model,
+                          "--json", str(table)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    return json.loads(run.stdout)["version"]
+
+
+def expected_answers(recsys_bin: Path, engine: Path, source: Path, users: list[list[int]], tmp: Path) -> list[list[int]]:
+    """`recsys predict --catalogue` over the object a version was published as: what a server
+    holding that version answers."""
+    lines = tmp / "expected-in.jsonl"
+    lines.write_text("".join(json.dumps({"item_ids": h}) + "\n" for h in users))
+    answers, _ = predict(recsys_bin, engine, lines, "--catalogue", str(source), k=10)
+    return [a["item_ids"] for a in answers]
+
+
+def served(client, model: str, history: list[int]) -> tuple[int, list[int]]:
+    result = client.infer(model, make_inputs(httpclient, history, k=10))
+    return result.get_response()["parameters"]["catalogue_version"], result.as_numpy("TOP_ITEM_IDS")[0].tolist()
+
+
+class Load:
+    """Client threads asking for the top 10 of fixed histories, each answer checked against what
+    the catalogue version it names answers (`expected[version][history]`)."""
+
+    def __init__(self, server: TritonServer, model: str, users: list[list[int]],
+                 expected: dict[int, list[list[int]]], threads: int = 2):
+        self.server, self.model, self.users, self.expected = server, model, users, expected
+        self.answers, self.failures, self.wrong = 0, [], []
+        self.seen: set[int] = set()
+        self.stop, self.lock = threading.Event(), threading.Lock()
+        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(threads)]
+
+    def run(self, seed: int) -> None:
+        client = httpclient.InferenceServerClient(self.server.http_url)
+        rng = random.Random(seed)
+        deadline = time.monotonic() + 600
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline and self.answers < 500_000:
+                u = rng.randrange(len(self.users))
+                try:
+                    version, ids = served(client, self.model, self.users[u])
+                except Exception as e:  # noqa: BLE001  (every failure counts)
+                    with self.lock:
+                        self.failures.append(repr(e))
+                    continue
+                with self.lock:
+                    self.answers += 1
+                    self.seen.add(version)
+                    want = self.expected.get(version)
+                    if want is None:
+                        self.wrong.append(f"catalogue version {version} was never published")
+                    elif ids != want[u]:
+                        self.wrong.append(f"version {version} history {u}: {ids} != {want[u]}")
+        finally:
+            client.close()
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def shop_engines(recsys_bin: Path, tmp_path: Path) -> tuple[Path, Path, pa.Table, list[int]]:
+    """The SASRec fixture cut by 49 items (the engine served), the whole one, the whole engine's
+    exported rows, and the cut internal indices."""
+    cut = list(range(1, N_ITEMS + 1, 41))
+    full = tmp_path / "full"
+    convert(recsys_bin, "sasrec", "sasrec", "model.safetensors", full, FIXTURES / "sasrec" / "item_id_map.tsv")
+    table = export(recsys_bin, full, tmp_path / "full-items")
+    checkpoint, config, item_map = cut_fixture("sasrec", cut, tmp_path / "cut-checkpoint")
+    engine = tmp_path / "cut"
+    subprocess.run([str(recsys_bin), "convert", "--force", "--kind", "sasrec", "--checkpoint", str(checkpoint),
+                    "--config", str(config), "--item-map", str(item_map), "--out", str(engine)],
+                   check=True, capture_output=True)
+    return engine, full, table, cut
+
+
+def test_deltas_swapped_under_load_lose_no_request_and_bad_objects_keep_the_last_good_one(
+        tmp_path, recsys_bin, backend_dir):
+    engine, full, table, cut = shop_engines(recsys_bin, tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "shop").mkdir(parents=True)
+    shutil.copytree(engine, repo / "shop" / "1")
+    (repo / "shop" / "config.pbtxt").write_text(contract_config(
+        "shop", params={"catalogue_source": OBJECT, "catalogue_poll_seconds": "0.2"}))
+    # A model of the whole engine: its catalogue objects are for another engine.
+    (repo / "other").mkdir()
+    shutil.copytree(full, repo / "other" / "1")
+    (repo / "other" / "config.pbtxt").write_text(contract_config("other"))
+
+    users = histories(6)
+    rng = random.Random(5)
+    ids = table["item_id"].to_pylist()
+    vectors, inputs = table["vector"].to_pylist(), table["input_vector"].to_pylist()
+    cut_rows = [i - 1 for i in cut]
+    kept_rows = [r for r in range(N_ITEMS) if r not in set(cut_rows)]
+    expected: dict[int, list[list[int]]] = {}
+    with TritonServer(repo, backend_dir, explicit=True, load_models=["shop", "other"],
+                      log_path=tmp_path / "tritonserver.log") as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        # No object yet: the catalogue as converted, version 0 in every response.
+        expected[0] = [served(client, "shop", h)[1] for h in users]
+        assert all(served(client, "shop", h)[0] == 0 for h in users)
+        refused = 0
+        latest = 0
+        with Load(server, "shop", users, expected) as load:
+            wait_for(lambda: load.answers > 20, "answers under load", 30)
+            for step in range(12):
+                if step % 4 == 3:
+                    # A bad object where the delta belongs: refused, the last good one kept.
+                    good = (repo / "shop" / OBJECT).read_bytes()
+                    bad = [good[: len(good) // 2], good[:-1],
+                           good[:-40] + bytes(b ^ 0x20 for b in good[-40:])][step // 4]
+                    write_atomically(repo / "shop" / OBJECT, bad)
+                    refused += 1
+                    wait_for(lambda: metric(server, "recsys_catalogue_refused_total", "shop") == refused,
+                             f"refusal {refused}", 10)
+                    assert served(client, "shop", users[0])[0] == latest
+                    write_atomically(repo / "shop" / OBJECT, good)
+                    continue
+                # Some of the cut items added, some converted items retired, some replaced by
+                # another item's rows: the whole state each time.
+                added = rng.sample(cut_rows, rng.randrange(5, len(cut_rows)))
+                retired = rng.sample(kept_rows, 3)
+                replaced = rng.sample([r for r in kept_rows if r not in retired], 4)
+                rows = [{"item_id": ids[r], "vector": vectors[r], "input_vector": inputs[r], "op": "upsert"}
+                        for r in added]
+                # Each replaced item takes the next one's rows.
+                rows += [{"item_id": ids[r], "vector": vectors[s], "input_vector": inputs[s], "op": "upsert"}
+                         for r, s in zip(replaced, replaced[1:] + replaced[:1])]
+                rows += [{"item_id": ids[r], "vector": None, "input_vector": None, "op": "retire"} for r in retired]
+                delta = pa.Table.from_pylist(rows, schema=DELTA_SCHEMA)
+                path = tmp_path / f"delta-{step}.parquet"
+                pq.write_table(delta, path)
+                latest = catalogue_publish(recsys_bin, str(repo), "shop", path)
+                copy = tmp_path / f"v{latest}.bin"
+                copy.write_bytes((repo / "shop" / OBJECT).read_bytes())
+                expected[latest] = expected_answers(recsys_bin, engine, copy, users, tmp_path)
+                wait_for(lambda: served(client, "shop", users[0])[0] == latest, f"version {latest} served", 10)
+            marks = load.answers
+            wait_for(lambda: load.answers > marks + 20, "answers after the last swap", 30)
+
+            # An object made for another engine (the whole one): refused, naming why.
+            other_table = tmp_path / "other.parquet"
+            pq.write_table(table.take(cut_rows[:3]), other_table)
+            catalogue_publish(recsys_bin, str(repo), "other", other_table)
+            good = (repo / "shop" / OBJECT).read_bytes()
+            write_atomically(repo / "shop" / OBJECT, (repo / "other" / OBJECT).read_bytes())
+            refused += 1
+            wait_for(lambda: metric(server, "recsys_catalogue_refused_total", "shop") == refused, "foreign", 10)
+            write_atomically(repo / "shop" / OBJECT, good)
+        assert load.failures == [], load.failures[:5]
+        assert load.wrong == [], load.wrong[:5]
+        assert load.answers > 200, load.answers
+        assert len(load.seen) >= 6, sorted(load.seen)
+        assert metric(server, "recsys_catalogue_version", "shop") == latest
+        assert metric(server, "recsys_catalogue_refused_total", "shop") == refused == 4
+        assert metric(server, "recsys_catalogue_delta_items", "shop") > 0
+        log = server.log()
+        assert len(re.findall(r"catalogue update from \S+ refused, catalogue version \d+ stays in force", log)) \
+            == refused, log
+        assert "truncated" in log and "SHA-256" in log and "was published for the engine" in log
+        # The model without a catalogue_source names no catalogue version.
+        result = client.infer("other", make_inputs(httpclient, users[0], k=3))
+        assert "catalogue_version" not in result.get_response().get("parameters", {})
+        assert server.is_live()
+        client.close()
+
+
+def test_two_replicas_on_one_s3_repository_take_a_delta_within_one_poll_interval(
+        tmp_path, recsys_bin, backend_dir, monkeypatch):
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)  # recsys and tritonserver inherit them
+    engine, full, table, cut = shop_engines(recsys_bin, tmp_path)
+    poll = 2.0
+    users = histories(3)
+    with S3Server(tmp_path / "moto.log") as s3:
+        s3.client().create_bucket(Bucket="models")
+        uri = s3.uri("models", "shop-repo")
+        config = contract_config("shop", params={"catalogue_source": f"{uri}/shop/{OBJECT}",
+                                                 "catalogue_poll_seconds": str(poll)})
+        client = s3.client()
+        client.put_object(Bucket="models", Key="shop-repo/shop/config.pbtxt", Body=config.encode())
+        for f in engine.iterdir():
+            client.put_object(Bucket="models", Key=f"shop-repo/shop/1/{f.name}", Body=f.read_bytes())
+        with contextlib.ExitStack() as stack:
+            servers = [stack.enter_context(TritonServer(uri, backend_dir, explicit=True, load_models=["shop"],
+                                                        log_path=tmp_path / f"replica{i}.log"))
+                       for i in range(2)]
+            clients = [httpclient.InferenceServerClient(s.http_url) for s in servers]
+            assert [served(c, "shop", users[0])[0] for c in clients] == [0, 0]
+            # Every cut item back: both replicas answer as the whole engine does.
+            delta = tmp_path / "all.parquet"
+            pq.write_table(table.take([i - 1 for i in cut]), delta)
+            version = catalogue_publish(recsys_bin, uri, "shop", delta)
+            published = time.monotonic()
+            for c in clients:
+                wait_for(lambda: served(c, "shop", users[0])[0] == version, "a replica on the delta", poll + 3)
+            took = time.monotonic() - published
+            assert took <= poll + 3, took
+            lines = tmp_path / "users.jsonl"
+            lines.write_text("".join(json.dumps({"item_ids": h}) + "\n" for h in users))
+            whole, _ = predict(recsys_bin, full, lines, k=10)
+            for c in clients:
+                assert [served(c, "shop", h)[1] for h in users] == [a["item_ids"] for a in whole]
+            show = subprocess.run([str(recsys_bin), "catalogue", "show", "--repository", uri, "--model", "shop",
+                                   "--json"], capture_output=True, text=True, timeout=120)
+            assert show.returncode == 0, show.stderr
+            shown = json.loads(show.stdout)
+            assert shown["version"] == version and shown["rows"] == len(cut)
+            for s in servers:
+                assert metric(s, "recsys_catalogue_version", "shop") == version
+            for c in clients:
+                c.close()
