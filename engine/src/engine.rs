@@ -276,12 +276,8 @@ impl Engine {
     /// holds no item whose input row changed between the two engines) and availability in force.
     pub fn with_catalogue(&self, delta: &CatalogueDelta) -> Result<Engine> {
         let converted = &self.converted;
-        let applied = crate::catalogue::apply(
-            &converted.config,
-            &converted.weights,
-            &converted.ids,
-            delta,
-        )?;
+        let applied =
+            crate::catalogue::apply(&converted.config, &converted.weights, &converted.ids, delta)?;
         let mut model = Model::from_tensors(&applied.config, &applied.weights)?;
         if self.manifest.static_dense_activations() {
             let scales = self
