@@ -18,8 +18,6 @@ count() {
   echo "${n:-0}"
 }
 
-stage "Python environment (scripts/python-env.sh)"
-./scripts/python-env.sh
 # The CUDA emulation tests compile the kernel sources as host C++.
 if ! command -v "${RECSYS_CXX:-c++}" >/dev/null; then
   if [[ $(id -u) -eq 0 ]]; then
@@ -45,6 +43,21 @@ fi
 # ... over the headers of the registry package triton-sys 0.2.0 (fetched into cargo's cache).
 ./scripts/triton-headers.sh >/dev/null
 
+# The Python environment (mostly downloads) is made in the background while the Rust build uses
+# the cores (after the apt installs above: it runs apt itself at its end); the first step that
+# needs it waits for it.
+stage "Python environment (scripts/python-env.sh, in the background until the CUDA step needs it)"
+./scripts/python-env.sh >"$logs/python-env.log" 2>&1 &
+python_env=$!
+wait_for_python_env() {
+  if ! wait "$python_env"; then
+    cat "$logs/python-env.log" >&2
+    echo "error: scripts/python-env.sh failed (its output is above)" >&2
+    exit 1
+  fi
+  cat "$logs/python-env.log"
+}
+
 # The kernel tests run on every ISA the CPU has; here the AVX2 path must be among them.
 export REQUIRE_AVX2=1
 
@@ -60,6 +73,8 @@ cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log"
 stage "PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
 RECSYS_FORCE_ISA=scalar cargo test --locked -p recsys-engine --test golden_parity --test sequential_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
+stage "waiting for the Python environment"
+wait_for_python_env
 stage "CUDA kernels: NVRTC compile for sm_80 and sm_90, ptxas spill check, clean load errors (no GPU needed)"
 # The spill check runs on NVRTC 12.6 (the oldest 12.x the CUDA 12 build takes), 12.9 (the newest
 # 12.x) and, with the GPU bundle's CUDA 13 build, 13.0 (the GPU machine's toolkit); each run checks
@@ -99,9 +114,10 @@ cargo build --release --locked -p recsys-backend --features recsys-backend/panic
 mkdir -p build/test-backends/recsys
 cp target/release/libtriton_recsys.so build/test-backends/recsys/
 # The CUDA build, as docker/Dockerfile builds it, for the KIND_GPU tests (a clear load error here).
-./scripts/build-release.sh --cuda --backend-only --target-dir target/cuda
+# In the one release target folder: only the crates whose features differ build again.
+./scripts/build-release.sh --cuda --backend-only
 mkdir -p build/test-backends-cuda/recsys
-cp target/cuda/release/libtriton_recsys.so build/test-backends-cuda/recsys/
+cp target/release/libtriton_recsys.so build/test-backends-cuda/recsys/
 # The release path's fault-injection suite (test_chaos.py) runs `recsys` built with its fault hooks
 # (RECSYS_FAULTS; never shipped) from build/chaos; the shipped binary goes back in place after.
 cargo build --release --locked -p recsys-backend -p recsys-cli -p recsys-secret-args \
