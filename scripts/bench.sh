@@ -33,6 +33,9 @@
 #                                     whole models at 1e6 items in tritonserver, recsys (screened and
 #                                     not) against the Python backend + onnxruntime peer, concurrency
 #                                     1 and 8, with and without dynamic batching (scripts/bench_catalogue.py)
+#   scripts/bench.sh live-catalogue [ARGS] an engine with a catalogue delta (items added, items
+#                                     retired) against the catalogue compiled in, at 1e6 items, and
+#                                     what putting the delta in force costs (scripts/bench_live_catalogue.py)
 #   scripts/bench.sh load [ARGS]      load time, owned and resident memory of engines whose kernels'
 #                                     layout is mapped from kernels.bin against packed at load
 #                                     (scripts/bench_load.py)
@@ -41,7 +44,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -150,6 +153,11 @@ case "$kind" in
     "$peers_python" scripts/bench_faiss.py "$@"
     exec "$python" scripts/bench_catalogue.py "$@"
     ;;
+  live-catalogue)
+    ./scripts/python-env.sh
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
+    exec "$python" scripts/bench_live_catalogue.py "$@"
+    ;;
   load)
     ./scripts/python-env.sh
     cargo build --release --locked -p recsys-cli
@@ -164,7 +172,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, sequential, sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, load)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, sequential, sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, load)" >&2
     exit 2
     ;;
 esac

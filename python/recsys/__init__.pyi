@@ -78,6 +78,14 @@ class Engine:
         """Puts a live availability object in force (a file, or s3://... / gs://...; written by
         `recsys availability publish`): its sets join `item_sets`. Refused (RecsysError) when it is
         damaged or not newer than the one in force. Returns its version."""
+    def load_catalogue(self, source: str) -> int:
+        """Puts a live catalogue delta in force (a file, or s3://... / gs://...; written by
+        `recsys catalogue publish` for this engine): added items can be recommended, retired ones
+        never are. Refused (RecsysError) when it is damaged, made for another engine or a row
+        cannot apply. Returns its version."""
+    @property
+    def catalogue_version(self) -> int | None:
+        """The version of the catalogue delta in force (None: the catalogue as converted)."""
     @property
     def screen_plan(self) -> str | None:
         """A screened engine's plan per batch size and where it came from; None without a screen."""

@@ -131,7 +131,7 @@ pub(crate) fn convert(
     let mut engine = engine;
     engine.set_threads(std::thread::available_parallelism().map_or(1, |n| n.get()));
     Ok(PyEngine {
-        engine: std::sync::Arc::new(engine),
+        engine: std::sync::RwLock::new(std::sync::Arc::new(engine)),
         on_device: None,
         device: crate::device::DeviceChoice::Cpu,
         path: output,
@@ -154,8 +154,8 @@ pub(crate) fn evaluate<'py>(
         return Err(PyValueError::new_err("k needs cut-offs of at least 1"));
     }
     let cases = read_test_set(&test_set).map_err(engine_error)?;
-    let inner = &engine.engine;
-    let report = py.detach(|| evaluate_engine(inner, &cases, &k, batch_size.max(1), |_| {}));
+    let inner = engine.engine();
+    let report = py.detach(|| evaluate_engine(&inner, &cases, &k, batch_size.max(1), |_| {}));
     let metrics = PyDict::new(py);
     for (name, value) in &report.metrics {
         if name == "n_users" {

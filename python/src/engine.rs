@@ -3,7 +3,7 @@
 //! batches of histories, the GIL released while it computes.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
@@ -71,7 +71,9 @@ type TimelineTuple = (Vec<Py<PyAny>>, Vec<Py<PyAny>>, Vec<Option<String>>);
 /// A loaded engine directory (written by `recsys convert`).
 #[pyclass(name = "Engine", module = "recsys", frozen)]
 pub(crate) struct PyEngine {
-    pub(crate) engine: Arc<Engine>,
+    /// The engine in force; a call takes it once and answers (ids mapped back included) with it,
+    /// so a catalogue loaded meanwhile never mixes into one call's answer.
+    pub(crate) engine: RwLock<Arc<Engine>>,
     /// Where batches run: `None` on the CPU engine itself, or the model on a GPU.
     pub(crate) on_device: Option<Arc<dyn BatchRecommender>>,
     pub(crate) device: DeviceChoice,
@@ -82,6 +84,11 @@ pub(crate) struct PyEngine {
 }
 
 impl PyEngine {
+    /// The engine in force (see [`PyEngine::engine`]).
+    pub(crate) fn engine(&self) -> Arc<Engine> {
+        Arc::clone(&self.engine.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
     /// Runs every history through the engine as one batch, the GIL released; each history's own
     /// answer or refusal. `ks`, when given, holds each history's k (`None`: `ask.default_k`).
     #[allow(clippy::too_many_arguments)] // one batch's inputs, each optional
@@ -93,7 +100,7 @@ impl PyEngine {
         exclude: Option<&IdLists>,
         candidates: Option<&IdLists>,
         ask: &Ask,
-    ) -> Vec<recsys_engine::Result<Recommendation>> {
+    ) -> (Arc<Engine>, Vec<recsys_engine::Result<Recommendation>>) {
         let views = histories.str_views();
         let exclude_views = exclude.map(IdLists::str_views).unwrap_or_default();
         let candidate_views = candidates.map(IdLists::str_views).unwrap_or_default();
@@ -117,25 +124,26 @@ impl PyEngine {
             },
             empty_history: Default::default(),
         };
-        let engine = &self.engine;
+        let engine = self.engine();
         let recommender: &dyn BatchRecommender = match &self.on_device {
             Some(device) => device.as_ref(),
             None => engine.as_ref(),
         };
-        py.detach(|| engine.recommend_on(recommender, &requests, &options))
+        let answers = py.detach(|| engine.recommend_on(recommender, &requests, &options));
+        (engine, answers)
     }
 
     /// One history's answer as [`PyEngine::predict`] returns it, appended to `rows`: ids (int64
     /// array or list of str) and float32 scores, the embedding when asked, or the refusal's
     /// message with empty ids and scores.
     fn push_row(
-        &self,
+        engine: &Engine,
         py: Python<'_>,
         rows: &mut PredictRows,
         answer: recsys_engine::Result<Recommendation>,
         embedding: bool,
     ) -> PyResult<()> {
-        let string_ids = self.engine.manifest.id_type == recsys_engine::idmap::IdType::String;
+        let string_ids = engine.manifest.id_type == recsys_engine::idmap::IdType::String;
         let answer = match answer {
             Ok(answer) => answer,
             Err(e) => {
@@ -154,7 +162,7 @@ impl PyEngine {
         let mut ints = Vec::with_capacity(answer.items.len());
         let mut names = Vec::new();
         for item in &answer.items {
-            match self.engine.external_id(item.index) {
+            match engine.external_id(item.index) {
                 Some(ExternalId::Int(i)) => ints.push(i),
                 Some(ExternalId::Str(s)) => names.push(s),
                 None => {
@@ -187,8 +195,9 @@ impl PyEngine {
         exclude: Option<&IdLists>,
         candidates: Option<&IdLists>,
         ask: &Ask,
-    ) -> PyResult<Vec<Recommendation>> {
-        self.answer_each(py, histories, None, exclude, candidates, ask)
+    ) -> PyResult<(Arc<Engine>, Vec<Recommendation>)> {
+        let (engine, answers) = self.answer_each(py, histories, None, exclude, candidates, ask);
+        let answers = answers
             .into_iter()
             .enumerate()
             .map(|(i, answer)| {
@@ -199,14 +208,15 @@ impl PyEngine {
                     other => engine_error(other),
                 })
             })
-            .collect()
+            .collect::<PyResult<_>>()?;
+        Ok((engine, answers))
     }
 
     /// `(ids, scores)` of ranked answers: scores `[B, width]` float32 padded with -inf; ids int64
     /// `[B, width]` padded with -1 for int catalogues, lists of strings (each its own length) for
     /// string catalogues.
     fn ranked<'py>(
-        &self,
+        engine: &Engine,
         py: Python<'py>,
         answers: &[Recommendation],
         width: usize,
@@ -222,13 +232,13 @@ impl PyEngine {
             .expect("rows x width values")
             .into_pyarray(py);
         let external = |index: u32| {
-            self.engine.external_id(index).ok_or_else(|| {
+            engine.external_id(index).ok_or_else(|| {
                 RecsysError::new_err(format!(
                     "the engine returned item index {index}, outside its catalogue"
                 ))
             })
         };
-        let ids = if self.engine.manifest.id_type == recsys_engine::idmap::IdType::String {
+        let ids = if engine.manifest.id_type == recsys_engine::idmap::IdType::String {
             let mut lists = Vec::with_capacity(rows);
             for answer in answers {
                 let row: Vec<String> = answer
@@ -279,8 +289,9 @@ impl PyEngine {
         let candidates = IdLists::optional(candidates, "candidates", histories.len())?;
         let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
         ask.filters = crate::filters::item_filters(sets.0, sets.1, histories.len())?;
-        let answers = self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), &ask)?;
-        self.ranked(py, &answers, width)
+        let (engine, answers) =
+            self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), &ask)?;
+        Self::ranked(&engine, py, &answers, width)
     }
 
     fn width(&self, k: i64) -> PyResult<usize> {
@@ -289,7 +300,7 @@ impl PyEngine {
                 "k must be at least 1, got {k}"
             )));
         }
-        Ok((k as usize).min(self.engine.n_items()))
+        Ok((k as usize).min(self.engine().n_items()))
     }
 }
 
@@ -354,7 +365,7 @@ impl PyEngine {
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
         Ok(PyEngine {
-            engine,
+            engine: RwLock::new(engine),
             on_device,
             device,
             path,
@@ -365,38 +376,38 @@ impl PyEngine {
     /// "bert4rec", "vaecf", "sasrec" or "gru4rec".
     #[getter]
     fn kind(&self) -> &'static str {
-        self.engine.kind().as_str()
+        self.engine().kind().as_str()
     }
 
     /// "fp32", "fp16", "bf16" or "int8".
     #[getter]
     fn precision(&self) -> &'static str {
-        self.engine.manifest.precision.as_str()
+        self.engine().manifest.precision.as_str()
     }
 
     /// Items in the catalogue (N).
     #[getter]
     fn num_items(&self) -> usize {
-        self.engine.n_items()
+        self.engine().n_items()
     }
 
     /// Scoring threads per call.
     #[getter]
     fn threads(&self) -> usize {
-        self.engine.scorer.threads
+        self.engine().scorer.threads
     }
 
     /// Values in a user embedding: the model's hidden size plus the trailing 1.
     #[getter]
     fn embedding_dim(&self) -> usize {
-        self.engine.model.output().input_size() + 1
+        self.engine().model.output().input_size() + 1
     }
 
     /// The item set names requests may filter by (`column=value`, from `recsys convert
     /// --item-attributes`), each with its item count.
     #[getter]
     fn item_sets(&self) -> std::collections::BTreeMap<String, u64> {
-        self.engine.filters.view().summary().into_iter().collect()
+        self.engine().filters.view().summary().into_iter().collect()
     }
 
     /// Puts a live availability object in force (a file, or s3://... / gs://...; written by
@@ -404,17 +415,49 @@ impl PyEngine {
     /// the engine's) and filters may name them. Refused when it is damaged or not newer than the
     /// one in force. Returns its version.
     fn load_availability(&self, py: Python<'_>, source: &str) -> PyResult<u64> {
-        let engine = &self.engine;
-        py.detach(|| recsys_registry::availability::apply(engine, source))
+        let engine = self.engine();
+        py.detach(|| recsys_registry::availability::apply(&engine, source))
             .map(|applied| applied.version)
             .map_err(|e| RecsysError::new_err(e.to_string()))
+    }
+
+    /// Puts a live catalogue delta in force (a published object: a file, or s3://... / gs://...;
+    /// written by `recsys catalogue publish` for this engine): items it adds can be recommended,
+    /// items it retires never are, replaced rows score as given. Refused when it is damaged, made
+    /// for another engine, or a row cannot apply; the catalogue in force then stays. Returns its
+    /// version.
+    fn load_catalogue(&self, py: Python<'_>, source: &str) -> PyResult<u64> {
+        if self.on_device.is_some() {
+            return Err(RecsysError::new_err(
+                "an engine on a GPU (device=\"cuda\") holds the item tables copied at load; \
+                 load the catalogue on a CPU engine",
+            ));
+        }
+        let engine = self.engine();
+        let next = py
+            .detach(|| {
+                let delta = recsys_registry::catalogue::read(&engine, source)?;
+                engine
+                    .with_catalogue(&delta)
+                    .map_err(|e| recsys_registry::RegistryError::Input(e.to_string()))
+            })
+            .map_err(|e| RecsysError::new_err(e.to_string()))?;
+        let version = next.catalogue().map_or(0, |c| c.version);
+        *self.engine.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
+        Ok(version)
+    }
+
+    /// The version of the catalogue delta in force (`None`: the catalogue as converted).
+    #[getter]
+    fn catalogue_version(&self) -> Option<u64> {
+        self.engine().catalogue().map(|c| c.version)
     }
 
     /// The prefix cache's counters (`None` without one): hits, misses, events computed and
     /// reused, evictions, expirations, bytes and entries held.
     #[getter]
     fn prefix_cache_stats(&self) -> Option<std::collections::BTreeMap<&'static str, u64>> {
-        self.engine.prefix_cache().map(|cache| {
+        self.engine().prefix_cache().map(|cache| {
             let s = cache.stats();
             [
                 ("hits", s.hits),
@@ -435,41 +478,42 @@ impl PyEngine {
     /// the plan came from (`None` for an engine without a screen).
     #[getter]
     fn screen_plan(&self) -> Option<String> {
-        self.engine.screen_plan().map(|p| p.describe())
+        self.engine().screen_plan().map(|p| p.describe())
     }
 
     /// A bf16 engine's kernels on a CPU with AVX512-BF16 (`vdpbf16ps` or widened to f32) per
     /// batch size, the times behind the choice and where it came from; `None` for other engines and CPUs.
     #[getter]
     fn kernel_plan(&self) -> Option<String> {
-        self.engine.bf16_path_plan().map(|p| p.describe())
+        self.engine().bf16_path_plan().map(|p| p.describe())
     }
 
     /// The largest row group AVX-512 kernels cut a batch into (8 or 4 rows), the times behind the
     /// choice and where it came from; `None` for kernels with one row block (scalar, AVX2).
     #[getter]
     fn row_block_plan(&self) -> Option<String> {
-        self.engine.row_block_plan().map(|p| p.describe())
+        self.engine().row_block_plan().map(|p| p.describe())
     }
 
     /// How many of the engine's threads each batch size gets, the times behind it and where the
     /// plan came from; `None` for an engine of one thread.
     #[getter]
     fn thread_plan(&self) -> Option<String> {
-        self.engine.thread_plan().map(|p| p.describe())
+        self.engine().thread_plan().map(|p| p.describe())
     }
 
     /// The version of the availability object in force (`None`: none).
     #[getter]
     fn availability_version(&self) -> Option<u64> {
-        self.engine.filters.availability_version()
+        self.engine().filters.availability_version()
     }
 
     /// The external ids of items 1..=N (the columns of `score`): int64 array or list of str.
     #[getter]
     fn item_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let ids = (1..=self.engine.n_items() as u32).map(|i| self.engine.external_id(i));
-        if self.engine.manifest.id_type == recsys_engine::idmap::IdType::String {
+        let engine = self.engine();
+        let ids = (1..=engine.n_items() as u32).map(|i| engine.external_id(i));
+        if engine.manifest.id_type == recsys_engine::idmap::IdType::String {
             let names: Vec<String> = ids
                 .map(|id| match id {
                     Some(ExternalId::Str(s)) => s,
@@ -576,7 +620,7 @@ impl PyEngine {
             strict,
             embedding: true,
         };
-        let answers = self.answer(py, &histories, None, None, &ask)?;
+        let (_, answers) = self.answer(py, &histories, None, None, &ask)?;
         let width = self.embedding_dim();
         let values: Vec<f32> = answers.into_iter().flat_map(|a| a.embedding).collect();
         Ok(Array2::from_shape_vec((histories.len(), width), values)
@@ -593,7 +637,7 @@ impl PyEngine {
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let histories = IdLists::extract(histories, "histories")?;
         let views = histories.str_views();
-        let engine = &self.engine;
+        let engine = self.engine();
         let mapped: Vec<Vec<u32>> = (0..histories.len())
             .map(|i| engine.ids.map(histories.row(&views, i)).indices)
             .collect();
@@ -657,7 +701,7 @@ impl PyEngine {
             strict,
             embedding,
         };
-        let answers = self.answer_each(
+        let (engine, answers) = self.answer_each(
             py,
             &histories,
             k.as_deref(),
@@ -667,7 +711,7 @@ impl PyEngine {
         );
         let mut rows = PredictRows::default();
         for answer in answers {
-            self.push_row(py, &mut rows, answer, embedding)?;
+            Self::push_row(&engine, py, &mut rows, answer, embedding)?;
         }
         Ok((rows.ids, rows.scores, rows.embeddings, rows.errors))
     }
@@ -703,9 +747,9 @@ impl PyEngine {
             .collect();
         for t in 1..=histories.longest() {
             let (which, step) = histories.prefixes(t);
-            let answers = self.answer_each(py, &step, None, None, None, &ask);
+            let (engine, answers) = self.answer_each(py, &step, None, None, None, &ask);
             for (i, answer) in which.into_iter().zip(answers) {
-                self.push_row(py, &mut timelines[i], answer, false)?;
+                Self::push_row(&engine, py, &mut timelines[i], answer, false)?;
             }
         }
         Ok(timelines

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import FIXTURES, convert
 
@@ -435,3 +436,32 @@ def test_two_replicas_on_one_s3_repository_take_a_delta_within_one_poll_interval
                 assert metric(s, "recsys_catalogue_version", "shop") == version
             for c in clients:
                 c.close()
+
+
+def test_the_python_package_loads_a_published_delta_and_answers_as_predict(tmp_path, recsys_bin):
+    import recsys  # noqa: PLC0415  (the wheel, installed by the test command)
+
+    engine, full, table, cut = shop_engines(recsys_bin, tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "shop").mkdir(parents=True)
+    shutil.copytree(engine, repo / "shop" / "1")
+    (repo / "shop" / "config.pbtxt").write_text(contract_config("shop", params={"catalogue_source": OBJECT}))
+    delta = tmp_path / "delta.parquet"
+    pq.write_table(table.take([i - 1 for i in cut]), delta)
+    assert catalogue_publish(recsys_bin, str(repo), "shop", delta) == 1
+    users = histories(20)
+    lines = tmp_path / "users.jsonl"
+    lines.write_text("".join(json.dumps({"item_ids": h}) + "\n" for h in users))
+    whole, _ = predict(recsys_bin, full, lines, k=10)
+
+    py = recsys.Engine(str(engine), threads=1)
+    assert py.catalogue_version is None and py.num_items == N_ITEMS - len(cut)
+    assert py.load_catalogue(str(repo / "shop" / OBJECT)) == 1
+    assert py.catalogue_version == 1 and py.num_items == N_ITEMS
+    ids, _ = py.recommend(users, k=10)
+    assert ids.tolist() == [a["item_ids"] for a in whole]
+    # An object for another engine is refused and the catalogue in force stays.
+    other = recsys.Engine(str(full), threads=1)
+    with pytest.raises(recsys.RecsysError, match="was published for the engine"):
+        other.load_catalogue(str(repo / "shop" / OBJECT))
+    assert other.catalogue_version is None

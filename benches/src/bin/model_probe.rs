@@ -10,6 +10,9 @@
 //! The engine runs as the server runs it: with the plans this CPU measures for it (screen, bf16
 //! path, row block, threads per batch size; kept in the plan cache, `RECSYS_PLAN=off` skips them);
 //! `RECSYS_PROBE_BF16_PATH=native|widened` pins a bf16 engine's kernel path.
+//! `RECSYS_PROBE_CATALOGUE=FILE` puts a published catalogue delta (`recsys catalogue publish`'s
+//! object) in force first, as a server's swap does, and reports how long applying it took; its
+//! retired items are then left out of every request, as the server leaves them out.
 //! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, the
 //! thread-seconds per batch spent in dense layers, attention and the output layer, and the plans.
 #![forbid(unsafe_code)]
@@ -27,6 +30,23 @@ fn main() {
         std::process::exit(2);
     }
     let mut engine = Engine::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| panic!("{e}"));
+    let mut catalogue_apply_s = None;
+    if let Ok(path) = std::env::var("RECSYS_PROBE_CATALOGUE") {
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let file = recsys_engine::catalogue_file::CatalogueFile::from_bytes(
+            &bytes,
+            engine.ids.id_type(),
+        )
+        .unwrap_or_else(|e| panic!("{path}: {e}"));
+        let start = Instant::now();
+        engine = engine
+            .with_catalogue(&file.delta)
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        catalogue_apply_s = Some(start.elapsed().as_secs_f64());
+    }
+    // What a request without a filter may be answered with: every item, or every item the
+    // catalogue in force has not retired.
+    let unfiltered = engine.filters.view().unfiltered();
     let histories: Vec<Vec<i64>> =
         serde_json::from_str(&std::fs::read_to_string(&args[2]).expect("read histories"))
             .expect("histories JSON");
@@ -90,7 +110,7 @@ fn main() {
                             .as_ref()
                             .map(|lists| lists[user % lists.len()].clone()),
                         embedding: false,
-                        eligible: None,
+                        eligible: unfiltered.clone(),
                         popular: false,
                     }
                 })
@@ -129,6 +149,8 @@ fn main() {
             // Per batch, summed over the threads that ran each kind (recsys_engine::profile).
             "thread_seconds": {"dense": per_batch(dense), "attention": per_batch(attention), "output": per_batch(output)},
             "plans": plans,
+            "catalogue_apply_s": catalogue_apply_s,
+            "items": engine.n_items(),
         })
     );
 }
