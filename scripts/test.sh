@@ -69,10 +69,12 @@ cargo clippy --locked -p recsys-registry -p recsys-cli --features recsys-cli/fau
 
 stage "cargo test"
 rust_status=0
-cargo test --locked --workspace --lib --bins --tests 2>&1 | tee "$logs/rust.log" || rust_status=$?
+# The benches crate's programs are type-checked by clippy above and built in release by
+# scripts/bench.sh; building them here would build criterion and its plotting stack for nothing.
+cargo test --locked --workspace --exclude recsys-benches --lib --bins --tests 2>&1 | tee "$logs/rust.log" || rust_status=$?
 stage "PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
 # --workspace: the features resolved as for the run above, so nothing builds again.
-RECSYS_FORCE_ISA=scalar cargo test --locked --workspace --test golden_parity --test sequential_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+RECSYS_FORCE_ISA=scalar cargo test --locked --workspace --exclude recsys-benches --test golden_parity --test sequential_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
 
 stage "waiting for the Python environment"
 wait_for_python_env
