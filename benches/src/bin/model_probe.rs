@@ -33,11 +33,9 @@ fn main() {
     let mut catalogue_apply_s = None;
     if let Ok(path) = std::env::var("RECSYS_PROBE_CATALOGUE") {
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        let file = recsys_engine::catalogue_file::CatalogueFile::from_bytes(
-            &bytes,
-            engine.ids.id_type(),
-        )
-        .unwrap_or_else(|e| panic!("{path}: {e}"));
+        let file =
+            recsys_engine::catalogue_file::CatalogueFile::from_bytes(&bytes, engine.ids.id_type())
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
         let start = Instant::now();
         engine = engine
             .with_catalogue(&file.delta)
