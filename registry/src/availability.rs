@@ -12,13 +12,9 @@ use std::path::Path;
 use recsys_engine::availability::{AvailabilityFile, AVAILABILITY_OBJECT};
 use recsys_engine::AttributeTable;
 
-use crate::config::CONFIG_FILE;
 use crate::error::{RegistryError, Result};
 use crate::live_source::LiveSource;
 use crate::store::{Fetched, Repository};
-
-/// Publishers racing on one model are retried this often before giving up.
-const PUBLISH_ATTEMPTS: usize = 8;
 
 /// The key of a model's availability object in its repository.
 pub fn object_key(model: &str) -> String {
@@ -64,76 +60,36 @@ pub fn publish(
     table: &AttributeTable,
     version: Option<u64>,
 ) -> Result<Published> {
-    let config = repository
-        .read(&format!("{model}/{CONFIG_FILE}"))?
-        .ok_or_else(|| {
-            RegistryError::Input(format!(
-                "{} holds no model {model:?} (no {model}/{CONFIG_FILE}); publish its engine first",
-                repository.uri()
-            ))
-        })?;
-    let configured = String::from_utf8_lossy(&config.bytes).contains("availability_source");
-    let key = object_key(model);
-    for _ in 0..PUBLISH_ATTEMPTS {
-        let stored = repository.read(&key)?;
-        let previous = match &stored {
-            None => None,
-            Some(object) => match AvailabilityFile::peek(&object.bytes) {
-                Ok((v, _, _)) => Some(v),
-                // The servers hold the last good object; the caller's number must be above it.
-                Err(_) if version.is_some() => None,
-                Err(e) => {
-                    return Err(RegistryError::Input(format!(
-                        "the stored availability object of {model} is not readable ({e}): give \
-                         --version N above the version its servers report (response parameter \
-                         availability_version) to replace it"
-                    )))
-                }
-            },
-        };
-        let next = match (version, previous) {
-            (Some(v), Some(p)) if v <= p => {
-                return Err(RegistryError::Input(format!(
-                    "availability version {v} is not newer than version {p} stored for {model}: \
-                     servers never go back to an older one"
-                )))
-            }
-            (Some(0), None) => {
-                return Err(RegistryError::Usage(
-                    "availability versions start at 1".into(),
-                ))
-            }
-            (Some(v), _) => v,
-            (None, p) => p.map_or(1, |p| p + 1),
-        };
-        let published_unix = now_unix();
-        let file = AvailabilityFile::from_table(table, next, published_unix)
-            .map_err(RegistryError::Input)?;
-        let bytes = file.to_bytes();
-        let written = match &stored {
-            None => repository.create(&key, &bytes)?,
-            Some(object) => repository.replace(&key, &bytes, object)?,
-        };
-        if written {
-            return Ok(Published {
-                model: model.to_string(),
-                version: next,
-                previous,
-                published_unix,
-                items: file.n_ids(),
-                sets: file.summary(),
-                bytes: bytes.len(),
-                sha256: file.sha256().to_string(),
-                source: source_uri(repository, model),
-                configured,
-            });
-        }
-        // Another publisher wrote between our read and our write: read theirs and go above it.
-    }
-    Err(RegistryError::Input(format!(
-        "the availability object of {model} kept changing while publishing ({PUBLISH_ATTEMPTS} \
-         attempts): another publisher is writing it"
-    )))
+    let configured = crate::live_source::config_names(repository, model, "availability_source")?;
+    let written = crate::live_source::publish_forward(
+        repository,
+        model,
+        "availability",
+        &object_key(model),
+        version,
+        |bytes| AvailabilityFile::peek(bytes).map(|(v, _, _)| v),
+        |next| {
+            let published_unix = now_unix();
+            let file = AvailabilityFile::from_table(table, next, published_unix)
+                .map_err(RegistryError::Input)?;
+            let bytes = file.to_bytes();
+            let len = bytes.len();
+            Ok((bytes, (file, published_unix, len)))
+        },
+    )?;
+    let (file, published_unix, bytes) = written.made;
+    Ok(Published {
+        model: model.to_string(),
+        version: written.version,
+        previous: written.previous,
+        published_unix,
+        items: file.n_ids(),
+        sets: file.summary(),
+        bytes,
+        sha256: file.sha256().to_string(),
+        source: source_uri(repository, model),
+        configured,
+    })
 }
 
 /// An availability source as a server names it (parameter `availability_source`): a local file

@@ -23,9 +23,6 @@ use crate::live_source::LiveSource;
 use crate::location::Location;
 use crate::store::{Fetched, Repository};
 
-/// Publishers racing on one model are retried this often before giving up.
-const PUBLISH_ATTEMPTS: usize = 8;
-
 /// The key of a model's catalogue object in its repository.
 pub fn object_key(model: &str) -> String {
     format!("{model}/{CATALOGUE_OBJECT}")
@@ -136,12 +133,7 @@ pub fn publish(
     delta: CatalogueDelta,
     version: Option<u64>,
 ) -> Result<Published> {
-    let config = repository
-        .read(&format!("{model}/{CONFIG_FILE}"))?
-        .ok_or_else(|| {
-            RegistryError::Input(format!("{} holds no model {model:?}", repository.uri()))
-        })?;
-    let configured = String::from_utf8_lossy(&config.bytes).contains("catalogue_source");
+    let configured = crate::live_source::config_names(repository, model, "catalogue_source")?;
     // Verified before anything changes: the fleet's engine with this delta.
     let applied = engine
         .with_catalogue(&delta)
@@ -149,77 +141,48 @@ pub fn publish(
     let summary = applied.catalogue().cloned().expect("just applied");
     let (vector_width, input_width) = row_widths(engine);
     let engine_sha256 = engine.weights_sha256().to_string();
-    let key = object_key(model);
-    for _ in 0..PUBLISH_ATTEMPTS {
-        let stored = repository.read(&key)?;
-        let previous = match &stored {
-            None => None,
-            Some(object) => match CatalogueFile::peek(&object.bytes) {
-                Ok((v, _, _)) => Some(v),
-                Err(_) if version.is_some() => None,
-                Err(e) => {
-                    return Err(RegistryError::Input(format!(
-                        "the stored catalogue object of {model} is not readable ({e}): give \
-                         --version N above the version its servers report (response parameter \
-                         catalogue_version) to replace it"
-                    )))
-                }
-            },
-        };
-        let next = match (version, previous) {
-            (Some(v), Some(p)) if v <= p => {
-                return Err(RegistryError::Input(format!(
-                    "catalogue version {v} is not newer than version {p} stored for {model}: \
-                     servers never go back to an older one"
-                )))
-            }
-            (Some(0), None) => {
-                return Err(RegistryError::Usage("catalogue versions start at 1".into()))
-            }
-            (Some(v), _) => v,
-            (None, p) => p.map_or(1, |p| p + 1),
-        };
-        let published_unix = now_unix();
-        let mut versioned = delta.clone();
-        versioned.version = next;
-        let file = CatalogueFile::new(
-            versioned,
-            published_unix,
-            &engine_sha256,
-            vector_width,
-            Some(input_width),
-        )
-        .map_err(RegistryError::Input)?;
-        let bytes = file.to_bytes();
-        let written = match &stored {
-            None => repository.create(&key, &bytes)?,
-            Some(object) => repository.replace(&key, &bytes, object)?,
-        };
-        if written {
-            return Ok(Published {
-                model: model.to_string(),
-                version: next,
-                previous,
+    let written = crate::live_source::publish_forward(
+        repository,
+        model,
+        "catalogue",
+        &object_key(model),
+        version,
+        |bytes| CatalogueFile::peek(bytes).map(|(v, _, _)| v),
+        |next| {
+            let published_unix = now_unix();
+            let mut versioned = delta.clone();
+            versioned.version = next;
+            let file = CatalogueFile::new(
+                versioned,
                 published_unix,
-                engine_version,
-                engine_sha256,
-                rows: summary.delta_items,
-                added: summary.added,
-                replaced: summary.replaced,
-                retired: summary.retired,
-                items: applied.n_items(),
-                bytes: bytes.len(),
-                sha256: file.sha256.clone(),
-                source: source_uri(repository, model),
-                configured,
-            });
-        }
-        // Another publisher wrote between our read and our write: read theirs and go above it.
-    }
-    Err(RegistryError::Input(format!(
-        "the catalogue object of {model} kept changing while publishing ({PUBLISH_ATTEMPTS} \
-         attempts): another publisher is writing it"
-    )))
+                &engine_sha256,
+                vector_width,
+                Some(input_width),
+            )
+            .map_err(RegistryError::Input)?;
+            let bytes = file.to_bytes();
+            let made = (published_unix, bytes.len(), file.sha256);
+            Ok((bytes, made))
+        },
+    )?;
+    let (published_unix, bytes, sha256) = written.made;
+    Ok(Published {
+        model: model.to_string(),
+        version: written.version,
+        previous: written.previous,
+        published_unix,
+        engine_version,
+        engine_sha256,
+        rows: summary.delta_items,
+        added: summary.added,
+        replaced: summary.replaced,
+        retired: summary.retired,
+        items: applied.n_items(),
+        bytes,
+        sha256,
+        source: source_uri(repository, model),
+        configured,
+    })
 }
 
 /// A catalogue source as a server names it (parameter `catalogue_source`).

@@ -4,9 +4,96 @@
 
 use std::path::Path;
 
+use crate::config::CONFIG_FILE;
 use crate::error::{RegistryError, Result};
 use crate::location::Location;
 use crate::store::{Fetched, HeadCheck, ReadBound, Repository};
+
+/// Publishers racing on one object are retried this often before giving up.
+const PUBLISH_ATTEMPTS: usize = 8;
+
+/// What [`publish_forward`] wrote: the version, the one it replaced, and what `make` returned.
+pub struct Written<T> {
+    pub version: u64,
+    pub previous: Option<u64>,
+    pub made: T,
+}
+
+/// Whether `model`'s config names parameter `parameter`; the model must exist in the repository.
+pub fn config_names(repository: &Repository, model: &str, parameter: &str) -> Result<bool> {
+    let config = repository
+        .read(&format!("{model}/{CONFIG_FILE}"))?
+        .ok_or_else(|| {
+            RegistryError::Input(format!(
+                "{} holds no model {model:?} (no {model}/{CONFIG_FILE}); publish its engine first",
+                repository.uri()
+            ))
+        })?;
+    Ok(String::from_utf8_lossy(&config.bytes).contains(parameter))
+}
+
+/// Writes `model`'s live object `what` (`availability`, `catalogue`) at `key`, forward only:
+/// version `version` (above the stored one) or the stored version plus one, as `make(version)`
+/// makes its bytes, with create-if-absent or replace-if-unchanged; when another publisher wrote
+/// between the read and the write, it reads theirs and goes above it. `peek` reads a stored
+/// object's version; a stored object it cannot read is replaced only with an explicit `version`.
+pub fn publish_forward<T>(
+    repository: &Repository,
+    model: &str,
+    what: &str,
+    key: &str,
+    version: Option<u64>,
+    peek: impl Fn(&[u8]) -> std::result::Result<u64, String>,
+    mut make: impl FnMut(u64) -> Result<(Vec<u8>, T)>,
+) -> Result<Written<T>> {
+    for _ in 0..PUBLISH_ATTEMPTS {
+        let stored = repository.read(key)?;
+        let previous = match &stored {
+            None => None,
+            Some(object) => match peek(&object.bytes) {
+                Ok(v) => Some(v),
+                // The servers hold the last good object; the caller's number must be above it.
+                Err(_) if version.is_some() => None,
+                Err(e) => {
+                    return Err(RegistryError::Input(format!(
+                        "the stored {what} object of {model} is not readable ({e}): give \
+                         --version N above the version its servers report (response parameter \
+                         {what}_version) to replace it"
+                    )))
+                }
+            },
+        };
+        let next = match (version, previous) {
+            (Some(v), Some(p)) if v <= p => {
+                return Err(RegistryError::Input(format!(
+                    "{what} version {v} is not newer than version {p} stored for {model}: \
+                     servers never go back to an older one"
+                )))
+            }
+            (Some(0), None) => {
+                return Err(RegistryError::Usage(format!("{what} versions start at 1")))
+            }
+            (Some(v), _) => v,
+            (None, p) => p.map_or(1, |p| p + 1),
+        };
+        let (bytes, made) = make(next)?;
+        let written = match &stored {
+            None => repository.create(key, &bytes)?,
+            Some(object) => repository.replace(key, &bytes, object)?,
+        };
+        if written {
+            return Ok(Written {
+                version: next,
+                previous,
+                made,
+            });
+        }
+    }
+    Err(RegistryError::Input(format!(
+        "the {what} object of {model} kept changing while publishing ({PUBLISH_ATTEMPTS} \
+         attempts): another publisher is writing it"
+    )))
+}
 
 /// The URI of `model`'s live object `name` in `repository`, as a server's parameter names it
 /// (an absolute path for a local repository).
