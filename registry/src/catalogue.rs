@@ -17,7 +17,7 @@ use recsys_engine::catalogue::CatalogueDelta;
 use recsys_engine::catalogue_file::{default_max_catalogue_bytes, CatalogueFile, CATALOGUE_OBJECT};
 use recsys_engine::Engine;
 
-use crate::config::{policy_versions, CONFIG_FILE};
+use crate::config::policy_versions;
 use crate::error::{RegistryError, Result};
 use crate::live_source::LiveSource;
 use crate::location::Location;
@@ -45,15 +45,7 @@ pub fn row_widths(engine: &Engine) -> (usize, usize) {
 /// The engine version `model`'s servers load: the newest version its config's `specific` policy
 /// names, else the newest version folder (Triton's `latest`).
 pub fn served_version(repository: &Repository, model: &str) -> Result<u64> {
-    let config = repository
-        .read(&format!("{model}/{CONFIG_FILE}"))?
-        .ok_or_else(|| {
-            RegistryError::Input(format!(
-                "{} holds no model {model:?} (no {model}/{CONFIG_FILE}); publish its engine first",
-                repository.uri()
-            ))
-        })?;
-    let text = String::from_utf8_lossy(&config.bytes);
+    let text = crate::live_source::model_config(repository, model)?;
     if let Some(newest) = policy_versions(&text).and_then(|v| v.into_iter().max()) {
         return Ok(newest);
     }

@@ -19,8 +19,8 @@ pub struct Written<T> {
     pub made: T,
 }
 
-/// Whether `model`'s config names parameter `parameter`; the model must exist in the repository.
-pub fn config_names(repository: &Repository, model: &str, parameter: &str) -> Result<bool> {
+/// `model`'s `config.pbtxt` as text; the model must exist in the repository.
+pub fn model_config(repository: &Repository, model: &str) -> Result<String> {
     let config = repository
         .read(&format!("{model}/{CONFIG_FILE}"))?
         .ok_or_else(|| {
@@ -29,7 +29,12 @@ pub fn config_names(repository: &Repository, model: &str, parameter: &str) -> Re
                 repository.uri()
             ))
         })?;
-    Ok(String::from_utf8_lossy(&config.bytes).contains(parameter))
+    Ok(String::from_utf8_lossy(&config.bytes).into_owned())
+}
+
+/// Whether `model`'s config names parameter `parameter`; the model must exist in the repository.
+pub fn config_names(repository: &Repository, model: &str, parameter: &str) -> Result<bool> {
+    Ok(model_config(repository, model)?.contains(parameter))
 }
 
 /// Writes `model`'s live object `what` (`availability`, `catalogue`) at `key`, forward only:
