@@ -139,12 +139,12 @@ pub struct Engine {
 }
 
 /// What a catalogue delta is applied to: the engine's stored tensors (mapped, not copied), ids
-/// and item sets as converted. Every delta applies to these, never to another delta.
+/// as converted. Every delta applies to these, never to another delta. (The converted ids are the
+/// first `config.n_items()` of the engine's, and its item sets the engine's own: a delta only
+/// appends items, in no set.)
 struct Converted {
     config: crate::config::ModelConfig,
     weights: crate::weights::Weights,
-    ids: IdMap,
-    item_sets: crate::item_sets::ItemSets,
 }
 
 /// Packs the output layer (at whatever precision it is stored) for the fused kernels; W8A8 engines
@@ -239,8 +239,6 @@ impl Engine {
         let converted = Arc::new(Converted {
             config: loaded.manifest.model.clone(),
             weights: loaded.weights.clone(),
-            ids: loaded.ids.clone(),
-            item_sets: loaded.item_sets.clone(),
         });
         let filters = Filters::new(loaded.item_sets, loaded.model.output().n_outputs());
         let popularity = loaded.popularity;
@@ -276,8 +274,15 @@ impl Engine {
     /// holds no item whose input row changed between the two engines) and availability in force.
     pub fn with_catalogue(&self, delta: &CatalogueDelta) -> Result<Engine> {
         let converted = &self.converted;
-        let applied =
-            crate::catalogue::apply(&converted.config, &converted.weights, &converted.ids, delta)?;
+        let base_items = converted.config.n_items();
+        let prefix;
+        let ids = if self.ids.len() == base_items {
+            &self.ids
+        } else {
+            prefix = self.ids.prefix(base_items).map_err(EngineError::Config)?;
+            &prefix
+        };
+        let applied = crate::catalogue::apply(&converted.config, &converted.weights, ids, delta)?;
         let mut model = Model::from_tensors(&applied.config, &applied.weights)?;
         if self.manifest.static_dense_activations() {
             let scales = self
@@ -295,7 +300,7 @@ impl Engine {
         let screen = self.scorer.screen.is_some().then(|| screen_of(out));
         let n_outputs = out.n_outputs();
         let filters = Filters::retiring(
-            converted.item_sets.grown(n_outputs),
+            self.filters.sets().grown(n_outputs),
             n_outputs,
             &applied.retired,
         );

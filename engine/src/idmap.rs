@@ -287,6 +287,18 @@ impl IdMap {
         }
     }
 
+    /// The map of items 1..=`n` alone (the catalogue before items appended after them).
+    pub fn prefix(&self, n: usize) -> Result<IdMap, String> {
+        match &self.ids {
+            Ids::Int { by_index, .. } => {
+                IdMap::from_int_ids(by_index[..n.min(by_index.len())].to_vec())
+            }
+            Ids::Str { by_index, .. } => {
+                IdMap::from_string_ids(by_index[..n.min(by_index.len())].to_vec())
+            }
+        }
+    }
+
     /// The internal index of one external id (`None`: not an item).
     pub fn index_of(&self, id: &ExternalId) -> Option<u32> {
         match id {

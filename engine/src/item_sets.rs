@@ -267,11 +267,11 @@ impl ItemSets {
         self.columns.contains_key(column)
     }
 
-    /// The same sets over a catalogue grown to `items` internal indices (PAD included): items
-    /// added after conversion belong to no set.
+    /// The same sets over a catalogue of `items` internal indices (PAD included) that keeps every
+    /// index they hold: items a catalogue delta appended belong to no set.
     pub fn grown(&self, items: usize) -> ItemSets {
         ItemSets {
-            items: items.max(self.items),
+            items,
             columns: self.columns.clone(),
         }
     }

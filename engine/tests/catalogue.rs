@@ -560,6 +560,19 @@ fn availability_in_force_survives_a_swap_and_covers_new_items() {
     // Unfiltered, the new items are offered and the retired one is not.
     let offered = live.filters.view().unfiltered().unwrap();
     assert_eq!(offered.count(), 2000 - 1);
+    // A later, smaller delta (three new items, nothing retired) over this one: the catalogue
+    // shrinks back, and its sets and masks with it.
+    let smaller = live
+        .with_catalogue(&CatalogueDelta {
+            version: 2,
+            rows: delta.rows[..3].to_vec(),
+        })
+        .unwrap();
+    assert_eq!(smaller.n_items(), 2000 - new_ids.len() + 3);
+    assert_eq!(smaller.filters.sets().n_items(), smaller.n_items() + 1);
+    let kept = smaller.filters.resolve(&filter).unwrap();
+    assert_eq!(kept.count(), 2000 - new_ids.len());
+    assert!(smaller.filters.view().unfiltered().is_none());
 }
 
 /// A swap keeps the prefix cache's states for histories without a changed item (and drops the
