@@ -384,7 +384,7 @@ def test_the_server_log_names_each_screened_model_s_plan(server):
     """A screened engine's plan (measured at load on this CPU, or read from its file) is logged,
     and so is the thread plan of a model of more than one thread."""
     log = server.log()
-    assert "model vaecf_screened version 1: screen plan: batch 1+:" in log, log[-3000:]
+    assert "model vaecf_screened version 1: screen plan: batch 1+: int8 screen — pinned (always)" in log, log[-3000:]
     assert "batch 64+:" in log
     assert re.search(r"model vaecf_screened version 1: thread plan: batch 1\+: [12] threads? \(", log), log[-3000:]
     # A model of one thread has nothing to plan.
