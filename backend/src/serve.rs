@@ -82,6 +82,7 @@ pub fn serve(
                                 candidates,
                                 embedding: row.embedding,
                                 filter: row.filter.as_ref(),
+                                times: None,
                             },
                             options,
                         )
@@ -399,6 +400,7 @@ mod tests {
                     ])),
                     embedding: false,
                     filter: None,
+                    times: None,
                 }],
                 &options,
             )

@@ -27,6 +27,8 @@ fn bench_models(c: &mut Criterion) {
                     embedding: false,
                     eligible: None,
                     popular: false,
+                    timestamps: Vec::new(),
+                    query_timestamp: 0,
                 })
                 .collect();
             group.bench_with_input(

@@ -657,6 +657,8 @@ pub enum Kind {
     Sasrec,
     /// RecBole GRU4Rec (sequential; a GRU over the history, answers from the last item).
     Gru4rec,
+    /// HSTU from Meta's generative-recommenders (sequential; reads each event's timestamp).
+    Hstu,
 }
 
 impl From<Kind> for recsys_engine::ModelKind {
@@ -666,6 +668,7 @@ impl From<Kind> for recsys_engine::ModelKind {
             Kind::Vaecf => recsys_engine::ModelKind::Vaecf,
             Kind::Sasrec => recsys_engine::ModelKind::Sasrec,
             Kind::Gru4rec => recsys_engine::ModelKind::Gru4rec,
+            Kind::Hstu => recsys_engine::ModelKind::Hstu,
         }
     }
 }
@@ -786,7 +789,8 @@ sha256), weights.safetensors and item_ids.tsv; loading it verifies every checksu
 )]
 pub struct ConvertArgs {
     /// Model architecture of the checkpoint. Optional for a RecBole checkpoint, whose own config
-    /// names it (BERT4Rec, MultiVAE, SASRec, GRU4Rec); checked against that config when given.
+    /// names it (BERT4Rec, MultiVAE, SASRec, GRU4Rec), and for an HSTU, whose tensor names do;
+    /// checked against them when given.
     #[arg(long, value_enum)]
     pub kind: Option<Kind>,
     /// Trained weights: .safetensors, a torch.save state dict (.pt/.pth), or a RecBole checkpoint.
@@ -794,8 +798,12 @@ pub struct ConvertArgs {
     pub checkpoint: PathBuf,
     /// Hyper-parameters as JSON (n_heads, max_seq_length, ...). Optional for RecBole checkpoints,
     /// which carry their own; anything the weights' shapes determine is checked against them.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "gin")]
     pub config: Option<PathBuf>,
+    /// HSTU: the gin config file the model was trained with (its bindings are read as data:
+    /// max_sequence_length, num_blocks, num_heads, dqk, dv, ...), instead of --config.
+    #[arg(long, value_name = "FILE")]
+    pub gin: Option<PathBuf>,
     /// The item map: external item ids by the model's internal index.
     #[command(flatten)]
     pub items: ItemMapArgs,

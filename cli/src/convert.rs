@@ -60,6 +60,17 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
         }
     }
     let config = match &args.config {
+        None if args.gin.is_some() => {
+            let path = args.gin.as_ref().expect("checked");
+            let text = std::fs::read_to_string(path).map_err(CliError::io(format!(
+                "cannot read gin config {}",
+                path.display()
+            )))?;
+            Some(
+                recsys_engine::gin::bindings(&text)
+                    .map_err(|e| CliError::Input(format!("{}: {e}", path.display())))?,
+            )
+        }
         None => None,
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(CliError::io(format!(

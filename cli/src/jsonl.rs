@@ -1,6 +1,7 @@
 //! The input lines of `recsys predict`: one JSON object per line with `item_ids` (the history),
-//! optional `exclude_item_ids`, `candidate_item_ids`, `include_item_sets`, `exclude_item_sets`,
-//! `k` and `return_embedding`; every other field passes through to the output line.
+//! optional `timestamps` and `query_timestamp` (unix seconds, for the models that read time),
+//! `exclude_item_ids`, `candidate_item_ids`, `include_item_sets`, `exclude_item_sets`, `k` and
+//! `return_embedding`; every other field passes through to the output line.
 //! Pure parsing, kept apart from the command so it can be fuzzed.
 
 use serde_json::{Map, Value};
@@ -55,7 +56,23 @@ pub struct ParsedLine {
     pub return_embedding: bool,
     /// `"include_item_sets"` / `"exclude_item_sets"`: item set names to keep and to drop.
     pub filter: Option<recsys_engine::ItemFilter>,
+    /// `"timestamps"`: one unix timestamp (seconds) per history id.
+    pub timestamps: Option<Vec<i64>>,
+    /// `"query_timestamp"`: when the event to predict happens (default: now).
+    pub query_timestamp: Option<i64>,
     pub passthrough: Map<String, Value>,
+}
+
+impl ParsedLine {
+    /// The line's times as the engine takes them (`None` when the line has no `timestamps`).
+    pub fn times(&self) -> Option<recsys_engine::RequestTimes<'_>> {
+        self.timestamps
+            .as_ref()
+            .map(|events| recsys_engine::RequestTimes {
+                events,
+                query: self.query_timestamp,
+            })
+    }
 }
 
 pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
@@ -117,6 +134,36 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
             include,
             exclude: exclude_sets,
         });
+    let timestamps = match object.remove("timestamps") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => match items.iter().map(Value::as_i64).collect() {
+            Some(times) => Some(times),
+            None => {
+                return fail(
+                    "\"timestamps\" must be an array of integers (unix seconds)".into(),
+                    object,
+                )
+            }
+        },
+        Some(v) => {
+            return fail(
+                format!("\"timestamps\" must be an array of integers (unix seconds), found {v}"),
+                object,
+            )
+        }
+    };
+    let query_timestamp = match object.remove("query_timestamp") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_i64() {
+            Some(t) => Some(t),
+            None => {
+                return fail(
+                    format!("\"query_timestamp\" must be an integer (unix seconds), found {v}"),
+                    object,
+                )
+            }
+        },
+    };
     let return_embedding = match object.remove("return_embedding") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => b,
@@ -134,6 +181,8 @@ pub fn parse_line(text: &str) -> std::result::Result<ParsedLine, LineError> {
         k,
         return_embedding,
         filter,
+        timestamps,
+        query_timestamp,
         passthrough: object,
     })
 }

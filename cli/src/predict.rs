@@ -10,7 +10,9 @@ use serde_json::{Map, Value};
 use crate::cli::PredictArgs;
 use crate::error::{CliError, Result};
 use crate::progress;
-use recsys_engine::{Engine, ExternalId, ExternalIds, Request, ServeOptions, UnknownItemPolicy};
+use recsys_engine::{
+    Engine, ExternalId, ExternalIds, Request, RequestTimes, ServeOptions, UnknownItemPolicy,
+};
 
 use recsys_cli::jsonl::{parse_line, Ids, Line, MAX_LINE_BYTES};
 
@@ -465,6 +467,7 @@ fn score_batch(
                     // Embeddings come from the same encoder pass as the recommendations.
                     embedding: all_embeddings || p.return_embedding,
                     filter: p.filter.as_ref(),
+                    times: p.times(),
                 });
             }
             Err(_) => request_of_line.push(None),
@@ -581,6 +584,12 @@ fn events_of(engine: &Engine, options: &ServeOptions, requests: &[Request<'_>]) 
                     Request {
                         history: prefix(r.history, t),
                         embedding: false,
+                        // After event t, the next event is the one to predict: its time is the
+                        // query's (the request's own after the last).
+                        times: r.times.map(|times| RequestTimes {
+                            events: &times.events[..t.min(times.events.len())],
+                            query: times.events.get(t).copied().or(times.query),
+                        }),
                         ..*r
                     },
                 )

@@ -181,6 +181,8 @@ fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
         embedding: false,
         eligible: None,
         popular: false,
+        timestamps: Vec::new(),
+        query_timestamp: 0,
     };
     engine.recommend_internal(&[request])[0]
         .0
@@ -206,6 +208,8 @@ fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: 
                 embedding: false,
                 eligible: None,
                 popular: false,
+                timestamps: Vec::new(),
+                query_timestamp: 0,
             })
             .collect()
     };

@@ -55,7 +55,7 @@ fn convert_refuses_to_overwrite_and_explains_errors() {
     assert!(out
         .stderr
         .as_str()
-        .contains("pass --kind bert4rec, vaecf, sasrec or gru4rec"));
+        .contains("pass --kind bert4rec, vaecf, sasrec, gru4rec or hstu"));
 }
 
 #[test]

@@ -14,6 +14,7 @@ pub enum ModelKind {
     Vaecf,
     Sasrec,
     Gru4rec,
+    Hstu,
 }
 
 impl ModelKind {
@@ -24,11 +25,22 @@ impl ModelKind {
             ModelKind::Vaecf => "vaecf",
             ModelKind::Sasrec => "sasrec",
             ModelKind::Gru4rec => "gru4rec",
+            ModelKind::Hstu => "hstu",
         }
     }
 
     /// Every kind, in the order the command line lists them.
-    pub const ALL: [ModelKind; 4] = [
+    pub const ALL: [ModelKind; 5] = [
+        ModelKind::Bert4rec,
+        ModelKind::Vaecf,
+        ModelKind::Sasrec,
+        ModelKind::Gru4rec,
+        ModelKind::Hstu,
+    ];
+
+    /// The kinds RecBole trains (and whose fixtures RecBole made): BERT4Rec, Mult-VAE, SASRec and
+    /// GRU4Rec. HSTU comes from Meta's generative-recommenders code instead.
+    pub const RECBOLE: [ModelKind; 4] = [
         ModelKind::Bert4rec,
         ModelKind::Vaecf,
         ModelKind::Sasrec,
@@ -49,7 +61,16 @@ impl ModelKind {
     /// Models that read the history in order and answer from its last item: they keep the most
     /// recent `max_len` items and need at least one.
     pub fn needs_history(self) -> bool {
-        matches!(self, ModelKind::Sasrec | ModelKind::Gru4rec)
+        matches!(
+            self,
+            ModelKind::Sasrec | ModelKind::Gru4rec | ModelKind::Hstu
+        )
+    }
+
+    /// Models that read when each event happened (HSTU's relative time bias): their requests
+    /// carry a timestamp per history item and the time of the event to predict.
+    pub fn reads_timestamps(self) -> bool {
+        self == ModelKind::Hstu
     }
 }
 
@@ -61,8 +82,9 @@ impl std::str::FromStr for ModelKind {
             "vaecf" | "multivae" => Ok(ModelKind::Vaecf),
             "sasrec" => Ok(ModelKind::Sasrec),
             "gru4rec" => Ok(ModelKind::Gru4rec),
+            "hstu" => Ok(ModelKind::Hstu),
             _ => Err(format!(
-                "unknown model kind {s:?} (expected bert4rec, vaecf, sasrec or gru4rec)"
+                "unknown model kind {s:?} (expected bert4rec, vaecf, sasrec, gru4rec or hstu)"
             )),
         }
     }
@@ -115,6 +137,40 @@ pub struct VaeCfConfig {
     pub latent_size: usize,
 }
 
+/// HSTU as Meta's generative-recommenders research code builds it (`HSTU` with `linear_config
+/// uvqk`, SiLU, the relative position and time bias, no affine layer norms), scored by the cosine
+/// of the user embedding and each item's embedding. Names follow the official gin bindings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HstuConfig {
+    pub n_items: usize,
+    /// Most recent items kept (`max_sequence_length`).
+    pub max_len: usize,
+    /// `item_embedding_dim`: the width of every row the blocks carry.
+    pub embedding_dim: usize,
+    pub num_blocks: usize,
+    pub num_heads: usize,
+    /// Query and key width per head (`dqk`).
+    pub dqk: usize,
+    /// Value width per head (`dv`).
+    pub dv: usize,
+    /// The padded width of the official batch, `max_sequence_length + gr_output_length + 1`: the
+    /// position embedding's rows, and the constant every attention weight is divided by.
+    pub attention_width: usize,
+    /// Log-spaced time-gap buckets of the relative bias (the bias table has one more row).
+    pub time_buckets: usize,
+}
+
+impl HstuConfig {
+    /// Epsilon of the layer norms (which have no affine parameters) and of both L2 norms, as the
+    /// official code fixes them.
+    pub const EPS: f64 = 1e-6;
+
+    /// The uvqk projection's output width: `u`, `v` (heads x dv each), `q`, `k` (heads x dqk each).
+    pub fn uvqk_width(&self) -> usize {
+        2 * self.num_heads * (self.dv + self.dqk)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum ModelConfig {
@@ -122,6 +178,7 @@ pub enum ModelConfig {
     Vaecf(VaeCfConfig),
     Sasrec(TransformerConfig),
     Gru4rec(Gru4RecConfig),
+    Hstu(HstuConfig),
 }
 
 impl ModelConfig {
@@ -131,6 +188,7 @@ impl ModelConfig {
             ModelConfig::Vaecf(_) => ModelKind::Vaecf,
             ModelConfig::Sasrec(_) => ModelKind::Sasrec,
             ModelConfig::Gru4rec(_) => ModelKind::Gru4rec,
+            ModelConfig::Hstu(_) => ModelKind::Hstu,
         }
     }
 
@@ -139,6 +197,7 @@ impl ModelConfig {
             ModelConfig::Bert4rec(c) | ModelConfig::Sasrec(c) => c.n_items,
             ModelConfig::Vaecf(c) => c.n_items,
             ModelConfig::Gru4rec(c) => c.n_items,
+            ModelConfig::Hstu(c) => c.n_items,
         }
     }
 
@@ -149,6 +208,7 @@ impl ModelConfig {
             ModelConfig::Bert4rec(c) | ModelConfig::Sasrec(c) => c.n_items = n_items,
             ModelConfig::Vaecf(c) => c.n_items = n_items,
             ModelConfig::Gru4rec(c) => c.n_items = n_items,
+            ModelConfig::Hstu(c) => c.n_items = n_items,
         }
         config
     }
@@ -159,6 +219,7 @@ impl ModelConfig {
             ModelConfig::Bert4rec(c) => Some(c.max_len - 1),
             ModelConfig::Sasrec(c) => Some(c.max_len),
             ModelConfig::Gru4rec(c) => Some(c.max_len),
+            ModelConfig::Hstu(c) => Some(c.max_len),
             ModelConfig::Vaecf(_) => None,
         }
     }
@@ -176,12 +237,15 @@ impl ModelConfig {
             }
             ModelKind::Vaecf => resolve_vaecf(json, ckpt).map(ModelConfig::Vaecf),
             ModelKind::Gru4rec => resolve_gru4rec(json, ckpt).map(ModelConfig::Gru4rec),
+            ModelKind::Hstu => {
+                crate::models::hstu::resolve_config(json, ckpt).map(ModelConfig::Hstu)
+            }
         }
     }
 }
 
 /// The first of `keys` present in the JSON, as an unsigned integer.
-fn usize_field(json: &Map<String, Value>, keys: &[&str]) -> Result<Option<usize>> {
+pub(crate) fn usize_field(json: &Map<String, Value>, keys: &[&str]) -> Result<Option<usize>> {
     for key in keys {
         if let Some(v) = json.get(*key) {
             return v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
@@ -194,7 +258,7 @@ fn usize_field(json: &Map<String, Value>, keys: &[&str]) -> Result<Option<usize>
 
 /// Takes the value from the config when given (checking it against the weights) or else from the
 /// weights; `what` names the field in error messages.
-fn agree(
+pub(crate) fn agree(
     what: &str,
     from_config: Option<usize>,
     from_weights: usize,

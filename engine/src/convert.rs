@@ -76,8 +76,8 @@ impl ConvertRequest<'_> {
 }
 
 /// The architecture to convert: the one asked for, checked against a RecBole checkpoint's own
-/// `model` when it names one, or, when none is asked for, that `model` (RecBole's names:
-/// `BERT4Rec`, `MultiVAE`, `SASRec`, `GRU4Rec`).
+/// `model` when it names one (and against an HSTU's tensor names), or, when none is asked for,
+/// that `model` (RecBole's names: `BERT4Rec`, `MultiVAE`, `SASRec`, `GRU4Rec`) or HSTU.
 fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Result<ModelKind> {
     let recorded = ckpt
         .embedded_config
@@ -85,6 +85,7 @@ fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Resul
         .and_then(|c| c.get("model"))
         .and_then(|m| m.as_str());
     let of_recbole = ModelKind::of_recbole_class;
+    let holds_hstu = ckpt.shape(crate::models::hstu::KEY_OF_HSTU).is_some();
     match (asked, recorded) {
         (Some(kind), Some(name)) => match of_recbole(name) {
             Some(recorded_kind) if recorded_kind != kind => Err(EngineError::Config(format!(
@@ -94,7 +95,17 @@ fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Resul
             ))),
             _ => Ok(kind),
         },
+        // The official HSTU's state dict names say what it is.
+        (Some(kind), None) if kind != ModelKind::Hstu && holds_hstu => {
+            Err(EngineError::Config(format!(
+                "{} holds an HSTU (its tensors are named {}...), but the conversion asks for \
+                 {kind}: pass --kind hstu or leave --kind out",
+                path.display(),
+                crate::models::hstu::KEY_OF_HSTU
+            )))
+        }
         (Some(kind), None) => Ok(kind),
+        (None, None) if holds_hstu => Ok(ModelKind::Hstu),
         (None, Some(name)) => of_recbole(name).ok_or_else(|| {
             EngineError::Config(format!(
                 "{} is a RecBole {name} checkpoint; recsys converts BERT4Rec, \
@@ -104,7 +115,8 @@ fn model_kind(asked: Option<ModelKind>, ckpt: &Checkpoint, path: &Path) -> Resul
         }),
         (None, None) => Err(EngineError::Config(format!(
             "{} does not say which model it holds (only a RecBole checkpoint's \
-             config does): pass --kind bert4rec, vaecf, sasrec or gru4rec",
+             config and an HSTU's tensor names do): pass --kind bert4rec, vaecf, sasrec, gru4rec \
+             or hstu",
             path.display()
         ))),
     }
@@ -130,6 +142,13 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
         }
     };
     let config = ModelConfig::resolve(kind, &json, &ckpt)?;
+    if kind.reads_timestamps() && request.calibration.is_some() {
+        // Calibration runs the encoder on histories of ids alone.
+        return Err(EngineError::Config(format!(
+            "W8A8 calibration of {kind} is not supported yet (its histories need timestamps): \
+             convert it with --int8-mode weight-only"
+        )));
+    }
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
     let ids = request.item_map.read(max_checkpoint_bytes)?;
     request
@@ -438,13 +457,10 @@ mod tests {
                 && err.contains("BERT4Rec, SASRec, GRU4Rec and MultiVAE"),
             "{err}"
         );
-        for kind in ModelKind::ALL {
-            let name = match kind {
-                ModelKind::Bert4rec => "BERT4Rec",
-                ModelKind::Vaecf => "MultiVAE",
-                ModelKind::Sasrec => "SASRec",
-                ModelKind::Gru4rec => "GRU4Rec",
-            };
+        for (kind, name) in ModelKind::RECBOLE
+            .into_iter()
+            .zip(["BERT4Rec", "MultiVAE", "SASRec", "GRU4Rec"])
+        {
             let ckpt = recbole_checkpoint_of(name);
             assert_eq!(model_kind(None, &ckpt, path).unwrap(), kind);
             assert_eq!(model_kind(Some(kind), &ckpt, path).unwrap(), kind);

@@ -14,7 +14,7 @@ use crate::kernels::item_mask::ItemMask;
 use crate::kernels::packed::PackedOutput;
 use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
-use crate::models::{EncodeScratch, HistoryNote, Model};
+use crate::models::{EncodeScratch, EventTimes, HistoryNote, Model};
 use crate::popularity::Popularity;
 use crate::prefix_cache::{PrefixCache, State};
 use crate::request::{
@@ -557,13 +557,26 @@ impl Engine {
     fn plan_requests(&self) -> Vec<InternalRequest> {
         self.plan_histories(crate::plan::session_length)
             .into_iter()
-            .map(|history| InternalRequest {
-                history,
-                k: 10.min(self.n_items()),
-                exclude_seen: true,
-                ..Default::default()
-            })
+            .map(|history| self.plan_request(history))
             .collect()
+    }
+
+    /// A top-10 request (the history excluded) on `history`, for the plans; for a model that
+    /// reads time, its events ten minutes apart and the query ten minutes after the last.
+    fn plan_request(&self, history: Vec<u32>) -> InternalRequest {
+        let (timestamps, query_timestamp) = if self.kind().reads_timestamps() {
+            plan_times(history.len())
+        } else {
+            (Vec::new(), 0)
+        };
+        InternalRequest {
+            history,
+            k: 10.min(self.n_items()),
+            exclude_seen: true,
+            timestamps,
+            query_timestamp,
+            ..Default::default()
+        }
     }
 
     /// Seeded random histories, row `r` of `length(r)` items, as many as the largest plan batch:
@@ -606,7 +619,19 @@ impl Engine {
         let histories = self.plan_histories(|_| 8);
         let largest = histories.len();
         let views: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
-        let (hidden, _) = self.encode(&views);
+        let (hidden, _) = if self.kind().reads_timestamps() {
+            let (events, query) = plan_times(8);
+            let times = vec![
+                EventTimes {
+                    events: &events,
+                    query
+                };
+                largest
+            ];
+            self.encode_timed(&views, &times)
+        } else {
+            self.encode(&views)
+        };
         let width = self.model.output().input_size();
         let limits = |b: usize| RowLimits {
             excluded: histories[..b].to_vec(),
@@ -659,6 +684,10 @@ impl Engine {
                 Some("its attention is bidirectional: a new event changes every position")
             }
             ModelKind::Vaecf => Some("it reads the history as a set, in one layer"),
+            ModelKind::Hstu => Some(
+                "recsys does not yet carry HSTU's keys and values between calls (each call \
+                 computes the whole history)",
+            ),
         }
     }
 
@@ -782,12 +811,7 @@ impl Engine {
             .filter(|&w| w >= 2 * session_length(0))
         {
             let long = self.plan_histories(|_| window).swap_remove(0);
-            let request = [InternalRequest {
-                history: long,
-                k: 10.min(self.n_items()),
-                exclude_seen: true,
-                ..Default::default()
-            }];
+            let request = [self.plan_request(long)];
             timings.extend(crate::plan::measure_threads_at(
                 &candidates,
                 &[1],
@@ -819,7 +843,12 @@ impl Engine {
     /// Every item's score for each history, `[B, N+1]`, with the serving kernels and precision
     /// (for evaluation; serving never materialises this).
     pub fn score_all(&self, histories: &[&[u32]]) -> Vec<f32> {
-        let (hidden, _) = self.encode(histories);
+        self.score_all_timed(histories, &[])
+    }
+
+    /// [`Engine::score_all`] with each history's event times, for the models that read them.
+    pub fn score_all_timed(&self, histories: &[&[u32]], times: &[EventTimes<'_>]) -> Vec<f32> {
+        let (hidden, _) = self.encode_timed(histories, times);
         let kernels = self.kernels_for(histories.len());
         fused::score_all(kernels, &self.scorer.packed, &hidden)
     }
@@ -867,6 +896,37 @@ impl Engine {
         }
     }
 
+    /// The request's event times for a model that reads them: the timestamps of the history ids
+    /// at `kept` (the known ones) and the query time (now, when the request gives none). Empty
+    /// for the other models, which ignore times sent to them.
+    fn request_times(&self, request: &Request<'_>, kept: &[usize]) -> Result<(Vec<i64>, i64)> {
+        if !self.kind().reads_timestamps() {
+            return Ok((Vec::new(), 0));
+        }
+        let Some(times) = request.times else {
+            return Err(EngineError::InvalidRequest(format!(
+                "the request has no timestamps: {} reads when each event happened, so a \
+                 request carries one unix timestamp (seconds) per history id (Triton input \
+                 ITEM_TIMESTAMPS, \"timestamps\" in predict's JSONL, timestamps= in Python)",
+                self.kind()
+            )));
+        };
+        if times.events.len() != request.history.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the request holds {} timestamp(s) for {} history ids: one per id",
+                times.events.len(),
+                request.history.len()
+            )));
+        }
+        let query = match times.query {
+            Some(query) => query,
+            None => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64),
+        };
+        Ok((kept.iter().map(|&i| times.events[i]).collect(), query))
+    }
+
     /// Maps and validates one request. Errors name the offending input.
     pub fn prepare(
         &self,
@@ -900,7 +960,8 @@ impl Engine {
                     )))
                 }
             };
-        let history = self.ids.map(request.history);
+        let (history, kept) = self.ids.map_with_positions(request.history);
+        let (timestamps, query_timestamp) = self.request_times(request, &kept)?;
         if history.unknown > 0 && options.unknown_items == UnknownItemPolicy::Error {
             return Err(EngineError::InvalidRequest(format!(
                 "ITEM_IDS holds {} id(s) unknown to the model (unknown_item_policy is \"error\")",
@@ -964,6 +1025,8 @@ impl Engine {
                 embedding: request.embedding,
                 eligible,
                 popular,
+                timestamps,
+                query_timestamp,
             },
             UnknownIds {
                 history: history.unknown,
@@ -1048,19 +1111,31 @@ impl Engine {
     /// depend on the rows encoded beside it, so the split changes no bit of the answer; it only
     /// lets a batch use the threads it was given for the encoder as well as for the output layer.
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        self.encode_timed(histories, &[])
+    }
+
+    /// [`Engine::encode`] with each history's event times, for the models that read them (HSTU;
+    /// one [`EventTimes`] per history), empty for the others.
+    pub fn encode_timed(
+        &self,
+        histories: &[&[u32]],
+        times: &[EventTimes<'_>],
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         let batch = histories.len();
         self.encode_on(
             self.kernels_for(batch),
             histories,
+            times,
             self.call_threads_for(histories),
         )
     }
 
-    /// [`Engine::encode`] on `kernels` and up to `threads` pool threads.
+    /// [`Engine::encode_timed`] on `kernels` and up to `threads` pool threads.
     fn encode_on(
         &self,
         kernels: &'static KernelTable,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         threads: usize,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         match &self.prefix_cache {
@@ -1068,33 +1143,40 @@ impl Engine {
             // a history longer than the window is recomputed and not kept, since its window
             // slides, which moves every SASRec item to another position and restarts RecBole's
             // GRU4Rec at the window's first item).
-            Some(cache) => self.encode_in_runs(histories, threads, |run, t| {
+            Some(cache) => self.encode_in_runs(histories, times, threads, |run, _, t| {
                 self.encode_cached_run(kernels, cache, run, t)
             }),
-            None => self.encode_in_runs(histories, threads, |run, t| {
-                self.encode_run(kernels, run, t)
+            None => self.encode_in_runs(histories, times, threads, |run, run_times, t| {
+                self.encode_run(kernels, run, run_times, t)
             }),
         }
     }
 
-    /// `encode_run` over `histories` split into at most `threads` runs of about equal work, the
-    /// runs on the worker pool (fewer histories than threads: each run splits its own layers over
-    /// the threads left), their hidden vectors and notes joined in order.
+    /// `encode_run` over `histories` (and their `times`, where the model reads them) split into
+    /// at most `threads` runs of about equal work, the runs on the worker pool (fewer histories
+    /// than threads: each run splits its own layers over the threads left), their hidden vectors
+    /// and notes joined in order.
     fn encode_in_runs(
         &self,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         threads: usize,
-        encode_run: impl Fn(&[&[u32]], usize) -> (Vec<f32>, Vec<HistoryNote>) + Sync,
+        encode_run: impl Fn(&[&[u32]], &[EventTimes<'_>], usize) -> (Vec<f32>, Vec<HistoryNote>) + Sync,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
         let runs = split_into_runs(histories, threads, window);
         if runs.len() <= 1 {
-            return encode_run(histories, threads);
+            return encode_run(histories, times, threads);
         }
         let threads_per_run = threads / runs.len();
         let parts: Vec<(Vec<f32>, Vec<HistoryNote>)> =
             crate::parallel::map_pieces(runs.len(), |i| {
-                encode_run(&histories[runs[i].clone()], threads_per_run)
+                let run_times = if times.is_empty() {
+                    &[][..]
+                } else {
+                    &times[runs[i].clone()]
+                };
+                encode_run(&histories[runs[i].clone()], run_times, threads_per_run)
             });
         let width = self.model.output().input_size();
         let mut hidden = Vec::with_capacity(histories.len() * width);
@@ -1192,6 +1274,7 @@ impl Engine {
         &self,
         kernels: &'static KernelTable,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         threads: usize,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         thread_local! {
@@ -1203,6 +1286,7 @@ impl Engine {
             Ok(mut scratch) => self.model.encode_with(
                 kernels,
                 histories,
+                times,
                 &mut scratch,
                 &mut hidden,
                 &mut notes,
@@ -1213,6 +1297,7 @@ impl Engine {
             Err(_) => self.model.encode_with(
                 kernels,
                 histories,
+                times,
                 &mut EncodeScratch::default(),
                 &mut hidden,
                 &mut notes,
@@ -1292,10 +1377,15 @@ impl Engine {
         }
         // A pool worker wakes while the batch starts, and stays awake between its split steps.
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
+        let times: Vec<EventTimes<'_>> = if self.kind().reads_timestamps() {
+            batch.iter().map(InternalRequest::event_times).collect()
+        } else {
+            Vec::new()
+        };
         let threads = self.call_threads_for(&histories);
         let kernels = self.kernels_for(batch.len());
         let _awake = (threads > 1).then(crate::parallel::Batch::begin);
-        let (hidden, mut notes) = self.encode_on(kernels, &histories, threads);
+        let (hidden, mut notes) = self.encode_on(kernels, &histories, &times, threads);
         let width = self.model.output().input_size();
         let user = |r: usize| &hidden[r * width..(r + 1) * width];
         // Whole-catalogue rows go through the scorer together; candidate rows each score their
@@ -1572,6 +1662,15 @@ impl Engine {
 /// `RECSYS_PLAN=off`: no plan is measured or read; engines run their defaults.
 fn plans_off() -> bool {
     std::env::var("RECSYS_PLAN").as_deref() == Ok("off")
+}
+
+/// Event times for a plan's history of `len` items (for the models that read time): ten minutes
+/// apart from a fixed day, the query ten minutes after the last.
+fn plan_times(len: usize) -> (Vec<i64>, i64) {
+    const START: i64 = 1_700_000_000;
+    const GAP: i64 = 600;
+    let events: Vec<i64> = (0..len as i64).map(|i| START + i * GAP).collect();
+    (events, START + len as i64 * GAP)
 }
 
 /// Splits `histories` into at most `threads` contiguous runs of about equal encoder work (a

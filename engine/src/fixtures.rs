@@ -26,6 +26,7 @@ pub fn model_dir(kind: ModelKind) -> PathBuf {
         ModelKind::Vaecf => "multivae",
         ModelKind::Sasrec => "sasrec",
         ModelKind::Gru4rec => "gru4rec",
+        ModelKind::Hstu => "hstu",
     })
 }
 

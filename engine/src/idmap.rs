@@ -362,19 +362,35 @@ impl IdMap {
 
     /// Maps ids to internal indices, dropping (and counting) unknown ones; order and duplicates are kept.
     pub fn map(&self, ids: ExternalIds<'_>) -> Mapped {
+        self.map_with_positions(ids).0
+    }
+
+    /// [`IdMap::map`], and the positions in `ids` of the ids it kept (what a request's per-id
+    /// values, such as timestamps, are filtered by).
+    pub fn map_with_positions(&self, ids: ExternalIds<'_>) -> (Mapped, Vec<usize>) {
         let mut out = Mapped {
             indices: Vec::with_capacity(ids.len()),
             unknown: 0,
         };
-        let mut push = |found: Option<u32>| match found {
-            Some(i) => out.indices.push(i),
+        let mut kept = Vec::with_capacity(ids.len());
+        let mut push = |position: usize, found: Option<u32>| match found {
+            Some(i) => {
+                out.indices.push(i);
+                kept.push(position);
+            }
             None => out.unknown += 1,
         };
         match ids {
-            ExternalIds::Int(v) => v.iter().for_each(|&id| push(self.index_of_int(id))),
-            ExternalIds::Str(v) => v.iter().for_each(|id| push(self.index_of_str(id))),
+            ExternalIds::Int(v) => v
+                .iter()
+                .enumerate()
+                .for_each(|(p, &id)| push(p, self.index_of_int(id))),
+            ExternalIds::Str(v) => v
+                .iter()
+                .enumerate()
+                .for_each(|(p, id)| push(p, self.index_of_str(id))),
         }
-        out
+        (out, kept)
     }
 
     /// The external id of internal index `index`; `None` outside 1..=N (PAD, or an index that a

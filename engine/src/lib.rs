@@ -1,4 +1,4 @@
-//! recsys engine: BERT4Rec and VAE-CF inference in pure Rust, independent of any serving framework.
+//! recsys engine: BERT4Rec, SASRec, GRU4Rec, Mult-VAE and HSTU inference in pure Rust, independent of any serving framework.
 //!
 //! Flow: a checkpoint ([`import`]) plus hyper-parameters ([`config`]) become an engine directory
 //! ([`engine_dir`]); an [`Engine`] loads it and answers requests in external item ids
@@ -19,6 +19,7 @@ pub mod error;
 pub mod filters;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
+pub mod gin;
 pub mod idmap;
 pub mod import;
 pub mod item_sets;
@@ -47,5 +48,5 @@ pub use idmap::{ExternalId, ExternalIds, IdMap, ItemMapSource};
 pub use item_sets::{AttributeTable, ItemFilter, ItemSets};
 pub use request::{
     excluded_items, BatchRecommender, EmptyHistoryPolicy, InternalRequest, Recommendation, Request,
-    RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
+    RequestTimes, RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
 };

@@ -101,6 +101,18 @@ pub struct Request<'a> {
     /// Item sets to keep and to drop (`category=shoes`; see [`crate::item_sets`]); `None` or an
     /// empty filter keeps every item.
     pub filter: Option<&'a ItemFilter>,
+    /// When the history's events happened: required by the models that read time (HSTU),
+    /// ignored by the others.
+    pub times: Option<RequestTimes<'a>>,
+}
+
+/// A request's timestamps (unix seconds): one per history id, in the history's order (an unknown
+/// id's timestamp leaves with it), and the time of the event to predict (`None`: now, by the
+/// clock of the machine answering).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RequestTimes<'a> {
+    pub events: &'a [i64],
+    pub query: Option<i64>,
 }
 
 /// One user's answer.
@@ -149,6 +161,20 @@ pub struct InternalRequest {
     /// Answered from the popularity list, not the model (an empty history under
     /// `empty_history_policy: popular`); only the CPU engine answers such rows.
     pub popular: bool,
+    /// For the models that read time (HSTU): a unix timestamp per `history` item, and the time of
+    /// the event to predict. Empty and 0 for the others.
+    pub timestamps: Vec<i64>,
+    pub query_timestamp: i64,
+}
+
+impl InternalRequest {
+    /// The request's event times as a model reads them.
+    pub fn event_times(&self) -> crate::models::EventTimes<'_> {
+        crate::models::EventTimes {
+            events: &self.timestamps,
+            query: self.query_timestamp,
+        }
+    }
 }
 
 /// One prepared row's answer: its best items (best first), what the model noted about its

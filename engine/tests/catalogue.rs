@@ -218,6 +218,7 @@ fn answers(engine: &Engine, k: i64) -> Vec<Vec<(ExternalId, f32)>> {
             candidates: None,
             embedding: false,
             filter: None,
+            times: None,
         })
         .collect();
     engine

@@ -74,6 +74,7 @@ fn ask(
                 candidates: None,
                 embedding,
                 filter: None::<&ItemFilter>,
+                times: None,
             }],
             &ServeOptions {
                 empty_history: policy,
@@ -87,7 +88,7 @@ fn ask(
 fn empty_histories_get_the_policy_s_answer_on_every_kind() {
     let tmp = tempfile::tempdir().unwrap();
     let (log, counts) = interaction_log(tmp.path());
-    for kind in ModelKind::ALL {
+    for kind in ModelKind::RECBOLE {
         let engine = convert_with_popularity(kind, tmp.path(), &log);
         let record = engine.manifest.popularity.clone().unwrap();
         assert_eq!(record.column, "item_id:token");
@@ -193,6 +194,7 @@ fn popular_answers_honour_filters_and_candidates_and_reload() {
                 candidates: Some(ExternalIds::Str(&refs)),
                 embedding: false,
                 filter: None,
+                times: None,
             }],
             &ServeOptions::default(),
         )

@@ -18,12 +18,13 @@ fn request(history: &[i64], k: Option<i64>, embedding: bool) -> Request<'_> {
         candidates: None,
         embedding,
         filter: None,
+        times: None,
     }
 }
 
 #[test]
 fn embeddings_give_pytorchs_logits_with_or_without_items() {
-    for kind in ModelKind::ALL {
+    for kind in ModelKind::RECBOLE {
         let tmp = tempfile::tempdir().unwrap();
         let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
         let golden = golden(kind);

@@ -38,6 +38,7 @@ fn check_logits_and_topk(kind: ModelKind) {
                     candidates: None,
                     embedding: false,
                     filter: None,
+                    times: None,
                 }],
                 &options,
             )

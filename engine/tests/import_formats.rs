@@ -417,7 +417,7 @@ fn a_recbole_checkpoint_names_its_own_kind() {
     .unwrap()
     .to_string();
     assert!(
-        err.contains("pass --kind bert4rec, vaecf, sasrec or gru4rec"),
+        err.contains("pass --kind bert4rec, vaecf, sasrec, gru4rec or hstu"),
         "{err}"
     );
     // SASRec and GRU4Rec checkpoints name theirs too.

@@ -49,6 +49,8 @@ fn requests(engine: &Engine) -> Vec<InternalRequest> {
                 embedding: false,
                 eligible: None,
                 popular: false,
+                timestamps: Vec::new(),
+                query_timestamp: 0,
             }
         })
         .collect()

@@ -85,6 +85,7 @@ fn top100(engine: &Engine, histories: &[&[u32]]) -> Vec<Vec<(u32, u32)>> {
             candidates: None,
             embedding: false,
             filter: None,
+            times: None,
         })
         .collect();
     engine

@@ -62,6 +62,8 @@ fn compare(kind: ModelKind, reference: &Engine, quantized: &Engine) -> Compariso
             embedding: false,
             eligible: None,
             popular: false,
+            timestamps: Vec::new(),
+            query_timestamp: 0,
         };
         let top = |e: &Engine, k| -> Vec<u32> {
             e.recommend_internal(&[request(k)])[0]

@@ -41,6 +41,8 @@ fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
                 history,
                 eligible: None,
                 popular: false,
+                timestamps: Vec::new(),
+                query_timestamp: 0,
             }
         })
         .collect()
@@ -48,7 +50,7 @@ fn requests(engine: &Engine, rows: usize) -> Vec<InternalRequest> {
 
 #[test]
 fn screened_engines_answer_exactly_as_unscreened_ones() {
-    for kind in ModelKind::ALL {
+    for kind in ModelKind::RECBOLE {
         let tmp = tempfile::tempdir().unwrap();
         for precision in [Precision::Fp32, Precision::Fp16] {
             let mut plain =
@@ -125,7 +127,7 @@ fn screened_engines_answer_exactly_as_unscreened_ones() {
 #[test]
 fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
     let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
-    for kind in ModelKind::ALL {
+    for kind in ModelKind::RECBOLE {
         let tmp = tempfile::tempdir().unwrap();
         let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("fp32"));
         let out = engine.model.output();
@@ -151,6 +153,8 @@ fn screened_answers_are_the_fp32_engines_on_the_trained_fixtures() {
                         embedding: false,
                         eligible: None,
                         popular: false,
+                        timestamps: Vec::new(),
+                        query_timestamp: 0,
                     }
                 })
                 .collect();
@@ -216,7 +220,7 @@ fn rows_read_from_the_weights_file_answer_as_rows_read_through_the_mapping() {
         Matrix::F16 { bits, .. } | Matrix::Bf16 { bits, .. } => bits.reads_from_file(),
         Matrix::I8 { q, .. } => q.reads_from_file(),
     };
-    for kind in ModelKind::ALL {
+    for kind in ModelKind::RECBOLE {
         let tmp = tempfile::tempdir().unwrap();
         for (precision, screen) in [
             (Precision::Fp32, Screen::Int8),

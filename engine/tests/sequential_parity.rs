@@ -49,6 +49,7 @@ fn request(history: &[i64]) -> Request<'_> {
         candidates: None,
         embedding: false,
         filter: None,
+        times: None,
     }
 }
 

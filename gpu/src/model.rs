@@ -460,6 +460,11 @@ impl<D: Device> DeviceModel<D> {
             }
             ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),
             ModelView::Gru4rec(view) => DeviceEncoder::Gru4rec(Self::gru4rec(&device, &view)?),
+            ModelView::Hstu(_) => {
+                return Err(GpuError::Invalid(
+                    "HSTU has no GPU kernels yet: serve it on KIND_CPU instances".into(),
+                ))
+            }
         };
         let OutputLayer { weight, bias } = engine.model.output();
         let activation_scale = engine
@@ -841,6 +846,8 @@ impl<D: Device> DeviceModel<D> {
                 embedding: false,
                 eligible: None,
                 popular: false,
+                timestamps: Vec::new(),
+                query_timestamp: 0,
             })
             .collect();
         let cpu = self.engine.recommend_internal(&batch);

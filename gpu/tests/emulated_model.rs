@@ -187,7 +187,7 @@ fn bf16_engines_are_refused_naming_the_precision_to_use() {
     use recsys_gpu::model::DeviceModel;
     use std::sync::Arc;
     let tmp = tempfile::tempdir().unwrap();
-    for kind in ModelKind::ALL {
+    for kind in ModelKind::RECBOLE {
         let dir = tmp.path().join(kind.to_string());
         let engine =
             recsys_engine::fixtures::convert(kind, "model.safetensors", &dir, Precision::Bf16)
@@ -304,6 +304,7 @@ fn filtered_candidate_and_cold_start_rows_reach_the_cpu_engine_not_the_device() 
             candidates: None,
             embedding: false,
             filter: None,
+            times: None,
         }
     }
     let requests = vec![

@@ -231,6 +231,13 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         }
         ModelConfig::Gru4rec(c) => models::gru4rec(&mut g, c, &loaded.weights, &scales)?,
         ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, &scales, options.dedup)?,
+        ModelConfig::Hstu(_) => {
+            return Err(OnnxError::Invalid(
+                "export-onnx does not build HSTU graphs yet (its time-biased attention has no \
+                 exporter); serve HSTU from the recsys engine"
+                    .into(),
+            ))
+        }
     };
     let n_outputs = model.n_outputs;
     if let GraphOutput::TopK(k) = options.output {
@@ -441,6 +448,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
             metadata.push(("recsys.max_len", c.max_len.to_string()))
         }
         ModelConfig::Gru4rec(c) => metadata.push(("recsys.max_len", c.max_len.to_string())),
+        ModelConfig::Hstu(c) => metadata.push(("recsys.max_len", c.max_len.to_string())),
         ModelConfig::Vaecf(_) => {}
     }
     let summary = ExportSummary {

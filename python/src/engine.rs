@@ -112,6 +112,7 @@ impl PyEngine {
                 candidates: candidates.map(|c| c.row(&candidate_views, i)),
                 embedding: ask.embedding,
                 filter: ask.filters.as_ref().map(|f| &f[i]),
+                times: None,
             })
             .collect();
         let options = ServeOptions {

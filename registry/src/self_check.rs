@@ -112,6 +112,7 @@ impl SelfCheck {
             candidates: None,
             embedding: false,
             filter: None,
+            times: None,
         };
         let answer = engine
             .recommend(&[request], &options)

@@ -110,6 +110,8 @@ fn main() {
                         embedding: false,
                         eligible: unfiltered.clone(),
                         popular: false,
+                        timestamps: Vec::new(),
+                        query_timestamp: 0,
                     }
                 })
                 .collect()

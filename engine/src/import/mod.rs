@@ -110,7 +110,15 @@ impl Checkpoint {
     }
 
     /// Parses checkpoint bytes (`path` only names the file in messages). Nothing in them is run.
+    /// A state dict saved from a data-parallel wrapper (every name prefixed `module.`, as
+    /// `DistributedDataParallel` saves it) is read under the model's own names.
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
+        let mut checkpoint = Checkpoint::parse(path, bytes)?;
+        checkpoint.tensors = without_data_parallel_prefix(std::mem::take(&mut checkpoint.tensors));
+        Ok(checkpoint)
+    }
+
+    fn parse(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         let sha256 = hex::encode(Sha256::digest(bytes));
         if bytes.starts_with(b"PK\x03\x04") {
             let (format, tensors, embedded_config) = torch_zip::read(path, bytes)?;
@@ -174,6 +182,20 @@ impl Checkpoint {
         self.shape(name)
             .ok_or_else(|| EngineError::MissingTensor { name: name.into() })
     }
+}
+
+/// The tensors under their names without `module.` when every name has it.
+fn without_data_parallel_prefix(
+    tensors: BTreeMap<String, CheckpointTensor>,
+) -> BTreeMap<String, CheckpointTensor> {
+    const PREFIX: &str = "module.";
+    if tensors.is_empty() || !tensors.keys().all(|k| k.starts_with(PREFIX)) {
+        return tensors;
+    }
+    tensors
+        .into_iter()
+        .map(|(k, v)| (k[PREFIX.len()..].to_string(), v))
+        .collect()
 }
 
 fn to_f32(name: &str, raw: &CheckpointTensor) -> Result<Vec<f32>> {

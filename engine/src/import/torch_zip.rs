@@ -114,9 +114,14 @@ fn read_entry(
 }
 
 /// Finds the dict of tensors: the root itself (`torch.save(state_dict)`), or its `state_dict` entry
-/// (RecBole, and the common `{'state_dict': ..., 'optimizer': ...}` training checkpoints).
+/// (RecBole, and the common `{'state_dict': ..., 'optimizer': ...}` training checkpoints), or its
+/// `model_state_dict` entry (the generative-recommenders trainer's `{epoch, model_state_dict,
+/// optimizer_state_dict}`).
 fn find_state_dict(root: &Value) -> Option<(CheckpointFormat, &[(Value, Value)])> {
     let items = root.as_dict()?;
+    if let Some(inner) = root.get("model_state_dict").and_then(Value::as_dict) {
+        return Some((CheckpointFormat::TorchStateDict, inner));
+    }
     if let Some(inner) = root.get("state_dict").and_then(Value::as_dict) {
         let format = if root.get("config").is_some() {
             CheckpointFormat::Recbole

@@ -3,6 +3,7 @@
 //! and top-k step, which dominates the cost, be shared (and fused) across models.
 
 pub mod gru4rec;
+pub mod hstu;
 pub mod transformer;
 pub mod vaecf;
 
@@ -13,6 +14,7 @@ use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
 pub use gru4rec::{Gru4Rec, Gru4RecScratch};
+pub use hstu::{Hstu, HstuScratch};
 pub use transformer::{CarriedScratch, Flavor, Transformer, TransformerScratch};
 pub use vaecf::{VaeCf, VaeCfScratch};
 
@@ -25,6 +27,16 @@ pub struct EncodeScratch {
     carried: CarriedScratch,
     vaecf: VaeCfScratch,
     gru4rec: Gru4RecScratch,
+    hstu: HstuScratch,
+}
+
+/// When a history's events happened, for the models that read time (HSTU): a unix timestamp in
+/// seconds per history item (in the history's order), and the time of the event to predict (the
+/// request's time, or the target's in an evaluation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventTimes<'a> {
+    pub events: &'a [i64],
+    pub query: i64,
 }
 
 /// Where the histories of a pass resuming from carried states start and where their states go
@@ -328,6 +340,8 @@ pub enum ModelView<'a> {
     Vaecf(VaeCfView<'a>),
     Sasrec(TransformerView<'a>),
     Gru4rec(Gru4RecView<'a>),
+    /// No device runs HSTU yet; its layers are the model's own.
+    Hstu(&'a Hstu),
 }
 
 pub use crate::tensor::{take, TensorMap};
@@ -339,6 +353,7 @@ pub enum Model {
     Vaecf(Box<VaeCf>),
     Sasrec(Box<Transformer>),
     Gru4rec(Box<Gru4Rec>),
+    Hstu(Box<Hstu>),
 }
 
 /// What a model reports about one history besides its hidden vector.
@@ -375,6 +390,7 @@ impl Model {
             ModelConfig::Sasrec(c) => transformer::engine_tensors(Flavor::SasRec, c, ckpt),
             ModelConfig::Vaecf(c) => vaecf::engine_tensors(c, ckpt),
             ModelConfig::Gru4rec(c) => gru4rec::engine_tensors(c, ckpt),
+            ModelConfig::Hstu(c) => hstu::engine_tensors(c, ckpt),
         }
     }
 
@@ -390,6 +406,12 @@ impl Model {
             ModelConfig::Bert4rec(_) => tied(Some("output_bias"), 1),
             ModelConfig::Sasrec(_) | ModelConfig::Gru4rec(_) => tied(None, 0),
             ModelConfig::Vaecf(c) => vaecf::item_tensors(c),
+            ModelConfig::Hstu(_) => ItemTensors {
+                output: hstu::names::OUTPUT_ROWS.into(),
+                output_bias: None,
+                input: Some(hstu::names::INPUT_ROWS.into()),
+                trailing_rows: 0,
+            },
         }
     }
 
@@ -400,6 +422,7 @@ impl Model {
             ModelConfig::Sasrec(c) => transformer::quantizable(Flavor::SasRec, c),
             ModelConfig::Vaecf(c) => vaecf::quantizable(c),
             ModelConfig::Gru4rec(c) => gru4rec::quantizable(c),
+            ModelConfig::Hstu(c) => hstu::quantizable(c),
         }
     }
 
@@ -421,17 +444,30 @@ impl Model {
             ModelConfig::Gru4rec(c) => {
                 Model::Gru4rec(Box::new(Gru4Rec::from_tensors(c.clone(), tensors)?))
             }
+            ModelConfig::Hstu(c) => Model::Hstu(Box::new(Hstu::from_tensors(c.clone(), tensors)?)),
         })
     }
 
     /// Hidden vectors `[B, d]` for a batch of histories of internal indices (1..=N, oldest first).
+    /// For the models that read time (HSTU), [`Model::encode_timed`].
     pub fn encode(&self, histories: &[&[u32]]) -> (Vec<f32>, Vec<HistoryNote>) {
+        self.encode_timed(histories, &[])
+    }
+
+    /// [`Model::encode`] with each history's event times (one [`EventTimes`] per history; empty
+    /// for the models that do not read time).
+    pub fn encode_timed(
+        &self,
+        histories: &[&[u32]],
+        times: &[EventTimes<'_>],
+    ) -> (Vec<f32>, Vec<HistoryNote>) {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
         let mut scratch = EncodeScratch::default();
         let kernels = self.kernels();
         self.encode_in(
             kernels,
             histories,
+            times,
             &mut scratch,
             &mut hidden,
             &mut notes,
@@ -452,6 +488,7 @@ impl Model {
         self.encode_in(
             self.kernels(),
             histories,
+            &[],
             &mut scratch,
             &mut hidden,
             &mut notes,
@@ -486,15 +523,26 @@ impl Model {
         notes: &mut Vec<HistoryNote>,
         threads: usize,
     ) {
-        self.encode_with(self.kernels(), histories, scratch, hidden, notes, threads)
+        self.encode_with(
+            self.kernels(),
+            histories,
+            &[],
+            scratch,
+            hidden,
+            notes,
+            threads,
+        )
     }
 
     /// [`Model::encode_into_threads`] on `kernels` rather than the model's own (the same bits on
-    /// every kernel table of one precision; a call's plan may pick the table by batch size).
+    /// every kernel table of one precision; a call's plan may pick the table by batch size), with
+    /// the histories' event times for the models that read them.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode_with(
         &self,
         kernels: &'static crate::kernels::KernelTable,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         scratch: &mut EncodeScratch,
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
@@ -503,6 +551,7 @@ impl Model {
         self.encode_in(
             kernels,
             histories,
+            times,
             scratch,
             hidden,
             notes,
@@ -517,6 +566,7 @@ impl Model {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.kernels(),
             Model::Vaecf(m) => m.kernels(),
             Model::Gru4rec(m) => m.kernels(),
+            Model::Hstu(m) => m.kernels(),
         }
     }
 
@@ -548,7 +598,7 @@ impl Model {
                 );
                 return Some(());
             }
-            Model::Bert4rec(_) | Model::Vaecf(_) => return None,
+            Model::Bert4rec(_) | Model::Vaecf(_) | Model::Hstu(_) => return None,
         };
         m.encode_carried(
             kernels,
@@ -570,6 +620,7 @@ impl Model {
         &self,
         kernels: &'static crate::kernels::KernelTable,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         scratch: &mut EncodeScratch,
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
@@ -611,6 +662,16 @@ impl Model {
                 observing,
                 observe,
             ),
+            Model::Hstu(m) => m.encode_into(
+                kernels,
+                histories,
+                times,
+                &mut scratch.hstu,
+                hidden,
+                notes,
+                threads,
+                observe,
+            ),
         }
     }
 
@@ -620,6 +681,7 @@ impl Model {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.dense_layers_mut(),
             Model::Vaecf(m) => m.dense_layers_mut(),
             Model::Gru4rec(m) => m.dense_layers_mut(),
+            Model::Hstu(m) => m.dense_layers_mut(),
         }
     }
 
@@ -658,6 +720,7 @@ impl Model {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.set_kernels(kernels),
             Model::Vaecf(m) => m.set_kernels(kernels),
             Model::Gru4rec(m) => m.set_kernels(kernels),
+            Model::Hstu(m) => m.set_kernels(kernels),
         }
     }
 
@@ -667,6 +730,7 @@ impl Model {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.packed_bytes(),
             Model::Vaecf(m) => m.packed_bytes(),
             Model::Gru4rec(m) => m.packed_bytes(),
+            Model::Hstu(m) => m.packed_bytes(),
         }
     }
 
@@ -677,6 +741,7 @@ impl Model {
             Model::Sasrec(m) => ModelView::Sasrec(m.view()),
             Model::Vaecf(m) => ModelView::Vaecf(m.view()),
             Model::Gru4rec(m) => ModelView::Gru4rec(m.view()),
+            Model::Hstu(m) => ModelView::Hstu(m),
         }
     }
 
@@ -688,6 +753,7 @@ impl Model {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.view().item_embedding,
             Model::Vaecf(m) => m.view().first_by_item,
             Model::Gru4rec(m) => m.view().item_embedding,
+            Model::Hstu(m) => m.input_rows(),
         }
     }
 
@@ -696,6 +762,7 @@ impl Model {
             Model::Bert4rec(m) | Model::Sasrec(m) => &m.output,
             Model::Vaecf(m) => &m.output,
             Model::Gru4rec(m) => &m.output,
+            Model::Hstu(m) => &m.output,
         }
     }
 }

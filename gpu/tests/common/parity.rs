@@ -72,6 +72,8 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
                 embedding: false,
                 eligible: None,
                 popular: false,
+                timestamps: Vec::new(),
+                query_timestamp: 0,
             }
         })
         .collect();
@@ -84,6 +86,8 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         embedding: false,
         eligible: None,
         popular: false,
+        timestamps: Vec::new(),
+        query_timestamp: 0,
     });
     let long: Vec<u32> = (1..=120).collect();
     batch.push(InternalRequest {
@@ -95,6 +99,8 @@ pub fn batch(engine: &Engine, users: usize) -> Vec<InternalRequest> {
         embedding: false,
         eligible: None,
         popular: false,
+        timestamps: Vec::new(),
+        query_timestamp: 0,
     });
     batch
 }

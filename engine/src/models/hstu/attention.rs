@@ -1,0 +1,113 @@
+//! HSTU's pointwise attention within one history: `silu(q_i . k_j + rab(i, j)) / NA` for
+//! `j <= i`, no softmax, where the relative bias `rab` adds a learned weight per position offset
+//! and one per log-spaced time gap between the event after `i` and event `j`.
+
+/// SiLU, `x * sigmoid(x)`, as PyTorch evaluates it in f32.
+#[inline]
+pub(super) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The time-gap bucket of `dt` seconds: `trunc(ln(max(|dt|, 1)) / 0.301)` clamped to
+/// `0..=buckets`, in f32 as the official code computes it (`torch.log` of the int64 gaps gives
+/// f32, and the divisor is an f32). Out-of-order events are bucketed by `|dt|`.
+pub(super) fn time_bucket(dt: i64, buckets: usize) -> usize {
+    let gap = dt.unsigned_abs().max(1) as f32;
+    let bucket = (gap.ln() / 0.301f32).trunc();
+    // ln of at most 2^64 over 0.301 is below 148: the cast is exact.
+    (bucket.max(0.0) as usize).min(buckets)
+}
+
+/// One history's attention in one block, for the query rows `queries` (each `i` attends to
+/// `0..=i`), into `out` (`[queries.len(), heads x dv]`).
+pub(super) struct HistoryAttention<'a> {
+    /// The history's `u|v|q|k` rows after the SiLU, `[n, width]`.
+    pub uvqk: &'a [f32],
+    pub width: usize,
+    pub heads: usize,
+    pub dqk: usize,
+    pub dv: usize,
+    /// `t_0 .. t_{n-1}` and the query time `t_n`: row `i`'s bias reads `t_{i+1}`.
+    pub times: &'a [i64],
+    /// The block's relative position weights, `[2 NA - 1]` (offset `j - i` at `NA - 1 + j - i`).
+    pub position_bias: &'a [f32],
+    /// The block's time-gap weights, `[buckets + 1]`.
+    pub time_bias: &'a [f32],
+    /// NA, the constant the official batch's padded width divides every weight by.
+    pub attention_width: usize,
+}
+
+impl HistoryAttention<'_> {
+    /// Column offsets of `u`, `v`, `q` and `k` within a row.
+    fn offsets(&self) -> (usize, usize, usize) {
+        let values = self.heads * self.dv;
+        let keys = self.heads * self.dqk;
+        (values, 2 * values, 2 * values + keys)
+    }
+
+    /// Attention outputs of rows `queries` into `out`, and the biases they share over the heads
+    /// into `bias` (scratch, `[i + 1]` per query row).
+    pub(super) fn run(&self, queries: &[usize], out: &mut [f32], bias: &mut Vec<f32>) {
+        let (v_at, q_at, k_at) = self.offsets();
+        let width = self.heads * self.dv;
+        let buckets = self.time_bias.len() - 1;
+        let divisor = self.attention_width as f32;
+        let na = self.attention_width;
+        let row = |r: usize| &self.uvqk[r * self.width..(r + 1) * self.width];
+        for (o, &i) in out.chunks_exact_mut(width).zip(queries) {
+            o.fill(0.0);
+            let next = self.times[i + 1];
+            bias.clear();
+            bias.extend((0..=i).map(|j| {
+                self.position_bias[na - 1 + j - i]
+                    + self.time_bias[time_bucket(next - self.times[j], buckets)]
+            }));
+            let query_row = row(i);
+            for h in 0..self.heads {
+                let q = &query_row[q_at + h * self.dqk..q_at + (h + 1) * self.dqk];
+                let o_h = &mut o[h * self.dv..(h + 1) * self.dv];
+                for (j, b) in bias.iter().enumerate() {
+                    let key_row = row(j);
+                    let k = &key_row[k_at + h * self.dqk..k_at + (h + 1) * self.dqk];
+                    let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
+                    // The official code divides after the SiLU.
+                    let weight = silu(dot + b) / divisor;
+                    let v = &key_row[v_at + h * self.dv..v_at + (h + 1) * self.dv];
+                    for (acc, value) in o_h.iter_mut().zip(v) {
+                        *acc += weight * value;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The buckets against the formula in f64 at the edges: 0 and 1 second share bucket 0,
+    /// `|dt|` is used for negative gaps, and the largest gaps clamp to the last bucket.
+    #[test]
+    fn time_buckets_follow_the_log_formula_and_clamp() {
+        for dt in [0i64, 1, -1] {
+            assert_eq!(time_bucket(dt, 128), 0, "{dt}");
+        }
+        for dt in [2i64, 3, 60, 3_600, 86_400, 2_592_000, 31_536_000] {
+            let want = ((dt as f64).ln() / 0.301).trunc() as usize;
+            assert_eq!(time_bucket(dt, 128), want, "{dt}");
+            assert_eq!(time_bucket(-dt, 128), want, "{dt}");
+        }
+        assert_eq!(time_bucket(i64::MAX, 128), 128);
+        assert_eq!(time_bucket(i64::MIN, 128), 128);
+        assert_eq!(time_bucket(1 << 40, 20), 20);
+    }
+
+    #[test]
+    fn silu_matches_its_definition() {
+        for x in [-20.0f32, -1.5, 0.0, 0.3, 7.0] {
+            let want = x as f64 / (1.0 + (-(x as f64)).exp());
+            assert!((silu(x) as f64 - want).abs() < 1e-6, "{x}");
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! HSTU against the official research code's PyTorch answers (`tests/fixtures/hstu`, made by
+//! generative-recommenders at db1bf8f2e8f6): the 64 golden cases (test users, some longer than
+//! the window; unknown ids; a repeated item; a query time equal to the last event and one 10^9 s
+//! later; a one-item history) from the raw request (external ids, timestamps, query time), from
+//! the plain state dict and from the official trainer's checkpoint (`module.`-prefixed names,
+//! optimizer state beside them); a request without timestamps or with a wrong count is refused by
+//! name; a config that disagrees with the weights is refused naming both.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use recsys_engine::{
+    convert, ConvertRequest, Engine, EngineError, ExternalIds, ItemMapSource, ModelKind, Request,
+    RequestTimes, ServeOptions,
+};
+
+/// Scores: the engine's f32 against PyTorch's f32 top-100 (which is within 2e-7 of float64).
+const SCORE_ABS_TOL: f32 = 1e-5;
+/// The user embedding against PyTorch's float64 one.
+const EMBEDDING_ABS_TOL: f64 = 1e-5;
+
+fn fixture() -> std::path::PathBuf {
+    recsys_engine::fixtures::model_dir(ModelKind::Hstu)
+}
+
+fn convert_hstu(
+    checkpoint: &str,
+    kind: Option<ModelKind>,
+    config: &serde_json::Map<String, serde_json::Value>,
+    out: &Path,
+) -> recsys_engine::Result<Engine> {
+    convert(&ConvertRequest {
+        kind,
+        checkpoint: &fixture().join(checkpoint),
+        config: Some(config),
+        item_map: ItemMapSource::Tsv(&fixture().join("item_id_map.tsv")),
+        out,
+        precision: recsys_engine::engine_dir::Precision::Fp32,
+        calibration: None,
+        screen: Default::default(),
+        w8a8_layers: Default::default(),
+        catalogue: Default::default(),
+    })
+}
+
+fn golden_cases() -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(fixture().join("golden.json")).unwrap();
+    let golden: serde_json::Value = serde_json::from_str(&text).unwrap();
+    golden["cases"].as_array().unwrap().clone()
+}
+
+fn request<'a>(history: &'a [i64], times: &'a [i64], query: Option<i64>) -> Request<'a> {
+    Request {
+        history: ExternalIds::Int(history),
+        k: None,
+        exclude: None,
+        candidates: None,
+        embedding: true,
+        filter: None,
+        times: Some(RequestTimes {
+            events: times,
+            query,
+        }),
+    }
+}
+
+/// Every golden case through `engine.recommend`: top-100 equal (but for PyTorch's own near-ties),
+/// scores and the user embedding within tolerance. Returns the largest score and embedding
+/// differences.
+fn check_golden(engine: &Engine) -> (f32, f64) {
+    // The golden top-100 ranks every item, the history's included.
+    let options = ServeOptions {
+        default_k: 100,
+        exclude_seen: false,
+        ..ServeOptions::default()
+    };
+    let cases = golden_cases();
+    assert_eq!(cases.len(), 64);
+    let (mut score_diff, mut embedding_diff) = (0f32, 0f64);
+    for (n, case) in cases.iter().enumerate() {
+        let history = i64s(&case["history_external"]);
+        let times = i64s(&case["history_timestamps"]);
+        let query = case["query_timestamp"].as_i64().unwrap();
+        let answer = engine
+            .recommend(&[request(&history, &times, Some(query))], &options)
+            .remove(0)
+            .unwrap_or_else(|e| panic!("case {n}: {e}"));
+        assert_eq!(
+            answer.unknown_ids,
+            case["unknown_external_ids"].as_array().unwrap().len(),
+            "case {n}"
+        );
+        let length = case["model_input_length"].as_u64().unwrap() as usize;
+        assert_eq!(
+            answer.truncated,
+            history.len() - answer.unknown_ids > length,
+            "case {n}"
+        );
+
+        let want_embedding: Vec<f64> = case["user_embedding_f64"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        // The embedding output is [h, 1]: the user vector, then the bias's coefficient.
+        assert_eq!(answer.embedding.len(), want_embedding.len() + 1, "case {n}");
+        for (got, want) in answer.embedding.iter().zip(&want_embedding) {
+            embedding_diff = embedding_diff.max((*got as f64 - want).abs());
+        }
+
+        let want_top = case["topk"].as_array().unwrap();
+        assert_eq!(answer.items.len(), want_top.len(), "case {n}");
+        let torch_score = |index: u32| {
+            want_top
+                .iter()
+                .find(|w| w["internal"].as_u64().unwrap() as u32 == index)
+                .map(|w| w["score"].as_f64().unwrap() as f32)
+        };
+        for (pos, (got, want)) in answer.items.iter().zip(want_top).enumerate() {
+            let want_index = want["internal"].as_u64().unwrap() as u32;
+            let want_score = want["score"].as_f64().unwrap() as f32;
+            score_diff = score_diff.max((got.score - want_score).abs());
+            if got.index != want_index {
+                // Only where PyTorch's own scores tie within the tolerance (the last places may
+                // swap with an item just outside its top 100, whose score is then checked at
+                // the place it took).
+                let theirs = torch_score(got.index).unwrap_or(got.score);
+                assert!(
+                    (theirs - want_score).abs() <= SCORE_ABS_TOL,
+                    "case {n} position {pos}: item {} (torch {theirs}) where torch has \
+                     {want_index} ({want_score})",
+                    got.index
+                );
+            }
+        }
+    }
+    assert!(
+        score_diff <= SCORE_ABS_TOL,
+        "largest score difference {score_diff}"
+    );
+    assert!(
+        embedding_diff <= EMBEDDING_ABS_TOL,
+        "largest embedding difference {embedding_diff}"
+    );
+    (score_diff, embedding_diff)
+}
+
+#[test]
+fn the_official_state_dict_reproduces_every_golden_case() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = convert_hstu(
+        "model.safetensors",
+        Some(ModelKind::Hstu),
+        &config_json(ModelKind::Hstu),
+        &tmp.path().join("engine"),
+    )
+    .unwrap();
+    let (scores, embedding) = check_golden(&engine);
+    eprintln!("HSTU fp32: scores within {scores:e}, user embedding within {embedding:e}");
+}
+
+#[test]
+fn the_official_trainer_checkpoint_is_read_without_kind_and_answers_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    // `module.`-prefixed names and the optimizer's state beside them; the kind from the names.
+    let engine = convert_hstu(
+        "official_trainer_checkpoint.pt",
+        None,
+        &config_json(ModelKind::Hstu),
+        &tmp.path().join("engine"),
+    )
+    .unwrap();
+    assert_eq!(engine.kind(), ModelKind::Hstu);
+    check_golden(&engine);
+}
+
+#[test]
+fn requests_without_timestamps_or_with_a_wrong_count_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = convert_hstu(
+        "model.safetensors",
+        None,
+        &config_json(ModelKind::Hstu),
+        &tmp.path().join("engine"),
+    )
+    .unwrap();
+    let case = &golden_cases()[0];
+    let history = i64s(&case["history_external"]);
+    let times = i64s(&case["history_timestamps"]);
+    let options = ServeOptions::default();
+    let untimed = Request {
+        times: None,
+        ..request(&history, &times, None)
+    };
+    let err = engine
+        .recommend(&[untimed], &options)
+        .remove(0)
+        .unwrap_err();
+    assert!(
+        matches!(&err, EngineError::InvalidRequest(m) if m.contains("no timestamps")
+            && m.contains("ITEM_TIMESTAMPS")),
+        "{err}"
+    );
+    let err = engine
+        .recommend(&[request(&history, &times[1..], None)], &options)
+        .remove(0)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(&format!(
+            "{} timestamp(s) for {} history ids",
+            times.len() - 1,
+            times.len()
+        )),
+        "{err}"
+    );
+    // Without a query time, the request's time is now: a valid answer.
+    let now = engine
+        .recommend(&[request(&history, &times, None)], &options)
+        .remove(0)
+        .unwrap();
+    assert_eq!(now.items.len(), options.default_k);
+}
+
+#[test]
+fn a_config_that_disagrees_with_the_weights_is_refused_naming_both() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, serde_json::Value, &[&str]); 4] = [
+        ("num_blocks", 3.into(), &["num_blocks = 3", "implies 2"]),
+        (
+            "max_sequence_length",
+            100.into(),
+            &["max_sequence_length = 100", "has 211"],
+        ),
+        ("num_heads", 3.into(), &["num_heads = 3 does not divide"]),
+        (
+            "linear_activation",
+            "gelu".into(),
+            &["linear_activation = \"gelu\""],
+        ),
+    ];
+    for (n, (key, value, needles)) in cases.into_iter().enumerate() {
+        let mut config = config_json(ModelKind::Hstu);
+        let hyper = config["hyperparameters"].as_object_mut().unwrap();
+        hyper.insert(key.into(), value);
+        let err = convert_hstu(
+            "model.safetensors",
+            None,
+            &config,
+            &tmp.path().join(n.to_string()),
+        )
+        .err()
+        .expect("refused")
+        .to_string();
+        assert!(needles.iter().all(|s| err.contains(s)), "{key}: {err}");
+    }
+
+    // An HSTU checkpoint converted as another kind is named for what it holds.
+    let err = convert_hstu(
+        "model.safetensors",
+        Some(ModelKind::Sasrec),
+        &config_json(ModelKind::Hstu),
+        &tmp.path().join("d"),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(err.contains("holds an HSTU"), "{err}");
+}
