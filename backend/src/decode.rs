@@ -4,7 +4,8 @@
 use crate::error::{BackendError, Result};
 use crate::settings::{
     IdTensorType, Limits, INPUTS, INPUT_CANDIDATES, INPUT_EXCLUDE, INPUT_EXCLUDE_SETS,
-    INPUT_INCLUDE_SETS, INPUT_ITEM_IDS, INPUT_K, OUTPUT_EMBEDDING, OUTPUT_ITEM_IDS, OUTPUT_SCORES,
+    INPUT_INCLUDE_SETS, INPUT_ITEM_IDS, INPUT_K, INPUT_QUERY_TIMESTAMP, INPUT_TIMESTAMPS,
+    OUTPUT_EMBEDDING, OUTPUT_ITEM_IDS, OUTPUT_SCORES,
 };
 use recsys_engine::topk::Scored;
 use recsys_engine::{Engine, ExternalId, ExternalIds, ItemFilter};
@@ -116,6 +117,22 @@ pub struct RowRequest {
     /// Item sets to keep and to drop (INCLUDE_ITEM_SETS, EXCLUDE_ITEM_SETS); `None` when the
     /// request names none.
     pub filter: Option<ItemFilter>,
+    /// ITEM_TIMESTAMPS: one unix timestamp per history id (`None` when the request has none).
+    pub timestamps: Option<Vec<i64>>,
+    /// QUERY_TIMESTAMP: when the event to predict happens (`None`: now).
+    pub query_timestamp: Option<i64>,
+}
+
+impl RowRequest {
+    /// The row's times as the engine takes them.
+    pub fn times(&self) -> Option<recsys_engine::RequestTimes<'_>> {
+        self.timestamps
+            .as_ref()
+            .map(|events| recsys_engine::RequestTimes {
+                events,
+                query: self.query_timestamp,
+            })
+    }
 }
 
 /// The rows of one request, and the outputs it asked for.
@@ -349,6 +366,50 @@ pub fn decode(
     let candidates = optional_rows(INPUT_CANDIDATES, limits.max_candidates, "max_candidates")?;
     let include_sets = set_name_rows(find(INPUT_INCLUDE_SETS), rows, batched, limits)?;
     let exclude_sets = set_name_rows(find(INPUT_EXCLUDE_SETS), rows, batched, limits)?;
+    let timestamps = match find(INPUT_TIMESTAMPS) {
+        None => vec![None; rows],
+        Some(t) => {
+            if t.dtype != DType::Int64 {
+                return Err(invalid(format!(
+                    "{INPUT_TIMESTAMPS} holds unix timestamps in seconds and must be INT64, \
+                     found {:?}",
+                    t.dtype
+                )));
+            }
+            let lists = id_rows(t, batched, limits.max_history, "max_history_length", limits)?;
+            if lists.len() != rows {
+                return Err(invalid(format!(
+                    "{INPUT_TIMESTAMPS} has {} rows, {INPUT_ITEM_IDS} has {rows}",
+                    lists.len()
+                )));
+            }
+            lists
+                .into_iter()
+                .map(|list| match list {
+                    OwnedIds::Int(times) => Some(times),
+                    OwnedIds::Str(_) => unreachable!("an INT64 tensor decodes to integers"),
+                })
+                .collect()
+        }
+    };
+    let query_timestamps: Vec<Option<i64>> = match find(INPUT_QUERY_TIMESTAMP) {
+        None => vec![None; rows],
+        Some(t) => {
+            if t.dtype != DType::Int64 || t.data.len() != rows * 8 {
+                return Err(invalid(format!(
+                    "{INPUT_QUERY_TIMESTAMP} must hold one INT64 per history ({rows}), found \
+                     {:?} of shape {:?} with {} bytes",
+                    t.dtype,
+                    t.shape,
+                    t.data.len()
+                )));
+            }
+            t.data
+                .chunks_exact(8)
+                .map(|c| Some(i64::from_le_bytes(c.try_into().expect("8 bytes"))))
+                .collect()
+        }
+    };
     Ok(DecodedRequest {
         rows: histories
             .into_iter()
@@ -356,8 +417,12 @@ pub fn decode(
             .zip(excludes)
             .zip(candidates)
             .zip(include_sets.into_iter().zip(exclude_sets))
+            .zip(timestamps.into_iter().zip(query_timestamps))
             .map(
-                |((((history, k), exclude), candidates), (include, drop))| RowRequest {
+                |(
+                    ((((history, k), exclude), candidates), (include, drop)),
+                    (timestamps, query_timestamp),
+                )| RowRequest {
                     history,
                     // Asked for the embedding alone: nothing to score.
                     k: if outputs.ranked() { k } else { Some(0) },
@@ -368,6 +433,8 @@ pub fn decode(
                         include,
                         exclude: drop,
                     }),
+                    timestamps,
+                    query_timestamp,
                 },
             )
             .collect(),
@@ -552,6 +619,53 @@ mod tests {
         assert_eq!(d.rows[1].history, OwnedIds::Int(vec![4, 5, 6]));
         assert_eq!(d.rows[1].k, Some(7));
         assert_eq!(d.rows[0].exclude, Some(OwnedIds::Int(vec![9])));
+    }
+
+    #[test]
+    fn timestamps_and_query_times_are_read_per_history_and_checked() {
+        let ids = int_tensor(INPUT_ITEM_IDS, vec![2, 2], &[1, 2, 3, 4]);
+        let times = int_tensor(INPUT_TIMESTAMPS, vec![2, 2], &[100, 200, 300, 400]);
+        let query = int_tensor(INPUT_QUERY_TIMESTAMP, vec![2, 1], &[250, 500]);
+        let d = decode_top(
+            &[ids.clone(), times.clone(), query.clone()],
+            true,
+            &Limits::default(),
+        )
+        .unwrap();
+        assert_eq!(d.rows[1].timestamps, Some(vec![300, 400]));
+        assert_eq!(d.rows[0].query_timestamp, Some(250));
+        let row = d.rows[1].times().unwrap();
+        assert_eq!((row.events, row.query), (&[300, 400][..], Some(500)));
+        // Without QUERY_TIMESTAMP the query time is left to the engine (now); without either,
+        // no times at all.
+        let d = decode_top(&[ids.clone(), times.clone()], true, &Limits::default()).unwrap();
+        assert_eq!(d.rows[0].query_timestamp, None);
+        let d = decode_top(std::slice::from_ref(&ids), true, &Limits::default()).unwrap();
+        assert!(d.rows[0].times().is_none());
+
+        let as_int32 = InputTensor {
+            dtype: DType::Int32,
+            ..times.clone()
+        };
+        let err = decode_top(&[ids.clone(), as_int32], true, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("ITEM_TIMESTAMPS holds unix timestamps"),
+            "{err}"
+        );
+        let one_row = int_tensor(INPUT_TIMESTAMPS, vec![1, 2], &[100, 200]);
+        let err = decode_top(&[ids.clone(), one_row], true, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("ITEM_TIMESTAMPS has 1 rows"),
+            "{err}"
+        );
+        let one_query = int_tensor(INPUT_QUERY_TIMESTAMP, vec![1, 1], &[250]);
+        let err = decode_top(&[ids, times, one_query], true, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("QUERY_TIMESTAMP must hold one INT64 per history (2)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -117,13 +117,7 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             &mut auto_complete
         ))?
     };
-    if auto_complete
-        && settings::auto_complete(
-            &mut config,
-            engine.manifest.id_type,
-            settings::embedding_width(&engine),
-        )
-    {
+    if auto_complete && settings::auto_complete(&mut config, &engine) {
         crate::triton::set_model_config(model, &config)?;
         log(
             LogLevel::Info,

@@ -82,7 +82,7 @@ pub fn serve(
                                 candidates,
                                 embedding: row.embedding,
                                 filter: row.filter.as_ref(),
-                                times: None,
+                                times: row.times(),
                             },
                             options,
                         )
@@ -221,6 +221,8 @@ mod tests {
             candidates: None,
             embedding: false,
             filter: None,
+            timestamps: None,
+            query_timestamp: None,
         }
     }
 

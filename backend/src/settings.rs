@@ -17,14 +17,22 @@ pub const INPUT_CANDIDATES: &str = "CANDIDATE_ITEM_IDS";
 pub const INPUT_INCLUDE_SETS: &str = "INCLUDE_ITEM_SETS";
 /// Optional: item set names (TYPE_STRING) whose items a history's answer leaves out.
 pub const INPUT_EXCLUDE_SETS: &str = "EXCLUDE_ITEM_SETS";
+/// For the models that read time (HSTU): one unix timestamp (seconds, INT64) per `ITEM_IDS`
+/// entry, ragged like it. Required by those models, ignored by the others.
+pub const INPUT_TIMESTAMPS: &str = "ITEM_TIMESTAMPS";
+/// Optional, for the models that read time: when the event to predict happens (INT64 unix
+/// seconds, one per history); without it, the server's clock when the request is prepared.
+pub const INPUT_QUERY_TIMESTAMP: &str = "QUERY_TIMESTAMP";
 /// Every input the backend reads.
-pub const INPUTS: [&str; 6] = [
+pub const INPUTS: [&str; 8] = [
     INPUT_ITEM_IDS,
     INPUT_K,
     INPUT_EXCLUDE,
     INPUT_CANDIDATES,
     INPUT_INCLUDE_SETS,
     INPUT_EXCLUDE_SETS,
+    INPUT_TIMESTAMPS,
+    INPUT_QUERY_TIMESTAMP,
 ];
 pub const OUTPUT_ITEM_IDS: &str = "TOP_ITEM_IDS";
 pub const OUTPUT_SCORES: &str = "TOP_SCORES";
@@ -493,6 +501,25 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
             }
         }
     }
+    for name in [INPUT_TIMESTAMPS, INPUT_QUERY_TIMESTAMP] {
+        if let Some(t) = find(inputs, name) {
+            if data_type(t) != "TYPE_INT64" {
+                return Err(BackendError::InvalidConfig(format!(
+                    "{name} holds unix timestamps in seconds and must be TYPE_INT64, the config \
+                     says {:?}",
+                    data_type(t)
+                )));
+            }
+        }
+    }
+    if engine.kind().reads_timestamps() && find(inputs, INPUT_TIMESTAMPS).is_none() {
+        return Err(BackendError::InvalidConfig(format!(
+            "a {} model reads when each event happened: the config needs the input \
+             {{ name: \"{INPUT_TIMESTAMPS}\" data_type: TYPE_INT64 dims: [ -1 ] }} (ragged like \
+             {INPUT_ITEM_IDS}; leave inputs out and the backend completes them)",
+            engine.kind()
+        )));
+    }
     if let Some(k) = find(inputs, INPUT_K) {
         if data_type(k) != "TYPE_INT32" {
             return Err(BackendError::InvalidConfig(format!(
@@ -564,14 +591,16 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
     })
 }
 
-/// Fills the inputs, outputs and parameters a minimal config leaves out, from the engine's id type
-/// and embedding width ([`embedding_width`]). Returns true when the config changed. Existing
-/// entries are never overwritten.
-pub fn auto_complete(config: &mut Value, catalogue: IdType, embedding_width: usize) -> bool {
+/// Fills the inputs, outputs and parameters a minimal config leaves out, from the engine's id type,
+/// embedding width ([`embedding_width`]) and whether its model reads timestamps. Returns true when
+/// the config changed. Existing entries are never overwritten.
+pub fn auto_complete(config: &mut Value, engine: &Engine) -> bool {
     let Some(object) = config.as_object_mut() else {
         return false;
     };
-    let id_type = match catalogue {
+    let embedding_width = embedding_width(engine);
+    let reads_timestamps = engine.kind().reads_timestamps();
+    let id_type = match engine.manifest.id_type {
         IdType::Int64 => "TYPE_INT64",
         IdType::String => "TYPE_STRING",
     };
@@ -594,7 +623,7 @@ pub fn auto_complete(config: &mut Value, catalogue: IdType, embedding_width: usi
         }
         t
     };
-    let inputs = vec![
+    let mut inputs = vec![
         ragged(json!({"name": INPUT_ITEM_IDS, "data_type": id_type, "dims": [-1]})),
         json!({"name": INPUT_K, "data_type": "TYPE_INT32", "dims": [1], "optional": true}),
         ragged(
@@ -610,6 +639,12 @@ pub fn auto_complete(config: &mut Value, catalogue: IdType, embedding_width: usi
             json!({"name": INPUT_EXCLUDE_SETS, "data_type": "TYPE_STRING", "dims": [-1], "optional": true}),
         ),
     ];
+    if reads_timestamps {
+        inputs.extend([
+            ragged(json!({"name": INPUT_TIMESTAMPS, "data_type": "TYPE_INT64", "dims": [-1]})),
+            json!({"name": INPUT_QUERY_TIMESTAMP, "data_type": "TYPE_INT64", "dims": [1], "optional": true}),
+        ]);
+    }
     fill(object, "input", inputs);
     fill(
         object,
@@ -654,11 +689,7 @@ mod tests {
     fn auto_complete_fills_a_minimal_config_that_then_parses() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        assert!(auto_complete(
-            &mut config,
-            IdType::Int64,
-            embedding_width(&engine)
-        ));
+        assert!(auto_complete(&mut config, &engine));
         assert_eq!(config["input"][0]["allow_ragged_batch"], true);
         assert_eq!(config["dynamic_batching"], json!({}));
         let settings = parse(&config, &engine).unwrap();
@@ -666,18 +697,54 @@ mod tests {
         assert_eq!(settings.item_ids_type, IdTensorType::Int64);
         assert!(settings.exclude_seen);
         // A second pass changes nothing.
-        assert!(!auto_complete(
-            &mut config,
-            IdType::Int64,
-            embedding_width(&engine)
-        ));
+        assert!(!auto_complete(&mut config, &engine));
+    }
+
+    #[test]
+    fn an_hstu_config_is_completed_with_its_timestamps_and_refused_without_them() {
+        let (hstu, _tmp) =
+            crate::test_support::fixture_engine("hstu", recsys_engine::ModelKind::Hstu);
+        let mut config = minimal();
+        assert!(auto_complete(&mut config, &hstu));
+        let names: Vec<&str> = config["input"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].as_str().unwrap())
+            .collect();
+        assert!(names.contains(&INPUT_TIMESTAMPS) && names.contains(&INPUT_QUERY_TIMESTAMP));
+        parse(&config, &hstu).unwrap();
+        // Other models are not given them.
+        let (engine, _tmp2) = engine();
+        let mut plain = minimal();
+        auto_complete(&mut plain, &engine);
+        assert!(!plain.to_string().contains(INPUT_TIMESTAMPS));
+
+        let mut without = config.clone();
+        without["input"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|t| t["name"] != INPUT_TIMESTAMPS);
+        let err = parse(&without, &hstu).unwrap_err().to_string();
+        assert!(
+            err.contains("needs the input") && err.contains(INPUT_TIMESTAMPS),
+            "{err}"
+        );
+        let mut int32 = config.clone();
+        for t in int32["input"].as_array_mut().unwrap() {
+            if t["name"] == INPUT_TIMESTAMPS {
+                t["data_type"] = json!("TYPE_INT32");
+            }
+        }
+        let err = parse(&int32, &hstu).unwrap_err().to_string();
+        assert!(err.contains("must be TYPE_INT64"), "{err}");
     }
 
     #[test]
     fn bad_parameters_are_named() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
+        auto_complete(&mut config, &engine);
         for (key, value, needle) in [
             ("top_k", "zero", "top_k must be a positive integer"),
             ("top_k", "0", "top_k must be a positive integer"),
@@ -708,7 +775,7 @@ mod tests {
     fn catalogue_parameters_are_read_and_checked() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
+        auto_complete(&mut config, &engine);
         assert_eq!(parse(&config, &engine).unwrap().catalogue, None);
         let with = |pairs: &[(&str, &str)]| {
             let mut c = config.clone();
@@ -755,7 +822,7 @@ mod tests {
     fn availability_parameters_are_read_and_checked() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
+        auto_complete(&mut config, &engine);
         assert_eq!(parse(&config, &engine).unwrap().availability, None);
         let with = |pairs: &[(&str, &str)]| {
             let mut c = config.clone();
@@ -834,7 +901,7 @@ mod tests {
         let (gru, _tmp) =
             crate::test_support::fixture_engine("gru4rec", recsys_engine::ModelKind::Gru4rec);
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64, embedding_width(&gru));
+        auto_complete(&mut config, &gru);
         let with = |engine: &Engine, pairs: &[(&str, &str)]| {
             let mut c = config.clone();
             for (key, value) in pairs {
@@ -893,7 +960,7 @@ mod tests {
         let width = embedding_width(&engine);
         assert_eq!(width, engine.model.output().input_size() + 1);
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64, width);
+        auto_complete(&mut config, &engine);
         assert_eq!(config["output"][2]["name"], OUTPUT_EMBEDDING);
         parse(&config, &engine).unwrap();
         config["output"][2]["dims"] = json!([-1]);
@@ -936,7 +1003,7 @@ mod tests {
     fn config_contradicting_the_engine_is_refused() {
         let (engine, _tmp) = engine();
         let mut config = minimal();
-        auto_complete(&mut config, IdType::Int64, embedding_width(&engine));
+        auto_complete(&mut config, &engine);
         let mut c = config.clone();
         c["output"][1]["data_type"] = json!("TYPE_FP16");
         assert!(parse(&c, &engine)

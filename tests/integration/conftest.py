@@ -27,7 +27,7 @@ GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal"
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
                "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal",
                "vaecf_candidates", "retrieve_and_rank", "sasrec_cold", "vaecf_cold", "vaecf_cold_model",
-               "gru4rec_nocache", "sasrec_nocache"]
+               "gru4rec_nocache", "sasrec_nocache", "hstu"]
 BROKEN_MODELS = [
     "bert4rec_prefix_cache",
     "missing_engine",
@@ -170,6 +170,13 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
                     "--item-attributes", str(demo_attributes("sasrec"))],
                    check=True, capture_output=True)
     convert(recsys_bin, "gru4rec", "gru4rec", "model.pt", engines / "gru4rec")
+    # HSTU from the official trainer's checkpoint and the gin config it was trained with (the
+    # kind read from its tensor names); served with a minimal config the backend completes.
+    subprocess.run([str(recsys_bin), "convert", "--checkpoint", str(FIXTURES / "hstu" / "official_trainer_checkpoint.pt"),
+                    "--gin", str(FIXTURES / "hstu" / "train.gin"), "--item-map", str(FIXTURES / "hstu" / "item_id_map.tsv"),
+                    "--output", str(engines / "hstu")], check=True, capture_output=True)
+    model("hstu", 'backend: "recsys"\nmax_batch_size: 16\ndynamic_batching { max_queue_delay_microseconds: 100 }\n',
+          engines / "hstu")
     # The same BERT4Rec with a catalogue keyed by strings ("sku-<id>").
     lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
     string_map = repo.parent / "string_map.tsv"
