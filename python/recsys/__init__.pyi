@@ -18,6 +18,11 @@ Histories = Union[Sequence[History], IdArray]
 Ids = Union[npt.NDArray[np.int64], list[list[str]]]
 #: Item set names ("category=shoes"): one list for every history, or one list per history.
 SetNames = Union[Sequence[str], Sequence[Sequence[str]]]
+#: One list of unix timestamps (seconds) per history, one per id: for the models that read time
+#: (HSTU); other models ignore them.
+Timestamps = Union[Sequence[Sequence[int]], npt.NDArray[np.int64]]
+#: When the event to predict happens: one time for every history, or one per history.
+QueryTimestamp = Union[int, Sequence[int]]
 
 class RecsysError(Exception):
     """An engine, checkpoint or file that recsys cannot use; the message says why."""
@@ -117,12 +122,16 @@ class Engine:
         strict: bool = False,
         include_sets: SetNames | None = None,
         exclude_sets: SetNames | None = None,
+        timestamps: Timestamps | None = None,
+        query_timestamp: QueryTimestamp | None = None,
     ) -> tuple[Ids, npt.NDArray[np.float32]]:
         """Each history's best k items, best first: ids [B, k] (-1 padding; lists for string
         catalogues) and float32 scores [B, k] (-inf padding). `exclude`: one list per history of
         items never to return; `exclude_seen`: leave the history's own items out;
         `include_sets`: only items in every named column's sets (OR within a column, AND across
-        columns); `exclude_sets`: no item of these sets. Set names are one list for every history
+        columns); `exclude_sets`: no item of these sets; `timestamps` (one list of unix seconds per
+        history, one per id) and `query_timestamp` (when the event to predict happens; default
+        now): required by the models that read time (HSTU). Set names are one list for every history
         or one list per history; an unknown name raises ValueError naming it."""
     def rerank(
         self,
@@ -134,10 +143,18 @@ class Engine:
         strict: bool = False,
         include_sets: SetNames | None = None,
         exclude_sets: SetNames | None = None,
+        timestamps: Timestamps | None = None,
+        query_timestamp: QueryTimestamp | None = None,
     ) -> tuple[Ids, npt.NDArray[np.float32]]:
         """The best k of each history's own candidates (narrowed by the set filters) (a retrieval stage's), with exactly the
         scores the whole-catalogue scan gives them; padded as `recommend`."""
-    def embed(self, histories: Histories, strict: bool = False) -> npt.NDArray[np.float32]:
+    def embed(
+        self,
+        histories: Histories,
+        strict: bool = False,
+        timestamps: Timestamps | None = None,
+        query_timestamp: QueryTimestamp | None = None,
+    ) -> npt.NDArray[np.float32]:
         """User embeddings [B, embedding_dim] = [h, 1]: the inner product with an item's row of
         `recsys export-items` is the model's score for it."""
     def score(self, histories: Histories) -> npt.NDArray[np.float32]:
@@ -154,6 +171,8 @@ class Engine:
         embedding: bool = False,
         include_sets: SetNames | None = None,
         exclude_sets: SetNames | None = None,
+        timestamps: Timestamps | None = None,
+        query_timestamp: QueryTimestamp | None = None,
     ) -> tuple[
         list[Union[npt.NDArray[np.int64], list[str]]],
         list[npt.NDArray[np.float32]],

@@ -46,7 +46,12 @@ struct Ask {
     exclude_seen: bool,
     strict: bool,
     embedding: bool,
+    /// Each history's event times, for the models that read them (`None`: not given).
+    times: Option<crate::times::Times>,
 }
+
+/// A call's `timestamps=` and `query_timestamp=` as Python passed them.
+type TimeArgs<'a, 'py> = (Option<&'a Bound<'py, PyAny>>, Option<&'a Bound<'py, PyAny>>);
 
 /// [`PyEngine::predict`]'s answer: four lists with one entry per history.
 #[derive(Default)]
@@ -112,7 +117,7 @@ impl PyEngine {
                 candidates: candidates.map(|c| c.row(&candidate_views, i)),
                 embedding: ask.embedding,
                 filter: ask.filters.as_ref().map(|f| &f[i]),
-                times: None,
+                times: ask.times.as_ref().map(|t| t.row(i)),
             })
             .collect();
         let options = ServeOptions {
@@ -276,6 +281,7 @@ impl PyEngine {
 
     /// `recommend` and `rerank`: each history's ranked answer, among its own candidates when
     /// given.
+    #[allow(clippy::too_many_arguments)] // one call's inputs, each optional
     fn rank<'py>(
         &self,
         py: Python<'py>,
@@ -283,6 +289,7 @@ impl PyEngine {
         candidates: Option<&Bound<'py, PyAny>>,
         exclude: Option<&Bound<'py, PyAny>>,
         sets: (Option<&Bound<'py, PyAny>>, Option<&Bound<'py, PyAny>>),
+        times: TimeArgs<'_, 'py>,
         mut ask: Ask,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let width = self.width(ask.k.unwrap_or(10))?;
@@ -290,6 +297,7 @@ impl PyEngine {
         let candidates = IdLists::optional(candidates, "candidates", histories.len())?;
         let exclude = IdLists::optional(exclude, "exclude", histories.len())?;
         ask.filters = crate::filters::item_filters(sets.0, sets.1, histories.len())?;
+        ask.times = crate::times::Times::extract(times.0, times.1, histories.len())?;
         let (engine, answers) =
             self.answer(py, &histories, exclude.as_ref(), candidates.as_ref(), &ask)?;
         Self::ranked(&engine, py, &answers, width)
@@ -538,7 +546,8 @@ impl PyEngine {
     /// of the `include_sets` and none of the `exclude_sets` (item set names, one list for all
     /// histories or one per history).
     #[pyo3(signature = (histories, k = 10, exclude = None, exclude_seen = true, strict = false,
-                        include_sets = None, exclude_sets = None))]
+                        include_sets = None, exclude_sets = None, timestamps = None,
+                        query_timestamp = None))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn recommend<'py>(
         &self,
@@ -550,6 +559,8 @@ impl PyEngine {
         strict: bool,
         include_sets: Option<&Bound<'py, PyAny>>,
         exclude_sets: Option<&Bound<'py, PyAny>>,
+        timestamps: Option<&Bound<'py, PyAny>>,
+        query_timestamp: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let ask = Ask {
             k: Some(k),
@@ -558,6 +569,7 @@ impl PyEngine {
             exclude_seen,
             strict,
             embedding: false,
+            times: None,
         };
         self.rank(
             py,
@@ -565,6 +577,7 @@ impl PyEngine {
             None,
             exclude,
             (include_sets, exclude_sets),
+            (timestamps, query_timestamp),
             ask,
         )
     }
@@ -572,7 +585,8 @@ impl PyEngine {
     /// The best `k` of each history's own candidates, with exactly the scores the whole-catalogue
     /// scan gives them.
     #[pyo3(signature = (histories, candidates, k = 10, exclude = None, exclude_seen = true, strict = false,
-                        include_sets = None, exclude_sets = None))]
+                        include_sets = None, exclude_sets = None, timestamps = None,
+                        query_timestamp = None))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn rerank<'py>(
         &self,
@@ -585,6 +599,8 @@ impl PyEngine {
         strict: bool,
         include_sets: Option<&Bound<'py, PyAny>>,
         exclude_sets: Option<&Bound<'py, PyAny>>,
+        timestamps: Option<&Bound<'py, PyAny>>,
+        query_timestamp: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Py<PyAny>, Bound<'py, PyArray2<f32>>)> {
         let ask = Ask {
             k: Some(k),
@@ -593,6 +609,7 @@ impl PyEngine {
             exclude_seen,
             strict,
             embedding: false,
+            times: None,
         };
         self.rank(
             py,
@@ -600,20 +617,25 @@ impl PyEngine {
             Some(candidates),
             exclude,
             (include_sets, exclude_sets),
+            (timestamps, query_timestamp),
             ask,
         )
     }
 
     /// Each history's user embedding `[h, 1]`, float32 `[B, embedding_dim]`.
-    #[pyo3(signature = (histories, strict = false))]
+    #[pyo3(signature = (histories, strict = false, timestamps = None, query_timestamp = None))]
     fn embed<'py>(
         &self,
         py: Python<'py>,
         histories: &Bound<'py, PyAny>,
         strict: bool,
+        timestamps: Option<&Bound<'py, PyAny>>,
+        query_timestamp: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let histories = IdLists::extract(histories, "histories")?;
+        let times = crate::times::Times::extract(timestamps, query_timestamp, histories.len())?;
         let ask = Ask {
+            times,
             k: Some(0),
             filters: None,
             default_k: 10,
@@ -665,7 +687,8 @@ impl PyEngine {
     /// empty, or `None` for the embedding).
     #[pyo3(signature = (histories, k = None, exclude = None, candidates = None, default_k = 10,
                         exclude_seen = true, strict = false, embedding = false,
-                        include_sets = None, exclude_sets = None))]
+                        include_sets = None, exclude_sets = None, timestamps = None,
+                        query_timestamp = None))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn predict<'py>(
         &self,
@@ -680,6 +703,8 @@ impl PyEngine {
         embedding: bool,
         include_sets: Option<&Bound<'py, PyAny>>,
         exclude_sets: Option<&Bound<'py, PyAny>>,
+        timestamps: Option<&Bound<'py, PyAny>>,
+        query_timestamp: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PredictTuple> {
         let default_k = self.width(default_k)?;
         let histories = IdLists::extract(histories, "histories")?;
@@ -695,6 +720,7 @@ impl PyEngine {
         let candidates = IdLists::optional(candidates, "candidates", users)?;
         let exclude = IdLists::optional(exclude, "exclude", users)?;
         let ask = Ask {
+            times: crate::times::Times::extract(timestamps, query_timestamp, users)?,
             k: None,
             filters: crate::filters::item_filters(include_sets, exclude_sets, users)?,
             default_k,
@@ -742,6 +768,7 @@ impl PyEngine {
             exclude_seen,
             strict,
             embedding: false,
+            times: None,
         };
         let mut timelines: Vec<PredictRows> = (0..histories.len())
             .map(|_| PredictRows::default())

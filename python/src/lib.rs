@@ -12,6 +12,7 @@ mod engine;
 mod filters;
 mod ids;
 mod recbole;
+mod times;
 
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;

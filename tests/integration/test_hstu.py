@@ -98,3 +98,35 @@ def test_a_request_without_timestamps_is_refused_by_name_and_the_server_keeps_se
     assert len(result.as_numpy("TOP_ITEM_IDS")[0]) == 5
     result = http.infer("hstu", inputs(httpclient, history, times, case["query_timestamp"], k=5))
     assert len(result.as_numpy("TOP_ITEM_IDS")[0]) == 5
+
+
+def test_the_python_engine_takes_timestamps_and_answers_as_the_official_code(repository):
+    import recsys
+
+    engine = recsys.Engine(str(repository / "hstu" / "1"), threads=1)
+    golden = cases()
+    histories = [c["history_external"] for c in golden]
+    times = [c["history_timestamps"] for c in golden]
+    queries = [c["query_timestamp"] for c in golden]
+    ids, scores = engine.recommend(histories, k=100, exclude_seen=False, timestamps=times,
+                                   query_timestamp=queries)
+    for case, row_ids, row_scores in zip(golden, ids.tolist(), scores.tolist()):
+        check_against_golden(case, row_ids, row_scores)
+    # The user embedding [h, 1] against PyTorch's float64 one.
+    embeddings = engine.embed(histories, timestamps=times, query_timestamp=queries)
+    want = np.array([c["user_embedding_f64"] for c in golden])
+    np.testing.assert_allclose(embeddings[:, :-1], want, atol=1e-5)
+    np.testing.assert_array_equal(embeddings[:, -1], 1.0)
+    # Errors name the Python argument.
+    with pytest.raises(ValueError, match="no timestamps"):
+        engine.recommend(histories[:1], k=5)
+    with pytest.raises(ValueError, match="timestamps= holds 1 lists for 2 histories"):
+        engine.recommend(histories[:2], k=5, timestamps=times[:1])
+    with pytest.raises(TypeError, match="timestamps= must hold one sequence of integer"):
+        engine.recommend(histories[:1], k=5, timestamps=[["soon"]])
+    with pytest.raises(ValueError, match="query_timestamp= was given without timestamps="):
+        engine.recommend(histories[:1], k=5, query_timestamp=1)
+    # One query time for every history is the same as each history's own.
+    one, _ = engine.recommend(histories[:2], k=5, timestamps=times[:2], query_timestamp=queries[0])
+    each, _ = engine.recommend(histories[:2], k=5, timestamps=times[:2], query_timestamp=[queries[0]] * 2)
+    assert one.tolist() == each.tolist()

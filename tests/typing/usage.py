@@ -28,6 +28,12 @@ def calls(engine: recsys.Engine) -> None:
     engine.predict(lists, include_sets=[["category=shoes"], ["category=hats"]])
     engine.rerank(lists, candidates=lists, exclude_sets=["age_rating=adult"])
     sets: dict[str, int] = engine.item_sets
+    # Models that read time (HSTU): each history's event times, and when the event to predict is.
+    times = [[1_700_000_000, 1_700_000_600], [1_700_000_000]]
+    engine.recommend(lists, k=10, timestamps=times, query_timestamp=1_700_001_200)
+    engine.predict(lists, timestamps=np.array([[1, 2], [3, 4]], dtype=np.int64), query_timestamp=[5, 6])
+    engine.embed(lists, timestamps=times)
+    engine.rerank(lists, candidates=lists, timestamps=times, query_timestamp=[1, 2])
     # Live availability: an object published by `recsys availability publish`.
     version: int = engine.load_availability("s3://models/shop/recsys-availability.bin")
     in_force: int | None = engine.availability_version
