@@ -32,7 +32,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         args.batch_size as usize,
         eligible.as_deref(),
         |n| bar.inc(n as u64),
-    );
+    )?;
     bar.finish_and_clear();
     let mut json = serde_json::json!({
         "engine": args.engine.display().to_string(),

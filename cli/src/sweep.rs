@@ -328,7 +328,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
             .map(|p| p.describe());
         let resident = engine.memory_bytes() as u64;
-        let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
+        let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {})?;
         let hist = histories(&engine, &cases);
         let (mut j10, mut j100, mut same, mut max_err, mut sum_err, mut n_err) =
             (0.0, 0.0, 0usize, 0f64, 0f64, 0usize);

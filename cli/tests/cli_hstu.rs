@@ -105,6 +105,26 @@ fn an_official_checkpoint_and_its_gin_config_answer_as_pytorch_through_predict()
             }
         }
     }
+    // The official protocol's metrics from the gzip-compressed timestamped test file.
+    let report = recsys(["eval", "--k", "10,50", "--engine"])
+        .arg(&engine)
+        .arg("--test")
+        .arg(dir.join("test_set.tsv.gz"))
+        .run()
+        .ok()
+        .json();
+    let official: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("metrics.json")).unwrap()).unwrap();
+    for (ours, theirs) in [
+        ("ndcg@10", "ndcg@10"),
+        ("recall@50", "hr@50"),
+        ("mrr", "mrr"),
+    ] {
+        let got = report["metrics"][ours].as_f64().unwrap();
+        let want = official["test_float64"][theirs].as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-6, "{ours}: {got} vs {want}");
+    }
+
     let untimed = &lines[cases.len()];
     assert_eq!(untimed["case"], "untimed");
     assert!(

@@ -83,11 +83,25 @@ pub struct TestCase {
     pub user_id: String,
     pub target: String,
     pub history: Vec<String>,
+    /// When the history's events and the target happened, from a test file with timestamp
+    /// columns (what the models that read time need); `None` otherwise.
+    pub times: Option<CaseTimes>,
 }
 
-/// Reads `user_id <TAB> target_item_id <TAB> space-separated history` (header line optional).
+/// A test case's timestamps (unix seconds): one per history id, and the target's (the query
+/// time of the official HSTU protocol).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaseTimes {
+    pub events: Vec<i64>,
+    pub target: i64,
+}
+
+/// Reads `user_id <TAB> target_item_id <TAB> space-separated history` (header line optional),
+/// or, under a header naming `target_timestamp`, `user_id <TAB> target_item_id <TAB>
+/// target_timestamp <TAB> history <TAB> history timestamps` (space-separated, one per id).
+/// A gzip-compressed file (its first bytes say so) is read decompressed.
 pub fn read_test_set(path: &Path) -> Result<Vec<TestCase>> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let bytes = std::fs::read(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             EngineError::NotFound {
                 path: path.to_path_buf(),
@@ -95,6 +109,19 @@ pub fn read_test_set(path: &Path) -> Result<Vec<TestCase>> {
         } else {
             EngineError::io(format!("cannot read {}", path.display()), e)
         }
+    })?;
+    let bytes = if bytes.starts_with(&[0x1f, 0x8b]) {
+        let mut plain = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut plain)
+            .map_err(|e| EngineError::io(format!("cannot decompress {}", path.display()), e))?;
+        plain
+    } else {
+        bytes
+    };
+    let text = String::from_utf8(bytes).map_err(|_| EngineError::TestSet {
+        path: path.to_path_buf(),
+        line: 0,
+        reason: "the file is not UTF-8 text".into(),
     })?;
     parse_test_set(&text, path)
 }
@@ -104,29 +131,74 @@ pub fn read_test_set(path: &Path) -> Result<Vec<TestCase>> {
 pub fn parse_test_set(text: &str, source: &Path) -> Result<Vec<TestCase>> {
     let path = source;
     let mut cases = Vec::new();
+    let mut timed = false;
     for (n, line) in text.lines().enumerate() {
         let line = line.trim_end_matches('\r');
-        if line.is_empty() || (n == 0 && line.starts_with("user_id")) {
+        if n == 0 && line.starts_with("user_id") {
+            timed = line.split('\t').any(|column| column == "target_timestamp");
             continue;
         }
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |reason: String| EngineError::TestSet {
+            path: path.to_path_buf(),
+            line: n + 1,
+            reason,
+        };
         let mut fields = line.split('\t');
         let (Some(user), Some(target)) = (fields.next(), fields.next()) else {
-            return Err(EngineError::TestSet {
-                path: path.to_path_buf(),
-                line: n + 1,
-                reason: "expected user_id<TAB>target_item_id<TAB>history".into(),
-            });
+            return Err(bad(if timed {
+                "expected user_id<TAB>target_item_id<TAB>target_timestamp<TAB>history<TAB>\
+                 history_timestamps"
+                    .into()
+            } else {
+                "expected user_id<TAB>target_item_id<TAB>history".into()
+            }));
         };
-        let history = fields
+        let target_time = if timed {
+            let field = fields.next().unwrap_or("").trim();
+            Some(field.parse::<i64>().map_err(|_| {
+                bad(format!(
+                    "target_timestamp {field:?} is not an integer (unix seconds)"
+                ))
+            })?)
+        } else {
+            None
+        };
+        let history: Vec<String> = fields
             .next()
             .unwrap_or("")
             .split_whitespace()
             .map(str::to_owned)
             .collect();
+        let times = match target_time {
+            None => None,
+            Some(target) => {
+                let events = fields
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .map(|t| {
+                        t.parse::<i64>()
+                            .map_err(|_| bad(format!("history timestamp {t:?} is not an integer")))
+                    })
+                    .collect::<Result<Vec<i64>>>()?;
+                if events.len() != history.len() {
+                    return Err(bad(format!(
+                        "{} history timestamps for {} history ids: one per id",
+                        events.len(),
+                        history.len()
+                    )));
+                }
+                Some(CaseTimes { events, target })
+            }
+        };
         cases.push(TestCase {
             user_id: user.to_owned(),
             target: target.trim().to_owned(),
             history,
+            times,
         });
     }
     Ok(cases)
@@ -187,7 +259,7 @@ pub fn evaluate(
     ks: &[usize],
     batch: usize,
     progress: impl FnMut(usize),
-) -> EvalReport {
+) -> Result<EvalReport> {
     evaluate_filtered(engine, cases, ks, batch, None, progress)
 }
 
@@ -201,22 +273,62 @@ pub fn evaluate_filtered(
     batch: usize,
     eligible: Option<&crate::kernels::item_mask::ItemMask>,
     mut progress: impl FnMut(usize),
-) -> EvalReport {
+) -> Result<EvalReport> {
+    let timed = engine.kind().reads_timestamps();
+    if timed {
+        if let Some(case) = cases.iter().find(|c| c.times.is_none()) {
+            return Err(EngineError::Config(format!(
+                "the test set has no timestamps (user {}): {} reads when each event happened; \
+                 give a test file whose header names target_timestamp and history_timestamps \
+                 columns",
+                case.user_id,
+                engine.kind()
+            )));
+        }
+    }
+    // The official HSTU protocol leaves out the items of the history the model read (its
+    // window); RecBole's full-sort evaluation, every item of the history.
+    let window = if timed {
+        engine.manifest.model.history_window()
+    } else {
+        None
+    };
     let mut metrics = RankingMetrics::new(ks);
     let mut ranks = Vec::with_capacity(cases.len());
     let (mut unknown_history_ids, mut unknown_targets, mut outside) = (0, 0, 0);
     let n_out = engine.scorer.packed.n;
     let mut excluded = ExclusionSet::new(n_out);
     for chunk in cases.chunks(batch.max(1)) {
-        let mapped: Vec<_> = chunk
+        let (mapped, kept): (Vec<_>, Vec<_>) = chunk
             .iter()
             .map(|case| {
                 let ids: Vec<&str> = case.history.iter().map(String::as_str).collect();
-                engine.ids.map(crate::ExternalIds::Str(&ids))
+                engine.ids.map_with_positions(crate::ExternalIds::Str(&ids))
+            })
+            .unzip();
+        let histories: Vec<&[u32]> = mapped.iter().map(|m| m.indices.as_slice()).collect();
+        // A timed model's known events keep their timestamps; the target's is the query time.
+        let known_times: Vec<Vec<i64>> = if timed {
+            chunk
+                .iter()
+                .zip(&kept)
+                .map(|(case, kept)| {
+                    let times = case.times.as_ref().expect("checked above");
+                    kept.iter().map(|&i| times.events[i]).collect()
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let times: Vec<crate::models::EventTimes<'_>> = known_times
+            .iter()
+            .zip(chunk)
+            .map(|(events, case)| crate::models::EventTimes {
+                events,
+                query: case.times.as_ref().expect("checked above").target,
             })
             .collect();
-        let histories: Vec<&[u32]> = mapped.iter().map(|m| m.indices.as_slice()).collect();
-        let mut scores = engine.score_all(&histories);
+        let mut scores = engine.score_all_timed(&histories, &times);
         if let Some(mask) = eligible {
             for row in scores.chunks_exact_mut(n_out) {
                 for (i, s) in row.iter_mut().enumerate() {
@@ -240,7 +352,9 @@ pub fn evaluate_filtered(
                 Some(target) => {
                     excluded.clear();
                     excluded.insert(0);
-                    history.indices.iter().for_each(|&i| excluded.insert(i));
+                    let seen = &history.indices;
+                    let from = window.map_or(0, |w| seen.len().saturating_sub(w));
+                    seen[from..].iter().for_each(|&i| excluded.insert(i));
                     Some(target_rank(
                         &scores[row * n_out..(row + 1) * n_out],
                         target,
@@ -253,11 +367,11 @@ pub fn evaluate_filtered(
         }
         progress(chunk.len());
     }
-    EvalReport {
+    Ok(EvalReport {
         metrics: metrics.summary(),
         ranks,
         unknown_history_ids,
         unknown_targets,
         targets_outside_filter: outside,
-    }
+    })
 }

@@ -107,7 +107,7 @@ fn check_metrics(kind: ModelKind) {
     let tmp = tempfile::tempdir().unwrap();
     let engine = convert_fixture(kind, "model.safetensors", &tmp.path().join("engine"));
     let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
-    let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {});
+    let report = evaluate(&engine, &cases, &[10, 20, 100], 256, |_| {}).unwrap();
     let expected: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(model_dir(kind).join("metrics.json")).unwrap(),
     )

@@ -269,3 +269,60 @@ fn a_config_that_disagrees_with_the_weights_is_refused_naming_both() {
     .to_string();
     assert!(err.contains("holds an HSTU"), "{err}");
 }
+
+/// The official protocol's test metrics (metrics.json: every user's last interaction, the up to
+/// 200 before it as the history with their timestamps, the target's time as the query time, the
+/// window's items left out of the ranking) from the timestamped test file, gzip-compressed.
+#[test]
+fn the_official_test_metrics_are_reproduced_from_the_timestamped_test_file() {
+    /// The metrics are means over 5,000 users of values that only a near-tie could move.
+    const METRIC_ABS_TOL: f64 = 1e-6;
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = convert_hstu(
+        "model.safetensors",
+        None,
+        &config_json(ModelKind::Hstu),
+        &tmp.path().join("engine"),
+    )
+    .unwrap();
+    let cases = recsys_engine::metrics::read_test_set(&fixture().join("test_set.tsv.gz")).unwrap();
+    assert_eq!(cases.len(), 5000);
+    assert!(cases.iter().all(|c| c.times.is_some()));
+    let report =
+        recsys_engine::metrics::evaluate(&engine, &cases, &[1, 10, 50, 200], 256, |_| {}).unwrap();
+    let text = std::fs::read_to_string(fixture().join("metrics.json")).unwrap();
+    let want: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let want = &want["test_float64"];
+    for (ours, theirs) in [
+        ("ndcg@1", "ndcg@1"),
+        ("ndcg@10", "ndcg@10"),
+        ("ndcg@50", "ndcg@50"),
+        ("ndcg@200", "ndcg@200"),
+        ("recall@10", "hr@10"),
+        ("recall@50", "hr@50"),
+        ("recall@200", "hr@200"),
+        ("mrr", "mrr"),
+    ] {
+        let (got, expected) = (report.metrics[ours], want[theirs].as_f64().unwrap());
+        assert!(
+            (got - expected).abs() <= METRIC_ABS_TOL,
+            "{ours}: {got} against the official {expected}"
+        );
+    }
+    assert_eq!(report.unknown_targets, 0);
+
+    // A test file without timestamps cannot be evaluated on a model that reads time.
+    let untimed: Vec<_> = cases
+        .iter()
+        .take(3)
+        .cloned()
+        .map(|mut c| {
+            c.times = None;
+            c
+        })
+        .collect();
+    let err = recsys_engine::metrics::evaluate(&engine, &untimed, &[10], 256, |_| {})
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("the test set has no timestamps"), "{err}");
+}

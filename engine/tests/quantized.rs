@@ -185,9 +185,11 @@ fn check(kind: ModelKind) {
     // Ranking quality on the whole test set: reported, and bounded loosely (a real regression in
     // the quantizer would cost far more than these bounds).
     let cases = read_test_set(&fixtures().join("test_set.tsv")).unwrap();
-    let base = evaluate(&fp32, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
+    let base = evaluate(&fp32, &cases, &[10], 256, |_| {}).unwrap().metrics["ndcg@10"];
     for engine in [&fp16, &bf16, &int8] {
-        let ndcg = evaluate(engine, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
+        let ndcg = evaluate(engine, &cases, &[10], 256, |_| {})
+            .unwrap()
+            .metrics["ndcg@10"];
         let loss = (base - ndcg) / base;
         eprintln!(
             "{kind} {:?}: NDCG@10 {ndcg:.5} vs fp32 {base:.5} ({:+.2}%)",
@@ -217,7 +219,7 @@ fn check_w8a8(kind: ModelKind) {
         &tmp.path().join("fp32"),
         Precision::Fp32,
     );
-    let base = evaluate(&fp32, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
+    let base = evaluate(&fp32, &cases, &[10], 256, |_| {}).unwrap().metrics["ndcg@10"];
     for (name, method) in [
         ("minmax", CalibrationMethod::MinMax),
         (
@@ -247,7 +249,9 @@ fn check_w8a8(kind: ModelKind) {
         let threshold = summary.threshold;
         assert!(threshold > 0.0 && threshold <= summary.abs_max * 1.001);
         let c = compare(kind, &fp32, &engine);
-        let ndcg = evaluate(&engine, &cases, &[10], 256, |_| {}).metrics["ndcg@10"];
+        let ndcg = evaluate(&engine, &cases, &[10], 256, |_| {})
+            .unwrap()
+            .metrics["ndcg@10"];
         let loss = (base - ndcg) / base;
         eprintln!(
             "{kind} w8a8 {name}: threshold {threshold:.4} (max {:.4}), NDCG@10 {ndcg:.5} vs fp32 {base:.5} ({:+.2}%)",

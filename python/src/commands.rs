@@ -155,7 +155,9 @@ pub(crate) fn evaluate<'py>(
     }
     let cases = read_test_set(&test_set).map_err(engine_error)?;
     let inner = engine.engine();
-    let report = py.detach(|| evaluate_engine(&inner, &cases, &k, batch_size.max(1), |_| {}));
+    let report = py
+        .detach(|| evaluate_engine(&inner, &cases, &k, batch_size.max(1), |_| {}))
+        .map_err(engine_error)?;
     let metrics = PyDict::new(py);
     for (name, value) in &report.metrics {
         if name == "n_users" {

@@ -309,6 +309,7 @@ mod tests {
                 user_id: i.to_string(),
                 target: format!("{}", 100 + i),
                 history: if i == 3 { vec![] } else { vec![format!("{i}")] },
+                times: None,
             })
             .collect();
         let s = sample(&cases, false, 3);
