@@ -326,3 +326,93 @@ fn the_official_test_metrics_are_reproduced_from_the_timestamped_test_file() {
         .to_string();
     assert!(err.contains("the test set has no timestamps"), "{err}");
 }
+
+/// The official protocol's NDCG@10 at fp16, bf16 and int8 (weight-only), against fp32's; the
+/// exact int8 screen of the fp32 and fp16 engines gives their own answers bit for bit (the screen
+/// bounds the normalised table's scores as it bounds any output layer's, so the cosine ranking
+/// stays exact); and two threads give one thread's bits.
+#[test]
+fn every_precision_the_screen_and_threads_keep_hstus_answers() {
+    use recsys_engine::engine_dir::{Precision, Screen};
+    /// NDCG@10 may move by at most this fraction of fp32's at a reduced precision.
+    const NDCG_RELATIVE_DROP: f64 = 0.01;
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = recsys_engine::metrics::read_test_set(&fixture().join("test_set.tsv.gz")).unwrap();
+    let cases = &cases[..1000];
+    let ndcg = |engine: &Engine| {
+        recsys_engine::metrics::evaluate(engine, cases, &[10], 256, |_| {})
+            .unwrap()
+            .metrics["ndcg@10"]
+    };
+    let options = ServeOptions {
+        default_k: 20,
+        ..ServeOptions::default()
+    };
+    let answers = |engine: &Engine| -> Vec<Vec<(u32, u32)>> {
+        let golden = golden_cases();
+        let histories: Vec<Vec<i64>> = golden
+            .iter()
+            .map(|c| i64s(&c["history_external"]))
+            .collect();
+        let times: Vec<Vec<i64>> = golden
+            .iter()
+            .map(|c| i64s(&c["history_timestamps"]))
+            .collect();
+        let requests: Vec<Request<'_>> = histories
+            .iter()
+            .zip(&times)
+            .zip(&golden)
+            .map(|((h, t), c)| request(h, t, c["query_timestamp"].as_i64()))
+            .collect();
+        engine
+            .recommend(&requests, &options)
+            .into_iter()
+            .map(|r| {
+                r.unwrap()
+                    .items
+                    .iter()
+                    .map(|s| (s.index, s.score.to_bits()))
+                    .collect()
+            })
+            .collect()
+    };
+    let mut fp32 = None;
+    for (name, precision) in [
+        ("fp32", Precision::Fp32),
+        ("fp16", Precision::Fp16),
+        ("bf16", Precision::Bf16),
+        ("int8", Precision::Int8),
+    ] {
+        let engine = common::convert_fixture_at(
+            ModelKind::Hstu,
+            "model.safetensors",
+            &tmp.path().join(name),
+            precision,
+        );
+        let score = ndcg(&engine);
+        let base = *fp32.get_or_insert(score);
+        assert!(
+            score >= base * (1.0 - NDCG_RELATIVE_DROP),
+            "{name}: NDCG@10 {score} against fp32's {base}"
+        );
+        eprintln!("HSTU {name}: NDCG@10 {score:.4} (fp32 {base:.4})");
+        if matches!(precision, Precision::Fp32 | Precision::Fp16) {
+            let screened = common::convert_fixture_screened(
+                ModelKind::Hstu,
+                &tmp.path().join(format!("{name}-screened")),
+                precision,
+                Screen::Int8,
+            )
+            .unwrap();
+            assert_eq!(answers(&screened), answers(&engine), "{name}: screened");
+        }
+        let mut threaded = common::convert_fixture_at(
+            ModelKind::Hstu,
+            "model.safetensors",
+            &tmp.path().join(format!("{name}-threads")),
+            precision,
+        );
+        threaded.set_threads(2);
+        assert_eq!(answers(&threaded), answers(&engine), "{name}: two threads");
+    }
+}
