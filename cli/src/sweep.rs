@@ -161,29 +161,36 @@ fn parse_variants(args: &SweepArgs) -> Result<Vec<Variant>> {
     Ok(out)
 }
 
-fn histories(engine: &Engine, cases: &[TestCase]) -> Vec<Vec<u32>> {
+/// Each test case as a top-10 request on its known history (with the known events' timestamps
+/// and the target's time as the query time, for the models that read time).
+fn histories(engine: &Engine, cases: &[TestCase]) -> Vec<InternalRequest> {
+    let timed = engine.kind().reads_timestamps();
     cases
         .iter()
         .map(|c| {
             let ids: Vec<&str> = c.history.iter().map(String::as_str).collect();
-            engine.ids.map(ExternalIds::Str(&ids)).indices
+            let (mapped, kept) = engine.ids.map_with_positions(ExternalIds::Str(&ids));
+            let (timestamps, query_timestamp) = match (&c.times, timed) {
+                (Some(times), true) => (
+                    kept.iter().map(|&i| times.events[i]).collect(),
+                    times.target,
+                ),
+                _ => (Vec::new(), 0),
+            };
+            InternalRequest {
+                history: mapped.indices,
+                k: 10,
+                exclude_seen: true,
+                timestamps,
+                query_timestamp,
+                ..Default::default()
+            }
         })
         .collect()
 }
 
-fn top(engine: &Engine, history: &[u32], k: usize) -> Vec<u32> {
-    let request = InternalRequest {
-        history: history.to_vec(),
-        exclude: Vec::new(),
-        k,
-        exclude_seen: true,
-        candidates: None,
-        embedding: false,
-        eligible: None,
-        popular: false,
-        timestamps: Vec::new(),
-        query_timestamp: 0,
-    };
+fn top(engine: &Engine, case: &InternalRequest, k: usize) -> Vec<u32> {
+    let request = InternalRequest { k, ..case.clone() };
     engine.recommend_internal(&[request])[0]
         .0
         .iter()
@@ -196,21 +203,15 @@ fn jaccard(a: &[u32], b: &[u32]) -> f64 {
     inter as f64 / (a.len() + b.len() - inter).max(1) as f64
 }
 
-fn time_batches(engine: &Engine, histories: &[Vec<u32>], batch: usize, seconds: f64) -> Latency {
+fn time_batches(
+    engine: &Engine,
+    histories: &[InternalRequest],
+    batch: usize,
+    seconds: f64,
+) -> Latency {
     let make = |start: usize| -> Vec<InternalRequest> {
         (0..batch)
-            .map(|i| InternalRequest {
-                history: histories[(start + i) % histories.len()].clone(),
-                exclude: Vec::new(),
-                k: 10,
-                exclude_seen: true,
-                candidates: None,
-                embedding: false,
-                eligible: None,
-                popular: false,
-                timestamps: Vec::new(),
-                query_timestamp: 0,
-            })
+            .map(|i| histories[(start + i) % histories.len()].clone())
             .collect()
     };
     engine.recommend_internal(&make(0)); // warm-up
@@ -287,7 +288,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
 
     let bar = progress::counter(variants.len() as u64, "variants");
     let mut rows: Vec<Row> = Vec::new();
-    let mut reference: Option<(Engine, Vec<Vec<u32>>)> = None;
+    let mut reference: Option<(Engine, Vec<InternalRequest>)> = None;
     for variant in &variants {
         bar.set_message(variant.name.clone());
         let dir = args.output.join("engines").join(&variant.name);
@@ -339,7 +340,17 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
                 j10 += jaccard(&a, &b);
                 same += usize::from(a == b);
                 j100 += jaccard(&top(fp32, h, 100), &top(&engine, h, 100));
-                let (sa, sb) = (fp32.score_all(&[h]), engine.score_all(&[h]));
+                let times = [h.event_times()];
+                let times = if engine.kind().reads_timestamps() {
+                    &times[..]
+                } else {
+                    &[]
+                };
+                let history = [h.history.as_slice()];
+                let (sa, sb) = (
+                    fp32.score_all_timed(&history, times),
+                    engine.score_all_timed(&history, times),
+                );
                 for (x, y) in sa.iter().zip(&sb).skip(1) {
                     let e = (x - y).abs() as f64;
                     max_err = max_err.max(e);

@@ -157,7 +157,12 @@ class Engine:
     ) -> npt.NDArray[np.float32]:
         """User embeddings [B, embedding_dim] = [h, 1]: the inner product with an item's row of
         `recsys export-items` is the model's score for it."""
-    def score(self, histories: Histories) -> npt.NDArray[np.float32]:
+    def score(
+        self,
+        histories: Histories,
+        timestamps: Timestamps | None = None,
+        query_timestamp: QueryTimestamp | None = None,
+    ) -> npt.NDArray[np.float32]:
         """Every item's score [B, N] (column j is item_ids[j]), nothing left out: for evaluation."""
     def predict(
         self,

@@ -652,22 +652,59 @@ impl PyEngine {
     }
 
     /// Every item's score for each history, float32 `[B, N]` (column j is `item_ids[j]`), with
-    /// nothing left out: for evaluation. Unknown ids are dropped.
+    /// nothing left out: for evaluation. Unknown ids are dropped (with their timestamps, for the
+    /// models that read time).
+    #[pyo3(signature = (histories, timestamps = None, query_timestamp = None))]
     fn score<'py>(
         &self,
         py: Python<'py>,
         histories: &Bound<'py, PyAny>,
+        timestamps: Option<&Bound<'py, PyAny>>,
+        query_timestamp: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let histories = IdLists::extract(histories, "histories")?;
+        let times = crate::times::Times::extract(timestamps, query_timestamp, histories.len())?;
         let views = histories.str_views();
         let engine = self.engine();
-        let mapped: Vec<Vec<u32>> = (0..histories.len())
-            .map(|i| engine.ids.map(histories.row(&views, i)).indices)
-            .collect();
+        // Mapped as a request is (the known ids, their timestamps, the query time), so a model
+        // that reads time is refused by name without them.
+        let mapped: Vec<recsys_engine::InternalRequest> = (0..histories.len())
+            .map(|i| {
+                let request = Request {
+                    history: histories.row(&views, i),
+                    k: None,
+                    exclude: None,
+                    candidates: None,
+                    embedding: false,
+                    filter: None,
+                    times: times.as_ref().map(|t| t.row(i)),
+                };
+                if engine.kind().reads_timestamps() {
+                    let options = ServeOptions {
+                        empty_history: recsys_engine::EmptyHistoryPolicy::Model,
+                        ..ServeOptions::default()
+                    };
+                    return engine
+                        .prepare(&request, &options)
+                        .map(|(internal, _)| internal)
+                        .map_err(crate::engine_error);
+                }
+                Ok(recsys_engine::InternalRequest {
+                    history: engine.ids.map(request.history).indices,
+                    ..Default::default()
+                })
+            })
+            .collect::<PyResult<_>>()?;
         let n = engine.n_items();
         let all = py.detach(|| {
-            let refs: Vec<&[u32]> = mapped.iter().map(Vec::as_slice).collect();
-            engine.score_all(&refs)
+            let refs: Vec<&[u32]> = mapped.iter().map(|r| r.history.as_slice()).collect();
+            let times: Vec<recsys_engine::models::EventTimes<'_>> =
+                if engine.kind().reads_timestamps() {
+                    mapped.iter().map(|r| r.event_times()).collect()
+                } else {
+                    Vec::new()
+                };
+            engine.score_all_timed(&refs, &times)
         });
         // Drop the PAD column (index 0, never an item).
         let values: Vec<f32> = all

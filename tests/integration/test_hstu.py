@@ -117,6 +117,14 @@ def test_the_python_engine_takes_timestamps_and_answers_as_the_official_code(rep
     want = np.array([c["user_embedding_f64"] for c in golden])
     np.testing.assert_allclose(embeddings[:, :-1], want, atol=1e-5)
     np.testing.assert_array_equal(embeddings[:, -1], 1.0)
+    # Every item's score, as the ranking gives it.
+    scores_all = engine.score(histories[:2], timestamps=times[:2], query_timestamp=queries[:2])
+    item_ids = engine.item_ids.tolist()
+    for row, case in zip(scores_all, golden[:2]):
+        top = case["topk"][0]
+        assert abs(row[item_ids.index(top["external"])] - top["score"]) <= SCORE_ABS_TOL
+    with pytest.raises(ValueError, match="no timestamps"):
+        engine.score(histories[:1])
     # Errors name the Python argument.
     with pytest.raises(ValueError, match="no timestamps"):
         engine.recommend(histories[:1], k=5)

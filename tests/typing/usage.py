@@ -33,6 +33,7 @@ def calls(engine: recsys.Engine) -> None:
     engine.recommend(lists, k=10, timestamps=times, query_timestamp=1_700_001_200)
     engine.predict(lists, timestamps=np.array([[1, 2], [3, 4]], dtype=np.int64), query_timestamp=[5, 6])
     engine.embed(lists, timestamps=times)
+    engine.score(lists, timestamps=times, query_timestamp=1_700_001_200)
     engine.rerank(lists, candidates=lists, timestamps=times, query_timestamp=[1, 2])
     # Live availability: an object published by `recsys availability publish`.
     version: int = engine.load_availability("s3://models/shop/recsys-availability.bin")
