@@ -2,6 +2,9 @@
 //! `j <= i`, no softmax, where the relative bias `rab` adds a learned weight per position offset
 //! and one per log-spaced time gap between the event after `i` and event `j`.
 
+use crate::kernels::packed::{self, LayerRef, PanelRef, QuantizedActivations};
+use crate::kernels::{dense, KernelTable};
+
 /// SiLU, `x * sigmoid(x)`, as PyTorch evaluates it in f32.
 #[inline]
 pub(super) fn silu(x: f32) -> f32 {
@@ -37,6 +40,32 @@ pub(super) struct HistoryAttention<'a> {
     pub attention_width: usize,
 }
 
+/// The buffers one history's attention works in, kept between calls.
+#[derive(Debug, Default)]
+pub(super) struct AttentionScratch {
+    /// The relative bias of every (query row, key row) pair, `[queries, n]`, shared by the heads.
+    bias: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    queries: Vec<f32>,
+    weights: Vec<f32>,
+    head_out: Vec<f32>,
+    zeros: Vec<f32>,
+    /// Attention runs in f32: nothing is quantized here.
+    unused: QuantizedActivations,
+}
+
+/// `n` items of width `d` packed in `panels` (f32, no bias), as the dense kernels take them.
+fn panels<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> LayerRef<'a> {
+    LayerRef {
+        n,
+        d,
+        data: PanelRef::F32(panels),
+        bias: &zeros[..n.div_ceil(8) * 8],
+        activation_scale: None,
+    }
+}
+
 impl HistoryAttention<'_> {
     /// Column offsets of `u`, `v`, `q` and `k` within a row.
     fn offsets(&self) -> (usize, usize, usize) {
@@ -45,38 +74,68 @@ impl HistoryAttention<'_> {
         (values, 2 * values, 2 * values + keys)
     }
 
-    /// Attention outputs of rows `queries` into `out`, and the biases they share over the heads
-    /// into `bias` (scratch, `[i + 1]` per query row).
-    pub(super) fn run(&self, queries: &[usize], out: &mut [f32], bias: &mut Vec<f32>) {
+    /// Attention outputs of rows `queries` (ascending) into `out`: per head two small GEMMs on
+    /// the packed kernels, `Q_h K_h^T` (the keys packed as items) and then the weights times
+    /// `V_h` (`V_h^T` packed), with the bias, SiLU and divisor applied to the scores between.
+    pub(super) fn run(
+        &self,
+        k: &KernelTable,
+        queries: &[usize],
+        out: &mut [f32],
+        s: &mut AttentionScratch,
+    ) {
         let (v_at, q_at, k_at) = self.offsets();
+        let n = self.uvqk.len() / self.width;
         let width = self.heads * self.dv;
         let buckets = self.time_bias.len() - 1;
         let divisor = self.attention_width as f32;
         let na = self.attention_width;
         let row = |r: usize| &self.uvqk[r * self.width..(r + 1) * self.width];
-        for (o, &i) in out.chunks_exact_mut(width).zip(queries) {
-            o.fill(0.0);
+        // The bias of each query row against every earlier row (later ones are never read).
+        s.bias.clear();
+        s.bias.resize(queries.len() * n, 0.0);
+        for (bias, &i) in s.bias.chunks_exact_mut(n).zip(queries) {
             let next = self.times[i + 1];
-            bias.clear();
-            bias.extend((0..=i).map(|j| {
-                self.position_bias[na - 1 + j - i]
-                    + self.time_bias[time_bucket(next - self.times[j], buckets)]
-            }));
-            let query_row = row(i);
-            for h in 0..self.heads {
-                let q = &query_row[q_at + h * self.dqk..q_at + (h + 1) * self.dqk];
-                let o_h = &mut o[h * self.dv..(h + 1) * self.dv];
-                for (j, b) in bias.iter().enumerate() {
-                    let key_row = row(j);
-                    let k = &key_row[k_at + h * self.dqk..k_at + (h + 1) * self.dqk];
-                    let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
+            for (j, b) in bias[..=i].iter_mut().enumerate() {
+                *b = self.position_bias[na - 1 + j - i]
+                    + self.time_bias[time_bucket(next - self.times[j], buckets)];
+            }
+        }
+        s.zeros.resize(n.max(self.dv).div_ceil(8) * 8, 0.0);
+        s.weights.resize(queries.len() * n, 0.0);
+        s.head_out.resize(queries.len() * self.dv, 0.0);
+        for h in 0..self.heads {
+            let key_cols = k_at + h * self.dqk..k_at + (h + 1) * self.dqk;
+            packed::pack_rows_into(&mut s.keys, n, key_cols, row);
+            s.queries.clear();
+            for &i in queries {
+                s.queries
+                    .extend_from_slice(&row(i)[q_at + h * self.dqk..q_at + (h + 1) * self.dqk]);
+            }
+            let keys = panels(&s.keys, n, self.dqk, &s.zeros);
+            dense::linear_into(k, keys, &s.queries, &mut s.weights, &mut s.unused);
+            for ((weights, bias), &i) in s
+                .weights
+                .chunks_exact_mut(n)
+                .zip(s.bias.chunks_exact(n))
+                .zip(queries)
+            {
+                let (seen, later) = weights.split_at_mut(i + 1);
+                for (w, b) in seen.iter_mut().zip(bias) {
                     // The official code divides after the SiLU.
-                    let weight = silu(dot + b) / divisor;
-                    let v = &key_row[v_at + h * self.dv..v_at + (h + 1) * self.dv];
-                    for (acc, value) in o_h.iter_mut().zip(v) {
-                        *acc += weight * value;
-                    }
+                    *w = silu(*w + b) / divisor;
                 }
+                later.fill(0.0);
+            }
+            let value_cols = v_at + h * self.dv..v_at + (h + 1) * self.dv;
+            packed::pack_rows_transposed_into(&mut s.values, n, value_cols, row);
+            let values = panels(&s.values, self.dv, n, &s.zeros);
+            dense::linear_into(k, values, &s.weights, &mut s.head_out, &mut s.unused);
+            for (o, head) in out
+                .chunks_exact_mut(width)
+                .zip(s.head_out.chunks_exact(self.dv))
+            {
+                o[h * self.dv..(h + 1) * self.dv].copy_from_slice(head);
             }
         }
     }

@@ -31,7 +31,7 @@ use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-use attention::{silu, HistoryAttention};
+use attention::{silu, AttentionScratch, HistoryAttention};
 
 #[derive(Clone, Debug)]
 struct Block {
@@ -75,7 +75,7 @@ pub struct HstuScratch {
     /// per history (local indices).
     query_rows: Vec<usize>,
     local_queries: Vec<usize>,
-    bias: Vec<f32>,
+    attention_scratch: AttentionScratch,
     quantized: QuantizedActivations,
 }
 
@@ -292,9 +292,10 @@ impl Hstu {
                 attention_width: c.attention_width,
             }
             .run(
+                k,
                 &s.local_queries,
                 &mut s.attention[done * values..(done + count) * values],
-                &mut s.bias,
+                &mut s.attention_scratch,
             );
             done += count;
         }
