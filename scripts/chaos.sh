@@ -20,5 +20,5 @@ cp target/release/libtriton_recsys.so build/chaos/backends/recsys/
 ./scripts/build-release.sh >/dev/null
 root=$PWD
 cd tests/integration
-exec "$root/.venv/bin/python" chaos.py --recsys "$root/build/chaos/recsys" \
+RECSYS_CALLER_DIR=$root exec "$root/.venv/bin/python" chaos.py --recsys "$root/build/chaos/recsys" \
   --plain-recsys "$root/target/release/recsys" --backend-dir "$root/build/chaos/backends" "$@"

@@ -728,7 +728,10 @@ def main() -> int:
     totals["minutes"] = round((time.monotonic() - started) / 60, 1)
     print(json.dumps(totals, indent=1, sort_keys=True), flush=True)
     if args.summary:
-        args.summary.write_text(json.dumps(totals, indent=1, sort_keys=True))
+        # A relative path is the caller's (scripts/chaos.sh runs this from tests/integration).
+        summary = Path(os.environ.get("RECSYS_CALLER_DIR", ".")) / args.summary
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text(json.dumps(totals, indent=1, sort_keys=True))
     return 1 if totals["violations"] else 0
 
 
