@@ -126,12 +126,7 @@ pub struct RowRequest {
 impl RowRequest {
     /// The row's times as the engine takes them.
     pub fn times(&self) -> Option<recsys_engine::RequestTimes<'_>> {
-        self.timestamps
-            .as_ref()
-            .map(|events| recsys_engine::RequestTimes {
-                events,
-                query: self.query_timestamp,
-            })
+        recsys_engine::RequestTimes::given(self.timestamps.as_deref(), self.query_timestamp)
     }
 }
 

@@ -66,12 +66,7 @@ pub struct ParsedLine {
 impl ParsedLine {
     /// The line's times as the engine takes them (`None` when the line has no `timestamps`).
     pub fn times(&self) -> Option<recsys_engine::RequestTimes<'_>> {
-        self.timestamps
-            .as_ref()
-            .map(|events| recsys_engine::RequestTimes {
-                events,
-                query: self.query_timestamp,
-            })
+        recsys_engine::RequestTimes::given(self.timestamps.as_deref(), self.query_timestamp)
     }
 }
 

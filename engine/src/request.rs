@@ -115,6 +115,13 @@ pub struct RequestTimes<'a> {
     pub query: Option<i64>,
 }
 
+impl<'a> RequestTimes<'a> {
+    /// A request's times as a front end decoded them: none without `events`.
+    pub fn given(events: Option<&'a [i64]>, query: Option<i64>) -> Option<RequestTimes<'a>> {
+        events.map(|events| RequestTimes { events, query })
+    }
+}
+
 /// One user's answer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recommendation {
