@@ -124,9 +124,11 @@ pub struct ModelSettings {
 /// Default of `prefix_cache_bytes` for GRU4Rec: a GRU4Rec state is a few hundred bytes to a few
 /// KiB per user, so this holds tens of thousands of users.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 64 << 20;
-/// Default of `prefix_cache_bytes` for SASRec, whose state grows with the history: every layer's
-/// key and value rows per event (1 KiB per event at MovieLens-1M's shape, 2 layers of 64), so
-/// this holds about 1,300 users at 200 events, or 5,000 at 50.
+/// Default of `prefix_cache_bytes` for SASRec and HSTU, whose states grow with the history: every
+/// layer's key and value rows per event (SASRec: 1 KiB per event at MovieLens-1M's shape, 2
+/// layers of 64, so this holds about 1,300 users at 200 events, or 5,000 at 50; HSTU: 3.2 KiB
+/// per event at the official MovieLens-1M config, 8 blocks of 2 heads x (25 + 25), so about 400
+/// users at 200 events).
 pub const DEFAULT_PREFIX_CACHE_BYTES_SASREC: usize = 256 << 20;
 /// Default of `prefix_cache_idle_seconds`: a session idle this long is over.
 pub const DEFAULT_PREFIX_CACHE_IDLE_SECONDS: u64 = 1800;
@@ -254,14 +256,16 @@ const KNOWN_PARAMETERS: &[&str] = &[
 ];
 
 /// The prefix cache parameters: on by default for the models that carry a state (GRU4Rec,
-/// SASRec), off with `prefix_cache_bytes` 0; asked of another model, refused naming why.
+/// SASRec, HSTU), off with `prefix_cache_bytes` 0; asked of another model, refused naming why.
 fn prefix_cache(
     config: &Value,
     engine: &Engine,
 ) -> Result<Option<(usize, Option<std::time::Duration>)>> {
     let why_not = engine.why_no_prefix_cache();
     let default = match engine.kind() {
-        recsys_engine::ModelKind::Sasrec => DEFAULT_PREFIX_CACHE_BYTES_SASREC,
+        recsys_engine::ModelKind::Sasrec | recsys_engine::ModelKind::Hstu => {
+            DEFAULT_PREFIX_CACHE_BYTES_SASREC
+        }
         _ => DEFAULT_PREFIX_CACHE_BYTES,
     };
     let bytes = match parameter(config, "prefix_cache_bytes").map(str::trim) {
@@ -273,7 +277,7 @@ fn prefix_cache(
                 Some(why) => {
                     return Err(BackendError::InvalidConfig(format!(
                         "parameter prefix_cache_bytes: a {} model recomputes every history \
-                         ({why}; the prefix cache serves GRU4Rec and SASRec); remove the \
+                         ({why}; the prefix cache serves GRU4Rec, SASRec and HSTU); remove the \
                          parameter or set it to 0",
                         engine.kind()
                     )))
@@ -949,7 +953,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            refused.contains("serves GRU4Rec and SASRec") && refused.contains("bidirectional"),
+            refused.contains("serves GRU4Rec, SASRec and HSTU")
+                && refused.contains("bidirectional"),
             "{refused}"
         );
     }

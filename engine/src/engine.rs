@@ -16,7 +16,7 @@ use crate::kernels::screen::{self, ScreenTable};
 use crate::kernels::KernelTable;
 use crate::models::{EncodeScratch, EventTimes, HistoryNote, Model};
 use crate::popularity::Popularity;
-use crate::prefix_cache::{PrefixCache, State};
+use crate::prefix_cache::{KeyLayout, PrefixCache, State};
 use crate::request::{
     excluded_items, BatchRecommender, EmptyHistoryPolicy, InternalRequest, Recommendation, Request,
     RowAnswer, ServeOptions, UnknownIds, UnknownItemPolicy,
@@ -328,7 +328,7 @@ impl Engine {
             popularity: self.popularity.clone(),
             prefix_cache: self.prefix_cache.as_ref().map(|cache| {
                 let (before, after) = (&self.changed_inputs, &applied.changed_inputs);
-                cache.carried(|i| {
+                cache.carried(self.cache_key_layout(), |i| {
                     before.binary_search(&i).is_ok() || after.binary_search(&i).is_ok()
                 })
             }),
@@ -661,12 +661,12 @@ impl Engine {
 
     /// Keeps the states of recent histories in `cache`, so a history that extends a cached one
     /// computes only its new events; answers never change (see [`crate::prefix_cache`]). GRU4Rec
-    /// carries its GRU states, SASRec every layer's keys and values; BERT4Rec and Mult-VAE are
-    /// refused, naming why. `None` turns the cache off.
+    /// carries its GRU states, SASRec and HSTU every layer's keys and values; BERT4Rec and
+    /// Mult-VAE are refused, naming why. `None` turns the cache off.
     pub fn set_prefix_cache(&mut self, cache: Option<PrefixCache>) -> Result<()> {
         if let (Some(why), Some(_)) = (self.why_no_prefix_cache(), &cache) {
             return Err(EngineError::InvalidRequest(format!(
-                "the prefix cache serves GRU4Rec and SASRec engines; a {} engine recomputes \
+                "the prefix cache serves GRU4Rec, SASRec and HSTU engines; a {} engine recomputes \
                  every history ({why})",
                 self.kind(),
             )));
@@ -676,18 +676,14 @@ impl Engine {
     }
 
     /// Why this engine's model cannot resume from a cached prefix (BERT4Rec, Mult-VAE); `None`
-    /// for the causal models that can (GRU4Rec, SASRec).
+    /// for the causal models that can (GRU4Rec, SASRec, HSTU).
     pub fn why_no_prefix_cache(&self) -> Option<&'static str> {
         match self.kind() {
-            ModelKind::Gru4rec | ModelKind::Sasrec => None,
+            ModelKind::Gru4rec | ModelKind::Sasrec | ModelKind::Hstu => None,
             ModelKind::Bert4rec => {
                 Some("its attention is bidirectional: a new event changes every position")
             }
             ModelKind::Vaecf => Some("it reads the history as a set, in one layer"),
-            ModelKind::Hstu => Some(
-                "recsys does not yet carry HSTU's keys and values between calls (each call \
-                 computes the whole history)",
-            ),
         }
     }
 
@@ -1143,8 +1139,8 @@ impl Engine {
             // a history longer than the window is recomputed and not kept, since its window
             // slides, which moves every SASRec item to another position and restarts RecBole's
             // GRU4Rec at the window's first item).
-            Some(cache) => self.encode_in_runs(histories, times, threads, |run, _, t| {
-                self.encode_cached_run(kernels, cache, run, t)
+            Some(cache) => self.encode_in_runs(histories, times, threads, |run, run_times, t| {
+                self.encode_cached_run(kernels, cache, run, run_times, t)
             }),
             None => self.encode_in_runs(histories, times, threads, |run, run_times, t| {
                 self.encode_run(kernels, run, run_times, t)
@@ -1188,23 +1184,46 @@ impl Engine {
         (hidden, notes)
     }
 
+    /// How this engine's histories key the prefix cache: HSTU's with their timestamps.
+    fn cache_key_layout(&self) -> KeyLayout {
+        match self.kind() {
+            ModelKind::Hstu => KeyLayout::TimedItems,
+            _ => KeyLayout::Items,
+        }
+    }
+
     /// The encoder over one run of histories with the prefix cache, on this thread's buffers, its
     /// larger layers split over up to `threads` pool threads: each history whose model input is
-    /// cached up to some item resumes there, and every history's state after its last item is
-    /// kept (a history longer than the window is recomputed and not kept).
+    /// cached up to some row resumes there, and every history's state after its last row that a
+    /// later call can resume from is kept (a history longer than the window is recomputed and
+    /// not kept). `times` are the histories' event times where the model reads them.
     fn encode_cached_run(
         &self,
         kernels: &'static KernelTable,
         cache: &PrefixCache,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         threads: usize,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
+        let layout = self.cache_key_layout();
+        let cacheable = |h: &[u32]| !h.is_empty() && h.len() <= window;
+        let keys: Vec<Vec<u32>> = histories
+            .iter()
+            .enumerate()
+            .map(|(b, h)| {
+                if !cacheable(h) {
+                    return Vec::new();
+                }
+                layout.key(h, times.get(b).map_or(&[][..], |t| t.events))
+            })
+            .collect();
         let found: Vec<Option<(usize, State)>> = histories
             .iter()
-            .map(|h| {
-                (!h.is_empty() && h.len() <= window)
-                    .then(|| cache.longest_prefix(h))
+            .zip(&keys)
+            .map(|(h, key)| {
+                cacheable(h)
+                    .then(|| cache.longest_prefix_in(layout, key))
                     .flatten()
             })
             .collect();
@@ -1234,18 +1253,22 @@ impl Engine {
                 .encode_carried(
                     kernels,
                     histories,
+                    times,
                     scratch,
                     &mut hidden,
                     &mut notes,
                     threads,
                     carry,
                 )
-                .expect("the prefix cache is set on GRU4Rec and SASRec engines only");
+                .expect("the prefix cache is set on causal engines only");
         });
-        // A state that grows by appending (SASRec's) is stored as the carried one's runs plus the
-        // new part; SASRec does not carry the answer slot's output, so a repeated history
-        // computes its last event again (and stores nothing new).
+        // A state that grows by appending (SASRec's, HSTU's) is stored as the carried one's runs
+        // plus the new part. SASRec does not carry the answer slot's output, so a repeated
+        // history computes its last event again (and stores nothing new); HSTU never carries its
+        // last row (its keys and values read the query time), so the state after a history of
+        // `n` rows covers `n - 1`.
         let appends = crate::models::Carry::appends(self.kind());
+        let timed = layout == KeyLayout::TimedItems;
         for (b, history) in histories.iter().enumerate() {
             let kept = history.len().min(window);
             let cached = starts[b].map_or(0, |(done, _)| done.min(kept));
@@ -1255,13 +1278,18 @@ impl Engine {
                 cached
             };
             cache.computed(kept - resumed);
-            if history.len() <= window && !history.is_empty() && cached < history.len() {
+            let covered_after = if timed { kept.saturating_sub(1) } else { kept };
+            if cacheable(history) && cached < covered_after {
                 let part = &ends[ends_at[b]..ends_at[b + 1]];
                 let state = match starts[b] {
                     Some((_, carried)) if appends => carried.appended(part),
                     _ => State::from_slice(part),
                 };
-                cache.extend(history, state, cached);
+                cache.extend(
+                    &keys[b][..layout.len_of(covered_after)],
+                    state,
+                    layout.len_of(cached),
+                );
             }
         }
         (hidden, notes)

@@ -17,6 +17,10 @@
 //! appending (SASRec's keys and values, a row per event) stores a longer history's state as the
 //! shorter one's runs plus one new run, so a session that grows by one event costs that event's
 //! bytes, not a copy of everything before it.
+//!
+//! A key is a sequence of `u32` tokens laid out by the model ([`KeyLayout`]): the items for the
+//! models whose states depend on the items alone, the items with their timestamps for HSTU (a
+//! row's keys and values read the time of the event after it).
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -96,6 +100,63 @@ impl State {
 
     fn bytes(&self) -> usize {
         4 * self.len + RUN_OVERHEAD * self.runs.len()
+    }
+}
+
+/// How a model's histories key the cache, and how many of a history's rows a key covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyLayout {
+    /// The items, one token each: a key of `m` tokens covers `m` rows (GRU4Rec, SASRec).
+    Items,
+    /// Per event its timestamp's low and high halves, then its item. The state of the first `m`
+    /// rows depends on their items and on the times of events `0..=m` (row `i`'s bias reads
+    /// `t_{i+1}`), so it is keyed by the first `3m + 2` tokens (HSTU).
+    TimedItems,
+}
+
+impl KeyLayout {
+    /// The key of a whole history (`times`: one per item, read by [`KeyLayout::TimedItems`]).
+    pub fn key(self, items: &[u32], times: &[i64]) -> Vec<u32> {
+        match self {
+            KeyLayout::Items => items.to_vec(),
+            KeyLayout::TimedItems => {
+                assert_eq!(items.len(), times.len(), "one timestamp per item");
+                items
+                    .iter()
+                    .zip(times)
+                    .flat_map(|(&item, &t)| {
+                        let bits = t as u64;
+                        [bits as u32, (bits >> 32) as u32, item]
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The rows a key prefix of `len` tokens covers, `None` when no state is keyed by that many.
+    pub fn rows_of(self, len: usize) -> Option<usize> {
+        match self {
+            KeyLayout::Items => Some(len),
+            KeyLayout::TimedItems => (len % 3 == 2).then_some(len / 3),
+        }
+    }
+
+    /// The tokens of the key of a state covering `rows` rows (0 for none).
+    pub fn len_of(self, rows: usize) -> usize {
+        match (self, rows) {
+            (_, 0) => 0,
+            (KeyLayout::Items, rows) => rows,
+            (KeyLayout::TimedItems, rows) => 3 * rows + 2,
+        }
+    }
+
+    /// The items a key names.
+    pub fn items(self, key: &[u32]) -> impl Iterator<Item = u32> + '_ {
+        let (skip, step) = match self {
+            KeyLayout::Items => (0, 1),
+            KeyLayout::TimedItems => (2, 3),
+        };
+        key.iter().skip(skip).step_by(step).copied()
     }
 }
 
@@ -251,9 +312,10 @@ impl PrefixCache {
     }
 
     /// A cache for the same model over a changed catalogue: the same budget, expiry and counters,
-    /// holding every entry none of whose items `changed` (a history's state depends on its items'
-    /// input rows alone), in the same recency order: what a catalogue swap keeps of the cache.
-    pub fn carried(&self, changed: impl Fn(u32) -> bool) -> PrefixCache {
+    /// holding every entry none of whose items (its key read by `layout`) `changed` (a history's
+    /// state depends on its items' input rows, and HSTU's on their times too, which a catalogue
+    /// does not change), in the same recency order: what a catalogue swap keeps of the cache.
+    pub fn carried(&self, layout: KeyLayout, changed: impl Fn(u32) -> bool) -> PrefixCache {
         let cache = PrefixCache::new(self.budget, self.idle);
         for (to, from) in [
             (&cache.hits, &self.hits),
@@ -270,7 +332,7 @@ impl PrefixCache {
             let mut kept = cache.lock();
             for key in inner.recency.values() {
                 let entry = &inner.entries[key];
-                if entry.items.iter().any(|&i| changed(i)) {
+                if layout.items(&entry.items).any(&changed) {
                     continue;
                 }
                 kept.add(
@@ -294,20 +356,27 @@ impl PrefixCache {
     /// The longest prefix of `items` the cache holds (`items` itself included): how many of its
     /// items the state covers, and the state; `None` when no prefix is cached.
     pub fn longest_prefix(&self, items: &[u32]) -> Option<(usize, State)> {
-        let hashes = prefix_hashes(items);
+        self.longest_prefix_in(KeyLayout::Items, items)
+    }
+
+    /// The longest prefix of the key `key` (laid out by `layout`) that keys a state the cache
+    /// holds: how many rows the state covers, and the state; `None` when none is cached.
+    pub fn longest_prefix_in(&self, layout: KeyLayout, key: &[u32]) -> Option<(usize, State)> {
+        let hashes = prefix_hashes(key);
         let mut inner = self.lock();
-        let found = (1..=items.len()).rev().find_map(|len| {
+        let found = (1..=key.len()).rev().find_map(|len| {
+            let rows = layout.rows_of(len)?;
             let entry = inner.entries.get(&hashes[len])?;
-            // Verified item by item: a colliding hash is a miss, never another history's state.
-            (*entry.items == items[..len]).then(|| (len, hashes[len], entry.state.clone()))
+            // Verified token by token: a colliding hash is a miss, never another history's state.
+            (*entry.items == key[..len]).then(|| (rows, hashes[len], entry.state.clone()))
         });
         match found {
-            Some((len, key, state)) => {
-                inner.touch(key);
+            Some((rows, hash, state)) => {
+                inner.touch(hash);
                 drop(inner);
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                self.events_reused.fetch_add(len as u64, Ordering::Relaxed);
-                Some((len, state))
+                self.events_reused.fetch_add(rows as u64, Ordering::Relaxed);
+                Some((rows, state))
             }
             None => {
                 drop(inner);

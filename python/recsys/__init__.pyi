@@ -1,7 +1,7 @@
 """Type stubs for recsys (the extension module recsys._recsys)."""
 
 from os import PathLike
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -194,6 +194,8 @@ class Engine:
         k: int = 10,
         exclude_seen: bool = True,
         strict: bool = False,
+        timestamps: Optional[Sequence[Sequence[int]]] = None,
+        query_timestamp: Optional[Union[int, Sequence[int]]] = None,
     ) -> list[
         tuple[
             list[Union[npt.NDArray[np.int64], list[str]]],
@@ -203,8 +205,10 @@ class Engine:
     ]:
         """Each history's answers after each of its events (event t answers its first t ids as
         `predict` would), for replaying a log: one (ids, scores, errors) triple per history, each
-        a list with an entry per event. With `prefix_cache_bytes` set (GRU4Rec, SASRec) each step
-        computes one event per history; without, every prefix is recomputed."""
+        a list with an entry per event. With `prefix_cache_bytes` set (GRU4Rec, SASRec, HSTU)
+        each step computes one event per history (HSTU two); without, every prefix is
+        recomputed. For HSTU, `timestamps` gives each history's event times: each prefix is
+        queried at its next event's time, the whole history at `query_timestamp` (default now)."""
 
 def convert(
     kind: str,

@@ -783,11 +783,16 @@ impl PyEngine {
     /// Each history's answers after each of its events, for replaying a log or precomputing:
     /// event t answers the history's first t ids as `predict` would. Every history's prefixes of
     /// one length run as one batch, shortest first, so an engine with a prefix cache
-    /// (`prefix_cache_bytes`, GRU4Rec and SASRec) computes one event per history per step, n
-    /// steps for n events; without one each prefix is recomputed (n(n+1)/2 events). Returns one
-    /// `(ids, scores, errors)` triple per history, each a list with one entry per event (a step
-    /// with no known item has its error and empty ids and scores).
-    #[pyo3(signature = (histories, k = 10, exclude_seen = true, strict = false))]
+    /// (`prefix_cache_bytes`: GRU4Rec, SASRec and HSTU) computes one event per history per step
+    /// (HSTU two), n steps for n events; without one each prefix is recomputed (n(n+1)/2
+    /// events). For a model that reads time (HSTU) `timestamps=` gives each history's event
+    /// times and each prefix is queried at its next event's time (the last one at
+    /// `query_timestamp=`, or now). Returns one `(ids, scores, errors)` triple per history, each
+    /// a list with one entry per event (a step with no known item has its error and empty ids
+    /// and scores).
+    #[pyo3(signature = (histories, k = 10, exclude_seen = true, strict = false, timestamps = None,
+                        query_timestamp = None))]
+    #[allow(clippy::too_many_arguments)]
     fn timelines(
         &self,
         py: Python<'_>,
@@ -795,23 +800,29 @@ impl PyEngine {
         k: i64,
         exclude_seen: bool,
         strict: bool,
+        timestamps: Option<&Bound<'_, PyAny>>,
+        query_timestamp: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<TimelineTuple>> {
         let default_k = self.width(k)?;
         let histories = IdLists::extract(histories, "histories")?;
-        let ask = Ask {
-            k: None,
-            filters: None,
-            default_k,
-            exclude_seen,
-            strict,
-            embedding: false,
-            times: None,
-        };
+        let times = crate::times::Times::extract(timestamps, query_timestamp, histories.len())?;
+        if let Some(times) = &times {
+            times.check_lengths(&histories)?;
+        }
         let mut timelines: Vec<PredictRows> = (0..histories.len())
             .map(|_| PredictRows::default())
             .collect();
         for t in 1..=histories.longest() {
             let (which, step) = histories.prefixes(t);
+            let ask = Ask {
+                k: None,
+                filters: None,
+                default_k,
+                exclude_seen,
+                strict,
+                embedding: false,
+                times: times.as_ref().map(|times| times.prefixes(&which, t)),
+            };
             let (engine, answers) = self.answer_each(py, &step, None, None, None, &ask);
             for (i, answer) in which.into_iter().zip(answers) {
                 Self::push_row(&engine, py, &mut timelines[i], answer, false)?;

@@ -76,7 +76,14 @@ impl IdLists {
         }
     }
 
-    /// Borrowed `&str` rows for string lists (empty for int lists); [`Self::row`] reads them.
+    /// List `i`'s length.
+    pub(crate) fn len_of(&self, i: usize) -> usize {
+        match self {
+            IdLists::Int(v) => v[i].len(),
+            IdLists::Str(v) => v[i].len(),
+        }
+    }
+
     /// The longest list's length.
     pub(crate) fn longest(&self) -> usize {
         match self {
@@ -107,6 +114,7 @@ impl IdLists {
         }
     }
 
+    /// Borrowed `&str` rows for string lists (empty for int lists); [`Self::row`] reads them.
     pub(crate) fn str_views(&self) -> Vec<Vec<&str>> {
         match self {
             IdLists::Int(_) => Vec::new(),

@@ -66,6 +66,38 @@ impl Times {
         Ok(Some(Times { events, query }))
     }
 
+    /// Refuses a history whose timestamps are not one per id, naming it (a timeline cuts both
+    /// at every length, so they must agree before the first step).
+    pub(crate) fn check_lengths(&self, histories: &crate::ids::IdLists) -> PyResult<()> {
+        for (i, events) in self.events.iter().enumerate() {
+            let ids = histories.len_of(i);
+            if events.len() != ids {
+                return Err(PyValueError::new_err(format!(
+                    "timestamps= for history {i} holds {} times for its {ids} ids: give one \
+                     unix timestamp per id",
+                    events.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The times of the first `t` events of the histories `which` (each at least `t` long), as a
+    /// timeline step asks them: each prefix queried at its next event's time, or, after a
+    /// history's last event, at its own query time (`None`: now).
+    pub(crate) fn prefixes(&self, which: &[usize], t: usize) -> Times {
+        Times {
+            events: which
+                .iter()
+                .map(|&i| self.events[i][..t].to_vec())
+                .collect(),
+            query: which
+                .iter()
+                .map(|&i| self.events[i].get(t).copied().or(self.query[i]))
+                .collect(),
+        }
+    }
+
     /// History `i`'s times as the engine takes them.
     pub(crate) fn row(&self, i: usize) -> recsys_engine::RequestTimes<'_> {
         recsys_engine::RequestTimes {

@@ -27,7 +27,7 @@ GOOD_MODELS = ["bert4rec", "vaecf", "bert4rec_str", "bert4rec_strict", "minimal"
                "vaecf_int8", "bert4rec_mixed", "vaecf_screened", "bert4rec_emb", "vaecf_emb",
                "sasrec", "gru4rec", "sasrec_emb", "gru4rec_emb", "sasrec_mixed", "gru4rec_mixed", "gru4rec_minimal",
                "vaecf_candidates", "retrieve_and_rank", "sasrec_cold", "vaecf_cold", "vaecf_cold_model",
-               "gru4rec_nocache", "sasrec_nocache", "hstu"]
+               "gru4rec_nocache", "sasrec_nocache", "hstu", "hstu_nocache"]
 BROKEN_MODELS = [
     "bert4rec_prefix_cache",
     "missing_engine",
@@ -177,6 +177,9 @@ def repository(tmp_path_factory, recsys_bin) -> Path:
                     "--output", str(engines / "hstu")], check=True, capture_output=True)
     model("hstu", 'backend: "recsys"\nmax_batch_size: 16\ndynamic_batching { max_queue_delay_microseconds: 100 }\n',
           engines / "hstu")
+    # Without its prefix cache (on by default): the reference the cached answers must equal.
+    model("hstu_nocache", 'backend: "recsys"\nmax_batch_size: 16\n'
+          'parameters { key: "prefix_cache_bytes" value: { string_value: "0" } }\n', engines / "hstu")
     # The same BERT4Rec with a catalogue keyed by strings ("sku-<id>").
     lines = (FIXTURES / "bert4rec" / "item_id_map.tsv").read_text().splitlines()[1:]
     string_map = repo.parent / "string_map.tsv"

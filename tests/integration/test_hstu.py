@@ -1,12 +1,16 @@
 """HSTU through a real tritonserver: the official research code's golden answers from requests
 carrying ITEM_TIMESTAMPS and QUERY_TIMESTAMP (over HTTP and gRPC, ragged batches under dynamic
 batching), the same answers as `recsys predict`; a request without timestamps, or with one too
-few, refused by name while the server keeps serving."""
+few, refused by name while the server keeps serving; sessions replayed event by event answered
+with the prefix cache (on by default) exactly as without it, through the server and the Python
+package's timelines."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -138,3 +142,69 @@ def test_the_python_engine_takes_timestamps_and_answers_as_the_official_code(rep
     one, _ = engine.recommend(histories[:2], k=5, timestamps=times[:2], query_timestamp=queries[0])
     each, _ = engine.recommend(histories[:2], k=5, timestamps=times[:2], query_timestamp=[queries[0]] * 2)
     assert one.tolist() == each.tolist()
+
+
+def fixture_users(count: int) -> list[tuple[list[int], list[int], int]]:
+    """The fixture's first test users: (history ids, their timestamps, the target's time)."""
+    with gzip.open(FIXTURES / "hstu" / "test_set.tsv.gz", "rt") as f:
+        rows = [line.rstrip("\n").split("\t") for line in f][1:count + 1]
+    return [([int(x) for x in r[3].split()], [int(x) for x in r[4].split()], int(r[2])) for r in rows]
+
+
+def metric(server, name: str, model: str) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") and f'model="{model}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {model}")
+
+
+def test_replayed_sessions_are_answered_as_without_the_prefix_cache(server, http):
+    """Each prefix queried at its next event's time (the official protocol's query time), through
+    the model with its prefix cache and the same engine without: the same ids and score bits; the
+    server's counters show two rows computed per event after a user's second."""
+    computed_before = metric(server, "recsys_prefix_cache_events_computed_total", "hstu")
+    reused_before = metric(server, "recsys_prefix_cache_events_reused_total", "hstu")
+    calls = 0
+    for user, (history, times, target) in enumerate(fixture_users(4)):
+        for t in range(1, min(len(history), 40) + 1):
+            query = times[t] if t < len(history) else target
+            request = inputs(httpclient, history[:t], times[:t], query, k=20)
+            cached = http.infer("hstu", request)
+            plain = http.infer("hstu_nocache", request)
+            assert cached.as_numpy("TOP_ITEM_IDS").tolist() == plain.as_numpy("TOP_ITEM_IDS").tolist(), (user, t)
+            np.testing.assert_array_equal(cached.as_numpy("TOP_SCORES"), plain.as_numpy("TOP_SCORES"))
+            calls += 1
+    computed = metric(server, "recsys_prefix_cache_events_computed_total", "hstu") - computed_before
+    reused = metric(server, "recsys_prefix_cache_events_reused_total", "hstu") - reused_before
+    # Each user's first call computes 1 row and its second 2 from scratch; every later one 2.
+    assert computed == 2 * calls - 4, (computed, calls)
+    assert reused > computed, (reused, computed)
+    assert metric(server, "recsys_prefix_cache_bytes", "hstu") > 0
+
+
+def test_python_timelines_take_timestamps_and_answer_each_prefix_as_its_own_call(repository):
+    import recsys
+
+    engine_dir = str(repository / "hstu" / "1")
+    users = fixture_users(4)
+    histories = [h[:30] for h, _, _ in users]
+    times = [t[:30] for _, t, _ in users]
+    queries = [t[30] if len(t) > 30 else target for _, t, target in users]
+    reference = recsys.Engine(engine_dir, threads=1)
+    engine = recsys.Engine(engine_dir, threads=1, prefix_cache_bytes=8 << 20)
+    timelines = engine.timelines(histories, k=15, timestamps=times, query_timestamp=queries)
+    for history, stamps, query, (ids, scores, errors) in zip(histories, times, queries, timelines):
+        assert len(ids) == len(history) and errors == [None] * len(history)
+        for t in range(1, len(history) + 1):
+            at = stamps[t] if t < len(history) else query
+            want_ids, want_scores = reference.recommend([history[:t]], k=15, timestamps=[stamps[:t]],
+                                                        query_timestamp=at)
+            assert ids[t - 1].tolist() == want_ids[0].tolist(), t
+            np.testing.assert_array_equal(scores[t - 1], want_scores[0])
+    stats = engine.prefix_cache_stats
+    # One row at a history's first step, then two per step.
+    assert stats["events_computed"] == sum(2 * len(h) - 1 for h in histories), stats
+    short = len(histories[1])
+    with pytest.raises(ValueError, match=f"timestamps= for history 1 holds {short - 1} times for its {short} ids"):
+        engine.timelines(histories[:2], timestamps=[times[0], times[1][:-1]])

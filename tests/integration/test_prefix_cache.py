@@ -96,7 +96,7 @@ def test_the_python_package_replays_with_the_same_answers(repository, model):
             np.testing.assert_array_equal(a_scores, b_scores)
     stats = cached.prefix_cache_stats
     assert stats["hits"] > 0 and stats["events_reused"] > stats["events_computed"], stats
-    with pytest.raises(ValueError, match="serves GRU4Rec and SASRec"):
+    with pytest.raises(ValueError, match="serves GRU4Rec, SASRec and HSTU"):
         recsys.Engine(str(repository / "bert4rec" / "1"), prefix_cache_bytes=1 << 20)
 
 

@@ -40,15 +40,18 @@ pub struct EventTimes<'a> {
 }
 
 /// Where the histories of a pass resuming from carried states start and where their states go
-/// ([`Gru4Rec::encode_carried`], [`Transformer::encode_carried`]: the prefix cache's passes).
+/// ([`Gru4Rec::encode_carried`], [`Transformer::encode_carried`], [`Hstu::encode_carried`]: the
+/// prefix cache's passes).
 pub struct Carry<'a> {
     /// Per history: how many items of its model input a carried state already covers, and the
     /// state after them (GRU4Rec: the layers' states, `[layers x hidden]`; SASRec: at least that
-    /// many slots' keys and values); `None` starts from the beginning.
+    /// many slots' keys and values; HSTU: that many rows' keys and values, never its last row);
+    /// `None` starts from the beginning.
     pub starts: &'a [Option<(usize, &'a crate::prefix_cache::State)>],
     /// Filled with what each history's state after its last item adds, history after history:
     /// GRU4Rec's whole state (`layers x hidden`, which replaces the carried one); SASRec's new
-    /// slots' keys and values (appended to the carried ones, see [`Carry::appends`]).
+    /// slots' keys and values and HSTU's new rows' but the last (appended to the carried ones,
+    /// see [`Carry::appends`]).
     pub ends: &'a mut Vec<f32>,
     /// Filled with where each history's part starts in `ends`, and where the last one ends
     /// (`B + 1` offsets).
@@ -57,9 +60,12 @@ pub struct Carry<'a> {
 
 impl Carry<'_> {
     /// Whether a history's state after the pass is its carried state followed by its part of
-    /// `ends` (SASRec), rather than that part alone (GRU4Rec).
+    /// `ends` (SASRec, HSTU), rather than that part alone (GRU4Rec).
     pub fn appends(kind: crate::config::ModelKind) -> bool {
-        kind == crate::config::ModelKind::Sasrec
+        matches!(
+            kind,
+            crate::config::ModelKind::Sasrec | crate::config::ModelKind::Hstu
+        )
     }
 }
 
@@ -571,46 +577,55 @@ impl Model {
     }
 
     /// The encoder resuming each history from a carried state: GRU4Rec's states
-    /// ([`Gru4Rec::encode_carried`]) or SASRec's keys and values ([`Transformer::encode_carried`]);
-    /// `None` for BERT4Rec and Mult-VAE (which never carry one: see [`crate::prefix_cache`]).
+    /// ([`Gru4Rec::encode_carried`]), SASRec's keys and values ([`Transformer::encode_carried`])
+    /// or HSTU's ([`Hstu::encode_carried`], which reads `times`); `None` for BERT4Rec and
+    /// Mult-VAE (which never carry one: see [`crate::prefix_cache`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode_carried(
         &self,
         kernels: &'static crate::kernels::KernelTable,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         scratch: &mut EncodeScratch,
         hidden: &mut Vec<f32>,
         notes: &mut Vec<HistoryNote>,
         threads: usize,
         carry: Carry<'_>,
     ) -> Option<()> {
-        let m = match self {
-            Model::Gru4rec(m) => m,
-            Model::Sasrec(m) => {
-                m.encode_carried(
-                    kernels,
-                    histories,
-                    &mut scratch.carried,
-                    hidden,
-                    notes,
-                    threads.max(1),
-                    carry,
-                );
-                return Some(());
-            }
-            Model::Bert4rec(_) | Model::Vaecf(_) | Model::Hstu(_) => return None,
-        };
-        m.encode_carried(
-            kernels,
-            histories,
-            &mut scratch.gru4rec,
-            hidden,
-            notes,
-            threads.max(1),
-            false,
-            &mut |_: &str, _: &[f32]| {},
-            Some(carry),
-        );
+        let threads = threads.max(1);
+        match self {
+            Model::Gru4rec(m) => m.encode_carried(
+                kernels,
+                histories,
+                &mut scratch.gru4rec,
+                hidden,
+                notes,
+                threads,
+                false,
+                &mut |_: &str, _: &[f32]| {},
+                Some(carry),
+            ),
+            Model::Sasrec(m) => m.encode_carried(
+                kernels,
+                histories,
+                &mut scratch.carried,
+                hidden,
+                notes,
+                threads,
+                carry,
+            ),
+            Model::Hstu(m) => m.encode_carried(
+                kernels,
+                histories,
+                times,
+                &mut scratch.hstu,
+                hidden,
+                notes,
+                threads,
+                carry,
+            ),
+            Model::Bert4rec(_) | Model::Vaecf(_) => return None,
+        }
         Some(())
     }
 

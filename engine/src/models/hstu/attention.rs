@@ -22,9 +22,14 @@ pub(super) fn time_bucket(dt: i64, buckets: usize) -> usize {
 }
 
 /// One history's attention in one block, for the query rows `queries` (each `i` attends to
-/// `0..=i`), into `out` (`[queries.len(), heads x dv]`).
+/// `0..=i`), into `out` (`[queries.len(), heads x dv]`). The history's first rows may be carried
+/// (their keys and values kept from an earlier call by the prefix cache); the rest are new.
 pub(super) struct HistoryAttention<'a> {
-    /// The history's `u|v|q|k` rows after the SiLU, `[n, width]`.
+    /// The carried rows, oldest first: each a whole carried row (every block's keys and values),
+    /// this block's keys at `carried_at` and its values right after them.
+    pub carried: &'a [&'a [f32]],
+    pub carried_at: usize,
+    /// The new rows' `u|v|q|k` after the SiLU, `[n - carried, width]`: every query row is new.
     pub uvqk: &'a [f32],
     pub width: usize,
     pub heads: usize,
@@ -67,16 +72,47 @@ fn panels<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> LayerR
 }
 
 impl HistoryAttention<'_> {
-    /// Column offsets of `u`, `v`, `q` and `k` within a row.
+    /// Column offsets of `u`, `v`, `q` and `k` within a new row.
     fn offsets(&self) -> (usize, usize, usize) {
         let values = self.heads * self.dv;
         let keys = self.heads * self.dqk;
         (values, 2 * values, 2 * values + keys)
     }
 
-    /// Attention outputs of rows `queries` (ascending) into `out`: per head two small GEMMs on
-    /// the packed kernels, `Q_h K_h^T` (the keys packed as items) and then the weights times
-    /// `V_h` (`V_h^T` packed), with the bias, SiLU and divisor applied to the scores between.
+    /// Row `j`'s keys of every head (`heads x dqk`), carried or new.
+    fn keys(&self, j: usize) -> &[f32] {
+        let keys = self.heads * self.dqk;
+        match self.carried.get(j) {
+            Some(row) => &row[self.carried_at..self.carried_at + keys],
+            None => {
+                let (_, _, k_at) = self.offsets();
+                let start = (j - self.carried.len()) * self.width + k_at;
+                &self.uvqk[start..start + keys]
+            }
+        }
+    }
+
+    /// Row `j`'s values of every head (`heads x dv`), carried or new.
+    fn values(&self, j: usize) -> &[f32] {
+        let values = self.heads * self.dv;
+        match self.carried.get(j) {
+            Some(row) => {
+                let at = self.carried_at + self.heads * self.dqk;
+                &row[at..at + values]
+            }
+            None => {
+                let (v_at, _, _) = self.offsets();
+                let start = (j - self.carried.len()) * self.width + v_at;
+                &self.uvqk[start..start + values]
+            }
+        }
+    }
+
+    /// Attention outputs of rows `queries` (ascending, all new) into `out`: per head two small
+    /// GEMMs on the packed kernels, `Q_h K_h^T` (the keys packed as items) and then the weights
+    /// times `V_h` (`V_h^T` packed), with the bias, SiLU and divisor applied to the scores
+    /// between. A row's products and their order do not depend on where its keys and values lie
+    /// or on the other query rows, so a resumed pass has the full pass's bits.
     pub(super) fn run(
         &self,
         k: &KernelTable,
@@ -84,13 +120,13 @@ impl HistoryAttention<'_> {
         out: &mut [f32],
         s: &mut AttentionScratch,
     ) {
-        let (v_at, q_at, k_at) = self.offsets();
-        let n = self.uvqk.len() / self.width;
+        let (_, q_at, _) = self.offsets();
+        let done = self.carried.len();
+        let n = done + self.uvqk.len() / self.width;
         let width = self.heads * self.dv;
         let buckets = self.time_bias.len() - 1;
         let divisor = self.attention_width as f32;
         let na = self.attention_width;
-        let row = |r: usize| &self.uvqk[r * self.width..(r + 1) * self.width];
         // The bias of each query row against every earlier row (later ones are never read).
         s.bias.clear();
         s.bias.resize(queries.len() * n, 0.0);
@@ -105,12 +141,14 @@ impl HistoryAttention<'_> {
         s.weights.resize(queries.len() * n, 0.0);
         s.head_out.resize(queries.len() * self.dv, 0.0);
         for h in 0..self.heads {
-            let key_cols = k_at + h * self.dqk..k_at + (h + 1) * self.dqk;
-            packed::pack_rows_into(&mut s.keys, n, key_cols, row);
+            let key_cols = h * self.dqk..(h + 1) * self.dqk;
+            packed::pack_rows_into(&mut s.keys, n, key_cols.clone(), |j| self.keys(j));
             s.queries.clear();
             for &i in queries {
+                debug_assert!(i >= done, "a carried row is never a query row");
+                let start = (i - done) * self.width + q_at;
                 s.queries
-                    .extend_from_slice(&row(i)[q_at + h * self.dqk..q_at + (h + 1) * self.dqk]);
+                    .extend_from_slice(&self.uvqk[start..][key_cols.clone()]);
             }
             let keys = panels(&s.keys, n, self.dqk, &s.zeros);
             dense::linear_into(k, keys, &s.queries, &mut s.weights, &mut s.unused);
@@ -127,8 +165,8 @@ impl HistoryAttention<'_> {
                 }
                 later.fill(0.0);
             }
-            let value_cols = v_at + h * self.dv..v_at + (h + 1) * self.dv;
-            packed::pack_rows_transposed_into(&mut s.values, n, value_cols, row);
+            let value_cols = h * self.dv..(h + 1) * self.dv;
+            packed::pack_rows_transposed_into(&mut s.values, n, value_cols, |j| self.values(j));
             let values = panels(&s.values, self.dv, n, &s.zeros);
             dense::linear_into(k, values, &s.weights, &mut s.head_out, &mut s.unused);
             for (o, head) in out

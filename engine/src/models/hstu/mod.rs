@@ -23,7 +23,7 @@ pub(crate) use checkpoint::{engine_shapes, engine_tensors, names, quantizable, r
 /// A tensor name only the official HSTU's state dict has: how a checkpoint says it holds one.
 pub const KEY_OF_HSTU: &str = "_hstu._attention_layers.0._uvqk";
 
-use super::{ActivationObserver, DenseLayer, EventTimes, HistoryNote, OutputLayer};
+use super::{ActivationObserver, Carry, DenseLayer, EventTimes, HistoryNote, OutputLayer};
 use crate::config::HstuConfig;
 use crate::error::Result;
 use crate::kernels::packed::QuantizedActivations;
@@ -67,6 +67,9 @@ pub struct HstuScratch {
     uvqk: Vec<f32>,
     attention: Vec<f32>,
     gated: Vec<f32>,
+    /// Per history: how many of its rows a carried state covers (their keys and values are
+    /// read from it; only the rows after them are in `x`).
+    done: Vec<usize>,
     /// Rows of each history in `x`, and its times (`t_0 .. t_{n-1}`, then the query time).
     spans: Vec<std::ops::Range<usize>>,
     times: Vec<i64>,
@@ -165,6 +168,13 @@ impl Hstu {
         );
     }
 
+    /// Floats a carried state holds per history row: every block's keys (`heads x dqk`) then
+    /// values (`heads x dv`), block after block.
+    pub fn carried_floats_per_row(&self) -> usize {
+        let c = &self.config;
+        self.blocks.len() * c.num_heads * (c.dqk + c.dv)
+    }
+
     /// The user embeddings of `histories` (`[B, D]`, each of unit length) into `hidden`, with a
     /// note per history, working in `scratch`; `times[b]` holds history `b`'s event times (one
     /// per item) and its query time. Dense layers' rows are split over up to `threads` threads.
@@ -180,6 +190,59 @@ impl Hstu {
         threads: usize,
         observe: ActivationObserver<'_>,
     ) {
+        self.pass(
+            k, histories, times, s, hidden, notes, threads, observe, None,
+        );
+    }
+
+    /// [`Hstu::encode_into`] resuming each history from `carry.starts`: how many of its rows a
+    /// carried state covers (at most all but the last: the last row's bias reads the query time,
+    /// so from the second block on its keys and values change with it), and the state
+    /// ([`Hstu::carried_floats_per_row`] floats per row). Each history's new rows but its last go
+    /// to `carry.ends` (`(n - 1 - covered) x floats per row` each): its state after the pass is
+    /// the carried state followed by them, covering all its rows but the last. The hidden vectors
+    /// have the full pass's bits (see [`HistoryAttention::run`]).
+    ///
+    /// # Panics
+    /// When a state covers the last row, or is shorter than the rows it claims to cover.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_carried(
+        &self,
+        k: &'static KernelTable,
+        histories: &[&[u32]],
+        times: &[EventTimes<'_>],
+        s: &mut HstuScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+        carry: Carry<'_>,
+    ) {
+        self.pass(
+            k,
+            histories,
+            times,
+            s,
+            hidden,
+            notes,
+            threads,
+            &mut |_: &str, _: &[f32]| {},
+            Some(carry),
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pass(
+        &self,
+        k: &'static KernelTable,
+        histories: &[&[u32]],
+        times: &[EventTimes<'_>],
+        s: &mut HstuScratch,
+        hidden: &mut Vec<f32>,
+        notes: &mut Vec<HistoryNote>,
+        threads: usize,
+        observe: ActivationObserver<'_>,
+        mut carry: Option<Carry<'_>>,
+    ) {
         assert_eq!(
             times.len(),
             histories.len(),
@@ -187,13 +250,17 @@ impl Hstu {
         );
         let c = &self.config;
         let d = c.embedding_dim;
+        let per_row = self.carried_floats_per_row();
         let scale = (d as f32).sqrt();
         notes.clear();
         s.x.clear();
         s.spans.clear();
+        s.done.clear();
         s.times.clear();
         s.time_spans.clear();
-        for (history, when) in histories.iter().zip(times) {
+        // Each history's carried rows, as slices of its state's runs (a run holds whole rows).
+        let mut carried: Vec<Vec<&[f32]>> = Vec::with_capacity(histories.len());
+        for (b, (history, when)) in histories.iter().zip(times).enumerate() {
             assert_eq!(
                 when.events.len(),
                 history.len(),
@@ -202,8 +269,20 @@ impl Hstu {
             let (kept, note) = super::most_recent(history, c.max_len);
             notes.push(note);
             let start = history.len() - kept.len();
+            let mut rows: Vec<&[f32]> = Vec::new();
+            if let Some((done, state)) = carry.as_ref().and_then(|c| c.starts[b]) {
+                assert!(
+                    done < kept.len() && state.len() >= done * per_row,
+                    "a carried HSTU state covers at most all but the last row of its history"
+                );
+                for run in state.runs() {
+                    rows.extend(run.chunks_exact(per_row).take(done - rows.len()));
+                }
+            }
+            let done = rows.len();
+            carried.push(rows);
             let first_row = s.x.len() / d;
-            for (p, &id) in kept.iter().enumerate() {
+            for (p, &id) in kept.iter().enumerate().skip(done) {
                 let at = s.x.len();
                 s.x.resize(at + d, 0.0);
                 let row = &mut s.x[at..];
@@ -213,14 +292,28 @@ impl Hstu {
                 }
             }
             s.spans.push(first_row..s.x.len() / d);
+            s.done.push(done);
             let first_time = s.times.len();
             s.times.extend_from_slice(&when.events[start..]);
             s.times.push(when.query);
             s.time_spans.push(first_time..s.times.len());
         }
+        // The ends: each history's new rows but its last, filled block by block.
+        if let Some(carry) = carry.as_mut() {
+            carry.ends.clear();
+            carry.ends_at.clear();
+            for span in &s.spans {
+                carry.ends_at.push(carry.ends.len());
+                let kept_rows = span.len().saturating_sub(1);
+                carry
+                    .ends
+                    .resize(carry.ends.len() + kept_rows * per_row, 0.0);
+            }
+            carry.ends_at.push(carry.ends.len());
+        }
 
         let n_blocks = self.blocks.len();
-        for (b, block) in self.blocks.iter().enumerate() {
+        for b in 0..n_blocks {
             // Only the last position's output is the user embedding: the last block computes its
             // attention, gate and projection for that one row per history.
             s.query_rows.clear();
@@ -229,7 +322,8 @@ impl Hstu {
             } else {
                 s.query_rows.extend(0..s.x.len() / d);
             }
-            self.block(k, block, s, threads, observe);
+            let ends = carry.as_mut().map(|c| (&mut c.ends[..], &c.ends_at[..]));
+            self.block(k, b, s, &carried, ends, threads, observe);
             std::mem::swap(&mut s.x, &mut s.next);
         }
 
@@ -241,12 +335,18 @@ impl Hstu {
         }
     }
 
-    /// One block over the rows of `s.x`: the output rows `s.query_rows` into `s.next`.
+    /// One block over the new rows in `s.x` (each history's carried rows before them in
+    /// `carried`): the output rows `s.query_rows` into `s.next`, and, when `ends` is given (the
+    /// carried pass's ends and their offsets), the keys and values of every new row but each
+    /// history's last into block `b`'s place in them.
+    #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
         k: &'static KernelTable,
-        block: &Block,
+        b: usize,
         s: &mut HstuScratch,
+        carried: &[Vec<&[f32]>],
+        ends: Option<(&mut [f32], &[usize])>,
         threads: usize,
         observe: ActivationObserver<'_>,
     ) {
@@ -254,6 +354,7 @@ impl Hstu {
         let d = c.embedding_dim;
         let width = c.uvqk_width();
         let values = c.num_heads * c.dv;
+        let block = &self.blocks[b];
 
         s.normalised.clear();
         s.normalised.extend_from_slice(&s.x);
@@ -268,19 +369,41 @@ impl Hstu {
         );
         s.uvqk.iter_mut().for_each(|v| *v = silu(*v));
 
+        let keys = c.num_heads * c.dqk;
+        let at_block = b * (keys + values);
+        if let Some((ends, ends_at)) = ends {
+            let per_row = self.carried_floats_per_row();
+            let k_at = 2 * values + keys;
+            for (span, &first) in s.spans.iter().zip(ends_at) {
+                for (r, row) in (span.start..span.end.saturating_sub(1)).enumerate() {
+                    let to = &mut ends[first + r * per_row + at_block..][..keys + values];
+                    let from = &s.uvqk[row * width..(row + 1) * width];
+                    to[..keys].copy_from_slice(&from[k_at..k_at + keys]);
+                    to[keys..].copy_from_slice(&from[values..2 * values]);
+                }
+            }
+        }
+
         s.attention.clear();
         s.attention.resize(s.query_rows.len() * values, 0.0);
         let mut done = 0;
-        for (span, time_span) in s.spans.iter().zip(&s.time_spans) {
+        for ((span, time_span), (rows, &covered)) in s
+            .spans
+            .iter()
+            .zip(&s.time_spans)
+            .zip(carried.iter().zip(&s.done))
+        {
             s.local_queries.clear();
             s.local_queries.extend(
                 s.query_rows[done..]
                     .iter()
                     .take_while(|&&r| r < span.end)
-                    .map(|&r| r - span.start),
+                    .map(|&r| covered + r - span.start),
             );
             let count = s.local_queries.len();
             HistoryAttention {
+                carried: rows,
+                carried_at: at_block,
                 uvqk: &s.uvqk[span.start * width..span.end * width],
                 width,
                 heads: c.num_heads,
