@@ -9,10 +9,12 @@
 #                                     default precision) (scripts/bench_models.py)
 #   scripts/bench.sh sequential [ARGS] SASRec and GRU4Rec against ONNX Runtime and OpenVINO on their
 #                                     PyTorch-style exports (scripts/bench_sequential.py)
-#   scripts/bench.sh sessions [ARGS]  growing sessions, per event: GRU4Rec and SASRec with their prefix caches and
+#   scripts/bench.sh sessions [ARGS]  growing sessions, per event: GRU4Rec, SASRec and HSTU with their prefix caches and
 #                                     without, and ONNX Runtime and OpenVINO recomputing (scripts/bench_sessions.py)
+#   scripts/bench.sh python-sessions [ARGS] growing sessions through the Python package, with the
+#                                     prefix cache and without (scripts/bench_python_sessions.py)
 #   scripts/bench.sh serving-sessions [ARGS] growing sessions through tritonserver under perf_analyzer:
-#                                     GRU4Rec and SASRec with and without the prefix cache, hit rate and
+#                                     GRU4Rec, SASRec and HSTU with and without the prefix cache, hit rate and
 #                                     p50/p99 (scripts/bench_serving_sessions.py)
 #   scripts/bench.sh threads [ARGS]   the thread plan against all threads and one thread, per batch
 #                                     size, on the four fixture models (scripts/bench_threads.py)
@@ -44,7 +46,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -109,6 +111,12 @@ case "$kind" in
     release_build -p recsys-cli -p recsys-benches --bin recsys --bin session_probe
     exec "$peers_python" scripts/bench_sessions.py "$@"
     ;;
+  python-sessions)
+    ./scripts/python-env.sh
+    release_build -p recsys-cli
+    .venv/bin/pip install --quiet --force-reinstall --no-deps ./python
+    exec "$python" scripts/bench_python_sessions.py "$@"
+    ;;
   serving-sessions)
     ./scripts/python-env.sh
     backend_setup
@@ -172,7 +180,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, sequential, sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, load)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, sequential, sessions, python-sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, load)" >&2
     exit 2
     ;;
 esac

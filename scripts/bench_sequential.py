@@ -105,11 +105,36 @@ def feeds(batch_hist: list[list[int]], ext_to_int: dict, L: int, N: int) -> dict
     return {"item_seq": seq, "last_onehot": onehot, "exclude": excl}
 
 
+def hstu_weights(n: int, d: int, blocks: int, heads: int, dqk: int, dv: int, L: int, rng,
+                 output_length: int = 10, buckets: int = 128) -> tuple[dict, dict]:
+    """An HSTU with random weights under the official research code's state-dict names, and its
+    config (the official hyper-parameter names): `n` items of width `d`, `blocks` blocks of
+    `heads` heads, a window of `L` items."""
+    normal = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.05)  # noqa: E731
+    na = L + output_length + 1
+    w = {"_embedding_module._item_emb.weight": normal(n + 1, d),
+         "_input_features_preproc._pos_emb.weight": normal(na, d)}
+    for b in range(blocks):
+        p = f"_hstu._attention_layers.{b}."
+        w[p + "_uvqk"] = normal(d, 2 * heads * (dqk + dv))
+        w[p + "_o.weight"] = normal(d, heads * dv)
+        w[p + "_o.bias"] = normal(d)
+        w[p + "_rel_attn_bias._ts_w"] = normal(buckets + 1)
+        w[p + "_rel_attn_bias._pos_w"] = normal(2 * na - 1)
+    cfg = {"main_module": "HSTU", "num_items": n, "max_sequence_length": L, "item_embedding_dim": d,
+           "num_blocks": blocks, "num_heads": heads, "dqk": dqk, "dv": dv, "gr_output_length": output_length,
+           "item_l2_norm": True}
+    return w, cfg
+
+
 def ml1m_model(kind: str, tmp: Path, rng) -> tuple[Path, Path, Path]:
-    """A SASRec or GRU4Rec of MovieLens-1M's shape with random weights: checkpoint, config, item map."""
+    """A SASRec, GRU4Rec or HSTU of MovieLens-1M's shape with random weights: checkpoint, config,
+    item map (HSTU: the official "large" ML-1M config, 8 blocks of 2 heads, D 50)."""
     n, L = ML1M_ITEMS, 200
     normal = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.05)  # noqa: E731
-    if kind == "sasrec":
+    if kind == "hstu":
+        w, cfg = hstu_weights(n, 50, 8, 2, 25, 25, L, rng)
+    elif kind == "sasrec":
         h, inner = 64, 256
         w = {"item_embedding.weight": normal(n + 1, h), "position_embedding.weight": normal(L, h),
              "LayerNorm.weight": np.ones(h, np.float32), "LayerNorm.bias": np.zeros(h, np.float32)}

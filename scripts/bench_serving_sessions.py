@@ -1,7 +1,8 @@
 """Growing sessions through tritonserver: the real perf_analyzer replays interleaved sessions (each
 request is one user's whole history, one event longer than that user's previous request) against
-GRU4Rec and SASRec at MovieLens-1M's shapes served by the recsys backend with its prefix cache (the
-default) and without it (the same engine, `prefix_cache_bytes` 0); the table gives throughput,
+GRU4Rec, SASRec and HSTU (`--models hstu`: the official large ML-1M config, events an hour apart,
+each request at its user's next event's time) at MovieLens-1M's shapes served by the recsys backend
+with its prefix cache (the default) and without it (the same engine, `prefix_cache_bytes` 0); the table gives throughput,
 p50/p99 latency, and from the server's Prometheus counters the cache's hit rate and the events it
 computed per request. Bounded: every perf_analyzer run has a time limit, the server is always
 stopped.
@@ -41,12 +42,25 @@ from triton_harness import TritonServer  # noqa: E402
 COUNTERS = ["hits_total", "misses_total", "events_computed_total", "events_reused_total"]
 
 
-def config(name: str, threads: int, cache: bool) -> str:
-    """The recsys model's config (the serving benchmarks' inputs, outputs and batching), with the
-    prefix cache left at its default or turned off."""
+# HSTU's time inputs: a timestamp per history id (ragged like it) and the query time.
+TIME_INPUTS = """,
+  { name: "ITEM_TIMESTAMPS" data_type: TYPE_INT64 dims: [ -1 ] allow_ragged_batch: true },
+  { name: "QUERY_TIMESTAMP" data_type: TYPE_INT64 dims: [ 1 ] optional: true }
+]
+output ["""
+# The first event's time of every session; events are an hour apart, each request asked at the
+# time of its user's next event.
+T0 = 1_600_000_000
+
+
+def config(name: str, threads: int, cache: bool, timed: bool = False) -> str:
+    """The recsys model's config (the serving benchmarks' inputs, outputs and batching, with
+    HSTU's time inputs when `timed`), with the prefix cache left at its default or turned off."""
     text = (peer_config(name, runtime=None)
             .replace('backend: "python"', 'backend: "recsys"')
             .replace('string_value: "1"', f'string_value: "{threads}"'))
+    if timed:
+        text = text.replace("\n]\noutput [", TIME_INPUTS, 1)
     threads_parameter = f'{{ key: "threads" value {{ string_value: "{threads}" }} }}'
     assert threads_parameter in text, text
     if not cache:
@@ -66,8 +80,15 @@ def counters(server: TritonServer, model: str) -> dict[str, float]:
     return out
 
 
-def session_data(path: Path, histories: list[list[int]], events: int) -> int:
-    data = [{"ITEM_IDS": {"content": h[:t], "shape": [t]}} for t in range(1, events + 1) for h in histories]
+def session_data(path: Path, histories: list[list[int]], events: int, timed: bool = False) -> int:
+    def request(h: list[int], t: int) -> dict:
+        out = {"ITEM_IDS": {"content": h[:t], "shape": [t]}}
+        if timed:
+            out["ITEM_TIMESTAMPS"] = {"content": [T0 + 3600 * p for p in range(t)], "shape": [t]}
+            out["QUERY_TIMESTAMP"] = {"content": [T0 + 3600 * t], "shape": [1]}
+        return out
+
+    data = [request(h, t) for t in range(1, events + 1) for h in histories]
     path.write_text(json.dumps({"data": data}))
     return len(data)
 
@@ -103,11 +124,12 @@ def main() -> None:
             if len(histories) < args.users:
                 sys.exit(f"only {len(histories)} histories of {args.events} events; ask for fewer --users or --events")
             path = tmp / f"{kind}-sessions.json"
-            data[kind] = (path, session_data(path, histories, args.events))
+            timed = kind == "hstu"
+            data[kind] = (path, session_data(path, histories, args.events, timed))
             for name, cache in [(kind, True), (f"{kind}_nocache", False)]:
                 (repo / name).mkdir(parents=True)
                 (repo / name / "1").symlink_to(engine)
-                (repo / name / "config.pbtxt").write_text(config(name, args.threads, cache))
+                (repo / name / "config.pbtxt").write_text(config(name, args.threads, cache, timed))
         with TritonServer(repo, backend, log_path=tmp / "server.log") as server:
             for kind in kinds:
                 path, requests = data[kind]

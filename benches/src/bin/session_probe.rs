@@ -9,12 +9,18 @@
 //! Prints JSON: per length, the median seconds of the call that brought every history of a group
 //! to that length (encode + fused score + top-k of the batch; with `encode`, the encoder alone:
 //! the part of a call the cache can shorten), and the cache's counters and bytes per cached user.
+//! A model that reads time (HSTU) gets event `p` of every history at `T0 + 3600 p` seconds and
+//! each call's query time at the next event's (the cost does not depend on the values).
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
 
 use recsys_engine::prefix_cache::PrefixCache;
+use recsys_engine::models::EventTimes;
 use recsys_engine::{Engine, ExternalIds, InternalRequest};
+
+/// The first event's time of every replayed history (2020-09-13, any would do).
+const T0: i64 = 1_600_000_000;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -65,6 +71,8 @@ fn main() {
         mapped.len(),
         batch * groups
     );
+    let timed = engine.kind().reads_timestamps();
+    let clock: Vec<i64> = (0..=longest as i64).map(|p| T0 + 3600 * p).collect();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); lengths.len()];
     for g in 0..groups {
         let users = &mapped[g * batch..(g + 1) * batch];
@@ -75,13 +83,25 @@ fn main() {
                     history: h[..t].to_vec(),
                     k,
                     exclude_seen: true,
+                    timestamps: if timed { clock[..t].to_vec() } else { Vec::new() },
+                    query_timestamp: if timed { clock[t] } else { 0 },
                     ..Default::default()
                 })
                 .collect();
             let start = Instant::now();
             if encoder_only {
                 let histories: Vec<&[u32]> = requests.iter().map(|r| &r.history[..]).collect();
-                let (hidden, _) = engine.encode(&histories);
+                let event_times: Vec<EventTimes<'_>> = if timed {
+                    (0..histories.len())
+                        .map(|_| EventTimes {
+                            events: &clock[..t],
+                            query: clock[t],
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let (hidden, _) = engine.encode_timed(&histories, &event_times);
                 assert!(!hidden.is_empty());
             } else {
                 let answers = engine.recommend_internal(&requests);
