@@ -13,6 +13,9 @@ use recsys_kernels::packed::to_f16_bits;
 /// Name prefix of the nodes of an L2 normalisation, the one place besides LayerNormalization and
 /// Softmax where an fp16 graph computes in fp32 (the rules check allows exactly these).
 pub(crate) const FP32_NORMALIZE_PREFIX: &str = "l2_normalize/";
+/// Name prefix of the nodes computing HSTU's time-gap buckets, which every graph computes in fp32
+/// (a gap of years does not fit FP16; the rules check allows these nodes in an FP16 graph).
+pub(crate) const FP32_TIME_BUCKET_PREFIX: &str = "fp32_time_buckets/";
 
 /// An attribute value of a node.
 pub(crate) enum Attr {

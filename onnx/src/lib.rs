@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 mod graph;
+mod hstu;
 mod models;
 mod repository;
 pub mod tensorrt_rules;
@@ -231,13 +232,7 @@ pub fn build(engine: &Path, options: &ExportOptions) -> Result<(pb::ModelProto, 
         }
         ModelConfig::Gru4rec(c) => models::gru4rec(&mut g, c, &loaded.weights, &scales)?,
         ModelConfig::Vaecf(c) => models::vaecf(&mut g, c, &loaded.weights, &scales, options.dedup)?,
-        ModelConfig::Hstu(_) => {
-            return Err(OnnxError::Invalid(
-                "export-onnx does not build HSTU graphs yet (its time-biased attention has no \
-                 exporter); serve HSTU from the recsys engine"
-                    .into(),
-            ))
-        }
+        ModelConfig::Hstu(c) => hstu::hstu(&mut g, c, &loaded.weights, &scales)?,
     };
     let n_outputs = model.n_outputs;
     if let GraphOutput::TopK(k) = options.output {

@@ -24,7 +24,7 @@ pub(crate) struct ActivationScales {
 }
 
 impl ActivationScales {
-    fn dense(&self, prefix: &str) -> Option<f32> {
+    pub(crate) fn dense(&self, prefix: &str) -> Option<f32> {
         self.dense.get(prefix).copied()
     }
 }
@@ -129,7 +129,7 @@ pub(crate) enum Transformer {
 }
 
 /// The answer slot of each sequence as a one-hot row, `[B, 1, L]`, in the compute type.
-fn answer_slot(g: &mut GraphBuilder, seq: &str, kind: Transformer, n: usize) -> String {
+pub(crate) fn answer_slot(g: &mut GraphBuilder, seq: &str, kind: Transformer, n: usize) -> String {
     let axes1 = g.init_i64("axes", &[1]);
     let one_hot = match kind {
         Transformer::Bert4Rec => {
@@ -337,7 +337,7 @@ pub(crate) fn transformer(
 
 /// A zero output bias over `rows` outputs with PAD (index 0) at -inf: the models whose scores
 /// are the bare dot product (SASRec, GRU4Rec).
-fn no_output_bias(g: &mut GraphBuilder, rows: usize) -> String {
+pub(crate) fn no_output_bias(g: &mut GraphBuilder, rows: usize) -> String {
     let mut bias = vec![0.0; rows];
     bias[0] = f32::NEG_INFINITY;
     g.init_float("output_bias_pad_excluded", &[rows], &bias)

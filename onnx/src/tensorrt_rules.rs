@@ -17,14 +17,15 @@
 //! - The developer guide, "Strongly Typed Networks": layers compute in their inputs' types, so an
 //!   FP16 graph runs an operation in FP32 exactly where the graph casts to FP32; recsys keeps only
 //!   LayerNormalization, Softmax and the L2 normalisation there (the accuracy-sensitive
-//!   reductions the guide names), and every other computation FP16.
+//!   reductions the guide names), plus HSTU's time-gap buckets (a logarithm of gaps that do not
+//!   fit FP16), and every other computation FP16.
 
 use std::collections::{HashMap, HashSet};
 
 use onnx_protobuf as pb;
 use pb::tensor_proto::DataType;
 
-use crate::graph::FP32_NORMALIZE_PREFIX;
+use crate::graph::{FP32_NORMALIZE_PREFIX, FP32_TIME_BUCKET_PREFIX};
 use crate::TENSORRT_MAX_TOPK;
 
 /// The opsets TensorRT 10's ONNX parser supports.
@@ -32,6 +33,7 @@ pub const SUPPORTED_OPSETS: std::ops::RangeInclusive<i64> = 9..=20;
 
 /// Operators of the support matrix that exports use (all supported by TensorRT 10's parser).
 const SUPPORTED_OPS: &[&str] = &[
+    "Abs",
     "Add",
     "And",
     "Cast",
@@ -41,6 +43,7 @@ const SUPPORTED_OPS: &[&str] = &[
     "Div",
     "Equal",
     "Erf",
+    "Floor",
     "Gather",
     "GatherElements",
     "Gemm",
@@ -48,8 +51,10 @@ const SUPPORTED_OPS: &[&str] = &[
     "Identity",
     "LayerNormalization",
     "Less",
+    "Log",
     "MatMul",
     "Max",
+    "Min",
     "Mul",
     "Not",
     "Or",
@@ -60,10 +65,12 @@ const SUPPORTED_OPS: &[&str] = &[
     "Reshape",
     "ScatterElements",
     "Shape",
+    "Sigmoid",
     "Slice",
     "Softmax",
     "Sqrt",
     "Squeeze",
+    "Sub",
     "Tanh",
     "TopK",
     "Transpose",
@@ -73,26 +80,35 @@ const SUPPORTED_OPS: &[&str] = &[
 
 /// Operations that compute on floating-point values (what "compute in FP32" means).
 const FLOAT_COMPUTE_OPS: &[&str] = &[
+    "Abs",
     "Add",
     "Div",
     "Erf",
+    "Floor",
     "Gemm",
     "GRU",
     "LayerNormalization",
+    "Log",
     "MatMul",
     "Max",
+    "Min",
     "Mul",
     "ReduceMax",
     "ReduceSum",
+    "Sigmoid",
     "Softmax",
     "Sqrt",
+    "Sub",
     "Tanh",
 ];
 
 /// Operations an FP16 graph may run in FP32: the normalisations. Nodes named under
-/// [`FP32_NORMALIZE_PREFIX`] may compute these parts of an L2 normalisation.
+/// [`FP32_NORMALIZE_PREFIX`] may compute these parts of an L2 normalisation, and nodes named
+/// under [`FP32_TIME_BUCKET_PREFIX`] these parts of HSTU's time-gap buckets (gaps of years do not
+/// fit FP16).
 const FP32_IN_FP16_GRAPH: &[&str] = &["LayerNormalization", "Softmax"];
-const FP32_NORMALIZE_OPS: &[&str] = &["ReduceSum", "Sqrt", "Max", "Div"];
+const FP32_NORMALIZE_OPS: &[&str] = &["Mul", "ReduceSum", "Sqrt", "Max", "Div"];
+const FP32_TIME_BUCKET_OPS: &[&str] = &["Abs", "Max", "Log", "Div", "Floor", "Min"];
 
 /// Every rule the graph breaks, one message each; empty when it passes.
 pub fn check(model: &pb::ModelProto) -> Vec<String> {
@@ -183,7 +199,9 @@ pub fn check(model: &pb::ModelProto) -> Vec<String> {
             let output_type = node.output.first().and_then(|o| types.get(o.as_str()));
             let allowed = FP32_IN_FP16_GRAPH.contains(&op)
                 || (node.name.starts_with(FP32_NORMALIZE_PREFIX)
-                    && FP32_NORMALIZE_OPS.contains(&op));
+                    && FP32_NORMALIZE_OPS.contains(&op))
+                || (node.name.starts_with(FP32_TIME_BUCKET_PREFIX)
+                    && FP32_TIME_BUCKET_OPS.contains(&op));
             if output_type == Some(&DataType::FLOAT) && !allowed {
                 out.push(format!(
                     "{label}: computes in FP32 in an FP16 graph (only LayerNormalization, Softmax \

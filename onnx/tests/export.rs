@@ -30,15 +30,9 @@ fn calibration_histories() -> Vec<Vec<String>> {
 }
 
 fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> PathBuf {
-    let sub = if kind == ModelKind::Bert4rec {
-        "bert4rec"
-    } else {
-        "multivae"
-    };
-    let src = fixtures().join(sub);
-    let config: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let out = dir.join(format!("{sub}_{precision:?}_{w8a8}"));
+    let src = recsys_engine::fixtures::model_dir(kind);
+    let config = recsys_engine::fixtures::config(kind).unwrap();
+    let out = dir.join(format!("{kind}_{precision:?}_{w8a8}"));
     let histories = calibration_histories();
     recsys_engine::convert(&ConvertRequest {
         kind: Some(kind),
@@ -338,4 +332,77 @@ fn the_tensorrt_build_command_is_strongly_typed_with_a_profile_over_every_input(
         command.contains("--maxShapes=item_seq:32x50,candidate_ids:32x1000,exclude_ids:32x512 "),
         "{command}"
     );
+}
+
+/// HSTU's graph at every precision: its two inputs (the window and the timestamps with the query
+/// time after the last item), the TensorRT rules passed (`build` refuses a graph that breaks one),
+/// the time-gap buckets computed in fp32 even in the FP16 graph (in the nodes the rules allow),
+/// and an int8 graph dequantizing exactly the engine's int8 matrices, each into its consumer.
+/// Numerical agreement with the engine and the official code: tests/integration/test_hstu.py.
+#[test]
+fn hstu_graphs_take_timestamps_and_keep_the_time_buckets_in_fp32() {
+    let tmp = tempfile::tempdir().unwrap();
+    for precision in [
+        Precision::Fp32,
+        Precision::Fp16,
+        Precision::Bf16,
+        Precision::Int8,
+    ] {
+        let out = engine(tmp.path(), ModelKind::Hstu, precision, false);
+        let (model, summary) = recsys_onnx::build(&out, &ExportOptions::default()).unwrap();
+        let label = format!("{precision:?}");
+        let inputs: Vec<(&str, Vec<Option<usize>>)> = summary
+            .inputs
+            .iter()
+            .map(|i| (i.name.as_str(), i.dims.clone()))
+            .collect();
+        assert_eq!(
+            inputs[..2],
+            [
+                ("item_seq", vec![Some(200)]),
+                ("timestamps", vec![Some(201)])
+            ],
+            "{label}"
+        );
+        let logs: Vec<_> = model
+            .graph
+            .node
+            .iter()
+            .filter(|n| n.op_type == "Log")
+            .collect();
+        assert_eq!(
+            logs.len(),
+            1,
+            "{label}: one bucket computation shared by the blocks"
+        );
+        assert!(
+            logs[0].name.starts_with("fp32_time_buckets/"),
+            "{label}: {}",
+            logs[0].name
+        );
+        // Two item tables and each block's two projections.
+        let int8 = if precision == Precision::Int8 { 6 } else { 0 };
+        assert_eq!(count(&model, "DequantizeLinear"), int8, "{label}");
+        for node in model
+            .graph
+            .node
+            .iter()
+            .filter(|n| n.op_type == "DequantizeLinear")
+        {
+            let consumers: Vec<&str> = model
+                .graph
+                .node
+                .iter()
+                .filter(|c| c.input.contains(&node.output[0]))
+                .map(|c| c.op_type.as_str())
+                .collect();
+            assert!(
+                !consumers.is_empty()
+                    && consumers
+                        .iter()
+                        .all(|c| ["Gather", "MatMul", "Gemm"].contains(c)),
+                "{label}: {consumers:?}"
+            );
+        }
+    }
 }

@@ -208,3 +208,94 @@ def test_python_timelines_take_timestamps_and_answer_each_prefix_as_its_own_call
     short = len(histories[1])
     with pytest.raises(ValueError, match=f"timestamps= for history 1 holds {short - 1} times for its {short} ids"):
         engine.timelines(histories[:2], timestamps=[times[0], times[1][:-1]])
+
+
+# ONNX Runtime on the exported graph against the engine it was exported from (`recsys predict` on
+# the same users): fp32 to this tolerance on the top-10 scores; fp16 graphs compute in FP16 and
+# int8 (weight-only) graphs multiply float activations, so those are held to a top-10 overlap.
+ONNX_FP32_SCORE_ABS_TOL = 1e-4
+ONNX_FP16_SCORE_ABS_TOL = 1e-2
+ONNX_MIN_TOP10_OVERLAP = {"fp16": 0.99, "bf16": 0.99, "int8": 0.98}
+# bf16 graphs: BFLOAT16 weights, float activations; the engine rounds each layer's input to bf16.
+ONNX_BF16_SCORE_ABS_TOL = 0.1
+
+
+def graph_feed(engine_dir, histories, times, queries, width=200):
+    """The exported graph's inputs: the window's internal indices right-padded with 0, each item's
+    timestamp then the query time in the slot after the last item, the history as exclusions."""
+    index = {}
+    for line in (engine_dir / "item_ids.tsv").read_text().splitlines():
+        parts = line.split("\t")
+        if not line.startswith("#") and parts[0].isdigit():
+            index[int(parts[1])] = int(parts[0])
+    seq = np.zeros((len(histories), width), np.int64)
+    stamps = np.zeros((len(histories), width + 1), np.int64)
+    known = [[(index[x], t) for x, t in zip(h, ts) if x in index] for h, ts in zip(histories, times)]
+    exclude = np.zeros((len(histories), max(len(k) for k in known)), np.int64)
+    for i, (pairs, query) in enumerate(zip(known, queries)):
+        window = pairs[-width:]
+        seq[i, :len(window)] = [p for p, _ in window]
+        stamps[i, :len(window)] = [t for _, t in window]
+        stamps[i, len(window)] = query
+        exclude[i, :len(pairs)] = [p for p, _ in pairs]
+    return {"item_seq": seq, "timestamps": stamps, "exclude_ids": exclude}
+
+
+def test_the_onnx_export_answers_as_the_official_code_and_the_engine(recsys_bin, tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    src = FIXTURES / "hstu"
+    users = fixture_users(300)
+    histories = [h for h, _, _ in users]
+    times = [t for _, t, _ in users]
+    queries = [q for _, _, q in users]
+    jsonl = tmp_path / "users.jsonl"
+    jsonl.write_text("".join(json.dumps({"item_ids": h, "timestamps": t, "query_timestamp": q}) + "\n"
+                             for h, t, q in users))
+    golden = cases()
+    for precision in ("fp32", "fp16", "bf16", "int8"):
+        engine = tmp_path / precision
+        subprocess.run([str(recsys_bin), "convert", "--checkpoint", str(src / "model.safetensors"), "--gin",
+                        str(src / "train.gin"), "--item-map", str(src / "item_id_map.tsv"), "--precision",
+                        precision, "--out", str(engine)], check=True, capture_output=True)
+        graph = tmp_path / f"{precision}.onnx"
+        subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(graph), "--k", "10"],
+                       check=True, capture_output=True)
+        onnx.checker.check_model(onnx.load(str(graph)), full_check=True)
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        scores, items = session.run(["topk_scores", "topk_items"], graph_feed(engine, histories, times, queries))
+        out = tmp_path / f"{precision}.jsonl"
+        subprocess.run([str(recsys_bin), "predict", "--engine", str(engine), "--input", str(jsonl), "--output",
+                        str(out), "--k", "10"], check=True, capture_output=True)
+        answers = [json.loads(line) for line in out.read_text().splitlines()]
+        external = {int(p[0]): int(p[1]) for p in (line.split("\t") for line in
+                    (engine / "item_ids.tsv").read_text().splitlines()) if p[0].isdigit()}
+        items = np.vectorize(external.get)(items)
+        overlap = np.mean([len(set(a["item_ids"]) & set(row.tolist())) / 10 for a, row in zip(answers, items)])
+        if precision == "fp32":
+            for a, row, row_scores in zip(answers, items, scores):
+                np.testing.assert_allclose(row_scores, a["scores"], atol=ONNX_FP32_SCORE_ABS_TOL)
+                for pos, (ours, theirs) in enumerate(zip(a["item_ids"], row.tolist())):
+                    # Only near-ties may trade places.
+                    assert ours == theirs or abs(a["scores"][pos] - row_scores[pos]) <= ONNX_FP32_SCORE_ABS_TOL
+            # Every item's score and the user embedding against the official float64 golden.
+            full = tmp_path / "fp32-all.onnx"
+            subprocess.run([str(recsys_bin), "export-onnx", "--engine", str(engine), "--out", str(full),
+                            "--all-scores", "--embedding"], check=True, capture_output=True)
+            session = ort.InferenceSession(str(full), providers=["CPUExecutionProvider"])
+            feed = graph_feed(engine, [c["history_external"] for c in golden], [c["history_timestamps"] for c in golden],
+                              [c["query_timestamp"] for c in golden])
+            feed["exclude_ids"] = np.zeros((len(golden), 1), np.int64)
+            all_scores, embedding = session.run(["scores", "user_embedding"], feed)
+            for i, case in enumerate(golden):
+                want = case["topk"]
+                np.testing.assert_allclose(all_scores[i, [t["internal"] for t in want]], [t["score"] for t in want],
+                                           atol=SCORE_ABS_TOL)
+                np.testing.assert_allclose(embedding[i, :-1], case["user_embedding_f64"], atol=1e-5)
+        else:
+            tol = {"fp16": ONNX_FP16_SCORE_ABS_TOL, "bf16": ONNX_BF16_SCORE_ABS_TOL,
+                   "int8": ONNX_FP32_SCORE_ABS_TOL * 100}[precision]
+            assert overlap >= ONNX_MIN_TOP10_OVERLAP[precision], (precision, overlap)
+            assert np.abs(scores[:, 0] - [a["scores"][0] for a in answers]).max() <= tol, precision
+        print(f"HSTU {precision} graph: top-10 overlap with the engine {overlap:.4f}")

@@ -15,8 +15,8 @@
 
 use std::time::Instant;
 
-use recsys_engine::prefix_cache::PrefixCache;
 use recsys_engine::models::EventTimes;
+use recsys_engine::prefix_cache::PrefixCache;
 use recsys_engine::{Engine, ExternalIds, InternalRequest};
 
 /// The first event's time of every replayed history (2020-09-13, any would do).
@@ -83,7 +83,11 @@ fn main() {
                     history: h[..t].to_vec(),
                     k,
                     exclude_seen: true,
-                    timestamps: if timed { clock[..t].to_vec() } else { Vec::new() },
+                    timestamps: if timed {
+                        clock[..t].to_vec()
+                    } else {
+                        Vec::new()
+                    },
                     query_timestamp: if timed { clock[t] } else { 0 },
                     ..Default::default()
                 })

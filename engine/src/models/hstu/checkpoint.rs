@@ -18,7 +18,7 @@ fn layer(b: usize, what: &str) -> String {
 }
 
 /// The engine's names for HSTU's tensors.
-pub(crate) mod names {
+pub mod names {
     /// The items' rows as the official embedding holds them: what a history reads.
     pub const INPUT_ROWS: &str = "item_embedding.weight";
     /// The same rows divided by their L2 norms (the output layer: cosine scoring).

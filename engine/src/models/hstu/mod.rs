@@ -18,7 +18,8 @@
 mod attention;
 mod checkpoint;
 
-pub(crate) use checkpoint::{engine_shapes, engine_tensors, names, quantizable, resolve_config};
+pub use checkpoint::names;
+pub(crate) use checkpoint::{engine_shapes, engine_tensors, quantizable, resolve_config};
 
 /// A tensor name only the official HSTU's state dict has: how a checkpoint says it holds one.
 pub const KEY_OF_HSTU: &str = "_hstu._attention_layers.0._uvqk";
