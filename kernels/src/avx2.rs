@@ -356,6 +356,13 @@ unsafe fn tanh_avx2(x: &mut [f32]) {
 /// # Safety
 /// As for [`gelu_avx2`].
 #[target_feature(enable = "avx2,fma")]
+unsafe fn silu_avx2(x: &mut [f32]) {
+    super::portable::silu_inplace(x)
+}
+
+/// # Safety
+/// As for [`gelu_avx2`].
+#[target_feature(enable = "avx2,fma")]
 unsafe fn softmax_avx2(x: &mut [f32]) {
     super::portable::softmax(x)
 }
@@ -420,6 +427,11 @@ fn tanh(x: &mut [f32]) {
     unsafe { tanh_avx2(x) }
 }
 
+fn silu(x: &mut [f32]) {
+    // SAFETY: as for gelu.
+    unsafe { silu_avx2(x) }
+}
+
 fn softmax(x: &mut [f32]) {
     // SAFETY: as for gelu.
     unsafe { softmax_avx2(x) }
@@ -435,6 +447,7 @@ pub(super) const KERNELS: KernelTable = kernel_table!(
     super::Elementwise {
         gelu,
         tanh,
+        silu,
         softmax,
         layer_norm,
         add_rows,

@@ -432,7 +432,7 @@ pub(super) fn split_halves<const R: usize, const P: usize, const Q: usize>(
     split
 }
 
-/// `portable`'s tanh and GELU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
+/// `portable`'s tanh, GELU and SiLU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
 /// (the same operations in the same order, so AVX2's and the scalar path's bits). GRU4Rec runs
 /// three gates' worth of them per token and step.
 ///
@@ -450,9 +450,21 @@ unsafe fn gelu_avx512(x: &mut [f32]) {
     super::portable::gelu_erf_inplace(x)
 }
 
+/// # Safety
+/// As for [`tanh_avx512`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn silu_avx512(x: &mut [f32]) {
+    super::portable::silu_inplace(x)
+}
+
 fn tanh(x: &mut [f32]) {
     // SAFETY: TABLE is only reachable after AVX-512 F was detected (KernelTable::for_isa).
     unsafe { tanh_avx512(x) }
+}
+
+fn silu(x: &mut [f32]) {
+    // SAFETY: as for tanh.
+    unsafe { silu_avx512(x) }
 }
 
 fn gelu(x: &mut [f32]) {
@@ -480,6 +492,7 @@ pub(super) const KERNELS: KernelTable = KernelTable {
     elementwise: super::Elementwise {
         tanh,
         gelu,
+        silu,
         ..avx2::KERNELS.elementwise
     },
 };

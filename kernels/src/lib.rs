@@ -246,6 +246,8 @@ pub struct Elementwise {
     pub gelu: fn(&mut [f32]),
     /// [`portable::tanh_inplace`].
     pub tanh: fn(&mut [f32]),
+    /// [`portable::silu_inplace`].
+    pub silu: fn(&mut [f32]),
     /// A numerically stable softmax ([`portable::softmax`]).
     pub softmax: fn(&mut [f32]),
     /// LayerNorm of every row of a matrix ([`portable::layer_norm_rows`]: rows `width` wide, gamma,
@@ -465,7 +467,11 @@ mod elementwise_tests {
         let scalar = &KernelTable::for_isa(Isa::Scalar).elementwise;
         for isa in Isa::available() {
             let e = &KernelTable::for_isa(isa).elementwise;
-            for (f, g, name) in [(scalar.gelu, e.gelu, "gelu"), (scalar.tanh, e.tanh, "tanh")] {
+            for (f, g, name) in [
+                (scalar.gelu, e.gelu, "gelu"),
+                (scalar.tanh, e.tanh, "tanh"),
+                (scalar.silu, e.silu, "silu"),
+            ] {
                 let (mut want, mut got) = (xs.clone(), xs.clone());
                 f(&mut want);
                 g(&mut got);

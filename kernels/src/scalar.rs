@@ -165,6 +165,7 @@ pub(super) static TABLE: KernelTable = kernel_table!(
     super::Elementwise {
         gelu: super::portable::gelu_erf_inplace,
         tanh: super::portable::tanh_inplace,
+        silu: super::portable::silu_inplace,
         softmax: super::portable::softmax,
         layer_norm: super::portable::layer_norm_rows,
         add_rows: super::portable::add_rows,

@@ -5,12 +5,6 @@
 use crate::kernels::packed::{self, LayerRef, PanelRef, QuantizedActivations};
 use crate::kernels::{dense, KernelTable};
 
-/// SiLU, `x * sigmoid(x)`, as PyTorch evaluates it in f32.
-#[inline]
-pub(super) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
 /// The time-gap bucket of `dt` seconds: `trunc(ln(max(|dt|, 1)) / 0.301)` clamped to
 /// `0..=buckets`, in f32 as the official code computes it (`torch.log` of the int64 gaps gives
 /// f32, and the divisor is an f32). Out-of-order events are bucketed by `|dt|`.
@@ -19,6 +13,22 @@ pub(super) fn time_bucket(dt: i64, buckets: usize) -> usize {
     let bucket = (gap.ln() / 0.301f32).trunc();
     // ln of at most 2^64 over 0.301 is below 148: the cast is exact.
     (bucket.max(0.0) as usize).min(buckets)
+}
+
+/// The time-gap bucket of every (row, key) pair of one history for the rows `first..n` (each
+/// against keys `0..=row`; later keys get 0, never read), into `out` as `[n - first, n]`: row
+/// `i`'s gaps are `t_{i+1} - t_j`. The same in every block, so a pass computes it once per
+/// history rather than once per block (a logarithm per pair).
+pub(super) fn bucket_rows(times: &[i64], first: usize, buckets: usize, out: &mut Vec<u16>) {
+    let n = times.len() - 1;
+    out.clear();
+    out.resize((n - first) * n, 0);
+    for (i, row) in (first..n).zip(out.chunks_exact_mut(n.max(1))) {
+        let next = times[i + 1];
+        for (j, b) in row[..=i].iter_mut().enumerate() {
+            *b = time_bucket(next - times[j], buckets) as u16;
+        }
+    }
 }
 
 /// One history's attention in one block, for the query rows `queries` (each `i` attends to
@@ -35,8 +45,9 @@ pub(super) struct HistoryAttention<'a> {
     pub heads: usize,
     pub dqk: usize,
     pub dv: usize,
-    /// `t_0 .. t_{n-1}` and the query time `t_n`: row `i`'s bias reads `t_{i+1}`.
-    pub times: &'a [i64],
+    /// The time-gap bucket of each new row against every key ([`bucket_rows`], `[n - carried,
+    /// n]`): row `i`'s at `(i - carried) * n`.
+    pub buckets: &'a [u16],
     /// The block's relative position weights, `[2 NA - 1]` (offset `j - i` at `NA - 1 + j - i`).
     pub position_bias: &'a [f32],
     /// The block's time-gap weights, `[buckets + 1]`.
@@ -124,17 +135,16 @@ impl HistoryAttention<'_> {
         let done = self.carried.len();
         let n = done + self.uvqk.len() / self.width;
         let width = self.heads * self.dv;
-        let buckets = self.time_bias.len() - 1;
         let divisor = self.attention_width as f32;
         let na = self.attention_width;
         // The bias of each query row against every earlier row (later ones are never read).
         s.bias.clear();
         s.bias.resize(queries.len() * n, 0.0);
         for (bias, &i) in s.bias.chunks_exact_mut(n).zip(queries) {
-            let next = self.times[i + 1];
-            for (j, b) in bias[..=i].iter_mut().enumerate() {
-                *b = self.position_bias[na - 1 + j - i]
-                    + self.time_bias[time_bucket(next - self.times[j], buckets)];
+            let buckets = &self.buckets[(i - done) * n..][..=i];
+            let positions = &self.position_bias[na - 1 - i..][..=i];
+            for ((b, &bucket), &position) in bias.iter_mut().zip(buckets).zip(positions) {
+                *b = position + self.time_bias[usize::from(bucket)];
             }
         }
         s.zeros.resize(n.max(self.dv).div_ceil(8) * 8, 0.0);
@@ -158,12 +168,19 @@ impl HistoryAttention<'_> {
                 .zip(s.bias.chunks_exact(n))
                 .zip(queries)
             {
-                let (seen, later) = weights.split_at_mut(i + 1);
-                for (w, b) in seen.iter_mut().zip(bias) {
-                    // The official code divides after the SiLU.
-                    *w = silu(*w + b) / divisor;
+                // Keys past the row are computed too, up to a whole vector (their bias is 0 and
+                // they are zeroed after), so the SiLU runs without a scalar tail per row.
+                let end = (i + 1).next_multiple_of(8).min(n);
+                let row = &mut weights[..end];
+                for (w, b) in row.iter_mut().zip(bias) {
+                    *w += b;
                 }
-                later.fill(0.0);
+                (k.elementwise.silu)(row);
+                // The official code divides after the SiLU.
+                for w in row.iter_mut() {
+                    *w /= divisor;
+                }
+                weights[i + 1..].fill(0.0);
             }
             let value_cols = h * self.dv..(h + 1) * self.dv;
             packed::pack_rows_transposed_into(&mut s.values, n, value_cols, |j| self.values(j));
@@ -198,13 +215,5 @@ mod tests {
         assert_eq!(time_bucket(i64::MAX, 128), 128);
         assert_eq!(time_bucket(i64::MIN, 128), 128);
         assert_eq!(time_bucket(1 << 40, 20), 20);
-    }
-
-    #[test]
-    fn silu_matches_its_definition() {
-        for x in [-20.0f32, -1.5, 0.0, 0.3, 7.0] {
-            let want = x as f64 / (1.0 + (-(x as f64)).exp());
-            assert!((silu(x) as f64 - want).abs() < 1e-6, "{x}");
-        }
     }
 }

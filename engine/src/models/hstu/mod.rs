@@ -32,7 +32,7 @@ use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
-use attention::{silu, AttentionScratch, HistoryAttention};
+use attention::{AttentionScratch, HistoryAttention};
 
 #[derive(Clone, Debug)]
 struct Block {
@@ -71,10 +71,16 @@ pub struct HstuScratch {
     /// Per history: how many of its rows a carried state covers (their keys and values are
     /// read from it; only the rows after them are in `x`).
     done: Vec<usize>,
-    /// Rows of each history in `x`, and its times (`t_0 .. t_{n-1}`, then the query time).
+    /// Rows of each history in `x`.
     spans: Vec<std::ops::Range<usize>>,
+    /// One history's kept times (`t_0 .. t_{n-1}`, then the query time), while its buckets are
+    /// computed.
     times: Vec<i64>,
-    time_spans: Vec<std::ops::Range<usize>>,
+    /// Per history, the time-gap buckets of its new rows against every key
+    /// ([`attention::bucket_rows`]), shared by the blocks; where each history's lie.
+    buckets: Vec<u16>,
+    bucket_spans: Vec<std::ops::Range<usize>>,
+    history_buckets: Vec<u16>,
     /// The rows whose output the block computes (every row but in the last block), global and
     /// per history (local indices).
     query_rows: Vec<usize>,
@@ -257,8 +263,8 @@ impl Hstu {
         s.x.clear();
         s.spans.clear();
         s.done.clear();
-        s.times.clear();
-        s.time_spans.clear();
+        s.buckets.clear();
+        s.bucket_spans.clear();
         // Each history's carried rows, as slices of its state's runs (a run holds whole rows).
         let mut carried: Vec<Vec<&[f32]>> = Vec::with_capacity(histories.len());
         for (b, (history, when)) in histories.iter().zip(times).enumerate() {
@@ -294,10 +300,13 @@ impl Hstu {
             }
             s.spans.push(first_row..s.x.len() / d);
             s.done.push(done);
-            let first_time = s.times.len();
+            s.times.clear();
             s.times.extend_from_slice(&when.events[start..]);
             s.times.push(when.query);
-            s.time_spans.push(first_time..s.times.len());
+            attention::bucket_rows(&s.times, done, c.time_buckets, &mut s.history_buckets);
+            let first_bucket = s.buckets.len();
+            s.buckets.extend_from_slice(&s.history_buckets);
+            s.bucket_spans.push(first_bucket..s.buckets.len());
         }
         // The ends: each history's new rows but its last, filled block by block.
         if let Some(carry) = carry.as_mut() {
@@ -368,7 +377,7 @@ impl Hstu {
             threads,
             observe,
         );
-        s.uvqk.iter_mut().for_each(|v| *v = silu(*v));
+        (k.elementwise.silu)(&mut s.uvqk);
 
         let keys = c.num_heads * c.dqk;
         let at_block = b * (keys + values);
@@ -388,10 +397,10 @@ impl Hstu {
         s.attention.clear();
         s.attention.resize(s.query_rows.len() * values, 0.0);
         let mut done = 0;
-        for ((span, time_span), (rows, &covered)) in s
+        for ((span, bucket_span), (rows, &covered)) in s
             .spans
             .iter()
-            .zip(&s.time_spans)
+            .zip(&s.bucket_spans)
             .zip(carried.iter().zip(&s.done))
         {
             s.local_queries.clear();
@@ -410,7 +419,7 @@ impl Hstu {
                 heads: c.num_heads,
                 dqk: c.dqk,
                 dv: c.dv,
-                times: &s.times[time_span.clone()],
+                buckets: &s.buckets[bucket_span.clone()],
                 position_bias: block.position_bias.as_slice(),
                 time_bias: block.time_bias.as_slice(),
                 attention_width: c.attention_width,
