@@ -11,6 +11,8 @@
 #                                     PyTorch-style exports (scripts/bench_sequential.py)
 #   scripts/bench.sh sessions [ARGS]  growing sessions, per event: GRU4Rec, SASRec and HSTU with their prefix caches and
 #                                     without, and ONNX Runtime and OpenVINO recomputing (scripts/bench_sessions.py)
+#   scripts/bench.sh hstu [ARGS]      HSTU at ML-1M's and ML-20M's shapes against the official research
+#                                     module (--official-repo), ONNX Runtime and OpenVINO (scripts/bench_hstu.py)
 #   scripts/bench.sh python-sessions [ARGS] growing sessions through the Python package, with the
 #                                     prefix cache and without (scripts/bench_python_sessions.py)
 #   scripts/bench.sh serving-sessions [ARGS] growing sessions through tritonserver under perf_analyzer:
@@ -46,7 +48,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 kind=$1
 shift
@@ -110,6 +112,11 @@ case "$kind" in
     ./scripts/python-env.sh --peers
     release_build -p recsys-cli -p recsys-benches --bin recsys --bin session_probe
     exec "$peers_python" scripts/bench_sessions.py "$@"
+    ;;
+  hstu)
+    ./scripts/python-env.sh --hstu-peers
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
+    exec .venv/hstu-peers/bin/python scripts/bench_hstu.py "$@"
     ;;
   python-sessions)
     ./scripts/python-env.sh
@@ -180,7 +187,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, sequential, sessions, python-sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, load)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, sequential, hstu, sessions, python-sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, load)" >&2
     exit 2
     ;;
 esac

@@ -36,6 +36,21 @@ if [[ "${1:-}" == "--peers" ]]; then
   touch "$PEERS/.recsys-peers-v1"
   exit 0
 fi
+# --hstu-peers: HSTU's peers (scripts/bench_hstu.py) in $VENV/hstu-peers: PyTorch with the CPU
+# kernels of FBGEMM (the official research module calls torch.ops.fbgemm; fbgemm-gpu-cpu 1.9 is
+# built against torch 2.14), gin-config (its configuration), ONNX Runtime and OpenVINO. The
+# official code itself is a checkout the benchmark is pointed at (--official-repo). No root.
+if [[ "${1:-}" == "--hstu-peers" ]]; then
+  PEERS="$VENV/hstu-peers"
+  [[ -f "$PEERS/.recsys-hstu-peers-v1" ]] && exit 0
+  echo "==> creating $PEERS (PyTorch, FBGEMM's CPU kernels, gin-config, ONNX Runtime, OpenVINO)"
+  "${PYTHON:-python3}" -m venv "$PEERS"
+  "$PEERS/bin/pip" install --quiet --upgrade pip
+  "$PEERS/bin/pip" install --quiet "torch==2.14.*" "fbgemm-gpu-cpu==1.9.0" "gin-config==0.5.0" \
+    "numpy==2.*" "onnx==1.23.2" "onnxruntime==1.32.0" "openvino==2026.4.1"
+  touch "$PEERS/.recsys-hstu-peers-v1"
+  exit 0
+fi
 STAMP="$VENV/.recsys-python-env-v12"
 SERVE_STAMP="$VENV/.recsys-serve-env-v1"
 if [[ -f "$STAMP" || ( $MODE == serve && -f "$SERVE_STAMP" ) ]]; then

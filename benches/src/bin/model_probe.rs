@@ -13,6 +13,8 @@
 //! `RECSYS_PROBE_CATALOGUE=FILE` puts a published catalogue delta (`recsys catalogue publish`'s
 //! object) in force first, as a server's swap does, and reports how long applying it took; its
 //! retired items are then left out of every request, as the server leaves them out.
+//! A model that reads time (HSTU) gets event `p` of every history at `T0 + 3600 p` seconds and the
+//! query time of the event after the last.
 //! Prints JSON: median and mean seconds per batch, the top-k ids of the first history, the
 //! thread-seconds per batch spent in dense layers, attention and the output layer, and the plans.
 #![forbid(unsafe_code)]
@@ -20,6 +22,9 @@
 use std::time::Instant;
 
 use recsys_engine::{Engine, ExternalIds, InternalRequest};
+
+/// The first event's time of every history of a model that reads time (2020-09-13).
+const T0: i64 = 1_600_000_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -94,6 +99,11 @@ fn main() {
             })
             .collect()
     });
+    // A model that reads time (HSTU): event p of every history at T0 + 3600 p, each asked at the
+    // next event's time (the cost does not depend on the values).
+    let timed = engine.kind().reads_timestamps();
+    let longest = mapped.iter().map(Vec::len).max().unwrap_or(0);
+    let clock: Vec<i64> = (0..=longest as i64).map(|p| T0 + 3600 * p).collect();
     let batches: Vec<Vec<InternalRequest>> = (0..reps.max(1))
         .map(|r| {
             (0..batch)
@@ -110,8 +120,12 @@ fn main() {
                         embedding: false,
                         eligible: unfiltered.clone(),
                         popular: false,
-                        timestamps: Vec::new(),
-                        query_timestamp: 0,
+                        timestamps: if timed {
+                            clock[..mapped[user].len()].to_vec()
+                        } else {
+                            Vec::new()
+                        },
+                        query_timestamp: if timed { clock[mapped[user].len()] } else { 0 },
                     }
                 })
                 .collect()
