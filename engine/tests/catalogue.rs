@@ -6,8 +6,9 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use common::cut::cut_checkpoint;
 use common::{config_json, fixtures, model_dir, Precision};
 use recsys_engine::catalogue::{CatalogueDelta, ItemOp, ItemRow};
 use recsys_engine::engine_dir::Screen;
@@ -39,99 +40,6 @@ fn cut_indices() -> Vec<usize> {
     let mut cut: Vec<usize> = (1..=2000).step_by(37).collect();
     cut.push(2000);
     cut
-}
-
-/// The fixture checkpoint of `kind` with the items at `cut` (internal indices) removed: every
-/// tensor dimension over the items (N+1 rows, or N+2 with BERT4Rec's mask token) loses those
-/// entries, the item map loses their lines and the config its count of them. Returns the
-/// checkpoint, config and item map written under `dir`.
-fn cut_checkpoint(
-    kind: ModelKind,
-    cut: &[usize],
-    dir: &Path,
-) -> (PathBuf, serde_json::Map<String, serde_json::Value>, PathBuf) {
-    std::fs::create_dir_all(dir).unwrap();
-    let n = 2000usize;
-    let bytes = std::fs::read(model_dir(kind).join("model.safetensors")).unwrap();
-    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, view) in tensors.tensors() {
-        assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-        let shape = view.shape().to_vec();
-        let values: Vec<f32> = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        let (mut shape, mut values) = (shape, values);
-        for axis in 0..shape.len() {
-            if shape[axis] != n + 1 && shape[axis] != n + 2 {
-                continue;
-            }
-            let outer: usize = shape[..axis].iter().product();
-            let inner: usize = shape[axis + 1..].iter().product();
-            let mut kept = Vec::with_capacity(values.len());
-            for o in 0..outer {
-                for i in 0..shape[axis] {
-                    if cut.binary_search(&i).is_ok() {
-                        continue;
-                    }
-                    let at = (o * shape[axis] + i) * inner;
-                    kept.extend_from_slice(&values[at..at + inner]);
-                }
-            }
-            shape[axis] -= cut.len();
-            values = kept;
-        }
-        out.push((
-            name.to_string(),
-            shape,
-            bytemuck::cast_slice(&values).to_vec(),
-        ));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = out
-        .iter()
-        .map(|(name, shape, data)| {
-            (
-                name.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
-                    .unwrap(),
-            )
-        })
-        .collect();
-    let checkpoint = dir.join("model.safetensors");
-    std::fs::write(&checkpoint, safetensors::serialize(views, &None).unwrap()).unwrap();
-
-    let map = std::fs::read_to_string(model_dir(kind).join("item_id_map.tsv")).unwrap();
-    let mut lines = vec!["internal_index\texternal_item_id".to_string()];
-    for line in map.lines() {
-        let Some((index, id)) = line.split_once('\t') else {
-            continue;
-        };
-        let Ok(index) = index.parse::<usize>() else {
-            continue;
-        };
-        if cut.binary_search(&index).is_err() {
-            lines.push(format!("{}\t{id}", lines.len()));
-        }
-    }
-    let item_map = dir.join("item_id_map.tsv");
-    std::fs::write(&item_map, lines.join("\n") + "\n").unwrap();
-
-    let mut config = config_json(kind);
-    let kept = (n - cut.len()) as u64;
-    for (key, value) in [
-        ("n_real_items", kept),
-        ("recbole_n_items", kept + 1),
-        ("input_dim", kept + 1),
-        ("mask_index", kept + 1),
-        ("item_embedding_rows", kept + 2),
-    ] {
-        if config.contains_key(key) {
-            config.insert(key.to_string(), value.into());
-        }
-    }
-    (checkpoint, config, item_map)
 }
 
 fn convert(

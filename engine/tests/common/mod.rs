@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+pub mod cut;
 pub mod reference;
 
 pub use recsys_engine::engine_dir::Precision;
