@@ -4,7 +4,7 @@ use crate::cli::ConvertArgs;
 use crate::error::{CliError, Result};
 use crate::output::say;
 use crate::progress;
-use recsys_engine::calibration::read_histories;
+use recsys_engine::calibration::read_timed_histories;
 use recsys_engine::{ConvertOptions, ConvertRequest, ModelKind, Spelling};
 
 impl ConvertArgs {
@@ -96,7 +96,7 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
     };
     let kind = args.kind.map(ModelKind::from);
     let calibration = match (&args.calibration, plan.calibration) {
-        (Some(path), Some(method)) => Some((read_histories(path)?, method)),
+        (Some(path), Some(method)) => Some((read_timed_histories(path)?, method)),
         _ => None,
     };
     let item_attributes = match &args.item_attributes {
@@ -131,7 +131,10 @@ pub fn run(args: &ConvertArgs) -> Result<i32> {
             item_map: args.items.source(),
             out: &out_dir,
             precision: plan.precision,
-            calibration: calibration.as_ref().map(|(h, m)| (h.as_slice(), *m)),
+            calibration: calibration.as_ref().map(|((h, _), m)| (h.as_slice(), *m)),
+            calibration_times: calibration
+                .as_ref()
+                .and_then(|((_, times), _)| times.as_deref()),
             screen: plan.screen,
             w8a8_layers: plan.w8a8_layers,
             catalogue: recsys_engine::CatalogueInputs {

@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::cli::SweepArgs;
 use crate::error::{CliError, Result};
 use crate::progress;
-use recsys_engine::calibration::{read_histories, CalibrationMethod};
+use recsys_engine::calibration::{read_timed_histories, CalibrationMethod};
 use recsys_engine::engine_dir::{Precision, Screen};
 use recsys_engine::metrics::{evaluate, read_test_set, TestCase};
 use recsys_engine::Int8Mode;
@@ -277,7 +277,7 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
     let calibration = args
         .calibration
         .as_ref()
-        .map(|p| read_histories(p))
+        .map(|p| read_timed_histories(p))
         .transpose()?;
     let cases = read_test_set(&args.test)?;
     let batches: Vec<usize> = args.batch_size.clone();
@@ -301,10 +301,14 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
             precision: variant.precision,
             calibration: variant.method.map(|m| {
                 (
-                    calibration.as_deref().expect("checked in parse_variants"),
+                    calibration
+                        .as_ref()
+                        .map(|(histories, _)| histories.as_slice())
+                        .expect("checked in parse_variants"),
                     m,
                 )
             }),
+            calibration_times: calibration.as_ref().and_then(|(_, times)| times.as_deref()),
             screen: variant.screen,
             w8a8_layers: variant.layers,
             catalogue: Default::default(),

@@ -150,9 +150,20 @@ pub fn summarize(
     }
 }
 
+/// Calibration histories (ids as text) and, when the lines carry them, their event times.
+pub type TimedHistories = (Vec<Vec<String>>, Option<Vec<crate::metrics::CaseTimes>>);
+
 /// Reads calibration histories from JSON lines in the `recsys predict` input format
 /// (`{"item_ids": [...]}`; other fields are ignored). Ids are returned as text.
 pub fn read_histories(path: &Path) -> Result<Vec<Vec<String>>> {
+    Ok(read_timed_histories(path)?.0)
+}
+
+/// [`read_histories`] with the lines' event times, for a model that reads time: `"timestamps"`
+/// (unix seconds, one per id) and `"query_timestamp"` (the time of the event to predict; the
+/// last event's when left out), as `recsys predict` reads them. `None` when no line has
+/// timestamps; every line must have them when one does, one per id.
+pub fn read_timed_histories(path: &Path) -> Result<TimedHistories> {
     let file = EngineError::open(path)?;
     let bad = |line: usize, reason: String| EngineError::TestSet {
         path: path.to_path_buf(),
@@ -160,6 +171,7 @@ pub fn read_histories(path: &Path) -> Result<Vec<Vec<String>>> {
         reason,
     };
     let mut out = Vec::new();
+    let mut times: Vec<Option<crate::metrics::CaseTimes>> = Vec::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line =
             line.map_err(|e| EngineError::io(format!("cannot read {}", path.display()), e))?;
@@ -181,16 +193,113 @@ pub fn read_histories(path: &Path) -> Result<Vec<Vec<String>>> {
                 })
                 .collect::<Result<_>>()?,
         );
+        times.push(match value.get("timestamps") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(stamps) => {
+                let events: Vec<i64> = stamps
+                    .as_array()
+                    .and_then(|a| a.iter().map(serde_json::Value::as_i64).collect())
+                    .ok_or_else(|| {
+                        bad(
+                            n + 1,
+                            "\"timestamps\" must be a list of integer unix seconds".into(),
+                        )
+                    })?;
+                if events.len() != ids.len() {
+                    return Err(bad(
+                        n + 1,
+                        format!(
+                            "{} timestamp(s) for {} item id(s): give one per id",
+                            events.len(),
+                            ids.len()
+                        ),
+                    ));
+                }
+                let target = match value.get("query_timestamp") {
+                    None | Some(serde_json::Value::Null) => events.last().copied().unwrap_or(0),
+                    Some(q) => q.as_i64().ok_or_else(|| {
+                        bad(
+                            n + 1,
+                            "\"query_timestamp\" must be an integer unix time".into(),
+                        )
+                    })?,
+                };
+                Some(crate::metrics::CaseTimes { events, target })
+            }
+        });
     }
     if out.is_empty() {
         return Err(bad(0, "no calibration histories".into()));
     }
-    Ok(out)
+    let timed = times.iter().filter(|t| t.is_some()).count();
+    let times = match timed {
+        0 => None,
+        all if all == times.len() => Some(times.into_iter().flatten().collect()),
+        _ => {
+            let line = times.iter().position(Option::is_none).unwrap_or(0) + 1;
+            return Err(bad(
+                line,
+                "this history has no \"timestamps\" while others do: give every line its \
+                 timestamps, or none"
+                    .into(),
+            ));
+        }
+    };
+    Ok((out, times))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Timestamps come with every line or none; a line's count must match its ids; the query
+    /// time is the last event's unless given.
+    #[test]
+    fn calibration_lines_carry_their_times_all_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let plain = write(
+            "plain.jsonl",
+            "{\"item_ids\": [1, 2]}\n{\"item_ids\": [\"a\"]}\n",
+        );
+        let (histories, times) = read_timed_histories(&plain).unwrap();
+        assert_eq!(histories, [vec!["1", "2"], vec!["a"]]);
+        assert!(times.is_none());
+        let timed = write(
+            "timed.jsonl",
+            "{\"item_ids\": [1, 2], \"timestamps\": [10, 20], \"query_timestamp\": 25}\n\
+             {\"item_ids\": [3], \"timestamps\": [30]}\n",
+        );
+        let (_, times) = read_timed_histories(&timed).unwrap();
+        let times = times.unwrap();
+        assert_eq!(
+            (times[0].events.as_slice(), times[0].target),
+            (&[10, 20][..], 25)
+        );
+        assert_eq!(
+            (times[1].events.as_slice(), times[1].target),
+            (&[30][..], 30)
+        );
+        let mixed = write(
+            "mixed.jsonl",
+            "{\"item_ids\": [1], \"timestamps\": [10]}\n{\"item_ids\": [2]}\n",
+        );
+        let err = read_timed_histories(&mixed).unwrap_err().to_string();
+        assert!(
+            err.contains("line 2") && err.contains("no \"timestamps\""),
+            "{err}"
+        );
+        let short = write(
+            "short.jsonl",
+            "{\"item_ids\": [1, 2], \"timestamps\": [10]}\n",
+        );
+        let err = read_timed_histories(&short).unwrap_err().to_string();
+        assert!(err.contains("1 timestamp(s) for 2 item id(s)"), "{err}");
+    }
 
     #[test]
     fn minmax_and_percentile() {

@@ -36,6 +36,9 @@ pub struct ConvertRequest<'a> {
     /// With `Precision::Int8`: calibration histories (external ids as text) and method, for W8A8
     /// static activation scales. `None` is weight-only int8.
     pub calibration: Option<(&'a [Vec<String>], CalibrationMethod)>,
+    /// The calibration histories' event times, one per history, for a model that reads time
+    /// (HSTU; required there with a calibration, ignored by the others).
+    pub calibration_times: Option<&'a [crate::metrics::CaseTimes]>,
     /// The top-k screen to record (fp32 and fp16 engines).
     pub screen: Screen,
     /// With a calibration: which layers the engine runs at static int8 activation scales. Every
@@ -142,13 +145,26 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
         }
     };
     let config = ModelConfig::resolve(kind, &json, &ckpt)?;
-    if kind.reads_timestamps() && request.calibration.is_some() {
-        // Calibration runs the encoder on histories of ids alone.
-        return Err(EngineError::Config(format!(
-            "W8A8 calibration of {kind} is not supported yet (its histories need timestamps): \
-             convert it with --int8-mode weight-only"
-        )));
-    }
+    let calibration_times = match (request.calibration, request.calibration_times) {
+        (Some(_), None) if kind.reads_timestamps() => {
+            return Err(EngineError::Config(format!(
+                "W8A8 calibration of {kind}: the model reads time, so each calibration history \
+                 needs its \"timestamps\" (unix seconds, one per item id; \"query_timestamp\" \
+                 optional, else the last event's)"
+            )))
+        }
+        (Some((histories, _)), Some(times)) if kind.reads_timestamps() => {
+            if times.len() != histories.len() {
+                return Err(EngineError::Config(format!(
+                    "{} calibration histories but {} with times: give each its timestamps",
+                    histories.len(),
+                    times.len()
+                )));
+            }
+            Some(times)
+        }
+        _ => None,
+    };
     let mut tensors = Model::engine_tensors(&config, &ckpt)?;
     let ids = request.item_map.read(max_checkpoint_bytes)?;
     request
@@ -161,6 +177,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
         request.precision,
         &ids,
         request.calibration,
+        calibration_times,
         request.w8a8_layers,
     )?;
     let source = SourceCheckpoint {
@@ -213,30 +230,52 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
 }
 
 /// Every value entering each dense layer (by name) and the output layer for the calibration
-/// histories.
+/// histories (with their event times, for a model that reads them: an unknown id is dropped with
+/// its time, as a request's is).
 fn calibration_activations(
     model: &Model,
     ids: &IdMap,
     histories: &[Vec<String>],
+    times: Option<&[crate::metrics::CaseTimes]>,
 ) -> (BTreeMap<String, Vec<f32>>, Vec<f32>) {
     let mut dense: BTreeMap<String, Vec<f32>> = BTreeMap::new();
     let mut output = Vec::new();
-    for chunk in histories.chunks(256) {
-        let mapped: Vec<Vec<u32>> = chunk
-            .iter()
-            .map(|h| {
-                let refs: Vec<&str> = h.iter().map(String::as_str).collect();
-                ids.map(ExternalIds::Str(&refs)).indices
-            })
-            .collect();
-        let refs: Vec<&[u32]> = mapped.iter().map(Vec::as_slice).collect();
+    for (c, chunk) in histories.chunks(256).enumerate() {
+        // (indices, their event times, the query time) per history; a timed history with no
+        // known item is left out (a request with none is not the model's to answer).
+        let mut mapped: Vec<(Vec<u32>, Vec<i64>, i64)> = Vec::with_capacity(chunk.len());
+        for (i, h) in chunk.iter().enumerate() {
+            let refs: Vec<&str> = h.iter().map(String::as_str).collect();
+            let (known, positions) = ids.map_with_positions(ExternalIds::Str(&refs));
+            match times {
+                Some(_) if known.indices.is_empty() => {}
+                Some(times) => {
+                    let case = &times[c * 256 + i];
+                    let events = positions.iter().map(|&p| case.events[p]).collect();
+                    mapped.push((known.indices, events, case.target));
+                }
+                None => mapped.push((known.indices, Vec::new(), 0)),
+            }
+        }
+        let refs: Vec<&[u32]> = mapped.iter().map(|(h, _, _)| h.as_slice()).collect();
+        let when: Vec<crate::models::EventTimes<'_>> = if times.is_some() {
+            mapped
+                .iter()
+                .map(|(_, events, query)| crate::models::EventTimes {
+                    events,
+                    query: *query,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut observe = |layer: &str, x: &[f32]| {
             dense
                 .entry(layer.to_string())
                 .or_default()
                 .extend_from_slice(x);
         };
-        output.extend(model.encode_observed(&refs, &mut observe).0);
+        output.extend(model.encode_observed(&refs, &when, &mut observe).0);
     }
     (dense, output)
 }
@@ -263,6 +302,7 @@ fn quantize(
     precision: Precision,
     ids: &IdMap,
     calibration: Option<(&[Vec<String>], CalibrationMethod)>,
+    calibration_times: Option<&[crate::metrics::CaseTimes]>,
     w8a8_layers: W8a8Layers,
 ) -> Result<Quantized> {
     if precision == Precision::Fp32 {
@@ -362,7 +402,7 @@ fn quantize(
             raw: raw.iter().cloned().collect(),
         };
         let model = Model::from_tensors(config, &weights)?;
-        let (dense, values) = calibration_activations(&model, ids, histories);
+        let (dense, values) = calibration_activations(&model, ids, histories, calibration_times);
         let s = calibration::summarize(&values, histories.len(), method);
         output_layer = OutputLayerQuantization {
             weights: "int8".into(),

@@ -57,6 +57,7 @@ pub fn convert(
         out,
         precision,
         calibration: None,
+        calibration_times: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
         catalogue: Default::default(),

@@ -39,6 +39,7 @@ fn convert_hstu(
         out,
         precision: recsys_engine::engine_dir::Precision::Fp32,
         calibration: None,
+        calibration_times: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
         catalogue: Default::default(),
@@ -415,4 +416,78 @@ fn every_precision_the_screen_and_threads_keep_hstus_answers() {
         threaded.set_threads(2);
         assert_eq!(answers(&threaded), answers(&engine), "{name}: two threads");
     }
+}
+
+/// W8A8 (every dense layer's input and the output layer's at static int8 scales) calibrated on
+/// the test file's first 256 histories with their timestamps, each asked at its target's time:
+/// the official protocol's NDCG@10 within the precision test's 1 % of fp32's; calibration without
+/// timestamps is refused by name, and so is a count of times that differs from the histories'.
+#[test]
+fn w8a8_calibrates_on_timestamped_histories() {
+    use recsys_engine::calibration::CalibrationMethod;
+    use recsys_engine::engine_dir::Precision;
+    /// As in the precision test: NDCG@10 may move by at most this fraction of fp32's.
+    const NDCG_RELATIVE_DROP: f64 = 0.01;
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = recsys_engine::metrics::read_test_set(&fixture().join("test_set.tsv.gz")).unwrap();
+    let calibration: Vec<Vec<String>> = cases[..256].iter().map(|c| c.history.clone()).collect();
+    let times: Vec<_> = cases[..256]
+        .iter()
+        .map(|c| c.times.clone().unwrap())
+        .collect();
+    let config = config_json(ModelKind::Hstu);
+    let (checkpoint, item_map) = (
+        fixture().join("model.safetensors"),
+        fixture().join("item_id_map.tsv"),
+    );
+    let outs = ["untimed", "short", "w8a8"].map(|name| tmp.path().join(name));
+    let request = |out: usize, times| ConvertRequest {
+        kind: Some(ModelKind::Hstu),
+        checkpoint: &checkpoint,
+        config: Some(&config),
+        item_map: ItemMapSource::Tsv(&item_map),
+        out: &outs[out],
+        precision: Precision::Int8,
+        calibration: Some((
+            &calibration,
+            CalibrationMethod::Percentile { percentile: 99.99 },
+        )),
+        calibration_times: times,
+        screen: Default::default(),
+        w8a8_layers: recsys_engine::W8a8Layers::All,
+        catalogue: Default::default(),
+    };
+    let err = convert(&request(0, None))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("needs its \"timestamps\""), "{err}");
+    let err = convert(&request(1, Some(&times[1..])))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("256 calibration histories but 255 with times"),
+        "{err}"
+    );
+
+    let w8a8 = convert(&request(2, Some(&times))).unwrap();
+    assert!(w8a8.manifest.static_dense_activations());
+    let fp32 = common::convert_fixture_at(
+        ModelKind::Hstu,
+        "model.safetensors",
+        &tmp.path().join("fp32"),
+        Precision::Fp32,
+    );
+    let ndcg = |engine: &Engine| {
+        recsys_engine::metrics::evaluate(engine, &cases[..1000], &[10], 256, |_| {})
+            .unwrap()
+            .metrics["ndcg@10"]
+    };
+    let (base, got) = (ndcg(&fp32), ndcg(&w8a8));
+    eprintln!("HSTU w8a8-all: NDCG@10 {got:.4} (fp32 {base:.4})");
+    assert!(
+        got >= base * (1.0 - NDCG_RELATIVE_DROP),
+        "{got} against {base}"
+    );
 }

@@ -34,6 +34,7 @@ fn convert(
         out,
         precision,
         calibration: None,
+        calibration_times: None,
         screen,
         w8a8_layers: Default::default(),
         catalogue: Default::default(),

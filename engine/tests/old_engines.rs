@@ -21,6 +21,7 @@ fn fresh(kind: ModelKind, out: &std::path::Path, precision: Precision, w8a8: boo
         out,
         precision,
         calibration: w8a8.then_some((&calibration[..], CalibrationMethod::Entropy)),
+        calibration_times: None,
         screen: if w8a8 { Screen::None } else { Screen::Int8 },
         w8a8_layers: W8a8Layers::Output,
         catalogue: Default::default(),

@@ -57,6 +57,7 @@ fn converting_with_the_saved_dataset_equals_converting_with_the_tsv() {
             out,
             precision: recsys_engine::engine_dir::Precision::Fp32,
             calibration: None,
+            calibration_times: None,
             screen: Default::default(),
             w8a8_layers: Default::default(),
             catalogue: Default::default(),

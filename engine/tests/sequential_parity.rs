@@ -23,6 +23,7 @@ fn convert_form(kind: ModelKind, checkpoint: &str, out: &std::path::Path) -> Eng
             out,
             precision: Precision::Fp32,
             calibration: None,
+            calibration_times: None,
             screen: Default::default(),
             w8a8_layers: Default::default(),
             catalogue: Default::default(),
@@ -265,7 +266,7 @@ fn gru4rec_input_table_gives_the_per_token_bits_at_every_precision() {
     let refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
     for (variant, engine) in engines_at_every_precision(ModelKind::Gru4rec, tmp.path()) {
         let (served, _) = engine.model.encode(&refs);
-        let (observed, _) = engine.model.encode_observed(&refs, &mut |_, _| {});
+        let (observed, _) = engine.model.encode_observed(&refs, &[], &mut |_, _| {});
         assert_eq!(served.len(), observed.len());
         assert!(
             served

@@ -61,6 +61,7 @@ fn main() {
                     out: &out,
                     precision,
                     calibration: None,
+                    calibration_times: None,
                     screen: Default::default(),
                     w8a8_layers: Default::default(),
                     catalogue: Default::default(),

@@ -171,6 +171,7 @@ fn engines_with_static_dense_activations_are_refused_with_the_reason() {
         out: &tmp.path().join("w8a8-all"),
         precision: Precision::Int8,
         calibration: Some((&calibration[..], CalibrationMethod::MinMax)),
+        calibration_times: None,
         screen: Default::default(),
         w8a8_layers: W8a8Layers::All,
         catalogue: Default::default(),
@@ -277,6 +278,7 @@ fn filtered_candidate_and_cold_start_rows_reach_the_cpu_engine_not_the_device() 
             out: &tmp.path().join("engine"),
             precision: Precision::Fp32,
             calibration: None,
+            calibration_times: None,
             screen: Default::default(),
             w8a8_layers: Default::default(),
             catalogue: recsys_engine::CatalogueInputs {

@@ -42,6 +42,7 @@ fn engine(dir: &Path, kind: ModelKind, precision: Precision, w8a8: bool) -> Path
         out: &out,
         precision,
         calibration: w8a8.then_some((histories.as_slice(), CalibrationMethod::MinMax)),
+        calibration_times: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
         catalogue: Default::default(),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use pyo3::exceptions::{PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use recsys_engine::calibration::read_histories;
+use recsys_engine::calibration::read_timed_histories;
 use recsys_engine::metrics::{evaluate as evaluate_engine, read_test_set};
 use recsys_engine::{ConvertOptions, ConvertRequest, ModelKind, Spelling};
 
@@ -104,7 +104,9 @@ pub(crate) fn convert(
         }
     };
     let calibration = match (calibration, plan.calibration) {
-        (Some(path), Some(method)) => Some((read_histories(&path).map_err(engine_error)?, method)),
+        (Some(path), Some(method)) => {
+            Some((read_timed_histories(&path).map_err(engine_error)?, method))
+        }
         _ => None,
     };
     let engine = py
@@ -118,7 +120,10 @@ pub(crate) fn convert(
                 precision: plan.precision,
                 calibration: calibration
                     .as_ref()
-                    .map(|(histories, method)| (histories.as_slice(), *method)),
+                    .map(|((histories, _), method)| (histories.as_slice(), *method)),
+                calibration_times: calibration
+                    .as_ref()
+                    .and_then(|((_, times), _)| times.as_deref()),
                 screen: plan.screen,
                 w8a8_layers: plan.w8a8_layers,
                 catalogue: recsys_engine::CatalogueInputs {

@@ -487,6 +487,7 @@ impl Model {
     pub fn encode_observed(
         &self,
         histories: &[&[u32]],
+        times: &[EventTimes<'_>],
         observe: ActivationObserver<'_>,
     ) -> (Vec<f32>, Vec<HistoryNote>) {
         let (mut hidden, mut notes) = (Vec::new(), Vec::new());
@@ -494,7 +495,7 @@ impl Model {
         self.encode_in(
             self.kernels(),
             histories,
-            &[],
+            times,
             &mut scratch,
             &mut hidden,
             &mut notes,

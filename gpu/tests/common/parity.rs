@@ -45,6 +45,7 @@ pub fn engine(kind: ModelKind, precision: Precision, dir: &Path) -> Engine {
             &calibration[..],
             recsys_engine::calibration::CalibrationMethod::Percentile { percentile: 99.99 },
         )),
+        calibration_times: None,
         screen: Default::default(),
         w8a8_layers: Default::default(),
         catalogue: Default::default(),
