@@ -96,6 +96,7 @@ fn engine_code(e: &EngineError) -> ErrorCode {
         | EngineError::EngineDir { .. }
         | EngineError::Checksum { .. }
         | EngineError::InvalidRequest(_)
+        | EngineError::UnknownIds { .. }
         | EngineError::Catalogue(_)
         | EngineError::TestSet { .. } => ErrorCode::InvalidArg,
     }

@@ -959,10 +959,11 @@ impl Engine {
         let (history, kept) = self.ids.map_with_positions(request.history);
         let (timestamps, query_timestamp) = self.request_times(request, &kept)?;
         if history.unknown > 0 && options.unknown_items == UnknownItemPolicy::Error {
-            return Err(EngineError::InvalidRequest(format!(
-                "ITEM_IDS holds {} id(s) unknown to the model (unknown_item_policy is \"error\")",
-                history.unknown
-            )));
+            return Err(EngineError::UnknownIds {
+                input: crate::error::IdInput::History,
+                count: history.unknown,
+                examples: self.ids.unknown_examples(request.history, 3),
+            });
         }
         let popular =
             history.indices.is_empty() && self.answers_empty_popular(options, &history)?;
@@ -990,11 +991,11 @@ impl Engine {
             Some(ids) => {
                 let mapped = self.ids.map(ids);
                 if mapped.unknown > 0 && options.unknown_items == UnknownItemPolicy::Error {
-                    return Err(EngineError::InvalidRequest(format!(
-                        "CANDIDATE_ITEM_IDS holds {} id(s) unknown to the model (unknown_item_policy \
-                         is \"error\")",
-                        mapped.unknown
-                    )));
+                    return Err(EngineError::UnknownIds {
+                        input: crate::error::IdInput::Candidates,
+                        count: mapped.unknown,
+                        examples: self.ids.unknown_examples(ids, 3),
+                    });
                 }
                 unknown_candidates = mapped.unknown;
                 // Ascending and distinct: the selection's ties then go to the lower index, as

@@ -60,6 +60,19 @@ pub enum EngineError {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
 
+    /// A request whose ids include ones the model does not know, under the policy that refuses
+    /// them (worded in Triton's terms; the Python package words it in its own from the fields).
+    #[error(
+        "invalid request: {} holds {count} id(s) unknown to the model (unknown_item_policy is \"error\")",
+        input.tensor()
+    )]
+    UnknownIds {
+        input: IdInput,
+        count: usize,
+        /// The first few unknown ids, as text.
+        examples: Vec<String>,
+    },
+
     /// A catalogue delta that cannot apply to the engine; the message names the item and why.
     #[error("catalogue delta: {0}")]
     Catalogue(String),
@@ -107,3 +120,20 @@ impl EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Which ids of a request an [`EngineError::UnknownIds`] is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdInput {
+    History,
+    Candidates,
+}
+
+impl IdInput {
+    /// The Triton input that carries them.
+    pub fn tensor(self) -> &'static str {
+        match self {
+            IdInput::History => "ITEM_IDS",
+            IdInput::Candidates => "CANDIDATE_ITEM_IDS",
+        }
+    }
+}

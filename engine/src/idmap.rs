@@ -365,6 +365,24 @@ impl IdMap {
         self.map_with_positions(ids).0
     }
 
+    /// The first `limit` ids of `ids` the map does not know, as text (for an error to show).
+    pub fn unknown_examples(&self, ids: ExternalIds<'_>, limit: usize) -> Vec<String> {
+        match ids {
+            ExternalIds::Int(v) => v
+                .iter()
+                .filter(|&&id| self.index_of_int(id).is_none())
+                .take(limit)
+                .map(i64::to_string)
+                .collect(),
+            ExternalIds::Str(v) => v
+                .iter()
+                .filter(|id| self.index_of_str(id).is_none())
+                .take(limit)
+                .map(|id| id.to_string())
+                .collect(),
+        }
+    }
+
     /// [`IdMap::map`], and the positions in `ids` of the ids it kept (what a request's per-id
     /// values, such as timestamps, are filtered by).
     pub fn map_with_positions(&self, ids: ExternalIds<'_>) -> (Mapped, Vec<usize>) {

@@ -161,6 +161,8 @@ impl PyEngine {
                 rows.scores
                     .push(PyArray1::<f32>::zeros(py, 0, false).into_any().unbind());
                 rows.embeddings.push(None);
+                // The engine's own words, as `recsys predict` writes them (recsys.ray's rows
+                // equal the command's).
                 rows.errors.push(Some(e.to_string()));
                 return Ok(());
             }
@@ -193,6 +195,45 @@ impl PyEngine {
         Ok(())
     }
 
+    /// Ids of the wrong type for this engine in `lists` (the argument `argument`): strings that
+    /// are not integers given to an engine of integer ids. With `strict` a `TypeError` naming the
+    /// first; otherwise a warning (they are dropped as unknown, never silently).
+    fn check_id_types(
+        &self,
+        py: Python<'_>,
+        lists: &IdLists,
+        argument: &str,
+        strict: bool,
+    ) -> PyResult<()> {
+        let engine = self
+            .engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if engine.ids.id_type() != recsys_engine::idmap::IdType::Int64 {
+            return Ok(());
+        }
+        let wrong = lists.non_integers();
+        let Some(&(row, at, id)) = wrong.first() else {
+            return Ok(());
+        };
+        let what = format!(
+            "{argument}[{row}][{at}] is '{id}', a str, but this engine's item ids are integers"
+        );
+        if strict {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "{what} (strict=True refuses ids of the wrong type)"
+            )));
+        }
+        let message = format!(
+            "{what}: {} id(s) of the wrong type dropped as unknown (strict=True refuses them)",
+            wrong.len()
+        );
+        let category = py.get_type::<pyo3::exceptions::PyUserWarning>();
+        let message = std::ffi::CString::new(message).expect("no NUL in a message");
+        PyErr::warn(py, &category, &message, 1)
+    }
+
     /// [`Self::answer_each`] for calls that fail as a whole: the first refused history raises.
     fn answer(
         &self,
@@ -202,6 +243,10 @@ impl PyEngine {
         candidates: Option<&IdLists>,
         ask: &Ask,
     ) -> PyResult<(Arc<Engine>, Vec<Recommendation>)> {
+        self.check_id_types(py, histories, "histories", ask.strict)?;
+        if let Some(candidates) = candidates {
+            self.check_id_types(py, candidates, "candidates", ask.strict)?;
+        }
         let (engine, answers) = self.answer_each(py, histories, None, exclude, candidates, ask);
         let answers = answers
             .into_iter()
@@ -211,6 +256,11 @@ impl PyEngine {
                     EngineError::InvalidRequest(message) => {
                         PyValueError::new_err(format!("history {i}: {message}"))
                     }
+                    EngineError::UnknownIds {
+                        input,
+                        count,
+                        examples,
+                    } => PyValueError::new_err(unknown_ids_message(i, input, count, &examples)),
                     other => engine_error(other),
                 })
             })
@@ -325,7 +375,7 @@ impl PyEngine {
     fn new(
         py: Python<'_>,
         path: PathBuf,
-        threads: Option<usize>,
+        threads: Option<i64>,
         device: &str,
         prefix_cache_bytes: usize,
         screen_policy: &str,
@@ -354,8 +404,12 @@ impl PyEngine {
         };
         let mut engine = py.detach(|| Engine::load(&dir)).map_err(engine_error)?;
         let threads = match threads {
-            Some(0) => return Err(PyValueError::new_err("threads must be at least 1")),
-            Some(t) => t,
+            Some(t) if t < 1 => {
+                return Err(PyValueError::new_err(format!(
+                    "threads must be at least 1 (or None for one per CPU), got {t}"
+                )))
+            }
+            Some(t) => usize::try_from(t).unwrap_or(usize::MAX),
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
         engine.set_threads(threads);
@@ -765,6 +819,10 @@ impl PyEngine {
             strict,
             embedding,
         };
+        if !strict {
+            // Under strict=True each such row carries its error instead.
+            self.check_id_types(py, &histories, "histories", false)?;
+        }
         let (engine, answers) = self.answer_each(
             py,
             &histories,
@@ -809,6 +867,9 @@ impl PyEngine {
         if let Some(times) = &times {
             times.check_lengths(&histories)?;
         }
+        if !strict {
+            self.check_id_types(py, &histories, "histories", false)?;
+        }
         let mut timelines: Vec<PredictRows> = (0..histories.len())
             .map(|_| PredictRows::default())
             .collect();
@@ -851,4 +912,24 @@ impl PyEngine {
             self.device()
         )
     }
+}
+
+/// A refused call's unknown ids in the package's own terms: the argument and row, the ids, and
+/// the `strict=` that refused them.
+fn unknown_ids_message(
+    row: usize,
+    input: recsys_engine::IdInput,
+    count: usize,
+    examples: &[String],
+) -> String {
+    let argument = match input {
+        recsys_engine::IdInput::History => "histories",
+        recsys_engine::IdInput::Candidates => "candidates",
+    };
+    let shown = examples.join(", ");
+    let more = if count > examples.len() { ", ..." } else { "" };
+    format!(
+        "{argument}[{row}] holds {count} id(s) the model does not know ({shown}{more}); \
+         strict=True refuses them (strict=False drops them)"
+    )
 }

@@ -76,6 +76,24 @@ impl IdLists {
         }
     }
 
+    /// Ids that cannot be integers (strings that do not parse as one), as `(row, position,
+    /// id)`, in order: what an engine of integer ids can never know.
+    pub(crate) fn non_integers(&self) -> Vec<(usize, usize, &str)> {
+        match self {
+            IdLists::Int(_) => Vec::new(),
+            IdLists::Str(v) => v
+                .iter()
+                .enumerate()
+                .flat_map(|(row, ids)| {
+                    ids.iter()
+                        .enumerate()
+                        .filter(|(_, id)| id.trim().parse::<i64>().is_err())
+                        .map(move |(at, id)| (row, at, id.as_str()))
+                })
+                .collect(),
+        }
+    }
+
     /// List `i`'s length.
     pub(crate) fn len_of(&self, i: usize) -> usize {
         match self {

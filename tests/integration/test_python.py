@@ -132,8 +132,25 @@ def test_errors_are_python_exceptions_with_the_engines_message(engines, tmp_path
     with pytest.raises(recsys.RecsysError, match="manifest"):
         recsys.Engine(tmp_path / "broken")
     engine = recsys.Engine(engines["vaecf"])
-    with pytest.raises(ValueError, match="history 1: ITEM_IDS holds 1 id"):
+    # In the package's terms: the argument and row, the id, and the strict= that refused it.
+    with pytest.raises(ValueError, match=re.escape("histories[1] holds 1 id(s) the model does not know (-5); "
+                                                   "strict=True refuses them")):
         engine.recommend([[10011403], [10011403, -5]], strict=True)
+    with pytest.raises(ValueError, match=re.escape("candidates[0] holds 1 id(s) the model does not know (77)")):
+        engine.rerank([[10011403]], [[10011207, 77]], strict=True)
+    # An id of the wrong type: a TypeError under strict=True, a warning when it is dropped.
+    with pytest.raises(TypeError, match=re.escape("histories[0][1] is 'abc', a str, but this engine's item "
+                                                  "ids are integers")):
+        engine.recommend([["10011403", "abc"]], strict=True)
+    with pytest.warns(UserWarning, match=r"histories\[0\]\[0\] is 'abc'.*1 id\(s\) of the wrong type dropped"):
+        ids, _ = engine.recommend([["abc", "10011403"]], k=5)
+    assert ids.shape == (1, 5)
+    with pytest.warns(UserWarning, match="of the wrong type dropped"):
+        _, _, _, errors = engine.predict([["abc"], ["10011403"]])
+    assert errors[1] is None
+    # predict's rows carry the engine's words, as `recsys predict` (and recsys.ray) write them.
+    _, _, _, errors = engine.predict([[10011403], [-5, -6]], strict=True)
+    assert errors[0] is None and "holds 2 id(s) unknown to the model" in errors[1]
     assert engine.recommend([[10011403, -5]])[0].shape == (1, 10), "unknown ids are dropped by default"
     with pytest.raises(ValueError, match="k must be at least 1, got 0"):
         engine.recommend([[10011403]], k=0)
@@ -143,6 +160,8 @@ def test_errors_are_python_exceptions_with_the_engines_message(engines, tmp_path
         engine.rerank([[10011403], [10011207]], [[10011739]])
     with pytest.raises(ValueError, match="threads must be at least 1"):
         recsys.Engine(engines["vaecf"], threads=0)
+    with pytest.raises(ValueError, match=re.escape("threads must be at least 1 (or None for one per CPU), got -1")):
+        recsys.Engine(engines["vaecf"], threads=-1)
 
 
 def test_the_gil_is_released_while_the_engine_computes(engines, users):
