@@ -5,7 +5,8 @@
 # (scripts/test.sh) and by docker/Dockerfile, so the image is built exactly as CI builds.
 #   scripts/build-release.sh [--cuda | --cuda-13] [--backend-only] [--target-dir DIR]
 # --backend-only leaves out the CLI (it has no CUDA features, so its CUDA build is the plain one):
-# CI's CUDA build of the backend uses it.
+# CI's CUDA build of the backend uses it. With the CLI, its shell completions and manual pages are
+# written to target/release/completions and target/release/man.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features=()
@@ -21,3 +22,15 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 cargo build --release --locked "${packages[@]}" "${features[@]}" "${args[@]}"
+# With the CLI: its shell completions and manual pages beside it, generated from its own command
+# definitions (target/release/completions/recsys.{bash,zsh,fish}, target/release/man/*.1).
+if [[ " ${packages[*]} " == *" recsys-cli "* ]]; then
+  target=target
+  if [[ ${#args[@]} -gt 0 && ${args[0]} == --target-dir ]]; then target=${args[1]}; fi
+  bin="$target/release/recsys"
+  mkdir -p "$target/release/completions"
+  for shell in bash zsh fish; do
+    "$bin" completions "$shell" > "$target/release/completions/recsys.$shell"
+  done
+  "$bin" man --output "$target/release/man" 2>/dev/null
+fi

@@ -61,6 +61,28 @@ pub enum Command {
     /// the servers of a model poll and swap in without a new version.
     #[command(subcommand)]
     Catalogue(CatalogueCommand),
+    /// Print the shell completion script for bash, zsh, fish, elvish or PowerShell (source it,
+    /// or save it where the shell loads completions: scripts/build-release.sh writes them to
+    /// target/release/completions).
+    Completions(CompletionsArgs),
+    /// Write the manual pages (roff): recsys.1 and one page per command (recsys-convert.1, ...),
+    /// into a folder (`man -l recsys.1` reads one; scripts/build-release.sh writes them to
+    /// target/release/man).
+    Man(ManArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+#[derive(Args, Debug)]
+pub struct ManArgs {
+    /// Folder to write the pages into (created if missing).
+    #[arg(long, alias = "out")]
+    pub output: PathBuf,
 }
 
 #[derive(Subcommand, Debug)]

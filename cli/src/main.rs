@@ -8,6 +8,7 @@ mod catalogue;
 mod catalogue_table;
 mod cli;
 mod convert;
+mod docs;
 mod error;
 mod eval;
 mod exit;
@@ -69,6 +70,8 @@ fn main() {
         }
         cli::Command::Catalogue(cli::CatalogueCommand::Publish(args)) => catalogue::publish(&args),
         cli::Command::Catalogue(cli::CatalogueCommand::Show(args)) => catalogue::show(&args),
+        cli::Command::Completions(args) => docs::completions(&args),
+        cli::Command::Man(args) => docs::man(&args),
     };
     match code {
         Ok(code) => std::process::exit(code),
