@@ -6,9 +6,8 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
-use common::cut::cut_checkpoint;
+use common::cut::{convert_from as convert, cut_checkpoint};
 use common::{config_json, fixtures, model_dir, Precision};
 use recsys_engine::catalogue::{CatalogueDelta, ItemOp, ItemRow};
 use recsys_engine::engine_dir::Screen;
@@ -40,31 +39,6 @@ fn cut_indices() -> Vec<usize> {
     let mut cut: Vec<usize> = (1..=2000).step_by(37).collect();
     cut.push(2000);
     cut
-}
-
-fn convert(
-    kind: ModelKind,
-    checkpoint: &Path,
-    config: &serde_json::Map<String, serde_json::Value>,
-    item_map: &Path,
-    out: &Path,
-    precision: Precision,
-    screen: Screen,
-) -> Engine {
-    recsys_engine::convert(&recsys_engine::ConvertRequest {
-        kind: Some(kind),
-        checkpoint,
-        config: Some(config),
-        item_map: recsys_engine::ItemMapSource::Tsv(item_map),
-        out,
-        precision,
-        calibration: None,
-        calibration_times: None,
-        screen,
-        w8a8_layers: Default::default(),
-        catalogue: Default::default(),
-    })
-    .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()))
 }
 
 /// The item's rows in `engine` as `recsys export-items --with-input-rows` writes them:

@@ -26,20 +26,7 @@ fn convert(
     precision: Precision,
     screen: Screen,
 ) -> Engine {
-    recsys_engine::convert(&recsys_engine::ConvertRequest {
-        kind: Some(KIND),
-        checkpoint,
-        config: Some(config),
-        item_map: recsys_engine::ItemMapSource::Tsv(item_map),
-        out,
-        precision,
-        calibration: None,
-        calibration_times: None,
-        screen,
-        w8a8_layers: Default::default(),
-        catalogue: Default::default(),
-    })
-    .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()))
+    common::cut::convert_from(KIND, checkpoint, config, item_map, out, precision, screen)
 }
 
 /// A delta of `op` rows for `ids` with their rows in `source` as export-items writes them: the

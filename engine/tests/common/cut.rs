@@ -1,10 +1,11 @@
 //! Fixture checkpoints with items cut out: what an engine converted before those items existed
-//! looks like (the live-catalogue tests give them back as a delta).
+//! looks like (the live-catalogue tests give them back as a delta), and the conversion of one.
 
 use std::path::{Path, PathBuf};
 
-use super::{config_json, model_dir};
-use recsys_engine::ModelKind;
+use super::{config_json, model_dir, Precision};
+use recsys_engine::engine_dir::Screen;
+use recsys_engine::{Engine, ModelKind};
 
 /// The fixture checkpoint of `kind` with the items at `cut` (internal indices) removed: every
 /// tensor dimension over the items (N+1 rows, or N+2 with BERT4Rec's mask token) loses those
@@ -103,4 +104,30 @@ pub fn cut_checkpoint(
         }
     }
     (checkpoint, config, item_map)
+}
+
+/// An engine converted from `checkpoint` (a cut one, or the fixture's own) at `precision`.
+pub fn convert_from(
+    kind: ModelKind,
+    checkpoint: &Path,
+    config: &serde_json::Map<String, serde_json::Value>,
+    item_map: &Path,
+    out: &Path,
+    precision: Precision,
+    screen: Screen,
+) -> Engine {
+    recsys_engine::convert(&recsys_engine::ConvertRequest {
+        kind: Some(kind),
+        checkpoint,
+        config: Some(config),
+        item_map: recsys_engine::ItemMapSource::Tsv(item_map),
+        out,
+        precision,
+        calibration: None,
+        calibration_times: None,
+        screen,
+        w8a8_layers: Default::default(),
+        catalogue: Default::default(),
+    })
+    .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()))
 }
