@@ -8,7 +8,7 @@ Models at MovieLens-1M's shapes with random weights (`bench_sequential.py`'s): G
 items, embedding 64, hidden 128, 1 layer, max_len 200), SASRec (3,416 items, hidden 64, 2
 layers of 2 heads, inner 256, max_len 200) and HSTU (`--model hstu`: the official "large" ML-1M
 config, 3,416 items, D 50, 8 blocks of 2 heads x (25 + 25), max_sequence_length 200; events an
-hour apart, each call at the next event's time; no peers, since HSTU has no exported graph yet),
+hour apart, each call at the next event's time; its peers run the graph `recsys export-onnx` builds),
 on histories of at least 200 distinct items. Each
 call carries every history of a group of `batch` users, one event longer than the last call
 (batch 1, and 64 concurrent users); the table gives the median latency of the call that brings the
@@ -83,16 +83,31 @@ def measure_model(kind: str, threads: int, tmp: Path) -> list[tuple[int, dict]]:
     histories = [h for h in ml1m_histories(sorted(ext_to_int), rng, count=4000) if len(h) >= max(LENGTHS)]
     path = tmp / f"{kind}-histories.json"
     path.write_text(json.dumps(histories))
-    # HSTU has no exported graph yet: recsys with its cache against recsys without it only.
-    sess = None if kind == "hstu" else (sasrec_session if kind == "sasrec" else gru4rec_session)(
-        read_safetensors(ckpt), cfg, threads)
     L = cfg.get("max_seq_length", cfg.get("max_sequence_length"))
     N = cfg.get("n_real_items", cfg.get("num_items"))
+    if kind == "hstu":
+        # The peers run the graph recsys exports (timestamps as session_probe gives them: an
+        # hour apart, each prefix asked at the next event's time).
+        import onnx  # noqa: PLC0415
+        from bench_hstu import graph_feeds  # noqa: PLC0415
+        from bench_models import Peers  # noqa: PLC0415
+
+        graph = tmp / "hstu.onnx"
+        subprocess.run([str(RECSYS), "export-onnx", "--engine", str(engine), "--out", str(graph), "--k", "10"],
+                       check=True, capture_output=True)
+        sess = Peers(onnx.load(str(graph)), threads)
+
+        def batch_feeds(batch_hist):
+            return graph_feeds(batch_hist, ext_to_int)
+    else:
+        sess = (sasrec_session if kind == "sasrec" else gru4rec_session)(read_safetensors(ckpt), cfg, threads)
+
+        def batch_feeds(batch_hist):
+            return feeds(batch_hist, ext_to_int, L, N)
     rows = []
     for batch, groups in [(1, 24), (64, 2)]:
-        prefixes = {} if sess is None else {
-            t: [feeds([h[:t] for h in histories[g * batch:(g + 1) * batch]], ext_to_int, L, N)
-                for g in range(min(groups, 4))] for t in LENGTHS}
+        prefixes = {t: [batch_feeds([h[:t] for h in histories[g * batch:(g + 1) * batch]])
+                        for g in range(min(groups, 4))] for t in LENGTHS}
         best: dict = {}
         for _ in range(2):  # sides alternating; each keeps its best median
             for encoder_only in (False, True):
@@ -104,7 +119,7 @@ def measure_model(kind: str, threads: int, tmp: Path) -> list[tuple[int, dict]]:
                     if cache and not encoder_only:
                         best["stats"] = r["cache_stats"]
                         best["isa"] = r["isa"]
-            peers = {} if sess is None else peer_side(sess, prefixes, 30 if batch == 1 else 3)
+            peers = peer_side(sess, prefixes, 30 if batch == 1 else 3)
             for name, times in peers.items():
                 best[name] = times if name not in best else {t: min(best[name][t], times[t]) for t in times}
         rows.append((batch, best))
