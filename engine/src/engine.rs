@@ -1209,12 +1209,12 @@ impl Engine {
         let window = self.manifest.model.history_window().unwrap_or(usize::MAX);
         let layout = self.cache_key_layout();
         let cacheable = |h: &[u32]| !h.is_empty() && h.len() <= window;
-        let keys: Vec<Vec<u32>> = histories
+        let keys: Vec<std::borrow::Cow<'_, [u32]>> = histories
             .iter()
             .enumerate()
             .map(|(b, h)| {
                 if !cacheable(h) {
-                    return Vec::new();
+                    return std::borrow::Cow::Borrowed(&[][..]);
                 }
                 layout.key(h, times.get(b).map_or(&[][..], |t| t.events))
             })

@@ -116,9 +116,11 @@ pub enum KeyLayout {
 
 impl KeyLayout {
     /// The key of a whole history (`times`: one per item, read by [`KeyLayout::TimedItems`]).
-    pub fn key(self, items: &[u32], times: &[i64]) -> Vec<u32> {
+    /// The items' own key is the items themselves, borrowed (the GRU4Rec and SASRec hot path
+    /// copies nothing).
+    pub fn key<'a>(self, items: &'a [u32], times: &[i64]) -> std::borrow::Cow<'a, [u32]> {
         match self {
-            KeyLayout::Items => items.to_vec(),
+            KeyLayout::Items => std::borrow::Cow::Borrowed(items),
             KeyLayout::TimedItems => {
                 assert_eq!(items.len(), times.len(), "one timestamp per item");
                 items
@@ -128,7 +130,8 @@ impl KeyLayout {
                         let bits = t as u64;
                         [bits as u32, (bits >> 32) as u32, item]
                     })
-                    .collect()
+                    .collect::<Vec<u32>>()
+                    .into()
             }
         }
     }
