@@ -16,14 +16,14 @@ pub(super) fn time_bucket(dt: i64, buckets: usize) -> usize {
 }
 
 /// The time-gap bucket of every (row, key) pair of one history for the rows `first..n` (each
-/// against keys `0..=row`; later keys get 0, never read), into `out` as `[n - first, n]`: row
+/// against keys `0..=row`; later keys get 0, never read), appended to `out` as `[n - first, n]`: row
 /// `i`'s gaps are `t_{i+1} - t_j`. The same in every block, so a pass computes it once per
 /// history rather than once per block (a logarithm per pair).
 pub(super) fn bucket_rows(times: &[i64], first: usize, buckets: usize, out: &mut Vec<u16>) {
     let n = times.len() - 1;
-    out.clear();
-    out.resize((n - first) * n, 0);
-    for (i, row) in (first..n).zip(out.chunks_exact_mut(n.max(1))) {
+    let start = out.len();
+    out.resize(start + (n - first) * n, 0);
+    for (i, row) in (first..n).zip(out[start..].chunks_exact_mut(n.max(1))) {
         let next = times[i + 1];
         for (j, b) in row[..=i].iter_mut().enumerate() {
             *b = time_bucket(next - times[j], buckets) as u16;

@@ -80,7 +80,6 @@ pub struct HstuScratch {
     /// ([`attention::bucket_rows`]), shared by the blocks; where each history's lie.
     buckets: Vec<u16>,
     bucket_spans: Vec<std::ops::Range<usize>>,
-    history_buckets: Vec<u16>,
     /// The rows whose output the block computes (every row but in the last block), global and
     /// per history (local indices).
     query_rows: Vec<usize>,
@@ -303,9 +302,8 @@ impl Hstu {
             s.times.clear();
             s.times.extend_from_slice(&when.events[start..]);
             s.times.push(when.query);
-            attention::bucket_rows(&s.times, done, c.time_buckets, &mut s.history_buckets);
             let first_bucket = s.buckets.len();
-            s.buckets.extend_from_slice(&s.history_buckets);
+            attention::bucket_rows(&s.times, done, c.time_buckets, &mut s.buckets);
             s.bucket_spans.push(first_bucket..s.buckets.len());
         }
         // The ends: each history's new rows but its last, filled block by block.
