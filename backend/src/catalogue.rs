@@ -25,6 +25,9 @@ pub enum Polled {
         summary: CatalogueSummary,
         previous: Option<u64>,
         items: usize,
+        /// The object is the delta this (compacted) engine was built from: its rows are already
+        /// in the weights, and only its version is taken.
+        folded: bool,
     },
     /// A new object was refused; the catalogue in force stays.
     Refused(String),
@@ -84,26 +87,32 @@ impl Tracker {
         // until the source changes.
         self.seen = object.etag().map(str::to_owned);
         live.change(|engine| {
-            let file = match check(engine, &object.bytes) {
-                Ok(file) => file,
+            let delta = match check(engine, &object.bytes) {
+                Ok(delta) => delta,
                 Err(e) => return (None, Polled::Refused(e)),
             };
             let previous = engine.catalogue().map(|c| c.version);
             if let Some(current) = previous {
-                if file.delta.version <= current {
-                    let report = if file.delta.version == current {
+                if delta.version <= current {
+                    let report = if delta.version == current {
                         Polled::Unchanged
                     } else {
                         Polled::Refused(format!(
                             "catalogue version {} is not newer than version {current} in force \
                              (kept)",
-                            file.delta.version
+                            delta.version
                         ))
                     };
                     return (None, report);
                 }
             }
-            match engine.with_catalogue(&file.delta) {
+            let folded = delta.rows.is_empty()
+                && engine
+                    .manifest
+                    .catalogue
+                    .as_ref()
+                    .is_some_and(|f| delta.version <= f.version);
+            match engine.with_catalogue(&delta) {
                 Ok(next) => {
                     let summary = next.catalogue().cloned().expect("just applied");
                     let items = next.n_items();
@@ -113,12 +122,13 @@ impl Tracker {
                             summary,
                             previous,
                             items,
+                            folded,
                         },
                     )
                 }
                 Err(e) => (
                     None,
-                    Polled::Refused(format!("version {}: {e}", file.delta.version)),
+                    Polled::Refused(format!("version {}: {e}", delta.version)),
                 ),
             }
         })
@@ -130,31 +140,47 @@ mod tests {
     use super::*;
     use recsys_engine::catalogue::{CatalogueDelta, ItemOp, ItemRow};
     use recsys_engine::catalogue_file::CatalogueFile;
+    use recsys_engine::idmap::ExternalId;
+
+    /// A row retiring the item `id`.
+    fn retirement(id: ExternalId) -> ItemRow {
+        ItemRow {
+            id,
+            op: ItemOp::Retire,
+            vector: None,
+            input_vector: None,
+        }
+    }
+
+    /// A catalogue object of `rows` at `version`, for the engine whose weights digest is `sha`
+    /// and whose rows are `(vector, input)` wide.
+    fn object_bytes(
+        (vector_width, input_width): (usize, usize),
+        version: u64,
+        rows: Vec<ItemRow>,
+        sha: &str,
+    ) -> Vec<u8> {
+        CatalogueFile::new(
+            CatalogueDelta { version, rows },
+            0,
+            sha,
+            vector_width,
+            Some(input_width),
+        )
+        .unwrap()
+        .to_bytes()
+    }
 
     #[test]
     fn deltas_are_taken_in_refused_and_kept_as_the_source_changes() {
         let (engine, _engine_dir) =
             crate::test_support::fixture_engine("sasrec", recsys_engine::ModelKind::Sasrec);
-        let (vector_width, input_width) = recsys_registry::catalogue::row_widths(&engine);
         let sha = engine.weights_sha256().to_string();
-        let ids: Vec<_> = (0..=3).map(|i| engine.external_id(i)).collect();
-        let retire = |index: u32| ItemRow {
-            id: ids[index as usize].clone().unwrap(),
-            op: ItemOp::Retire,
-            vector: None,
-            input_vector: None,
-        };
-        let object = |version: u64, rows: Vec<ItemRow>, sha: &str| {
-            CatalogueFile::new(
-                CatalogueDelta { version, rows },
-                0,
-                sha,
-                vector_width,
-                Some(input_width),
-            )
-            .unwrap()
-            .to_bytes()
-        };
+        let ids: Vec<Option<ExternalId>> = (0..=3).map(|i| engine.external_id(i)).collect();
+        let widths = recsys_registry::catalogue::row_widths(&engine);
+        let retire = |index: u32| retirement(ids[index as usize].clone().unwrap());
+        let object =
+            |version: u64, rows: Vec<ItemRow>, sha: &str| object_bytes(widths, version, rows, sha);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("catalogue.bin");
         let live = LiveEngine::new(engine);
@@ -170,10 +196,12 @@ mod tests {
             summary,
             previous,
             items,
+            folded,
         } = tracker.poll(&live)
         else {
             panic!("version 1 is taken in");
         };
+        assert!(!folded);
         assert_eq!(
             (summary.version, summary.retired, previous, items),
             (1, 1, None, 2000)
@@ -225,5 +253,84 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(tracker.poll(&live), Polled::Missing);
         assert_eq!(live.current().catalogue().unwrap().version, 2);
+    }
+
+    /// A compacted engine's server reads the object it folded (the fleet's object while the old
+    /// engine still serves): taken at its version with nothing to apply; a later version for the
+    /// old engine is refused (its changes are not in this engine); one for this engine applies.
+    #[test]
+    fn a_compacted_engine_takes_the_object_it_folded_and_refuses_later_ones_for_the_old_engine() {
+        let (engine, engine_dir) =
+            crate::test_support::fixture_engine("sasrec", recsys_engine::ModelKind::Sasrec);
+        let ids: Vec<Option<ExternalId>> = (0..=3).map(|i| engine.external_id(i)).collect();
+        let widths = recsys_registry::catalogue::row_widths(&engine);
+        let retire = |index: u32| retirement(ids[index as usize].clone().unwrap());
+        let object =
+            |version: u64, rows: Vec<ItemRow>, sha: &str| object_bytes(widths, version, rows, sha);
+        // A new item (item 9's rows under a new id) changes the weights, and so the engine's
+        // identity. (Retirements alone keep the weights, so a delta for the old engine is one for
+        // the new engine too, and applies as such.)
+        let output = engine.model.output();
+        let d = output.input_size();
+        let mut vector = vec![0f32; d + 1];
+        output.weight.add_row_into(9, &mut vector[..d]);
+        let added = ItemRow {
+            id: recsys_engine::idmap::ExternalId::Int(90_000_000),
+            op: ItemOp::Upsert,
+            vector: Some(vector),
+            input_vector: None,
+        };
+        let folded = CatalogueDelta {
+            version: 4,
+            rows: vec![retire(1), retire(2), added],
+        };
+        let compacted = recsys_engine::compact::write_compacted(
+            &engine,
+            &folded,
+            &engine_dir.path().join("compacted"),
+        )
+        .unwrap();
+        let old_sha = engine.weights_sha256().to_string();
+        let new_sha = compacted.weights_sha256().to_string();
+        assert_ne!(old_sha, new_sha);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("catalogue.bin");
+        let live = LiveEngine::new(compacted);
+        let mut tracker = Tracker::new(
+            "sasrec",
+            CatalogueSource::open("catalogue.bin", dir.path()).unwrap(),
+            1 << 20,
+        );
+        std::fs::write(&path, object(4, folded.rows.clone(), &old_sha)).unwrap();
+        let Polled::Swapped {
+            summary, folded, ..
+        } = tracker.poll(&live)
+        else {
+            panic!("the folded object is taken in");
+        };
+        assert!(folded);
+        assert_eq!((summary.version, summary.delta_items), (4, 0));
+        assert_eq!(
+            live.current().kept_retired().len(),
+            2,
+            "retired in the engine"
+        );
+
+        std::fs::write(&path, object(5, vec![retire(3)], &old_sha)).unwrap();
+        assert!(
+            matches!(tracker.poll(&live), Polled::Refused(e) if e.contains("after the version 4 it folded"))
+        );
+        assert_eq!(live.current().catalogue().unwrap().version, 4);
+
+        std::fs::write(&path, object(6, vec![retire(3)], &new_sha)).unwrap();
+        let Polled::Swapped {
+            summary, folded, ..
+        } = tracker.poll(&live)
+        else {
+            panic!("a delta for the compacted engine applies");
+        };
+        assert!(!folded);
+        assert_eq!((summary.version, summary.retired), (6, 1));
     }
 }

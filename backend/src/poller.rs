@@ -147,15 +147,24 @@ pub(crate) fn poll_catalogue_and_report(
             summary,
             previous,
             items,
+            folded,
         } => {
             *last_problem = None;
             let previous = previous.map_or("none".to_string(), |p| p.to_string());
+            let what = if *folded {
+                "already folded into this engine by compaction".to_string()
+            } else {
+                format!(
+                    "{} added, {} replaced, {} retired",
+                    summary.added, summary.replaced, summary.retired
+                )
+            };
             log(
                 LogLevel::Info,
                 &format!(
                     "recsys: model {model}: catalogue version {} in force (was {previous}) from \
-                     {source}: {} added, {} replaced, {} retired; {items} items",
-                    summary.version, summary.added, summary.replaced, summary.retired
+                     {source}: {what}; {items} items",
+                    summary.version
                 ),
             );
         }

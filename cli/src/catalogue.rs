@@ -1,4 +1,5 @@
-//! `recsys catalogue publish | show`: a model's live catalogue object in its repository.
+//! `recsys catalogue publish | show | compact`: a model's live catalogue object in its repository,
+//! and its folding into the next engine version.
 
 use std::path::Path;
 
@@ -8,7 +9,7 @@ use recsys_registry::catalogue::{self, CatalogueSource};
 use recsys_registry::store::Fetched;
 use recsys_registry::Repository;
 
-use crate::cli::{CataloguePublishArgs, CatalogueShowArgs};
+use crate::cli::{CatalogueCompactArgs, CataloguePublishArgs, CatalogueShowArgs};
 use crate::error::{CliError, Result};
 use crate::output::{say, tell};
 
@@ -138,5 +139,67 @@ pub fn show(args: &CatalogueShowArgs) -> Result<i32> {
         object.bytes.len(),
         file.sha256
     );
+    Ok(0)
+}
+
+pub fn compact(args: &CatalogueCompactArgs) -> Result<i32> {
+    let repository = Repository::open(&args.repository)?;
+    let scratch = tempfile::tempdir().map_err(CliError::io("cannot create a scratch folder"))?;
+    tell!(
+        "catalogue: folding {}'s catalogue into a new engine version (verified against the served \
+         engine with the delta before anything is written)",
+        args.model
+    );
+    let bar = crate::progress::bytes(0);
+    bar.set_message("uploading the compacted engine");
+    let compacted = recsys_registry::compact::compact(
+        &repository,
+        &args.model,
+        args.engine_version,
+        scratch.path(),
+        &mut |sent, total| {
+            bar.set_length(total);
+            bar.set_position(sent);
+        },
+    );
+    bar.finish_and_clear();
+    let compacted = compacted?;
+    if args.json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(&compacted).expect("serialisable")
+        );
+        return Ok(0);
+    }
+    say!(
+        "published {} version {} (pending): version {} with catalogue version {} folded in: {} \
+         added, {} replaced, {} kept retired ({} items in all); {} probe histories answered \
+         alike, bit for bit",
+        compacted.model,
+        compacted.version,
+        compacted.from_version,
+        compacted.catalogue_version,
+        compacted.added,
+        compacted.replaced,
+        compacted.retired,
+        compacted.items,
+        compacted.verified_histories
+    );
+    say!(
+        "next: recsys approve --repository {} --model {} --version {} (canary and gates as for \
+         any version); until it serves, the servers of version {} apply the stored delta, and \
+         once it serves they take it as folded in",
+        args.repository,
+        compacted.model,
+        compacted.version,
+        compacted.from_version
+    );
+    if !compacted.weights_changed {
+        tell!(
+            "note: the delta only retires items, so the new version's weights are version {}'s: \
+             the stored delta applies to it unchanged",
+            compacted.from_version
+        );
+    }
     Ok(0)
 }

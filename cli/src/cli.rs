@@ -95,6 +95,11 @@ pub enum CatalogueCommand {
     /// Show the catalogue object a repository holds for a model (or any source): version, age,
     /// the engine it is for, and its rows by kind.
     Show(CatalogueShowArgs),
+    /// Fold the model's catalogue delta into a new engine version, published pending: verified
+    /// to answer as the served engine with the delta before anything is written, then approved
+    /// through the release path like any version. Servers of the new version take the current
+    /// object as already folded in; the first delta published for it starts afresh.
+    Compact(CatalogueCompactArgs),
 }
 
 const CATALOGUE_HELP: &str = "The table is Parquet in the schema `recsys export-items --format parquet \
@@ -134,6 +139,33 @@ pub struct CataloguePublishArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+#[derive(Args, Debug)]
+#[command(after_help = COMPACT_HELP)]
+pub struct CatalogueCompactArgs {
+    /// The Triton model repository the model's servers load from.
+    #[arg(long)]
+    pub repository: String,
+    /// Model name (a folder of the repository).
+    #[arg(long)]
+    pub model: String,
+    /// The engine version the stored delta is for; default: the version the model's config
+    /// serves.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub engine_version: Option<u64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const COMPACT_HELP: &str = "When to compact: a delta costs no more per request than the same rows \
+compiled into the engine, but every publish carries the whole delta to every replica, which rebuilds \
+the item table each time it changes (about 0.4 s per 1e6 items, with twice the table's memory for \
+that moment), and a retired item keeps its rows. Compact when the delta has grown to a sizeable share \
+of the catalogue (a few percent), or before the publishes that follow would carry it again and again.\n\n\
+The new version is pending: `recsys approve --repository R --model M --version N` puts it in \
+service (with its canary and gates), `recsys reject` drops it. Until it serves, the servers of the \
+old version go on applying the stored delta; once it serves, publish the changes made since to it.";
 
 #[derive(Args, Debug)]
 #[command(after_help = CATALOGUE_HELP)]

@@ -104,6 +104,9 @@ pub(crate) struct Applied {
     pub ids: IdMap,
     /// Internal indices of the retired items, ascending.
     pub retired: Vec<u32>,
+    /// Internal indices of the converted items the delta upserts, ascending: an item a compacted
+    /// engine keeps retired is offered again when a later delta upserts it.
+    pub upserted: Vec<u32>,
     /// Internal indices of the converted items whose input row the delta replaces, ascending:
     /// the states a prefix cache holds for histories with them are no longer the model's.
     pub changed_inputs: Vec<u32>,
@@ -196,6 +199,7 @@ pub(crate) fn apply(
     let mut replaced: Vec<(usize, &ItemRow)> = Vec::new();
     let mut added: Vec<(ExternalId, &ItemRow)> = Vec::new();
     let mut retired: Vec<u32> = Vec::new();
+    let mut upserted: Vec<u32> = Vec::new();
     for (r, row) in delta.rows.iter().enumerate() {
         let id = normalized(&row.id, id_type)?;
         if let Some(first) = seen.insert(id.clone(), r) {
@@ -240,8 +244,9 @@ pub(crate) fn apply(
                 if row.vector.is_some() || row.input_vector.is_some() {
                     replaced.push((index as usize, row));
                 }
-                if row.op == ItemOp::Retire {
-                    retired.push(index);
+                match row.op {
+                    ItemOp::Retire => retired.push(index),
+                    ItemOp::Upsert => upserted.push(index),
                 }
             }
             None => {
@@ -269,6 +274,7 @@ pub(crate) fn apply(
         }
     }
     retired.sort_unstable();
+    upserted.sort_unstable();
 
     let mut edited = weights.clone();
     let trailing = tables.trailing_rows;
@@ -346,6 +352,7 @@ pub(crate) fn apply(
         weights: edited,
         ids,
         retired,
+        upserted,
         changed_inputs,
         summary,
     })

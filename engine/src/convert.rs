@@ -223,6 +223,7 @@ pub fn convert_limited(request: &ConvertRequest<'_>, max_checkpoint_bytes: u64) 
             }),
             item_sets: item_sets.as_ref(),
             popularity: request.catalogue.popularity,
+            folded: None,
         },
     )?;
     drop((model, packed, screen));

@@ -136,6 +136,9 @@ pub struct Engine {
     catalogue: Option<CatalogueSummary>,
     /// Converted items whose input rows the delta in force replaced, ascending.
     changed_inputs: Arc<[u32]>,
+    /// Items the engine directory itself keeps retired (a compacted engine's
+    /// `retired_items.tsv`), ascending: out of every answer unless a delta upserts them.
+    kept_retired: Arc<[u32]>,
 }
 
 /// What a catalogue delta is applied to: the engine's stored tensors (mapped, not copied), ids
@@ -240,7 +243,11 @@ impl Engine {
             config: loaded.manifest.model.clone(),
             weights: loaded.weights.clone(),
         });
-        let filters = Filters::new(loaded.item_sets, loaded.model.output().n_outputs());
+        let filters = Filters::retiring(
+            loaded.item_sets,
+            loaded.model.output().n_outputs(),
+            &loaded.retired,
+        );
         let popularity = loaded.popularity;
         Ok(Engine {
             manifest: loaded.manifest,
@@ -263,6 +270,7 @@ impl Engine {
             converted,
             catalogue: None,
             changed_inputs: Arc::from([]),
+            kept_retired: Arc::from(loaded.retired),
         })
     }
 
@@ -274,15 +282,7 @@ impl Engine {
     /// holds no item whose input row changed between the two engines) and availability in force.
     pub fn with_catalogue(&self, delta: &CatalogueDelta) -> Result<Engine> {
         let converted = &self.converted;
-        let base_items = converted.config.n_items();
-        let prefix;
-        let ids = if self.ids.len() == base_items {
-            &self.ids
-        } else {
-            prefix = self.ids.prefix(base_items).map_err(EngineError::Config)?;
-            &prefix
-        };
-        let applied = crate::catalogue::apply(&converted.config, &converted.weights, ids, delta)?;
+        let applied = self.applied(delta)?;
         let mut model = Model::from_tensors(&applied.config, &applied.weights)?;
         if self.manifest.static_dense_activations() {
             let scales = self
@@ -299,11 +299,8 @@ impl Engine {
         }
         let screen = self.scorer.screen.is_some().then(|| screen_of(out));
         let n_outputs = out.n_outputs();
-        let filters = Filters::retiring(
-            self.filters.sets().grown(n_outputs),
-            n_outputs,
-            &applied.retired,
-        );
+        let retired = self.retired_with(&applied.retired, &applied.upserted);
+        let filters = Filters::retiring(self.filters.sets().grown(n_outputs), n_outputs, &retired);
         // The availability in force stays in force, mapped onto the new catalogue (new items are
         // in its sets when the object lists them).
         if let Some(live) = self.filters.view().availability() {
@@ -339,7 +336,42 @@ impl Engine {
             converted: Arc::clone(converted),
             catalogue: Some(applied.summary),
             changed_inputs: Arc::from(applied.changed_inputs),
+            kept_retired: Arc::clone(&self.kept_retired),
         })
+    }
+
+    /// The engine as converted with `delta` applied (see [`crate::catalogue::apply`]).
+    pub(crate) fn applied(&self, delta: &CatalogueDelta) -> Result<crate::catalogue::Applied> {
+        let converted = &self.converted;
+        let base_items = converted.config.n_items();
+        let prefix;
+        let ids = if self.ids.len() == base_items {
+            &self.ids
+        } else {
+            prefix = self.ids.prefix(base_items).map_err(EngineError::Config)?;
+            &prefix
+        };
+        crate::catalogue::apply(&converted.config, &converted.weights, ids, delta)
+    }
+
+    /// The items out of every answer under a delta that retires `retired` and upserts `upserted`
+    /// (ascending): those, and those the engine keeps retired that the delta does not upsert.
+    pub(crate) fn retired_with(&self, retired: &[u32], upserted: &[u32]) -> Vec<u32> {
+        let mut all: Vec<u32> = self
+            .kept_retired
+            .iter()
+            .copied()
+            .filter(|i| upserted.binary_search(i).is_err())
+            .chain(retired.iter().copied())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    /// Items the engine directory itself keeps retired (a compacted engine's), ascending.
+    pub fn kept_retired(&self) -> &[u32] {
+        &self.kept_retired
     }
 
     /// The SHA-256 of the engine's weights file (as its manifest lists it): what a published

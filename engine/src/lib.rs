@@ -8,6 +8,7 @@ pub mod availability;
 pub mod calibration;
 pub mod catalogue;
 pub mod catalogue_file;
+pub mod compact;
 pub mod config;
 pub mod convert;
 pub mod convert_options;

@@ -137,6 +137,14 @@ impl Popularity {
         self.total
     }
 
+    /// These counts over a catalogue of `len` internal indices (PAD included): items past the
+    /// counted ones (a catalogue delta's new items) have none.
+    pub fn grown(&self, len: usize) -> Popularity {
+        let mut counts = self.counts.clone();
+        counts.resize(len.max(counts.len()), 0);
+        Popularity::from_counts(counts)
+    }
+
     /// Interactions of item `index`.
     pub fn count(&self, index: u32) -> u64 {
         self.counts.get(index as usize).copied().unwrap_or(0)

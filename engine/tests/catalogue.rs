@@ -5,15 +5,14 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
-use common::cut::{convert_from as convert, cut_checkpoint};
-use common::{config_json, fixtures, model_dir, Precision};
+use common::cut::{
+    answers, convert_from as convert, cut_checkpoint, delta_from, ids_at, popular_items, rows_of,
+    whole_engine,
+};
+use common::{config_json, model_dir, Precision};
 use recsys_engine::catalogue::{CatalogueDelta, ItemOp, ItemRow};
 use recsys_engine::engine_dir::Screen;
-use recsys_engine::idmap::{ExternalId, ExternalIds};
-use recsys_engine::models::ModelView;
-use recsys_engine::request::{Request, ServeOptions};
+use recsys_engine::idmap::ExternalId;
 use recsys_engine::{Engine, ModelKind};
 
 const KINDS: [ModelKind; 4] = [
@@ -39,83 +38,6 @@ fn cut_indices() -> Vec<usize> {
     let mut cut: Vec<usize> = (1..=2000).step_by(37).collect();
     cut.push(2000);
     cut
-}
-
-/// The item's rows in `engine` as `recsys export-items --with-input-rows` writes them:
-/// `[embedding, bias]`, and the input row where the model has one of its own.
-fn rows_of(engine: &Engine, index: u32) -> (Vec<f32>, Option<Vec<f32>>) {
-    let output = engine.model.output();
-    let d = output.input_size();
-    let mut vector = vec![0f32; d + 1];
-    output.weight.add_row_into(index as usize, &mut vector[..d]);
-    vector[d] = output.bias.as_slice()[index as usize];
-    let input = match engine.model.view() {
-        ModelView::Vaecf(view) => {
-            let mut row = vec![0f32; view.first_by_item.cols()];
-            view.first_by_item.add_row_into(index as usize, &mut row);
-            Some(row)
-        }
-        _ => None,
-    };
-    (vector, input)
-}
-
-/// A delta of `op` rows for `ids`, with their rows in `source` (none for a bare retirement).
-fn delta_from(source: &Engine, ids: &[ExternalId], op: ItemOp, with_rows: bool) -> CatalogueDelta {
-    CatalogueDelta {
-        version: 1,
-        rows: ids
-            .iter()
-            .map(|id| {
-                let index = match id {
-                    ExternalId::Int(i) => source.ids.index_of_int(*i),
-                    ExternalId::Str(s) => source.ids.index_of_str(s),
-                }
-                .unwrap();
-                let (vector, input) = rows_of(source, index);
-                ItemRow {
-                    id: id.clone(),
-                    op,
-                    vector: with_rows.then_some(vector),
-                    input_vector: if with_rows { input } else { None },
-                }
-            })
-            .collect(),
-    }
-}
-
-/// Every test-set history's top `k` from `engine`: external ids with scores, best first.
-fn answers(engine: &Engine, k: i64) -> Vec<Vec<(ExternalId, f32)>> {
-    let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
-    let histories: Vec<Vec<&str>> = cases
-        .iter()
-        .take(200)
-        .map(|c| c.history.iter().map(String::as_str).collect())
-        .collect();
-    let requests: Vec<Request<'_>> = histories
-        .iter()
-        .map(|h| Request {
-            history: ExternalIds::Str(h),
-            k: Some(k),
-            exclude: None,
-            candidates: None,
-            embedding: false,
-            filter: None,
-            times: None,
-        })
-        .collect();
-    engine
-        .recommend(&requests, &ServeOptions::default())
-        .into_iter()
-        .map(|answer| {
-            answer
-                .unwrap()
-                .items
-                .iter()
-                .map(|s| (engine.external_id(s.index).unwrap(), s.score))
-                .collect()
-        })
-        .collect()
 }
 
 /// Asserts two answers are the same ranking: the same ids in the same order, except that items
@@ -168,19 +90,8 @@ fn cut_items_given_back_as_a_delta_answer_as_the_converted_engine() {
         let full_checkpoint = model_dir(kind).join("model.safetensors");
         let full_config = config_json(kind);
         let full_map = model_dir(kind).join("item_id_map.tsv");
-        let fp32_full = convert(
-            kind,
-            &full_checkpoint,
-            &full_config,
-            &full_map,
-            &tmp.path().join(format!("{kind}-full-fp32")),
-            Precision::Fp32,
-            Screen::None,
-        );
-        let cut_ids: Vec<ExternalId> = cut
-            .iter()
-            .map(|&i| fp32_full.external_id(i as u32).unwrap())
-            .collect();
+        let fp32_full = whole_engine(kind, &tmp.path().join(format!("{kind}-full-fp32")));
+        let cut_ids = ids_at(&fp32_full, &cut);
         // The rows as the model has them (the fp32 engine's): each precision stores them by its
         // own rules, as conversion of the whole checkpoint did.
         let delta = delta_from(&fp32_full, &cut_ids, ItemOp::Upsert, true);
@@ -262,19 +173,7 @@ fn retired_items_are_never_returned_and_other_answers_stay() {
         );
         let before = answers(&engine, 40);
         // The items the engine recommends most: retiring them changes many answers.
-        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-        for answer in &before {
-            for (id, _) in answer.iter().take(5) {
-                *counts.entry(id.to_string()).or_default() += 1;
-            }
-        }
-        let mut popular: Vec<(usize, String)> = counts.into_iter().map(|(id, c)| (c, id)).collect();
-        popular.sort_unstable_by(|a, b| b.cmp(a));
-        let retired: Vec<ExternalId> = popular
-            .iter()
-            .take(5)
-            .map(|(_, id)| ExternalId::Int(id.parse().unwrap()))
-            .collect();
+        let retired = popular_items(&engine, 5);
         let delta = delta_from(&engine, &retired, ItemOp::Retire, false);
         let live = engine.with_catalogue(&delta).unwrap();
         assert_eq!(live.catalogue().unwrap().retired, retired.len());

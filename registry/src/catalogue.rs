@@ -229,25 +229,45 @@ pub fn read(engine: &Engine, source: &str) -> Result<CatalogueDelta> {
             )))
         }
     };
-    let file = check(engine, &object.bytes).map_err(|e| {
-        RegistryError::Input(format!("catalogue object {}: {e}", opened.describe()))
-    })?;
-    Ok(file.delta)
+    check(engine, &object.bytes)
+        .map_err(|e| RegistryError::Input(format!("catalogue object {}: {e}", opened.describe())))
 }
 
-/// Parses a catalogue object and checks it was made for `engine`.
-pub fn check(engine: &Engine, bytes: &[u8]) -> std::result::Result<CatalogueFile, String> {
+/// Parses a catalogue object and checks it was made for `engine`: the delta to put in force.
+///
+/// An object made for the engine a compacted `engine` was built from, at a version it folded
+/// (the repository's object until the first delta for the new engine is published), is taken as
+/// an empty delta at that version: its rows are already in the engine's weights, and the fleet
+/// reports one catalogue version while it runs both engines. A later version of that object holds
+/// changes this engine lacks, and is refused.
+pub fn check(engine: &Engine, bytes: &[u8]) -> std::result::Result<CatalogueDelta, String> {
     let file = CatalogueFile::from_bytes(bytes, engine.ids.id_type())?;
-    if file.engine_sha256 != engine.weights_sha256() {
-        return Err(format!(
-            "version {} was published for the engine whose weights have SHA-256 {}; this engine's \
-             is {} (publish the delta again for this engine version, or compact it into one)",
-            file.delta.version,
-            file.engine_sha256,
-            engine.weights_sha256()
-        ));
+    if file.engine_sha256 == engine.weights_sha256() {
+        return Ok(file.delta);
     }
-    Ok(file)
+    if let Some(folded) = &engine.manifest.catalogue {
+        if file.engine_sha256 == folded.from_engine_sha256 {
+            if file.delta.version <= folded.version {
+                return Ok(CatalogueDelta {
+                    version: file.delta.version,
+                    rows: Vec::new(),
+                });
+            }
+            return Err(format!(
+                "version {} was published for the engine this one was compacted from, after \
+                 the version {} it folded: its later changes are not in this engine (publish \
+                 the table again once this engine version serves, or compact again)",
+                file.delta.version, folded.version
+            ));
+        }
+    }
+    Err(format!(
+        "version {} was published for the engine whose weights have SHA-256 {}; this engine's \
+         is {} (publish the delta again for this engine version, or compact it into one)",
+        file.delta.version,
+        file.engine_sha256,
+        engine.weights_sha256()
+    ))
 }
 
 #[cfg(test)]

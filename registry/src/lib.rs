@@ -29,6 +29,7 @@ pub mod availability;
 mod aws_files;
 pub mod canary;
 pub mod catalogue;
+pub mod compact;
 pub mod config;
 pub mod error;
 mod faults;

@@ -391,6 +391,80 @@ def test_deltas_swapped_under_load_lose_no_request_and_bad_objects_keep_the_last
         client.close()
 
 
+def test_a_compacted_version_serves_the_same_catalogue_under_load_and_takes_new_deltas(
+        tmp_path, recsys_bin, backend_dir):
+    """The served engine with a delta, compacted into version 2 (`recsys catalogue compact`) and
+    approved under load: every answer is the one its catalogue version gives, before, across and
+    after the switch (version 2 takes the stored object as folded in, so it names the same
+    catalogue version); a delta published afterwards applies to version 2."""
+    engine, _full, table, cut = shop_engines(recsys_bin, tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "shop").mkdir(parents=True)
+    (repo / "shop" / "config.pbtxt").write_text(contract_config(
+        "shop", params={"catalogue_source": OBJECT, "catalogue_poll_seconds": "0.2"}))
+
+    def recsys(*args: str) -> str:
+        run = subprocess.run([str(recsys_bin), *args, "--repository", str(repo), "--model", "shop"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{args}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+        return run.stdout
+
+    recsys("publish", "--approve", "--engine", str(engine))
+    users = histories(6)
+    ids, vectors, inputs = (table[c].to_pylist() for c in ("item_id", "vector", "input_vector"))
+    cut_rows = [i - 1 for i in cut]
+    kept_rows = [r for r in range(N_ITEMS) if r not in set(cut_rows)]
+    retired = kept_rows[10:13]
+    rows = [{"item_id": ids[r], "vector": vectors[r], "input_vector": inputs[r], "op": "upsert"} for r in cut_rows]
+    rows += [{"item_id": ids[r], "vector": None, "input_vector": None, "op": "retire"} for r in retired]
+    first = tmp_path / "first.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=DELTA_SCHEMA), first)
+    expected: dict[int, list[list[int]]] = {}
+    with TritonServer(repo, backend_dir, explicit=True, load_models=["shop"],
+                      log_path=tmp_path / "tritonserver.log") as server:
+        url = f"http://{server.http_url}"
+        client = httpclient.InferenceServerClient(server.http_url)
+        latest = catalogue_publish(recsys_bin, str(repo), "shop", first)
+        copy = tmp_path / f"v{latest}.bin"
+        copy.write_bytes((repo / "shop" / OBJECT).read_bytes())
+        expected[latest] = expected_answers(recsys_bin, repo / "shop" / "1", copy, users, tmp_path)
+        wait_for(lambda: served(client, "shop", users[0])[0] == latest, "the delta served", 10)
+
+        def model_version() -> str:
+            return client.infer("shop", make_inputs(httpclient, users[0], k=3)).get_response()["model_version"]
+
+        with Load(server, "shop", users, expected) as load:
+            wait_for(lambda: load.answers > 20, "answers under load", 30)
+            compacted = json.loads(recsys("catalogue", "compact", "--json"))
+            assert (compacted["version"], compacted["catalogue_version"], compacted["added"],
+                    compacted["retired"]) == (2, latest, len(cut), len(retired)), compacted
+            assert model_version() == "1", "a pending version must not serve"
+            out = recsys("approve", "--version", "2", "--server", url, "--canary-on-traffic")
+            assert "now serves shop version 2" in out, out
+            wait_for(lambda: model_version() == "2", "version 2 served", 30)
+            marks = load.answers
+            wait_for(lambda: load.answers > marks + 50, "answers from version 2", 30)
+            # A delta for version 2: two more items retired.
+            more = rows + [{"item_id": ids[r], "vector": None, "input_vector": None, "op": "retire"}
+                           for r in kept_rows[20:22]]
+            second = tmp_path / "second.parquet"
+            pq.write_table(pa.Table.from_pylist(more, schema=DELTA_SCHEMA), second)
+            latest = catalogue_publish(recsys_bin, str(repo), "shop", second)
+            copy = tmp_path / f"v{latest}.bin"
+            copy.write_bytes((repo / "shop" / OBJECT).read_bytes())
+            expected[latest] = expected_answers(recsys_bin, repo / "shop" / "2", copy, users, tmp_path)
+            wait_for(lambda: served(client, "shop", users[0])[0] == latest, f"version {latest} served", 10)
+            marks = load.answers
+            wait_for(lambda: load.answers > marks + 20, "answers after the new delta", 30)
+        assert load.failures == [], load.failures[:5]
+        assert load.wrong == [], load.wrong[:5]
+        assert load.seen == {1, 2}, load.seen
+        log = server.log()
+        assert "already folded into this engine by compaction" in log, log[-3000:]
+        assert "refused" not in log, log[-3000:]
+        client.close()
+
+
 def test_two_replicas_on_one_s3_repository_take_a_delta_within_one_poll_interval(
         tmp_path, recsys_bin, backend_dir, monkeypatch):
     for key, value in CREDENTIALS.items():

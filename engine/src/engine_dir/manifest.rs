@@ -17,6 +17,8 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const ITEM_IDS_FILE: &str = "item_ids.tsv";
+/// The external ids of the items a compacted engine keeps retired, one per line.
+pub const RETIRED_ITEMS_FILE: &str = "retired_items.tsv";
 
 /// Numeric precision of the engine's output layer (the item-scoring step that dominates serving
 /// cost); the manifest's `quantization` field says exactly what is stored how.
@@ -148,8 +150,30 @@ pub struct Manifest {
     /// without.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub popularity: Option<PopularityRecord>,
+    /// The live catalogue folded into this engine (`recsys catalogue compact`); absent in an
+    /// engine converted from a checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catalogue: Option<FoldedCatalogue>,
     pub created_by: String,
     pub created_at: String,
+}
+
+/// The catalogue delta a compacted engine was built from: the engine it was published for and its
+/// version. A server of this engine that still reads that object (the fleet's object until the
+/// first delta for this engine is published) knows its rows are already in the weights.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FoldedCatalogue {
+    /// The SHA-256 of the weights of the engine the folded delta was published for.
+    pub from_engine_sha256: String,
+    /// The folded delta's version.
+    pub version: u64,
+    /// Items of that engine.
+    pub base_items: usize,
+    pub added: usize,
+    pub replaced: usize,
+    /// Items kept and never returned (listed in [`RETIRED_ITEMS_FILE`]): those the delta retired,
+    /// with those the engine itself kept retired.
+    pub retired: usize,
 }
 
 /// What `recsys convert --item-attributes` stored (`manifest.item_attributes`).

@@ -9,6 +9,8 @@
 //! kernels.bin            the output layer (and screen) laid out for the kernels, mapped at load
 //! item_sets.bin          item attribute sets (optional; `crate::item_sets`)
 //! item_popularity.bin    interaction counts per item (optional; `crate::popularity`)
+//! retired_items.tsv      items a compacted engine keeps but never returns (optional;
+//!                        `crate::compact`)
 //! ```
 //! Loading checks the format version, every file's size and sha256, and the tensors' shapes.
 
@@ -51,6 +53,9 @@ pub struct EngineParts<'a> {
     pub item_sets: Option<&'a (ItemSets, AttributeReport)>,
     /// Interaction counts per item, for `item_popularity.bin`.
     pub popularity: Option<&'a (Popularity, PopularityReport)>,
+    /// The catalogue delta a compacted engine folds in, and the items it keeps retired (internal
+    /// indices, ascending), for `retired_items.tsv`.
+    pub folded: Option<(FoldedCatalogue, &'a [u32])>,
 }
 
 /// What `kernels.bin` holds.
@@ -168,6 +173,25 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         std::fs::write(&path, counts.to_bytes())
             .map_err(|e| EngineError::io(format!("cannot write {}", path.display()), e))?;
     }
+    if let Some((_, retired)) = &parts.folded {
+        written.push(RETIRED_ITEMS_FILE);
+        let mut text = String::new();
+        for &index in retired.iter() {
+            let id = parts.ids.external(index).ok_or_else(|| {
+                EngineError::Config(format!(
+                    "retired item index {index} is not in the catalogue"
+                ))
+            })?;
+            match id {
+                crate::idmap::ExternalId::Int(i) => text.push_str(&i.to_string()),
+                crate::idmap::ExternalId::Str(s) => text.push_str(&s),
+            }
+            text.push('\n');
+        }
+        let path = dir.join(RETIRED_ITEMS_FILE);
+        std::fs::write(&path, text)
+            .map_err(|e| EngineError::io(format!("cannot write {}", path.display()), e))?;
+    }
     if let Some((sets, _)) = parts.item_sets {
         let path = dir.join(ITEM_SETS_FILE);
         std::fs::write(&path, sets.to_bytes())
@@ -198,6 +222,7 @@ fn write_files(dir: &Path, parts: &EngineParts<'_>) -> Result<Manifest> {
         kernel_layout,
         item_attributes,
         popularity,
+        catalogue: parts.folded.as_ref().map(|(record, _)| record.clone()),
         created_by: format!("recsys {}", env!("CARGO_PKG_VERSION")),
         created_at: utc_now_rfc3339(),
     };
@@ -221,6 +246,8 @@ pub struct LoadedDir {
     pub item_sets: ItemSets,
     /// The interaction counts of an engine converted with them.
     pub popularity: Option<Popularity>,
+    /// Items a compacted engine keeps retired (internal indices, ascending; `retired_items.tsv`).
+    pub retired: Vec<u32>,
 }
 
 /// Largest engine (all files of the manifest together) loaded by default: 64 GiB.
@@ -379,6 +406,7 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
     verify(&ids_path, &ids_bytes, &manifest.files[ITEM_IDS_FILE].sha256)?;
     let sets_bytes = read_optional(dir, &manifest, ITEM_SETS_FILE)?;
     let popularity_bytes = read_optional(dir, &manifest, POPULARITY_FILE)?;
+    let retired_bytes = read_optional(dir, &manifest, RETIRED_ITEMS_FILE)?;
     let mut loaded = from_parts(dir, manifest, storage, ids_bytes)?;
     if let Some(bytes) = popularity_bytes {
         loaded.popularity = Some(
@@ -387,6 +415,20 @@ pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<LoadedDir> {
         );
     }
     loaded.kernels = kernels;
+    match (retired_bytes, &loaded.manifest.catalogue) {
+        (Some(bytes), record) => {
+            loaded.retired = parse_retired(&bytes, &loaded.ids, record.as_ref())
+                .map_err(|reason| bad(format!("{RETIRED_ITEMS_FILE}: {reason}")))?;
+        }
+        (None, Some(record)) if record.retired > 0 => {
+            return Err(bad(format!(
+                "the manifest's catalogue record keeps {} item(s) retired but does not list \
+                 {RETIRED_ITEMS_FILE}",
+                record.retired
+            )))
+        }
+        (None, _) => {}
+    }
     if let Some(bytes) = sets_bytes {
         loaded.item_sets = ItemSets::from_bytes(&bytes, loaded.ids.len() + 1)
             .map_err(|reason| bad(format!("{ITEM_SETS_FILE}: {reason}")))?;
@@ -452,7 +494,37 @@ pub fn from_parts(
         kernels: None,
         item_sets,
         popularity: None,
+        retired: Vec::new(),
     })
+}
+
+/// The internal indices (ascending, distinct) of the ids `retired_items.tsv` lists: every one an
+/// item of the engine, as many as the manifest's catalogue record counts.
+fn parse_retired(
+    bytes: &[u8],
+    ids: &IdMap,
+    record: Option<&FoldedCatalogue>,
+) -> std::result::Result<Vec<u32>, String> {
+    let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())?;
+    let mut retired = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let index = ids
+            .index_of_str(line)
+            .ok_or_else(|| format!("line {}: {line:?} is not an item of the engine", n + 1))?;
+        retired.push(index);
+    }
+    retired.sort_unstable();
+    retired.dedup();
+    let expected = record.map(|r| r.retired).ok_or_else(|| {
+        "the manifest has no catalogue record, so no item can be retired".to_string()
+    })?;
+    if retired.len() != expected {
+        return Err(format!(
+            "{} distinct items, the manifest's catalogue record says {expected}",
+            retired.len()
+        ));
+    }
+    Ok(retired)
 }
 
 /// The verified bytes of `file` when the manifest lists it (an optional part of the engine).

@@ -3,8 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{config_json, model_dir, Precision};
+use super::{config_json, fixtures, model_dir, Precision};
+use recsys_engine::catalogue::{CatalogueDelta, ItemOp, ItemRow};
 use recsys_engine::engine_dir::Screen;
+use recsys_engine::idmap::{ExternalId, ExternalIds};
+use recsys_engine::models::ModelView;
+use recsys_engine::request::{Request, ServeOptions};
 use recsys_engine::{Engine, ModelKind};
 
 /// The fixture checkpoint of `kind` with the items at `cut` (internal indices) removed: every
@@ -130,4 +134,126 @@ pub fn convert_from(
         catalogue: Default::default(),
     })
     .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()))
+}
+
+/// The item's rows in `engine` as `recsys export-items --with-input-rows` writes them:
+/// `[embedding, bias]`, and the input row where the model has one of its own.
+pub fn rows_of(engine: &Engine, index: u32) -> (Vec<f32>, Option<Vec<f32>>) {
+    let output = engine.model.output();
+    let d = output.input_size();
+    let mut vector = vec![0f32; d + 1];
+    output.weight.add_row_into(index as usize, &mut vector[..d]);
+    vector[d] = output.bias.as_slice()[index as usize];
+    let input = match engine.model.view() {
+        ModelView::Vaecf(view) => {
+            let mut row = vec![0f32; view.first_by_item.cols()];
+            view.first_by_item.add_row_into(index as usize, &mut row);
+            Some(row)
+        }
+        _ => None,
+    };
+    (vector, input)
+}
+
+/// A delta of `op` rows for `ids`, with their rows in `source` (none for a bare retirement).
+pub fn delta_from(
+    source: &Engine,
+    ids: &[ExternalId],
+    op: ItemOp,
+    with_rows: bool,
+) -> CatalogueDelta {
+    CatalogueDelta {
+        version: 1,
+        rows: ids
+            .iter()
+            .map(|id| {
+                let index = match id {
+                    ExternalId::Int(i) => source.ids.index_of_int(*i),
+                    ExternalId::Str(s) => source.ids.index_of_str(s),
+                }
+                .unwrap();
+                let (vector, input) = rows_of(source, index);
+                ItemRow {
+                    id: id.clone(),
+                    op,
+                    vector: with_rows.then_some(vector),
+                    input_vector: if with_rows { input } else { None },
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Every test-set history's top `k` from `engine`: external ids with scores, best first.
+pub fn answers(engine: &Engine, k: i64) -> Vec<Vec<(ExternalId, f32)>> {
+    let cases = recsys_engine::metrics::read_test_set(&fixtures().join("test_set.tsv")).unwrap();
+    let histories: Vec<Vec<&str>> = cases
+        .iter()
+        .take(200)
+        .map(|c| c.history.iter().map(String::as_str).collect())
+        .collect();
+    let requests: Vec<Request<'_>> = histories
+        .iter()
+        .map(|h| Request {
+            history: ExternalIds::Str(h),
+            k: Some(k),
+            exclude: None,
+            candidates: None,
+            embedding: false,
+            filter: None,
+            times: None,
+        })
+        .collect();
+    engine
+        .recommend(&requests, &ServeOptions::default())
+        .into_iter()
+        .map(|answer| {
+            answer
+                .unwrap()
+                .items
+                .iter()
+                .map(|s| (engine.external_id(s.index).unwrap(), s.score))
+                .collect()
+        })
+        .collect()
+}
+
+/// The fixture's whole checkpoint of `kind` converted at fp32 into `out`: the engine whose rows a
+/// delta gives back.
+pub fn whole_engine(kind: ModelKind, out: &Path) -> Engine {
+    convert_from(
+        kind,
+        &model_dir(kind).join("model.safetensors"),
+        &config_json(kind),
+        &model_dir(kind).join("item_id_map.tsv"),
+        out,
+        Precision::Fp32,
+        Screen::None,
+    )
+}
+
+/// The external ids of `engine`'s items at `indices`.
+pub fn ids_at(engine: &Engine, indices: &[usize]) -> Vec<ExternalId> {
+    indices
+        .iter()
+        .map(|&i| engine.external_id(i as u32).unwrap())
+        .collect()
+}
+
+/// The `count` items `engine` recommends most often in the first five places of the test-set
+/// answers: retiring them changes many answers.
+pub fn popular_items(engine: &Engine, count: usize) -> Vec<ExternalId> {
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for answer in answers(engine, 40) {
+        for (id, _) in answer.iter().take(5) {
+            *counts.entry(id.to_string()).or_default() += 1;
+        }
+    }
+    let mut ranked: Vec<(usize, String)> = counts.into_iter().map(|(id, c)| (c, id)).collect();
+    ranked.sort_unstable_by(|a, b| b.cmp(a));
+    ranked
+        .iter()
+        .take(count)
+        .map(|(_, id)| ExternalId::Int(id.parse().unwrap()))
+        .collect()
 }
