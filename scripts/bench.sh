@@ -40,6 +40,9 @@
 #   scripts/bench.sh live-catalogue [ARGS] an engine with a catalogue delta (items added, items
 #                                     retired) against the catalogue compiled in, at 1e6 items, and
 #                                     what putting the delta in force costs (scripts/bench_live_catalogue.py)
+#   scripts/bench.sh fold-in [ARGS]   rows for items cut out of the trained fixtures, folded back in
+#                                     from their training interactions, against the trained rows
+#                                     (HR@k of their held-out interactions; scripts/bench_fold_in.py)
 #   scripts/bench.sh load [ARGS]      load time, owned and resident memory of engines whose kernels'
 #                                     layout is mapped from kernels.bin against packed at load
 #                                     (scripts/bench_load.py)
@@ -173,6 +176,11 @@ case "$kind" in
     release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
     exec "$python" scripts/bench_live_catalogue.py "$@"
     ;;
+  fold-in)
+    ./scripts/python-env.sh
+    release_build -p recsys-cli --bin recsys
+    exec "$python" scripts/bench_fold_in.py "$@"
+    ;;
   load)
     ./scripts/python-env.sh
     cargo build --release --locked -p recsys-cli
@@ -187,7 +195,7 @@ case "$kind" in
     ;;
   -h | --help) usage ;;
   *)
-    echo "error: unknown benchmark '$kind' (kernels, models, sequential, hstu, sessions, python-sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, load)" >&2
+    echo "error: unknown benchmark '$kind' (kernels, models, sequential, hstu, sessions, python-sessions, serving-sessions, predict, serving, peers, candidates, ray, catalogue, live-catalogue, fold-in, load)" >&2
     exit 2
     ;;
 esac

@@ -1,5 +1,6 @@
-//! `recsys catalogue publish | show | compact`: a model's live catalogue object in its repository,
-//! and its folding into the next engine version.
+//! `recsys catalogue publish | show | compact | fold-in`: a model's live catalogue object in its
+//! repository, its folding into the next engine version, and rows for new items estimated from
+//! their first interactions.
 
 use std::path::Path;
 
@@ -9,7 +10,9 @@ use recsys_registry::catalogue::{self, CatalogueSource};
 use recsys_registry::store::Fetched;
 use recsys_registry::Repository;
 
-use crate::cli::{CatalogueCompactArgs, CataloguePublishArgs, CatalogueShowArgs};
+use crate::cli::{
+    CatalogueCompactArgs, CatalogueFoldInArgs, CataloguePublishArgs, CatalogueShowArgs,
+};
 use crate::error::{CliError, Result};
 use crate::output::{say, tell};
 
@@ -200,6 +203,94 @@ pub fn compact(args: &CatalogueCompactArgs) -> Result<i32> {
              the stored delta applies to it unchanged",
             compacted.from_version
         );
+    }
+    Ok(0)
+}
+
+pub fn fold_in(args: &CatalogueFoldInArgs) -> Result<i32> {
+    use recsys_engine::fold_in::{FoldInOptions, InputRowSource};
+
+    let engine = recsys_engine::Engine::load(&args.engine)?;
+    let logs =
+        recsys_engine::interactions::read_user_logs(&args.interactions).map_err(CliError::Input)?;
+    let options = FoldInOptions {
+        l2: args.l2,
+        max_examples: args.max_examples as usize,
+        negative_samples: args.negative_samples as usize,
+    };
+    let bar = crate::progress::counter(0, "items");
+    let folded = recsys_engine::fold_in::fold_in(&engine, &logs, &options, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let folded = folded?;
+    if folded.items.is_empty() {
+        return Err(CliError::Input(format!(
+            "{}: no item to fold in ({} interaction(s) with items the engine lacks, {} skipped: \
+             {})",
+            args.interactions.display(),
+            folded.new_interactions,
+            folded.skipped.len(),
+            folded
+                .skipped
+                .iter()
+                .take(3)
+                .map(|(id, why)| format!("{id}: {why}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        )));
+    }
+    let rows: Vec<_> = folded.items.iter().map(|f| f.row.clone()).collect();
+    crate::catalogue_table::write_delta(&args.output, &rows)?;
+    let input_source = match folded.items[0].input_source {
+        InputRowSource::Tied => "tied to the output rows (the same fit)",
+        InputRowSource::CoOccurrence => {
+            "from co-occurrence (the mean input row of the items their users also interacted with)"
+        }
+    };
+    if args.json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "output": args.output,
+                "items": folded.items.len(),
+                "skipped": folded.skipped.iter().map(|(id, why)| serde_json::json!({"item_id": id, "why": why})).collect::<Vec<_>>(),
+                "users": folded.users,
+                "known_interactions": folded.known_interactions,
+                "new_interactions": folded.new_interactions,
+                "input_rows": folded.items[0].input_source,
+                "l2": options.l2,
+                "negative_contexts": folded.negative_contexts,
+                "negative_samples": folded.negative_samples,
+                "folded": folded.items.iter().map(|f| serde_json::json!({
+                    "item_id": crate::catalogue_table::id_text(&f.row.id),
+                    "interactions": f.interactions,
+                    "examples": f.examples,
+                    "log_likelihood": f.log_likelihood,
+                    "iterations": f.iterations,
+                })).collect::<Vec<_>>(),
+            }))
+            .expect("serialisable")
+        );
+        return Ok(0);
+    }
+    let examples: usize = folded.items.iter().map(|f| f.examples).sum();
+    say!(
+        "folded in {} new item(s) from {} interaction(s) ({examples} examples, {} users; {} \
+         interactions with known items as context) into {}",
+        folded.items.len(),
+        folded.new_interactions,
+        folded.users,
+        folded.known_interactions,
+        args.output.display()
+    );
+    say!("input rows: {input_source}");
+    if !folded.skipped.is_empty() {
+        tell!("skipped {} item(s):", folded.skipped.len());
+        for (id, why) in folded.skipped.iter().take(10) {
+            tell!("  {id}: {why}");
+        }
     }
     Ok(0)
 }

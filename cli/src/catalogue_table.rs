@@ -3,7 +3,8 @@
 //! `input_vector` (the item's input row, `--with-input-rows`) and `op` (`upsert`, the default, or
 //! `retire`). Lists may be fixed-size or variable (pandas and pyarrow write the latter), of float32
 //! or float64 values (narrowed to f32, as conversion narrows a float64 checkpoint). A retirement
-//! may leave its vectors null. Every problem is reported with the row it is in.
+//! may leave its vectors null. Every problem is reported with the row it is in. [`write_delta`]
+//! writes rows in that schema (fixed-size lists of float32, `op` spelled out).
 
 use std::path::Path;
 
@@ -147,4 +148,113 @@ fn floats_at(
             "holds {other} values; they must be float32 or float64"
         )),
     }
+}
+
+/// An id as a table spells it (no quotes around a string id).
+pub fn id_text(id: &ExternalId) -> String {
+    match id {
+        ExternalId::Int(i) => i.to_string(),
+        ExternalId::Str(s) => s.clone(),
+    }
+}
+
+#[cfg(not(feature = "parquet"))]
+pub fn write_delta(path: &Path, _: &[ItemRow]) -> Result<()> {
+    Err(CliError::Usage(format!(
+        "cannot write {}: this recsys was built without Parquet support (cargo feature \"parquet\")",
+        path.display()
+    )))
+}
+
+/// Writes `rows` (every one with a vector, all of one width, and input rows on all or none) as a
+/// catalogue table at `path`, atomically.
+#[cfg(feature = "parquet")]
+pub fn write_delta(path: &Path, rows: &[ItemRow]) -> Result<()> {
+    use arrow_array::builder::StringBuilder;
+    use arrow_array::{ArrayRef, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
+    use arrow_schema::{DataType, Field, Schema};
+    use parquet::arrow::ArrowWriter;
+    use std::sync::Arc;
+
+    let bad =
+        |reason: String| CliError::Input(format!("cannot write {}: {reason}", path.display()));
+    let width = |v: Option<&Vec<f32>>| v.map_or(0, Vec::len);
+    let vector_width = rows.first().map_or(0, |r| width(r.vector.as_ref()));
+    let input_width = rows.first().map_or(0, |r| width(r.input_vector.as_ref()));
+    if rows.iter().any(|r| {
+        width(r.vector.as_ref()) != vector_width || width(r.input_vector.as_ref()) != input_width
+    }) {
+        return Err(bad("rows of different widths".into()));
+    }
+    let string_ids = rows.iter().any(|r| matches!(r.id, ExternalId::Str(_)));
+    let value_field = Arc::new(Field::new("item", DataType::Float32, false));
+    let list = |n: usize| -> Result<DataType> {
+        let n = i32::try_from(n).map_err(|_| bad(format!("{n} values do not fit Arrow")))?;
+        Ok(DataType::FixedSizeList(Arc::clone(&value_field), n))
+    };
+    let mut fields = vec![
+        Field::new(
+            "item_id",
+            if string_ids {
+                DataType::Utf8
+            } else {
+                DataType::Int64
+            },
+            false,
+        ),
+        Field::new("vector", list(vector_width)?, false),
+    ];
+    if input_width > 0 {
+        fields.push(Field::new("input_vector", list(input_width)?, false));
+    }
+    fields.push(Field::new("op", DataType::Utf8, false));
+    let schema = Arc::new(Schema::new(fields));
+    let ids: ArrayRef = if string_ids {
+        let mut builder = StringBuilder::new();
+        for row in rows {
+            builder.append_value(id_text(&row.id));
+        }
+        Arc::new(builder.finish())
+    } else {
+        Arc::new(Int64Array::from_iter_values(rows.iter().map(
+            |r| match r.id {
+                ExternalId::Int(i) => i,
+                ExternalId::Str(_) => unreachable!("checked above"),
+            },
+        )))
+    };
+    let values = |pick: &dyn Fn(&ItemRow) -> Option<&Vec<f32>>, n: usize| -> Result<ArrayRef> {
+        let flat: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| pick(r).cloned().unwrap_or_default())
+            .collect();
+        let n = i32::try_from(n).map_err(|_| bad(format!("{n} values do not fit Arrow")))?;
+        Ok(Arc::new(
+            FixedSizeListArray::try_new(
+                Arc::clone(&value_field),
+                n,
+                Arc::new(Float32Array::from(flat)),
+                None,
+            )
+            .map_err(|e| bad(e.to_string()))?,
+        ))
+    };
+    let mut arrays = vec![ids, values(&|r| r.vector.as_ref(), vector_width)?];
+    if input_width > 0 {
+        arrays.push(values(&|r| r.input_vector.as_ref(), input_width)?);
+    }
+    let mut ops = StringBuilder::new();
+    for row in rows {
+        ops.append_value(row.op.name());
+    }
+    arrays.push(Arc::new(ops.finish()));
+    let batch =
+        RecordBatch::try_new(Arc::clone(&schema), arrays).map_err(|e| bad(e.to_string()))?;
+    crate::export_items::write_atomically(path, &mut |out| {
+        let mut writer =
+            ArrowWriter::try_new(out, Arc::clone(&schema), None).map_err(|e| bad(e.to_string()))?;
+        writer.write(&batch).map_err(|e| bad(e.to_string()))?;
+        writer.close().map_err(|e| bad(e.to_string()))?;
+        Ok(())
+    })
 }

@@ -100,6 +100,10 @@ pub enum CatalogueCommand {
     /// through the release path like any version. Servers of the new version take the current
     /// object as already folded in; the first delta published for it starts afresh.
     Compact(CatalogueCompactArgs),
+    /// Estimate rows for items the engine lacks from their first interactions, with the model
+    /// frozen, and write them as a catalogue table for `catalogue publish`.
+    #[command(name = "fold-in")]
+    FoldIn(CatalogueFoldInArgs),
 }
 
 const CATALOGUE_HELP: &str = "The table is Parquet in the schema `recsys export-items --format parquet \
@@ -139,6 +143,47 @@ pub struct CataloguePublishArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+#[derive(Args, Debug)]
+#[command(after_help = FOLD_IN_HELP)]
+pub struct CatalogueFoldInArgs {
+    /// The engine directory the rows are for.
+    #[arg(long)]
+    pub engine: PathBuf,
+    /// The interaction log: RecBole's atomic .inter (tab-separated) or CSV, with a header naming
+    /// user_id, item_id and optionally timestamp columns.
+    #[arg(long, value_name = "FILE")]
+    pub interactions: PathBuf,
+    /// The catalogue table to write (Parquet).
+    #[arg(long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// L2 penalty on each fitted row (and bias): larger keeps an item seen a few times nearer
+    /// the catalogue's average score.
+    #[arg(long, default_value_t = 1.0)]
+    pub l2: f64,
+    /// Interactions fitted per new item at most (its first ones).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_examples: u64,
+    /// Contexts of the log sampled (evenly) to stand for all those in which a new item was not
+    /// chosen: the part of the likelihood that keeps its scores down elsewhere.
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub negative_samples: u64,
+    /// Print JSON (a summary and a line per item) instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const FOLD_IN_HELP: &str = "Every context of the log is the model's hidden vector for what a user had \
+done (the known items before an event, in time order; for Mult-VAE the user's known items). A new \
+item's output row and bias maximise the model's own softmax likelihood of the log with the rest of \
+the model frozen, against the engine's whole catalogue: up where the item was chosen (its first \
+--max-examples interactions), down everywhere else (estimated from --negative-samples contexts), \
+with the L2 penalty. \
+BERT4Rec, SASRec and GRU4Rec read an item's input row from the same row; Mult-VAE's input row is the \
+mean input row of the known items its users also interacted with (co-occurrence). HSTU is refused.\n\n\
+The table is a catalogue delta: publish it with `recsys catalogue publish` (merged with the other \
+rows of the delta, which holds every change since the engine), or try it offline with \
+`recsys predict --catalogue TABLE`.";
 
 #[derive(Args, Debug)]
 #[command(after_help = COMPACT_HELP)]

@@ -109,7 +109,7 @@ impl<'a> ItemTable<'a> {
 }
 
 /// Writes `path` through a temporary file moved into place, so a reader never sees half a file.
-fn write_atomically(
+pub(crate) fn write_atomically(
     path: &Path,
     bytes: &mut dyn FnMut(&mut (dyn Write + Send)) -> std::result::Result<(), CliError>,
 ) -> Result<()> {

@@ -71,6 +71,7 @@ fn main() {
         cli::Command::Catalogue(cli::CatalogueCommand::Publish(args)) => catalogue::publish(&args),
         cli::Command::Catalogue(cli::CatalogueCommand::Show(args)) => catalogue::show(&args),
         cli::Command::Catalogue(cli::CatalogueCommand::Compact(args)) => catalogue::compact(&args),
+        cli::Command::Catalogue(cli::CatalogueCommand::FoldIn(args)) => catalogue::fold_in(&args),
         cli::Command::Completions(args) => docs::completions(&args),
         cli::Command::Man(args) => docs::man(&args),
     };

@@ -20,9 +20,11 @@ pub mod error;
 pub mod filters;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
+pub mod fold_in;
 pub mod gin;
 pub mod idmap;
 pub mod import;
+pub mod interactions;
 pub mod item_sets;
 pub mod metrics;
 pub mod models;
