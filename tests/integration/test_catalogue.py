@@ -168,6 +168,43 @@ def test_retired_items_leave_every_answer_and_others_stay(recsys_bin, tmp_path):
             assert list(zip(got["item_ids"], got["scores"])) == keep, (kind, row)
 
 
+def test_fold_in_writes_a_table_that_predict_and_publish_take(recsys_bin, tmp_path):
+    """`recsys catalogue fold-in` on a cut SASRec engine: one row per cut item seen in the log,
+    in the catalogue table schema (what `catalogue publish` reads); `predict --catalogue` then
+    returns folded items; a log without a user column is refused naming it."""
+    cut = list(range(25, N_ITEMS + 1, 25))
+    checkpoint, config, item_map = cut_fixture("sasrec", cut, tmp_path / "cut-checkpoint")
+    engine = tmp_path / "cut"
+    subprocess.run([str(recsys_bin), "convert", "--force", "--kind", "sasrec", "--checkpoint", str(checkpoint),
+                    "--config", str(config), "--item-map", str(item_map), "--out", str(engine)],
+                   check=True, capture_output=True)
+    rows = [line.split("\t") for line in (FIXTURES / "test_set.tsv").read_text().splitlines()[1:]]
+    log = tmp_path / "train.inter"
+    log.write_text("user_id:token\titem_id:token\ttimestamp:float\n" + "".join(
+        f"{r[0]}\t{item}\t{1_600_000_000 + 60 * t}\n" for r in rows for t, item in enumerate(r[2].split()[:-1])))
+    table = tmp_path / "folded.parquet"
+    run = subprocess.run([str(recsys_bin), "catalogue", "fold-in", "--engine", str(engine), "--interactions",
+                          str(log), "--output", str(table), "--negative-samples", "500", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["items"] == len(cut) and report["skipped"] == [] and report["input_rows"] == "tied", report
+    folded = pq.read_table(table)
+    assert folded.column_names == ["item_id", "vector", "op"]
+    mapped = dict(line.split("\t") for line in (FIXTURES / "sasrec" / "item_id_map.tsv").read_text().splitlines()[1:])
+    cut_ids = {int(mapped[str(i)]) for i in cut}
+    assert set(folded["item_id"].to_pylist()) == cut_ids
+    assert set(folded["op"].to_pylist()) == {"upsert"}
+    answers, _ = predict(recsys_bin, engine, users_file(tmp_path), "--catalogue", str(table), k=20)
+    assert any(i in cut_ids for a in answers for i in a["item_ids"]), "folded items are recommended"
+    # A missing column is refused naming it.
+    bad = tmp_path / "bad.inter"
+    bad.write_text("who\titem_id\n1\t2\n")
+    run = subprocess.run([str(recsys_bin), "catalogue", "fold-in", "--engine", str(engine), "--interactions",
+                          str(bad), "--output", str(tmp_path / "x.parquet")], capture_output=True, text=True)
+    assert run.returncode != 0 and "no user column" in run.stderr, run.stderr
+
+
 def test_a_table_that_cannot_apply_is_refused_naming_the_item(recsys_bin, tmp_path):
     users = users_file(tmp_path)
     engine = tmp_path / "sasrec"
