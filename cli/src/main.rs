@@ -18,6 +18,7 @@ mod output;
 mod predict;
 mod progress;
 mod sweep;
+mod sweep_chart;
 mod versions;
 
 use clap::Parser;

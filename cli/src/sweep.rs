@@ -1,7 +1,7 @@
 //! `recsys sweep`: convert a checkpoint at every precision, evaluate ranking quality, compare with
 //! fp32, time each engine, and recommend the fastest variant within a quality budget.
 
-use crate::output::{say, tell};
+use crate::output::say;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -453,10 +453,25 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
     let md = markdown(kind, args, &rows, best, &command, budget);
     std::fs::write(args.output.join("report.md"), &md)
         .map_err(CliError::io("cannot write report.md"))?;
-    let svg = pareto_svg(&rows, budget);
-    std::fs::write(args.output.join("pareto.svg"), &svg)
+    let points: Vec<crate::sweep_chart::Point<'_>> = rows
+        .iter()
+        .map(|r| crate::sweep_chart::Point {
+            variant: &r.variant,
+            latency_ms: r.latency[0].p50_ms,
+            loss_percent: 100.0 * r.ndcg10_relative_loss,
+        })
+        .collect();
+    let chart = crate::sweep_chart::draw(
+        &points,
+        rows[0].latency[0].batch,
+        100.0 * budget,
+        &best.variant,
+    )?;
+    std::fs::write(args.output.join("pareto.svg"), &chart.svg)
         .map_err(CliError::io("cannot write pareto.svg"))?;
-    write_png(&svg, &args.output.join("pareto.png"))?;
+    let png_path = args.output.join("pareto.png");
+    let png = crate::sweep_chart::png(&chart.svg, &png_path)?;
+    std::fs::write(&png_path, png).map_err(CliError::io("cannot write pareto.png"))?;
     say!("{md}");
     say!(
         "wrote {}/report.md, report.json, pareto.svg and pareto.png",
@@ -545,128 +560,5 @@ fn markdown(
         100.0 * budget,
         command
     );
-    s
-}
-
-/// Latency (p50 at the first batch size) against NDCG@10 loss, the Pareto front joined.
-/// Rasterises the plot at twice its SVG size. Labels need a system font; without one the PNG is
-/// still written (points and lines only) and a warning says so.
-fn write_png(svg: &str, path: &std::path::Path) -> Result<()> {
-    use resvg::{tiny_skia, usvg};
-    let mut options = usvg::Options::default();
-    let fonts = options.fontdb_mut();
-    fonts.load_system_fonts();
-    // "sans-serif" maps to Arial unless told otherwise; use whatever sans face this machine has.
-    let family = {
-        let families: Vec<String> = fonts
-            .faces()
-            .flat_map(|f| f.families.iter().map(|(name, _)| name.clone()))
-            .collect();
-        families
-            .iter()
-            .find(|f| f.contains("Sans") && !f.contains("Mono"))
-            .or(families.first())
-            .cloned()
-    };
-    if let Some(family) = family {
-        fonts.set_sans_serif_family(family);
-    }
-    if options.fontdb.is_empty() {
-        tell!(
-            "warning: no system fonts found; {} has no text labels (pareto.svg does)",
-            path.display()
-        );
-    }
-    let tree = usvg::Tree::from_str(svg, &options).map_err(|e| {
-        CliError::Input(format!("internal error: the plot SVG does not parse: {e}"))
-    })?;
-    let size = tree.size().to_int_size();
-    let mut pixmap = tiny_skia::Pixmap::new(2 * size.width(), 2 * size.height())
-        .ok_or_else(|| CliError::Input("internal error: empty plot".into()))?;
-    resvg::render(
-        &tree,
-        tiny_skia::Transform::from_scale(2.0, 2.0),
-        &mut pixmap.as_mut(),
-    );
-    let png = pixmap
-        .encode_png()
-        .map_err(|e| CliError::Input(format!("cannot encode {}: {e}", path.display())))?;
-    std::fs::write(path, png).map_err(CliError::io(format!("cannot write {}", path.display())))
-}
-
-fn pareto_svg(rows: &[Row], budget: f64) -> String {
-    // `right` leaves room for the labels of the slowest variants.
-    let (w, h, m, right) = (780.0, 420.0, 60.0, 200.0);
-    let xs: Vec<f64> = rows.iter().map(|r| r.latency[0].p50_ms).collect();
-    let ys: Vec<f64> = rows
-        .iter()
-        .map(|r| 100.0 * r.ndcg10_relative_loss)
-        .collect();
-    let (xmax, ymin, ymax) = (
-        xs.iter().cloned().fold(0.0, f64::max) * 1.15,
-        ys.iter().cloned().fold(0.0, f64::min).min(0.0) - 0.1,
-        ys.iter().cloned().fold(100.0 * budget, f64::max) + 0.1,
-    );
-    let px = |x: f64| m + x / xmax * (w - m - right);
-    let py = |y: f64| h - m - (y - ymin) / (ymax - ymin) * (h - 2.0 * m);
-    // Pareto front: no other variant is both faster and better.
-    let mut front: Vec<usize> = (0..rows.len())
-        .filter(|&i| {
-            !(0..rows.len()).any(|j| {
-                j != i && xs[j] <= xs[i] && ys[j] <= ys[i] && (xs[j] < xs[i] || ys[j] < ys[i])
-            })
-        })
-        .collect();
-    front.sort_by(|&a, &b| xs[a].partial_cmp(&xs[b]).expect("finite"));
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-        h - m,
-        w - right,
-        h - m
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>",
-        h - m
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">latency p50 at batch {} (ms)</text>",
-        w / 2.0,
-        h - 20.0,
-        rows[0].latency[0].batch
-    );
-    let _ = writeln!(s, "<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">NDCG@10 loss vs fp32 (%)</text>", h / 2.0, h / 2.0);
-    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{0}\" x2=\"{1}\" y2=\"{0}\" stroke=\"#c33\" stroke-dasharray=\"4 4\"/><text x=\"{2}\" y=\"{3}\" fill=\"#c33\">budget {4:.2} %</text>", py(100.0 * budget), w - right, w - right - 90.0, py(100.0 * budget) - 4.0, 100.0 * budget);
-    let _ = writeln!(s, "<text x=\"{m}\" y=\"{}\" text-anchor=\"middle\">0</text><text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{:.3}</text>", h - m + 15.0, w - right, h - m + 15.0, xmax);
-    let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.2}</text><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.2}</text>", m - 4.0, py(ymin) + 4.0, ymin, m - 4.0, py(ymax) + 4.0, ymax);
-    let points: Vec<String> = front
-        .iter()
-        .map(|&i| format!("{:.1},{:.1}", px(xs[i]), py(ys[i])))
-        .collect();
-    let _ = writeln!(
-        s,
-        "<polyline points=\"{}\" fill=\"none\" stroke=\"#36c\" stroke-width=\"2\"/>",
-        points.join(" ")
-    );
-    for (i, r) in rows.iter().enumerate() {
-        let on_front = front.contains(&i);
-        let (x, y) = (px(xs[i]), py(ys[i]));
-        // Variants often sit on top of each other: stagger the labels and tie each to its point.
-        let (lx, ly) = (x + 14.0, y - 6.0 - 14.0 * (i % 4) as f64);
-        let _ = writeln!(
-            s,
-            "<line x1=\"{x:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"#bbb\"/><circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"5\" fill=\"{}\"/><text x=\"{lx:.1}\" y=\"{ly:.1}\">{}</text>",
-            lx - 2.0,
-            ly - 4.0,
-            if on_front { "#36c" } else { "#999" },
-            r.variant
-        );
-    }
-    s.push_str("</svg>\n");
     s
 }

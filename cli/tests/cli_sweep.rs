@@ -138,7 +138,7 @@ fn sweep_reports_quality_latency_and_a_recommendation() {
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("**Recommendation**") && md.contains("| int8-wo |"));
     let svg = std::fs::read_to_string(out.join("pareto.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("int8-wo"));
+    assert!(svg.starts_with("<svg") && svg.contains("int8-wo") && svg.contains("recommended"));
     let png = std::fs::read(out.join("pareto.png")).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000);
 
