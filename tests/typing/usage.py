@@ -1,6 +1,7 @@
 """How the README and the package's docs call recsys, type-checked against its stubs (mypy --strict
-in tests/integration/test_python.py): lists, numpy arrays of ids and rows of a 2-D array are all
-histories. Never run, only checked."""
+and pyright in strict mode, in tests/integration/test_python.py): lists, numpy arrays of ids and
+rows of a 2-D array are all histories. Never run, only checked."""
+# pyright: strict
 
 from __future__ import annotations
 
