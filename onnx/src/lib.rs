@@ -583,8 +583,8 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| OnnxError::io(format!("cannot rename {} into place", tmp.display()), e))
 }
 
-/// Slots of a dynamic input's second dimension in the TensorRT optimisation profile the README's
-/// build uses: (min, opt, max).
+/// Slots of a dynamic input's second dimension in the TensorRT optimisation profile the user
+/// guide's build (docs/guide/src/onnx.md) uses: (min, opt, max).
 fn profile_slots(input: &str, output: GraphOutput) -> (usize, usize, usize) {
     match input {
         // TopK's K must fit the candidate axis at every shape of the profile.

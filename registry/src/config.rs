@@ -14,7 +14,7 @@ const MANAGED_COMMENT: &str =
     "# Managed by `recsys publish/approve/reject`: the newest approved version.";
 
 /// The config a model gets when it has none: the backend completes inputs, outputs, `top_k` and
-/// dynamic batching from the engine (README, "Serve with Triton").
+/// dynamic batching from the engine (the user guide, docs/guide/src/serving.md).
 pub fn minimal(max_batch_size: u32) -> String {
     format!(
         "# Written by `recsys approve`; the recsys backend completes the rest from the engine.\n\
