@@ -1,6 +1,6 @@
-//! Every relative link of the README, the user guide (docs/guide/src) and the docs in docs/ leads
-//! to a file of the repository, and every guide page is in the guide's table of contents: pages
-//! moved or renamed fail here, not on a reader.
+//! Every relative link of the README, the user guide (docs/guide/src), the docs in docs/ and the
+//! benchmark logs (docs/benchmarks) leads to a file of the repository, and every guide page is in
+//! the guide's table of contents: pages moved or renamed fail here, not on a reader.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +11,7 @@ fn root() -> PathBuf {
 fn markdown_files() -> Vec<PathBuf> {
     let root = root();
     let mut files = vec![root.join("README.md")];
-    for dir in ["docs", "docs/guide/src"] {
+    for dir in ["docs", "docs/benchmarks", "docs/guide/src"] {
         for entry in std::fs::read_dir(root.join(dir)).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "md") {
