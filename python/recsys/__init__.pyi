@@ -58,6 +58,16 @@ class Engine:
     def device(self) -> str:
         """Where batches run: "cpu" or "cuda:N"."""
     @property
+    def info(self) -> dict[str, Any]:
+        """The engine's metadata as a plain dict: kind, precision, num_items, id_type,
+        embedding_dim, threads, device, path, weights_sha256, catalogue_version,
+        availability_version, and manifest (the whole manifest: source checkpoint, quantization,
+        calibration, screen, item attributes, popularity, a folded catalogue, created_at/by).
+
+        >>> engine.info["kind"], engine.info["num_items"]
+        ('bert4rec', 2000)
+        """
+    @property
     def kind(self) -> str:
         """"bert4rec", "vaecf", "sasrec" or "gru4rec"."""
     @property

@@ -901,6 +901,37 @@ impl PyEngine {
         self.device.name()
     }
 
+    /// The engine's metadata as a plain dict: kind, precision, items, id type, embedding width,
+    /// threads, device, path, the weights' SHA-256 (what catalogue deltas name), the live
+    /// catalogue and availability versions in force, and the whole manifest (`manifest`: the
+    /// source checkpoint, quantization, calibration, screen, item attributes, popularity counts,
+    /// a folded catalogue, when and by what it was written).
+    ///
+    /// >>> engine.info["kind"], engine.info["num_items"]
+    /// ('bert4rec', 2000)
+    #[getter]
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let engine = self.engine();
+        let manifest = serde_json::to_value(&engine.manifest)
+            .map_err(|e| RecsysError::new_err(format!("the manifest does not serialise: {e}")))?;
+        let info = serde_json::json!({
+            "kind": self.kind(),
+            "precision": self.precision(),
+            "num_items": self.num_items(),
+            "id_type": engine.manifest.id_type,
+            "embedding_dim": self.embedding_dim(),
+            "threads": self.threads(),
+            "device": self.device(),
+            "path": self.path.display().to_string(),
+            "weights_sha256": engine.weights_sha256(),
+            "catalogue_version": engine.catalogue().map(|c| c.version),
+            "availability_version": engine.filters.availability_version(),
+            "manifest": manifest,
+        });
+        py.import("json")?
+            .call_method1("loads", (info.to_string(),))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "recsys.Engine({:?}, kind={}, precision={}, items={}, threads={}, device={})",

@@ -64,6 +64,14 @@ def test_recommend_equals_recsys_predict_bit_for_bit(recsys_bin, engines, users,
     engine = recsys.Engine(engines[name], threads=2)
     assert (engine.kind, engine.num_items, engine.threads) == (name.split("_")[0], 2000, 2)
     assert engine.precision == (name.split("_")[1] if "_" in name else "fp32")
+    # The metadata as a plain dict, the manifest's own fields inside it.
+    info = engine.info
+    manifest = json.loads((Path(engines[name]) / "manifest.json").read_text())
+    assert (info["kind"], info["num_items"], info["precision"], info["threads"]) == \
+        (engine.kind, 2000, engine.precision, 2)
+    assert info["manifest"]["source"] == manifest["source"] and info["id_type"] == manifest["id_type"]
+    assert info["weights_sha256"] == manifest["files"]["weights.safetensors"]["sha256"]
+    assert info["catalogue_version"] is None and json.loads(json.dumps(info)) == info
     ids, scores = engine.recommend(users, k=20)
     assert ids.shape == scores.shape == (len(users), 20) and ids.dtype == np.int64 and scores.dtype == np.float32
     want = predict(recsys_bin, engines[name], [{"item_ids": h} for h in users], tmp_path, "--k", "20")

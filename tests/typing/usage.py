@@ -5,6 +5,8 @@ rows of a 2-D array are all histories. Never run, only checked."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -13,6 +15,9 @@ import recsys.recbole
 
 
 def calls(engine: recsys.Engine) -> None:
+    info: dict[str, Any] = engine.info
+    sha: str = info["weights_sha256"]
+    assert len(sha) == 64
     lists = [[10011403, 10011207], [10011739]]
     arrays = [np.array([10011403, 10011207], dtype=np.int64), np.array([10011739], dtype=np.int64)]
     matrix = np.array([[10011403, 10011207], [10011739, 10011207]], dtype=np.int64)
