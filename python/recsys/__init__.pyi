@@ -28,7 +28,12 @@ class RecsysError(Exception):
     """An engine, checkpoint or file that recsys cannot use; the message says why."""
 
 class Engine:
-    """A loaded engine directory (written by `recsys convert`)."""
+    """A loaded engine directory (written by `recsys convert`).
+
+    >>> engine = recsys.Engine(path, threads=1)   # path: an engine directory, e.g. model_repository/sasrec/1
+    >>> engine.kind, engine.num_items, engine.embedding_dim
+    ('sasrec', 2000, 65)
+    """
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
                  prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto",
@@ -65,7 +70,7 @@ class Engine:
         calibration, screen, item attributes, popularity, a folded catalogue, created_at/by).
 
         >>> engine.info["kind"], engine.info["num_items"]
-        ('bert4rec', 2000)
+        ('sasrec', 2000)
         """
     @property
     def kind(self) -> str:
@@ -83,12 +88,20 @@ class Engine:
         """The model's hidden size plus 1: the width of `embed`'s rows."""
     @property
     def item_ids(self) -> Union[npt.NDArray[np.int64], list[str]]:
-        """External ids of items 1..=N: the columns of `score`, the rows of `recsys export-items`."""
+        """External ids of items 1..=N: the columns of `score`, the rows of `recsys export-items`.
+
+        >>> engine.item_ids[:3].tolist()
+        [10006762, 10006545, 10006853]
+        """
     @property
     def item_sets(self) -> dict[str, int]:
         """The item set names requests may filter by ("column=value", from the item attributes
         the engine was converted with, and from the availability object in force), each with its
-        item count."""
+        item count.
+
+        >>> sorted(engine.item_sets)[:2]
+        ['age_rating=adult', 'age_rating=all']
+        """
     def load_availability(self, source: str) -> int:
         """Puts a live availability object in force (a file, or s3://... / gs://...; written by
         `recsys availability publish`): its sets join `item_sets`. Refused (RecsysError) when it is
@@ -142,7 +155,16 @@ class Engine:
         columns); `exclude_sets`: no item of these sets; `timestamps` (one list of unix seconds per
         history, one per id) and `query_timestamp` (when the event to predict happens; default
         now): required by the models that read time (HSTU). Set names are one list for every history
-        or one list per history; an unknown name raises ValueError naming it."""
+        or one list per history; an unknown name raises ValueError naming it.
+
+        >>> ids, scores = engine.recommend([[10011403, 10011207], [10011739]], k=3)
+        >>> ids.tolist()
+        [[10011739, 10011235, 10011788], [10011620, 10011788, 10011375]]
+        >>> [round(float(s), 2) for s in scores[0]]
+        [9.15, 8.66, 8.62]
+        >>> engine.recommend([[10011403, 10011207]], k=3, include_sets=["category=shoes"])[0].tolist()
+        [[10011739, 10011431, 10011480]]
+        """
     def rerank(
         self,
         histories: Histories,
@@ -157,7 +179,12 @@ class Engine:
         query_timestamp: QueryTimestamp | None = None,
     ) -> tuple[Ids, npt.NDArray[np.float32]]:
         """The best k of each history's own candidates (narrowed by the set filters) (a retrieval stage's), with exactly the
-        scores the whole-catalogue scan gives them; padded as `recommend`."""
+        scores the whole-catalogue scan gives them; padded as `recommend`.
+
+        >>> ids, scores = engine.rerank([[10011403, 10011207]], candidates=[[10011739, 10011445, 10002744]], k=2)
+        >>> ids.tolist()
+        [[10011739, 10011445]]
+        """
     def embed(
         self,
         histories: Histories,
@@ -166,14 +193,22 @@ class Engine:
         query_timestamp: QueryTimestamp | None = None,
     ) -> npt.NDArray[np.float32]:
         """User embeddings [B, embedding_dim] = [h, 1]: the inner product with an item's row of
-        `recsys export-items` is the model's score for it."""
+        `recsys export-items` is the model's score for it.
+
+        >>> engine.embed([[10011403, 10011207]]).shape
+        (1, 65)
+        """
     def score(
         self,
         histories: Histories,
         timestamps: Timestamps | None = None,
         query_timestamp: QueryTimestamp | None = None,
     ) -> npt.NDArray[np.float32]:
-        """Every item's score [B, N] (column j is item_ids[j]), nothing left out: for evaluation."""
+        """Every item's score [B, N] (column j is item_ids[j]), nothing left out: for evaluation.
+
+        >>> engine.score([[10011403, 10011207]]).shape
+        (1, 2000)
+        """
     def predict(
         self,
         histories: Histories,
@@ -197,7 +232,14 @@ class Engine:
         """Per-history answers as `recsys predict` gives them, for batch jobs (recsys.ray uses it):
         `k` one value per history (None: `default_k`); a refused history gets its error message
         (and empty ids and scores) instead of failing the call. Returns (ids, scores, embeddings,
-        errors), one entry per history, each answer its own length."""
+        errors), one entry per history, each answer its own length.
+
+        >>> ids, scores, embeddings, errors = engine.predict([[10011403, 10011207], [-5]], k=[2, 2])
+        >>> ids[0].tolist(), errors[0]
+        ([10011739, 10011235], None)
+        >>> errors[1].startswith("invalid request")
+        True
+        """
     def timelines(
         self,
         histories: Histories,
@@ -218,7 +260,13 @@ class Engine:
         a list with an entry per event. With `prefix_cache_bytes` set (GRU4Rec, SASRec, HSTU)
         each step computes one event per history (HSTU two); without, every prefix is
         recomputed. For HSTU, `timestamps` gives each history's event times: each prefix is
-        queried at its next event's time, the whole history at `query_timestamp` (default now)."""
+        queried at its next event's time, the whole history at `query_timestamp` (default now).
+
+        >>> cached = recsys.Engine(path, threads=1, prefix_cache_bytes=1 << 20)
+        >>> (ids, scores, errors), = cached.timelines([[10011403, 10011207, 10011739]], k=2)
+        >>> len(ids), ids[1].tolist(), ids[2].tolist()
+        (3, [10011739, 10011235], [10011788, 10011620])
+        """
 
 def convert(
     kind: str,
@@ -245,7 +293,14 @@ def convert(
     same answers bit for bit. `item_attributes`: a CSV or TSV table keyed by the external item id
     (list cells as `a|b`); every value of every column becomes an item set requests filter by.
     `interactions`: an interaction log (CSV, TSV or RecBole's .inter) whose item column is counted
-    into the popularity list that answers histories without a known item."""
+    into the popularity list that answers histories without a known item.
+
+    >>> engine = recsys.convert("sasrec", "tests/fixtures/sasrec/model.safetensors",
+    ...                         "tests/fixtures/sasrec/item_id_map.tsv", f"{tmp}/sasrec-int8",
+    ...                         config="tests/fixtures/sasrec/config.json", precision="int8")
+    >>> engine.precision
+    'int8'
+    """
 
 def evaluate(
     engine: Engine,
@@ -254,4 +309,9 @@ def evaluate(
     batch_size: int = 256,
 ) -> dict[str, Any]:
     """`recsys eval`: NDCG/Recall@k and MRR over a test set (TSV: user, target, history), as a dict
-    with "metrics", "unknown_history_ids" and "unknown_targets"."""
+    with "metrics", "unknown_history_ids" and "unknown_targets".
+
+    >>> report = recsys.evaluate(engine, "tests/fixtures/test_set.tsv", k=[10])
+    >>> sorted(report["metrics"]), report["metrics"]["n_users"]
+    (['mrr', 'n_users', 'ndcg@10', 'recall@10'], 5000)
+    """

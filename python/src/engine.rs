@@ -908,7 +908,7 @@ impl PyEngine {
     /// a folded catalogue, when and by what it was written).
     ///
     /// >>> engine.info["kind"], engine.info["num_items"]
-    /// ('bert4rec', 2000)
+    /// ('sasrec', 2000)
     #[getter]
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let engine = self.engine();

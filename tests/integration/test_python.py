@@ -476,3 +476,34 @@ def test_a_bf16_engine_answers_the_same_on_either_kernel_path(engines, users):
     assert recsys.Engine(str(engines["bert4rec"]), threads=1).kernel_plan is None
     with pytest.raises(ValueError, match="bf16_path"):
         recsys.Engine(path, bf16_path="fastest")
+
+
+def test_the_examples_in_the_stubs_docstrings_run(engines, tmp_path, monkeypatch):
+    """Every `>>>` example in the package's docstrings (the stubs IDEs and help() show) runs and
+    prints what it says, against the SASRec fixture engine (`path`, `engine`) from the repository
+    root, converting into `tmp`."""
+    import ast
+    import doctest
+    import io
+
+    root = Path(__file__).resolve().parents[2]
+    stubs = root / "python" / "recsys" / "__init__.pyi"
+    tree = ast.parse(stubs.read_text())
+    documented = [(getattr(node, "name", "recsys"), ast.get_docstring(node)) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    examples = [(name, text) for name, text in documented if text and ">>>" in text]
+    calls = {name for name, _ in examples}
+    for call in ("Engine", "info", "recommend", "rerank", "embed", "score", "predict", "timelines", "convert",
+                 "evaluate"):
+        assert call in calls, f"no example in the docstring of {call}"
+    monkeypatch.chdir(root)
+    path = str(engines["sasrec"])
+    globs = {"recsys": recsys, "np": np, "path": path, "tmp": str(tmp_path),
+             "engine": recsys.Engine(path, threads=1)}
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    report = io.StringIO()
+    for name, text in examples:
+        runner.run(doctest.DocTestParser().get_doctest(text, dict(globs), name, str(stubs), 0), out=report.write)
+    results = runner.summarize(verbose=False)
+    assert results.failed == 0, report.getvalue()
+    assert results.attempted >= 20, results
