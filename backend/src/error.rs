@@ -97,6 +97,7 @@ fn engine_code(e: &EngineError) -> ErrorCode {
         | EngineError::Checksum { .. }
         | EngineError::InvalidRequest(_)
         | EngineError::UnknownIds { .. }
+        | EngineError::NoKnownItem { .. }
         | EngineError::Catalogue(_)
         | EngineError::TestSet { .. } => ErrorCode::InvalidArg,
     }

@@ -896,28 +896,24 @@ impl Engine {
         options: &ServeOptions,
         history: &crate::idmap::Mapped,
     ) -> Result<bool> {
-        let what = format!(
-            "ITEM_IDS holds no item known to the model ({} id(s), {} unknown)",
-            history.indices.len() + history.unknown,
-            history.unknown
-        );
+        let refuse = |why| EngineError::NoKnownItem {
+            ids: history.indices.len() + history.unknown,
+            unknown: history.unknown,
+            why,
+        };
         match (options.empty_history, &self.popularity) {
             (EmptyHistoryPolicy::Popular | EmptyHistoryPolicy::Auto, Some(_)) => Ok(true),
-            (EmptyHistoryPolicy::Popular, None) => Err(EngineError::InvalidRequest(format!(
-                "{what} and empty_history_policy is \"popular\", but this engine has no \
-                 popularity list (convert it with --interactions)"
-            ))),
-            (EmptyHistoryPolicy::Error, _) => Err(EngineError::InvalidRequest(format!(
-                "{what} (empty_history_policy is \"error\")"
-            ))),
+            (EmptyHistoryPolicy::Popular, None) => {
+                Err(refuse(crate::error::NoKnownItemRefusal::NoPopularityList))
+            }
+            (EmptyHistoryPolicy::Error, _) => {
+                Err(refuse(crate::error::NoKnownItemRefusal::PolicyRefuses))
+            }
             (EmptyHistoryPolicy::Model | EmptyHistoryPolicy::Auto, _)
                 if self.kind().needs_history() =>
             {
-                Err(EngineError::InvalidRequest(format!(
-                    "{what}: {} answers from the history's last item, so it needs at least one \
-                     (empty_history_policy \"popular\", with an engine converted with \
-                     --interactions, answers such visitors with the most popular items)",
-                    self.kind()
+                Err(refuse(crate::error::NoKnownItemRefusal::ModelNeedsHistory(
+                    self.kind(),
                 )))
             }
             (EmptyHistoryPolicy::Model | EmptyHistoryPolicy::Auto, _) => Ok(false),

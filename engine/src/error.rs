@@ -73,6 +73,19 @@ pub enum EngineError {
         examples: Vec<String>,
     },
 
+    /// A history with no item the model knows, which neither the popularity list nor the model
+    /// can answer (worded in Triton's terms; the Python package words it in its own).
+    #[error(
+        "invalid request: ITEM_IDS holds no item known to the model ({ids} id(s), {unknown} \
+         unknown){}",
+        why.triton_text()
+    )]
+    NoKnownItem {
+        ids: usize,
+        unknown: usize,
+        why: NoKnownItemRefusal,
+    },
+
     /// A catalogue delta that cannot apply to the engine; the message names the item and why.
     #[error("catalogue delta: {0}")]
     Catalogue(String),
@@ -120,6 +133,35 @@ impl EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Why a history without a known item was refused ([`EngineError::NoKnownItem`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoKnownItemRefusal {
+    /// `empty_history_policy` is "popular" and the engine has no popularity list.
+    NoPopularityList,
+    /// `empty_history_policy` is "error".
+    PolicyRefuses,
+    /// The model answers from the history's last item, and no popularity list answers instead.
+    ModelNeedsHistory(crate::config::ModelKind),
+}
+
+impl NoKnownItemRefusal {
+    fn triton_text(self) -> String {
+        match self {
+            NoKnownItemRefusal::NoPopularityList => {
+                " and empty_history_policy is \"popular\", but \
+                this engine has no popularity list (convert it with --interactions)"
+                    .to_string()
+            }
+            NoKnownItemRefusal::PolicyRefuses => " (empty_history_policy is \"error\")".to_string(),
+            NoKnownItemRefusal::ModelNeedsHistory(kind) => format!(
+                ": {kind} answers from the history's last item, so it needs at least one \
+                 (empty_history_policy \"popular\", with an engine converted with \
+                 --interactions, answers such visitors with the most popular items)"
+            ),
+        }
+    }
+}
 
 /// Which ids of a request an [`EngineError::UnknownIds`] is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -45,7 +45,7 @@ pub use config::{ModelConfig, ModelKind};
 pub use convert::{convert, convert_limited, CatalogueInputs, ConvertRequest, W8a8Layers};
 pub use convert_options::{CalibrationChoice, ConvertOptions, ConvertPlan, Int8Mode, Spelling};
 pub use engine::{Engine, RankedRows, Scorer};
-pub use error::{EngineError, IdInput, Result};
+pub use error::{EngineError, IdInput, NoKnownItemRefusal, Result};
 pub use filters::FilterView;
 pub use idmap::{ExternalId, ExternalIds, IdMap, ItemMapSource};
 pub use item_sets::{AttributeTable, ItemFilter, ItemSets};

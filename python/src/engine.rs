@@ -253,14 +253,25 @@ impl PyEngine {
             .enumerate()
             .map(|(i, answer)| {
                 answer.map_err(|e| match e {
+                    // The sets a request names come from include_sets= and exclude_sets=.
+                    EngineError::InvalidRequest(message)
+                        if message.starts_with("unknown item set") =>
+                    {
+                        PyValueError::new_err(format!(
+                            "include_sets / exclude_sets for histories[{i}]: {message}"
+                        ))
+                    }
                     EngineError::InvalidRequest(message) => {
-                        PyValueError::new_err(format!("history {i}: {message}"))
+                        PyValueError::new_err(format!("histories[{i}]: {message}"))
                     }
                     EngineError::UnknownIds {
                         input,
                         count,
                         examples,
                     } => PyValueError::new_err(unknown_ids_message(i, input, count, &examples)),
+                    EngineError::NoKnownItem { ids, unknown, why } => {
+                        PyValueError::new_err(no_known_item_message(i, ids, unknown, why))
+                    }
                     other => engine_error(other),
                 })
             })
@@ -962,5 +973,31 @@ fn unknown_ids_message(
     format!(
         "{argument}[{row}] holds {count} id(s) the model does not know ({shown}{more}); \
          strict=True refuses them (strict=False drops them)"
+    )
+}
+
+/// A refused history without a known item, in the package's terms: the argument and row, and
+/// how an engine answers such histories.
+fn no_known_item_message(
+    row: usize,
+    ids: usize,
+    unknown: usize,
+    why: recsys_engine::NoKnownItemRefusal,
+) -> String {
+    let reason = match why {
+        recsys_engine::NoKnownItemRefusal::ModelNeedsHistory(kind) => format!(
+            "{kind} answers from the history's last item, so it needs at least one; an engine \
+             converted with interactions= (recsys.convert, or recsys convert --interactions) \
+             answers such histories with the most popular items"
+        ),
+        recsys_engine::NoKnownItemRefusal::NoPopularityList => "the engine has no popularity \
+            list to answer it (convert it with interactions=)"
+            .to_string(),
+        recsys_engine::NoKnownItemRefusal::PolicyRefuses => {
+            "the engine's empty-history policy refuses such histories".to_string()
+        }
+    };
+    format!(
+        "histories[{row}] holds no item the model knows ({ids} id(s), {unknown} unknown): {reason}"
     )
 }

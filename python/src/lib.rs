@@ -32,9 +32,9 @@ pyo3::create_exception!(
 pub(crate) fn engine_error(e: EngineError) -> PyErr {
     match &e {
         EngineError::NotFound { .. } => PyFileNotFoundError::new_err(e.to_string()),
-        EngineError::InvalidRequest(_) | EngineError::UnknownIds { .. } => {
-            PyValueError::new_err(e.to_string())
-        }
+        EngineError::InvalidRequest(_)
+        | EngineError::UnknownIds { .. }
+        | EngineError::NoKnownItem { .. } => PyValueError::new_err(e.to_string()),
         _ => RecsysError::new_err(e.to_string()),
     }
 }

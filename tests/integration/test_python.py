@@ -160,6 +160,16 @@ def test_errors_are_python_exceptions_with_the_engines_message(engines, tmp_path
     _, _, _, errors = engine.predict([[10011403], [-5, -6]], strict=True)
     assert errors[0] is None and "holds 2 id(s) unknown to the model" in errors[1]
     assert engine.recommend([[10011403, -5]])[0].shape == (1, 10), "unknown ids are dropped by default"
+    # A history with nothing the model knows, on a model that needs one; an unknown set name.
+    sasrec = recsys.Engine(engines["sasrec"])
+    for call in (lambda: sasrec.recommend([[10011403], [-5, -6]]), lambda: sasrec.embed([[10011403], []])):
+        with pytest.raises(ValueError, match=re.escape("histories[1] holds no item the model knows (")) as refused:
+            call()
+        assert "sasrec answers from the history's last item" in str(refused.value)
+        assert "interactions=" in str(refused.value) and "empty_history_policy" not in str(refused.value)
+    with pytest.raises(ValueError, match=re.escape("include_sets / exclude_sets for histories[0]: unknown item "
+                                                   "set \"colour=red\"")):
+        sasrec.recommend([[10011403]], include_sets=["colour=red"])
     with pytest.raises(ValueError, match="k must be at least 1, got 0"):
         engine.recommend([[10011403]], k=0)
     with pytest.raises(TypeError, match="one per user"):
