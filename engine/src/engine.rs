@@ -913,7 +913,7 @@ impl Engine {
                 if self.kind().needs_history() =>
             {
                 Err(refuse(crate::error::NoKnownItemRefusal::ModelNeedsHistory(
-                    self.kind(),
+                    self.kind().as_str(),
                 )))
             }
             (EmptyHistoryPolicy::Model | EmptyHistoryPolicy::Auto, _) => Ok(false),

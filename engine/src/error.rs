@@ -141,8 +141,9 @@ pub enum NoKnownItemRefusal {
     NoPopularityList,
     /// `empty_history_policy` is "error".
     PolicyRefuses,
-    /// The model answers from the history's last item, and no popularity list answers instead.
-    ModelNeedsHistory(crate::config::ModelKind),
+    /// The model (by name: "sasrec", "gru4rec", ...) answers from the history's last item, and
+    /// no popularity list answers instead.
+    ModelNeedsHistory(&'static str),
 }
 
 impl NoKnownItemRefusal {
