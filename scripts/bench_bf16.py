@@ -21,7 +21,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from bench_threads import FIXTURES, convert, cpu_model, print_plans, probe
+from bench_threads import FIXTURES, convert, print_plans, probe
+from cpu_info import cpu_model
 
 
 def main() -> None:

@@ -20,17 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from cpu_info import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "target" / "release" / "filter_probe"
 SHARES = [1.0, 0.5, 0.1, 0.05, 0.01, 0.001]
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def recsys(n: int, d: int, batch: int, k: int, threads: int, reps: int) -> dict[str, float]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,16 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from conftest import FIXTURES  # noqa: E402
 from test_catalogue import N_ITEMS, cut_fixture  # noqa: E402
+from cpu_info import cpu_model  # noqa: E402
 
 FAMILIES = [("bert4rec", "bert4rec"), ("sasrec", "sasrec"), ("gru4rec", "gru4rec"), ("vaecf", "multivae")]
 T0 = 1_600_000_000
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def cases() -> list[tuple[str, int, list[int]]]:

@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import RECSYS, Peers, ml1m_histories, probe, write_safetensors  # noqa: E402
 from bench_sequential import ML1M_ITEMS, hstu_weights  # noqa: E402
-from bench_sessions import cpu_model  # noqa: E402
+from cpu_info import cpu_model  # noqa: E402
 
 K = 10
 L = 200

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,17 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_catalogue import FIRST_ID, read_safetensors, write_safetensors  # noqa: E402
 from bench_catalogue import checkpoints as synthetic_checkpoint  # noqa: E402
+from cpu_info import cpu_model  # noqa: E402
 
 RECSYS = ROOT / "target" / "release" / "recsys"
 PROBE = ROOT / "target" / "release" / "model_probe"
 K = 10
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:

@@ -28,7 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import RECSYS, ml1m_histories  # noqa: E402
 from bench_sequential import ml1m_model  # noqa: E402
-from bench_sessions import LENGTHS, cpu_model  # noqa: E402
+from bench_sessions import LENGTHS  # noqa: E402
+from cpu_info import cpu_model  # noqa: E402
 
 # The first event's time of every session (HSTU reads time); events are an hour apart.
 T0 = 1_600_000_000

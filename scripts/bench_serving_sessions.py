@@ -36,7 +36,7 @@ from bench_models import RECSYS, ml1m_histories  # noqa: E402
 from bench_peers import peer_config  # noqa: E402
 from bench_sequential import ml1m_model  # noqa: E402
 from bench_serving import cell, measure, spread  # noqa: E402
-from bench_sessions import cpu_model  # noqa: E402
+from cpu_info import cpu_model  # noqa: E402
 from triton_harness import TritonServer  # noqa: E402
 
 COUNTERS = ["hits_total", "misses_total", "events_computed_total", "events_reused_total"]

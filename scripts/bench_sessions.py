@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import subprocess
 import tempfile
 import time
@@ -35,17 +34,11 @@ import numpy as np
 from bench_models import RECSYS, ml1m_histories
 from bench_sequential import feeds, gru4rec_session, ml1m_model, sasrec_session
 from bench_models import read_safetensors
+from cpu_info import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION_PROBE = ROOT / "target" / "release" / "session_probe"
 LENGTHS = [10, 50, 100, 200]
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def recsys_side(engine: Path, histories: Path, batch: int, threads: int, cache: bool, groups: int,

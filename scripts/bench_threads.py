@@ -18,6 +18,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from cpu_info import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RECSYS = ROOT / "target" / "release" / "recsys"
@@ -50,13 +51,6 @@ def print_plans(plans: dict[str, list[str]]) -> None:
     for model, lines in plans.items():
         for line in lines:
             print(f"- {model}: {line}")
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> None:

@@ -4,8 +4,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::config_fields::{agree, usize_field};
 use crate::error::{EngineError, Result};
 use crate::import::Checkpoint;
+pub use crate::models::hstu::HstuConfig;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -137,40 +139,6 @@ pub struct VaeCfConfig {
     pub latent_size: usize,
 }
 
-/// HSTU as Meta's generative-recommenders research code builds it (`HSTU` with `linear_config
-/// uvqk`, SiLU, the relative position and time bias, no affine layer norms), scored by the cosine
-/// of the user embedding and each item's embedding. Names follow the official gin bindings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct HstuConfig {
-    pub n_items: usize,
-    /// Most recent items kept (`max_sequence_length`).
-    pub max_len: usize,
-    /// `item_embedding_dim`: the width of every row the blocks carry.
-    pub embedding_dim: usize,
-    pub num_blocks: usize,
-    pub num_heads: usize,
-    /// Query and key width per head (`dqk`).
-    pub dqk: usize,
-    /// Value width per head (`dv`).
-    pub dv: usize,
-    /// The padded width of the official batch, `max_sequence_length + gr_output_length + 1`: the
-    /// position embedding's rows, and the constant every attention weight is divided by.
-    pub attention_width: usize,
-    /// Log-spaced time-gap buckets of the relative bias (the bias table has one more row).
-    pub time_buckets: usize,
-}
-
-impl HstuConfig {
-    /// Epsilon of the layer norms (which have no affine parameters) and of both L2 norms, as the
-    /// official code fixes them.
-    pub const EPS: f64 = 1e-6;
-
-    /// The uvqk projection's output width: `u`, `v` (heads x dv each), `q`, `k` (heads x dqk each).
-    pub fn uvqk_width(&self) -> usize {
-        2 * self.num_heads * (self.dv + self.dqk)
-    }
-}
-
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum ModelConfig {
@@ -241,34 +209,6 @@ impl ModelConfig {
                 crate::models::hstu::resolve_config(json, ckpt).map(ModelConfig::Hstu)
             }
         }
-    }
-}
-
-/// The first of `keys` present in the JSON, as an unsigned integer.
-pub(crate) fn usize_field(json: &Map<String, Value>, keys: &[&str]) -> Result<Option<usize>> {
-    for key in keys {
-        if let Some(v) = json.get(*key) {
-            return v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-                EngineError::Config(format!("'{key}' must be a non-negative integer, found {v}"))
-            });
-        }
-    }
-    Ok(None)
-}
-
-/// Takes the value from the config when given (checking it against the weights) or else from the
-/// weights; `what` names the field in error messages.
-pub(crate) fn agree(
-    what: &str,
-    from_config: Option<usize>,
-    from_weights: usize,
-    evidence: &str,
-) -> Result<usize> {
-    match from_config {
-        Some(v) if v != from_weights => Err(EngineError::Config(format!(
-            "config says {what} = {v}, but {evidence} implies {from_weights}"
-        ))),
-        _ => Ok(from_weights),
     }
 }
 

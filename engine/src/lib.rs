@@ -10,6 +10,7 @@ pub mod catalogue;
 pub mod catalogue_file;
 pub mod compact;
 pub mod config;
+mod config_fields;
 pub mod convert;
 pub mod convert_options;
 pub mod elements;

@@ -4,7 +4,8 @@
 
 use serde_json::{Map, Value};
 
-use crate::config::{agree, usize_field, HstuConfig};
+use super::config::HstuConfig;
+use crate::config_fields::{agree, usize_field};
 use crate::error::{EngineError, Result};
 use crate::import::Checkpoint;
 use crate::tensor::Tensor;

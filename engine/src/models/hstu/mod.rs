@@ -17,6 +17,7 @@
 
 mod attention;
 mod checkpoint;
+mod config;
 
 pub use checkpoint::names;
 pub(crate) use checkpoint::{engine_shapes, engine_tensors, quantizable, resolve_config};
@@ -25,12 +26,12 @@ pub(crate) use checkpoint::{engine_shapes, engine_tensors, quantizable, resolve_
 pub const KEY_OF_HSTU: &str = "_hstu._attention_layers.0._uvqk";
 
 use super::{ActivationObserver, Carry, DenseLayer, EventTimes, HistoryNote, OutputLayer};
-use crate::config::HstuConfig;
 use crate::error::Result;
 use crate::kernels::packed::QuantizedActivations;
 use crate::kernels::KernelTable;
 use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
+pub use config::HstuConfig;
 
 use attention::{AttentionScratch, HistoryAttention};
 
