@@ -38,7 +38,8 @@ class Engine:
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
                  prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto",
                  row_block: str = "auto", thread_plan: str = "auto") -> None:
-        """Loads and verifies the engine; `threads` scoring threads per call (default: the cores).
+        """Loads and verifies the engine; `threads` scoring threads per call, 1 to 1024 (default:
+        the cores).
         `prefix_cache_bytes` > 0 (GRU4Rec, SASRec): keep the model's state after recent histories
         within that many bytes, so a history one event longer computes one event; answers never
         change (BERT4Rec and Mult-VAE refuse it, naming why).

@@ -402,6 +402,16 @@ impl PyEngine {
             row_block.parse().map_err(PyValueError::new_err)?;
         let thread_plan: recsys_engine::plan::ThreadPolicy =
             thread_plan.parse().map_err(PyValueError::new_err)?;
+        // Checked before the engine loads (a large one takes a while to refuse over a typo).
+        let threads = match threads {
+            Some(t) if !(1..=MAX_THREADS as i64).contains(&t) => {
+                return Err(PyValueError::new_err(format!(
+                    "threads must be between 1 and {MAX_THREADS} (or None for one per CPU), got {t}"
+                )))
+            }
+            Some(t) => t as usize,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
         let device = DeviceChoice::parse(device)?;
         let (dir, copy) = match path
             .to_str()
@@ -414,15 +424,6 @@ impl PyEngine {
             None => (path.clone(), None),
         };
         let mut engine = py.detach(|| Engine::load(&dir)).map_err(engine_error)?;
-        let threads = match threads {
-            Some(t) if t < 1 => {
-                return Err(PyValueError::new_err(format!(
-                    "threads must be at least 1 (or None for one per CPU), got {t}"
-                )))
-            }
-            Some(t) => usize::try_from(t).unwrap_or(usize::MAX),
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        };
         engine.set_threads(threads);
         if prefix_cache_bytes > 0 {
             engine
@@ -955,6 +956,10 @@ impl PyEngine {
         )
     }
 }
+
+/// The most scoring threads an engine takes: far above any machine's cores, far below what would
+/// exhaust a process's threads.
+const MAX_THREADS: usize = 1024;
 
 /// A refused call's unknown ids in the package's own terms: the argument and row, the ids, and
 /// the `strict=` that refused them.

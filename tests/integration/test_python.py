@@ -176,10 +176,12 @@ def test_errors_are_python_exceptions_with_the_engines_message(engines, tmp_path
         engine.recommend([10011403, 10011207])
     with pytest.raises(ValueError, match="candidates has 1 lists for 2 histories"):
         engine.rerank([[10011403], [10011207]], [[10011739]])
-    with pytest.raises(ValueError, match="threads must be at least 1"):
+    with pytest.raises(ValueError, match="threads must be between 1 and 1024"):
         recsys.Engine(engines["vaecf"], threads=0)
-    with pytest.raises(ValueError, match=re.escape("threads must be at least 1 (or None for one per CPU), got -1")):
-        recsys.Engine(engines["vaecf"], threads=-1)
+    for threads in (-1, 10**6):
+        with pytest.raises(ValueError, match=re.escape(f"threads must be between 1 and 1024 (or None for one per CPU), "
+                                                       f"got {threads}")):
+            recsys.Engine(engines["vaecf"], threads=threads)
 
 
 def test_the_gil_is_released_while_the_engine_computes(engines, users):
