@@ -877,8 +877,12 @@ impl Engine {
     /// [`Engine::score_all`] with each history's event times, for the models that read them.
     pub fn score_all_timed(&self, histories: &[&[u32]], times: &[EventTimes<'_>]) -> Vec<f32> {
         let (hidden, _) = self.encode_timed(histories, times);
-        let kernels = self.kernels_for(histories.len());
-        fused::score_all(kernels, &self.scorer.packed, &hidden)
+        self.score_all_hidden(&hidden, histories.len())
+    }
+
+    /// Every item's score for `rows` hidden vectors already encoded (`[rows, d]`), `[rows, N+1]`.
+    pub(crate) fn score_all_hidden(&self, hidden: &[f32], rows: usize) -> Vec<f32> {
+        fused::score_all(self.kernels_for(rows), &self.scorer.packed, hidden)
     }
 
     pub fn kind(&self) -> ModelKind {

@@ -130,7 +130,7 @@ fn encode_contexts(engine: &Engine, contexts: &[&Context]) -> (Vec<f32>, Vec<f64
     for chunk in contexts.chunks(BATCH) {
         let histories: Vec<&[u32]> = chunk.iter().map(|c| c.items.as_slice()).collect();
         let (h, _) = engine.encode(&histories);
-        let scores = engine.score_all(&histories);
+        let scores = engine.score_all_hidden(&h, chunk.len());
         let width = scores.len() / chunk.len();
         for row in scores.chunks_exact(width) {
             log_z.push(log_sum_exp(&row[1..=n]));
