@@ -114,7 +114,7 @@ LD_LIBRARY_PATH="$PWD/.venv/cuda-13.0/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
 stage "Dockerfile lint"
 .venv/bin/hadolint docker/Dockerfile docker/Dockerfile.cpu
 
-stage "the user guide builds (mdBook; its links and commands are checked by cli/tests and tests/integration/test_docs.py)"
+stage "the user guide builds (mdBook; cli/tests checks its links and flags, tests/integration/test_guide.py runs its commands)"
 .venv/bin/mdbook build docs/guide
 
 # Fuzzing itself (fuzz/run.sh 600: AddressSanitizer builds of every target and their dependencies,

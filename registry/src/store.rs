@@ -82,6 +82,14 @@ fn retry() -> object_store::RetryConfig {
     }
 }
 
+/// A true setting as the AWS SDKs and object_store spell one.
+fn truthy(value: &str) -> bool {
+    matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "on" | "yes" | "y"
+    )
+}
+
 fn client_options() -> object_store::ClientOptions {
     object_store::ClientOptions::new().with_timeout(REQUEST_TIMEOUT)
 }
@@ -117,10 +125,13 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn s3_store(endpoint: &Option<String>, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    // The client options below replace the ones `from_env` read, so the environment's choice of a
+    // plain-HTTP endpoint (AWS_ALLOW_HTTP, as a local MinIO or moto needs) is carried over here.
+    let allow_http = std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| truthy(&v));
     let mut builder = object_store::aws::AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_retry(retry())
-        .with_client_options(client_options());
+        .with_client_options(client_options().with_allow_http(allow_http));
     if let Some(endpoint) = endpoint {
         builder = builder
             .with_endpoint(endpoint)
