@@ -96,10 +96,12 @@ cp gpu/bundle/python_device_check.py "$stage/"
 if ((standalone)); then
   mkdir -p "$stage/fixtures"
   cp tests/fixtures/test_set.tsv "$stage/fixtures/"
-  for model in bert4rec multivae sasrec gru4rec; do
+  for model in bert4rec multivae sasrec gru4rec hstu; do
     mkdir -p "$stage/fixtures/$model"
     cp tests/fixtures/$model/{config.json,item_id_map.tsv,model.safetensors} "$stage/fixtures/$model/"
   done
+  # HSTU's test users come with their event times.
+  cp tests/fixtures/hstu/test_set.tsv.gz "$stage/fixtures/hstu/"
 fi
 cp gpu/bundle/run.sh "$stage/run.sh"
 cp gpu/bundle/summary.py scripts/gpu_bench_torch.py "$stage/"

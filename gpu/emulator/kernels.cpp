@@ -95,6 +95,33 @@ int recsys_emu_gather_rows(unsigned count, const float* src, const u32* rows, fl
                        [=] { gather_rows(src, rows, dst, width); });
 }
 
+int recsys_emu_hstu_attention(unsigned sequences, unsigned heads, const float* uvqk,
+                              const u32* seq_offsets, const u16* buckets,
+                              const u32* bucket_offsets, const float* position_bias,
+                              const float* time_bias, float* out, u32 dqk, u32 dv, u32 width,
+                              u32 attention_width) {
+    return emu::launch("hstu_attention", dim3(sequences, heads), dim3(ENC_THREADS), 0, [=] {
+        hstu_attention(uvqk, seq_offsets, buckets, bucket_offsets, position_bias, time_bias, out,
+                       dqk, dv, width, attention_width);
+    });
+}
+
+int recsys_emu_hstu_gate(unsigned rows, const float* uvqk, const float* normed, float* gated,
+                         u32 values, u32 width) {
+    return emu::launch("hstu_gate", dim3(rows), dim3(ENC_THREADS), 0,
+                       [=] { hstu_gate(uvqk, normed, gated, values, width); });
+}
+
+int recsys_emu_add_rows(unsigned rows, float* y, const float* x, u32 width) {
+    return emu::launch("add_rows", dim3(rows), dim3(ENC_THREADS), 0,
+                       [=] { add_rows(y, x, width); });
+}
+
+int recsys_emu_l2_normalize_rows(unsigned rows, float* x, u32 width, float eps) {
+    return emu::launch("l2_normalize_rows", dim3(rows), dim3(ENC_THREADS), 0,
+                       [=] { l2_normalize_rows(x, width, eps); });
+}
+
 }  // extern "C"
 
 // Probes of the emulation itself, so its tests can show that it models what the kernels rely on.

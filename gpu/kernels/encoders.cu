@@ -1,4 +1,5 @@
-// The encoders of recsys' models on the GPU (BERT4Rec's transformer, Mult-VAE's MLP), so a KIND_GPU
+// The encoders of recsys' models on the GPU (the transformers, GRU4Rec, Mult-VAE's MLP, HSTU's
+// blocks), so a KIND_GPU
 // instance runs the whole model on the device and only ids and top-k results cross the bus.
 // Compiled at model load by NVRTC next to fused_topk.cu (and, like it, as host C++ for the emulated
 // tests). All arithmetic is f32 with the CPU engine's formulas; LayerNorm statistics in f64 as on
@@ -20,6 +21,7 @@ typedef unsigned short u16;
 #define ACTIVATION_NONE 0
 #define ACTIVATION_GELU 1
 #define ACTIVATION_TANH 2
+#define ACTIVATION_SILU 3
 
 #ifdef RECSYS_CUDA_EMULATION
 __device__ __forceinline__ float enc_half_to_float(u16 bits) { return emu::half_bits_to_float(bits); }
@@ -34,6 +36,7 @@ __device__ __forceinline__ float enc_half_to_float(u16 bits) {
 __device__ __forceinline__ float activate(float v, u32 activation) {
     if (activation == ACTIVATION_GELU) return v * 0.5f * (1.0f + erff(v * 0.70710678118654752f));
     if (activation == ACTIVATION_TANH) return tanhf(v);
+    if (activation == ACTIVATION_SILU) return v / (1.0f + expf(-v));
     return v;
 }
 
@@ -229,4 +232,85 @@ extern "C" __global__ void __launch_bounds__(ENC_THREADS) embedding_bag_i8(
     const u32* __restrict__ items, const u32* __restrict__ offsets, const float* __restrict__ bias,
     float* __restrict__ y, u32 width) {
     EMBEDDING_BAG_BODY((float)table[(size_t)item * width + c] * row_scales[item])
+}
+
+// HSTU's pointwise attention (no softmax): for each query row i of a history and each key j <= i,
+// w = silu(q_i . k_j + position_bias[NA - 1 - i + j] + time_bias[bucket(i, j)]) / NA, and the
+// output is sum_j w v_j per head. `uvqk` holds every token's [u | v | q | k] after the SiLU
+// (`width` wide: u and v are heads x dv, q and k heads x dqk); the tokens of history s are
+// seq_offsets[s]..seq_offsets[s + 1], oldest first (local index 0). Its time-gap buckets are the
+// [n, n] block at bucket_offsets[s] (row i against keys 0..=i; the host computes them with the
+// CPU engine's function, so both bucket the same gaps alike). out is [tokens, heads x dv].
+// Block (history, head); each warp takes one query at a time, its lanes splitting the head's
+// dimensions (two each at most), as `attention` does.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) hstu_attention(
+    const float* __restrict__ uvqk, const u32* __restrict__ seq_offsets,
+    const u16* __restrict__ buckets, const u32* __restrict__ bucket_offsets,
+    const float* __restrict__ position_bias, const float* __restrict__ time_bias,
+    float* __restrict__ out, u32 dqk, u32 dv, u32 width, u32 attention_width) {
+    const u32 seq = blockIdx.x, head = blockIdx.y, heads = gridDim.y;
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u32 begin = seq_offsets[seq], n = seq_offsets[seq + 1] - begin;
+    const u32 values = heads * dv;
+    // This lane's columns of a row: its (at most two) query/key and value dimensions of the head.
+    const float* rows = uvqk + (size_t)begin * width;
+    const u32 q_col = 2 * values + head * dqk + lane, k_col = q_col + heads * dqk;
+    const u32 v_col = values + head * dv + lane;
+    const bool qk0 = lane < dqk, qk1 = lane + 32 < dqk;
+    const bool v0 = lane < dv, v1 = lane + 32 < dv;
+    const float divisor = (float)attention_width;
+    for (u32 i = warp; i < n; i += ENC_THREADS / 32) {
+        const float* query = rows + (size_t)i * width;
+        const float q0 = qk0 ? query[q_col] : 0.0f, q1 = qk1 ? query[q_col + 32] : 0.0f;
+        // Key j's biases: the position offset's weight and its time gap's bucket.
+        const float* positions = position_bias + (attention_width - 1 - i);
+        const u16* gaps = buckets + bucket_offsets[seq] + (size_t)i * n;
+        float acc0 = 0.0f, acc1 = 0.0f;
+        const float* key = rows;
+        for (u32 j = 0; j <= i; ++j, key += width) {
+            const float part = (qk0 ? q0 * key[k_col] : 0.0f) + (qk1 ? q1 * key[k_col + 32] : 0.0f);
+            const float score = enc_warp_sum(part) + positions[j] + time_bias[gaps[j]];
+            const float weight = score / (1.0f + expf(-score)) / divisor;
+            if (v0) acc0 += weight * key[v_col];
+            if (v1) acc1 += weight * key[v_col + 32];
+        }
+        float* o = out + (size_t)(begin + i) * values + head * dv + lane;
+        if (v0) o[0] = acc0;
+        if (v1) o[32] = acc1;
+    }
+}
+
+// HSTU's gate: gated[r, c] = u[r, c] * normed[r, c], u being the first `values` columns of row r
+// of uvqk (`width` wide). One block per row.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) hstu_gate(
+    const float* __restrict__ uvqk, const float* __restrict__ normed, float* __restrict__ gated,
+    u32 values, u32 width) {
+    const u32 r = blockIdx.x;
+    for (u32 c = threadIdx.x; c < values; c += ENC_THREADS)
+        gated[(size_t)r * values + c] = uvqk[(size_t)r * width + c] * normed[(size_t)r * values + c];
+}
+
+// y[r] += x[r] (a residual connection), one block per row of `width`.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) add_rows(
+    float* __restrict__ y, const float* __restrict__ x, u32 width) {
+    const size_t base = (size_t)blockIdx.x * width;
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) y[base + c] += x[base + c];
+}
+
+// x[r] /= max(||x[r]||, eps) (HSTU's user embedding, scored by the cosine), one block per row.
+// The squares are summed in f64, so the norm is the row's to f32 rounding whatever the order.
+extern "C" __global__ void __launch_bounds__(ENC_THREADS) l2_normalize_rows(
+    float* __restrict__ x, u32 width, float eps) {
+    __shared__ double partial[ENC_THREADS];
+    const size_t base = (size_t)blockIdx.x * width;
+    double squares = 0.0;
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) squares += (double)x[base + c] * x[base + c];
+    partial[threadIdx.x] = squares;
+    __syncthreads();
+    for (u32 s = ENC_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float divisor = fmaxf((float)sqrt(partial[0]), eps);
+    for (u32 c = threadIdx.x; c < width; c += ENC_THREADS) x[base + c] /= divisor;
 }

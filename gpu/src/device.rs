@@ -16,6 +16,8 @@ pub enum Activation {
     /// The exact GELU, `x/2 (1 + erf(x/sqrt 2))`.
     Gelu = 1,
     Tanh = 2,
+    /// `x sigmoid(x)` (HSTU's projections).
+    Silu = 3,
 }
 
 /// A weight matrix on a device at its stored precision.
@@ -114,6 +116,27 @@ pub trait Device {
         bag: &BagArgs<'_, Self>,
         y: &mut Self::F32,
     ) -> Result<()>;
+
+    /// `hstu_attention`: HSTU's biased pointwise attention within each history, per head.
+    fn hstu_attention(&self, a: &HstuAttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()>;
+
+    /// `hstu_gate`: `gated = u * normed` over `rows` rows, `u` the first `values` columns of each
+    /// `width`-wide row of `uvqk`.
+    fn hstu_gate(
+        &self,
+        uvqk: &Self::F32,
+        normed: &Self::F32,
+        gated: &mut Self::F32,
+        rows: u32,
+        values: u32,
+        width: u32,
+    ) -> Result<()>;
+
+    /// `add_rows`: `y += x` over `rows` rows of `width`.
+    fn add_rows(&self, y: &mut Self::F32, x: &Self::F32, rows: u32, width: u32) -> Result<()>;
+
+    /// `l2_normalize_rows`: each of `rows` rows divided by `max(its L2 norm, eps)`.
+    fn l2_normalize_rows(&self, x: &mut Self::F32, rows: u32, width: u32, eps: f32) -> Result<()>;
 }
 
 /// A pair of device buffers of (score, item index) candidates, `rows x count` each.
@@ -204,6 +227,32 @@ pub struct BagArgs<'a, D: Device + ?Sized> {
     pub width: u32,
 }
 
+/// HSTU's attention over `sequences` histories (token ranges `seq_offsets`, oldest first) of
+/// `heads` heads: every token's `u|v|q|k` after the SiLU (`2 heads (dv + dqk)` wide), each
+/// history's time-gap buckets (`[n, n]` at `bucket_offsets[s]`, row `i` against keys `0..=i`),
+/// and the block's bias tables (`[2 attention_width - 1]` by position offset, one weight per
+/// bucket).
+pub struct HstuAttentionArgs<'a, D: Device + ?Sized> {
+    pub uvqk: &'a D::F32,
+    pub seq_offsets: &'a D::U32,
+    pub buckets: &'a D::U16,
+    pub bucket_offsets: &'a D::U32,
+    pub position_bias: &'a D::F32,
+    pub time_bias: &'a D::F32,
+    pub sequences: u32,
+    pub heads: u32,
+    pub dqk: u32,
+    pub dv: u32,
+    pub attention_width: u32,
+}
+
+impl<D: Device + ?Sized> HstuAttentionArgs<'_, D> {
+    /// Columns of a `uvqk` row.
+    pub fn width(&self) -> u32 {
+        2 * self.heads * (self.dv + self.dqk)
+    }
+}
+
 // The argument structs hold references and numbers only, so they copy like the arguments they
 // replace (derive would ask for `D: Copy`).
 macro_rules! copy_args {
@@ -226,5 +275,6 @@ copy_args!(
     TokenArgs,
     AttentionArgs,
     GruGatesArgs,
-    BagArgs
+    BagArgs,
+    HstuAttentionArgs
 );

@@ -43,6 +43,10 @@ pub const ENCODER_KERNELS: &[&str] = &[
     "embedding_bag_f32",
     "embedding_bag_f16",
     "embedding_bag_i8",
+    "hstu_attention",
+    "hstu_gate",
+    "add_rows",
+    "l2_normalize_rows",
 ];
 
 /// Items per stage-1 block and candidates per merge block (`TILE` in the source).

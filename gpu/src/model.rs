@@ -1,14 +1,15 @@
 //! A whole model on a [`Device`]: the weights uploaded once, then per batch the encoder
-//! (BERT4Rec's or SASRec's transformer, GRU4Rec's GRU or Mult-VAE's MLP) and the fused score +
-//! top-k, so only ids go in and
+//! (BERT4Rec's or SASRec's transformer, GRU4Rec's GRU, Mult-VAE's MLP or HSTU's blocks) and the
+//! fused score + top-k, so only ids (and HSTU's timestamps) go in and
 //! only the top-k comes back. The sequencing mirrors the CPU engine's models line by line; the
 //! CPU engine stays the reference (tests compare the two on the trained fixtures).
 
 use std::sync::Arc;
 
+use recsys_engine::models::hstu::{bucket_rows, HstuConfig};
 use recsys_engine::models::{
-    DenseLayer, Gru4Rec, Gru4RecView, HistoryNote, Model, ModelView, NormView, OutputLayer,
-    Transformer, TransformerView, VaeCf, VaeCfView,
+    DenseLayer, EventTimes, Gru4Rec, Gru4RecView, HistoryNote, Hstu, HstuView, Model, ModelView,
+    NormView, OutputLayer, Transformer, TransformerView, VaeCf, VaeCfView,
 };
 use recsys_engine::tensor::Tensor;
 use recsys_engine::topk::Scored;
@@ -18,7 +19,7 @@ use recsys_engine::InternalRequest;
 
 use crate::device::{
     Activation, AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
-    GruGatesArgs, NormArgs, Stage1Inputs, TokenArgs,
+    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, TokenArgs,
 };
 use crate::{
     exclusion_csr, merge_plan, ranked_rows, stage1_launch, GpuError, Ranked, Result, TILE,
@@ -344,6 +345,14 @@ impl<D: Device> DeviceNorm<D> {
         })
     }
 
+    /// A LayerNorm without affine parameters over rows up to `widest` wide (ones and zeros).
+    fn plain(device: &D, widest: usize) -> Result<Self> {
+        Ok(DeviceNorm {
+            gamma: device.upload_f32(&vec![1.0; widest])?,
+            beta: device.upload_f32(&vec![0.0; widest])?,
+        })
+    }
+
     /// `LayerNorm(x + residual)`.
     fn apply(
         &self,
@@ -426,10 +435,31 @@ struct DeviceVaeCf<D: Device> {
     decoder_hidden: Vec<DeviceDense<D>>,
 }
 
+/// One HSTU block: its projections (dequantised, as the other encoders' dense layers) and bias
+/// tables.
+struct DeviceHstuBlock<D: Device> {
+    uvqk: DeviceDense<D>,
+    output: DeviceDense<D>,
+    position_bias: D::F32,
+    time_bias: D::F32,
+}
+
+struct DeviceHstu<D: Device> {
+    /// `[N+1, D]` in f32, each value already times sqrt(D): the product the CPU engine forms as a
+    /// row enters, rounded once, so `embed_tokens_f32` then adds the position row as it does.
+    scaled_items: DeviceMatrix<D>,
+    position_embedding: D::F32,
+    blocks: Vec<DeviceHstuBlock<D>>,
+    /// HSTU's layer norms have no affine parameters.
+    norm: DeviceNorm<D>,
+    config: HstuConfig,
+}
+
 enum DeviceEncoder<D: Device> {
     Transformer(DeviceTransformer<D>),
     Vaecf(DeviceVaeCf<D>),
     Gru4rec(DeviceGru4Rec<D>),
+    Hstu(DeviceHstu<D>),
 }
 
 /// A whole engine on a device.
@@ -460,11 +490,7 @@ impl<D: Device> DeviceModel<D> {
             }
             ModelView::Vaecf(view) => DeviceEncoder::Vaecf(Self::vaecf(&device, &view)?),
             ModelView::Gru4rec(view) => DeviceEncoder::Gru4rec(Self::gru4rec(&device, &view)?),
-            ModelView::Hstu(_) => {
-                return Err(GpuError::Invalid(
-                    "HSTU has no GPU kernels yet: serve it on KIND_CPU instances".into(),
-                ))
-            }
+            ModelView::Hstu(view) => DeviceEncoder::Hstu(Self::hstu(&device, &view)?),
         };
         let OutputLayer { weight, bias } = engine.model.output();
         let activation_scale = engine
@@ -477,7 +503,8 @@ impl<D: Device> DeviceModel<D> {
         let shared = match &encoder {
             DeviceEncoder::Transformer(m) => Some(&m.item_embedding),
             DeviceEncoder::Gru4rec(m) => Some(&m.item_embedding),
-            DeviceEncoder::Vaecf(_) => None,
+            // HSTU scores against its normalised rows, not the rows a history reads.
+            DeviceEncoder::Vaecf(_) | DeviceEncoder::Hstu(_) => None,
         };
         let output = match shared {
             Some(table) => DeviceOutputLayer::sharing(
@@ -568,6 +595,42 @@ impl<D: Device> DeviceModel<D> {
         })
     }
 
+    fn hstu(device: &D, view: &HstuView<'_>) -> Result<DeviceHstu<D>> {
+        let config = view.model.config().clone();
+        for (what, width) in [("query/key", config.dqk), ("value", config.dv)] {
+            if width == 0 || width > MAX_HEAD_DIM {
+                return Err(GpuError::Invalid(format!(
+                    "HSTU with a {what} width of {width} per head: the GPU attention takes 1..={MAX_HEAD_DIM}"
+                )));
+            }
+        }
+        let d = config.embedding_dim;
+        let scale = (d as f32).sqrt();
+        let scaled: Vec<f32> = dequantized(view.item_embedding)
+            .into_iter()
+            .map(|v| v * scale)
+            .collect();
+        let widest = d.max(config.num_heads * config.dv);
+        Ok(DeviceHstu {
+            scaled_items: DeviceMatrix::F32(device.upload_f32(&scaled)?),
+            position_embedding: device.upload_f32(view.position_embedding.as_slice())?,
+            blocks: view
+                .blocks
+                .iter()
+                .map(|b| {
+                    Ok(DeviceHstuBlock {
+                        uvqk: DeviceDense::new(device, b.uvqk)?,
+                        output: DeviceDense::new(device, b.output)?,
+                        position_bias: device.upload_f32(b.position_bias.as_slice())?,
+                        time_bias: device.upload_f32(b.time_bias.as_slice())?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+            norm: DeviceNorm::plain(device, widest)?,
+            config,
+        })
+    }
+
     fn vaecf(device: &D, view: &VaeCfView<'_>) -> Result<DeviceVaeCf<D>> {
         Ok(DeviceVaeCf {
             first_by_item: upload_matrix(device, view.first_by_item)?,
@@ -586,9 +649,23 @@ impl<D: Device> DeviceModel<D> {
         })
     }
 
-    /// The hidden vectors `[B, d]` the output layer scores, left on the device.
+    /// The hidden vectors `[B, d]` the output layer scores, left on the device. HSTU reads
+    /// timestamps: [`Self::encode_timed`].
     pub fn encode(&self, histories: &[&[u32]]) -> Result<(D::F32, Vec<HistoryNote>)> {
+        self.encode_timed(histories, &[])
+    }
+
+    /// [`Self::encode`] with each history's event times (one [`EventTimes`] per history; the
+    /// models that do not read time take an empty slice).
+    pub fn encode_timed(
+        &self,
+        histories: &[&[u32]],
+        times: &[EventTimes<'_>],
+    ) -> Result<(D::F32, Vec<HistoryNote>)> {
         match (&self.encoder, &self.engine.model) {
+            (DeviceEncoder::Hstu(m), Model::Hstu(model)) => {
+                self.encode_hstu(m, model, histories, times)
+            }
             (DeviceEncoder::Transformer(m), Model::Bert4rec(model) | Model::Sasrec(model)) => {
                 self.encode_transformer(m, model, histories)
             }
@@ -684,6 +761,116 @@ impl<D: Device> DeviceModel<D> {
             }
             None => answers,
         };
+        Ok((hidden, notes))
+    }
+
+    /// HSTU as the CPU engine runs it (engine/src/models/hstu): each history's kept items scaled
+    /// and placed, then per block `x += o(u * LN(attention))` over every token, with `[u|v|q|k] =
+    /// silu(LN(x) uvqk)` and the time-gap buckets computed on the host by the engine's own
+    /// function; the user embedding is each history's last row divided by its L2 norm.
+    fn encode_hstu(
+        &self,
+        m: &DeviceHstu<D>,
+        model: &Hstu,
+        histories: &[&[u32]],
+        times: &[EventTimes<'_>],
+    ) -> Result<(D::F32, Vec<HistoryNote>)> {
+        let d = &self.device;
+        let c = &m.config;
+        if times.len() != histories.len() {
+            return Err(GpuError::Invalid(format!(
+                "HSTU reads a timestamp per event: {} histories came with {} sets of times",
+                histories.len(),
+                times.len()
+            )));
+        }
+        let mut notes = Vec::with_capacity(histories.len());
+        let (mut items, mut positions, mut buckets) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut seq_offsets, mut bucket_offsets, mut last_rows) =
+            (vec![0u32], Vec::new(), Vec::new());
+        let mut kept_times: Vec<i64> = Vec::new();
+        for (b, (history, when)) in histories.iter().zip(times).enumerate() {
+            if when.events.len() != history.len() {
+                return Err(GpuError::Invalid(format!(
+                    "history {b}: {} items and {} timestamps",
+                    history.len(),
+                    when.events.len()
+                )));
+            }
+            let (kept, note) = model.model_input(history);
+            if kept.is_empty() {
+                return Err(GpuError::Invalid(format!(
+                    "history {b} is empty: HSTU answers from at least one event"
+                )));
+            }
+            notes.push(note);
+            let start = history.len() - kept.len();
+            kept_times.clear();
+            kept_times.extend_from_slice(&when.events[start..]);
+            kept_times.push(when.query);
+            bucket_offsets.push(buckets.len() as u32);
+            bucket_rows(&kept_times, 0, c.time_buckets, &mut buckets);
+            positions.extend(0..kept.len() as u32);
+            items.extend_from_slice(kept);
+            seq_offsets.push(items.len() as u32);
+            last_rows.push(items.len() as u32 - 1);
+        }
+        if items.len() > crate::MAX_GRID_Y * crate::LINEAR_TILE as usize {
+            return Err(GpuError::Invalid(format!(
+                "{} events in one batch: the GPU dense layers take at most {}",
+                items.len(),
+                crate::MAX_GRID_Y * crate::LINEAR_TILE as usize
+            )));
+        }
+        let (tokens, width) = (items.len() as u32, c.embedding_dim as u32);
+        let values = (c.num_heads * c.dv) as u32;
+        let uvqk_width = c.uvqk_width() as u32;
+        let eps = HstuConfig::EPS;
+        let mut x = d.alloc_f32(items.len() * width as usize)?;
+        let (items_on_device, positions_on_device) =
+            (d.upload_u32(&items)?, d.upload_u32(&positions)?);
+        let token_args = TokenArgs {
+            items: &items_on_device,
+            positions: &positions_on_device,
+            position_table: &m.position_embedding,
+            tokens,
+            width,
+        };
+        d.embed_tokens(&m.scaled_items, &token_args, &mut x)?;
+        let seq_offsets = d.upload_u32(&seq_offsets)?;
+        let buckets = d.upload_u16(&buckets)?;
+        let bucket_offsets = d.upload_u32(&bucket_offsets)?;
+        for block in &m.blocks {
+            let normalised = m.norm.apply(d, &x, None, tokens, width, eps)?;
+            let uvqk = block
+                .uvqk
+                .forward(d, &normalised, tokens, Activation::Silu)?;
+            let mut attention = d.alloc_f32(items.len() * values as usize)?;
+            let args = HstuAttentionArgs {
+                uvqk: &uvqk,
+                seq_offsets: &seq_offsets,
+                buckets: &buckets,
+                bucket_offsets: &bucket_offsets,
+                position_bias: &block.position_bias,
+                time_bias: &block.time_bias,
+                sequences: histories.len() as u32,
+                heads: c.num_heads as u32,
+                dqk: c.dqk as u32,
+                dv: c.dv as u32,
+                attention_width: c.attention_width as u32,
+            };
+            d.hstu_attention(&args, &mut attention)?;
+            let attention = m.norm.apply(d, &attention, None, tokens, values, eps)?;
+            let mut gated = d.alloc_f32(items.len() * values as usize)?;
+            d.hstu_gate(&uvqk, &attention, &mut gated, tokens, values, uvqk_width)?;
+            let mut out = block.output.forward(d, &gated, tokens, Activation::None)?;
+            d.add_rows(&mut out, &x, tokens, width)?;
+            x = out;
+        }
+        let rows = histories.len() as u32;
+        let mut hidden = d.alloc_f32(histories.len() * width as usize)?;
+        d.gather_rows(&x, &d.upload_u32(&last_rows)?, &mut hidden, rows, width)?;
+        d.l2_normalize_rows(&mut hidden, rows, width, eps as f32)?;
         Ok((hidden, notes))
     }
 
@@ -830,6 +1017,9 @@ impl<D: Device> DeviceModel<D> {
     pub fn self_check(&self) -> Result<()> {
         let real_items = self.output.n_items.saturating_sub(1).max(1) as u64;
         let item = |i: u64| (1 + (i * 7919) % real_items) as u32;
+        // HSTU reads an event time per item: an hour apart, asked a minute after the last.
+        let timed = self.engine.kind().reads_timestamps();
+        let start = 1_700_000_000i64;
         let batch: Vec<InternalRequest> = [1u64, 5, 20, 300]
             .iter()
             .enumerate()
@@ -846,8 +1036,16 @@ impl<D: Device> DeviceModel<D> {
                 embedding: false,
                 eligible: None,
                 popular: false,
-                timestamps: Vec::new(),
-                query_timestamp: 0,
+                timestamps: if timed {
+                    (0..len as i64).map(|i| start + 3_600 * i).collect()
+                } else {
+                    Vec::new()
+                },
+                query_timestamp: if timed {
+                    start + 3_600 * len as i64 + 60
+                } else {
+                    0
+                },
             })
             .collect();
         let cpu = self.engine.recommend_internal(&batch);
@@ -930,7 +1128,12 @@ impl<D: Device> DeviceModel<D> {
             ));
         }
         let histories: Vec<&[u32]> = batch.iter().map(|r| r.history.as_slice()).collect();
-        let (hidden, notes) = self.encode(&histories)?;
+        let times: Vec<EventTimes<'_>> = if self.engine.kind().reads_timestamps() {
+            batch.iter().map(InternalRequest::event_times).collect()
+        } else {
+            Vec::new()
+        };
+        let (hidden, notes) = self.encode_timed(&histories, &times)?;
         let excluded: Vec<Vec<u32>> = batch.iter().map(recsys_engine::excluded_items).collect();
         let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
         let k = batch.iter().map(|r| r.k).max().unwrap_or(0);

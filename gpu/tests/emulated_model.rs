@@ -1,5 +1,5 @@
 //! Whole models on the device path, run through the emulation (tests/emulated): the trained
-//! PyTorch/RecBole fixtures (all four models) converted at every precision, then [`DeviceModel`] (the CUDA path's own
+//! PyTorch/RecBole fixtures (all four models) and the official trainer's HSTU converted at every precision, then [`DeviceModel`] (the CUDA path's own
 //! sequencing of the encoder and top-k kernels) against the CPU engine, which the golden tests
 //! tie to PyTorch. Histories are the fixture test set's, batched ragged as the server batches them.
 //!
@@ -109,6 +109,33 @@ fn sasrec_and_gru4rec_on_the_device_path_answer_like_the_cpu_engine_at_every_pre
         Precision::Int8,
         "w8a8",
         3,
+    );
+}
+
+#[test]
+fn hstu_on_the_device_path_answers_like_the_cpu_engine() {
+    // The official trainer's HSTU (tests/fixtures/hstu), with its test users' event times: the
+    // biased pointwise attention, the gate, the plain layer norms and the cosine, kernel by kernel.
+    compare(
+        EmulatedDevice::default(),
+        ModelKind::Hstu,
+        Precision::Fp32,
+        "hstu-fp32",
+        6,
+    );
+    compare(
+        EmulatedDevice::default(),
+        ModelKind::Hstu,
+        Precision::Fp16,
+        "hstu-fp16",
+        3,
+    );
+    compare(
+        EmulatedDevice::default(),
+        ModelKind::Hstu,
+        Precision::Int8,
+        "hstu-int8",
+        9,
     );
 }
 

@@ -25,6 +25,7 @@ fn whole_models_on_the_gpu_answer_like_the_cpu_engine() {
         (ModelKind::Vaecf, "vaecf"),
         (ModelKind::Sasrec, "sasrec"),
         (ModelKind::Gru4rec, "gru4rec"),
+        (ModelKind::Hstu, "hstu"),
     ] {
         compare(gpu(), kind, Precision::Fp32, &format!("{name}-fp32"), 200);
         compare(gpu(), kind, Precision::Fp16, &format!("{name}-fp16"), 200);

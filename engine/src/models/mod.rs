@@ -14,7 +14,7 @@ use crate::tensor::Tensor;
 use crate::weights::{Matrix, Weights};
 
 pub use gru4rec::{Gru4Rec, Gru4RecScratch};
-pub use hstu::{Hstu, HstuScratch};
+pub use hstu::{Hstu, HstuBlockView, HstuScratch, HstuView};
 pub use transformer::{CarriedScratch, Flavor, Transformer, TransformerScratch};
 pub use vaecf::{VaeCf, VaeCfScratch};
 
@@ -346,8 +346,7 @@ pub enum ModelView<'a> {
     Vaecf(VaeCfView<'a>),
     Sasrec(TransformerView<'a>),
     Gru4rec(Gru4RecView<'a>),
-    /// No device runs HSTU yet; its layers are the model's own.
-    Hstu(&'a Hstu),
+    Hstu(HstuView<'a>),
 }
 
 pub use crate::tensor::{take, TensorMap};
@@ -757,7 +756,7 @@ impl Model {
             Model::Sasrec(m) => ModelView::Sasrec(m.view()),
             Model::Vaecf(m) => ModelView::Vaecf(m.view()),
             Model::Gru4rec(m) => ModelView::Gru4rec(m.view()),
-            Model::Hstu(m) => ModelView::Hstu(m),
+            Model::Hstu(m) => ModelView::Hstu(m.view()),
         }
     }
 

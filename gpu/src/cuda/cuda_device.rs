@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use super::compile::{check_nvrtc_against_driver, compile_source, driver_present};
 use crate::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
-    GruGatesArgs, NormArgs, Stage1Inputs, TokenArgs,
+    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, TokenArgs,
 };
 use crate::{GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
 
@@ -541,6 +541,83 @@ impl Device for CudaDevice {
         // holds rows + 1 offsets into items (valid table rows), y is rows x width.
         unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
             .map_err(cuda_err("launching the first layer"))?;
+        Ok(())
+    }
+
+    fn hstu_attention(&self, a: &HstuAttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()> {
+        let width = a.width();
+        let HstuAttentionArgs {
+            uvqk,
+            seq_offsets,
+            buckets,
+            bucket_offsets,
+            position_bias,
+            time_bias,
+            sequences,
+            heads,
+            dqk,
+            dv,
+            attention_width,
+        } = *a;
+        let mut b = self.stream.launch_builder(self.function("hstu_attention"));
+        b.arg(uvqk)
+            .arg(seq_offsets)
+            .arg(buckets)
+            .arg(bucket_offsets)
+            .arg(position_bias)
+            .arg(time_bias)
+            .arg(out)
+            .arg(&dqk)
+            .arg(&dv)
+            .arg(&width)
+            .arg(&attention_width);
+        // SAFETY: matches hstu_attention(const float* uvqk, const u32* seq_offsets,
+        // const u16* buckets, const u32* bucket_offsets, const float* position_bias,
+        // const float* time_bias, float* out, u32 dqk, u32 dv, u32 width, u32 attention_width):
+        // uvqk is tokens x width, out tokens x heads dv, seq_offsets sequences + 1 ascending token
+        // offsets, each history's n x n buckets (values at most the time table's last row) at its
+        // offset, histories at most attention_width long; dqk and dv <= 64 (DeviceModel checks).
+        unsafe { b.launch(Self::grid(sequences, heads, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching HSTU's attention"))?;
+        Ok(())
+    }
+
+    fn hstu_gate(
+        &self,
+        uvqk: &Self::F32,
+        normed: &Self::F32,
+        gated: &mut Self::F32,
+        rows: u32,
+        values: u32,
+        width: u32,
+    ) -> Result<()> {
+        let mut b = self.stream.launch_builder(self.function("hstu_gate"));
+        b.arg(uvqk).arg(normed).arg(gated).arg(&values).arg(&width);
+        // SAFETY: matches hstu_gate(const float* uvqk, const float* normed, float* gated,
+        // u32 values, u32 width): uvqk rows x width (values <= width), normed and gated rows x
+        // values.
+        unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching HSTU's gate"))?;
+        Ok(())
+    }
+
+    fn add_rows(&self, y: &mut Self::F32, x: &Self::F32, rows: u32, width: u32) -> Result<()> {
+        let mut b = self.stream.launch_builder(self.function("add_rows"));
+        b.arg(y).arg(x).arg(&width);
+        // SAFETY: matches add_rows(float* y, const float* x, u32 width): both rows x width.
+        unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching a residual add"))?;
+        Ok(())
+    }
+
+    fn l2_normalize_rows(&self, x: &mut Self::F32, rows: u32, width: u32, eps: f32) -> Result<()> {
+        let mut b = self
+            .stream
+            .launch_builder(self.function("l2_normalize_rows"));
+        b.arg(x).arg(&width).arg(&eps);
+        // SAFETY: matches l2_normalize_rows(float* x, u32 width, float eps): x is rows x width.
+        unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
+            .map_err(cuda_err("launching a row normalisation"))?;
         Ok(())
     }
 }

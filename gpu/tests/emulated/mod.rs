@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use libloading::{Library, Symbol};
 use recsys_gpu::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
-    GruGatesArgs, NormArgs, Stage1Inputs, TokenArgs,
+    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, TokenArgs,
 };
 use recsys_gpu::{Result, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
 
@@ -660,6 +660,136 @@ impl Device for EmulatedDevice {
         let status = table_entry("embedding_bag", table, table_rows, w, rows, tail);
         check(status);
         assert_written(&y[..r * w], "embedding_bag");
+        Ok(())
+    }
+
+    fn hstu_attention(&self, a: &HstuAttentionArgs<'_, Self>, out: &mut Self::F32) -> Result<()> {
+        let width = a.width();
+        let HstuAttentionArgs {
+            uvqk,
+            seq_offsets,
+            buckets,
+            bucket_offsets,
+            position_bias,
+            time_bias,
+            sequences,
+            heads,
+            dqk,
+            dv,
+            attention_width,
+        } = *a;
+        let s = sequences as usize;
+        assert_len(seq_offsets, s + 1, "sequence offsets");
+        assert_len(bucket_offsets, s, "bucket offsets");
+        let tokens = seq_offsets[s] as usize;
+        assert_len(uvqk, tokens * width as usize, "uvqk");
+        let values = (heads * dv) as usize;
+        assert_len(out, tokens * values, "HSTU attention output");
+        for h in 0..s {
+            let n = (seq_offsets[h + 1] - seq_offsets[h]) as usize;
+            assert!(
+                n <= attention_width as usize,
+                "history {h}: {n} rows past the attention width"
+            );
+            assert_len(
+                &buckets[bucket_offsets[h] as usize..],
+                n * n,
+                "time buckets",
+            );
+        }
+        let largest_bucket = buckets.iter().max().map_or(0, |&b| b as usize);
+        assert_len(time_bias, largest_bucket + 1, "time bias");
+        assert_len(
+            position_bias,
+            2 * attention_width as usize - 1,
+            "position bias",
+        );
+        type F = unsafe extern "C" fn(
+            u32,
+            u32,
+            P<f32>,
+            P<u32>,
+            P<u16>,
+            P<u32>,
+            P<f32>,
+            P<f32>,
+            M<f32>,
+            u32,
+            u32,
+            u32,
+            u32,
+        ) -> i32;
+        // SAFETY: the signature of recsys_emu_hstu_attention; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_hstu_attention")(
+                sequences,
+                heads,
+                uvqk.as_ptr(),
+                seq_offsets.as_ptr(),
+                buckets.as_ptr(),
+                bucket_offsets.as_ptr(),
+                position_bias.as_ptr(),
+                time_bias.as_ptr(),
+                out.as_mut_ptr(),
+                dqk,
+                dv,
+                width,
+                attention_width,
+            )
+        });
+        assert_written(&out[..tokens * values], "hstu_attention");
+        Ok(())
+    }
+
+    fn hstu_gate(
+        &self,
+        uvqk: &Vec<f32>,
+        normed: &Vec<f32>,
+        gated: &mut Vec<f32>,
+        rows: u32,
+        values: u32,
+        width: u32,
+    ) -> Result<()> {
+        let (r, v) = (rows as usize, values as usize);
+        assert!(values <= width, "u is part of the uvqk row");
+        assert_len(uvqk, r * width as usize, "uvqk");
+        assert_len(normed, r * v, "normalised attention");
+        assert_len(gated, r * v, "gated");
+        type F = unsafe extern "C" fn(u32, P<f32>, P<f32>, M<f32>, u32, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_hstu_gate; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_hstu_gate")(
+                rows,
+                uvqk.as_ptr(),
+                normed.as_ptr(),
+                gated.as_mut_ptr(),
+                values,
+                width,
+            )
+        });
+        assert_written(&gated[..r * v], "hstu_gate");
+        Ok(())
+    }
+
+    fn add_rows(&self, y: &mut Vec<f32>, x: &Vec<f32>, rows: u32, width: u32) -> Result<()> {
+        let len = rows as usize * width as usize;
+        assert_len(y, len, "sum");
+        assert_len(x, len, "addend");
+        type F = unsafe extern "C" fn(u32, M<f32>, P<f32>, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_add_rows; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_add_rows")(rows, y.as_mut_ptr(), x.as_ptr(), width)
+        });
+        Ok(())
+    }
+
+    fn l2_normalize_rows(&self, x: &mut Vec<f32>, rows: u32, width: u32, eps: f32) -> Result<()> {
+        assert_len(x, rows as usize * width as usize, "rows to normalise");
+        type F = unsafe extern "C" fn(u32, M<f32>, u32, f32) -> i32;
+        // SAFETY: the signature of recsys_emu_l2_normalize_rows; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_l2_normalize_rows")(rows, x.as_mut_ptr(), width, eps)
+        });
         Ok(())
     }
 }

@@ -19,7 +19,7 @@ pub(super) fn time_bucket(dt: i64, buckets: usize) -> usize {
 /// against keys `0..=row`; later keys get 0, never read), appended to `out` as `[n - first, n]`: row
 /// `i`'s gaps are `t_{i+1} - t_j`. The same in every block, so a pass computes it once per
 /// history rather than once per block (a logarithm per pair).
-pub(super) fn bucket_rows(times: &[i64], first: usize, buckets: usize, out: &mut Vec<u16>) {
+pub fn bucket_rows(times: &[i64], first: usize, buckets: usize, out: &mut Vec<u16>) {
     let n = times.len() - 1;
     let start = out.len();
     out.resize(start + (n - first) * n, 0);

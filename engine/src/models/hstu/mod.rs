@@ -19,6 +19,7 @@ mod attention;
 mod checkpoint;
 mod config;
 
+pub use attention::bucket_rows;
 pub use checkpoint::names;
 pub(crate) use checkpoint::{engine_shapes, engine_tensors, quantizable, resolve_config};
 
@@ -41,6 +42,29 @@ struct Block {
     output: DenseLayer,
     position_bias: Tensor,
     time_bias: Tensor,
+}
+
+/// Every tensor HSTU runs with, by role, for a device that runs the same forward pass
+/// ([`Hstu::model_input`] gives a history's kept items, [`bucket_rows`] its time-gap buckets).
+#[derive(Clone, Debug)]
+pub struct HstuView<'a> {
+    pub model: &'a Hstu,
+    /// The items' rows as trained, `[N+1, D]` (each scaled by sqrt(D) as it enters).
+    pub item_embedding: &'a Matrix,
+    /// `[attention_width, D]`, added at each kept position (0 = the oldest kept item).
+    pub position_embedding: &'a Tensor,
+    pub blocks: Vec<HstuBlockView<'a>>,
+}
+
+/// One HSTU block: the `u|v|q|k` projection (SiLU after it), the output projection, and the
+/// relative attention bias by position offset (`[2 NA - 1]`) and by time-gap bucket
+/// (`[buckets + 1]`).
+#[derive(Clone, Copy, Debug)]
+pub struct HstuBlockView<'a> {
+    pub uvqk: &'a DenseLayer,
+    pub output: &'a DenseLayer,
+    pub position_bias: &'a Tensor,
+    pub time_bias: &'a Tensor,
 }
 
 #[derive(Clone, Debug)]
@@ -162,6 +186,31 @@ impl Hstu {
     /// The items' input rows (`[N+1, D]`, as trained).
     pub fn input_rows(&self) -> &Matrix {
         &self.item_embedding
+    }
+
+    /// The tensors by role, for a device.
+    pub fn view(&self) -> HstuView<'_> {
+        HstuView {
+            model: self,
+            item_embedding: &self.item_embedding,
+            position_embedding: &self.position_embedding,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| HstuBlockView {
+                    uvqk: &b.uvqk,
+                    output: &b.output,
+                    position_bias: &b.position_bias,
+                    time_bias: &b.time_bias,
+                })
+                .collect(),
+        }
+    }
+
+    /// The items of `history` the model reads (its most recent `max_len`) and what was cut: the
+    /// times that go with them are the history's last `kept.len()`.
+    pub fn model_input<'h>(&self, history: &'h [u32]) -> (&'h [u32], HistoryNote) {
+        super::most_recent(history, self.config.max_len)
     }
 
     /// LayerNorm without affine parameters over rows `width` wide.
