@@ -9,16 +9,13 @@
 use std::path::Path;
 
 use crate::idmap::IdMap;
+use crate::interactions::{LogReader, ITEM_COLUMNS};
 use crate::kernels::item_mask::ItemMask;
 use crate::topk::Scored;
 
 /// The file an engine's popularity counts live in.
 pub const POPULARITY_FILE: &str = "item_popularity.bin";
 const MAGIC: &[u8; 8] = b"RSYSPOP1";
-
-/// Header names taken for the item column when none is given: RecBole's atomic files, then the
-/// plain names.
-const ITEM_COLUMNS: [&str; 4] = ["item_id:token", "item_id", "item", "itemid"];
 
 /// Interaction counts per internal index, with the items in popularity order.
 #[derive(Clone, Debug, PartialEq)]
@@ -69,49 +66,26 @@ impl Popularity {
         column: Option<&str>,
         ids: &IdMap,
     ) -> Result<(Popularity, PopularityReport), String> {
-        let mut reader = crate::item_sets::delimited_reader(path)?;
-        let header = reader
-            .headers()
-            .map_err(|e| format!("{}: {e}", path.display()))?
-            .clone();
-        let names: Vec<&str> = header.iter().collect();
+        let mut log = LogReader::open(path)?;
         let position = match column {
-            Some(c) => names.iter().position(|n| *n == c),
-            None => ITEM_COLUMNS
-                .iter()
-                .find_map(|c| names.iter().position(|n| n.eq_ignore_ascii_case(c))),
+            Some(c) => log.names().iter().position(|n| n == c),
+            None => log.find(&ITEM_COLUMNS),
         }
         .ok_or_else(|| {
             format!(
                 "{}: no item column {} in the header ({}); name it with --interactions-item-column",
                 path.display(),
                 column.map_or_else(|| ITEM_COLUMNS.join(" / "), |c| format!("{c:?}")),
-                names.join(", ")
+                log.names().join(", ")
             )
         })?;
         let mut counts = vec![0u64; ids.len() + 1];
         let mut report = PopularityReport {
-            column: names[position].to_owned(),
+            column: log.names()[position].clone(),
             ..Default::default()
         };
-        let mut record = csv::StringRecord::new();
-        let mut line = 1u64;
-        loop {
-            line += 1;
-            match reader.read_record(&mut record) {
-                Ok(false) => break,
-                Ok(true) => {}
-                Err(e) => return Err(format!("{} line {line}: {e}", path.display())),
-            }
-            let Some(id) = record.get(position) else {
-                return Err(format!(
-                    "{} line {line}: {} field(s), the item column is field {}",
-                    path.display(),
-                    record.len(),
-                    position + 1
-                ));
-            };
-            match ids.index_of_str(id.trim()) {
+        while let Some(record) = log.next_record()? {
+            match ids.index_of_str(record.field(position, "item")?) {
                 Some(i) => {
                     counts[i as usize] += 1;
                     report.interactions += 1;
