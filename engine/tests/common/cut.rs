@@ -121,17 +121,8 @@ pub fn convert_from(
     screen: Screen,
 ) -> Engine {
     recsys_engine::convert(&recsys_engine::ConvertRequest {
-        kind: Some(kind),
-        checkpoint,
-        config: Some(config),
-        item_map: recsys_engine::ItemMapSource::Tsv(item_map),
-        out,
-        precision,
-        calibration: None,
-        calibration_times: None,
         screen,
-        w8a8_layers: Default::default(),
-        catalogue: Default::default(),
+        ..super::request(kind, checkpoint, config, item_map, out, precision)
     })
     .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()))
 }

@@ -55,19 +55,41 @@ pub fn convert_fixture_with(
     catalogue: recsys_engine::CatalogueInputs<'_>,
 ) -> recsys_engine::Result<Engine> {
     let config = config_json(kind);
-    recsys_engine::convert(&recsys_engine::ConvertRequest {
+    let model = model_dir(kind);
+    let (checkpoint, item_map) = (
+        model.join("model.safetensors"),
+        model.join("item_id_map.tsv"),
+    );
+    recsys_engine::convert(&ConvertRequest {
+        screen,
+        catalogue,
+        ..request(kind, &checkpoint, &config, &item_map, out, precision)
+    })
+}
+
+/// The conversion of `checkpoint` (with its `config` and `item_map`) into `out` at `precision`,
+/// everything else at its default: what each helper here starts from.
+pub fn request<'a>(
+    kind: ModelKind,
+    checkpoint: &'a Path,
+    config: &'a serde_json::Map<String, serde_json::Value>,
+    item_map: &'a Path,
+    out: &'a Path,
+    precision: Precision,
+) -> ConvertRequest<'a> {
+    ConvertRequest {
         kind: Some(kind),
-        checkpoint: &model_dir(kind).join("model.safetensors"),
-        config: Some(&config),
-        item_map: recsys_engine::ItemMapSource::Tsv(&model_dir(kind).join("item_id_map.tsv")),
+        checkpoint,
+        config: Some(config),
+        item_map: recsys_engine::ItemMapSource::Tsv(item_map),
         out,
         precision,
         calibration: None,
         calibration_times: None,
-        screen,
+        screen: Default::default(),
         w8a8_layers: Default::default(),
-        catalogue,
-    })
+        catalogue: Default::default(),
+    }
 }
 
 /// A small deterministic generator (the tests need no randomness crate).
@@ -90,18 +112,14 @@ pub fn convert_fixture_w8a8(
     method: recsys_engine::calibration::CalibrationMethod,
 ) -> Engine {
     let config = config_json(kind);
+    let model = model_dir(kind);
+    let (checkpoint, item_map) = (
+        model.join("model.safetensors"),
+        model.join("item_id_map.tsv"),
+    );
     convert(&ConvertRequest {
-        kind: Some(kind),
-        checkpoint: &model_dir(kind).join("model.safetensors"),
-        config: Some(&config),
-        item_map: recsys_engine::ItemMapSource::Tsv(&model_dir(kind).join("item_id_map.tsv")),
-        out,
-        precision: Precision::Int8,
         calibration: Some((histories, method)),
-        calibration_times: None,
-        screen: Default::default(),
-        w8a8_layers: Default::default(),
-        catalogue: Default::default(),
+        ..request(kind, &checkpoint, &config, &item_map, out, Precision::Int8)
     })
     .unwrap_or_else(|e| panic!("converting to w8a8: {e}"))
 }
