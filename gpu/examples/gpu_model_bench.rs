@@ -1,6 +1,7 @@
 //! Times whole models on the GPU (encoder and fused score + top-k, `DeviceModel` on CUDA) against
-//! the CPU engine in the same process, on the trained fixtures (fp32 and fp16 engines), for
-//! batches of 1 and 64 test histories with top-10 and the history excluded; checks that both
+//! the CPU engine in the same process, on the trained fixtures (fp32, fp16 and int8 engines), for
+//! batches of 1 and 64 test histories with top-10 and the history excluded (HSTU's with their
+//! event times, asked at the target's time); checks that both
 //! return the same top-10. Prints one JSON object. The GPU bundle's run.sh runs it;
 //! `--dry-run` checks that it starts and finds the fixtures, and exits 0 without a GPU.
 
@@ -20,15 +21,17 @@ fn main() {
     // RECSYS_FIXTURES: where the GPU bundle's run.sh put them.
     let fixtures = recsys_engine::fixtures::dir();
     let cases = read_test_set(&fixtures.join("test_set.tsv")).expect("fixture test set");
+    let timed_cases =
+        read_test_set(&fixtures.join("hstu").join("test_set.tsv.gz")).expect("HSTU's test set");
     if dry_run {
-        for dir in ["bert4rec", "multivae", "sasrec", "gru4rec"] {
+        for dir in ["bert4rec", "multivae", "sasrec", "gru4rec", "hstu"] {
             for file in ["config.json", "item_id_map.tsv", "model.safetensors"] {
                 let path = fixtures.join(dir).join(file);
                 assert!(path.is_file(), "fixture {} missing", path.display());
             }
         }
         println!(
-            "gpu_model_bench: starts; {} test histories and the four fixtures found; CUDA driver {}",
+            "gpu_model_bench: starts; {} test histories and the five fixtures found; CUDA driver {}",
             cases.len(),
             if recsys_gpu::cuda::driver_present() {
                 "present"
@@ -45,7 +48,9 @@ fn main() {
         (ModelKind::Vaecf, "vaecf", "multivae"),
         (ModelKind::Sasrec, "sasrec", "sasrec"),
         (ModelKind::Gru4rec, "gru4rec", "gru4rec"),
+        (ModelKind::Hstu, "hstu", "hstu"),
     ] {
+        let timed = kind.reads_timestamps();
         let model = fixtures.join(dir);
         let config: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap())
@@ -71,11 +76,17 @@ fn main() {
             let gpu = DeviceModel::new(CudaDevice::new(0).expect("GPU"), Arc::clone(&engine))
                 .expect("uploading the model");
             for batch in [1usize, 64] {
-                let requests: Vec<InternalRequest> = cases
+                let requests: Vec<InternalRequest> = (if timed { &timed_cases } else { &cases })
                     .iter()
                     .take(batch)
                     .map(|c| {
                         let ids: Vec<&str> = c.history.iter().map(String::as_str).collect();
+                        // Every id of HSTU's own test set is in its catalogue, so the times stay
+                        // aligned with the mapped history.
+                        let (timestamps, query_timestamp) = match (&c.times, timed) {
+                            (Some(t), true) => (t.events.clone(), t.target),
+                            _ => (Vec::new(), 0),
+                        };
                         InternalRequest {
                             history: engine.ids.map(ExternalIds::Str(&ids)).indices,
                             exclude: vec![],
@@ -83,6 +94,8 @@ fn main() {
                             exclude_seen: true,
                             candidates: None,
                             embedding: false,
+                            timestamps,
+                            query_timestamp,
                             ..Default::default()
                         }
                     })
