@@ -64,15 +64,15 @@ def fused_table(results: Path) -> list:
         "end-to-end includes copying the hidden vectors in and the top-k out. int8 is compared with "
         "torch's fp16 matmul (torch has no int8 GEMV).",
         "",
-        "| precision | d | batch | fused kernel ms | torch matmul+topk ms | speed-up | fused end-to-end ms "
+        "| precision | d | batch | scan | fused kernel ms | torch matmul+topk ms | speed-up | fused end-to-end ms "
         "| GB/s (compulsory bytes) | share of copy bandwidth |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in fused["fused"]:
         t = peer.get((e["precision"], e["dim"], e["batch"]))
         speed = f"{t / e['kernel_ms']:.2f}x" if t else "n/a"
         out.append(
-            f"| {e['precision']} | {e['dim']} | {e['batch']} | {e['kernel_ms']:.3f} | "
+            f"| {e['precision']} | {e['dim']} | {e['batch']} | {e.get('scan', 'tiles')} | {e['kernel_ms']:.3f} | "
             f"{f'{t:.3f}' if t else 'skipped'} | {speed} | {e['end_to_end_ms']:.3f} | "
             f"{e['achieved_gb_s']:.0f} | {100 * e['achieved_gb_s'] / copy:.0f} % |"
         )

@@ -30,6 +30,50 @@ STAGE1_ENTRY(score_tile_topk_i8,
              const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
              weights COMMA row_scales COMMA activation_scale)
 
+#define SAMPLE_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                               \
+    int recsys_emu_##NAME(unsigned grid_x, unsigned grid_y, unsigned shared_bytes,                   \
+                          const float* hidden, WEIGHT_PARAMS, const float* bias,                     \
+                          const u32* exclude_offsets, const u32* exclude_ids, u32 batch,             \
+                          u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, u32 keep,             \
+                          u32 stride, float* out_scores, u32* out_index) {                           \
+        return emu::launch(#NAME, dim3(grid_x, grid_y), dim3(THREADS), shared_bytes, [=] {          \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, rows_per_block,     \
+                 n_items, dim, pitch, keep, stride, out_scores, out_index);                          \
+        });                                                                                          \
+    }
+
+SAMPLE_ENTRY(sample_tile_topk_f32, const float* weights, weights)
+SAMPLE_ENTRY(sample_tile_topk_f16, const u16* weights, weights)
+SAMPLE_ENTRY(sample_tile_topk_i8,
+             const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+             weights COMMA row_scales COMMA activation_scale)
+
+#define ABOVE_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                                \
+    int recsys_emu_##NAME(unsigned grid_x, unsigned grid_y, unsigned shared_bytes,                   \
+                          const float* hidden, WEIGHT_PARAMS, const float* bias,                     \
+                          const u32* exclude_offsets, const u32* exclude_ids, u32 batch,             \
+                          u32 rows_per_block, u32 n_items, u32 dim, u32 pitch,                       \
+                          const float* thresholds, u32 threshold_pitch, u32 threshold_at,            \
+                          u32 capacity, u32* counts, float* out_scores, u32* out_index) {            \
+        return emu::launch(#NAME, dim3(grid_x, grid_y), dim3(THREADS), shared_bytes, [=] {          \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, rows_per_block,     \
+                 n_items, dim, pitch, thresholds, threshold_pitch, threshold_at, capacity, counts,   \
+                 out_scores, out_index);                                                             \
+        });                                                                                          \
+    }
+
+ABOVE_ENTRY(score_above_f32, const float* weights, weights)
+ABOVE_ENTRY(score_above_f16, const u16* weights, weights)
+ABOVE_ENTRY(score_above_i8,
+            const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+            weights COMMA row_scales COMMA activation_scale)
+
+int recsys_emu_reset_survivors(unsigned rows, u32* counts, float* scores, u32* index,
+                               u32 capacity) {
+    return emu::launch("reset_survivors", dim3(rows), dim3(THREADS), 0,
+                       [=] { reset_survivors(counts, scores, index, capacity); });
+}
+
 int recsys_emu_merge_topk(unsigned grid_x, unsigned grid_y, const float* in_scores,
                           const u32* in_index, u32 count, u32 keep, float* out_scores,
                           u32* out_index) {

@@ -1,5 +1,6 @@
 //! Times the fused score + top-k kernels on the GPU: N = 1e6 items, d = 64 and 600, k = 100, batch
-//! 1 and 64, fp32 / fp16 / int8 weights; and the device's copy bandwidth. Kernel time comes from
+//! 1 and 64, fp32 / fp16 / int8 weights, by the tile scan and by the threshold scan; and the
+//! device's copy bandwidth. Kernel time comes from
 //! CUDA events around the kernels (hidden vectors already on the device), as torch's own events
 //! time matmul + topk; end-to-end time (host hidden vectors in, host top-k out) is reported
 //! separately. Writes the fp32 weights, biases and hidden vectors it used to DATA_DIR so
@@ -18,6 +19,7 @@ mod timing;
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 use recsys_gpu::cuda::{driver_present, GpuOutputLayer};
+use recsys_gpu::model::ScanStrategy;
 
 const N_ITEMS: usize = 1_000_000;
 const DIMS: [usize; 2] = [64, 600];
@@ -67,31 +69,37 @@ fn main() {
         let bias_t = Tensor::from_vec(vec![N_ITEMS], bias);
         for precision in ["fp32", "fp16", "int8"] {
             let (matrix, bytes_per_row) = stored(&weights, dim, precision);
-            let layer = GpuOutputLayer::new(0, &matrix, &bias_t).unwrap_or_else(|e| {
+            let mut layer = GpuOutputLayer::new(0, &matrix, &bias_t).unwrap_or_else(|e| {
                 eprintln!("gpu_bench: {e}");
                 std::process::exit(1)
             });
             drop(matrix);
-            for rows in BATCHES {
-                let excluded: Vec<&[u32]> = vec![&[]; rows];
-                let h = &hidden[..rows * dim];
-                let mut kernel = layer
-                    .kernel_times_ms(h, K, &excluded, WARMUP, REPS)
-                    .expect("timing the kernels");
-                kernel.sort_by(f32::total_cmp);
-                let kernel_ms = f64::from(kernel[kernel.len() / 2]);
-                let end_to_end_ms = timing::median_ms(WARMUP, REPS, || {
-                    layer.topk(h, K, &excluded).expect("fused top-k");
-                });
-                // The bytes the kernels must read at least: every weight row (with its bias, and
-                // its scale for int8) once per batch; the grid lets a tile's groups share it in L2.
-                let gb_s = (bytes_per_row * N_ITEMS) as f64 / (kernel_ms / 1e3) / 1e9;
-                results.push(format!(
-                    "{{\"precision\": \"{precision}\", \"dim\": {dim}, \"batch\": {rows}, \
-                     \"kernel_ms\": {kernel_ms:.4}, \"end_to_end_ms\": {end_to_end_ms:.4}, \
-                     \"achieved_gb_s\": {gb_s:.1}}}"
-                ));
-                eprintln!("gpu_bench: {}", results.last().expect("pushed"));
+            for (scan, strategy) in [
+                ("tiles", ScanStrategy::Tiles),
+                ("threshold", ScanStrategy::Threshold),
+            ] {
+                layer.set_strategy(strategy);
+                for rows in BATCHES {
+                    let excluded: Vec<&[u32]> = vec![&[]; rows];
+                    let h = &hidden[..rows * dim];
+                    let mut kernel = layer
+                        .kernel_times_ms(h, K, &excluded, WARMUP, REPS)
+                        .expect("timing the kernels");
+                    kernel.sort_by(f32::total_cmp);
+                    let kernel_ms = f64::from(kernel[kernel.len() / 2]);
+                    let end_to_end_ms = timing::median_ms(WARMUP, REPS, || {
+                        layer.topk(h, K, &excluded).expect("fused top-k");
+                    });
+                    // The bytes the kernels must read at least: every weight row (with its bias, and
+                    // its scale for int8) once per batch; the grid lets a tile's groups share it in L2.
+                    let gb_s = (bytes_per_row * N_ITEMS) as f64 / (kernel_ms / 1e3) / 1e9;
+                    results.push(format!(
+                        "{{\"precision\": \"{precision}\", \"dim\": {dim}, \"batch\": {rows}, \
+                     \"scan\": \"{scan}\", \"kernel_ms\": {kernel_ms:.4}, \
+                     \"end_to_end_ms\": {end_to_end_ms:.4}, \"achieved_gb_s\": {gb_s:.1}}}"
+                    ));
+                    eprintln!("gpu_bench: {}", results.last().expect("pushed"));
+                }
             }
         }
     }

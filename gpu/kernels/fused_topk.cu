@@ -5,7 +5,11 @@
 // rather than once per row), applies bias and exclusions, and keeps each row's best `keep` tile
 // candidates, sorted; only those leave the chip.
 // Stage 2 (merge_topk): blocks of TILE candidates are sorted and cut to `keep` until one block
-// remains. Order: higher score first, ties to the lower item index (the engine's rule); excluded
+// remains.
+// The threshold scan (sample_tile_topk_*, reset_survivors, score_above_*) replaces stage 1 on large
+// catalogues: stage 1 and the merges over a strided sample give each row the sample's k-th best, a
+// score at most the true k-th best; the full scan then keeps only the scores at or above it (about
+// k x N / sample of them), which the merge passes finish. Order: higher score first, ties to the lower item index (the engine's rule); excluded
 // items and padding carry -inf and index 0xFFFFFFFF and sort last.
 //
 // Weights are row-major [n_items, pitch]: f32, f16 bits (u16) or int8 with one f32 scale per row
@@ -134,11 +138,12 @@ union SelectScratch {
 };
 
 // Writes the best `keep` of TILE entries in shared memory (scores; their indices are `index` or,
-// when it is null, tile_start + position, NONE_INDEX for -inf) to out_scores/out_index, best first.
+// when it is null, (tile_start + position) x stride, NONE_INDEX for -inf) to out_scores/out_index,
+// best first.
 // keep <= WARP_SELECT_MAX: each warp selects its slice's best `keep` into shared memory, then
 // warp 0 selects the block's best from those (no sort, 2 barriers). Larger keep: bitonic sort of
 // the whole tile in place (so `scores` is reordered). Every thread of the block must call it.
-__device__ void select_tile(float* scores, const u32* index, u32 tile_start, u32 keep,
+__device__ void select_tile(float* scores, const u32* index, u32 tile_start, u32 stride, u32 keep,
                             SelectScratch& scratch, float* out_scores, u32* out_index) {
     if (keep <= WARP_SELECT_MAX) {
         const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -147,7 +152,7 @@ __device__ void select_tile(float* scores, const u32* index, u32 tile_start, u32
         _Pragma("unroll") for (u32 j = 0; j < PER_LANE; ++j) {
             const u32 pos = warp * (TILE / WARPS) + j * 32 + lane;
             mine[j] = scores[pos];
-            ids[j] = index ? index[pos] : (mine[j] == NEG_INF ? NONE_INDEX : tile_start + pos);
+            ids[j] = index ? index[pos] : (mine[j] == NEG_INF ? NONE_INDEX : (tile_start + pos) * stride);
         }
         warp_take_best(mine, ids, keep, scratch.candidates.scores + warp * WARP_SELECT_MAX,
                        scratch.candidates.index + warp * WARP_SELECT_MAX);
@@ -165,7 +170,7 @@ __device__ void select_tile(float* scores, const u32* index, u32 tile_start, u32
         return;
     }
     for (u32 t = threadIdx.x; t < TILE; t += THREADS)
-        scratch.index[t] = index ? index[t] : (scores[t] == NEG_INF ? NONE_INDEX : tile_start + t);
+        scratch.index[t] = index ? index[t] : (scores[t] == NEG_INF ? NONE_INDEX : (tile_start + t) * stride);
     __syncthreads();
     sort_tile(scores, scratch.index);
     for (u32 i = threadIdx.x; i < keep; i += THREADS) {
@@ -198,19 +203,18 @@ __device__ __forceinline__ void four4(const signed char*, const uint4& raw, u32 
         w[b] = (float)(signed char)((word >> (8 * b)) & 0xFFu);
 }
 
-// The body shared by the three weight types; WEIGHT(item, col) reads one weight as float, and
-// CHUNK weights are read at once by load16 where rows are aligned.
-// Block (group, tile) scores TILE items for up to MAX_ROWS rows of the batch, so each weight row
-// is read once per group of rows instead of once per row: one thread per item, the group's hidden
+// The scoring loop shared by every scan and weight type; WEIGHT(item, col) reads one weight as
+// float, and CHUNK weights are read at once by load16 where rows are aligned. Block (group, tile)
+// scores the TILE positions of its tile for up to MAX_ROWS rows of the batch, so each weight row is
+// read once per group of rows instead of once per row: one thread per position (item = position x
+// `stride`: 1 for the full scans, more for the sample of the threshold scan), the group's hidden
 // vectors in shared memory (read as 16-byte broadcasts). Groups are the grid's x, so the blocks
-// that run at the same time share their tiles and a tile crosses from HBM once for all groups,
-// the others finding it in L2. Then, one row at a time, the tile's best `keep` are selected on
-// chip (select_tile) and only they leave it.
-#define SCORE_TILE_BODY(WEIGHT, CHUNK)                                                            \
+// that run at the same time share their tiles and a tile crosses from HBM once for all groups, the
+// others finding it in L2. EPILOGUE runs for each (row r of the group, position t) with `item`,
+// `real` (a catalogue item other than PAD) and the finished dot product acc[r].
+#define SCORE_TILE_LOOP(WEIGHT, CHUNK, EPILOGUE)                                                  \
     RECSYS_DYNAMIC_SHARED(float4, group_hidden_vectors);                                          \
     float* group_hidden = reinterpret_cast<float*>(group_hidden_vectors);                         \
-    __shared__ float tile_scores[MAX_ROWS * TILE];                                                \
-    __shared__ SelectScratch scratch;                                                             \
     const u32 row0 = blockIdx.x * rows_per_block;                                                 \
     const u32 rows = min(rows_per_block, batch - row0);                                           \
     const u32 tile_start = blockIdx.y * TILE;                                                     \
@@ -221,7 +225,7 @@ __device__ __forceinline__ void four4(const signed char*, const uint4& raw, u32 
     }                                                                                             \
     __syncthreads();                                                                              \
     for (u32 t = threadIdx.x; t < TILE; t += THREADS) {                                           \
-        const u32 item = tile_start + t;                                                          \
+        const u32 item = (tile_start + t) * stride;                                               \
         float acc[MAX_ROWS];                                                                      \
         _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;                      \
         if (item < n_items) {                                                                     \
@@ -253,21 +257,59 @@ __device__ __forceinline__ void four4(const signed char*, const uint4& raw, u32 
                     if (r < rows) acc[r] += group_hidden[r * pitch + c] * w;                      \
             }                                                                                     \
         }                                                                                         \
+        const bool real = item < n_items && item != 0;                                            \
         _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) {                                    \
             if (r < rows) {                                                                       \
                 const u32 row = row0 + r;                                                         \
-                const bool keep_item = item < n_items && item != 0 &&                             \
-                    !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item); \
-                tile_scores[r * TILE + t] = keep_item ? FINISH(acc[r], item) + bias[item] : NEG_INF; \
+                EPILOGUE                                                                          \
             }                                                                                     \
         }                                                                                         \
-    }                                                                                             \
+    }
+
+// Stage 1: the tile's scores (bias added, exclusions applied) into shared memory, then, one row at
+// a time, the tile's best `keep` selected on chip (select_tile); only they leave it.
+#define SCORE_TILE_BODY(WEIGHT, CHUNK)                                                            \
+    __shared__ float tile_scores[MAX_ROWS * TILE];                                                \
+    __shared__ SelectScratch scratch;                                                             \
+    SCORE_TILE_LOOP(WEIGHT, CHUNK,                                                                \
+        const bool keep_item = real &&                                                            \
+            !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item);      \
+        tile_scores[r * TILE + t] = keep_item ? FINISH(acc[r], item) + bias[item] : NEG_INF;)     \
     __syncthreads();                                                                              \
     for (u32 r = 0; r < rows; ++r) {                                                              \
         const size_t out = ((size_t)(row0 + r) * gridDim.y + blockIdx.y) * keep;                  \
-        select_tile(tile_scores + r * TILE, nullptr, tile_start, keep, scratch, out_scores + out,  \
-                    out_index + out);                                                             \
+        select_tile(tile_scores + r * TILE, nullptr, tile_start, stride, keep, scratch,           \
+                    out_scores + out, out_index + out);                                           \
     }
+
+// The threshold scan: every score at least its row's threshold (the k-th best of a sample, so a
+// lower bound of the k-th best of all) is appended to the row's survivors, `capacity` slots at
+// row x capacity, through one atomic per warp and ballot; counts[row] ends as the number of
+// survivors, which may exceed the capacity (the host then answers that row exactly another way).
+// Exclusions are looked up for survivors only. No selection and no shared score tile.
+#define SCORE_ABOVE_BODY(WEIGHT, CHUNK)                                                           \
+    const u32 stride = 1;                                                                         \
+    float tau[MAX_ROWS];                                                                          \
+    _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                                          \
+        tau[r] = r < min(rows_per_block, batch - blockIdx.x * rows_per_block)                     \
+            ? thresholds[(size_t)(blockIdx.x * rows_per_block + r) * threshold_pitch + threshold_at] \
+            : 0.0f;                                                                               \
+    const u32 lane = threadIdx.x % 32;                                                            \
+    SCORE_TILE_LOOP(WEIGHT, CHUNK,                                                                \
+        const float score = real ? FINISH(acc[r], item) + bias[item] : NEG_INF;                   \
+        const bool take = real && score >= tau[r] &&                                              \
+            !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item);      \
+        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, take);                                 \
+        if (ballot != 0) {                                                                        \
+            u32 base = 0;                                                                         \
+            if (lane == 0) base = atomicAdd(counts + row, (u32)__popc(ballot));                   \
+            base = __shfl_sync(0xFFFFFFFFu, base, 0);                                             \
+            const u32 slot = base + (u32)__popc(ballot & ((1u << lane) - 1u));                    \
+            if (take && slot < capacity) {                                                        \
+                out_scores[(size_t)row * capacity + slot] = score;                                \
+                out_index[(size_t)row * capacity + slot] = item;                                  \
+            }                                                                                     \
+        })
 
 extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_tile_topk_f32(
     const float* __restrict__ hidden, const float* __restrict__ weights, const float* __restrict__ bias,
@@ -278,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_t
 #define FINISH(acc, item) (acc)
 #define LOAD_HIDDEN(h) (h)
 #define W_F32(item, c) weights[(size_t)(item) * pitch + (c)]
+    const u32 stride = 1;
     SCORE_TILE_BODY(W_F32, 4)
 #undef W_F32
 #undef FINISH
@@ -293,6 +336,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_t
 #define FINISH(acc, item) (acc)
 #define LOAD_HIDDEN(h) (h)
 #define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * pitch + (c)])
+    const u32 stride = 1;
     SCORE_TILE_BODY(W_F16, 8)
 #undef W_F16
 #undef FINISH
@@ -317,10 +361,70 @@ extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) score_t
 #define FINISH(acc, item) ((acc) * row_scales[item])
 #define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
 #define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
+    const u32 stride = 1;
     SCORE_TILE_BODY(W_I8, 16)
 #undef W_I8
 #undef FINISH
 #undef LOAD_HIDDEN
+}
+
+// The threshold scan's two kernels per weight type. sample_tile_topk_*: stage 1 over every
+// `stride`-th item (positions 0, 1, ... are items 0, stride, ...), whose merged top-k gives each
+// row its threshold. score_above_*: the full scan against the thresholds, thresholds[row x
+// threshold_pitch + threshold_at] (the sample's k-th best, or -inf where the sample held fewer
+// than k items the row may get).
+#define SAMPLE_KERNEL(NAME, WEIGHT_PARAMS)                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) NAME(                \
+        const float* __restrict__ hidden, WEIGHT_PARAMS, const float* __restrict__ bias,          \
+        const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids, u32 batch,  \
+        u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, u32 keep, u32 stride,                \
+        float* __restrict__ out_scores, u32* __restrict__ out_index)
+
+#define ABOVE_KERNEL(NAME, WEIGHT_PARAMS)                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS, STAGE1_MIN_BLOCKS) NAME(                \
+        const float* __restrict__ hidden, WEIGHT_PARAMS, const float* __restrict__ bias,          \
+        const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids, u32 batch,  \
+        u32 rows_per_block, u32 n_items, u32 dim, u32 pitch, const float* __restrict__ thresholds, \
+        u32 threshold_pitch, u32 threshold_at, u32 capacity, u32* __restrict__ counts,            \
+        float* __restrict__ out_scores, u32* __restrict__ out_index)
+
+#define F32_PARAMS const float* __restrict__ weights
+#define F16_PARAMS const u16* __restrict__ weights
+#define I8_PARAMS                                                                                 \
+    const signed char* __restrict__ weights, const float* __restrict__ row_scales,                \
+        float activation_scale
+
+#define FINISH(acc, item) (acc)
+#define LOAD_HIDDEN(h) (h)
+#define W_F32(item, c) weights[(size_t)(item) * pitch + (c)]
+#define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * pitch + (c)])
+SAMPLE_KERNEL(sample_tile_topk_f32, F32_PARAMS) { SCORE_TILE_BODY(W_F32, 4) }
+SAMPLE_KERNEL(sample_tile_topk_f16, F16_PARAMS) { SCORE_TILE_BODY(W_F16, 8) }
+ABOVE_KERNEL(score_above_f32, F32_PARAMS) { SCORE_ABOVE_BODY(W_F32, 4) }
+ABOVE_KERNEL(score_above_f16, F16_PARAMS) { SCORE_ABOVE_BODY(W_F16, 8) }
+#undef FINISH
+#undef LOAD_HIDDEN
+#define FINISH(acc, item) ((acc) * row_scales[item])
+#define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
+#define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
+SAMPLE_KERNEL(sample_tile_topk_i8, I8_PARAMS) { SCORE_TILE_BODY(W_I8, 16) }
+ABOVE_KERNEL(score_above_i8, I8_PARAMS) { SCORE_ABOVE_BODY(W_I8, 16) }
+#undef FINISH
+#undef LOAD_HIDDEN
+#undef W_F32
+#undef W_F16
+#undef W_I8
+
+// Before a threshold scan: each row's survivor count to 0 and its `capacity` slots to the padding
+// the merge passes skip (-inf, NONE_INDEX). One block per row.
+extern "C" __global__ void __launch_bounds__(THREADS) reset_survivors(
+    u32* __restrict__ counts, float* __restrict__ scores, u32* __restrict__ index, u32 capacity) {
+    const u32 row = blockIdx.x;
+    if (threadIdx.x == 0) counts[row] = 0;
+    for (u32 i = threadIdx.x; i < capacity; i += THREADS) {
+        scores[(size_t)row * capacity + i] = NEG_INF;
+        index[(size_t)row * capacity + i] = NONE_INDEX;
+    }
 }
 
 // One merge pass: block (chunk, row) selects the best `keep` of TILE of the row's `count`
@@ -341,5 +445,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) merge_topk(
     }
     __syncthreads();
     const size_t out = ((size_t)row * gridDim.x + blockIdx.x) * keep;
-    select_tile(tile_scores, tile_index, 0, keep, scratch, out_scores + out, out_index + out);
+    select_tile(tile_scores, tile_index, 0, 1, keep, scratch, out_scores + out, out_index + out);
 }

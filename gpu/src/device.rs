@@ -55,6 +55,27 @@ pub trait Device {
         out: CandidatesMut<'_, Self>,
     ) -> Result<()>;
 
+    /// `sample_tile_topk_{f32,f16,i8}`: stage 1 over every `stride`-th item (`a.n_items` is the
+    /// catalogue's size; the launch's tiles cover the sample's positions).
+    fn sample_tile_topk(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        stride: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// `reset_survivors`: each of `rows` rows' count to 0 and its slots to padding.
+    fn reset_survivors(&self, rows: u32, survivors: SurvivorsMut<'_, Self>) -> Result<()>;
+
+    /// `score_above_{f32,f16,i8}`: the full scan keeping each row's scores at or above its
+    /// threshold (`a.launch.keep` is not read).
+    fn score_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()>;
+
     /// `merge_topk`: one merge pass over `rows` rows of `count` candidates, keeping `keep` per
     /// block of the tile size.
     fn merge_topk(
@@ -149,6 +170,21 @@ pub struct Candidates<'a, D: Device + ?Sized> {
 pub struct CandidatesMut<'a, D: Device + ?Sized> {
     pub scores: &'a mut D::F32,
     pub index: &'a mut D::U32,
+}
+
+/// Each row's threshold: `scores[row x pitch + at]` (the sample's merged top-k, its k-th best).
+pub struct Thresholds<'a, D: Device + ?Sized> {
+    pub scores: &'a D::F32,
+    pub pitch: u32,
+    pub at: u32,
+}
+
+/// The threshold scan's output: per row a count and `capacity` (score, index) slots.
+pub struct SurvivorsMut<'a, D: Device + ?Sized> {
+    pub counts: &'a mut D::U32,
+    pub scores: &'a mut D::F32,
+    pub index: &'a mut D::U32,
+    pub capacity: u32,
 }
 
 /// What stage 1 of the fused score + top-k reads: the batch's hidden vectors (`batch x dim`), the
@@ -269,6 +305,7 @@ macro_rules! copy_args {
 }
 copy_args!(
     Candidates,
+    Thresholds,
     Stage1Inputs,
     DenseArgs,
     NormArgs,

@@ -28,6 +28,13 @@ pub const KERNELS: &[&str] = &[
     "score_tile_topk_f16",
     "score_tile_topk_i8",
     "merge_topk",
+    "sample_tile_topk_f32",
+    "sample_tile_topk_f16",
+    "sample_tile_topk_i8",
+    "score_above_f32",
+    "score_above_f16",
+    "score_above_i8",
+    "reset_survivors",
 ];
 
 /// Encoder kernels the host launches.
@@ -116,6 +123,54 @@ pub fn merge_plan(n_items: usize, k: usize) -> Vec<usize> {
         plan.push(blocks * keep);
     }
     plan
+}
+
+/// Survivor slots per batch row of the threshold scan. The sample is sized so that about a
+/// quarter of them fill on average; a row whose survivors overflow them (ties at its threshold, a
+/// sample unlike the catalogue) is answered by the tile scan instead.
+pub const SURVIVOR_CAPACITY: usize = 4 * TILE;
+/// Items per sampled item, at least: below it the sample would cost more than the selection the
+/// threshold scan saves.
+pub const MIN_SAMPLE_STRIDE: usize = 8;
+
+/// The threshold scan's sample for one call: every `stride`-th item (`positions` of them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThresholdPlan {
+    pub stride: usize,
+    pub positions: usize,
+    /// Survivor slots per row.
+    pub capacity: usize,
+}
+
+/// The sample of a threshold scan of `n_items` items for the top `k`, with `capacity` survivor
+/// slots per row, or `None` where it does not pay (a small catalogue, or a k so large that the
+/// sample would be a large part of the catalogue). The sample's k-th best score stands at about
+/// the k / S quantile of the scores, so about k x N / S items reach it; S = 4 k N / capacity keeps
+/// them at a quarter of the slots, i.e. one item in capacity / (4 k).
+pub fn threshold_plan(n_items: usize, k: usize, capacity: usize) -> Option<ThresholdPlan> {
+    let stride = capacity / (4 * k.max(1));
+    if stride < MIN_SAMPLE_STRIDE || n_items < MIN_SAMPLE_STRIDE * TILE {
+        return None;
+    }
+    Some(ThresholdPlan {
+        stride,
+        positions: n_items.div_ceil(stride),
+        capacity,
+    })
+}
+
+/// Candidates per row before and after each merge pass that brings `count` candidates per row
+/// down to the sorted top `k` (the threshold scan's survivors): `[count, ...]`.
+pub fn survivor_merge_plan(count: usize, k: usize) -> Vec<usize> {
+    let keep = keep_per_tile(k);
+    let mut plan = vec![count];
+    loop {
+        let blocks = plan.last().expect("non-empty").div_ceil(TILE).max(1);
+        plan.push(blocks * keep);
+        if blocks == 1 {
+            return plan;
+        }
+    }
 }
 
 /// How stage 1 is launched for one batch: grid [`Stage1Launch::grid`] of `THREADS` threads, each
@@ -265,8 +320,9 @@ mod tests {
     fn every_launched_kernel_is_in_the_source() {
         for (name, source, kernels) in MODULES {
             for k in *kernels {
+                // Written out (`... name(`) or declared by a macro of the source (`MACRO(name, `).
                 assert!(
-                    source.contains(&format!(" {k}(\n")),
+                    source.contains(&format!(" {k}(\n")) || source.contains(&format!("({k}, ")),
                     "{k} not defined in {name}"
                 );
             }

@@ -11,8 +11,8 @@ use emulated::{check, last_failure, symbol, EmulatedDevice};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 use recsys_gpu::device::Device;
-use recsys_gpu::model::DeviceOutputLayer;
-use recsys_gpu::{merge_plan, stage1_launch, Ranked};
+use recsys_gpu::model::{DeviceOutputLayer, ScanStrategy};
+use recsys_gpu::{merge_plan, stage1_launch, threshold_plan, Ranked, SURVIVOR_CAPACITY, TILE};
 
 fn emulated_topk(
     w: &Matrix,
@@ -64,6 +64,111 @@ fn check_against_reference(
         }
     }
     checked
+}
+
+/// The threshold scan's answers and the rows it handed to the tile scan (their survivors
+/// overflowed), with `capacity` survivor slots per row.
+fn emulated_threshold_topk(
+    w: &Matrix,
+    bias: &[f32],
+    hidden: &[f32],
+    k: usize,
+    exclude: &[Vec<u32>],
+    capacity: usize,
+) -> (Vec<Ranked>, Vec<usize>) {
+    let device = EmulatedDevice::default();
+    let mut layer = DeviceOutputLayer::new(
+        &device,
+        w,
+        &Tensor::from_vec(vec![bias.len()], bias.to_vec()),
+        None,
+    )
+    .unwrap();
+    layer.strategy = ScanStrategy::Threshold;
+    layer.survivor_capacity = capacity;
+    let plan = threshold_plan(w.rows(), k, capacity).expect("a catalogue the threshold scan takes");
+    let refs: Vec<&[u32]> = exclude.iter().map(Vec::as_slice).collect();
+    let hidden = device.upload_f32(hidden).unwrap();
+    let answer = layer
+        .top_k_above_threshold(&device, &hidden, k, &refs, &plan)
+        .unwrap();
+    // top_k with the strategy set takes the same path.
+    assert_eq!(
+        layer.top_k(&device, &hidden, k, &refs).unwrap(),
+        answer.ranked
+    );
+    (answer.ranked, answer.overflowed)
+}
+
+#[test]
+fn the_threshold_scan_samples_only_where_it_pays() {
+    // One item in capacity / 4k: k = 100 samples every 20th item of a 1e6 catalogue.
+    let plan = threshold_plan(1_000_000, 100, SURVIVOR_CAPACITY).unwrap();
+    assert_eq!((plan.stride, plan.positions), (20, 50_000));
+    // A catalogue under 8 tiles, or a k whose sample would be an eighth of the catalogue or more:
+    // the tile scan.
+    assert_eq!(threshold_plan(8 * TILE - 1, 10, SURVIVOR_CAPACITY), None);
+    assert_eq!(threshold_plan(1_000_000, 257, SURVIVOR_CAPACITY), None);
+    assert!(threshold_plan(8 * TILE, 256, SURVIVOR_CAPACITY).is_some());
+}
+
+#[test]
+fn the_threshold_scan_matches_the_reference_at_every_precision() {
+    let mut rng = Rng(0x5EED_0008);
+    // Not a multiple of the tile or of the strides; 5 rows = a group of 4 and a group of 1.
+    let (n, d, rows) = (20_011usize, 16usize, 5usize);
+    for kind in ["f32", "f16", "i8"] {
+        let w = matrix(kind, n, d, &mut rng);
+        let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
+        let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
+        let excluded = exclusions(rows, n, 50, &mut rng);
+        for k in [1, 10, 100, 256] {
+            let (got, overflowed) =
+                emulated_threshold_topk(&w, &bias, &hidden, k, &excluded, SURVIVOR_CAPACITY);
+            assert_eq!(
+                overflowed,
+                Vec::<usize>::new(),
+                "{kind} k={k}: random scores fit"
+            );
+            for r in 0..rows {
+                assert_top_k_matches(
+                    &got[r],
+                    &w,
+                    &bias,
+                    &hidden[r * d..(r + 1) * d],
+                    k,
+                    &excluded[r],
+                    &format!("threshold {kind} n={n} k={k} row {r}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_whose_survivors_overflow_are_answered_exactly_by_the_tile_scan() {
+    let mut rng = Rng(0x5EED_0009);
+    let (n, d) = (17_000usize, 8usize);
+    // Zero weights: every score is its bias, one of four values, so a quarter of the catalogue
+    // ties at the sample's k-th best and overflows the slots (row 0); row 1 excludes all but 20
+    // items, so its sample holds fewer than k and its threshold is -inf: every item it may get
+    // survives, 20 of them, within the slots. (Random distinct scores: the test above.)
+    let w = Matrix::F32(Tensor::from_vec(vec![n, d], vec![0.0; n * d]));
+    let bias: Vec<f32> = (0..n).map(|_| (rng.next() % 4) as f32 * 0.25).collect();
+    let hidden: Vec<f32> = (0..2 * d).map(|_| rng.uniform()).collect();
+    let excluded = vec![vec![], (0..n as u32 - 20).collect()];
+    let (got, overflowed) = emulated_threshold_topk(&w, &bias, &hidden, 50, &excluded, 2048);
+    assert_eq!(
+        overflowed,
+        vec![0],
+        "the tied row overflows, the other fits"
+    );
+    for r in 0..2 {
+        // Exact ties go to the lower index on either path.
+        let want = reference(&w, &bias, &hidden[r * d..(r + 1) * d], 50, &excluded[r]);
+        assert_eq!(got[r], want, "row {r}");
+    }
+    assert_eq!(got[1].len(), 20);
 }
 
 #[test]

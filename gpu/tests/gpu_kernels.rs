@@ -9,6 +9,7 @@ use common::{assert_top_k_matches, exclusions, matrix, Rng};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 use recsys_gpu::cuda::{driver_present, GpuOutputLayer};
+use recsys_gpu::model::ScanStrategy;
 use recsys_gpu::GpuError;
 
 #[test]
@@ -76,6 +77,45 @@ fn fused_topk_matches_the_reference() {
         }
     }
     println!("{checked} rows checked against the f64 reference");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh"]
+fn the_threshold_scan_matches_the_reference_on_the_gpu() {
+    // The sample, the survivors' atomics and ballots, and the merges over them on the hardware;
+    // k up to the largest the threshold scan takes (256), a batch of groups and a lone row.
+    let mut rng = Rng(0x7F4A_7C15_9E37_79B9);
+    let mut checked = 0;
+    for kind in ["f32", "f16", "i8"] {
+        let (n, d) = (100_003usize, 64usize);
+        let w = matrix(kind, n, d, &mut rng);
+        let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
+        let mut layer = GpuOutputLayer::new(0, &w, &Tensor::from_vec(vec![n], bias.clone()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        layer.set_strategy(ScanStrategy::Threshold);
+        layer.poison_outputs();
+        for &rows in &[1usize, 7, 64] {
+            let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
+            let excluded = exclusions(rows, n, 50, &mut rng);
+            let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+            for &k in &[1usize, 10, 100, 256] {
+                let got = layer.topk(&hidden, k, &refs).unwrap();
+                for r in 0..rows {
+                    assert_top_k_matches(
+                        &got[r],
+                        &w,
+                        &bias,
+                        &hidden[r * d..(r + 1) * d],
+                        k,
+                        &excluded[r],
+                        &format!("threshold {kind} n={n} k={k} row {r}"),
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    println!("{checked} rows checked against the f64 reference (threshold scan)");
 }
 
 /// A libnvrtc of the other CUDA major version than this build's bindings, to open in its place:

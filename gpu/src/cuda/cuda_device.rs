@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use super::compile::{check_nvrtc_against_driver, compile_source, driver_present};
 use crate::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
-    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, TokenArgs,
+    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
 use crate::{GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
 
@@ -133,6 +133,71 @@ impl CudaDevice {
             poison_outputs: false,
             name: format!("{gpu} ({arch})"),
         })
+    }
+
+    /// Stage 1 (`score_tile_topk_*`), or with a `stride` the threshold scan's sample
+    /// (`sample_tile_topk_*`, whose last argument before the outputs is the stride).
+    fn stage1(
+        &self,
+        prefix: &'static str,
+        a: &Stage1Inputs<'_, Self>,
+        stride: Option<u32>,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let Stage1Inputs {
+            launch,
+            hidden,
+            weights,
+            activation_scale,
+            bias,
+            exclude_offsets,
+            exclude_ids,
+            batch,
+            n_items,
+            dim,
+        } = *a;
+        let (out_scores, out_index) = (out.scores, out.index);
+        let mut b = self
+            .stream
+            .launch_builder(self.function(weight_kernel(prefix, weights)));
+        b.arg(hidden);
+        match weights {
+            DeviceMatrix::F32(w) => {
+                b.arg(w);
+            }
+            DeviceMatrix::F16(w) => {
+                b.arg(w);
+            }
+            DeviceMatrix::I8 { q, scales } => {
+                b.arg(q).arg(scales).arg(&activation_scale);
+            }
+        }
+        b.arg(bias)
+            .arg(exclude_offsets)
+            .arg(exclude_ids)
+            .arg(&batch)
+            .arg(&launch.rows_per_block)
+            .arg(&n_items)
+            .arg(&dim)
+            .arg(&launch.pitch)
+            .arg(&launch.keep);
+        let stride_arg = stride.unwrap_or(1);
+        if stride.is_some() {
+            b.arg(&stride_arg);
+        }
+        b.arg(out_scores).arg(out_index);
+        let (groups, tiles) = launch.grid();
+        let cfg = Self::grid(groups, tiles, THREADS, launch.shared_bytes);
+        // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
+        // const W* weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 rows_per_block,
+        // u32 n_items, u32 dim, u32 pitch, u32 keep, float* out_scores, u32* out_index) in
+        // kernels/fused_topk.cu, and sample_tile_topk_* the same with `u32 stride` after keep;
+        // DeviceOutputLayer sizes hidden batch x dim, the weights n_items x pitch, exclusions
+        // batch + 1 offsets, outputs batch x tiles x keep, and the launch plan's groups x
+        // rows_per_block cover the batch with shared_bytes holding one group's hidden rows.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
+        Ok(())
     }
 
     fn function(&self, name: &'static str) -> &CudaFunction {
@@ -273,6 +338,40 @@ impl Device for CudaDevice {
         a: &Stage1Inputs<'_, Self>,
         out: CandidatesMut<'_, Self>,
     ) -> Result<()> {
+        self.stage1("score_tile_topk", a, None, out)
+    }
+
+    fn sample_tile_topk(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        stride: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        self.stage1("sample_tile_topk", a, Some(stride), out)
+    }
+
+    fn reset_survivors(&self, rows: u32, survivors: SurvivorsMut<'_, Self>) -> Result<()> {
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        let mut b = self.stream.launch_builder(self.function("reset_survivors"));
+        b.arg(counts).arg(scores).arg(index).arg(&capacity);
+        // SAFETY: matches reset_survivors(u32* counts, float* scores, u32* index, u32 capacity):
+        // counts holds `rows` values, scores and index rows x capacity.
+        unsafe { b.launch(Self::grid(rows, 1, THREADS, 0)) }
+            .map_err(cuda_err("launching the survivor reset"))?;
+        Ok(())
+    }
+
+    fn score_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
         let Stage1Inputs {
             launch,
             hidden,
@@ -285,13 +384,15 @@ impl Device for CudaDevice {
             n_items,
             dim,
         } = *a;
-        let (out_scores, out_index) = (out.scores, out.index);
-        let name = match weights {
-            DeviceMatrix::F32(_) => "score_tile_topk_f32",
-            DeviceMatrix::F16(_) => "score_tile_topk_f16",
-            DeviceMatrix::I8 { .. } => "score_tile_topk_i8",
-        };
-        let mut b = self.stream.launch_builder(self.function(name));
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        let mut b = self
+            .stream
+            .launch_builder(self.function(weight_kernel("score_above", weights)));
         b.arg(hidden);
         match weights {
             DeviceMatrix::F32(w) => {
@@ -312,20 +413,24 @@ impl Device for CudaDevice {
             .arg(&n_items)
             .arg(&dim)
             .arg(&launch.pitch)
-            .arg(&launch.keep)
-            .arg(out_scores)
-            .arg(out_index);
+            .arg(thresholds.scores)
+            .arg(&thresholds.pitch)
+            .arg(&thresholds.at)
+            .arg(&capacity)
+            .arg(counts)
+            .arg(scores)
+            .arg(index);
         let (groups, tiles) = launch.grid();
         let cfg = Self::grid(groups, tiles, THREADS, launch.shared_bytes);
-        // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
-        // const W* weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // SAFETY: the arguments match score_above_{f32,f16,i8}(const float* hidden, const W*
+        // weights, [const float* row_scales, float activation_scale,] const float* bias,
         // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 rows_per_block,
-        // u32 n_items, u32 dim, u32 pitch, u32 keep, float* out_scores, u32* out_index) in
-        // kernels/fused_topk.cu; DeviceOutputLayer::top_k sizes hidden batch x dim, the weights
-        // n_items x pitch, exclusions
-        // batch + 1 offsets, outputs batch x tiles x keep, and the launch plan's groups x
-        // rows_per_block cover the batch with shared_bytes holding one group's hidden rows.
-        unsafe { b.launch(cfg) }.map_err(cuda_err("launching the scoring kernel"))?;
+        // u32 n_items, u32 dim, u32 pitch, const float* thresholds, u32 threshold_pitch,
+        // u32 threshold_at, u32 capacity, u32* counts, float* out_scores, u32* out_index):
+        // DeviceOutputLayer sizes hidden batch x dim, the weights n_items x pitch, exclusions
+        // batch + 1 offsets, thresholds batch x threshold_pitch (at < pitch), counts batch and the
+        // survivors batch x capacity; slots past the capacity are never written.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching the threshold scan"))?;
         Ok(())
     }
 
@@ -619,5 +724,22 @@ impl Device for CudaDevice {
         unsafe { b.launch(Self::grid(rows, 1, ENC_THREADS, 0)) }
             .map_err(cuda_err("launching a row normalisation"))?;
         Ok(())
+    }
+}
+
+/// The kernel of `prefix` (`score_tile_topk`, `sample_tile_topk`, `score_above`) for the weights'
+/// precision.
+fn weight_kernel(prefix: &'static str, weights: &DeviceMatrix<CudaDevice>) -> &'static str {
+    match (prefix, weights) {
+        ("score_tile_topk", DeviceMatrix::F32(_)) => "score_tile_topk_f32",
+        ("score_tile_topk", DeviceMatrix::F16(_)) => "score_tile_topk_f16",
+        ("score_tile_topk", DeviceMatrix::I8 { .. }) => "score_tile_topk_i8",
+        ("sample_tile_topk", DeviceMatrix::F32(_)) => "sample_tile_topk_f32",
+        ("sample_tile_topk", DeviceMatrix::F16(_)) => "sample_tile_topk_f16",
+        ("sample_tile_topk", DeviceMatrix::I8 { .. }) => "sample_tile_topk_i8",
+        ("score_above", DeviceMatrix::F32(_)) => "score_above_f32",
+        ("score_above", DeviceMatrix::F16(_)) => "score_above_f16",
+        ("score_above", DeviceMatrix::I8 { .. }) => "score_above_i8",
+        _ => unreachable!("a scan kernel family of fused_topk.cu"),
     }
 }

@@ -21,8 +21,8 @@ use cuda_device::cuda_err;
 pub use cuda_device::CudaDevice;
 
 use crate::device::Device;
-use crate::model::{DeviceModel, DeviceOutputLayer};
-use crate::{GpuError, Ranked, Result};
+use crate::model::{DeviceModel, DeviceOutputLayer, ScanStrategy};
+use crate::{threshold_plan, GpuError, Ranked, Result};
 
 /// A whole engine on one GPU: what a KIND_GPU instance serves. Batches are serialised on the
 /// device's one stream (Triton runs one batch at a time per instance anyway).
@@ -83,6 +83,11 @@ impl GpuOutputLayer {
         })
     }
 
+    /// How the fused top-k scans the catalogue ([`ScanStrategy`]; the tile scan by default).
+    pub fn set_strategy(&mut self, strategy: ScanStrategy) {
+        self.layer.strategy = strategy;
+    }
+
     /// Tests: poison every kernel output before the kernel runs ([`CudaDevice::poison_outputs`]).
     pub fn poison_outputs(&self) {
         self.device
@@ -116,7 +121,20 @@ impl GpuOutputLayer {
                 .stream
                 .record_event(timing)
                 .map_err(cuda_err("recording an event"))?;
-            let launched = self.layer.launch_top_k(&device, &on_device, k, exclude)?;
+            // The threshold scan's kernels where it runs (its overflow check and answers for
+            // overflowing rows come after them, on the host's side, as the tile scan's download).
+            let plan = threshold_plan(self.layer.n_items, k, self.layer.survivor_capacity)
+                .filter(|_| self.layer.strategy == ScanStrategy::Threshold);
+            let launched = match plan {
+                Some(plan) => self
+                    .layer
+                    .launch_above_threshold(&device, &on_device, k, exclude, &plan)?
+                    .map(|l| (l.scores, l.index)),
+                None => self
+                    .layer
+                    .launch_top_k(&device, &on_device, k, exclude)?
+                    .map(|l| (l.scores, l.index)),
+            };
             let end = device
                 .stream
                 .record_event(timing)

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use libloading::{Library, Symbol};
 use recsys_gpu::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
-    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, TokenArgs,
+    GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
 use recsys_gpu::{Result, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
 
@@ -194,6 +194,138 @@ type Stage1<T> = unsafe extern "C" fn(
     M<f32>,
     M<u32>,
 ) -> i32;
+/// sample_tile_topk_{f32,f16}: stage 1's parameters with the stride after keep.
+type Sample<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// The int8 variant, with the row scales and activation scale after the weights.
+type SampleI8 = unsafe extern "C" fn(
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    P<i8>,
+    P<f32>,
+    f32,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// score_above_{f32,f16}: grid, shared bytes, hidden, weights, bias, exclusions, batch,
+/// rows per block, n_items, dim, pitch, thresholds (buffer, pitch, at), capacity, counts, slots.
+type Above<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    u32,
+    u32,
+    u32,
+    M<u32>,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// The int8 variant, with the row scales and activation scale after the weights.
+type AboveI8 = unsafe extern "C" fn(
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    P<i8>,
+    P<f32>,
+    f32,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    u32,
+    u32,
+    u32,
+    M<u32>,
+    M<f32>,
+    M<u32>,
+) -> i32;
+
+/// Checks the inputs every scan kernel reads (hidden rows, bias, exclusions, the weights at the
+/// launch's pitch) and returns the weights' pointer with the int8 extras.
+fn scan_inputs(a: &Stage1Inputs<'_, EmulatedDevice>) -> (*const c_void, Option<(P<f32>, f32)>) {
+    let (b, n, d) = (a.batch as usize, a.n_items as usize, a.dim as usize);
+    assert_len(a.hidden, b * d, "hidden");
+    assert_len(a.bias, n, "bias");
+    assert_len(a.exclude_offsets, b + 1, "exclusion offsets");
+    assert_len(a.exclude_ids, a.exclude_offsets[b] as usize, "exclusions");
+    assert!(a.launch.groups * a.launch.rows_per_block >= a.batch);
+    let rows = n * a.launch.pitch as usize;
+    match a.weights {
+        DeviceMatrix::F32(w) => {
+            assert_len(w, rows, "weights");
+            (w.as_ptr().cast(), None)
+        }
+        DeviceMatrix::F16(w) => {
+            assert_len(w, rows, "weights");
+            (w.as_ptr().cast(), None)
+        }
+        DeviceMatrix::I8 { q, scales } => {
+            assert_len(q, rows, "weights");
+            assert_len(scales, n, "row scales");
+            (
+                q.as_ptr().cast(),
+                Some((scales.as_ptr(), a.activation_scale)),
+            )
+        }
+    }
+}
+
+/// The entry point of `prefix` for the weights' precision.
+fn scan_entry(prefix: &str, weights: &DeviceMatrix<EmulatedDevice>) -> String {
+    let suffix = match weights {
+        DeviceMatrix::F32(_) => "f32",
+        DeviceMatrix::F16(_) => "f16",
+        DeviceMatrix::I8 { .. } => "i8",
+    };
+    format!("recsys_emu_{prefix}_{suffix}")
+}
+
 /// embed_tokens_* / embedding_bag_* entry points: blocks, table, four buffers, width.
 type TableEntry<T> = unsafe extern "C" fn(u32, P<T>, P<u32>, P<u32>, P<f32>, M<f32>, u32) -> i32;
 /// The int8 variants, with the table's row scales.
@@ -358,6 +490,194 @@ impl Device for EmulatedDevice {
             out_index[..out].iter().all(|&i| i != POISON_U32),
             "stage 1 left indices unwritten"
         );
+        Ok(())
+    }
+
+    fn sample_tile_topk(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        stride: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let (weights, int8) = scan_inputs(a);
+        let launch = a.launch;
+        let out_len = a.batch as usize * launch.tiles as usize * launch.keep as usize;
+        assert_len(out.scores, out_len, "sample scores");
+        assert_len(out.index, out_len, "sample indices");
+        let positions = (launch.tiles as usize) * TILE;
+        assert!(
+            (positions - TILE) * stride as usize <= a.n_items as usize,
+            "a whole tile of the sample past the catalogue"
+        );
+        let ((gx, gy), sh) = (launch.grid(), launch.shared_bytes);
+        let name = scan_entry("sample_tile_topk", a.weights);
+        let (os, oi) = (out.scores.as_mut_ptr(), out.index.as_mut_ptr());
+        let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
+        // SAFETY: the arguments match the entry point's C signature in emulator/kernels.cpp
+        // (Sample / SampleI8), and every buffer was checked above to be as large as the kernel
+        // indexes it.
+        let status = unsafe {
+            match int8 {
+                None => symbol::<Sample<c_void>>(&name)(
+                    gx,
+                    gy,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    launch.rows_per_block,
+                    a.n_items,
+                    a.dim,
+                    launch.pitch,
+                    launch.keep,
+                    stride,
+                    os,
+                    oi,
+                ),
+                Some((scales, activation)) => symbol::<SampleI8>(&name)(
+                    gx,
+                    gy,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights.cast(),
+                    scales,
+                    activation,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    launch.rows_per_block,
+                    a.n_items,
+                    a.dim,
+                    launch.pitch,
+                    launch.keep,
+                    stride,
+                    os,
+                    oi,
+                ),
+            }
+        };
+        check(status);
+        assert_written(&out.scores[..out_len], "the sample's stage 1");
+        assert!(
+            out.index[..out_len].iter().all(|&i| i != POISON_U32),
+            "the sample's stage 1 left indices unwritten"
+        );
+        Ok(())
+    }
+
+    fn reset_survivors(&self, rows: u32, survivors: SurvivorsMut<'_, Self>) -> Result<()> {
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        let slots = rows as usize * capacity as usize;
+        assert_len(counts, rows as usize, "survivor counts");
+        assert_len(scores, slots, "survivor scores");
+        assert_len(index, slots, "survivor indices");
+        type F = unsafe extern "C" fn(u32, M<u32>, M<f32>, M<u32>, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_reset_survivors; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_reset_survivors")(
+                rows,
+                counts.as_mut_ptr(),
+                scores.as_mut_ptr(),
+                index.as_mut_ptr(),
+                capacity,
+            )
+        });
+        assert_written(&scores[..slots], "reset_survivors");
+        Ok(())
+    }
+
+    fn score_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let (weights, int8) = scan_inputs(a);
+        let launch = a.launch;
+        let b = a.batch as usize;
+        assert!(thresholds.at < thresholds.pitch, "the threshold's column");
+        assert_len(
+            thresholds.scores,
+            b * thresholds.pitch as usize,
+            "thresholds",
+        );
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        assert_len(counts, b, "survivor counts");
+        assert_len(scores, b * capacity as usize, "survivor scores");
+        assert_len(index, b * capacity as usize, "survivor indices");
+        let ((gx, gy), sh) = (launch.grid(), launch.shared_bytes);
+        let name = scan_entry("score_above", a.weights);
+        let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
+        let (t, tp, ta) = (thresholds.scores.as_ptr(), thresholds.pitch, thresholds.at);
+        let (c, os, oi) = (counts.as_mut_ptr(), scores.as_mut_ptr(), index.as_mut_ptr());
+        // SAFETY: the arguments match the entry point's C signature in emulator/kernels.cpp
+        // (Above / AboveI8), and every buffer was checked above to be as large as the kernel
+        // indexes it (slots past the capacity are never written).
+        let status = unsafe {
+            match int8 {
+                None => symbol::<Above<c_void>>(&name)(
+                    gx,
+                    gy,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    launch.rows_per_block,
+                    a.n_items,
+                    a.dim,
+                    launch.pitch,
+                    t,
+                    tp,
+                    ta,
+                    capacity,
+                    c,
+                    os,
+                    oi,
+                ),
+                Some((row_scales, activation)) => symbol::<AboveI8>(&name)(
+                    gx,
+                    gy,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights.cast(),
+                    row_scales,
+                    activation,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    launch.rows_per_block,
+                    a.n_items,
+                    a.dim,
+                    launch.pitch,
+                    t,
+                    tp,
+                    ta,
+                    capacity,
+                    c,
+                    os,
+                    oi,
+                ),
+            }
+        };
+        check(status);
         Ok(())
     }
 
