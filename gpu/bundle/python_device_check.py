@@ -1,5 +1,6 @@
 """The Python package's GPU path on a real GPU: each trained fixture converted with recsys.convert,
-loaded twice (device="cpu" and device="cuda"), and the same 200 test histories recommended by both.
+loaded twice (device="cpu" and device="cuda"), and the same 200 test histories recommended by both
+(HSTU's from its own test set, with their event times and the target's time as the query time).
 The GPU answers must be the CPU engine's: the same items except where two scores are within the
 tolerance of each other (a near-tie may swap), every score within SCORE_ABS_TOL. Exit 0 when every
 model agrees.
@@ -9,6 +10,7 @@ model agrees.
 
 from __future__ import annotations
 
+import gzip
 import sys
 import tempfile
 import time
@@ -22,7 +24,8 @@ import recsys
 SCORE_ABS_TOL = 2e-4
 K = 20
 USERS = 200
-MODELS = [("bert4rec", "bert4rec"), ("vaecf", "multivae"), ("sasrec", "sasrec"), ("gru4rec", "gru4rec")]
+MODELS = [("bert4rec", "bert4rec"), ("vaecf", "multivae"), ("sasrec", "sasrec"), ("gru4rec", "gru4rec"),
+          ("hstu", "hstu")]
 
 
 def histories(fixtures: Path) -> list[list[int]]:
@@ -30,12 +33,26 @@ def histories(fixtures: Path) -> list[list[int]]:
     return [[int(x) for x in row.split("\t")[2].split()] for row in rows]
 
 
+def timed_histories(fixtures: Path) -> tuple[list[list[int]], dict]:
+    """HSTU's test users: histories and the `timestamps=` / `query_timestamp=` arguments."""
+    with gzip.open(fixtures / "hstu" / "test_set.tsv.gz", "rt") as f:
+        rows = [line.rstrip("\n").split("\t") for line in f.readlines()[1:USERS + 1]]
+    users = [[int(x) for x in row[3].split()] for row in rows]
+    times = {"timestamps": [[int(t) for t in row[4].split()] for row in rows],
+             "query_timestamp": [int(row[2]) for row in rows]}
+    return users, times
+
+
 def main() -> int:
     fixtures = Path(sys.argv[1])
-    users = histories(fixtures)
     failures = 0
     with tempfile.TemporaryDirectory() as work:
         for kind, folder in MODELS:
+            if kind == "hstu":
+                users, times = timed_histories(fixtures)
+                embed_times = {"timestamps": times["timestamps"][:32], "query_timestamp": times["query_timestamp"][:32]}
+            else:
+                users, times, embed_times = histories(fixtures), {}, {}
             src = fixtures / folder
             out = Path(work) / kind
             recsys.convert(kind, src / "model.safetensors", src / "item_id_map.tsv", out, config=src / "config.json")
@@ -43,8 +60,8 @@ def main() -> int:
             t0 = time.perf_counter()
             gpu = recsys.Engine(out, threads=4, device="cuda")
             load = time.perf_counter() - t0
-            want_ids, want_scores = cpu.recommend(users, k=K)
-            got_ids, got_scores = gpu.recommend(users, k=K)
+            want_ids, want_scores = cpu.recommend(users, k=K, **times)
+            got_ids, got_scores = gpu.recommend(users, k=K, **times)
             worst = float(np.nanmax(np.abs(np.where(np.isfinite(want_scores), want_scores - got_scores, 0))))
             swapped = 0
             for w_ids, w_scores, g_ids in zip(want_ids, want_scores, got_ids):
@@ -53,7 +70,8 @@ def main() -> int:
                     neighbours = np.abs(w_scores - w_scores[pos]) <= 2 * SCORE_ABS_TOL
                     if g_ids[pos] not in set(w_ids[neighbours].tolist()):
                         swapped += 1
-            embedded = float(np.max(np.abs(cpu.embed(users[:32]) - gpu.embed(users[:32]))))
+            embedded = float(np.max(np.abs(cpu.embed(users[:32], **embed_times)
+                                           - gpu.embed(users[:32], **embed_times))))
             ok = worst <= SCORE_ABS_TOL and swapped == 0 and embedded <= SCORE_ABS_TOL
             failures += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {kind}: {gpu!r} (load and self-check {load:.2f} s); "
