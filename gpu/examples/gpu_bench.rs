@@ -19,7 +19,7 @@ mod timing;
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 use recsys_gpu::cuda::{driver_present, GpuOutputLayer};
-use recsys_gpu::model::ScanStrategy;
+use recsys_gpu::output_layer::ScanStrategy;
 
 const N_ITEMS: usize = 1_000_000;
 const DIMS: [usize; 2] = [64, 600];

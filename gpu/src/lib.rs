@@ -7,6 +7,8 @@
 pub mod cuda;
 pub mod device;
 pub mod model;
+pub mod output_layer;
+pub mod upload;
 
 use sha2::{Digest, Sha256};
 

@@ -11,7 +11,7 @@ use emulated::{check, last_failure, symbol, EmulatedDevice};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 use recsys_gpu::device::Device;
-use recsys_gpu::model::{DeviceOutputLayer, ScanStrategy};
+use recsys_gpu::output_layer::{DeviceOutputLayer, ScanStrategy};
 use recsys_gpu::{merge_plan, stage1_launch, threshold_plan, Ranked, SURVIVOR_CAPACITY, TILE};
 
 fn emulated_topk(

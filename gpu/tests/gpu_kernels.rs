@@ -9,7 +9,7 @@ use common::{assert_top_k_matches, exclusions, matrix, Rng};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
 use recsys_gpu::cuda::{driver_present, GpuOutputLayer};
-use recsys_gpu::model::ScanStrategy;
+use recsys_gpu::output_layer::ScanStrategy;
 use recsys_gpu::GpuError;
 
 #[test]

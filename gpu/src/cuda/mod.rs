@@ -21,7 +21,8 @@ use cuda_device::cuda_err;
 pub use cuda_device::CudaDevice;
 
 use crate::device::Device;
-use crate::model::{DeviceModel, DeviceOutputLayer, ScanStrategy};
+use crate::model::DeviceModel;
+use crate::output_layer::{DeviceOutputLayer, ScanStrategy};
 use crate::{threshold_plan, GpuError, Ranked, Result};
 
 /// A whole engine on one GPU: what a KIND_GPU instance serves. Batches are serialised on the
