@@ -13,7 +13,7 @@ use crate::device::{
 use crate::upload::{element_bytes, upload_padded_matrix};
 use crate::{
     exclusion_csr, keep_per_tile, merge_plan, ranked_rows, stage1_launch, survivor_merge_plan,
-    threshold_plan, GpuError, Ranked, Result, ThresholdPlan, SURVIVOR_CAPACITY, TILE,
+    threshold_plan, GpuError, Ranked, Result, Stage1Launch, ThresholdPlan, SURVIVOR_CAPACITY, TILE,
 };
 
 /// How the fused score + top-k scans the catalogue. Both give the same answers (each exact, the
@@ -133,6 +133,29 @@ impl<D: Device> DeviceOutputLayer<D> {
         Ok(())
     }
 
+    /// What a scan launched as `launch` reads: `rows` hidden vectors, this layer's tables and the
+    /// batch's exclusions ([`upload_exclusions`]).
+    fn scan_inputs<'a>(
+        &'a self,
+        launch: &'a Stage1Launch,
+        hidden: &'a D::F32,
+        (offsets, ids): &'a (D::U32, D::U32),
+        rows: usize,
+    ) -> Stage1Inputs<'a, D> {
+        Stage1Inputs {
+            launch,
+            hidden,
+            weights: &self.weights,
+            activation_scale: self.activation_scale,
+            bias: &self.bias,
+            exclude_offsets: offsets,
+            exclude_ids: ids,
+            batch: rows as u32,
+            n_items: self.n_items as u32,
+            dim: self.dim as u32,
+        }
+    }
+
     /// Top-`k` items for each of the `exclude.len()` hidden vectors in `hidden` (`[rows, dim]`,
     /// already on the device), leaving out index 0 (PAD) and each row's `exclude` list.
     pub fn top_k(
@@ -185,24 +208,11 @@ impl<D: Device> DeviceOutputLayer<D> {
         }
         let launch = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let plan = merge_plan(self.n_items, k);
-        let (offsets, ids) = exclusion_csr(exclude);
-        let offsets = device.upload_u32(&offsets)?;
-        let ids = device.upload_u32(&ids)?;
+        let exclusions = upload_exclusions(device, exclude)?;
         let mut scores = device.alloc_f32(rows * plan[0])?;
         let mut index = device.alloc_u32(rows * plan[0])?;
         device.score_tile_topk(
-            &Stage1Inputs {
-                launch: &launch,
-                hidden,
-                weights: &self.weights,
-                activation_scale: self.activation_scale,
-                bias: &self.bias,
-                exclude_offsets: &offsets,
-                exclude_ids: &ids,
-                batch: rows as u32,
-                n_items: self.n_items as u32,
-                dim: self.dim as u32,
-            },
+            &self.scan_inputs(&launch, hidden, &exclusions, rows),
             CandidatesMut {
                 scores: &mut scores,
                 index: &mut index,
@@ -274,21 +284,8 @@ impl<D: Device> DeviceOutputLayer<D> {
         if rows == 0 {
             return Ok(None);
         }
-        let (offsets, ids) = exclusion_csr(exclude);
-        let offsets = device.upload_u32(&offsets)?;
-        let ids = device.upload_u32(&ids)?;
-        let inputs = |launch| Stage1Inputs {
-            launch,
-            hidden,
-            weights: &self.weights,
-            activation_scale: self.activation_scale,
-            bias: &self.bias,
-            exclude_offsets: &offsets,
-            exclude_ids: &ids,
-            batch: rows as u32,
-            n_items: self.n_items as u32,
-            dim: self.dim as u32,
-        };
+        let exclusions = upload_exclusions(device, exclude)?;
+        let inputs = |launch| self.scan_inputs(launch, hidden, &exclusions, rows);
         // The sample's top-k: its k-th best (or -inf) is the row's threshold.
         let sample = stage1_launch(plan.positions, self.dim, self.pitch, rows, k)?;
         let sample_plan = merge_plan(plan.positions, k);
@@ -342,6 +339,12 @@ impl<D: Device> DeviceOutputLayer<D> {
             counts,
         }))
     }
+}
+
+/// Each row's exclusions on the device, as CSR (offsets, ids): what every scan of the batch reads.
+fn upload_exclusions<D: Device>(device: &D, exclude: &[&[u32]]) -> Result<(D::U32, D::U32)> {
+    let (offsets, ids) = exclusion_csr(exclude);
+    Ok((device.upload_u32(&offsets)?, device.upload_u32(&ids)?))
 }
 
 /// Merge passes over `rows` rows of candidates, `plan[0]` per row, down to `plan.last()`
