@@ -68,6 +68,43 @@ ABOVE_ENTRY(score_above_i8,
             const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
             weights COMMA row_scales COMMA activation_scale)
 
+#define GEMV_SAMPLE_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                          \
+    int recsys_emu_##NAME(unsigned blocks, unsigned shared_bytes, const float* hidden,              \
+                          WEIGHT_PARAMS, const float* bias, const u32* exclude_offsets,              \
+                          const u32* exclude_ids, u32 batch, u32 n_items, u32 dim, u32 pitch,        \
+                          u32 lanes, u32 stride, u32 positions, float* out_scores, u32* out_index) { \
+        return emu::launch(#NAME, dim3(blocks), dim3(THREADS), shared_bytes, [=] {                  \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, n_items, dim,       \
+                 pitch, lanes, stride, positions, out_scores, out_index);                            \
+        });                                                                                          \
+    }
+
+GEMV_SAMPLE_ENTRY(gemv_sample_f32, const float* weights, weights)
+GEMV_SAMPLE_ENTRY(gemv_sample_f16, const u16* weights, weights)
+GEMV_SAMPLE_ENTRY(gemv_sample_i8,
+                  const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+                  weights COMMA row_scales COMMA activation_scale)
+
+#define GEMV_ABOVE_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                           \
+    int recsys_emu_##NAME(unsigned blocks, unsigned shared_bytes, const float* hidden,              \
+                          WEIGHT_PARAMS, const float* bias, const u32* exclude_offsets,              \
+                          const u32* exclude_ids, u32 batch, u32 n_items, u32 dim, u32 pitch,        \
+                          u32 lanes, const float* thresholds, u32 threshold_pitch,                   \
+                          u32 threshold_at, u32 capacity, u32* counts, float* out_scores,            \
+                          u32* out_index) {                                                          \
+        return emu::launch(#NAME, dim3(blocks), dim3(THREADS), shared_bytes, [=] {                  \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, n_items, dim,       \
+                 pitch, lanes, thresholds, threshold_pitch, threshold_at, capacity, counts,          \
+                 out_scores, out_index);                                                             \
+        });                                                                                          \
+    }
+
+GEMV_ABOVE_ENTRY(gemv_above_f32, const float* weights, weights)
+GEMV_ABOVE_ENTRY(gemv_above_f16, const u16* weights, weights)
+GEMV_ABOVE_ENTRY(gemv_above_i8,
+                 const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+                 weights COMMA row_scales COMMA activation_scale)
+
 int recsys_emu_reset_survivors(unsigned rows, u32* counts, float* scores, u32* index,
                                u32 capacity) {
     return emu::launch("reset_survivors", dim3(rows), dim3(THREADS), 0,

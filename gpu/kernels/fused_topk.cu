@@ -29,6 +29,10 @@
 // ptxas plans for as many as shared memory admits (4 on Hopper: 64 registers a thread), and the
 // int8 body then spills; 3 gives it 85 registers and still keeps 24 warps of loads in flight.
 #define STAGE1_MIN_BLOCKS 3
+// Blocks per multiprocessor the coalesced scans' register allocation plans for: 4 gives them 64
+// registers a thread (the int8 body with four rows needs about 50) and 32 warps of loads in
+// flight; left without a minimum, ptxas packed them into 32-40 registers and spilled.
+#define GEMV_MIN_BLOCKS 4
 // Up to this k, a tile's candidates are chosen by warp-level selection; above it, by sorting.
 #define WARP_SELECT_MAX 32
 // Tile entries each lane holds during warp selection (a warp covers TILE / WARPS entries).
@@ -41,7 +45,12 @@ typedef unsigned short u16;
 
 #ifdef RECSYS_CUDA_EMULATION
 __device__ __forceinline__ float half_bits_to_float(u16 bits) { return emu::half_bits_to_float(bits); }
+// Host memory in the emulation may hold rows that do not start 16-byte aligned.
+#define GEMV_ALIGNED(test) (test)
 #else
+// On a device every row starts 16-byte aligned (the host pads them), so the coalesced scans
+// compile without their one-value-at-a-time path.
+#define GEMV_ALIGNED(test) true
 #define RECSYS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 __device__ __forceinline__ float half_bits_to_float(u16 bits) {
     float out;
@@ -409,6 +418,161 @@ ABOVE_KERNEL(score_above_f16, F16_PARAMS) { SCORE_ABOVE_BODY(W_F16, 8) }
 #define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
 SAMPLE_KERNEL(sample_tile_topk_i8, I8_PARAMS) { SCORE_TILE_BODY(W_I8, 16) }
 ABOVE_KERNEL(score_above_i8, I8_PARAMS) { SCORE_ABOVE_BODY(W_I8, 16) }
+#undef FINISH
+#undef LOAD_HIDDEN
+#undef W_F32
+#undef W_F16
+#undef W_I8
+
+// The coalesced scan, for batches of at most MAX_ROWS rows (batch 1 is the common serving case):
+// a warp reads `lanes` consecutive 16-byte chunks of one item's row at a time (lanes per item: a
+// power of two up to 32, chosen by the host from the row's width), so the warp's 32 / lanes items
+// are consecutive rows and every load of the warp is one contiguous span, where the tile scan's
+// one thread per item reads rows a whole row apart. Each lane sums its chunks with fused
+// multiply-adds in chunk order and the item's lanes then add theirs by a butterfly, so an item's
+// score depends only on `lanes`, never on where the item falls: the sample and the full scan of
+// the threshold scan compute the very same bits, and a sampled item's score always reaches the
+// threshold it set. The whole batch's hidden rows sit in shared memory (read once per 16-byte
+// chunk by each lane; at most 4 x 2048 f32, 32 KiB), and the grid is the blocks the device keeps
+// resident at once, striding over the catalogue. Positions are items 0, stride, 2 x stride, ...;
+// EPILOGUE runs for every (row, position) with `position`, `item`, `in_range` (a position of the
+// catalogue), `real` (in range and not PAD), `leader` (the one lane of the item that acts) and
+// the finished dot product acc[r]. Every lane of a warp runs the same iterations, so the warp
+// primitives of the butterfly and the epilogue see full warps.
+#define GEMV_LOOP(WEIGHT, CHUNK, EPILOGUE)                                                        \
+    RECSYS_DYNAMIC_SHARED(float4, batch_hidden_vectors);                                          \
+    float* batch_hidden = reinterpret_cast<float*>(batch_hidden_vectors);                         \
+    const u32 rows = min(batch, (u32)MAX_ROWS);                                                   \
+    for (u32 i = threadIdx.x; i < rows * pitch; i += THREADS) {                                   \
+        const u32 r = i / pitch, c = i % pitch;                                                   \
+        batch_hidden[i] = c < dim ? LOAD_HIDDEN(hidden[(size_t)r * dim + c]) : 0.0f;             \
+    }                                                                                             \
+    __syncthreads();                                                                              \
+    const u32 lane = threadIdx.x % 32;                                                            \
+    const u32 per_warp = 32 / lanes, part = lane % lanes, group = lane / lanes;                   \
+    const u32 chunks = pitch / CHUNK;                                                             \
+    /* On a device rows always start 16-byte aligned (the host pads them); host memory in the    \
+       emulation may not be: then one value at a time, in the same order, to the same bits. */  \
+    const bool aligned = GEMV_ALIGNED(pitch % CHUNK == 0 && (size_t)weights % 16 == 0);           \
+    const u32 warps_in_grid = gridDim.x * WARPS;                                                  \
+    for (u32 first = (blockIdx.x * WARPS + threadIdx.x / 32) * per_warp; first < positions;       \
+         first += warps_in_grid * per_warp) {                                                     \
+        const u32 position = first + group;                                                       \
+        const bool in_range = position < positions;                                               \
+        const u32 item = in_range ? position * stride : 0;                                        \
+        float acc[MAX_ROWS];                                                                      \
+        _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;                      \
+        if (in_range) {                                                                           \
+            for (u32 chunk = part; chunk < chunks; chunk += lanes) {                              \
+                const u32 c = chunk * CHUNK;                                                      \
+                if (aligned) {                                                                    \
+                    const uint4 raw = load16(weights + (size_t)item * pitch + c);                 \
+                    _Pragma("unroll") for (u32 q = 0; q < CHUNK / 4; ++q) {                       \
+                        float w[4];                                                               \
+                        four4(weights, raw, q, w);                                                \
+                        _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) {                    \
+                            if (r < rows) {                                                       \
+                                const float4 v = reinterpret_cast<const float4*>(                 \
+                                    batch_hidden + r * pitch + c)[q];                             \
+                                acc[r] = fmaf(v.x, w[0], acc[r]);                                 \
+                                acc[r] = fmaf(v.y, w[1], acc[r]);                                 \
+                                acc[r] = fmaf(v.z, w[2], acc[r]);                                 \
+                                acc[r] = fmaf(v.w, w[3], acc[r]);                                 \
+                            }                                                                     \
+                        }                                                                         \
+                    }                                                                             \
+                } else {                                                                          \
+                    for (u32 e = c; e < min(c + CHUNK, dim); ++e) {                               \
+                        const float w = WEIGHT(item, e);                                          \
+                        _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                      \
+                            if (r < rows) acc[r] = fmaf(batch_hidden[r * pitch + e], w, acc[r]);  \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        /* Unrolled, the offsets a warp-uniform test: every lane shuffles alike. */              \
+        _Pragma("unroll") for (u32 offset = 16; offset > 0; offset >>= 1) {                      \
+            if (offset < lanes) {                                                                 \
+                _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                              \
+                    acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);                       \
+            }                                                                                     \
+        }                                                                                         \
+        const bool leader = part == 0;                                                            \
+        const bool real = in_range && item < n_items && item != 0;                                \
+        _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r) {                                    \
+            if (r < rows) {                                                                       \
+                const u32 row = r;                                                                \
+                EPILOGUE                                                                          \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+// gemv_sample_*: every sampled position's score for each row, in position order, into
+// out[row x positions + position] (-inf and NONE_INDEX for PAD and exclusions), for the merge
+// passes to select the sample's top-k from.
+#define GEMV_SAMPLE_BODY(WEIGHT, CHUNK)                                                           \
+    GEMV_LOOP(WEIGHT, CHUNK,                                                                      \
+        if (leader && in_range) {                                                                 \
+            const bool keep_item = real &&                                                        \
+                !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item);  \
+            out_scores[(size_t)row * positions + position] =                                      \
+                keep_item ? FINISH(acc[r], item) + bias[item] : NEG_INF;                          \
+            out_index[(size_t)row * positions + position] = keep_item ? item : NONE_INDEX;        \
+        })
+
+// gemv_above_*: the threshold scan's full pass through the coalesced scan; survivors appended as
+// in score_above_*.
+#define GEMV_ABOVE_BODY(WEIGHT, CHUNK)                                                            \
+    const u32 stride = 1, positions = n_items;                                                    \
+    float tau[MAX_ROWS];                                                                          \
+    _Pragma("unroll") for (u32 r = 0; r < MAX_ROWS; ++r)                                          \
+        tau[r] = r < batch ? thresholds[(size_t)r * threshold_pitch + threshold_at] : 0.0f;      \
+    GEMV_LOOP(WEIGHT, CHUNK,                                                                      \
+        const float score = real ? FINISH(acc[r], item) + bias[item] : NEG_INF;                   \
+        const bool take = leader && real && score >= tau[r] &&                                    \
+            !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item);      \
+        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, take);                                 \
+        if (ballot != 0) {                                                                        \
+            u32 base = 0;                                                                         \
+            if (lane == 0) base = atomicAdd(counts + row, (u32)__popc(ballot));                   \
+            base = __shfl_sync(0xFFFFFFFFu, base, 0);                                             \
+            const u32 slot = base + (u32)__popc(ballot & ((1u << lane) - 1u));                    \
+            if (take && slot < capacity) {                                                        \
+                out_scores[(size_t)row * capacity + slot] = score;                                \
+                out_index[(size_t)row * capacity + slot] = item;                                  \
+            }                                                                                     \
+        })
+
+#define GEMV_SAMPLE_KERNEL(NAME, WEIGHT_PARAMS)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, GEMV_MIN_BLOCKS) NAME(                                   \
+        const float* __restrict__ hidden, WEIGHT_PARAMS, const float* __restrict__ bias,          \
+        const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids, u32 batch,  \
+        u32 n_items, u32 dim, u32 pitch, u32 lanes, u32 stride, u32 positions,                    \
+        float* __restrict__ out_scores, u32* __restrict__ out_index)
+
+#define GEMV_ABOVE_KERNEL(NAME, WEIGHT_PARAMS)                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, GEMV_MIN_BLOCKS) NAME(                                   \
+        const float* __restrict__ hidden, WEIGHT_PARAMS, const float* __restrict__ bias,          \
+        const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids, u32 batch,  \
+        u32 n_items, u32 dim, u32 pitch, u32 lanes, const float* __restrict__ thresholds,         \
+        u32 threshold_pitch, u32 threshold_at, u32 capacity, u32* __restrict__ counts,            \
+        float* __restrict__ out_scores, u32* __restrict__ out_index)
+
+#define FINISH(acc, item) (acc)
+#define LOAD_HIDDEN(h) (h)
+#define W_F32(item, c) weights[(size_t)(item) * pitch + (c)]
+#define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * pitch + (c)])
+GEMV_SAMPLE_KERNEL(gemv_sample_f32, F32_PARAMS) { GEMV_SAMPLE_BODY(W_F32, 4) }
+GEMV_SAMPLE_KERNEL(gemv_sample_f16, F16_PARAMS) { GEMV_SAMPLE_BODY(W_F16, 8) }
+GEMV_ABOVE_KERNEL(gemv_above_f32, F32_PARAMS) { GEMV_ABOVE_BODY(W_F32, 4) }
+GEMV_ABOVE_KERNEL(gemv_above_f16, F16_PARAMS) { GEMV_ABOVE_BODY(W_F16, 8) }
+#undef FINISH
+#undef LOAD_HIDDEN
+#define FINISH(acc, item) ((acc) * row_scales[item])
+#define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
+#define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
+GEMV_SAMPLE_KERNEL(gemv_sample_i8, I8_PARAMS) { GEMV_SAMPLE_BODY(W_I8, 16) }
+GEMV_ABOVE_KERNEL(gemv_above_i8, I8_PARAMS) { GEMV_ABOVE_BODY(W_I8, 16) }
 #undef FINISH
 #undef LOAD_HIDDEN
 #undef W_F32

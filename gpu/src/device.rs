@@ -6,7 +6,7 @@
 //! in the source says (implementations check nothing beyond that: the callers in this crate size
 //! every buffer from the same shapes they pass).
 
-use crate::{Result, Stage1Launch};
+use crate::{GemvLaunch, Result, Stage1Launch};
 
 /// The activation a dense layer's epilogue applies (`ACTIVATION_*` in kernels/encoders.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +72,32 @@ pub trait Device {
     fn score_above(
         &self,
         a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Blocks of the coalesced scans (`gemv_*`) with `shared_bytes` of shared memory each that
+    /// the device runs at once: the grid they stride over the catalogue with.
+    fn gemv_resident_blocks(&self, shared_bytes: u32) -> Result<u32>;
+
+    /// `gemv_sample_{f32,f16,i8}`: for a batch of at most `MAX_ROWS` rows, the score of every
+    /// `stride`-th item (`positions` of them) into `out` (`batch x positions`, in position order;
+    /// -inf and `u32::MAX` for PAD and exclusions). `a.launch` gives the pitch only.
+    fn gemv_sample(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        gemv: &GemvLaunch,
+        stride: u32,
+        positions: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// `gemv_above_{f32,f16,i8}`: [`Device::score_above`] for a batch of at most `MAX_ROWS` rows
+    /// through the coalesced scan, whose scores have the bits `gemv_sample` gives the same items.
+    fn gemv_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        gemv: &GemvLaunch,
         thresholds: Thresholds<'_, Self>,
         survivors: SurvivorsMut<'_, Self>,
     ) -> Result<()>;

@@ -37,6 +37,12 @@ pub const KERNELS: &[&str] = &[
     "score_above_f16",
     "score_above_i8",
     "reset_survivors",
+    "gemv_sample_f32",
+    "gemv_sample_f16",
+    "gemv_sample_i8",
+    "gemv_above_f32",
+    "gemv_above_f16",
+    "gemv_above_i8",
 ];
 
 /// Encoder kernels the host launches.
@@ -81,6 +87,8 @@ pub const MAX_DIM: usize = MAX_GROUP_HIDDEN_BYTES / 4;
 // A stage-1 block's shared memory: scores (MAX_ROWS x TILE f32), indices (TILE u32) and the
 // group's hidden rows must fit the 48 KiB granted without an opt-in attribute.
 const _: () = assert!((MAX_ROWS * TILE + TILE) * 4 + MAX_GROUP_HIDDEN_BYTES <= 48 * 1024);
+// The coalesced scans keep the whole batch's hidden rows in shared memory.
+const _: () = assert!(MAX_ROWS * MAX_DIM * 4 <= 48 * 1024);
 /// Largest k the kernels serve (a tile keeps at most `TILE` candidates; 1024 leaves merges room to
 /// halve the candidate count every pass).
 pub const MAX_K: usize = 1024;
@@ -158,6 +166,39 @@ pub fn threshold_plan(n_items: usize, k: usize, capacity: usize) -> Option<Thres
         stride,
         positions: n_items.div_ceil(stride),
         capacity,
+    })
+}
+
+/// How the coalesced (GEMV) scans are launched for one batch of at most [`MAX_ROWS`] rows: `lanes`
+/// lanes read each item's row together (`gemv_*` in kernels/fused_topk.cu), over a grid of
+/// `blocks` blocks of [`THREADS`] threads with the batch's hidden rows in `shared_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvLaunch {
+    pub lanes: u32,
+    pub blocks: u32,
+    pub shared_bytes: u32,
+}
+
+/// The coalesced scans' launch for `rows` hidden vectors against rows of `pitch` elements of
+/// `element_bytes`, on a device that keeps `resident_blocks` of them running at once (the grid
+/// strides over the catalogue, so more blocks would only wait). Lanes per item: enough that each
+/// lane reads about one 16-byte chunk of the row, a power of two up to the warp (d = 64: 16 lanes
+/// for f32, 8 for f16, 4 for int8; d = 600: the whole warp). `None` for a batch the scans do not
+/// take (more than [`MAX_ROWS`] rows).
+pub fn gemv_launch(
+    pitch: usize,
+    element_bytes: usize,
+    rows: usize,
+    resident_blocks: u32,
+) -> Option<GemvLaunch> {
+    if rows == 0 || rows > MAX_ROWS {
+        return None;
+    }
+    let chunks = (pitch * element_bytes).div_ceil(16).max(1);
+    Some(GemvLaunch {
+        lanes: chunks.next_power_of_two().min(32) as u32,
+        blocks: resident_blocks.max(1),
+        shared_bytes: (4 * pitch * rows) as u32,
     })
 }
 

@@ -2,7 +2,7 @@
 //! then per batch the exclusions staged, the scan (by tiles, or by a sampled threshold:
 //! [`ScanStrategy`]) and the merge passes, and the answers read back.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
@@ -12,8 +12,9 @@ use crate::device::{
 };
 use crate::upload::{element_bytes, upload_padded_matrix};
 use crate::{
-    exclusion_csr, keep_per_tile, merge_plan, ranked_rows, stage1_launch, survivor_merge_plan,
-    threshold_plan, GpuError, Ranked, Result, Stage1Launch, ThresholdPlan, SURVIVOR_CAPACITY, TILE,
+    exclusion_csr, gemv_launch, keep_per_tile, merge_plan, ranked_rows, stage1_launch,
+    survivor_merge_plan, threshold_plan, GemvLaunch, GpuError, Ranked, Result, Stage1Launch,
+    ThresholdPlan, MAX_ROWS, SURVIVOR_CAPACITY, TILE,
 };
 
 /// How the fused score + top-k scans the catalogue. Both give the same answers (each exact, the
@@ -30,6 +31,11 @@ pub enum ScanStrategy {
     /// worth taking (a small catalogue, a large k), the tile scan runs instead; a row whose
     /// survivors overflow their slots is answered by the tile scan too.
     Threshold,
+    /// The threshold scan with both its passes (the sample and the full scan) through the
+    /// coalesced kernels (`gemv_*`: a warp reads consecutive item rows whole, so its loads are
+    /// contiguous) for batches of at most [`crate::MAX_ROWS`] rows, the serving case at batch 1;
+    /// larger batches as [`ScanStrategy::Threshold`].
+    GemvThreshold,
 }
 
 /// The output layer on a device, for the fused score + top-k.
@@ -48,6 +54,9 @@ pub struct DeviceOutputLayer<D: Device> {
     /// Survivor slots per row of the threshold scan ([`SURVIVOR_CAPACITY`]; the tests lower it
     /// to make rows overflow).
     pub survivor_capacity: usize,
+    /// Blocks of the coalesced scans the device runs at once, asked once (for the largest batch
+    /// they take, whose shared memory bounds occupancy the most).
+    gemv_blocks: OnceLock<u32>,
 }
 
 /// What a threshold scan answered: every row's top-k, and the rows whose survivors overflowed
@@ -108,6 +117,7 @@ impl<D: Device> DeviceOutputLayer<D> {
             dim: weight.cols(),
             strategy: ScanStrategy::default(),
             survivor_capacity: SURVIVOR_CAPACITY,
+            gemv_blocks: OnceLock::new(),
         })
     }
 
@@ -156,6 +166,29 @@ impl<D: Device> DeviceOutputLayer<D> {
         }
     }
 
+    /// The coalesced scans' launch for a batch of `rows`, where the strategy asks for them and
+    /// the batch is one they take.
+    fn gemv_for(&self, device: &D, rows: usize) -> Result<Option<GemvLaunch>> {
+        if self.strategy != ScanStrategy::GemvThreshold || rows > MAX_ROWS {
+            return Ok(None);
+        }
+        let element_bytes = match &*self.weights {
+            DeviceMatrix::F32(_) => 4,
+            DeviceMatrix::F16(_) => 2,
+            DeviceMatrix::I8 { .. } => 1,
+        };
+        let blocks = match self.gemv_blocks.get() {
+            Some(&blocks) => blocks,
+            None => {
+                let most = (4 * self.pitch * MAX_ROWS) as u32;
+                *self
+                    .gemv_blocks
+                    .get_or_init(|| device.gemv_resident_blocks(most).unwrap_or(1))
+            }
+        };
+        Ok(gemv_launch(self.pitch, element_bytes, rows, blocks))
+    }
+
     /// Top-`k` items for each of the `exclude.len()` hidden vectors in `hidden` (`[rows, dim]`,
     /// already on the device), leaving out index 0 (PAD) and each row's `exclude` list.
     pub fn top_k(
@@ -165,7 +198,7 @@ impl<D: Device> DeviceOutputLayer<D> {
         k: usize,
         exclude: &[&[u32]],
     ) -> Result<Vec<Ranked>> {
-        if self.strategy == ScanStrategy::Threshold {
+        if self.strategy != ScanStrategy::Tiles {
             if let Some(plan) = threshold_plan(self.n_items, k, self.survivor_capacity) {
                 return Ok(self
                     .top_k_above_threshold(device, hidden, k, exclude, &plan)?
@@ -269,9 +302,11 @@ impl<D: Device> DeviceOutputLayer<D> {
         Ok(ThresholdAnswer { ranked, overflowed })
     }
 
-    /// Enqueues the threshold scan without waiting: the sample's stage 1 and merges (each row's
+    /// Enqueues the threshold scan without waiting: the sample's scan and merges (each row's
     /// threshold stays on the device), the survivors reset, the full scan against the
-    /// thresholds, and the merge passes over the survivors. `None` for an empty batch.
+    /// thresholds, and the merge passes over the survivors; both scans through the coalesced
+    /// kernels where the strategy and the batch allow ([`ScanStrategy::GemvThreshold`]), else by
+    /// tiles. `None` for an empty batch.
     pub fn launch_above_threshold(
         &self,
         device: &D,
@@ -286,20 +321,54 @@ impl<D: Device> DeviceOutputLayer<D> {
         }
         let exclusions = upload_exclusions(device, exclude)?;
         let inputs = |launch| self.scan_inputs(launch, hidden, &exclusions, rows);
-        // The sample's top-k: its k-th best (or -inf) is the row's threshold.
+        let scan = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let sample = stage1_launch(plan.positions, self.dim, self.pitch, rows, k)?;
-        let sample_plan = merge_plan(plan.positions, k);
-        let mut scores = device.alloc_f32(rows * sample_plan[0])?;
-        let mut index = device.alloc_u32(rows * sample_plan[0])?;
-        device.sample_tile_topk(
-            &inputs(&sample),
-            plan.stride as u32,
-            CandidatesMut {
-                scores: &mut scores,
-                index: &mut index,
-            },
-        )?;
-        let (thresholds, _) = merge_passes(device, rows, scores, index, &sample_plan, sample.keep)?;
+        let gemv = self.gemv_for(device, rows)?;
+        let keep = keep_per_tile(k) as u32;
+        // The sample's top-k: its k-th best (or -inf) is the row's threshold.
+        let (thresholds, threshold_pitch) = match &gemv {
+            Some(gemv) => {
+                // Every sampled score, in the bits the full scan will compute, then merged.
+                let mut scores = device.alloc_f32(rows * plan.positions)?;
+                let mut index = device.alloc_u32(rows * plan.positions)?;
+                device.gemv_sample(
+                    &inputs(&scan),
+                    gemv,
+                    plan.stride as u32,
+                    plan.positions as u32,
+                    CandidatesMut {
+                        scores: &mut scores,
+                        index: &mut index,
+                    },
+                )?;
+                let sample_plan = survivor_merge_plan(plan.positions, k);
+                let (thresholds, _) =
+                    merge_passes(device, rows, scores, index, &sample_plan, keep)?;
+                (
+                    thresholds,
+                    *sample_plan.last().expect("a plan is never empty"),
+                )
+            }
+            None => {
+                let sample_plan = merge_plan(plan.positions, k);
+                let mut scores = device.alloc_f32(rows * sample_plan[0])?;
+                let mut index = device.alloc_u32(rows * sample_plan[0])?;
+                device.sample_tile_topk(
+                    &inputs(&sample),
+                    plan.stride as u32,
+                    CandidatesMut {
+                        scores: &mut scores,
+                        index: &mut index,
+                    },
+                )?;
+                let (thresholds, _) =
+                    merge_passes(device, rows, scores, index, &sample_plan, sample.keep)?;
+                (
+                    thresholds,
+                    *sample_plan.last().expect("a plan is never empty"),
+                )
+            }
+        };
         // Every score at or above it, into the survivors.
         let capacity = plan.capacity as u32;
         let mut counts = device.alloc_u32(rows)?;
@@ -314,23 +383,22 @@ impl<D: Device> DeviceOutputLayer<D> {
                 capacity,
             },
         )?;
-        let scan = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
-        device.score_above(
-            &inputs(&scan),
-            Thresholds {
-                scores: &thresholds,
-                pitch: *sample_plan.last().expect("a plan is never empty") as u32,
-                at: (k - 1) as u32,
-            },
-            SurvivorsMut {
-                counts: &mut counts,
-                scores: &mut survivors,
-                index: &mut survivor_index,
-                capacity,
-            },
-        )?;
+        let thresholds = Thresholds {
+            scores: &thresholds,
+            pitch: threshold_pitch as u32,
+            at: (k - 1) as u32,
+        };
+        let slots = SurvivorsMut {
+            counts: &mut counts,
+            scores: &mut survivors,
+            index: &mut survivor_index,
+            capacity,
+        };
+        match &gemv {
+            Some(gemv) => device.gemv_above(&inputs(&scan), gemv, thresholds, slots)?,
+            None => device.score_above(&inputs(&scan), thresholds, slots)?,
+        }
         let plan = survivor_merge_plan(plan.capacity, k);
-        let keep = keep_per_tile(k) as u32;
         let (scores, index) = merge_passes(device, rows, survivors, survivor_index, &plan, keep)?;
         Ok(Some(LaunchedThreshold {
             scores,

@@ -10,9 +10,12 @@ use common::{assert_top_k_matches, exclusions, matrix, reference, Rng};
 use emulated::{check, last_failure, symbol, EmulatedDevice};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
+use recsys_gpu::device::CandidatesMut;
 use recsys_gpu::device::Device;
 use recsys_gpu::output_layer::{DeviceOutputLayer, ScanStrategy};
-use recsys_gpu::{merge_plan, stage1_launch, threshold_plan, Ranked, SURVIVOR_CAPACITY, TILE};
+use recsys_gpu::{
+    gemv_launch, merge_plan, stage1_launch, threshold_plan, Ranked, SURVIVOR_CAPACITY, TILE,
+};
 
 fn emulated_topk(
     w: &Matrix,
@@ -76,6 +79,27 @@ fn emulated_threshold_topk(
     exclude: &[Vec<u32>],
     capacity: usize,
 ) -> (Vec<Ranked>, Vec<usize>) {
+    threshold_topk_by(
+        ScanStrategy::Threshold,
+        w,
+        bias,
+        hidden,
+        k,
+        exclude,
+        capacity,
+    )
+}
+
+/// [`emulated_threshold_topk`] with the threshold scan's kernels chosen by `strategy`.
+fn threshold_topk_by(
+    strategy: ScanStrategy,
+    w: &Matrix,
+    bias: &[f32],
+    hidden: &[f32],
+    k: usize,
+    exclude: &[Vec<u32>],
+    capacity: usize,
+) -> (Vec<Ranked>, Vec<usize>) {
     let device = EmulatedDevice::default();
     let mut layer = DeviceOutputLayer::new(
         &device,
@@ -84,7 +108,7 @@ fn emulated_threshold_topk(
         None,
     )
     .unwrap();
-    layer.strategy = ScanStrategy::Threshold;
+    layer.strategy = strategy;
     layer.survivor_capacity = capacity;
     let plan = threshold_plan(w.rows(), k, capacity).expect("a catalogue the threshold scan takes");
     let refs: Vec<&[u32]> = exclude.iter().map(Vec::as_slice).collect();
@@ -143,6 +167,172 @@ fn the_threshold_scan_matches_the_reference_at_every_precision() {
             }
         }
     }
+}
+
+#[test]
+fn the_coalesced_scans_give_each_item_lanes_for_about_one_chunk_of_its_row() {
+    // d = 64: 16 lanes of f32 (256 B), 8 of f16, 4 of int8; wide rows take the whole warp.
+    let lanes = |pitch, bytes| gemv_launch(pitch, bytes, 1, 7).unwrap().lanes;
+    assert_eq!((lanes(64, 4), lanes(64, 2), lanes(64, 1)), (16, 8, 4));
+    assert_eq!((lanes(600, 4), lanes(608, 1), lanes(4, 4)), (32, 32, 1));
+    let launch = gemv_launch(600, 2, 3, 7).unwrap();
+    assert_eq!((launch.blocks, launch.shared_bytes), (7, 3 * 600 * 4));
+    // Batches over four rows are the tile kernels'.
+    assert_eq!(gemv_launch(64, 4, 5, 7), None);
+    assert_eq!(gemv_launch(64, 4, 0, 7), None);
+}
+
+/// Every item's score through the coalesced sample at stride 1, ranked on the host: the exact
+/// top-`k` in the very bits the coalesced threshold scan computes.
+fn coalesced_exhaustive_topk(
+    w: &Matrix,
+    bias: &[f32],
+    hidden: &[f32],
+    k: usize,
+    exclude: &[Vec<u32>],
+) -> Vec<Ranked> {
+    let device = EmulatedDevice::default();
+    let (n, d, rows) = (w.rows(), w.cols(), exclude.len());
+    let (pitch, bytes) = match w {
+        Matrix::F32(_) => (recsys_gpu::row_pitch(d, 4), 4),
+        Matrix::F16 { .. } => (recsys_gpu::row_pitch(d, 2), 2),
+        Matrix::I8 { .. } => (recsys_gpu::row_pitch(d, 1), 1),
+        other => panic!("no GPU table for {other:?}"),
+    };
+    let weights = recsys_gpu::upload::upload_padded_matrix(&device, w, pitch).unwrap();
+    let bias_on_device = device.upload_f32(bias).unwrap();
+    let refs: Vec<&[u32]> = exclude.iter().map(Vec::as_slice).collect();
+    let (offsets, ids) = recsys_gpu::exclusion_csr(&refs);
+    let (offsets, ids) = (
+        device.upload_u32(&offsets).unwrap(),
+        device.upload_u32(&ids).unwrap(),
+    );
+    let hidden = device.upload_f32(hidden).unwrap();
+    let launch = stage1_launch(n, d, pitch, rows, k).unwrap();
+    let gemv = gemv_launch(pitch, bytes, rows, 3).unwrap();
+    let inputs = recsys_gpu::device::Stage1Inputs {
+        launch: &launch,
+        hidden: &hidden,
+        weights: &weights,
+        activation_scale: 0.0,
+        bias: &bias_on_device,
+        exclude_offsets: &offsets,
+        exclude_ids: &ids,
+        batch: rows as u32,
+        n_items: n as u32,
+        dim: d as u32,
+    };
+    let (mut scores, mut index) = (
+        device.alloc_f32(rows * n).unwrap(),
+        device.alloc_u32(rows * n).unwrap(),
+    );
+    device
+        .gemv_sample(
+            &inputs,
+            &gemv,
+            1,
+            n as u32,
+            CandidatesMut {
+                scores: &mut scores,
+                index: &mut index,
+            },
+        )
+        .unwrap();
+    (0..rows)
+        .map(|r| {
+            let mut row: Vec<(u32, f32)> = (0..n)
+                .map(|i| (index[r * n + i], scores[r * n + i]))
+                .filter(|(i, _)| *i != u32::MAX)
+                .collect();
+            row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            row.truncate(k);
+            row
+        })
+        .collect()
+}
+
+#[test]
+fn the_coalesced_threshold_scan_is_exact_at_every_precision_and_width() {
+    let mut rng = Rng(0x5EED_000A);
+    // Not a multiple of the tile or of the strides. Widths: lanes of 16 / 8 / 4 at d = 64, a
+    // whole warp with a partial last round at d = 600, and d = 30, whose f32 rows are padded.
+    let n = 20_011usize;
+    let mut checked = 0;
+    for (kind, d) in [
+        ("f32", 64),
+        ("f16", 64),
+        ("i8", 64),
+        ("f32", 600),
+        ("f16", 600),
+        ("i8", 600),
+        ("f32", 30),
+    ] {
+        let w = matrix(kind, n, d, &mut rng);
+        let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
+        let rows = 1 + (checked % 4);
+        let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
+        let excluded = exclusions(rows, n, 50, &mut rng);
+        for k in [1, 100] {
+            let (got, overflowed) = threshold_topk_by(
+                ScanStrategy::GemvThreshold,
+                &w,
+                &bias,
+                &hidden,
+                k,
+                &excluded,
+                SURVIVOR_CAPACITY,
+            );
+            let what = format!("coalesced {kind} d={d} rows={rows} k={k}");
+            assert_eq!(overflowed, Vec::<usize>::new(), "{what}: random scores fit");
+            // Exact in its own arithmetic: the same items and score bits as ranking every
+            // item's coalesced score, so the threshold never lost one.
+            assert_eq!(
+                got,
+                coalesced_exhaustive_topk(&w, &bias, &hidden, k, &excluded),
+                "{what}"
+            );
+            for r in 0..rows {
+                assert_top_k_matches(
+                    &got[r],
+                    &w,
+                    &bias,
+                    &hidden[r * d..(r + 1) * d],
+                    k,
+                    &excluded[r],
+                    &format!("{what} row {r}"),
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 7);
+}
+
+#[test]
+fn the_coalesced_threshold_scan_hands_overflowing_rows_to_the_tile_scan() {
+    let mut rng = Rng(0x5EED_000B);
+    let (n, d) = (17_000usize, 8usize);
+    // As below for the tile kernels' threshold scan: row 0 ties a quarter of the catalogue at
+    // its threshold and overflows; row 1 may get only 20 items, so its threshold is -inf.
+    let w = Matrix::F32(Tensor::from_vec(vec![n, d], vec![0.0; n * d]));
+    let bias: Vec<f32> = (0..n).map(|_| (rng.next() % 4) as f32 * 0.25).collect();
+    let hidden: Vec<f32> = (0..2 * d).map(|_| rng.uniform()).collect();
+    let excluded = vec![vec![], (0..n as u32 - 20).collect()];
+    let (got, overflowed) = threshold_topk_by(
+        ScanStrategy::GemvThreshold,
+        &w,
+        &bias,
+        &hidden,
+        50,
+        &excluded,
+        2048,
+    );
+    assert_eq!(overflowed, vec![0]);
+    for r in 0..2 {
+        let want = reference(&w, &bias, &hidden[r * d..(r + 1) * d], 50, &excluded[r]);
+        assert_eq!(got[r], want, "row {r}");
+    }
+    assert_eq!(got[1].len(), 20);
 }
 
 #[test]

@@ -83,18 +83,21 @@ fn fused_topk_matches_the_reference() {
 #[ignore = "needs a GPU: scripts/gpu-check.sh"]
 fn the_threshold_scan_matches_the_reference_on_the_gpu() {
     // The sample, the survivors' atomics and ballots, and the merges over them on the hardware;
-    // k up to the largest the threshold scan takes (256), a batch of groups and a lone row.
+    // k up to the largest the threshold scan takes (256), a batch of groups and a lone row; by
+    // tiles and through the coalesced kernels (which take the batches of at most 4 rows).
     let mut rng = Rng(0x7F4A_7C15_9E37_79B9);
     let mut checked = 0;
-    for kind in ["f32", "f16", "i8"] {
+    for (kind, strategy) in ["f32", "f16", "i8"].into_iter().flat_map(|kind| {
+        [ScanStrategy::Threshold, ScanStrategy::GemvThreshold].map(|strategy| (kind, strategy))
+    }) {
         let (n, d) = (100_003usize, 64usize);
         let w = matrix(kind, n, d, &mut rng);
         let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
         let mut layer = GpuOutputLayer::new(0, &w, &Tensor::from_vec(vec![n], bias.clone()))
             .unwrap_or_else(|e| panic!("{e}"));
-        layer.set_strategy(ScanStrategy::Threshold);
+        layer.set_strategy(strategy);
         layer.poison_outputs();
-        for &rows in &[1usize, 7, 64] {
+        for &rows in &[1usize, 3, 7, 64] {
             let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
             let excluded = exclusions(rows, n, 50, &mut rng);
             let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
@@ -108,7 +111,7 @@ fn the_threshold_scan_matches_the_reference_on_the_gpu() {
                         &hidden[r * d..(r + 1) * d],
                         k,
                         &excluded[r],
-                        &format!("threshold {kind} n={n} k={k} row {r}"),
+                        &format!("{strategy:?} {kind} n={n} k={k} row {r}"),
                     );
                     checked += 1;
                 }

@@ -15,7 +15,7 @@ use crate::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
     GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
-use crate::{GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
+use crate::{GemvLaunch, GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
 
 /// Stream-ordered allocations come from the device's default memory pool, which by default hands
 /// its free memory back to the system at every synchronisation: each batch then pays to map it
@@ -70,6 +70,8 @@ pub struct CudaDevice {
     /// Tests: fill every kernel output with NaN / 0xDEADBEEF before the kernel runs, so a slot a
     /// kernel fails to write shows up in the results instead of holding stale memory.
     pub poison_outputs: bool,
+    /// Streaming multiprocessors, for the grids sized to what the device runs at once.
+    multiprocessors: u32,
     /// "NVIDIA H200 (sm_90)", for logs.
     pub name: String,
 }
@@ -98,6 +100,12 @@ impl CudaDevice {
         check_nvrtc_against_driver()?;
         let arch = format!("sm_{major}{minor}");
         let gpu = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let multiprocessors = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(cuda_err("querying the multiprocessor count"))?
+            .max(1) as u32;
         let mut modules = Vec::new();
         let mut functions = HashMap::new();
         for ((file, source, kernels), _) in MODULES.iter().zip(0..) {
@@ -131,8 +139,39 @@ impl CudaDevice {
             staging_u32: Mutex::new(None),
             staging_f32: Mutex::new(None),
             poison_outputs: false,
+            multiprocessors,
             name: format!("{gpu} ({arch})"),
         })
+    }
+
+    /// A launch of the scan kernel `prefix` for `a.weights`' precision with the arguments every
+    /// scan kernel starts with already pushed: hidden, the weights (int8: with their row scales
+    /// and the activation scale), bias, the exclusions' offsets and ids, and the batch's rows.
+    fn scan_launch<'a>(
+        &'a self,
+        prefix: &'static str,
+        a: &'a Stage1Inputs<'_, Self>,
+    ) -> LaunchArgs<'a> {
+        let mut b = self
+            .stream
+            .launch_builder(self.function(weight_kernel(prefix, a.weights)));
+        b.arg(a.hidden);
+        match a.weights {
+            DeviceMatrix::F32(w) => {
+                b.arg(w);
+            }
+            DeviceMatrix::F16(w) => {
+                b.arg(w);
+            }
+            DeviceMatrix::I8 { q, scales } => {
+                b.arg(q).arg(scales).arg(&a.activation_scale);
+            }
+        }
+        b.arg(a.bias)
+            .arg(a.exclude_offsets)
+            .arg(a.exclude_ids)
+            .arg(&a.batch);
+        b
     }
 
     /// Stage 1 (`score_tile_topk_*`), or with a `stride` the threshold scan's sample
@@ -144,48 +183,18 @@ impl CudaDevice {
         stride: Option<u32>,
         out: CandidatesMut<'_, Self>,
     ) -> Result<()> {
-        let Stage1Inputs {
-            launch,
-            hidden,
-            weights,
-            activation_scale,
-            bias,
-            exclude_offsets,
-            exclude_ids,
-            batch,
-            n_items,
-            dim,
-        } = *a;
-        let (out_scores, out_index) = (out.scores, out.index);
-        let mut b = self
-            .stream
-            .launch_builder(self.function(weight_kernel(prefix, weights)));
-        b.arg(hidden);
-        match weights {
-            DeviceMatrix::F32(w) => {
-                b.arg(w);
-            }
-            DeviceMatrix::F16(w) => {
-                b.arg(w);
-            }
-            DeviceMatrix::I8 { q, scales } => {
-                b.arg(q).arg(scales).arg(&activation_scale);
-            }
-        }
-        b.arg(bias)
-            .arg(exclude_offsets)
-            .arg(exclude_ids)
-            .arg(&batch)
-            .arg(&launch.rows_per_block)
-            .arg(&n_items)
-            .arg(&dim)
+        let launch = a.launch;
+        let mut b = self.scan_launch(prefix, a);
+        b.arg(&launch.rows_per_block)
+            .arg(&a.n_items)
+            .arg(&a.dim)
             .arg(&launch.pitch)
             .arg(&launch.keep);
         let stride_arg = stride.unwrap_or(1);
         if stride.is_some() {
             b.arg(&stride_arg);
         }
-        b.arg(out_scores).arg(out_index);
+        b.arg(out.scores).arg(out.index);
         let (groups, tiles) = launch.grid();
         let cfg = Self::grid(groups, tiles, THREADS, launch.shared_bytes);
         // SAFETY: the arguments match score_tile_topk_{f32,f16,i8}(const float* hidden,
@@ -370,56 +379,15 @@ impl Device for CudaDevice {
         &self,
         a: &Stage1Inputs<'_, Self>,
         thresholds: Thresholds<'_, Self>,
-        survivors: SurvivorsMut<'_, Self>,
+        mut survivors: SurvivorsMut<'_, Self>,
     ) -> Result<()> {
-        let Stage1Inputs {
-            launch,
-            hidden,
-            weights,
-            activation_scale,
-            bias,
-            exclude_offsets,
-            exclude_ids,
-            batch,
-            n_items,
-            dim,
-        } = *a;
-        let SurvivorsMut {
-            counts,
-            scores,
-            index,
-            capacity,
-        } = survivors;
-        let mut b = self
-            .stream
-            .launch_builder(self.function(weight_kernel("score_above", weights)));
-        b.arg(hidden);
-        match weights {
-            DeviceMatrix::F32(w) => {
-                b.arg(w);
-            }
-            DeviceMatrix::F16(w) => {
-                b.arg(w);
-            }
-            DeviceMatrix::I8 { q, scales } => {
-                b.arg(q).arg(scales).arg(&activation_scale);
-            }
-        }
-        b.arg(bias)
-            .arg(exclude_offsets)
-            .arg(exclude_ids)
-            .arg(&batch)
-            .arg(&launch.rows_per_block)
-            .arg(&n_items)
-            .arg(&dim)
-            .arg(&launch.pitch)
-            .arg(thresholds.scores)
-            .arg(&thresholds.pitch)
-            .arg(&thresholds.at)
-            .arg(&capacity)
-            .arg(counts)
-            .arg(scores)
-            .arg(index);
+        let launch = a.launch;
+        let mut b = self.scan_launch("score_above", a);
+        b.arg(&launch.rows_per_block)
+            .arg(&a.n_items)
+            .arg(&a.dim)
+            .arg(&launch.pitch);
+        push_threshold_outputs(&mut b, &thresholds, &mut survivors);
         let (groups, tiles) = launch.grid();
         let cfg = Self::grid(groups, tiles, THREADS, launch.shared_bytes);
         // SAFETY: the arguments match score_above_{f32,f16,i8}(const float* hidden, const W*
@@ -431,6 +399,68 @@ impl Device for CudaDevice {
         // batch + 1 offsets, thresholds batch x threshold_pitch (at < pitch), counts batch and the
         // survivors batch x capacity; slots past the capacity are never written.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launching the threshold scan"))?;
+        Ok(())
+    }
+
+    fn gemv_resident_blocks(&self, shared_bytes: u32) -> Result<u32> {
+        // Every gemv_* kernel has the same body and launch bounds; the f32 one stands for all.
+        let per_multiprocessor = self
+            .function("gemv_above_f32")
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, shared_bytes as usize, None)
+            .map_err(cuda_err("querying the coalesced scan's occupancy"))?;
+        Ok(per_multiprocessor.max(1) * self.multiprocessors)
+    }
+
+    fn gemv_sample(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        gemv: &GemvLaunch,
+        stride: u32,
+        positions: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let mut b = self.scan_launch("gemv_sample", a);
+        b.arg(&a.n_items)
+            .arg(&a.dim)
+            .arg(&a.launch.pitch)
+            .arg(&gemv.lanes)
+            .arg(&stride)
+            .arg(&positions)
+            .arg(out.scores)
+            .arg(out.index);
+        let cfg = Self::grid(gemv.blocks, 1, THREADS, gemv.shared_bytes);
+        // SAFETY: the arguments match gemv_sample_{f32,f16,i8}(const float* hidden, const W*
+        // weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 n_items, u32 dim,
+        // u32 pitch, u32 lanes, u32 stride, u32 positions, float* out_scores, u32* out_index):
+        // DeviceOutputLayer sizes hidden batch x dim (batch <= MAX_ROWS), the weights n_items x
+        // pitch, exclusions batch + 1 offsets, the outputs batch x positions (positions x stride
+        // covers the catalogue once), and shared_bytes holds the batch's hidden rows at the pitch.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching the coalesced sample"))?;
+        Ok(())
+    }
+
+    fn gemv_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        gemv: &GemvLaunch,
+        thresholds: Thresholds<'_, Self>,
+        mut survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let mut b = self.scan_launch("gemv_above", a);
+        b.arg(&a.n_items)
+            .arg(&a.dim)
+            .arg(&a.launch.pitch)
+            .arg(&gemv.lanes);
+        push_threshold_outputs(&mut b, &thresholds, &mut survivors);
+        let cfg = Self::grid(gemv.blocks, 1, THREADS, gemv.shared_bytes);
+        // SAFETY: the arguments match gemv_above_{f32,f16,i8}(const float* hidden, const W*
+        // weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 n_items, u32 dim,
+        // u32 pitch, u32 lanes, const float* thresholds, u32 threshold_pitch, u32 threshold_at,
+        // u32 capacity, u32* counts, float* out_scores, u32* out_index): sized as for
+        // score_above, with batch <= MAX_ROWS and shared_bytes holding the batch's hidden rows.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launching the coalesced threshold scan"))?;
         Ok(())
     }
 
@@ -727,7 +757,8 @@ impl Device for CudaDevice {
     }
 }
 
-/// The kernel of `prefix` (`score_tile_topk`, `sample_tile_topk`, `score_above`) for the weights'
+/// The kernel of `prefix` (`score_tile_topk`, `sample_tile_topk`, `score_above`, `gemv_sample`,
+/// `gemv_above`) for the weights'
 /// precision.
 fn weight_kernel(prefix: &'static str, weights: &DeviceMatrix<CudaDevice>) -> &'static str {
     match (prefix, weights) {
@@ -740,6 +771,34 @@ fn weight_kernel(prefix: &'static str, weights: &DeviceMatrix<CudaDevice>) -> &'
         ("score_above", DeviceMatrix::F32(_)) => "score_above_f32",
         ("score_above", DeviceMatrix::F16(_)) => "score_above_f16",
         ("score_above", DeviceMatrix::I8 { .. }) => "score_above_i8",
+        ("gemv_sample", DeviceMatrix::F32(_)) => "gemv_sample_f32",
+        ("gemv_sample", DeviceMatrix::F16(_)) => "gemv_sample_f16",
+        ("gemv_sample", DeviceMatrix::I8 { .. }) => "gemv_sample_i8",
+        ("gemv_above", DeviceMatrix::F32(_)) => "gemv_above_f32",
+        ("gemv_above", DeviceMatrix::F16(_)) => "gemv_above_f16",
+        ("gemv_above", DeviceMatrix::I8 { .. }) => "gemv_above_i8",
         _ => unreachable!("a scan kernel family of fused_topk.cu"),
     }
+}
+
+/// The arguments the threshold scans (`score_above_*`, `gemv_above_*`) end with: the thresholds
+/// (buffer, pitch, column), the survivor capacity, counts and slots.
+fn push_threshold_outputs<'a>(
+    b: &mut LaunchArgs<'a>,
+    thresholds: &'a Thresholds<'_, CudaDevice>,
+    survivors: &'a mut SurvivorsMut<'_, CudaDevice>,
+) {
+    let SurvivorsMut {
+        counts,
+        scores,
+        index,
+        capacity,
+    } = survivors;
+    b.arg(thresholds.scores)
+        .arg(&thresholds.pitch)
+        .arg(&thresholds.at)
+        .arg(&*capacity)
+        .arg(&mut **counts)
+        .arg(&mut **scores)
+        .arg(&mut **index);
 }

@@ -125,7 +125,7 @@ impl GpuOutputLayer {
             // The threshold scan's kernels where it runs (its overflow check and answers for
             // overflowing rows come after them, on the host's side, as the tile scan's download).
             let plan = threshold_plan(self.layer.n_items, k, self.layer.survivor_capacity)
-                .filter(|_| self.layer.strategy == ScanStrategy::Threshold);
+                .filter(|_| self.layer.strategy != ScanStrategy::Tiles);
             let launched = match plan {
                 Some(plan) => self
                     .layer

@@ -18,7 +18,7 @@ use recsys_gpu::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
     GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
-use recsys_gpu::{Result, ENCODER_SOURCE, LINEAR_TILE, SOURCE, TILE};
+use recsys_gpu::{GemvLaunch, Result, ENCODER_SOURCE, LINEAR_TILE, MAX_ROWS, SOURCE, TILE};
 
 /// What an alloc'd f32 / u32 output holds until a kernel writes it.
 const POISON_U32: u32 = 0xDEAD_BEEF;
@@ -285,6 +285,114 @@ type AboveI8 = unsafe extern "C" fn(
     M<f32>,
     M<u32>,
 ) -> i32;
+
+/// gemv_sample_{f32,f16}: blocks, shared bytes, hidden, weights, bias, exclusions, batch,
+/// n_items, dim, pitch, lanes, stride, positions, outputs.
+type GemvSample<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// The int8 variant, with the row scales and activation scale after the weights.
+type GemvSampleI8 = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<i8>,
+    P<f32>,
+    f32,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// gemv_above_{f32,f16}: blocks, shared bytes, hidden, weights, bias, exclusions, batch,
+/// n_items, dim, pitch, lanes, thresholds (buffer, pitch, at), capacity, counts, slots.
+type GemvAbove<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    u32,
+    u32,
+    u32,
+    M<u32>,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// The int8 variant, with the row scales and activation scale after the weights.
+type GemvAboveI8 = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<i8>,
+    P<f32>,
+    f32,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    u32,
+    u32,
+    u32,
+    M<u32>,
+    M<f32>,
+    M<u32>,
+) -> i32;
+
+/// Blocks the emulation runs the coalesced scans' grid with: few, so that their grid-stride loop
+/// goes round a test's catalogue many times, as it does on a device with a large catalogue.
+pub const EMULATED_GEMV_BLOCKS: u32 = 3;
+
+/// Checks what the coalesced scans add to [`scan_inputs`]' checks: a batch they take, lanes a
+/// power of two within a warp, and shared memory for the batch's hidden rows at the pitch.
+fn check_gemv(a: &Stage1Inputs<'_, EmulatedDevice>, gemv: &GemvLaunch) {
+    assert!(
+        (1..=MAX_ROWS as u32).contains(&a.batch),
+        "a batch of {} rows",
+        a.batch
+    );
+    assert!(gemv.lanes.is_power_of_two() && gemv.lanes <= 32, "{gemv:?}");
+    assert!(
+        gemv.shared_bytes >= 4 * a.launch.pitch * a.batch,
+        "{gemv:?}"
+    );
+}
 
 /// Checks the inputs every scan kernel reads (hidden rows, bias, exclusions, the weights at the
 /// launch's pitch) and returns the weights' pointer with the int8 extras.
@@ -667,6 +775,172 @@ impl Device for EmulatedDevice {
                     a.n_items,
                     a.dim,
                     launch.pitch,
+                    t,
+                    tp,
+                    ta,
+                    capacity,
+                    c,
+                    os,
+                    oi,
+                ),
+            }
+        };
+        check(status);
+        Ok(())
+    }
+
+    fn gemv_resident_blocks(&self, _shared_bytes: u32) -> Result<u32> {
+        Ok(EMULATED_GEMV_BLOCKS)
+    }
+
+    fn gemv_sample(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        gemv: &GemvLaunch,
+        stride: u32,
+        positions: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let (weights, int8) = scan_inputs(a);
+        check_gemv(a, gemv);
+        assert!(
+            (positions as usize) * (stride as usize) >= a.n_items as usize
+                && ((positions as usize) - 1) * (stride as usize) < a.n_items as usize,
+            "{positions} positions of stride {stride} do not cover {} items once",
+            a.n_items
+        );
+        let out_len = a.batch as usize * positions as usize;
+        assert_len(out.scores, out_len, "sample scores");
+        assert_len(out.index, out_len, "sample indices");
+        let name = scan_entry("gemv_sample", a.weights);
+        let (os, oi) = (out.scores.as_mut_ptr(), out.index.as_mut_ptr());
+        let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
+        let (blocks, sh, pitch) = (gemv.blocks, gemv.shared_bytes, a.launch.pitch);
+        // SAFETY: the arguments match the entry point's C signature in emulator/kernels.cpp
+        // (GemvSample / GemvSampleI8), and every buffer was checked above to be as large as the
+        // kernel indexes it.
+        let status = unsafe {
+            match int8 {
+                None => symbol::<GemvSample<c_void>>(&name)(
+                    blocks,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    gemv.lanes,
+                    stride,
+                    positions,
+                    os,
+                    oi,
+                ),
+                Some((scales, activation)) => symbol::<GemvSampleI8>(&name)(
+                    blocks,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights.cast(),
+                    scales,
+                    activation,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    gemv.lanes,
+                    stride,
+                    positions,
+                    os,
+                    oi,
+                ),
+            }
+        };
+        check(status);
+        assert_written(&out.scores[..out_len], "the coalesced sample");
+        assert!(
+            out.index[..out_len].iter().all(|&i| i != POISON_U32),
+            "the coalesced sample left indices unwritten"
+        );
+        Ok(())
+    }
+
+    fn gemv_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        gemv: &GemvLaunch,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let (weights, int8) = scan_inputs(a);
+        check_gemv(a, gemv);
+        let b = a.batch as usize;
+        assert!(thresholds.at < thresholds.pitch, "the threshold's column");
+        assert_len(
+            thresholds.scores,
+            b * thresholds.pitch as usize,
+            "thresholds",
+        );
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        assert_len(counts, b, "survivor counts");
+        assert_len(scores, b * capacity as usize, "survivor scores");
+        assert_len(index, b * capacity as usize, "survivor indices");
+        let name = scan_entry("gemv_above", a.weights);
+        let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
+        let (t, tp, ta) = (thresholds.scores.as_ptr(), thresholds.pitch, thresholds.at);
+        let (c, os, oi) = (counts.as_mut_ptr(), scores.as_mut_ptr(), index.as_mut_ptr());
+        let (blocks, sh, pitch) = (gemv.blocks, gemv.shared_bytes, a.launch.pitch);
+        // SAFETY: the arguments match the entry point's C signature in emulator/kernels.cpp
+        // (GemvAbove / GemvAboveI8), and every buffer was checked above to be as large as the
+        // kernel indexes it (slots past the capacity are never written).
+        let status = unsafe {
+            match int8 {
+                None => symbol::<GemvAbove<c_void>>(&name)(
+                    blocks,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    gemv.lanes,
+                    t,
+                    tp,
+                    ta,
+                    capacity,
+                    c,
+                    os,
+                    oi,
+                ),
+                Some((row_scales, activation)) => symbol::<GemvAboveI8>(&name)(
+                    blocks,
+                    sh,
+                    a.hidden.as_ptr(),
+                    weights.cast(),
+                    row_scales,
+                    activation,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    gemv.lanes,
                     t,
                     tp,
                     ta,
