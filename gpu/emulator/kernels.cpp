@@ -105,6 +105,42 @@ GEMV_ABOVE_ENTRY(gemv_above_i8,
                  const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
                  weights COMMA row_scales COMMA activation_scale)
 
+#define GEMM_SAMPLE_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                          \
+    int recsys_emu_##NAME(unsigned grid_x, unsigned grid_y, const float* hidden, WEIGHT_PARAMS,    \
+                          const float* bias, const u32* exclude_offsets, const u32* exclude_ids,     \
+                          u32 batch, u32 n_items, u32 dim, u32 pitch, u32 stride, u32 positions,     \
+                          float* out_scores, u32* out_index) {                                       \
+        return emu::launch(#NAME, dim3(grid_x, grid_y), dim3(THREADS), 0, [=] {                     \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, n_items, dim,       \
+                 pitch, stride, positions, out_scores, out_index);                                   \
+        });                                                                                          \
+    }
+
+GEMM_SAMPLE_ENTRY(gemm_sample_f32, const float* weights, weights)
+GEMM_SAMPLE_ENTRY(gemm_sample_f16, const u16* weights, weights)
+GEMM_SAMPLE_ENTRY(gemm_sample_i8,
+                  const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+                  weights COMMA row_scales COMMA activation_scale)
+
+#define GEMM_ABOVE_ENTRY(NAME, WEIGHT_PARAMS, WEIGHT_ARGS)                                           \
+    int recsys_emu_##NAME(unsigned grid_x, unsigned grid_y, const float* hidden, WEIGHT_PARAMS,    \
+                          const float* bias, const u32* exclude_offsets, const u32* exclude_ids,     \
+                          u32 batch, u32 n_items, u32 dim, u32 pitch, const float* thresholds,       \
+                          u32 threshold_pitch, u32 threshold_at, u32 capacity, u32* counts,          \
+                          float* out_scores, u32* out_index) {                                       \
+        return emu::launch(#NAME, dim3(grid_x, grid_y), dim3(THREADS), 0, [=] {                     \
+            NAME(hidden, WEIGHT_ARGS, bias, exclude_offsets, exclude_ids, batch, n_items, dim,       \
+                 pitch, thresholds, threshold_pitch, threshold_at, capacity, counts, out_scores,     \
+                 out_index);                                                                         \
+        });                                                                                          \
+    }
+
+GEMM_ABOVE_ENTRY(gemm_above_f32, const float* weights, weights)
+GEMM_ABOVE_ENTRY(gemm_above_f16, const u16* weights, weights)
+GEMM_ABOVE_ENTRY(gemm_above_i8,
+                 const signed char* weights COMMA const float* row_scales COMMA float activation_scale,
+                 weights COMMA row_scales COMMA activation_scale)
+
 int recsys_emu_reset_survivors(unsigned rows, u32* counts, float* scores, u32* index,
                                u32 capacity) {
     return emu::launch("reset_survivors", dim3(rows), dim3(THREADS), 0,

@@ -77,14 +77,10 @@ fn main() {
             for (scan, strategy) in [
                 ("tiles", ScanStrategy::Tiles),
                 ("threshold", ScanStrategy::Threshold),
-                ("gemv-threshold", ScanStrategy::GemvThreshold),
+                ("coalesced-threshold", ScanStrategy::CoalescedThreshold),
             ] {
                 layer.set_strategy(strategy);
                 for rows in BATCHES {
-                    // Larger batches run the coalesced strategy as the threshold scan by tiles.
-                    if strategy == ScanStrategy::GemvThreshold && rows > recsys_gpu::MAX_ROWS {
-                        continue;
-                    }
                     let excluded: Vec<&[u32]> = vec![&[]; rows];
                     let h = &hidden[..rows * dim];
                     let mut kernel = layer

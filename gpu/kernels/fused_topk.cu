@@ -33,6 +33,13 @@
 // registers a thread (the int8 body with four rows needs about 50) and 32 warps of loads in
 // flight; left without a minimum, ptxas packed them into 32-40 registers and spilled.
 #define GEMV_MIN_BLOCKS 4
+// The tiled scan's block: GEMM_ROWS batch rows x GEMM_ITEMS positions, GEMM_K columns staged per
+// step (THREADS threads of 4 x 8 scores each), and the blocks per multiprocessor its registers plan
+// for (2: up to 128 registers for the 32 accumulators and the staged operands).
+#define GEMM_ROWS 64
+#define GEMM_ITEMS 128
+#define GEMM_K 32
+#define GEMM_MIN_BLOCKS 2
 // Up to this k, a tile's candidates are chosen by warp-level selection; above it, by sorting.
 #define WARP_SELECT_MAX 32
 // Tile entries each lane holds during warp selection (a warp covers TILE / WARPS entries).
@@ -45,12 +52,13 @@ typedef unsigned short u16;
 
 #ifdef RECSYS_CUDA_EMULATION
 __device__ __forceinline__ float half_bits_to_float(u16 bits) { return emu::half_bits_to_float(bits); }
-// Host memory in the emulation may hold rows that do not start 16-byte aligned.
-#define GEMV_ALIGNED(test) (test)
+// Host memory in the emulation may hold rows that do not start 16-byte aligned (the coalesced and
+// tiled scans then read one value at a time, to the same values).
+#define ROWS_ALIGNED(test) (test)
 #else
-// On a device every row starts 16-byte aligned (the host pads them), so the coalesced scans
-// compile without their one-value-at-a-time path.
-#define GEMV_ALIGNED(test) true
+// On a device every row starts 16-byte aligned (the host pads them), so the coalesced and tiled
+// scans compile without their one-value-at-a-time path.
+#define ROWS_ALIGNED(test) true
 #define RECSYS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 __device__ __forceinline__ float half_bits_to_float(u16 bits) {
     float out;
@@ -453,7 +461,7 @@ ABOVE_KERNEL(score_above_i8, I8_PARAMS) { SCORE_ABOVE_BODY(W_I8, 16) }
     const u32 chunks = pitch / CHUNK;                                                             \
     /* On a device rows always start 16-byte aligned (the host pads them); host memory in the    \
        emulation may not be: then one value at a time, in the same order, to the same bits. */  \
-    const bool aligned = GEMV_ALIGNED(pitch % CHUNK == 0 && (size_t)weights % 16 == 0);           \
+    const bool aligned = ROWS_ALIGNED(pitch % CHUNK == 0 && (size_t)weights % 16 == 0);           \
     const u32 warps_in_grid = gridDim.x * WARPS;                                                  \
     for (u32 first = (blockIdx.x * WARPS + threadIdx.x / 32) * per_warp; first < positions;       \
          first += warps_in_grid * per_warp) {                                                     \
@@ -573,6 +581,136 @@ GEMV_ABOVE_KERNEL(gemv_above_f16, F16_PARAMS) { GEMV_ABOVE_BODY(W_F16, 8) }
 #define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
 GEMV_SAMPLE_KERNEL(gemv_sample_i8, I8_PARAMS) { GEMV_SAMPLE_BODY(W_I8, 16) }
 GEMV_ABOVE_KERNEL(gemv_above_i8, I8_PARAMS) { GEMV_ABOVE_BODY(W_I8, 16) }
+#undef FINISH
+#undef LOAD_HIDDEN
+#undef W_F32
+#undef W_F16
+#undef W_I8
+
+// The tiled scan, for batches of more than MAX_ROWS rows: scores as a matrix product, block
+// (item tile, row group) computing GEMM_ITEMS positions x GEMM_ROWS rows, so with a batch of up to
+// 64 rows every weight crosses from HBM once per call (the stage-1 tile scan reads each once per
+// group of 4 rows). Each step stages GEMM_K columns of the group's hidden rows and of the tile's
+// item rows in shared memory (weight rows read 16 bytes a lane, consecutive lanes along a row, and
+// converted to f32 once), then each thread accumulates a 4 x 8 block of scores from registers
+// (rows ty x 4 .. + 3, positions tx + 16 j), one fmaf per column in column order: an item's score
+// depends on nothing but its row and the hidden row, so the sample and the full scan of the
+// threshold scan compute the same bits. Columns past the pitch, positions past the catalogue and
+// rows past the batch stage as zeros. EPILOGUE runs for every (row, position) of the thread
+// within the batch and the catalogue with `row`, `position`, `item`, `real` and `score_acc`.
+#define GEMM_LOOP(WEIGHT, CHUNK, EPILOGUE)                                                        \
+    __shared__ float hidden_tile[GEMM_ROWS][GEMM_K + 1];                                          \
+    __shared__ float weight_tile[GEMM_ITEMS][GEMM_K + 1];                                         \
+    const u32 row0 = blockIdx.y * GEMM_ROWS, tile_start = blockIdx.x * GEMM_ITEMS;                \
+    const u32 tx = threadIdx.x % 16, ty = threadIdx.x / 16;                                       \
+    const bool aligned = ROWS_ALIGNED((size_t)weights % 16 == 0);                                  \
+    float acc[4][8];                                                                              \
+    _Pragma("unroll") for (u32 i = 0; i < 4; ++i)                                                 \
+        _Pragma("unroll") for (u32 j = 0; j < 8; ++j) acc[i][j] = 0.0f;                          \
+    for (u32 k0 = 0; k0 < pitch; k0 += GEMM_K) {                                                  \
+        for (u32 at = threadIdx.x; at < GEMM_ROWS * GEMM_K; at += THREADS) {                      \
+            const u32 r = at / GEMM_K, kk = at % GEMM_K, row = row0 + r, col = k0 + kk;           \
+            hidden_tile[r][kk] =                                                                  \
+                row < batch && col < dim ? LOAD_HIDDEN(hidden[(size_t)row * dim + col]) : 0.0f;  \
+        }                                                                                         \
+        for (u32 at = threadIdx.x; at < GEMM_ITEMS * (GEMM_K / CHUNK); at += THREADS) {           \
+            const u32 it = at / (GEMM_K / CHUNK), col = (at % (GEMM_K / CHUNK)) * CHUNK;           \
+            const u32 position = tile_start + it, item = position * stride;                       \
+            float* into = &weight_tile[it][col];                                                  \
+            if (position < positions && k0 + col < pitch) {                                       \
+                if (aligned) {                                                                    \
+                    const uint4 raw = load16(weights + (size_t)item * pitch + k0 + col);          \
+                    _Pragma("unroll") for (u32 q = 0; q < CHUNK / 4; ++q) {                       \
+                        float w[4];                                                               \
+                        four4(weights, raw, q, w);                                                \
+                        _Pragma("unroll") for (u32 e = 0; e < 4; ++e) into[4 * q + e] = w[e];     \
+                    }                                                                             \
+                } else {                                                                          \
+                    for (u32 e = 0; e < CHUNK; ++e)                                               \
+                        into[e] = k0 + col + e < dim ? WEIGHT(item, k0 + col + e) : 0.0f;         \
+                }                                                                                 \
+            } else {                                                                              \
+                for (u32 e = 0; e < CHUNK; ++e) into[e] = 0.0f;                                   \
+            }                                                                                     \
+        }                                                                                         \
+        __syncthreads();                                                                          \
+        _Pragma("unroll 4") for (u32 kk = 0; kk < GEMM_K; ++kk) {                                 \
+            float a[4], b[8];                                                                     \
+            _Pragma("unroll") for (u32 i = 0; i < 4; ++i) a[i] = hidden_tile[ty * 4 + i][kk];    \
+            _Pragma("unroll") for (u32 j = 0; j < 8; ++j) b[j] = weight_tile[tx + 16 * j][kk];   \
+            _Pragma("unroll") for (u32 i = 0; i < 4; ++i)                                         \
+                _Pragma("unroll") for (u32 j = 0; j < 8; ++j)                                     \
+                    acc[i][j] = fmaf(a[i], b[j], acc[i][j]);                                      \
+        }                                                                                         \
+        __syncthreads();                                                                          \
+    }                                                                                             \
+    _Pragma("unroll") for (u32 i = 0; i < 4; ++i) {                                               \
+        const u32 row = row0 + ty * 4 + i;                                                        \
+        _Pragma("unroll") for (u32 j = 0; j < 8; ++j) {                                           \
+            const u32 position = tile_start + tx + 16 * j;                                        \
+            if (row < batch && position < positions) {                                            \
+                const u32 item = position * stride;                                               \
+                const bool real = item < n_items && item != 0;                                    \
+                const float score_acc = acc[i][j];                                                \
+                EPILOGUE                                                                          \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+// gemm_sample_*: as gemv_sample_*, for any batch.
+#define GEMM_SAMPLE_BODY(WEIGHT, CHUNK)                                                           \
+    GEMM_LOOP(WEIGHT, CHUNK,                                                                      \
+        const bool keep_item = real &&                                                            \
+            !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item);      \
+        out_scores[(size_t)row * positions + position] =                                          \
+            keep_item ? FINISH(score_acc, item) + bias[item] : NEG_INF;                           \
+        out_index[(size_t)row * positions + position] = keep_item ? item : NONE_INDEX;)
+
+// gemm_above_*: the threshold scan's full pass for any batch. Survivors are rare (about a quarter
+// of the slots over the whole catalogue), so each takes its slot with its own atomic.
+#define GEMM_ABOVE_BODY(WEIGHT, CHUNK)                                                            \
+    const u32 stride = 1, positions = n_items;                                                    \
+    GEMM_LOOP(WEIGHT, CHUNK,                                                                      \
+        const float score = real ? FINISH(score_acc, item) + bias[item] : NEG_INF;                \
+        if (real && score >= thresholds[(size_t)row * threshold_pitch + threshold_at] &&          \
+            !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item)) {    \
+            const u32 slot = atomicAdd(counts + row, 1u);                                         \
+            if (slot < capacity) {                                                                \
+                out_scores[(size_t)row * capacity + slot] = score;                                \
+                out_index[(size_t)row * capacity + slot] = item;                                  \
+            }                                                                                     \
+        })
+
+#define GEMM_SAMPLE_KERNEL(NAME, WEIGHT_PARAMS)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS) NAME(                  \
+        const float* __restrict__ hidden, WEIGHT_PARAMS, const float* __restrict__ bias,          \
+        const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids, u32 batch,  \
+        u32 n_items, u32 dim, u32 pitch, u32 stride, u32 positions,                               \
+        float* __restrict__ out_scores, u32* __restrict__ out_index)
+
+#define GEMM_ABOVE_KERNEL(NAME, WEIGHT_PARAMS)                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS) NAME(                  \
+        const float* __restrict__ hidden, WEIGHT_PARAMS, const float* __restrict__ bias,          \
+        const u32* __restrict__ exclude_offsets, const u32* __restrict__ exclude_ids, u32 batch,  \
+        u32 n_items, u32 dim, u32 pitch, const float* __restrict__ thresholds,                    \
+        u32 threshold_pitch, u32 threshold_at, u32 capacity, u32* __restrict__ counts,            \
+        float* __restrict__ out_scores, u32* __restrict__ out_index)
+
+#define FINISH(acc, item) (acc)
+#define LOAD_HIDDEN(h) (h)
+#define W_F32(item, c) weights[(size_t)(item) * pitch + (c)]
+#define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * pitch + (c)])
+GEMM_SAMPLE_KERNEL(gemm_sample_f32, F32_PARAMS) { GEMM_SAMPLE_BODY(W_F32, 4) }
+GEMM_SAMPLE_KERNEL(gemm_sample_f16, F16_PARAMS) { GEMM_SAMPLE_BODY(W_F16, 8) }
+GEMM_ABOVE_KERNEL(gemm_above_f32, F32_PARAMS) { GEMM_ABOVE_BODY(W_F32, 4) }
+GEMM_ABOVE_KERNEL(gemm_above_f16, F16_PARAMS) { GEMM_ABOVE_BODY(W_F16, 8) }
+#undef FINISH
+#undef LOAD_HIDDEN
+#define FINISH(acc, item) ((acc) * row_scales[item])
+#define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
+#define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
+GEMM_SAMPLE_KERNEL(gemm_sample_i8, I8_PARAMS) { GEMM_SAMPLE_BODY(W_I8, 16) }
+GEMM_ABOVE_KERNEL(gemm_above_i8, I8_PARAMS) { GEMM_ABOVE_BODY(W_I8, 16) }
 #undef FINISH
 #undef LOAD_HIDDEN
 #undef W_F32

@@ -102,6 +102,25 @@ pub trait Device {
         survivors: SurvivorsMut<'_, Self>,
     ) -> Result<()>;
 
+    /// `gemm_sample_{f32,f16,i8}`: [`Device::gemv_sample`] for a batch of any size, through the
+    /// tiled scan (blocks of `GEMM_ROWS` rows x `GEMM_ITEMS` positions).
+    fn gemm_sample(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        stride: u32,
+        positions: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// `gemm_above_{f32,f16,i8}`: [`Device::score_above`] through the tiled scan, whose scores
+    /// have the bits `gemm_sample` gives the same items.
+    fn gemm_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()>;
+
     /// `merge_topk`: one merge pass over `rows` rows of `count` candidates, keeping `keep` per
     /// block of the tile size.
     fn merge_topk(

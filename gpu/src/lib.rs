@@ -43,6 +43,12 @@ pub const KERNELS: &[&str] = &[
     "gemv_above_f32",
     "gemv_above_f16",
     "gemv_above_i8",
+    "gemm_sample_f32",
+    "gemm_sample_f16",
+    "gemm_sample_i8",
+    "gemm_above_f32",
+    "gemm_above_f16",
+    "gemm_above_i8",
 ];
 
 /// Encoder kernels the host launches.
@@ -168,6 +174,11 @@ pub fn threshold_plan(n_items: usize, k: usize, capacity: usize) -> Option<Thres
         capacity,
     })
 }
+
+/// Batch rows and positions of one block of the tiled scans (`GEMM_ROWS`, `GEMM_ITEMS` in the
+/// source): the grid is (positions / GEMM_ITEMS, rows / GEMM_ROWS), rounded up.
+pub const GEMM_ROWS: usize = 64;
+pub const GEMM_ITEMS: usize = 128;
 
 /// How the coalesced (GEMV) scans are launched for one batch of at most [`MAX_ROWS`] rows: `lanes`
 /// lanes read each item's row together (`gemv_*` in kernels/fused_topk.cu), over a grid of

@@ -31,11 +31,23 @@ pub enum ScanStrategy {
     /// worth taking (a small catalogue, a large k), the tile scan runs instead; a row whose
     /// survivors overflow their slots is answered by the tile scan too.
     Threshold,
-    /// The threshold scan with both its passes (the sample and the full scan) through the
-    /// coalesced kernels (`gemv_*`: a warp reads consecutive item rows whole, so its loads are
-    /// contiguous) for batches of at most [`crate::MAX_ROWS`] rows, the serving case at batch 1;
-    /// larger batches as [`ScanStrategy::Threshold`].
-    GemvThreshold,
+    /// The threshold scan with both its passes (the sample and the full scan) through kernels
+    /// that read weight rows contiguously: for batches of at most [`crate::MAX_ROWS`] rows (the
+    /// serving case at batch 1) the coalesced scans (`gemv_*`: a warp reads consecutive item rows
+    /// whole), for larger ones the tiled scans (`gemm_*`: the batch's scores as a matrix product
+    /// over shared-memory tiles, each weight read from HBM once for up to 64 rows).
+    CoalescedThreshold,
+}
+
+/// The kernels of one threshold scan's sample and full pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ThresholdPasses {
+    /// `sample_tile_topk_*` and `score_above_*`.
+    Tiles,
+    /// `gemv_sample_*` and `gemv_above_*`.
+    Gemv(GemvLaunch),
+    /// `gemm_sample_*` and `gemm_above_*`.
+    Gemm,
 }
 
 /// The output layer on a device, for the fused score + top-k.
@@ -166,11 +178,14 @@ impl<D: Device> DeviceOutputLayer<D> {
         }
     }
 
-    /// The coalesced scans' launch for a batch of `rows`, where the strategy asks for them and
-    /// the batch is one they take.
-    fn gemv_for(&self, device: &D, rows: usize) -> Result<Option<GemvLaunch>> {
-        if self.strategy != ScanStrategy::GemvThreshold || rows > MAX_ROWS {
-            return Ok(None);
+    /// The kernels of the threshold scan's two passes for a batch of `rows` under this layer's
+    /// strategy.
+    fn passes_for(&self, device: &D, rows: usize) -> Result<ThresholdPasses> {
+        if self.strategy != ScanStrategy::CoalescedThreshold {
+            return Ok(ThresholdPasses::Tiles);
+        }
+        if rows > MAX_ROWS {
+            return Ok(ThresholdPasses::Gemm);
         }
         let element_bytes = match &*self.weights {
             DeviceMatrix::F32(_) => 4,
@@ -186,7 +201,8 @@ impl<D: Device> DeviceOutputLayer<D> {
                     .get_or_init(|| device.gemv_resident_blocks(most).unwrap_or(1))
             }
         };
-        Ok(gemv_launch(self.pitch, element_bytes, rows, blocks))
+        Ok(gemv_launch(self.pitch, element_bytes, rows, blocks)
+            .map_or(ThresholdPasses::Gemm, ThresholdPasses::Gemv))
     }
 
     /// Top-`k` items for each of the `exclude.len()` hidden vectors in `hidden` (`[rows, dim]`,
@@ -305,8 +321,8 @@ impl<D: Device> DeviceOutputLayer<D> {
     /// Enqueues the threshold scan without waiting: the sample's scan and merges (each row's
     /// threshold stays on the device), the survivors reset, the full scan against the
     /// thresholds, and the merge passes over the survivors; both scans through the coalesced
-    /// kernels where the strategy and the batch allow ([`ScanStrategy::GemvThreshold`]), else by
-    /// tiles. `None` for an empty batch.
+    /// kernels that read rows contiguously where the strategy asks for them
+    /// ([`ScanStrategy::CoalescedThreshold`]), else by tiles. `None` for an empty batch.
     pub fn launch_above_threshold(
         &self,
         device: &D,
@@ -323,51 +339,48 @@ impl<D: Device> DeviceOutputLayer<D> {
         let inputs = |launch| self.scan_inputs(launch, hidden, &exclusions, rows);
         let scan = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let sample = stage1_launch(plan.positions, self.dim, self.pitch, rows, k)?;
-        let gemv = self.gemv_for(device, rows)?;
+        let passes = self.passes_for(device, rows)?;
         let keep = keep_per_tile(k) as u32;
         // The sample's top-k: its k-th best (or -inf) is the row's threshold.
-        let (thresholds, threshold_pitch) = match &gemv {
-            Some(gemv) => {
-                // Every sampled score, in the bits the full scan will compute, then merged.
-                let mut scores = device.alloc_f32(rows * plan.positions)?;
-                let mut index = device.alloc_u32(rows * plan.positions)?;
-                device.gemv_sample(
-                    &inputs(&scan),
-                    gemv,
-                    plan.stride as u32,
-                    plan.positions as u32,
-                    CandidatesMut {
-                        scores: &mut scores,
-                        index: &mut index,
-                    },
-                )?;
-                let sample_plan = survivor_merge_plan(plan.positions, k);
-                let (thresholds, _) =
-                    merge_passes(device, rows, scores, index, &sample_plan, keep)?;
-                (
-                    thresholds,
-                    *sample_plan.last().expect("a plan is never empty"),
-                )
+        let (thresholds, threshold_pitch) = if passes == ThresholdPasses::Tiles {
+            let sample_plan = merge_plan(plan.positions, k);
+            let mut scores = device.alloc_f32(rows * sample_plan[0])?;
+            let mut index = device.alloc_u32(rows * sample_plan[0])?;
+            device.sample_tile_topk(
+                &inputs(&sample),
+                plan.stride as u32,
+                CandidatesMut {
+                    scores: &mut scores,
+                    index: &mut index,
+                },
+            )?;
+            let (thresholds, _) =
+                merge_passes(device, rows, scores, index, &sample_plan, sample.keep)?;
+            (
+                thresholds,
+                *sample_plan.last().expect("a plan is never empty"),
+            )
+        } else {
+            // Every sampled score, in the bits the full scan will compute, then merged.
+            let mut scores = device.alloc_f32(rows * plan.positions)?;
+            let mut index = device.alloc_u32(rows * plan.positions)?;
+            let (stride, positions) = (plan.stride as u32, plan.positions as u32);
+            let out = CandidatesMut {
+                scores: &mut scores,
+                index: &mut index,
+            };
+            match &passes {
+                ThresholdPasses::Gemv(gemv) => {
+                    device.gemv_sample(&inputs(&scan), gemv, stride, positions, out)?
+                }
+                _ => device.gemm_sample(&inputs(&scan), stride, positions, out)?,
             }
-            None => {
-                let sample_plan = merge_plan(plan.positions, k);
-                let mut scores = device.alloc_f32(rows * sample_plan[0])?;
-                let mut index = device.alloc_u32(rows * sample_plan[0])?;
-                device.sample_tile_topk(
-                    &inputs(&sample),
-                    plan.stride as u32,
-                    CandidatesMut {
-                        scores: &mut scores,
-                        index: &mut index,
-                    },
-                )?;
-                let (thresholds, _) =
-                    merge_passes(device, rows, scores, index, &sample_plan, sample.keep)?;
-                (
-                    thresholds,
-                    *sample_plan.last().expect("a plan is never empty"),
-                )
-            }
+            let sample_plan = survivor_merge_plan(plan.positions, k);
+            let (thresholds, _) = merge_passes(device, rows, scores, index, &sample_plan, keep)?;
+            (
+                thresholds,
+                *sample_plan.last().expect("a plan is never empty"),
+            )
         };
         // Every score at or above it, into the survivors.
         let capacity = plan.capacity as u32;
@@ -394,9 +407,12 @@ impl<D: Device> DeviceOutputLayer<D> {
             index: &mut survivor_index,
             capacity,
         };
-        match &gemv {
-            Some(gemv) => device.gemv_above(&inputs(&scan), gemv, thresholds, slots)?,
-            None => device.score_above(&inputs(&scan), thresholds, slots)?,
+        match &passes {
+            ThresholdPasses::Tiles => device.score_above(&inputs(&scan), thresholds, slots)?,
+            ThresholdPasses::Gemv(gemv) => {
+                device.gemv_above(&inputs(&scan), gemv, thresholds, slots)?
+            }
+            ThresholdPasses::Gemm => device.gemm_above(&inputs(&scan), thresholds, slots)?,
         }
         let plan = survivor_merge_plan(plan.capacity, k);
         let (scores, index) = merge_passes(device, rows, survivors, survivor_index, &plan, keep)?;

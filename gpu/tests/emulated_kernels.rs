@@ -182,8 +182,9 @@ fn the_coalesced_scans_give_each_item_lanes_for_about_one_chunk_of_its_row() {
     assert_eq!(gemv_launch(64, 4, 0, 7), None);
 }
 
-/// Every item's score through the coalesced sample at stride 1, ranked on the host: the exact
-/// top-`k` in the very bits the coalesced threshold scan computes.
+/// Every item's score through the sample kernel of the coalesced strategy (GEMV up to 4 rows,
+/// GEMM above) at stride 1, ranked on the host: the exact top-`k` in the very bits the
+/// strategy's threshold scan computes.
 fn coalesced_exhaustive_topk(
     w: &Matrix,
     bias: &[f32],
@@ -209,7 +210,6 @@ fn coalesced_exhaustive_topk(
     );
     let hidden = device.upload_f32(hidden).unwrap();
     let launch = stage1_launch(n, d, pitch, rows, k).unwrap();
-    let gemv = gemv_launch(pitch, bytes, rows, 3).unwrap();
     let inputs = recsys_gpu::device::Stage1Inputs {
         launch: &launch,
         hidden: &hidden,
@@ -226,18 +226,15 @@ fn coalesced_exhaustive_topk(
         device.alloc_f32(rows * n).unwrap(),
         device.alloc_u32(rows * n).unwrap(),
     );
-    device
-        .gemv_sample(
-            &inputs,
-            &gemv,
-            1,
-            n as u32,
-            CandidatesMut {
-                scores: &mut scores,
-                index: &mut index,
-            },
-        )
-        .unwrap();
+    let out = CandidatesMut {
+        scores: &mut scores,
+        index: &mut index,
+    };
+    match gemv_launch(pitch, bytes, rows, 3) {
+        Some(gemv) => device.gemv_sample(&inputs, &gemv, 1, n as u32, out),
+        None => device.gemm_sample(&inputs, 1, n as u32, out),
+    }
+    .unwrap();
     (0..rows)
         .map(|r| {
             let mut row: Vec<(u32, f32)> = (0..n)
@@ -274,7 +271,7 @@ fn the_coalesced_threshold_scan_is_exact_at_every_precision_and_width() {
         let excluded = exclusions(rows, n, 50, &mut rng);
         for k in [1, 100] {
             let (got, overflowed) = threshold_topk_by(
-                ScanStrategy::GemvThreshold,
+                ScanStrategy::CoalescedThreshold,
                 &w,
                 &bias,
                 &hidden,
@@ -309,6 +306,59 @@ fn the_coalesced_threshold_scan_is_exact_at_every_precision_and_width() {
 }
 
 #[test]
+fn the_tiled_threshold_scan_is_exact_for_larger_batches() {
+    let mut rng = Rng(0x5EED_000C);
+    // Batches over 4 rows take the GEMM kernels: 64 rows (one row group), 70 (two, the second
+    // nearly empty), 5; widths that fill whole 32-column steps (64), end in a partial one (100:
+    // f16 rows of 104, int8 rows of 112) or are padded (30); a catalogue not a multiple of the
+    // 128-item tile. (Every block computes 64 rows, so wide rows cost the emulation dearly.)
+    let mut checked = 0;
+    for (kind, n, d, rows) in [
+        ("f32", 20_011usize, 64usize, 64usize),
+        ("f16", 20_011, 64, 70),
+        ("i8", 20_011, 64, 5),
+        ("f16", 16_500, 100, 6),
+        ("i8", 16_500, 100, 5),
+        ("f32", 16_500, 30, 9),
+    ] {
+        let w = matrix(kind, n, d, &mut rng);
+        let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
+        let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
+        let excluded = exclusions(rows, n, 50, &mut rng);
+        let k = 100;
+        let (got, overflowed) = threshold_topk_by(
+            ScanStrategy::CoalescedThreshold,
+            &w,
+            &bias,
+            &hidden,
+            k,
+            &excluded,
+            SURVIVOR_CAPACITY,
+        );
+        let what = format!("tiled {kind} n={n} d={d} rows={rows}");
+        assert_eq!(overflowed, Vec::<usize>::new(), "{what}: random scores fit");
+        assert_eq!(
+            got,
+            coalesced_exhaustive_topk(&w, &bias, &hidden, k, &excluded),
+            "{what}"
+        );
+        for r in 0..rows {
+            assert_top_k_matches(
+                &got[r],
+                &w,
+                &bias,
+                &hidden[r * d..(r + 1) * d],
+                k,
+                &excluded[r],
+                &format!("{what} row {r}"),
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 64 + 70 + 5 + 6 + 5 + 9);
+}
+
+#[test]
 fn the_coalesced_threshold_scan_hands_overflowing_rows_to_the_tile_scan() {
     let mut rng = Rng(0x5EED_000B);
     let (n, d) = (17_000usize, 8usize);
@@ -319,7 +369,7 @@ fn the_coalesced_threshold_scan_hands_overflowing_rows_to_the_tile_scan() {
     let hidden: Vec<f32> = (0..2 * d).map(|_| rng.uniform()).collect();
     let excluded = vec![vec![], (0..n as u32 - 20).collect()];
     let (got, overflowed) = threshold_topk_by(
-        ScanStrategy::GemvThreshold,
+        ScanStrategy::CoalescedThreshold,
         &w,
         &bias,
         &hidden,

@@ -84,11 +84,11 @@ fn fused_topk_matches_the_reference() {
 fn the_threshold_scan_matches_the_reference_on_the_gpu() {
     // The sample, the survivors' atomics and ballots, and the merges over them on the hardware;
     // k up to the largest the threshold scan takes (256), a batch of groups and a lone row; by
-    // tiles and through the coalesced kernels (which take the batches of at most 4 rows).
+    // tiles and through the kernels that read rows contiguously (GEMV up to 4 rows, GEMM above).
     let mut rng = Rng(0x7F4A_7C15_9E37_79B9);
     let mut checked = 0;
     for (kind, strategy) in ["f32", "f16", "i8"].into_iter().flat_map(|kind| {
-        [ScanStrategy::Threshold, ScanStrategy::GemvThreshold].map(|strategy| (kind, strategy))
+        [ScanStrategy::Threshold, ScanStrategy::CoalescedThreshold].map(|strategy| (kind, strategy))
     }) {
         let (n, d) = (100_003usize, 64usize);
         let w = matrix(kind, n, d, &mut rng);

@@ -15,7 +15,10 @@ use crate::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
     GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
-use crate::{GemvLaunch, GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE};
+use crate::{
+    GemvLaunch, GpuError, Result, ENC_THREADS, GEMM_ITEMS, GEMM_ROWS, LINEAR_TILE, MODULES,
+    THREADS, TILE,
+};
 
 /// Stream-ordered allocations come from the device's default memory pool, which by default hands
 /// its free memory back to the system at every synchronisation: each batch then pays to map it
@@ -464,6 +467,55 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    fn gemm_sample(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        stride: u32,
+        positions: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let mut b = self.scan_launch("gemm_sample", a);
+        b.arg(&a.n_items)
+            .arg(&a.dim)
+            .arg(&a.launch.pitch)
+            .arg(&stride)
+            .arg(&positions)
+            .arg(out.scores)
+            .arg(out.index);
+        let (tiles, groups) = gemm_grid(positions, a.batch);
+        // SAFETY: the arguments match gemm_sample_{f32,f16,i8}(const float* hidden, const W*
+        // weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 n_items, u32 dim,
+        // u32 pitch, u32 stride, u32 positions, float* out_scores, u32* out_index):
+        // DeviceOutputLayer sizes hidden batch x dim, the weights n_items x pitch, exclusions
+        // batch + 1 offsets and the outputs batch x positions (positions x stride covers the
+        // catalogue once); the grid covers positions and rows, the shared memory is static.
+        unsafe { b.launch(Self::grid(tiles, groups, THREADS, 0)) }
+            .map_err(cuda_err("launching the tiled sample"))?;
+        Ok(())
+    }
+
+    fn gemm_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        mut survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let mut b = self.scan_launch("gemm_above", a);
+        b.arg(&a.n_items).arg(&a.dim).arg(&a.launch.pitch);
+        push_threshold_outputs(&mut b, &thresholds, &mut survivors);
+        let (tiles, groups) = gemm_grid(a.n_items, a.batch);
+        // SAFETY: the arguments match gemm_above_{f32,f16,i8}(const float* hidden, const W*
+        // weights, [const float* row_scales, float activation_scale,] const float* bias,
+        // const u32* exclude_offsets, const u32* exclude_ids, u32 batch, u32 n_items, u32 dim,
+        // u32 pitch, const float* thresholds, u32 threshold_pitch, u32 threshold_at,
+        // u32 capacity, u32* counts, float* out_scores, u32* out_index): sized as for
+        // score_above; the grid covers the catalogue and the rows.
+        unsafe { b.launch(Self::grid(tiles, groups, THREADS, 0)) }
+            .map_err(cuda_err("launching the tiled threshold scan"))?;
+        Ok(())
+    }
+
     fn merge_topk(
         &self,
         rows: u32,
@@ -758,7 +810,7 @@ impl Device for CudaDevice {
 }
 
 /// The kernel of `prefix` (`score_tile_topk`, `sample_tile_topk`, `score_above`, `gemv_sample`,
-/// `gemv_above`) for the weights'
+/// `gemv_above`, `gemm_sample`, `gemm_above`) for the weights'
 /// precision.
 fn weight_kernel(prefix: &'static str, weights: &DeviceMatrix<CudaDevice>) -> &'static str {
     match (prefix, weights) {
@@ -777,6 +829,12 @@ fn weight_kernel(prefix: &'static str, weights: &DeviceMatrix<CudaDevice>) -> &'
         ("gemv_above", DeviceMatrix::F32(_)) => "gemv_above_f32",
         ("gemv_above", DeviceMatrix::F16(_)) => "gemv_above_f16",
         ("gemv_above", DeviceMatrix::I8 { .. }) => "gemv_above_i8",
+        ("gemm_sample", DeviceMatrix::F32(_)) => "gemm_sample_f32",
+        ("gemm_sample", DeviceMatrix::F16(_)) => "gemm_sample_f16",
+        ("gemm_sample", DeviceMatrix::I8 { .. }) => "gemm_sample_i8",
+        ("gemm_above", DeviceMatrix::F32(_)) => "gemm_above_f32",
+        ("gemm_above", DeviceMatrix::F16(_)) => "gemm_above_f16",
+        ("gemm_above", DeviceMatrix::I8 { .. }) => "gemm_above_i8",
         _ => unreachable!("a scan kernel family of fused_topk.cu"),
     }
 }
@@ -801,4 +859,12 @@ fn push_threshold_outputs<'a>(
         .arg(&mut **counts)
         .arg(&mut **scores)
         .arg(&mut **index);
+}
+
+/// The tiled scans' grid for `positions` positions and `rows` batch rows: (item tiles, row groups).
+fn gemm_grid(positions: u32, rows: u32) -> (u32, u32) {
+    (
+        positions.div_ceil(GEMM_ITEMS as u32),
+        rows.div_ceil(GEMM_ROWS as u32),
+    )
 }

@@ -18,7 +18,9 @@ use recsys_gpu::device::{
     AttentionArgs, BagArgs, Candidates, CandidatesMut, DenseArgs, Device, DeviceMatrix,
     GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
-use recsys_gpu::{GemvLaunch, Result, ENCODER_SOURCE, LINEAR_TILE, MAX_ROWS, SOURCE, TILE};
+use recsys_gpu::{
+    GemvLaunch, Result, ENCODER_SOURCE, GEMM_ITEMS, GEMM_ROWS, LINEAR_TILE, MAX_ROWS, SOURCE, TILE,
+};
 
 /// What an alloc'd f32 / u32 output holds until a kernel writes it.
 const POISON_U32: u32 = 0xDEAD_BEEF;
@@ -374,6 +376,108 @@ type GemvAboveI8 = unsafe extern "C" fn(
     M<f32>,
     M<u32>,
 ) -> i32;
+
+/// gemm_sample_{f32,f16}: grid x, grid y, hidden, weights, bias, exclusions, batch, n_items,
+/// dim, pitch, stride, positions, outputs.
+type GemmSample<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// The int8 variant, with the row scales and activation scale after the weights.
+type GemmSampleI8 = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<i8>,
+    P<f32>,
+    f32,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// gemm_above_{f32,f16}: grid x, grid y, hidden, weights, bias, exclusions, batch, n_items, dim,
+/// pitch, thresholds (buffer, pitch, at), capacity, counts, slots.
+type GemmAbove<T> = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<T>,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    u32,
+    u32,
+    u32,
+    M<u32>,
+    M<f32>,
+    M<u32>,
+) -> i32;
+/// The int8 variant, with the row scales and activation scale after the weights.
+type GemmAboveI8 = unsafe extern "C" fn(
+    u32,
+    u32,
+    P<f32>,
+    P<i8>,
+    P<f32>,
+    f32,
+    P<f32>,
+    P<u32>,
+    P<u32>,
+    u32,
+    u32,
+    u32,
+    u32,
+    P<f32>,
+    u32,
+    u32,
+    u32,
+    M<u32>,
+    M<f32>,
+    M<u32>,
+) -> i32;
+
+/// The tiled scans' grid for `positions` positions and `rows` rows.
+fn gemm_grid(positions: u32, rows: u32) -> (u32, u32) {
+    (
+        positions.div_ceil(GEMM_ITEMS as u32),
+        rows.div_ceil(GEMM_ROWS as u32),
+    )
+}
+
+/// Checks that `positions` positions of `stride` cover `n_items` items once.
+fn check_sample_positions(positions: u32, stride: u32, n_items: u32) {
+    let (p, s, n) = (positions as usize, stride as usize, n_items as usize);
+    assert!(
+        p * s >= n && (p - 1) * s < n,
+        "{p} positions of stride {s} do not cover {n} items once"
+    );
+}
 
 /// Blocks the emulation runs the coalesced scans' grid with: few, so that their grid-stride loop
 /// goes round a test's catalogue many times, as it does on a device with a large catalogue.
@@ -803,12 +907,7 @@ impl Device for EmulatedDevice {
     ) -> Result<()> {
         let (weights, int8) = scan_inputs(a);
         check_gemv(a, gemv);
-        assert!(
-            (positions as usize) * (stride as usize) >= a.n_items as usize
-                && ((positions as usize) - 1) * (stride as usize) < a.n_items as usize,
-            "{positions} positions of stride {stride} do not cover {} items once",
-            a.n_items
-        );
+        check_sample_positions(positions, stride, a.n_items);
         let out_len = a.batch as usize * positions as usize;
         assert_len(out.scores, out_len, "sample scores");
         assert_len(out.index, out_len, "sample indices");
@@ -941,6 +1040,155 @@ impl Device for EmulatedDevice {
                     a.dim,
                     pitch,
                     gemv.lanes,
+                    t,
+                    tp,
+                    ta,
+                    capacity,
+                    c,
+                    os,
+                    oi,
+                ),
+            }
+        };
+        check(status);
+        Ok(())
+    }
+
+    fn gemm_sample(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        stride: u32,
+        positions: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let (weights, int8) = scan_inputs(a);
+        check_sample_positions(positions, stride, a.n_items);
+        let out_len = a.batch as usize * positions as usize;
+        assert_len(out.scores, out_len, "sample scores");
+        assert_len(out.index, out_len, "sample indices");
+        let name = scan_entry("gemm_sample", a.weights);
+        let (os, oi) = (out.scores.as_mut_ptr(), out.index.as_mut_ptr());
+        let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
+        let ((gx, gy), pitch) = (gemm_grid(positions, a.batch), a.launch.pitch);
+        // SAFETY: the arguments match the entry point's C signature in emulator/kernels.cpp
+        // (GemmSample / GemmSampleI8), and every buffer was checked above to be as large as the
+        // kernel indexes it.
+        let status = unsafe {
+            match int8 {
+                None => symbol::<GemmSample<c_void>>(&name)(
+                    gx,
+                    gy,
+                    a.hidden.as_ptr(),
+                    weights,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    stride,
+                    positions,
+                    os,
+                    oi,
+                ),
+                Some((scales, activation)) => symbol::<GemmSampleI8>(&name)(
+                    gx,
+                    gy,
+                    a.hidden.as_ptr(),
+                    weights.cast(),
+                    scales,
+                    activation,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    stride,
+                    positions,
+                    os,
+                    oi,
+                ),
+            }
+        };
+        check(status);
+        assert_written(&out.scores[..out_len], "the tiled sample");
+        assert!(
+            out.index[..out_len].iter().all(|&i| i != POISON_U32),
+            "the tiled sample left indices unwritten"
+        );
+        Ok(())
+    }
+
+    fn gemm_above(
+        &self,
+        a: &Stage1Inputs<'_, Self>,
+        thresholds: Thresholds<'_, Self>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let (weights, int8) = scan_inputs(a);
+        let b = a.batch as usize;
+        assert!(thresholds.at < thresholds.pitch, "the threshold's column");
+        assert_len(
+            thresholds.scores,
+            b * thresholds.pitch as usize,
+            "thresholds",
+        );
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        assert_len(counts, b, "survivor counts");
+        assert_len(scores, b * capacity as usize, "survivor scores");
+        assert_len(index, b * capacity as usize, "survivor indices");
+        let name = scan_entry("gemm_above", a.weights);
+        let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
+        let (t, tp, ta) = (thresholds.scores.as_ptr(), thresholds.pitch, thresholds.at);
+        let (c, os, oi) = (counts.as_mut_ptr(), scores.as_mut_ptr(), index.as_mut_ptr());
+        let ((gx, gy), pitch) = (gemm_grid(a.n_items, a.batch), a.launch.pitch);
+        // SAFETY: the arguments match the entry point's C signature in emulator/kernels.cpp
+        // (GemmAbove / GemmAboveI8), and every buffer was checked above to be as large as the
+        // kernel indexes it (slots past the capacity are never written).
+        let status = unsafe {
+            match int8 {
+                None => symbol::<GemmAbove<c_void>>(&name)(
+                    gx,
+                    gy,
+                    a.hidden.as_ptr(),
+                    weights,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
+                    t,
+                    tp,
+                    ta,
+                    capacity,
+                    c,
+                    os,
+                    oi,
+                ),
+                Some((row_scales, activation)) => symbol::<GemmAboveI8>(&name)(
+                    gx,
+                    gy,
+                    a.hidden.as_ptr(),
+                    weights.cast(),
+                    row_scales,
+                    activation,
+                    a.bias.as_ptr(),
+                    eo,
+                    ei,
+                    a.batch,
+                    a.n_items,
+                    a.dim,
+                    pitch,
                     t,
                     tp,
                     ta,
