@@ -14,6 +14,7 @@
 
 #include <ucontext.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -100,6 +101,8 @@ struct BlockRun {
 #endif
     Fiber* current = nullptr;
     std::vector<uint64_t> warp_slots;
+    // Each lane's operands of a warp-wide matrix multiply (A: 4 words, B: 2, C: 4).
+    std::vector<std::array<uint32_t, 10>> mma_slots;
     std::function<void()> body;
 };
 
@@ -208,6 +211,7 @@ inline bool run_block(const std::function<void()>& body, const char* kernel) {
     const unsigned threads = block_dim.x * block_dim.y * block_dim.z;
     run.fibers.resize(threads);
     run.warp_slots.assign((threads + 31) / 32 * 32, 0);
+    run.mma_slots.assign((threads + 31) / 32 * 32, {});
     run.body = body;
     active = &run;
     for (unsigned t = 0; t < threads; ++t) {
@@ -289,6 +293,72 @@ inline float half_bits_to_float(unsigned short h) {
     else if (exponent == 31) magnitude = mantissa ? NAN : INFINITY;
     else magnitude = std::ldexp((float)(mantissa | 1024), (int)exponent - 25);
     return sign ? -magnitude : magnitude;
+}
+
+// f32 to f16 bits, rounding to nearest even (PTX cvt.rn.f16.f32): overflow to infinity from 65520
+// on, subnormal halves below 2^-14.
+inline unsigned short float_to_half_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, magnitude = x & 0x7FFFFFFFu;
+    if (magnitude >= 0x7F800000u) return sign | (magnitude > 0x7F800000u ? 0x7E00u : 0x7C00u);
+    if (magnitude >= 0x477FF000u) return sign | 0x7C00u;
+    if (magnitude >= 0x38800000u) {
+        // Rebias the exponent (127 to 15) and keep 10 mantissa bits; a carry may reach the exponent.
+        uint32_t half = (magnitude - 0x38000000u) >> 13;
+        const uint32_t rest = magnitude & 0x1FFFu;
+        if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) half += 1;
+        return (unsigned short)(sign | half);
+    }
+    float value;
+    memcpy(&value, &magnitude, 4);
+    // Units of 2^-24, the smallest subnormal; 1024 of them is the smallest normal's encoding.
+    return (unsigned short)(sign | (uint32_t)std::nearbyint(value * 16777216.0f));
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 for the calling lane: every lane of the warp
+// posts its fragments, then each computes its own four results from everyone's: D = A B + C with A
+// 16 x 16 and B 16 x 8 laid out over the lanes as the PTX ISA specifies (g = lane / 4, t = lane % 4;
+// A word w of a lane holds row g + 8 (w & 1), columns 2t + 8 (w >> 1) and + 1; B word w holds
+// rows 2t + 8 w and + 1 of column g; D element i is row g + 8 (i >> 1), column 2t + (i & 1)).
+// Products of f16 values are exact in f32; the sums run in k order with fmaf, where the tensor
+// cores use their own order, so results agree with a GPU to rounding, not to the bit.
+inline void mma_m16n8k16_f32_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    const unsigned self = active->current->linear, base = self & ~31u;
+    if (base + 32 > active->fibers.size()) {
+        fprintf(stderr, "mma.sync needs a whole warp\n");
+        abort();
+    }
+    auto& mine = active->mma_slots[self];
+    for (int w = 0; w < 4; ++w) mine[w] = a[w];
+    mine[4] = b0;
+    mine[5] = b1;
+    for (int i = 0; i < 4; ++i) memcpy(&mine[6 + i], &d[i], 4);
+    park(Wait::Warp);
+    auto half_at = [&](unsigned lane, int word, unsigned high) {
+        const uint32_t bits = active->mma_slots[base + lane][word];
+        return half_bits_to_float((unsigned short)(high ? bits >> 16 : bits & 0xFFFFu));
+    };
+    // A(row, k) and B(k, column) from the lane and word that hold them.
+    auto a_at = [&](unsigned row, unsigned k) {
+        const unsigned lane = (row % 8) * 4 + (k % 8) / 2;
+        return half_at(lane, (int)((row / 8) + 2 * (k / 8)), k & 1);
+    };
+    auto b_at = [&](unsigned k, unsigned column) {
+        const unsigned lane = column * 4 + (k % 8) / 2;
+        return half_at(lane, 4 + (int)(k / 8), k & 1);
+    };
+    const unsigned lane = self & 31, g = lane / 4, t = lane % 4;
+    float out[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned row = g + 8 * (i >> 1), column = 2 * t + (i & 1);
+        float sum;
+        memcpy(&sum, &active->mma_slots[self][6 + i], 4);
+        for (unsigned k = 0; k < 16; ++k) sum = std::fma(a_at(row, k), b_at(k, column), sum);
+        out[i] = sum;
+    }
+    park(Wait::Warp);  // nobody posts again before every lane has read
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 }  // namespace emu

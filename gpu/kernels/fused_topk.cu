@@ -40,6 +40,8 @@
 #define GEMM_ITEMS 128
 #define GEMM_K 32
 #define GEMM_MIN_BLOCKS 2
+// Hidden columns the tensor-core tiles stage per step (as f16 pairs, a high and a low part).
+#define MMA_K 64
 // Up to this k, a tile's candidates are chosen by warp-level selection; above it, by sorting.
 #define WARP_SELECT_MAX 32
 // Tile entries each lane holds during warp selection (a warp covers TILE / WARPS entries).
@@ -52,6 +54,11 @@ typedef unsigned short u16;
 
 #ifdef RECSYS_CUDA_EMULATION
 __device__ __forceinline__ float half_bits_to_float(u16 bits) { return emu::half_bits_to_float(bits); }
+__device__ __forceinline__ u16 float_to_half_bits(float f) { return emu::float_to_half_bits(f); }
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    emu::mma_m16n8k16_f32_f16(d, a, b0, b1);
+}
+#define TENSOR_CORES 1
 // Host memory in the emulation may hold rows that do not start 16-byte aligned (the coalesced and
 // tiled scans then read one value at a time, to the same values).
 #define ROWS_ALIGNED(test) (test)
@@ -65,7 +72,29 @@ __device__ __forceinline__ float half_bits_to_float(u16 bits) {
     asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(bits));
     return out;
 }
+// Round to nearest even, as the emulation's conversion.
+__device__ __forceinline__ u16 float_to_half_bits(float f) {
+    u16 out;
+    asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(out) : "f"(f));
+    return out;
+}
+// mma.sync m16n8k16 (f16 inputs, f32 accumulators) needs sm_80; older GPUs run the FFMA tiles.
+#if __CUDA_ARCH__ >= 800
+#define TENSOR_CORES 1
+// D += A B on the tensor cores for one warp: A 16 x 16 (row-major), B 16 x 8 (column-major), the
+// fragments as the PTX ISA lays them out over the lanes (see MMA_LOOP).
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#else
+#define TENSOR_CORES 0
 #endif
+#endif
+__device__ __forceinline__ u32 pack_halves(u16 low, u16 high) { return (u32)low | ((u32)high << 16); }
 
 // True when (sa, ia) ranks before (sb, ib).
 __device__ __forceinline__ bool ranks_before(float sa, u32 ia, float sb, u32 ib) {
@@ -657,9 +686,103 @@ GEMV_ABOVE_KERNEL(gemv_above_i8, I8_PARAMS) { GEMV_ABOVE_BODY(W_I8, 16) }
         }                                                                                         \
     }
 
+// The tiled scan on the tensor cores, for f16 and int8 weights (int8 values are f16 numbers
+// exactly): the same blocks of GEMM_ITEMS positions x GEMM_ROWS rows, each warp 16 positions (the
+// A operand, read as pairs of columns straight from the weight rows) against every 8-row slice
+// of the batch (the B operand, from shared memory) with mma.sync m16n8k16 and f32 accumulators.
+// Fragments as the PTX ISA lays them out, g = lane / 4 and t = lane % 4: A's registers hold
+// (row g, columns 2t and 2t + 1), (row g + 8, the same), (row g, columns 2t + 8, + 9), (row g + 8,
+// the same); B's (columns 2t, 2t + 1 of batch row g) and (columns 2t + 8, + 9); D's (position g,
+// rows 2t and 2t + 1) and (position g + 8, the same). A hidden value is not an f16 number, so each
+// row is first scaled by a power of two (its largest magnitude over 2^14, inside f16's range,
+// exactly undone on the scores) and split into a high f16 part and the f16 of what it leaves,
+// each multiplied in: 22 bits of it reach the f32 sums, where one f16 part would keep 11 and miss
+// the tests' score tolerance at d = 600. The tensor cores sum in their own order, so these scores
+// are not the FFMA tiles' bits; the sample and the full scan run the same instructions and agree.
+#define MMA_LOOP(PAIR, UNUSED, EPILOGUE)                                                          \
+    __shared__ u32 hidden_high[GEMM_ROWS][MMA_K / 2 + 4];                                         \
+    __shared__ u32 hidden_low[GEMM_ROWS][MMA_K / 2 + 4];                                          \
+    __shared__ float row_scale[GEMM_ROWS];                                                        \
+    const u32 row0 = blockIdx.y * GEMM_ROWS, tile_start = blockIdx.x * GEMM_ITEMS;                \
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;       \
+    for (u32 r = warp; r < GEMM_ROWS; r += WARPS) {                                               \
+        float most = 0.0f;                                                                        \
+        if (row0 + r < batch) {                                                                   \
+            for (u32 c = lane; c < dim; c += 32)                                                  \
+                most = fmaxf(most, fabsf(LOAD_HIDDEN(hidden[(size_t)(row0 + r) * dim + c])));    \
+        }                                                                                         \
+        for (u32 offset = 16; offset > 0; offset >>= 1)                                           \
+            most = fmaxf(most, __shfl_xor_sync(0xFFFFFFFFu, most, offset));                       \
+        if (lane == 0) row_scale[r] = most > 0.0f ? ldexpf(1.0f, ilogbf(most) - 14) : 1.0f;      \
+    }                                                                                             \
+    __syncthreads();                                                                              \
+    const u32 pos_a = tile_start + warp * 16 + g, pos_b = pos_a + 8;                              \
+    const bool in_a = pos_a < positions, in_b = pos_b < positions;                                \
+    const u32 item_a = in_a ? pos_a * stride : 0, item_b = in_b ? pos_b * stride : 0;             \
+    float acc[GEMM_ROWS / 8][4];                                                                  \
+    _Pragma("unroll") for (u32 j = 0; j < GEMM_ROWS / 8; ++j)                                     \
+        _Pragma("unroll") for (u32 i = 0; i < 4; ++i) acc[j][i] = 0.0f;                          \
+    for (u32 k0 = 0; k0 < pitch; k0 += MMA_K) {                                                   \
+        for (u32 at = threadIdx.x; at < GEMM_ROWS * (MMA_K / 2); at += THREADS) {                 \
+            const u32 r = at / (MMA_K / 2), p = at % (MMA_K / 2), col = k0 + 2 * p;               \
+            float h[2] = {0.0f, 0.0f};                                                            \
+            if (row0 + r < batch) {                                                               \
+                _Pragma("unroll") for (u32 e = 0; e < 2; ++e) if (col + e < dim) h[e] =           \
+                    LOAD_HIDDEN(hidden[(size_t)(row0 + r) * dim + col + e]) / row_scale[r];       \
+            }                                                                                     \
+            u16 high[2], low[2];                                                                  \
+            _Pragma("unroll") for (u32 e = 0; e < 2; ++e) {                                       \
+                high[e] = float_to_half_bits(h[e]);                                               \
+                low[e] = float_to_half_bits(h[e] - half_bits_to_float(high[e]));                  \
+            }                                                                                     \
+            hidden_high[r][p] = pack_halves(high[0], high[1]);                                    \
+            hidden_low[r][p] = pack_halves(low[0], low[1]);                                       \
+        }                                                                                         \
+        __syncthreads();                                                                          \
+        for (u32 kk = 0; kk < MMA_K && k0 + kk < pitch; kk += 16) {                               \
+            const u32 c0 = k0 + kk + 2 * t, c1 = c0 + 8;                                          \
+            u32 a[4];                                                                             \
+            a[0] = in_a && c0 < pitch ? PAIR(item_a, c0) : 0u;                                    \
+            a[1] = in_b && c0 < pitch ? PAIR(item_b, c0) : 0u;                                    \
+            a[2] = in_a && c1 < pitch ? PAIR(item_a, c1) : 0u;                                    \
+            a[3] = in_b && c1 < pitch ? PAIR(item_b, c1) : 0u;                                    \
+            const u32 p0 = kk / 2 + t, p1 = p0 + 4;                                               \
+            _Pragma("unroll") for (u32 j = 0; j < GEMM_ROWS / 8; ++j) {                           \
+                if (row0 + j * 8 < batch) {                                                       \
+                    mma_16x8x16(acc[j], a, hidden_high[j * 8 + g][p0], hidden_high[j * 8 + g][p1]); \
+                    mma_16x8x16(acc[j], a, hidden_low[j * 8 + g][p0], hidden_low[j * 8 + g][p1]); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        __syncthreads();                                                                          \
+    }                                                                                             \
+    _Pragma("unroll") for (u32 j = 0; j < GEMM_ROWS / 8; ++j) {                                   \
+        _Pragma("unroll") for (u32 i = 0; i < 4; ++i) {                                           \
+            const u32 row = row0 + j * 8 + 2 * t + (i & 1);                                       \
+            const u32 position = i < 2 ? pos_a : pos_b;                                           \
+            if (row < batch && position < positions) {                                            \
+                const u32 item = position * stride;                                               \
+                const bool real = item < n_items && item != 0;                                    \
+                const float score_acc = acc[j][i] * row_scale[row - row0];                        \
+                EPILOGUE                                                                          \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+// Two adjacent weights of a row (col even) as an f16 pair, the earlier in the low half.
+#ifdef RECSYS_CUDA_EMULATION
+#define PAIR_F16(item, col)                                                                       \
+    pack_halves(weights[(size_t)(item) * pitch + (col)], weights[(size_t)(item) * pitch + (col) + 1])
+#else
+#define PAIR_F16(item, col) (*reinterpret_cast<const u32*>(weights + (size_t)(item) * pitch + (col)))
+#endif
+#define PAIR_I8(item, col)                                                                        \
+    pack_halves(float_to_half_bits((float)weights[(size_t)(item) * pitch + (col)]),              \
+                float_to_half_bits((float)weights[(size_t)(item) * pitch + (col) + 1]))
+
 // gemm_sample_*: as gemv_sample_*, for any batch.
-#define GEMM_SAMPLE_BODY(WEIGHT, CHUNK)                                                           \
-    GEMM_LOOP(WEIGHT, CHUNK,                                                                      \
+#define GEMM_SAMPLE_BODY(LOOP, WEIGHT, CHUNK)                                                     \
+    LOOP(WEIGHT, CHUNK,                                                                           \
         const bool keep_item = real &&                                                            \
             !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item);      \
         out_scores[(size_t)row * positions + position] =                                          \
@@ -668,9 +791,9 @@ GEMV_ABOVE_KERNEL(gemv_above_i8, I8_PARAMS) { GEMV_ABOVE_BODY(W_I8, 16) }
 
 // gemm_above_*: the threshold scan's full pass for any batch. Survivors are rare (about a quarter
 // of the slots over the whole catalogue), so each takes its slot with its own atomic.
-#define GEMM_ABOVE_BODY(WEIGHT, CHUNK)                                                            \
+#define GEMM_ABOVE_BODY(LOOP, WEIGHT, CHUNK)                                                      \
     const u32 stride = 1, positions = n_items;                                                    \
-    GEMM_LOOP(WEIGHT, CHUNK,                                                                      \
+    LOOP(WEIGHT, CHUNK,                                                                           \
         const float score = real ? FINISH(score_acc, item) + bias[item] : NEG_INF;                \
         if (real && score >= thresholds[(size_t)row * threshold_pitch + threshold_at] &&          \
             !is_excluded(exclude_ids, exclude_offsets[row], exclude_offsets[row + 1], item)) {    \
@@ -700,17 +823,27 @@ GEMV_ABOVE_KERNEL(gemv_above_i8, I8_PARAMS) { GEMV_ABOVE_BODY(W_I8, 16) }
 #define LOAD_HIDDEN(h) (h)
 #define W_F32(item, c) weights[(size_t)(item) * pitch + (c)]
 #define W_F16(item, c) half_bits_to_float(weights[(size_t)(item) * pitch + (c)])
-GEMM_SAMPLE_KERNEL(gemm_sample_f32, F32_PARAMS) { GEMM_SAMPLE_BODY(W_F32, 4) }
-GEMM_SAMPLE_KERNEL(gemm_sample_f16, F16_PARAMS) { GEMM_SAMPLE_BODY(W_F16, 8) }
-GEMM_ABOVE_KERNEL(gemm_above_f32, F32_PARAMS) { GEMM_ABOVE_BODY(W_F32, 4) }
-GEMM_ABOVE_KERNEL(gemm_above_f16, F16_PARAMS) { GEMM_ABOVE_BODY(W_F16, 8) }
+// f32 weights on the FFMA tiles everywhere (3xTF32 is for a GPU run to weigh); f16 and int8 on
+// the tensor cores where the architecture has m16n8k16.
+#if TENSOR_CORES
+#define HALF_TILES(WEIGHT, PAIR, CHUNK) MMA_LOOP, PAIR, CHUNK
+#else
+#define HALF_TILES(WEIGHT, PAIR, CHUNK) GEMM_LOOP, WEIGHT, CHUNK
+#endif
+#define EXPAND(...) __VA_ARGS__
+#define GEMM_SAMPLE(ARGS) EXPAND(GEMM_SAMPLE_BODY(ARGS))
+#define GEMM_ABOVE(ARGS) EXPAND(GEMM_ABOVE_BODY(ARGS))
+GEMM_SAMPLE_KERNEL(gemm_sample_f32, F32_PARAMS) { GEMM_SAMPLE_BODY(GEMM_LOOP, W_F32, 4) }
+GEMM_SAMPLE_KERNEL(gemm_sample_f16, F16_PARAMS) { GEMM_SAMPLE(HALF_TILES(W_F16, PAIR_F16, 8)) }
+GEMM_ABOVE_KERNEL(gemm_above_f32, F32_PARAMS) { GEMM_ABOVE_BODY(GEMM_LOOP, W_F32, 4) }
+GEMM_ABOVE_KERNEL(gemm_above_f16, F16_PARAMS) { GEMM_ABOVE(HALF_TILES(W_F16, PAIR_F16, 8)) }
 #undef FINISH
 #undef LOAD_HIDDEN
 #define FINISH(acc, item) ((acc) * row_scales[item])
 #define LOAD_HIDDEN(h) (activation_scale > 0.0f ? quantize_activation(h, activation_scale) : (h))
 #define W_I8(item, c) ((float)weights[(size_t)(item) * pitch + (c)])
-GEMM_SAMPLE_KERNEL(gemm_sample_i8, I8_PARAMS) { GEMM_SAMPLE_BODY(W_I8, 16) }
-GEMM_ABOVE_KERNEL(gemm_above_i8, I8_PARAMS) { GEMM_ABOVE_BODY(W_I8, 16) }
+GEMM_SAMPLE_KERNEL(gemm_sample_i8, I8_PARAMS) { GEMM_SAMPLE(HALF_TILES(W_I8, PAIR_I8, 16)) }
+GEMM_ABOVE_KERNEL(gemm_above_i8, I8_PARAMS) { GEMM_ABOVE(HALF_TILES(W_I8, PAIR_I8, 16)) }
 #undef FINISH
 #undef LOAD_HIDDEN
 #undef W_F32

@@ -101,3 +101,40 @@ fn kernels_compile_for_every_checked_arch_without_spills() {
         }
     }
 }
+
+/// The tiled scans of f16 and int8 weights run on the tensor cores where the architecture has
+/// mma.sync m16n8k16 (sm_80 on), and compile to the FFMA tiles for older GPUs (a T4 is sm_75), so
+/// one source serves both.
+#[test]
+fn half_precision_tiles_use_the_tensor_cores_from_sm_80_and_ffma_before() {
+    if let Err(e) = cuda::nvrtc_check() {
+        panic!("{e} (scripts/test.sh puts the venv's NVRTC on the library path)");
+    }
+    let mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
+    // The PTX of one entry: from its `.entry` line to the next entry.
+    let entry = |ptx: &str, name: &str| -> String {
+        let start = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("{name} missing"));
+        let rest = &ptx[start + 1..];
+        rest[..rest.find(".entry ").unwrap_or(rest.len())].to_string()
+    };
+    for (arch, tensor_cores) in [("sm_75", false), ("sm_80", true), ("sm_90", true)] {
+        let ptx = &cuda::compile(arch).unwrap_or_else(|e| panic!("{e}"))[0];
+        for kernel in [
+            "gemm_sample_f16",
+            "gemm_above_f16",
+            "gemm_sample_i8",
+            "gemm_above_i8",
+        ] {
+            assert_eq!(
+                entry(ptx, kernel).contains(mma),
+                tensor_cores,
+                "{arch} {kernel}"
+            );
+        }
+        for kernel in ["gemm_sample_f32", "gemm_above_f32"] {
+            assert!(!entry(ptx, kernel).contains("mma.sync"), "{arch} {kernel}");
+        }
+    }
+}
