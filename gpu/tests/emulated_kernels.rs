@@ -359,6 +359,58 @@ fn the_tiled_threshold_scan_is_exact_for_larger_batches() {
 }
 
 #[test]
+fn the_tensor_core_tiles_keep_hidden_rows_far_outside_f16s_range() {
+    // f16 reaches 65504 and resolves down to 6e-8: hidden rows scaled by 2^17 or 2^-30 would
+    // overflow or vanish as f16 numbers. Each row's own power-of-two scale undoes that exactly,
+    // so with zero biases the scores are the unscaled row's scores times the factor, bit for bit.
+    let mut rng = Rng(0x5EED_000D);
+    let (n, d, rows, k) = (16_500usize, 64usize, 5usize, 50usize);
+    for kind in ["f16", "i8"] {
+        let w = matrix(kind, n, d, &mut rng);
+        let bias = vec![0.0f32; n];
+        let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
+        let excluded = exclusions(rows, n, 20, &mut rng);
+        let (plain, _) = threshold_topk_by(
+            ScanStrategy::CoalescedThreshold,
+            &w,
+            &bias,
+            &hidden,
+            k,
+            &excluded,
+            SURVIVOR_CAPACITY,
+        );
+        for factor in [2f32.powi(17), 2f32.powi(-30)] {
+            let scaled: Vec<f32> = hidden.iter().map(|h| h * factor).collect();
+            let (got, _) = threshold_topk_by(
+                ScanStrategy::CoalescedThreshold,
+                &w,
+                &bias,
+                &scaled,
+                k,
+                &excluded,
+                SURVIVOR_CAPACITY,
+            );
+            let want: Vec<Ranked> = plain
+                .iter()
+                .map(|row| row.iter().map(|&(i, s)| (i, s * factor)).collect())
+                .collect();
+            assert_eq!(got, want, "{kind} x {factor}");
+        }
+        for r in 0..rows {
+            assert_top_k_matches(
+                &plain[r],
+                &w,
+                &bias,
+                &hidden[r * d..(r + 1) * d],
+                k,
+                &excluded[r],
+                &format!("{kind} row {r}"),
+            );
+        }
+    }
+}
+
+#[test]
 fn the_coalesced_threshold_scan_hands_overflowing_rows_to_the_tile_scan() {
     let mut rng = Rng(0x5EED_000B);
     let (n, d) = (17_000usize, 8usize);
