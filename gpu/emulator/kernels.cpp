@@ -147,6 +147,14 @@ int recsys_emu_reset_survivors(unsigned rows, u32* counts, float* scores, u32* i
                        [=] { reset_survivors(counts, scores, index, capacity); });
 }
 
+int recsys_emu_finalize_survivors(unsigned rows, u32* counts, const float* scores,
+                                  const u32* index, u32 capacity, u32 k, float* out_scores,
+                                  u32* out_index) {
+    return emu::launch("finalize_survivors", dim3(rows), dim3(THREADS), 0, [=] {
+        finalize_survivors(counts, scores, index, capacity, k, out_scores, out_index);
+    });
+}
+
 int recsys_emu_merge_topk(unsigned grid_x, unsigned grid_y, const float* in_scores,
                           const u32* in_index, u32 count, u32 keep, float* out_scores,
                           u32* out_index) {

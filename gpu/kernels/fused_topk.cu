@@ -862,6 +862,84 @@ extern "C" __global__ void __launch_bounds__(THREADS) reset_survivors(
     }
 }
 
+// A float's bits as an unsigned key in the same order (larger float, larger key; -0 below +0).
+__device__ __forceinline__ u32 order_key(float f) {
+    const u32 bits = __float_as_uint(f);
+    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+// The threshold scan's finish, one block per row, in one launch: a row's survivors (the first
+// min(count, capacity) slots) hold its top-k among more; a radix select over the score keys, one
+// byte a pass from the top, finds the k-th best score exactly, then every survivor at or above it
+// (k plus its ties) is gathered into shared memory, sorted (best first, ties to the lower index)
+// and the first k written to out[row x k ...]. Rows of at most TILE survivors skip the select.
+// A row with more than TILE survivors at or above its k-th best (a tie as wide as the tile) cannot
+// be sorted here: its count is set past the capacity, the host's sign to answer it another way,
+// as for survivors that overflowed their slots.
+extern "C" __global__ void __launch_bounds__(THREADS) finalize_survivors(
+    u32* __restrict__ counts, const float* __restrict__ scores, const u32* __restrict__ index,
+    u32 capacity, u32 k, float* __restrict__ out_scores, u32* __restrict__ out_index) {
+    __shared__ float tile_scores[TILE];
+    __shared__ u32 tile_index[TILE];
+    __shared__ u32 histogram[256];
+    __shared__ u32 chosen_prefix, chosen_rank, gathered;
+    const u32 row = blockIdx.x;
+    const u32 n = min(counts[row], capacity);
+    const float* row_scores = scores + (size_t)row * capacity;
+    const u32* row_index = index + (size_t)row * capacity;
+    const bool select = n > TILE;
+    // After the passes, prefix is the k-th best key; rank counts down to its place among equals.
+    u32 prefix = 0, mask = 0, rank = k;
+    if (select) {
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            histogram[threadIdx.x] = 0;  // THREADS == 256 bins
+            __syncthreads();
+            for (u32 i = threadIdx.x; i < n; i += THREADS) {
+                const u32 key = order_key(row_scores[i]);
+                if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u32 above = 0, digit = 255;
+                while (above + histogram[digit] < rank) above += histogram[digit--];
+                chosen_prefix = prefix | (digit << shift);
+                chosen_rank = rank - above;
+            }
+            __syncthreads();
+            prefix = chosen_prefix;
+            rank = chosen_rank;
+            mask |= 255u << shift;
+            __syncthreads();
+        }
+    }
+    for (u32 i = threadIdx.x; i < TILE; i += THREADS) {
+        tile_scores[i] = NEG_INF;
+        tile_index[i] = NONE_INDEX;
+    }
+    if (threadIdx.x == 0) gathered = 0;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < n; i += THREADS) {
+        if (!select || order_key(row_scores[i]) >= prefix) {
+            const u32 slot = atomicAdd(&gathered, 1u);
+            if (slot < TILE) {
+                tile_scores[slot] = row_scores[i];
+                tile_index[slot] = row_index[i];
+            }
+        }
+    }
+    __syncthreads();
+    const bool too_many = gathered > TILE;
+    if (too_many) {
+        if (threadIdx.x == 0) counts[row] = capacity + 1;
+    } else {
+        sort_tile(tile_scores, tile_index);
+    }
+    for (u32 i = threadIdx.x; i < k; i += THREADS) {
+        out_scores[(size_t)row * k + i] = too_many ? NEG_INF : tile_scores[i];
+        out_index[(size_t)row * k + i] = too_many ? NONE_INDEX : tile_index[i];
+    }
+}
+
 // One merge pass: block (chunk, row) selects the best `keep` of TILE of the row's `count`
 // candidates (padding -inf) and writes them to out[row][chunk].
 extern "C" __global__ void __launch_bounds__(THREADS) merge_topk(

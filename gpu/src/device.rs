@@ -121,6 +121,19 @@ pub trait Device {
         survivors: SurvivorsMut<'_, Self>,
     ) -> Result<()>;
 
+    /// `finalize_survivors`: each of `rows` rows' top-`k` from its survivors (`capacity` slots a
+    /// row, `counts` of them filled), sorted, into `out` (`rows x k`); a row whose ties at its
+    /// k-th best exceed the tile gets a count past the capacity instead.
+    fn finalize_survivors(
+        &self,
+        rows: u32,
+        counts: &mut Self::U32,
+        survivors: Candidates<'_, Self>,
+        capacity: u32,
+        k: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()>;
+
     /// `merge_topk`: one merge pass over `rows` rows of `count` candidates, keeping `keep` per
     /// block of the tile size.
     fn merge_topk(

@@ -37,6 +37,7 @@ pub const KERNELS: &[&str] = &[
     "score_above_f16",
     "score_above_i8",
     "reset_survivors",
+    "finalize_survivors",
     "gemv_sample_f32",
     "gemv_sample_f16",
     "gemv_sample_i8",

@@ -320,7 +320,7 @@ impl<D: Device> DeviceOutputLayer<D> {
 
     /// Enqueues the threshold scan without waiting: the sample's scan and merges (each row's
     /// threshold stays on the device), the survivors reset, the full scan against the
-    /// thresholds, and the merge passes over the survivors; both scans through the coalesced
+    /// thresholds, and the finish of the survivors; both scans through the coalesced
     /// kernels that read rows contiguously where the strategy asks for them
     /// ([`ScanStrategy::CoalescedThreshold`]), else by tiles. `None` for an empty batch.
     pub fn launch_above_threshold(
@@ -414,12 +414,28 @@ impl<D: Device> DeviceOutputLayer<D> {
             }
             ThresholdPasses::Gemm => device.gemm_above(&inputs(&scan), thresholds, slots)?,
         }
-        let plan = survivor_merge_plan(plan.capacity, k);
-        let (scores, index) = merge_passes(device, rows, survivors, survivor_index, &plan, keep)?;
+        // One launch finishes every row: a radix select of its k-th best, then a sort of those
+        // at or above it.
+        let mut scores = device.alloc_f32(rows * k)?;
+        let mut index = device.alloc_u32(rows * k)?;
+        device.finalize_survivors(
+            rows as u32,
+            &mut counts,
+            Candidates {
+                scores: &survivors,
+                index: &survivor_index,
+            },
+            capacity,
+            k as u32,
+            CandidatesMut {
+                scores: &mut scores,
+                index: &mut index,
+            },
+        )?;
         Ok(Some(LaunchedThreshold {
             scores,
             index,
-            plan,
+            plan: vec![k],
             counts,
         }))
     }
@@ -465,8 +481,9 @@ fn merge_passes<D: Device>(
     Ok((scores, index))
 }
 
-/// The device buffers a threshold scan's last merge pass writes (`rows x plan.last()`, sorted
-/// within each row), and each row's survivor count (more than the capacity: overflowed).
+/// The device buffers a threshold scan's finish writes (`rows x plan.last()`, `plan` being
+/// `[k]`, sorted within each row), and each row's survivor count (more than the capacity:
+/// overflowed, or tied too widely to finish; the host answers it by the tile scan).
 pub struct LaunchedThreshold<D: Device> {
     pub scores: D::F32,
     pub index: D::U32,

@@ -438,6 +438,96 @@ fn the_coalesced_threshold_scan_hands_overflowing_rows_to_the_tile_scan() {
 }
 
 #[test]
+fn the_survivors_finish_selects_and_sorts_each_row_in_one_launch() {
+    // Rows of survivors as the threshold scans leave them: none, a few, exactly a tile (no radix
+    // select), one more than a tile and more (select), the capacity full, and an overflowed count
+    // (more found than slots: the slots hold the first ones). Scores drawn from 40 values, so
+    // ties are everywhere, and some negative; k = 1, 100 and 256.
+    let mut rng = Rng(0x5EED_000E);
+    let capacity = 8192usize;
+    let fills = [0usize, 5, 2048, 2049, 5000, 8192, 9000];
+    let rows = fills.len();
+    let device = EmulatedDevice::default();
+    let counts: Vec<u32> = fills.iter().map(|&f| f as u32).collect();
+    let mut scores = vec![f32::NEG_INFINITY; rows * capacity];
+    let mut index = vec![u32::MAX; rows * capacity];
+    for (r, &fill) in fills.iter().enumerate() {
+        // Distinct item indices in a shuffled order, as the atomics leave them.
+        let mut items: Vec<u32> = (0..fill.min(capacity) as u32).map(|i| i * 7 + 3).collect();
+        for i in (1..items.len()).rev() {
+            items.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        for (slot, item) in items.into_iter().enumerate() {
+            scores[r * capacity + slot] = (rng.next() % 40) as f32 * 0.25 - 3.0;
+            index[r * capacity + slot] = item;
+        }
+    }
+    for k in [1usize, 100, 256] {
+        let mut out_scores = device.alloc_f32(rows * k).unwrap();
+        let mut out_index = device.alloc_u32(rows * k).unwrap();
+        let mut finished_counts = counts.clone();
+        device
+            .finalize_survivors(
+                rows as u32,
+                &mut finished_counts,
+                recsys_gpu::device::Candidates {
+                    scores: &scores,
+                    index: &index,
+                },
+                capacity as u32,
+                k as u32,
+                CandidatesMut {
+                    scores: &mut out_scores,
+                    index: &mut out_index,
+                },
+            )
+            .unwrap();
+        assert_eq!(finished_counts, counts, "k={k}: no row tied past the tile");
+        for r in 0..rows {
+            let mut want: Vec<(u32, f32)> = (0..fills[r].min(capacity))
+                .map(|slot| (index[r * capacity + slot], scores[r * capacity + slot]))
+                .collect();
+            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            want.truncate(k);
+            let got: Vec<(u32, f32)> = (0..want.len())
+                .map(|i| (out_index[r * k + i], out_scores[r * k + i]))
+                .collect();
+            assert_eq!(got, want, "k={k} row {r} ({} survivors)", fills[r]);
+            assert!(
+                out_index[r * k + want.len()..(r + 1) * k]
+                    .iter()
+                    .all(|&i| i == u32::MAX),
+                "k={k} row {r}: padding after the survivors"
+            );
+        }
+    }
+    // A tie wider than the tile at the k-th best: 3000 survivors with one score. The row cannot
+    // be sorted on chip, so its count goes past the capacity for the host to answer it.
+    let mut tied_counts = vec![3000u32];
+    let tied_scores = vec![1.5f32; 3000];
+    let tied_index: Vec<u32> = (0..3000).collect();
+    let mut out_scores = device.alloc_f32(10).unwrap();
+    let mut out_index = device.alloc_u32(10).unwrap();
+    device
+        .finalize_survivors(
+            1,
+            &mut tied_counts,
+            recsys_gpu::device::Candidates {
+                scores: &tied_scores,
+                index: &tied_index,
+            },
+            3000,
+            10,
+            CandidatesMut {
+                scores: &mut out_scores,
+                index: &mut out_index,
+            },
+        )
+        .unwrap();
+    assert_eq!(tied_counts, vec![3001]);
+}
+
+#[test]
 fn rows_whose_survivors_overflow_are_answered_exactly_by_the_tile_scan() {
     let mut rng = Rng(0x5EED_0009);
     let (n, d) = (17_000usize, 8usize);

@@ -516,6 +516,33 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    fn finalize_survivors(
+        &self,
+        rows: u32,
+        counts: &mut Self::U32,
+        survivors: Candidates<'_, Self>,
+        capacity: u32,
+        k: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let mut b = self
+            .stream
+            .launch_builder(self.function("finalize_survivors"));
+        b.arg(counts)
+            .arg(survivors.scores)
+            .arg(survivors.index)
+            .arg(&capacity)
+            .arg(&k)
+            .arg(out.scores)
+            .arg(out.index);
+        // SAFETY: matches finalize_survivors(u32* counts, const float* scores, const u32* index,
+        // u32 capacity, u32 k, float* out_scores, u32* out_index): counts holds `rows` values,
+        // scores and index rows x capacity, the outputs rows x k.
+        unsafe { b.launch(Self::grid(rows, 1, THREADS, 0)) }
+            .map_err(cuda_err("launching the survivors' finish"))?;
+        Ok(())
+    }
+
     fn merge_topk(
         &self,
         rows: u32,

@@ -1203,6 +1203,39 @@ impl Device for EmulatedDevice {
         Ok(())
     }
 
+    fn finalize_survivors(
+        &self,
+        rows: u32,
+        counts: &mut Vec<u32>,
+        survivors: Candidates<'_, Self>,
+        capacity: u32,
+        k: u32,
+        out: CandidatesMut<'_, Self>,
+    ) -> Result<()> {
+        let (r, c, k_) = (rows as usize, capacity as usize, k as usize);
+        assert_len(counts, r, "survivor counts");
+        assert_len(survivors.scores, r * c, "survivor scores");
+        assert_len(survivors.index, r * c, "survivor indices");
+        assert_len(out.scores, r * k_, "finished scores");
+        assert_len(out.index, r * k_, "finished indices");
+        type F = unsafe extern "C" fn(u32, M<u32>, P<f32>, P<u32>, u32, u32, M<f32>, M<u32>) -> i32;
+        // SAFETY: the signature of recsys_emu_finalize_survivors; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_finalize_survivors")(
+                rows,
+                counts.as_mut_ptr(),
+                survivors.scores.as_ptr(),
+                survivors.index.as_ptr(),
+                capacity,
+                k,
+                out.scores.as_mut_ptr(),
+                out.index.as_mut_ptr(),
+            )
+        });
+        assert_written(&out.scores[..r * k_], "the survivors' finish");
+        Ok(())
+    }
+
     fn merge_topk(
         &self,
         rows: u32,
