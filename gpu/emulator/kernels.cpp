@@ -147,6 +147,15 @@ int recsys_emu_reset_survivors(unsigned rows, u32* counts, float* scores, u32* i
                        [=] { reset_survivors(counts, scores, index, capacity); });
 }
 
+int recsys_emu_sample_threshold(unsigned rows, const float* sample, u32 count, u32 k,
+                                float* thresholds, u32* counts, float* survivor_scores,
+                                u32* survivor_index, u32 capacity) {
+    return emu::launch("sample_threshold", dim3(rows), dim3(THREADS), 0, [=] {
+        sample_threshold(sample, count, k, thresholds, counts, survivor_scores, survivor_index,
+                         capacity);
+    });
+}
+
 int recsys_emu_finalize_survivors(unsigned rows, u32* counts, const float* scores,
                                   const u32* index, u32 capacity, u32 k, float* out_scores,
                                   u32* out_index) {

@@ -868,14 +868,74 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
 }
 
+// The key of the `rank`-th best (1-based) of `n` scores, exactly: a radix select over the keys,
+// one byte a pass from the top, each pass counting in `histogram` the keys that share the prefix
+// chosen so far. Every thread of the block must call it; n >= rank.
+__device__ u32 select_key(const float* values, u32 n, u32 rank, u32* histogram, u32& chosen_prefix,
+                          u32& chosen_rank) {
+    u32 prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        histogram[threadIdx.x] = 0;  // THREADS == 256 bins
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < n; i += THREADS) {
+            const u32 key = order_key(values[i]);
+            if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 above = 0, digit = 255;
+            while (above + histogram[digit] < rank) above += histogram[digit--];
+            chosen_prefix = prefix | (digit << shift);
+            chosen_rank = rank - above;
+        }
+        __syncthreads();
+        prefix = chosen_prefix;
+        rank = chosen_rank;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// The float whose order_key is `key`.
+__device__ __forceinline__ float key_value(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? key & 0x7FFFFFFFu : ~key);
+}
+
+// The coalesced strategy's threshold, one block per row: the k-th best of the row's `count`
+// sampled scores (-inf where fewer than k of them are items the row may get, since excluded and
+// PAD positions carry -inf) into thresholds[row], found by radix select where the tile strategy
+// merges; and, in the same launch, the row's survivor count to 0 and its slots to padding, as
+// reset_survivors does.
+extern "C" __global__ void __launch_bounds__(THREADS) sample_threshold(
+    const float* __restrict__ sample, u32 count, u32 k, float* __restrict__ thresholds,
+    u32* __restrict__ counts, float* __restrict__ survivor_scores, u32* __restrict__ survivor_index,
+    u32 capacity) {
+    __shared__ u32 histogram[256];
+    __shared__ u32 chosen_prefix, chosen_rank;
+    const u32 row = blockIdx.x;
+    for (u32 i = threadIdx.x; i < capacity; i += THREADS) {
+        survivor_scores[(size_t)row * capacity + i] = NEG_INF;
+        survivor_index[(size_t)row * capacity + i] = NONE_INDEX;
+    }
+    const float tau = count >= k
+        ? key_value(select_key(sample + (size_t)row * count, count, k, histogram, chosen_prefix,
+                               chosen_rank))
+        : NEG_INF;
+    if (threadIdx.x == 0) {
+        thresholds[row] = tau;
+        counts[row] = 0;
+    }
+}
+
 // The threshold scan's finish, one block per row, in one launch: a row's survivors (the first
-// min(count, capacity) slots) hold its top-k among more; a radix select over the score keys, one
-// byte a pass from the top, finds the k-th best score exactly, then every survivor at or above it
-// (k plus its ties) is gathered into shared memory, sorted (best first, ties to the lower index)
-// and the first k written to out[row x k ...]. Rows of at most TILE survivors skip the select.
-// A row with more than TILE survivors at or above its k-th best (a tie as wide as the tile) cannot
-// be sorted here: its count is set past the capacity, the host's sign to answer it another way,
-// as for survivors that overflowed their slots.
+// min(count, capacity) slots) hold its top-k among more; the radix select finds the k-th best
+// score exactly, then every survivor at or above it (k plus its ties) is gathered into shared
+// memory, sorted (best first, ties to the lower index) and the first k written to
+// out[row x k ...]. Rows of at most TILE survivors skip the select. A row with more than TILE
+// survivors at or above its k-th best (a tie as wide as the tile) cannot be sorted here: its
+// count is set past the capacity, the host's sign to answer it another way, as for survivors
+// that overflowed their slots.
 extern "C" __global__ void __launch_bounds__(THREADS) finalize_survivors(
     u32* __restrict__ counts, const float* __restrict__ scores, const u32* __restrict__ index,
     u32 capacity, u32 k, float* __restrict__ out_scores, u32* __restrict__ out_index) {
@@ -888,30 +948,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) finalize_survivors(
     const float* row_scores = scores + (size_t)row * capacity;
     const u32* row_index = index + (size_t)row * capacity;
     const bool select = n > TILE;
-    // After the passes, prefix is the k-th best key; rank counts down to its place among equals.
-    u32 prefix = 0, mask = 0, rank = k;
-    if (select) {
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            histogram[threadIdx.x] = 0;  // THREADS == 256 bins
-            __syncthreads();
-            for (u32 i = threadIdx.x; i < n; i += THREADS) {
-                const u32 key = order_key(row_scores[i]);
-                if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1u);
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                u32 above = 0, digit = 255;
-                while (above + histogram[digit] < rank) above += histogram[digit--];
-                chosen_prefix = prefix | (digit << shift);
-                chosen_rank = rank - above;
-            }
-            __syncthreads();
-            prefix = chosen_prefix;
-            rank = chosen_rank;
-            mask |= 255u << shift;
-            __syncthreads();
-        }
-    }
+    const u32 kth = select ? select_key(row_scores, n, k, histogram, chosen_prefix, chosen_rank) : 0;
     for (u32 i = threadIdx.x; i < TILE; i += THREADS) {
         tile_scores[i] = NEG_INF;
         tile_index[i] = NONE_INDEX;
@@ -919,7 +956,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) finalize_survivors(
     if (threadIdx.x == 0) gathered = 0;
     __syncthreads();
     for (u32 i = threadIdx.x; i < n; i += THREADS) {
-        if (!select || order_key(row_scores[i]) >= prefix) {
+        if (!select || order_key(row_scores[i]) >= kth) {
             const u32 slot = atomicAdd(&gathered, 1u);
             if (slot < TILE) {
                 tile_scores[slot] = row_scores[i];

@@ -121,6 +121,19 @@ pub trait Device {
         survivors: SurvivorsMut<'_, Self>,
     ) -> Result<()>;
 
+    /// `sample_threshold`: each of `rows` rows' threshold, the `k`-th best of its `count`
+    /// sampled scores (`sample` is `rows x count`; -inf where fewer than k are finite), into
+    /// `thresholds` (`rows`), and its survivors emptied as [`Device::reset_survivors`] does.
+    fn sample_threshold(
+        &self,
+        rows: u32,
+        sample: &Self::F32,
+        count: u32,
+        k: u32,
+        thresholds: &mut Self::F32,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()>;
+
     /// `finalize_survivors`: each of `rows` rows' top-`k` from its survivors (`capacity` slots a
     /// row, `counts` of them filled), sorted, into `out` (`rows x k`); a row whose ties at its
     /// k-th best exceed the tile gets a count past the capacity instead.

@@ -38,6 +38,7 @@ pub const KERNELS: &[&str] = &[
     "score_above_i8",
     "reset_survivors",
     "finalize_survivors",
+    "sample_threshold",
     "gemv_sample_f32",
     "gemv_sample_f16",
     "gemv_sample_i8",
@@ -212,20 +213,6 @@ pub fn gemv_launch(
         blocks: resident_blocks.max(1),
         shared_bytes: (4 * pitch * rows) as u32,
     })
-}
-
-/// Candidates per row before and after each merge pass that brings `count` candidates per row
-/// down to the sorted top `k` (the threshold scan's survivors): `[count, ...]`.
-pub fn survivor_merge_plan(count: usize, k: usize) -> Vec<usize> {
-    let keep = keep_per_tile(k);
-    let mut plan = vec![count];
-    loop {
-        let blocks = plan.last().expect("non-empty").div_ceil(TILE).max(1);
-        plan.push(blocks * keep);
-        if blocks == 1 {
-            return plan;
-        }
-    }
 }
 
 /// How stage 1 is launched for one batch: grid [`Stage1Launch::grid`] of `THREADS` threads, each

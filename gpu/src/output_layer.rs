@@ -12,9 +12,8 @@ use crate::device::{
 };
 use crate::upload::{element_bytes, upload_padded_matrix};
 use crate::{
-    exclusion_csr, gemv_launch, keep_per_tile, merge_plan, ranked_rows, stage1_launch,
-    survivor_merge_plan, threshold_plan, GemvLaunch, GpuError, Ranked, Result, Stage1Launch,
-    ThresholdPlan, MAX_ROWS, SURVIVOR_CAPACITY, TILE,
+    exclusion_csr, gemv_launch, merge_plan, ranked_rows, stage1_launch, threshold_plan, GemvLaunch,
+    GpuError, Ranked, Result, Stage1Launch, ThresholdPlan, MAX_ROWS, SURVIVOR_CAPACITY, TILE,
 };
 
 /// How the fused score + top-k scans the catalogue. Both give the same answers (each exact, the
@@ -318,11 +317,12 @@ impl<D: Device> DeviceOutputLayer<D> {
         Ok(ThresholdAnswer { ranked, overflowed })
     }
 
-    /// Enqueues the threshold scan without waiting: the sample's scan and merges (each row's
-    /// threshold stays on the device), the survivors reset, the full scan against the
-    /// thresholds, and the finish of the survivors; both scans through the coalesced
-    /// kernels that read rows contiguously where the strategy asks for them
-    /// ([`ScanStrategy::CoalescedThreshold`]), else by tiles. `None` for an empty batch.
+    /// Enqueues the threshold scan without waiting: the sample's scan and its k-th best (each
+    /// row's threshold stays on the device; by merge passes after the tile kernels, by a radix
+    /// select after the coalesced ones), the survivors emptied, the full scan against the
+    /// thresholds, and the finish of the survivors; both scans through the kernels that read rows
+    /// contiguously where the strategy asks for them ([`ScanStrategy::CoalescedThreshold`]),
+    /// else by tiles. `None` for an empty batch.
     pub fn launch_above_threshold(
         &self,
         device: &D,
@@ -340,9 +340,12 @@ impl<D: Device> DeviceOutputLayer<D> {
         let scan = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let sample = stage1_launch(plan.positions, self.dim, self.pitch, rows, k)?;
         let passes = self.passes_for(device, rows)?;
-        let keep = keep_per_tile(k) as u32;
-        // The sample's top-k: its k-th best (or -inf) is the row's threshold.
-        let (thresholds, threshold_pitch) = if passes == ThresholdPasses::Tiles {
+        let capacity = plan.capacity as u32;
+        let mut counts = device.alloc_u32(rows)?;
+        let mut survivors = device.alloc_f32(rows * plan.capacity)?;
+        let mut survivor_index = device.alloc_u32(rows * plan.capacity)?;
+        // The sample's k-th best (or -inf) is the row's threshold; the survivors start empty.
+        let (thresholds, threshold_pitch, threshold_at) = if passes == ThresholdPasses::Tiles {
             let sample_plan = merge_plan(plan.positions, k);
             let mut scores = device.alloc_f32(rows * sample_plan[0])?;
             let mut index = device.alloc_u32(rows * sample_plan[0])?;
@@ -356,12 +359,20 @@ impl<D: Device> DeviceOutputLayer<D> {
             )?;
             let (thresholds, _) =
                 merge_passes(device, rows, scores, index, &sample_plan, sample.keep)?;
-            (
-                thresholds,
-                *sample_plan.last().expect("a plan is never empty"),
-            )
+            device.reset_survivors(
+                rows as u32,
+                SurvivorsMut {
+                    counts: &mut counts,
+                    scores: &mut survivors,
+                    index: &mut survivor_index,
+                    capacity,
+                },
+            )?;
+            let pitch = *sample_plan.last().expect("a plan is never empty");
+            (thresholds, pitch, k - 1)
         } else {
-            // Every sampled score, in the bits the full scan will compute, then merged.
+            // Every sampled score, in the bits the full scan will compute; one launch then
+            // selects each row's k-th best and empties its survivor slots.
             let mut scores = device.alloc_f32(rows * plan.positions)?;
             let mut index = device.alloc_u32(rows * plan.positions)?;
             let (stride, positions) = (plan.stride as u32, plan.positions as u32);
@@ -375,31 +386,26 @@ impl<D: Device> DeviceOutputLayer<D> {
                 }
                 _ => device.gemm_sample(&inputs(&scan), stride, positions, out)?,
             }
-            let sample_plan = survivor_merge_plan(plan.positions, k);
-            let (thresholds, _) = merge_passes(device, rows, scores, index, &sample_plan, keep)?;
-            (
-                thresholds,
-                *sample_plan.last().expect("a plan is never empty"),
-            )
+            let mut thresholds = device.alloc_f32(rows)?;
+            device.sample_threshold(
+                rows as u32,
+                &scores,
+                positions,
+                k as u32,
+                &mut thresholds,
+                SurvivorsMut {
+                    counts: &mut counts,
+                    scores: &mut survivors,
+                    index: &mut survivor_index,
+                    capacity,
+                },
+            )?;
+            (thresholds, 1, 0)
         };
-        // Every score at or above it, into the survivors.
-        let capacity = plan.capacity as u32;
-        let mut counts = device.alloc_u32(rows)?;
-        let mut survivors = device.alloc_f32(rows * plan.capacity)?;
-        let mut survivor_index = device.alloc_u32(rows * plan.capacity)?;
-        device.reset_survivors(
-            rows as u32,
-            SurvivorsMut {
-                counts: &mut counts,
-                scores: &mut survivors,
-                index: &mut survivor_index,
-                capacity,
-            },
-        )?;
         let thresholds = Thresholds {
             scores: &thresholds,
             pitch: threshold_pitch as u32,
-            at: (k - 1) as u32,
+            at: threshold_at as u32,
         };
         let slots = SurvivorsMut {
             counts: &mut counts,

@@ -516,6 +516,41 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    fn sample_threshold(
+        &self,
+        rows: u32,
+        sample: &Self::F32,
+        count: u32,
+        k: u32,
+        thresholds: &mut Self::F32,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        let mut b = self
+            .stream
+            .launch_builder(self.function("sample_threshold"));
+        b.arg(sample)
+            .arg(&count)
+            .arg(&k)
+            .arg(thresholds)
+            .arg(counts)
+            .arg(scores)
+            .arg(index)
+            .arg(&capacity);
+        // SAFETY: matches sample_threshold(const float* sample, u32 count, u32 k,
+        // float* thresholds, u32* counts, float* survivor_scores, u32* survivor_index,
+        // u32 capacity): sample holds rows x count values, thresholds and counts `rows`, the
+        // survivor slots rows x capacity.
+        unsafe { b.launch(Self::grid(rows, 1, THREADS, 0)) }
+            .map_err(cuda_err("launching the sample's threshold"))?;
+        Ok(())
+    }
+
     fn finalize_survivors(
         &self,
         rows: u32,

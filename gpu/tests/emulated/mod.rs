@@ -1203,6 +1203,49 @@ impl Device for EmulatedDevice {
         Ok(())
     }
 
+    fn sample_threshold(
+        &self,
+        rows: u32,
+        sample: &Vec<f32>,
+        count: u32,
+        k: u32,
+        thresholds: &mut Vec<f32>,
+        survivors: SurvivorsMut<'_, Self>,
+    ) -> Result<()> {
+        let (r, n) = (rows as usize, count as usize);
+        let SurvivorsMut {
+            counts,
+            scores,
+            index,
+            capacity,
+        } = survivors;
+        let slots = r * capacity as usize;
+        assert_len(sample, r * n, "sampled scores");
+        assert_len(thresholds, r, "thresholds");
+        assert_len(counts, r, "survivor counts");
+        assert_len(scores, slots, "survivor scores");
+        assert_len(index, slots, "survivor indices");
+        type F =
+            unsafe extern "C" fn(u32, P<f32>, u32, u32, M<f32>, M<u32>, M<f32>, M<u32>, u32) -> i32;
+        // SAFETY: the signature of recsys_emu_sample_threshold; buffer sizes checked above.
+        check(unsafe {
+            symbol::<F>("recsys_emu_sample_threshold")(
+                rows,
+                sample.as_ptr(),
+                count,
+                k,
+                thresholds.as_mut_ptr(),
+                counts.as_mut_ptr(),
+                scores.as_mut_ptr(),
+                index.as_mut_ptr(),
+                capacity,
+            )
+        });
+        assert_written(&thresholds[..r], "the sample's thresholds");
+        assert_written(&scores[..slots], "the survivors' reset");
+        Ok(())
+    }
+
     fn finalize_survivors(
         &self,
         rows: u32,
