@@ -6,7 +6,7 @@
 mod common;
 mod emulated;
 
-use common::{assert_top_k_matches, exclusions, matrix, reference, Rng};
+use common::{assert_top_k_matches, coalesced_exhaustive_topk, exclusions, matrix, reference, Rng};
 use emulated::{check, last_failure, symbol, EmulatedDevice};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
@@ -182,72 +182,6 @@ fn the_coalesced_scans_give_each_item_lanes_for_about_one_chunk_of_its_row() {
     assert_eq!(gemv_launch(64, 4, 0, 7), None);
 }
 
-/// Every item's score through the sample kernel of the coalesced strategy (GEMV up to 4 rows,
-/// GEMM above) at stride 1, ranked on the host: the exact top-`k` in the very bits the
-/// strategy's threshold scan computes.
-fn coalesced_exhaustive_topk(
-    w: &Matrix,
-    bias: &[f32],
-    hidden: &[f32],
-    k: usize,
-    exclude: &[Vec<u32>],
-) -> Vec<Ranked> {
-    let device = EmulatedDevice::default();
-    let (n, d, rows) = (w.rows(), w.cols(), exclude.len());
-    let (pitch, bytes) = match w {
-        Matrix::F32(_) => (recsys_gpu::row_pitch(d, 4), 4),
-        Matrix::F16 { .. } => (recsys_gpu::row_pitch(d, 2), 2),
-        Matrix::I8 { .. } => (recsys_gpu::row_pitch(d, 1), 1),
-        other => panic!("no GPU table for {other:?}"),
-    };
-    let weights = recsys_gpu::upload::upload_padded_matrix(&device, w, pitch).unwrap();
-    let bias_on_device = device.upload_f32(bias).unwrap();
-    let refs: Vec<&[u32]> = exclude.iter().map(Vec::as_slice).collect();
-    let (offsets, ids) = recsys_gpu::exclusion_csr(&refs);
-    let (offsets, ids) = (
-        device.upload_u32(&offsets).unwrap(),
-        device.upload_u32(&ids).unwrap(),
-    );
-    let hidden = device.upload_f32(hidden).unwrap();
-    let launch = stage1_launch(n, d, pitch, rows, k).unwrap();
-    let inputs = recsys_gpu::device::Stage1Inputs {
-        launch: &launch,
-        hidden: &hidden,
-        weights: &weights,
-        activation_scale: 0.0,
-        bias: &bias_on_device,
-        exclude_offsets: &offsets,
-        exclude_ids: &ids,
-        batch: rows as u32,
-        n_items: n as u32,
-        dim: d as u32,
-    };
-    let (mut scores, mut index) = (
-        device.alloc_f32(rows * n).unwrap(),
-        device.alloc_u32(rows * n).unwrap(),
-    );
-    let out = CandidatesMut {
-        scores: &mut scores,
-        index: &mut index,
-    };
-    match gemv_launch(pitch, bytes, rows, 3) {
-        Some(gemv) => device.gemv_sample(&inputs, &gemv, 1, n as u32, out),
-        None => device.gemm_sample(&inputs, 1, n as u32, out),
-    }
-    .unwrap();
-    (0..rows)
-        .map(|r| {
-            let mut row: Vec<(u32, f32)> = (0..n)
-                .map(|i| (index[r * n + i], scores[r * n + i]))
-                .filter(|(i, _)| *i != u32::MAX)
-                .collect();
-            row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            row.truncate(k);
-            row
-        })
-        .collect()
-}
-
 #[test]
 fn the_coalesced_threshold_scan_is_exact_at_every_precision_and_width() {
     let mut rng = Rng(0x5EED_000A);
@@ -285,7 +219,14 @@ fn the_coalesced_threshold_scan_is_exact_at_every_precision_and_width() {
             // item's coalesced score, so the threshold never lost one.
             assert_eq!(
                 got,
-                coalesced_exhaustive_topk(&w, &bias, &hidden, k, &excluded),
+                coalesced_exhaustive_topk(
+                    &EmulatedDevice::default(),
+                    &w,
+                    &bias,
+                    &hidden,
+                    k,
+                    &excluded
+                ),
                 "{what}"
             );
             for r in 0..rows {
@@ -339,7 +280,7 @@ fn the_tiled_threshold_scan_is_exact_for_larger_batches() {
         assert_eq!(overflowed, Vec::<usize>::new(), "{what}: random scores fit");
         assert_eq!(
             got,
-            coalesced_exhaustive_topk(&w, &bias, &hidden, k, &excluded),
+            coalesced_exhaustive_topk(&EmulatedDevice::default(), &w, &bias, &hidden, k, &excluded),
             "{what}"
         );
         for r in 0..rows {

@@ -5,11 +5,12 @@
 
 mod common;
 
-use common::{assert_top_k_matches, exclusions, matrix, Rng};
+use common::{assert_top_k_matches, coalesced_exhaustive_topk, exclusions, matrix, Rng};
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
-use recsys_gpu::cuda::{driver_present, GpuOutputLayer};
-use recsys_gpu::output_layer::ScanStrategy;
+use recsys_gpu::cuda::{driver_present, CudaDevice, GpuOutputLayer};
+use recsys_gpu::device::Device;
+use recsys_gpu::output_layer::{DeviceOutputLayer, ScanStrategy};
 use recsys_gpu::GpuError;
 
 #[test]
@@ -119,6 +120,36 @@ fn the_threshold_scan_matches_the_reference_on_the_gpu() {
         }
     }
     println!("{checked} rows checked against the f64 reference (threshold scan)");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh"]
+fn the_coalesced_threshold_scan_agrees_bit_for_bit_with_its_own_exhaustive_ranking_on_the_gpu() {
+    // The coalesced strategy's sample and full scan must compute every score to the same bits on
+    // the hardware (fmaf in a fixed order; the same tensor-core instructions), or a sampled item
+    // could miss the threshold it set and drop out: its answers must equal ranking every item's
+    // score from the same sample kernel. GEMV at 1 and 3 rows, tensor cores (f16, int8) and FFMA
+    // tiles (f32) at 7 and 64.
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+    let device = CudaDevice::new(0).unwrap_or_else(|e| panic!("{e}"));
+    let (n, d, k) = (100_003usize, 64usize, 100usize);
+    for kind in ["f32", "f16", "i8"] {
+        let w = matrix(kind, n, d, &mut rng);
+        let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
+        let mut layer =
+            DeviceOutputLayer::new(&device, &w, &Tensor::from_vec(vec![n], bias.clone()), None)
+                .unwrap_or_else(|e| panic!("{e}"));
+        layer.strategy = ScanStrategy::CoalescedThreshold;
+        for &rows in &[1usize, 3, 7, 64] {
+            let hidden: Vec<f32> = (0..rows * d).map(|_| rng.uniform()).collect();
+            let excluded = exclusions(rows, n, 50, &mut rng);
+            let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+            let on_device = device.upload_f32(&hidden).unwrap();
+            let got = layer.top_k(&device, &on_device, k, &refs).unwrap();
+            let want = coalesced_exhaustive_topk(&device, &w, &bias, &hidden, k, &excluded);
+            assert_eq!(got, want, "{kind} rows={rows}");
+        }
+    }
 }
 
 /// A libnvrtc of the other CUDA major version than this build's bindings, to open in its place:

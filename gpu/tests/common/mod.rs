@@ -4,6 +4,8 @@
 
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
+use recsys_gpu::device::{CandidatesMut, Device, Stage1Inputs};
+use recsys_gpu::{gemv_launch, row_pitch, stage1_launch, Ranked, MAX_ROWS};
 
 /// Score tolerance of the kernels (f32 accumulation in another order) against f64.
 pub const SCORE_ABS_TOL: f32 = 1e-4;
@@ -128,4 +130,78 @@ pub fn assert_row_matches(got: &[(u32, f32)], want: &[(u32, f32)], k: usize, wha
             assert!(tie, "{what} rank {pos}: {g:?} vs {e:?}");
         }
     }
+}
+
+/// Every item's score on `device` through the sample kernel of the coalesced strategy (GEMV up
+/// to 4 rows, GEMM above) at stride 1, ranked on the host: the exact top-`k` in the very bits the
+/// strategy's threshold scan computes, which must therefore return exactly this.
+pub fn coalesced_exhaustive_topk<D: Device>(
+    device: &D,
+    w: &Matrix,
+    bias: &[f32],
+    hidden: &[f32],
+    k: usize,
+    exclude: &[Vec<u32>],
+) -> Vec<Ranked> {
+    let (n, d, rows) = (w.rows(), w.cols(), exclude.len());
+    let bytes = match w {
+        Matrix::F32(_) => 4,
+        Matrix::F16 { .. } => 2,
+        Matrix::I8 { .. } => 1,
+        other => panic!("no GPU table for {other:?}"),
+    };
+    let pitch = row_pitch(d, bytes);
+    let weights = recsys_gpu::upload::upload_padded_matrix(device, w, pitch).unwrap();
+    let bias_on_device = device.upload_f32(bias).unwrap();
+    let refs: Vec<&[u32]> = exclude.iter().map(Vec::as_slice).collect();
+    let (offsets, ids) = recsys_gpu::exclusion_csr(&refs);
+    let (offsets, ids) = (
+        device.upload_u32(&offsets).unwrap(),
+        device.upload_u32(&ids).unwrap(),
+    );
+    let hidden = device.upload_f32(hidden).unwrap();
+    let launch = stage1_launch(n, d, pitch, rows, k).unwrap();
+    let inputs = Stage1Inputs {
+        launch: &launch,
+        hidden: &hidden,
+        weights: &weights,
+        activation_scale: 0.0,
+        bias: &bias_on_device,
+        exclude_offsets: &offsets,
+        exclude_ids: &ids,
+        batch: rows as u32,
+        n_items: n as u32,
+        dim: d as u32,
+    };
+    let (mut scores, mut index) = (
+        device.alloc_f32(rows * n).unwrap(),
+        device.alloc_u32(rows * n).unwrap(),
+    );
+    let out = CandidatesMut {
+        scores: &mut scores,
+        index: &mut index,
+    };
+    let blocks = device
+        .gemv_resident_blocks((4 * pitch * MAX_ROWS) as u32)
+        .unwrap();
+    match gemv_launch(pitch, bytes, rows, blocks) {
+        Some(gemv) => device.gemv_sample(&inputs, &gemv, 1, n as u32, out),
+        None => device.gemm_sample(&inputs, 1, n as u32, out),
+    }
+    .unwrap();
+    let (scores, index) = (
+        device.download_f32(&scores).unwrap(),
+        device.download_u32(&index).unwrap(),
+    );
+    (0..rows)
+        .map(|r| {
+            let mut row: Vec<(u32, f32)> = (0..n)
+                .map(|i| (index[r * n + i], scores[r * n + i]))
+                .filter(|(i, _)| *i != u32::MAX)
+                .collect();
+            row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            row.truncate(k);
+            row
+        })
+        .collect()
 }
