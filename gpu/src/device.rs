@@ -76,9 +76,10 @@ pub trait Device {
         survivors: SurvivorsMut<'_, Self>,
     ) -> Result<()>;
 
-    /// Blocks of the coalesced scans (`gemv_*`) with `shared_bytes` of shared memory each that
-    /// the device runs at once: the grid they stride over the catalogue with.
-    fn gemv_resident_blocks(&self, shared_bytes: u32) -> Result<u32>;
+    /// Blocks of the coalesced scans (`gemv_*`) for `weights`' precision with `shared_bytes` of
+    /// shared memory each that the device runs at once: the grid they stride over the catalogue
+    /// with.
+    fn gemv_resident_blocks(&self, weights: &DeviceMatrix<Self>, shared_bytes: u32) -> Result<u32>;
 
     /// `gemv_sample_{f32,f16,i8}`: for a batch of at most `MAX_ROWS` rows, the score of every
     /// `stride`-th item (`positions` of them) into `out` (`batch x positions`, in position order;

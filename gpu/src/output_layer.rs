@@ -195,9 +195,8 @@ impl<D: Device> DeviceOutputLayer<D> {
             Some(&blocks) => blocks,
             None => {
                 let most = (4 * self.pitch * MAX_ROWS) as u32;
-                *self
-                    .gemv_blocks
-                    .get_or_init(|| device.gemv_resident_blocks(most).unwrap_or(1))
+                let blocks = device.gemv_resident_blocks(&self.weights, most)?;
+                *self.gemv_blocks.get_or_init(|| blocks)
             }
         };
         Ok(gemv_launch(self.pitch, element_bytes, rows, blocks)

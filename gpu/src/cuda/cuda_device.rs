@@ -405,10 +405,10 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn gemv_resident_blocks(&self, shared_bytes: u32) -> Result<u32> {
-        // Every gemv_* kernel has the same body and launch bounds; the f32 one stands for all.
+    fn gemv_resident_blocks(&self, weights: &DeviceMatrix<Self>, shared_bytes: u32) -> Result<u32> {
+        // The full scan's kernel for the precision (its sample has the same body and bounds).
         let per_multiprocessor = self
-            .function("gemv_above_f32")
+            .function(weight_kernel("gemv_above", weights))
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, shared_bytes as usize, None)
             .map_err(cuda_err("querying the coalesced scan's occupancy"))?;
         Ok(per_multiprocessor.max(1) * self.multiprocessors)

@@ -182,7 +182,7 @@ pub fn coalesced_exhaustive_topk<D: Device>(
         index: &mut index,
     };
     let blocks = device
-        .gemv_resident_blocks((4 * pitch * MAX_ROWS) as u32)
+        .gemv_resident_blocks(&weights, (4 * pitch * MAX_ROWS) as u32)
         .unwrap();
     match gemv_launch(pitch, bytes, rows, blocks) {
         Some(gemv) => device.gemv_sample(&inputs, &gemv, 1, n as u32, out),

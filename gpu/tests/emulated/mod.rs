@@ -893,7 +893,11 @@ impl Device for EmulatedDevice {
         Ok(())
     }
 
-    fn gemv_resident_blocks(&self, _shared_bytes: u32) -> Result<u32> {
+    fn gemv_resident_blocks(
+        &self,
+        _weights: &DeviceMatrix<Self>,
+        _shared_bytes: u32,
+    ) -> Result<u32> {
         Ok(EMULATED_GEMV_BLOCKS)
     }
 
