@@ -182,6 +182,14 @@ pub fn threshold_plan(n_items: usize, k: usize, capacity: usize) -> Option<Thres
 pub const GEMM_ROWS: usize = 64;
 pub const GEMM_ITEMS: usize = 128;
 
+/// The tiled scans' grid for `positions` positions and `rows` batch rows: (item tiles, row groups).
+pub fn gemm_grid(positions: u32, rows: u32) -> (u32, u32) {
+    (
+        positions.div_ceil(GEMM_ITEMS as u32),
+        rows.div_ceil(GEMM_ROWS as u32),
+    )
+}
+
 /// How the coalesced (GEMV) scans are launched for one batch of at most [`MAX_ROWS`] rows: `lanes`
 /// lanes read each item's row together (`gemv_*` in kernels/fused_topk.cu), over a grid of
 /// `blocks` blocks of [`THREADS`] threads with the batch's hidden rows in `shared_bytes`.

@@ -16,8 +16,7 @@ use crate::device::{
     GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
 use crate::{
-    GemvLaunch, GpuError, Result, ENC_THREADS, GEMM_ITEMS, GEMM_ROWS, LINEAR_TILE, MODULES,
-    THREADS, TILE,
+    gemm_grid, GemvLaunch, GpuError, Result, ENC_THREADS, LINEAR_TILE, MODULES, THREADS, TILE,
 };
 
 /// Stream-ordered allocations come from the device's default memory pool, which by default hands
@@ -921,12 +920,4 @@ fn push_threshold_outputs<'a>(
         .arg(&mut **counts)
         .arg(&mut **scores)
         .arg(&mut **index);
-}
-
-/// The tiled scans' grid for `positions` positions and `rows` batch rows: (item tiles, row groups).
-fn gemm_grid(positions: u32, rows: u32) -> (u32, u32) {
-    (
-        positions.div_ceil(GEMM_ITEMS as u32),
-        rows.div_ceil(GEMM_ROWS as u32),
-    )
 }

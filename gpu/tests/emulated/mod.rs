@@ -19,7 +19,7 @@ use recsys_gpu::device::{
     GruGatesArgs, HstuAttentionArgs, NormArgs, Stage1Inputs, SurvivorsMut, Thresholds, TokenArgs,
 };
 use recsys_gpu::{
-    GemvLaunch, Result, ENCODER_SOURCE, GEMM_ITEMS, GEMM_ROWS, LINEAR_TILE, MAX_ROWS, SOURCE, TILE,
+    gemm_grid, GemvLaunch, Result, ENCODER_SOURCE, LINEAR_TILE, MAX_ROWS, SOURCE, TILE,
 };
 
 /// What an alloc'd f32 / u32 output holds until a kernel writes it.
@@ -461,14 +461,6 @@ type GemmAboveI8 = unsafe extern "C" fn(
     M<f32>,
     M<u32>,
 ) -> i32;
-
-/// The tiled scans' grid for `positions` positions and `rows` rows.
-fn gemm_grid(positions: u32, rows: u32) -> (u32, u32) {
-    (
-        positions.div_ceil(GEMM_ITEMS as u32),
-        rows.div_ceil(GEMM_ROWS as u32),
-    )
-}
 
 /// Checks that `positions` positions of `stride` cover `n_items` items once.
 fn check_sample_positions(positions: u32, stride: u32, n_items: u32) {
