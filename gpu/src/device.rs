@@ -44,9 +44,13 @@ pub trait Device {
     /// A buffer of `len` values whose contents the next kernel overwrites.
     fn alloc_f32(&self, len: usize) -> Result<Self::F32>;
     fn alloc_u32(&self, len: usize) -> Result<Self::U32>;
-    /// Waits for the stream and copies the buffer back.
-    fn download_f32(&self, buffer: &Self::F32) -> Result<Vec<f32>>;
-    fn download_u32(&self, buffer: &Self::U32) -> Result<Vec<u32>>;
+    /// A batch's input copied into `dst`, a kept buffer at least `values.len()` long (staged
+    /// like [`Device::upload_u32`]).
+    fn upload_u32_into(&self, values: &[u32], dst: &mut Self::U32) -> Result<()>;
+    /// Waits for the stream and copies the buffer's first `len` values back (kept buffers may be
+    /// longer than a batch's answers).
+    fn download_f32(&self, buffer: &Self::F32, len: usize) -> Result<Vec<f32>>;
+    fn download_u32(&self, buffer: &Self::U32, len: usize) -> Result<Vec<u32>>;
 
     /// `score_tile_topk_{f32,f16,i8}`: stage 1 of the fused score + top-k.
     fn score_tile_topk(

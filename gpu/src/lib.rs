@@ -9,6 +9,7 @@ pub mod device;
 pub mod model;
 pub mod output_layer;
 pub mod upload;
+pub mod workspace;
 
 use sha2::{Digest, Sha256};
 

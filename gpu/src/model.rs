@@ -871,7 +871,8 @@ impl<D: Device> DeviceModel<D> {
             self.output.top_k(&self.device, &hidden, k, &refs)?
         };
         let users = if batch.iter().any(|r| r.embedding) {
-            self.device.download_f32(&hidden)?
+            self.device
+                .download_f32(&hidden, batch.len() * self.output.dim)?
         } else {
             Vec::new()
         };

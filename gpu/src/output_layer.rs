@@ -2,7 +2,7 @@
 //! then per batch the exclusions staged, the scan (by tiles, or by a sampled threshold:
 //! [`ScanStrategy`]) and the merge passes, and the answers read back.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use recsys_engine::tensor::Tensor;
 use recsys_engine::weights::Matrix;
@@ -11,6 +11,7 @@ use crate::device::{
     Candidates, CandidatesMut, Device, DeviceMatrix, Stage1Inputs, SurvivorsMut, Thresholds,
 };
 use crate::upload::{element_bytes, upload_padded_matrix};
+use crate::workspace::{CandidateSlots, Grown, Slot, TopKWorkspace};
 use crate::{
     exclusion_csr, gemv_launch, merge_plan, ranked_rows, stage1_launch, threshold_plan, GemvLaunch,
     GpuError, Ranked, Result, Stage1Launch, ThresholdPlan, MAX_ROWS, SURVIVOR_CAPACITY, TILE,
@@ -68,6 +69,9 @@ pub struct DeviceOutputLayer<D: Device> {
     /// Blocks of the coalesced scans the device runs at once, asked once (for the largest batch
     /// they take, whose shared memory bounds occupancy the most).
     gemv_blocks: OnceLock<u32>,
+    /// The buffers every batch's scan reuses: one model instance owns this layer, and its
+    /// batches run one at a time.
+    workspace: Mutex<TopKWorkspace<D>>,
 }
 
 /// What a threshold scan answered: every row's top-k, and the rows whose survivors overflowed
@@ -129,6 +133,7 @@ impl<D: Device> DeviceOutputLayer<D> {
             strategy: ScanStrategy::default(),
             survivor_capacity: SURVIVOR_CAPACITY,
             gemv_blocks: OnceLock::new(),
+            workspace: Mutex::new(TopKWorkspace::default()),
         })
     }
 
@@ -155,12 +160,12 @@ impl<D: Device> DeviceOutputLayer<D> {
     }
 
     /// What a scan launched as `launch` reads: `rows` hidden vectors, this layer's tables and the
-    /// batch's exclusions ([`upload_exclusions`]).
+    /// batch's exclusions (uploaded by [`upload_exclusions`]).
     fn scan_inputs<'a>(
         &'a self,
         launch: &'a Stage1Launch,
         hidden: &'a D::F32,
-        (offsets, ids): &'a (D::U32, D::U32),
+        (offsets, ids): (&'a Grown<D::U32>, &'a Grown<D::U32>),
         rows: usize,
     ) -> Stage1Inputs<'a, D> {
         Stage1Inputs {
@@ -169,8 +174,8 @@ impl<D: Device> DeviceOutputLayer<D> {
             weights: &self.weights,
             activation_scale: self.activation_scale,
             bias: &self.bias,
-            exclude_offsets: offsets,
-            exclude_ids: ids,
+            exclude_offsets: offsets.get(),
+            exclude_ids: ids.get(),
             batch: rows as u32,
             n_items: self.n_items as u32,
             dim: self.dim as u32,
@@ -222,6 +227,19 @@ impl<D: Device> DeviceOutputLayer<D> {
         self.top_k_by_tiles(device, hidden, k, exclude)
     }
 
+    /// This layer's kept buffers ([`TopKWorkspace`]); one batch at a time uses them.
+    fn workspace(&self) -> MutexGuard<'_, TopKWorkspace<D>> {
+        self.workspace
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Device allocations the scans have made so far (their kept buffers' first uses and
+    /// growths): batches no larger than earlier ones add none.
+    pub fn workspace_allocations(&self) -> usize {
+        self.workspace().allocations()
+    }
+
     /// [`Self::top_k`] by the tile scan.
     pub fn top_k_by_tiles(
         &self,
@@ -230,47 +248,75 @@ impl<D: Device> DeviceOutputLayer<D> {
         k: usize,
         exclude: &[&[u32]],
     ) -> Result<Vec<Ranked>> {
+        let mut workspace = self.workspace();
+        self.tiles_in(&mut workspace, device, hidden, k, exclude)
+    }
+
+    fn tiles_in(
+        &self,
+        workspace: &mut TopKWorkspace<D>,
+        device: &D,
+        hidden: &D::F32,
+        k: usize,
+        exclude: &[&[u32]],
+    ) -> Result<Vec<Ranked>> {
         let rows = exclude.len();
-        let Some(launched) = self.launch_top_k(device, hidden, k, exclude)? else {
+        let Some(launched) = self.enqueue_tiles(workspace, device, hidden, k, exclude)? else {
             return Ok(Vec::new());
         };
-        let scores = device.download_f32(&launched.scores)?;
-        let index = device.download_u32(&launched.index)?;
+        let len = rows * launched.width();
+        let slots = &workspace.candidates[launched.slot];
+        let scores = device.download_f32(slots.scores.get(), len)?;
+        let index = device.download_u32(slots.index.get(), len)?;
         Ok(ranked_rows(&scores, &index, &launched.plan, rows, k))
     }
 
-    /// Enqueues the kernels of [`Self::top_k`] (exclusions staged, stage 1, the merge passes) and
-    /// returns their output buffers without waiting: the benchmark times exactly this span with
-    /// device events. `None` for an empty batch.
+    /// Enqueues the kernels of [`Self::top_k`] by the tile scan (exclusions staged, stage 1, the
+    /// merge passes) without waiting, into this layer's kept buffers: the benchmark times exactly
+    /// this span with device events. `None` for an empty batch.
     pub fn launch_top_k(
         &self,
         device: &D,
         hidden: &D::F32,
         k: usize,
         exclude: &[&[u32]],
-    ) -> Result<Option<LaunchedTopK<D>>> {
+    ) -> Result<Option<Enqueued>> {
+        let mut workspace = self.workspace();
+        self.enqueue_tiles(&mut workspace, device, hidden, k, exclude)
+    }
+
+    fn enqueue_tiles(
+        &self,
+        workspace: &mut TopKWorkspace<D>,
+        device: &D,
+        hidden: &D::F32,
+        k: usize,
+        exclude: &[&[u32]],
+    ) -> Result<Option<Enqueued>> {
         let rows = exclude.len();
         if rows == 0 {
             return Ok(None);
         }
         let launch = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let plan = merge_plan(self.n_items, k);
-        let exclusions = upload_exclusions(device, exclude)?;
-        let mut scores = device.alloc_f32(rows * plan[0])?;
-        let mut index = device.alloc_u32(rows * plan[0])?;
+        upload_exclusions(workspace, device, exclude)?;
+        reserve_merge(workspace, device, rows, &plan)?;
+        let ws = workspace;
+        let [first, _] = &mut ws.candidates;
         device.score_tile_topk(
-            &self.scan_inputs(&launch, hidden, &exclusions, rows),
+            &self.scan_inputs(
+                &launch,
+                hidden,
+                (&ws.exclude_offsets, &ws.exclude_ids),
+                rows,
+            ),
             CandidatesMut {
-                scores: &mut scores,
-                index: &mut index,
+                scores: first.scores.get_mut(),
+                index: first.index.get_mut(),
             },
         )?;
-        let (scores, index) = merge_passes(device, rows, scores, index, &plan, launch.keep)?;
-        Ok(Some(LaunchedTopK {
-            scores,
-            index,
-            plan,
-        }))
+        let slot = merge_passes(device, rows, &mut ws.candidates, &plan, launch.keep)?;
+        Ok(Some(Enqueued { plan, slot }))
     }
 
     /// The threshold scan for `plan` ([`threshold_plan`]): each row's top-`k`, the rows whose
@@ -284,44 +330,47 @@ impl<D: Device> DeviceOutputLayer<D> {
         plan: &ThresholdPlan,
     ) -> Result<ThresholdAnswer> {
         let rows = exclude.len();
-        let Some(launched) = self.launch_above_threshold(device, hidden, k, exclude, plan)? else {
+        let mut workspace = self.workspace();
+        let ws = &mut *workspace;
+        let Some(launched) = self.enqueue_threshold(ws, device, hidden, k, exclude, plan)? else {
             return Ok(ThresholdAnswer {
                 ranked: Vec::new(),
                 overflowed: Vec::new(),
             });
         };
-        let scores = device.download_f32(&launched.scores)?;
-        let index = device.download_u32(&launched.index)?;
-        let counts = device.download_u32(&launched.counts)?;
+        let scores = device.download_f32(ws.answers.scores.get(), rows * k)?;
+        let index = device.download_u32(ws.answers.index.get(), rows * k)?;
+        let counts = device.download_u32(ws.counts.get(), rows)?;
         let mut ranked = ranked_rows(&scores, &index, &launched.plan, rows, k);
         let overflowed: Vec<usize> = (0..rows)
             .filter(|&r| counts[r] as usize > plan.capacity)
             .collect();
         if !overflowed.is_empty() {
             let picked: Vec<u32> = overflowed.iter().map(|&r| r as u32).collect();
-            let mut again = device.alloc_f32(picked.len() * self.dim)?;
+            let mut again = ws.take_overflow(device, &picked, self.dim)?;
             device.gather_rows(
                 hidden,
-                &device.upload_u32(&picked)?,
-                &mut again,
+                &again.rows.0,
+                &mut again.hidden.0,
                 picked.len() as u32,
                 self.dim as u32,
             )?;
             let their_exclusions: Vec<&[u32]> = overflowed.iter().map(|&r| exclude[r]).collect();
-            let exact = self.top_k_by_tiles(device, &again, k, &their_exclusions)?;
-            for (&r, answer) in overflowed.iter().zip(exact) {
+            let exact = self.tiles_in(ws, device, &again.hidden.0, k, &their_exclusions);
+            ws.restore_overflow(again);
+            for (&r, answer) in overflowed.iter().zip(exact?) {
                 ranked[r] = answer;
             }
         }
         Ok(ThresholdAnswer { ranked, overflowed })
     }
 
-    /// Enqueues the threshold scan without waiting: the sample's scan and its k-th best (each
-    /// row's threshold stays on the device; by merge passes after the tile kernels, by a radix
-    /// select after the coalesced ones), the survivors emptied, the full scan against the
-    /// thresholds, and the finish of the survivors; both scans through the kernels that read rows
-    /// contiguously where the strategy asks for them ([`ScanStrategy::CoalescedThreshold`]),
-    /// else by tiles. `None` for an empty batch.
+    /// Enqueues the threshold scan without waiting, into this layer's kept buffers: the sample's
+    /// scan and its k-th best (each row's threshold stays on the device; by merge passes after
+    /// the tile kernels, by a radix select after the coalesced ones), the survivors emptied, the
+    /// full scan against the thresholds, and the finish of the survivors; both scans through the
+    /// kernels that read rows contiguously where the strategy asks for them
+    /// ([`ScanStrategy::CoalescedThreshold`]), else by tiles. `None` for an empty batch.
     pub fn launch_above_threshold(
         &self,
         device: &D,
@@ -329,55 +378,67 @@ impl<D: Device> DeviceOutputLayer<D> {
         k: usize,
         exclude: &[&[u32]],
         plan: &ThresholdPlan,
-    ) -> Result<Option<LaunchedThreshold<D>>> {
+    ) -> Result<Option<Enqueued>> {
+        let mut workspace = self.workspace();
+        self.enqueue_threshold(&mut workspace, device, hidden, k, exclude, plan)
+    }
+
+    fn enqueue_threshold(
+        &self,
+        workspace: &mut TopKWorkspace<D>,
+        device: &D,
+        hidden: &D::F32,
+        k: usize,
+        exclude: &[&[u32]],
+        plan: &ThresholdPlan,
+    ) -> Result<Option<Enqueued>> {
         let rows = exclude.len();
         if rows == 0 {
             return Ok(None);
         }
-        let exclusions = upload_exclusions(device, exclude)?;
-        let inputs = |launch| self.scan_inputs(launch, hidden, &exclusions, rows);
         let scan = stage1_launch(self.n_items, self.dim, self.pitch, rows, k)?;
         let sample = stage1_launch(plan.positions, self.dim, self.pitch, rows, k)?;
         let passes = self.passes_for(device, rows)?;
         let capacity = plan.capacity as u32;
-        let mut counts = device.alloc_u32(rows)?;
-        let mut survivors = device.alloc_f32(rows * plan.capacity)?;
-        let mut survivor_index = device.alloc_u32(rows * plan.capacity)?;
+        let sample_plan = merge_plan(plan.positions, k);
+        // Every buffer first, so that the launches below borrow the workspace's fields apart.
+        upload_exclusions(workspace, device, exclude)?;
+        workspace.reserve_rows(device, rows)?;
+        workspace.reserve(device, Slot::Survivors, rows * plan.capacity)?;
+        workspace.reserve(device, Slot::Answers, rows * k)?;
+        if passes == ThresholdPasses::Tiles {
+            reserve_merge(workspace, device, rows, &sample_plan)?;
+        } else {
+            workspace.reserve(device, Slot::Sample, rows * plan.positions)?;
+        }
+        let ws = workspace;
+        let exclusions = (&ws.exclude_offsets, &ws.exclude_ids);
+        let inputs = |launch| self.scan_inputs(launch, hidden, exclusions, rows);
         // The sample's k-th best (or -inf) is the row's threshold; the survivors start empty.
         let (thresholds, threshold_pitch, threshold_at) = if passes == ThresholdPasses::Tiles {
-            let sample_plan = merge_plan(plan.positions, k);
-            let mut scores = device.alloc_f32(rows * sample_plan[0])?;
-            let mut index = device.alloc_u32(rows * sample_plan[0])?;
+            let [first, _] = &mut ws.candidates;
             device.sample_tile_topk(
                 &inputs(&sample),
                 plan.stride as u32,
                 CandidatesMut {
-                    scores: &mut scores,
-                    index: &mut index,
+                    scores: first.scores.get_mut(),
+                    index: first.index.get_mut(),
                 },
             )?;
-            let (thresholds, _) =
-                merge_passes(device, rows, scores, index, &sample_plan, sample.keep)?;
+            let at = merge_passes(device, rows, &mut ws.candidates, &sample_plan, sample.keep)?;
             device.reset_survivors(
                 rows as u32,
-                SurvivorsMut {
-                    counts: &mut counts,
-                    scores: &mut survivors,
-                    index: &mut survivor_index,
-                    capacity,
-                },
+                survivor_slots(&mut ws.counts, &mut ws.survivors, capacity),
             )?;
             let pitch = *sample_plan.last().expect("a plan is never empty");
-            (thresholds, pitch, k - 1)
+            (ws.candidates[at].scores.get(), pitch, k - 1)
         } else {
             // Every sampled score, in the bits the full scan will compute; one launch then
             // selects each row's k-th best and empties its survivor slots.
-            let mut scores = device.alloc_f32(rows * plan.positions)?;
-            let mut index = device.alloc_u32(rows * plan.positions)?;
             let (stride, positions) = (plan.stride as u32, plan.positions as u32);
             let out = CandidatesMut {
-                scores: &mut scores,
-                index: &mut index,
+                scores: ws.sample.scores.get_mut(),
+                index: ws.sample.index.get_mut(),
             };
             match &passes {
                 ThresholdPasses::Gemv(gemv) => {
@@ -385,33 +446,22 @@ impl<D: Device> DeviceOutputLayer<D> {
                 }
                 _ => device.gemm_sample(&inputs(&scan), stride, positions, out)?,
             }
-            let mut thresholds = device.alloc_f32(rows)?;
             device.sample_threshold(
                 rows as u32,
-                &scores,
+                ws.sample.scores.get(),
                 positions,
                 k as u32,
-                &mut thresholds,
-                SurvivorsMut {
-                    counts: &mut counts,
-                    scores: &mut survivors,
-                    index: &mut survivor_index,
-                    capacity,
-                },
+                ws.thresholds.get_mut(),
+                survivor_slots(&mut ws.counts, &mut ws.survivors, capacity),
             )?;
-            (thresholds, 1, 0)
+            (ws.thresholds.get(), 1, 0)
         };
         let thresholds = Thresholds {
-            scores: &thresholds,
+            scores: thresholds,
             pitch: threshold_pitch as u32,
             at: threshold_at as u32,
         };
-        let slots = SurvivorsMut {
-            counts: &mut counts,
-            scores: &mut survivors,
-            index: &mut survivor_index,
-            capacity,
-        };
+        let slots = survivor_slots(&mut ws.counts, &mut ws.survivors, capacity);
         match &passes {
             ThresholdPasses::Tiles => device.score_above(&inputs(&scan), thresholds, slots)?,
             ThresholdPasses::Gemv(gemv) => {
@@ -421,84 +471,124 @@ impl<D: Device> DeviceOutputLayer<D> {
         }
         // One launch finishes every row: a radix select of its k-th best, then a sort of those
         // at or above it.
-        let mut scores = device.alloc_f32(rows * k)?;
-        let mut index = device.alloc_u32(rows * k)?;
         device.finalize_survivors(
             rows as u32,
-            &mut counts,
+            ws.counts.get_mut(),
             Candidates {
-                scores: &survivors,
-                index: &survivor_index,
+                scores: ws.survivors.scores.get(),
+                index: ws.survivors.index.get(),
             },
             capacity,
             k as u32,
             CandidatesMut {
-                scores: &mut scores,
-                index: &mut index,
+                scores: ws.answers.scores.get_mut(),
+                index: ws.answers.index.get_mut(),
             },
         )?;
-        Ok(Some(LaunchedThreshold {
-            scores,
-            index,
+        Ok(Some(Enqueued {
             plan: vec![k],
-            counts,
+            slot: 0,
         }))
     }
 }
 
-/// Each row's exclusions on the device, as CSR (offsets, ids): what every scan of the batch reads.
-fn upload_exclusions<D: Device>(device: &D, exclude: &[&[u32]]) -> Result<(D::U32, D::U32)> {
-    let (offsets, ids) = exclusion_csr(exclude);
-    Ok((device.upload_u32(&offsets)?, device.upload_u32(&ids)?))
+/// The survivor slots of the workspace as a kernel writes them.
+fn survivor_slots<'a, D: Device>(
+    counts: &'a mut Grown<D::U32>,
+    survivors: &'a mut CandidateSlots<D>,
+    capacity: u32,
+) -> SurvivorsMut<'a, D> {
+    SurvivorsMut {
+        counts: counts.get_mut(),
+        scores: survivors.scores.get_mut(),
+        index: survivors.index.get_mut(),
+        capacity,
+    }
 }
 
-/// Merge passes over `rows` rows of candidates, `plan[0]` per row, down to `plan.last()`
-/// (each pass keeping `keep` of every block of the tile size).
+/// Copies each row's exclusions, as CSR (offsets, ids), into the workspace: what every scan of
+/// the batch reads.
+fn upload_exclusions<D: Device>(
+    workspace: &mut TopKWorkspace<D>,
+    device: &D,
+    exclude: &[&[u32]],
+) -> Result<()> {
+    let (offsets, ids) = exclusion_csr(exclude);
+    workspace.upload_exclusions(device, &offsets, &ids)
+}
+
+/// Reserves the two candidate pairs that stage 1 and the merge passes of `plan` alternate
+/// between: the first holds stage 1's output and every second pass's.
+fn reserve_merge<D: Device>(
+    workspace: &mut TopKWorkspace<D>,
+    device: &D,
+    rows: usize,
+    plan: &[usize],
+) -> Result<()> {
+    for parity in 0..2 {
+        let most = plan
+            .iter()
+            .skip(parity)
+            .step_by(2)
+            .max()
+            .copied()
+            .unwrap_or(0);
+        if most > 0 {
+            workspace.reserve(device, Slot::Candidates(parity), rows * most)?;
+        }
+    }
+    Ok(())
+}
+
+/// Merge passes over `rows` rows of candidates, `plan[0]` per row in `pairs[0]`, down to
+/// `plan.last()` (each pass keeping `keep` of every block of the tile size, from one pair into
+/// the other); returns the pair that holds the last pass's output.
 fn merge_passes<D: Device>(
     device: &D,
     rows: usize,
-    mut scores: D::F32,
-    mut index: D::U32,
+    pairs: &mut [CandidateSlots<D>; 2],
     plan: &[usize],
     keep: u32,
-) -> Result<(D::F32, D::U32)> {
+) -> Result<usize> {
+    let mut at = 0;
     for window in plan.windows(2) {
         let (count, next) = (window[0], window[1]);
         debug_assert_eq!(next, count.div_ceil(TILE) * keep as usize);
-        let mut next_scores = device.alloc_f32(rows * next)?;
-        let mut next_index = device.alloc_u32(rows * next)?;
+        let [first, second] = &mut *pairs;
+        let (from, to) = if at == 0 {
+            (&*first, second)
+        } else {
+            (&*second, first)
+        };
         device.merge_topk(
             rows as u32,
             Candidates {
-                scores: &scores,
-                index: &index,
+                scores: from.scores.get(),
+                index: from.index.get(),
             },
             count as u32,
             keep,
             CandidatesMut {
-                scores: &mut next_scores,
-                index: &mut next_index,
+                scores: to.scores.get_mut(),
+                index: to.index.get_mut(),
             },
         )?;
-        scores = next_scores;
-        index = next_index;
+        at = 1 - at;
     }
-    Ok((scores, index))
+    Ok(at)
 }
 
-/// The device buffers a threshold scan's finish writes (`rows x plan.last()`, `plan` being
-/// `[k]`, sorted within each row), and each row's survivor count (more than the capacity:
-/// overflowed, or tied too widely to finish; the host answers it by the tile scan).
-pub struct LaunchedThreshold<D: Device> {
-    pub scores: D::F32,
-    pub index: D::U32,
+/// What a launch enqueued into the layer's kept buffers: the merge plan its answers follow
+/// (`rows x plan.last()`, sorted within each row) and, for the tile scan, which candidate pair
+/// holds them.
+pub struct Enqueued {
     pub plan: Vec<usize>,
-    pub counts: D::U32,
+    slot: usize,
 }
 
-/// The device buffers the last merge pass writes (`rows x plan.last()`, sorted within each row).
-pub struct LaunchedTopK<D: Device> {
-    pub scores: D::F32,
-    pub index: D::U32,
-    pub plan: Vec<usize>,
+impl Enqueued {
+    /// Answers per row in the output.
+    fn width(&self) -> usize {
+        *self.plan.last().expect("a plan is never empty")
+    }
 }

@@ -618,3 +618,134 @@ fn the_emulation_models_warp_shuffles_and_reports_divergent_barriers() {
         "{msg}"
     );
 }
+
+#[test]
+fn kept_buffers_carry_nothing_from_one_batch_to_the_next_and_stop_growing() {
+    // One layer answers a run of batches of changing sizes, k and exclusions, each strategy in
+    // turn, through the buffers it keeps between batches: every answer must equal a fresh
+    // layer's (an earlier, larger batch's leftovers in the kept candidates, survivors or
+    // exclusions would change it) and the f64 reference; the run's second pass must allocate
+    // nothing on the device.
+    let mut rng = Rng(0x5EED_0010);
+    let (n, d) = (17_000usize, 16usize);
+    let w = matrix("f32", n, d, &mut rng);
+    let bias: Vec<f32> = (0..n).map(|_| rng.uniform() * 0.1).collect();
+    let bias_tensor = Tensor::from_vec(vec![n], bias.clone());
+    // (rows, k, most exclusions per row): larger first, then smaller, some without any.
+    let batches: Vec<(usize, usize, u64)> = vec![
+        (6, 100, 200),
+        (1, 7, 0),
+        (3, 100, 40),
+        (2, 1, 5),
+        (5, 64, 0),
+    ];
+    let inputs: Vec<(Vec<f32>, Vec<Vec<u32>>)> = batches
+        .iter()
+        .map(|&(rows, _, excluded)| {
+            let hidden = (0..rows * d).map(|_| rng.uniform()).collect();
+            (hidden, exclusions(rows, n, excluded, &mut rng))
+        })
+        .collect();
+    for strategy in [
+        ScanStrategy::Tiles,
+        ScanStrategy::Threshold,
+        ScanStrategy::CoalescedThreshold,
+    ] {
+        let device = EmulatedDevice::default();
+        let mut kept = DeviceOutputLayer::new(&device, &w, &bias_tensor, None).unwrap();
+        kept.strategy = strategy;
+        let mut after_first_pass = 0;
+        for pass in 0..2 {
+            for (&(rows, k, _), (hidden, excluded)) in batches.iter().zip(&inputs) {
+                let what = format!("{strategy:?} pass {pass} rows={rows} k={k}");
+                let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+                let on_device = device.upload_f32(hidden).unwrap();
+                let got = kept.top_k(&device, &on_device, k, &refs).unwrap();
+                let mut fresh = DeviceOutputLayer::new(&device, &w, &bias_tensor, None).unwrap();
+                fresh.strategy = strategy;
+                assert_eq!(
+                    got,
+                    fresh.top_k(&device, &on_device, k, &refs).unwrap(),
+                    "{what}: the kept buffers changed the answer"
+                );
+                for r in 0..rows {
+                    assert_top_k_matches(
+                        &got[r],
+                        &w,
+                        &bias,
+                        &hidden[r * d..(r + 1) * d],
+                        k,
+                        &excluded[r],
+                        &format!("{what} row {r}"),
+                    );
+                }
+            }
+            if pass == 0 {
+                after_first_pass = kept.workspace_allocations();
+                assert!(
+                    after_first_pass > 0,
+                    "{strategy:?}: the first batch allocates"
+                );
+            }
+        }
+        assert_eq!(
+            kept.workspace_allocations(),
+            after_first_pass,
+            "{strategy:?}: batches no larger than earlier ones allocated device buffers"
+        );
+    }
+}
+
+#[test]
+fn kept_buffers_serve_the_overflow_fallback_and_the_next_batch() {
+    // A batch whose row 0 overflows (a quarter of the catalogue tied at its threshold, as in
+    // the overflow tests above) is answered through the tile scan in the same kept buffers; the
+    // next batch, with distinct scores, must not see any of it.
+    let mut rng = Rng(0x5EED_0011);
+    let (n, d) = (17_000usize, 8usize);
+    let tied = Matrix::F32(Tensor::from_vec(vec![n, d], vec![0.0; n * d]));
+    let tied_bias: Vec<f32> = (0..n).map(|_| (rng.next() % 4) as f32 * 0.25).collect();
+    let hidden: Vec<f32> = (0..2 * d).map(|_| rng.uniform()).collect();
+    let excluded = [vec![], (0..n as u32 - 20).collect::<Vec<u32>>()];
+    let refs: Vec<&[u32]> = excluded.iter().map(Vec::as_slice).collect();
+    for strategy in [ScanStrategy::Threshold, ScanStrategy::CoalescedThreshold] {
+        let device = EmulatedDevice::default();
+        let mut layer = DeviceOutputLayer::new(
+            &device,
+            &tied,
+            &Tensor::from_vec(vec![n], tied_bias.clone()),
+            None,
+        )
+        .unwrap();
+        layer.strategy = strategy;
+        let plan = threshold_plan(n, 50, layer.survivor_capacity).unwrap();
+        let on_device = device.upload_f32(&hidden).unwrap();
+        for round in 0..2 {
+            let answer = layer
+                .top_k_above_threshold(&device, &on_device, 50, &refs, &plan)
+                .unwrap();
+            assert_eq!(answer.overflowed, vec![0], "{strategy:?} round {round}");
+            for r in 0..2 {
+                let want = reference(
+                    &tied,
+                    &tied_bias,
+                    &hidden[r * d..(r + 1) * d],
+                    50,
+                    &excluded[r],
+                );
+                assert_eq!(answer.ranked[r], want, "{strategy:?} round {round} row {r}");
+            }
+            // Then a batch of one row without exclusions: everything of the last batch in the
+            // kept buffers (its exclusions, its survivors) must be gone from the answer.
+            let one = &hidden[d..2 * d];
+            let single = layer
+                .top_k(&device, &device.upload_f32(one).unwrap(), 50, &[&[]])
+                .unwrap();
+            assert_eq!(
+                single[0],
+                reference(&tied, &tied_bias, one, 50, &[]),
+                "{strategy:?} round {round}: the batch after the overflow"
+            );
+        }
+    }
+}

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchArgs,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, HostSlice,
+    LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg, SyncOnDrop,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -47,6 +47,38 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
     Ok(())
 }
 
+/// The first `len` values of a page-locked buffer, as a copy's source: the copy reads only those
+/// (a plain `&[T]` would be copied as pageable memory, synchronously) and still records the
+/// buffer's event, so the next write to the buffer waits for it.
+struct PinnedPrefix<'a, T> {
+    pinned: &'a mut PinnedHostSlice<T>,
+    len: usize,
+}
+
+impl<T> HostSlice<T> for PinnedPrefix<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    unsafe fn stream_synced_slice<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (&'a [T], SyncOnDrop<'a>) {
+        // SAFETY: the caller's contract (the slice is used on `stream` only) is passed on.
+        let (all, record) = unsafe { self.pinned.stream_synced_slice(stream) };
+        (&all[..self.len], record)
+    }
+
+    unsafe fn stream_synced_mut_slice<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (&'a mut [T], SyncOnDrop<'a>) {
+        // SAFETY: as above.
+        let (all, record) = unsafe { self.pinned.stream_synced_mut_slice(stream) };
+        (&mut all[..self.len], record)
+    }
+}
+
 pub(super) fn cuda_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
     move |e| GpuError::Cuda {
         what,
@@ -69,8 +101,10 @@ pub struct CudaDevice {
     /// at, so they are copied back directly.
     staging_u32: Mutex<Option<PinnedHostSlice<u32>>>,
     staging_f32: Mutex<Option<PinnedHostSlice<f32>>>,
-    /// Tests: fill every kernel output with NaN / 0xDEADBEEF before the kernel runs, so a slot a
-    /// kernel fails to write shows up in the results instead of holding stale memory.
+    /// Tests: fill every output buffer with NaN / 0xDEADBEEF when it is allocated, so a slot a
+    /// kernel fails to write shows up in the results instead of holding stale memory (buffers
+    /// the top-k keeps between batches are poisoned once, at their first use; the emulation
+    /// poisons before every launch).
     pub poison_outputs: bool,
     /// Streaming multiprocessors, for the grids sized to what the device runs at once.
     multiprocessors: u32,
@@ -238,6 +272,29 @@ impl CudaDevice {
         slot: &Mutex<Option<PinnedHostSlice<T>>>,
         values: &[T],
     ) -> Result<CudaSlice<T>> {
+        let mut device = self.alloc::<T>(values.len())?;
+        self.stage_into(slot, values, &mut device)?;
+        Ok(device)
+    }
+
+    /// Copies `values` into the start of `dst` (at least as long) through the page-locked
+    /// `slot`, asynchronously on the stream.
+    fn stage_into<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+        &self,
+        slot: &Mutex<Option<PinnedHostSlice<T>>>,
+        values: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        if dst.len() < values.len() {
+            return Err(GpuError::Invalid(format!(
+                "{} batch inputs for a device buffer of {}",
+                values.len(),
+                dst.len()
+            )));
+        }
         let mut guard = slot
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -256,11 +313,13 @@ impl CudaDevice {
             .as_mut_slice()
             .map_err(cuda_err("mapping page-locked memory"))?[..values.len()]
             .copy_from_slice(values);
-        let mut device = self.alloc::<T>(pinned.len())?;
+        let staged = PinnedPrefix {
+            pinned,
+            len: values.len(),
+        };
         self.stream
-            .memcpy_htod(&*pinned, &mut device)
-            .map_err(cuda_err("uploading batch inputs"))?;
-        Ok(device)
+            .memcpy_htod(&staged, &mut dst.slice_mut(..values.len()))
+            .map_err(cuda_err("uploading batch inputs"))
     }
 
     /// Hidden vectors for the output layer alone, staged like every batch input.
@@ -333,14 +392,17 @@ impl Device for CudaDevice {
         }
         self.alloc(len)
     }
-    fn download_f32(&self, buffer: &Self::F32) -> Result<Vec<f32>> {
+    fn upload_u32_into(&self, values: &[u32], dst: &mut Self::U32) -> Result<()> {
+        self.stage_into(&self.staging_u32, values, dst)
+    }
+    fn download_f32(&self, buffer: &Self::F32, len: usize) -> Result<Vec<f32>> {
         self.stream
-            .memcpy_dtov(buffer)
+            .memcpy_dtov(&buffer.slice(..len))
             .map_err(cuda_err("downloading results"))
     }
-    fn download_u32(&self, buffer: &Self::U32) -> Result<Vec<u32>> {
+    fn download_u32(&self, buffer: &Self::U32, len: usize) -> Result<Vec<u32>> {
         self.stream
-            .memcpy_dtov(buffer)
+            .memcpy_dtov(&buffer.slice(..len))
             .map_err(cuda_err("downloading results"))
     }
 

@@ -126,15 +126,11 @@ impl GpuOutputLayer {
             // overflowing rows come after them, on the host's side, as the tile scan's download).
             let plan = threshold_plan(self.layer.n_items, k, self.layer.survivor_capacity)
                 .filter(|_| self.layer.strategy != ScanStrategy::Tiles);
-            let launched = match plan {
+            match plan {
                 Some(plan) => self
                     .layer
-                    .launch_above_threshold(&device, &on_device, k, exclude, &plan)?
-                    .map(|l| (l.scores, l.index)),
-                None => self
-                    .layer
-                    .launch_top_k(&device, &on_device, k, exclude)?
-                    .map(|l| (l.scores, l.index)),
+                    .launch_above_threshold(&device, &on_device, k, exclude, &plan)?,
+                None => self.layer.launch_top_k(&device, &on_device, k, exclude)?,
             };
             let end = device
                 .stream
@@ -142,7 +138,6 @@ impl GpuOutputLayer {
                 .map_err(cuda_err("recording an event"))?;
             end.synchronize()
                 .map_err(cuda_err("waiting for the kernels"))?;
-            drop(launched);
             if rep >= warmup {
                 times.push(
                     start

@@ -190,8 +190,8 @@ pub fn coalesced_exhaustive_topk<D: Device>(
     }
     .unwrap();
     let (scores, index) = (
-        device.download_f32(&scores).unwrap(),
-        device.download_u32(&index).unwrap(),
+        device.download_f32(&scores, rows * n).unwrap(),
+        device.download_u32(&index, rows * n).unwrap(),
     );
     (0..rows)
         .map(|r| {

@@ -163,7 +163,10 @@ pub fn compare<D: Device>(
     };
     let (cpu_hidden, cpu_notes) = engine.model.encode_timed(&histories, &times);
     let (dev_hidden, dev_notes) = device.encode_timed(&histories, &times).unwrap();
-    let dev_hidden = device.device.download_f32(&dev_hidden).unwrap();
+    let dev_hidden = device
+        .device
+        .download_f32(&dev_hidden, cpu_hidden.len())
+        .unwrap();
     assert_eq!(cpu_notes, dev_notes);
     let hidden_err = cpu_hidden
         .iter()

@@ -101,6 +101,13 @@ fn assert_len<T>(buffer: &[T], needed: usize, what: &str) {
     );
 }
 
+/// Poisons the part of a (score, index) output a launch is about to write: kept buffers hold
+/// an earlier batch's values, which would hide a slot the kernel fails to write.
+fn poison(scores: &mut [f32], index: &mut [u32]) {
+    scores.fill(f32::NAN);
+    index.fill(POISON_U32);
+}
+
 fn assert_written(out: &[f32], what: &str) {
     assert!(
         out.iter().all(|v| !v.is_nan()),
@@ -560,11 +567,18 @@ impl Device for EmulatedDevice {
     fn alloc_u32(&self, len: usize) -> Result<Vec<u32>> {
         Ok(vec![POISON_U32; len])
     }
-    fn download_f32(&self, buffer: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(buffer.clone())
+    fn upload_u32_into(&self, values: &[u32], dst: &mut Vec<u32>) -> Result<()> {
+        assert_len(dst, values.len(), "a kept input buffer");
+        dst[..values.len()].copy_from_slice(values);
+        Ok(())
     }
-    fn download_u32(&self, buffer: &Vec<u32>) -> Result<Vec<u32>> {
-        Ok(buffer.clone())
+    fn download_f32(&self, buffer: &Vec<f32>, len: usize) -> Result<Vec<f32>> {
+        assert_len(buffer, len, "a download");
+        Ok(buffer[..len].to_vec())
+    }
+    fn download_u32(&self, buffer: &Vec<u32>, len: usize) -> Result<Vec<u32>> {
+        assert_len(buffer, len, "a download");
+        Ok(buffer[..len].to_vec())
     }
 
     fn score_tile_topk(
@@ -593,6 +607,7 @@ impl Device for EmulatedDevice {
         let out = b * launch.tiles as usize * launch.keep as usize;
         assert_len(out_scores, out, "stage-1 scores");
         assert_len(out_index, out, "stage-1 indices");
+        poison(&mut out_scores[..out], &mut out_index[..out]);
         assert!(launch.groups * launch.rows_per_block >= batch);
         let ((gx, gy), sh) = (launch.grid(), launch.shared_bytes);
         let (rpb, keep) = (launch.rows_per_block, launch.keep);
@@ -708,6 +723,7 @@ impl Device for EmulatedDevice {
         let out_len = a.batch as usize * launch.tiles as usize * launch.keep as usize;
         assert_len(out.scores, out_len, "sample scores");
         assert_len(out.index, out_len, "sample indices");
+        poison(&mut out.scores[..out_len], &mut out.index[..out_len]);
         let positions = (launch.tiles as usize) * TILE;
         assert!(
             (positions - TILE) * stride as usize <= a.n_items as usize,
@@ -784,6 +800,8 @@ impl Device for EmulatedDevice {
         assert_len(counts, rows as usize, "survivor counts");
         assert_len(scores, slots, "survivor scores");
         assert_len(index, slots, "survivor indices");
+        poison(&mut scores[..slots], &mut index[..slots]);
+        counts[..rows as usize].fill(POISON_U32);
         type F = unsafe extern "C" fn(u32, M<u32>, M<f32>, M<u32>, u32) -> i32;
         // SAFETY: the signature of recsys_emu_reset_survivors; buffer sizes checked above.
         check(unsafe {
@@ -907,6 +925,7 @@ impl Device for EmulatedDevice {
         let out_len = a.batch as usize * positions as usize;
         assert_len(out.scores, out_len, "sample scores");
         assert_len(out.index, out_len, "sample indices");
+        poison(&mut out.scores[..out_len], &mut out.index[..out_len]);
         let name = scan_entry("gemv_sample", a.weights);
         let (os, oi) = (out.scores.as_mut_ptr(), out.index.as_mut_ptr());
         let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
@@ -1062,6 +1081,7 @@ impl Device for EmulatedDevice {
         let out_len = a.batch as usize * positions as usize;
         assert_len(out.scores, out_len, "sample scores");
         assert_len(out.index, out_len, "sample indices");
+        poison(&mut out.scores[..out_len], &mut out.index[..out_len]);
         let name = scan_entry("gemm_sample", a.weights);
         let (os, oi) = (out.scores.as_mut_ptr(), out.index.as_mut_ptr());
         let (eo, ei) = (a.exclude_offsets.as_ptr(), a.exclude_ids.as_ptr());
@@ -1221,6 +1241,9 @@ impl Device for EmulatedDevice {
         assert_len(counts, r, "survivor counts");
         assert_len(scores, slots, "survivor scores");
         assert_len(index, slots, "survivor indices");
+        poison(&mut scores[..slots], &mut index[..slots]);
+        counts[..r].fill(POISON_U32);
+        thresholds[..r].fill(f32::NAN);
         type F =
             unsafe extern "C" fn(u32, P<f32>, u32, u32, M<f32>, M<u32>, M<f32>, M<u32>, u32) -> i32;
         // SAFETY: the signature of recsys_emu_sample_threshold; buffer sizes checked above.
@@ -1257,6 +1280,7 @@ impl Device for EmulatedDevice {
         assert_len(survivors.index, r * c, "survivor indices");
         assert_len(out.scores, r * k_, "finished scores");
         assert_len(out.index, r * k_, "finished indices");
+        poison(&mut out.scores[..r * k_], &mut out.index[..r * k_]);
         type F = unsafe extern "C" fn(u32, M<u32>, P<f32>, P<u32>, u32, u32, M<f32>, M<u32>) -> i32;
         // SAFETY: the signature of recsys_emu_finalize_survivors; buffer sizes checked above.
         check(unsafe {
@@ -1292,6 +1316,7 @@ impl Device for EmulatedDevice {
         let out = r * blocks * keep as usize;
         assert_len(out_scores, out, "merge output");
         assert_len(out_index, out, "merge output");
+        poison(&mut out_scores[..out], &mut out_index[..out]);
         type F = unsafe extern "C" fn(u32, u32, P<f32>, P<u32>, u32, u32, M<f32>, M<u32>) -> i32;
         // SAFETY: the signature of recsys_emu_merge_topk; buffer sizes checked above.
         check(unsafe {
@@ -1530,6 +1555,7 @@ impl Device for EmulatedDevice {
         let needed = rows[..c].iter().max().map_or(0, |&m| m as usize + 1);
         assert_len(src, needed * w, "gather source");
         assert_len(dst, c * w, "gather output");
+        dst[..c * w].fill(f32::NAN);
         type F = unsafe extern "C" fn(u32, P<f32>, P<u32>, M<f32>, u32) -> i32;
         // SAFETY: the signature of recsys_emu_gather_rows; buffer sizes checked above.
         check(unsafe {
