@@ -7,7 +7,8 @@
 #   run.sh --dry-run RESULTS_DIR    on any machine: every binary starts and links, fixtures found
 #
 # RESULTS_DIR receives summary.md (the tables for docs/BENCHMARKS.md) and the raw logs: env.log,
-# tests.log, bench.log, fused.json, torch.json, models.json.
+# tests.log, bench.log, fused.json, torch.json, models.json, ncu.csv (eight files: what a device
+# call brings back at most).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -150,22 +151,32 @@ fi
 # --- The device run. Each step is bounded, and all of them by one deadline (the GPU window is
 # short); a failing step is recorded and the run goes on.
 deadline=$((SECONDS + ${RECSYS_GPU_CHECK_SECONDS:-450}))
+# A step whose name starts with "profile:" is a measurement aid: when it fails or is skipped the
+# run says so but does not count it as a failed check.
+profile_misses=0
 step() { # step NAME SECONDS LOG COMMAND...
   local name=$1 limit=$2 log=$3
   shift 3
   local left=$((deadline - SECONDS))
   ((limit < left)) || limit=$left
+  local status=0
   if ((limit < 5)); then
     echo "<== $name: skipped, out of time" | tee -a "$results/$log"
-    failures=$((failures + 1))
-    return 0
+    status=1
+  else
+    echo "==> $name" | tee -a "$results/$log"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >>"$results/$log" 2>&1
+    status=$?
+    echo "<== $name: exit $status in $((SECONDS - t0)) s" | tee -a "$results/$log"
   fi
-  echo "==> $name" | tee -a "$results/$log"
-  local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >>"$results/$log" 2>&1
-  local status=$?
-  echo "<== $name: exit $status in $((SECONDS - t0)) s" | tee -a "$results/$log"
-  [[ $status -eq 0 ]] || failures=$((failures + 1))
+  if [[ $status -ne 0 ]]; then
+    if [[ $name == profile:* ]]; then
+      profile_misses=$((profile_misses + 1))
+    else
+      failures=$((failures + 1))
+    fi
+  fi
   return 0
 }
 : >"$results/tests.log"
@@ -192,8 +203,50 @@ else
   echo "torch comparison skipped (no torch with a GPU, or no fused results)" | tee -a "$results/bench.log"
 fi
 rm -rf "$data"
+# --- Nsight Compute over a few cells (one process each: `gpu_bench --profile`, whose second call
+# is the one read): each kernel's time, DRAM bytes and throughput, SM throughput, achieved
+# occupancy and registers, with the profiler's clock control off (the card as found). Merged into
+# ncu.csv with the cell in the first column; summary.py tabulates it.
+ncu_bin=${RECSYS_NCU:-$(command -v ncu || true)}
+for p in /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu; do
+  [[ -z "$ncu_bin" && -x "$p" ]] && ncu_bin=$p
+done
+if [[ -n "$ncu_bin" ]]; then
+  metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active
+  metrics+=,launch__registers_per_thread,launch__grid_size,smsp__inst_executed.sum
+  profiles=$(mktemp -d)
+  for cell in fp32:64:1:coalesced-threshold fp16:64:1:coalesced-threshold int8:64:1:coalesced-threshold \
+    fp32:64:64:coalesced-threshold fp16:64:64:coalesced-threshold int8:64:64:coalesced-threshold \
+    fp16:600:64:coalesced-threshold fp32:64:1:tiles; do
+    step "profile: Nsight Compute, $cell" 60 bench.log bash -c "'$ncu_bin' --clock-control none \
+      --target-processes all --csv --page raw --print-units base --metrics $metrics \
+      '$here/bin/gpu_bench' --profile $cell > '$profiles/${cell//:/_}.csv'"
+  done
+  python3 - "$profiles" "$results/ncu.csv" <<'MERGE' 2>>"$results/bench.log" || note "merging the profiles failed"
+import csv, io, sys
+from pathlib import Path
+rows = []
+for f in sorted(Path(sys.argv[1]).glob("*.csv")):
+    lines = [l for l in f.read_text(errors="replace").splitlines() if l.startswith('"')]
+    table = list(csv.reader(io.StringIO("\n".join(lines))))
+    if not table:
+        continue
+    if not rows:
+        rows.append(["cell"] + table[0])
+    cell = f.stem.replace("_", ":")
+    rows += [[cell] + r for r in table[1:]]
+with open(sys.argv[2], "w", newline="") as out:
+    csv.writer(out).writerows(rows)
+MERGE
+  rm -rf "$profiles"
+else
+  echo "Nsight Compute (ncu) not found: no profile" | tee -a "$results/bench.log"
+fi
 python3 "$here/summary.py" "$results" >"$results/summary.md" 2>>"$results/bench.log" \
   || echo "summary.py failed: see bench.log" >>"$results/summary.md"
 cat "$results/summary.md"
-echo "GPU check: $failures step(s) failed; results in $results"
+missing=""
+((profile_misses == 0)) || missing=" ($profile_misses profile(s) missing)"
+echo "GPU check: $failures step(s) failed$missing; results in $results"
 [[ $failures -eq 0 ]]

@@ -1,10 +1,12 @@
 """Writes the GPU check's summary.md from the raw results in RESULTS_DIR: every test's verdict (from
-tests.log), the fused kernel against torch (fused.json, torch.json), and whole models on the GPU
-against the CPU engine (models.json). Standard library only.
+tests.log), the fused kernel against torch (fused.json, torch.json), whole models on the GPU
+against the CPU engine (models.json), and the Nsight Compute profile of a few cells (ncu.csv).
+Standard library only.
 
     python3 summary.py RESULTS_DIR > RESULTS_DIR/summary.md
 """
 
+import csv
 import json
 import re
 import sys
@@ -98,6 +100,47 @@ def model_table(results: Path) -> list:
     return out
 
 
+def number(value: str) -> float:
+    try:
+        return float(value.replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def profile_table(results: Path) -> list:
+    """Each profiled cell's kernels, from the second of its two calls (the buffers already kept)."""
+    try:
+        with open(results / "ncu.csv", newline="") as f:
+            table = list(csv.DictReader(f))
+    except OSError:
+        return ["(no profile: Nsight Compute was not found or failed; see bench.log)"]
+    calls = {}
+    for row in table:
+        if not row.get("ID", "").strip():
+            continue  # the units row
+        calls.setdefault(row["cell"], []).append(row)
+    out = [
+        "Nsight Compute, clock control off; each cell's second call (every buffer already kept). DRAM "
+        "GB/s = bytes read from DRAM over the kernel's time; % of peak as the profiler reports them.",
+        "",
+        "| cell | kernel | µs | DRAM read MB | DRAM GB/s | DRAM % peak | SM % peak | occupancy % | registers | grid |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell, rows in calls.items():
+        # Two calls of the same launches: the second half is the second call.
+        for row in rows[len(rows) // 2:]:
+            ns = number(row.get("gpu__time_duration.sum", ""))
+            read = number(row.get("dram__bytes_read.sum", ""))
+            out.append(
+                f"| {cell} | `{row.get('Kernel Name', '?')}` | {ns / 1e3:.1f} | {read / 1e6:.1f} | "
+                f"{read / ns:.0f} | {number(row.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '')):.0f} | "
+                f"{number(row.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', '')):.0f} | "
+                f"{number(row.get('sm__warps_active.avg.pct_of_peak_sustained_active', '')):.0f} | "
+                f"{row.get('launch__registers_per_thread', '?')} | {row.get('launch__grid_size', '?')} |"
+            )
+    return out
+
+
 def main() -> None:
     results = Path(sys.argv[1])
     lines = [
@@ -116,6 +159,10 @@ def main() -> None:
         "## Whole models: GPU against the CPU engine",
         "",
         *model_table(results),
+        "",
+        "## Where the fused kernels' time goes (Nsight Compute)",
+        "",
+        *profile_table(results),
     ]
     print("\n".join(lines))
 

@@ -9,6 +9,10 @@
 //!   gpu_bench DATA_DIR          (the GPU bundle's run.sh runs it)
 //!   gpu_bench --dry-run         starts, reports whether a CUDA driver is present, exits 0
 //!   gpu_bench --versions        the NVRTC this process opens and the driver's CUDA version
+//!   gpu_bench --profile CELL    one cell, PRECISION:DIM:BATCH:SCAN (fp16:64:1:coalesced-threshold),
+//!                               called twice (the second call with every buffer already kept),
+//!                               for a profiler to record its kernels (run.sh runs Nsight
+//!                               Compute over a few cells this way)
 
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -56,6 +60,14 @@ fn main() {
         );
         return;
     }
+    if arg == "--profile" {
+        let cell = std::env::args().nth(2).unwrap_or_default();
+        if let Err(e) = profile(&cell) {
+            eprintln!("gpu_bench --profile {cell}: {e}");
+            std::process::exit(2)
+        }
+        return;
+    }
     let data_dir = Path::new(&arg);
     let mut results = Vec::new();
     for dim in DIMS {
@@ -74,12 +86,8 @@ fn main() {
                 std::process::exit(1)
             });
             drop(matrix);
-            for (scan, strategy) in [
-                ("tiles", ScanStrategy::Tiles),
-                ("threshold", ScanStrategy::Threshold),
-                ("coalesced-threshold", ScanStrategy::CoalescedThreshold),
-            ] {
-                layer.set_strategy(strategy);
+            for scan in ["tiles", "threshold", "coalesced-threshold"] {
+                layer.set_strategy(strategy_named(scan).expect("a known scan"));
                 for rows in BATCHES {
                     let excluded: Vec<&[u32]> = vec![&[]; rows];
                     let h = &hidden[..rows * dim];
@@ -109,6 +117,58 @@ fn main() {
         "{{\"n\": {N_ITEMS}, \"dims\": {DIMS:?}, \"k\": {K}, \"copy_gb_s\": {copy:.1}, \"fused\": [{}]}}",
         results.join(", ")
     );
+}
+
+/// The strategy a scan name of the results stands for.
+fn strategy_named(scan: &str) -> Option<ScanStrategy> {
+    match scan {
+        "tiles" => Some(ScanStrategy::Tiles),
+        "threshold" => Some(ScanStrategy::Threshold),
+        "coalesced-threshold" => Some(ScanStrategy::CoalescedThreshold),
+        _ => None,
+    }
+}
+
+/// `--profile PRECISION:DIM:BATCH:SCAN`: the cell's weights as the benchmark makes them, and two
+/// calls of its kernels (the first allocates the kept buffers; a profiler reads the second).
+fn profile(cell: &str) -> Result<(), String> {
+    let usage = || {
+        format!(
+            "expected PRECISION:DIM:BATCH:SCAN, e.g. fp16:64:1:coalesced-threshold; got {cell:?}"
+        )
+    };
+    let parts: Vec<&str> = cell.split(':').collect();
+    let [precision, dim, rows, scan] = parts[..] else {
+        return Err(usage());
+    };
+    if !["fp32", "fp16", "int8"].contains(&precision) {
+        return Err(usage());
+    }
+    let dim: usize = dim.parse().map_err(|_| usage())?;
+    let rows: usize = rows.parse().map_err(|_| usage())?;
+    let strategy = strategy_named(scan).ok_or_else(usage)?;
+    if dim == 0 || rows == 0 {
+        return Err(usage());
+    }
+    let mut uniform = xorshift(0x2545_F491_4F6C_DD1D ^ dim as u64);
+    let weights: Vec<f32> = (0..N_ITEMS * dim).map(|_| uniform() * 0.1).collect();
+    let bias: Vec<f32> = (0..N_ITEMS).map(|_| uniform() * 0.01).collect();
+    let hidden: Vec<f32> = (0..rows * dim).map(|_| uniform()).collect();
+    let (matrix, _) = stored(&weights, dim, precision);
+    drop(weights);
+    let mut layer = GpuOutputLayer::new(0, &matrix, &Tensor::from_vec(vec![N_ITEMS], bias))
+        .map_err(|e| e.to_string())?;
+    drop(matrix);
+    layer.set_strategy(strategy);
+    let excluded: Vec<&[u32]> = vec![&[]; rows];
+    let times = layer
+        .kernel_times_ms(&hidden, K, &excluded, 1, 1)
+        .map_err(|e| e.to_string())?;
+    println!(
+        "gpu_bench --profile {cell}: {:.4} ms (under the profiler: not a timing)",
+        times[0]
+    );
+    Ok(())
 }
 
 /// Uniform values in [-1, 1) from a xorshift generator (reproducible, no dependency).
