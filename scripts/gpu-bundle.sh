@@ -8,9 +8,10 @@
 #   DIR/run.sh --dry-run RESULTS_DIR       anywhere: every binary starts and links, fixtures found
 #   DIR/run.sh --unpack OUT                unpacks the programs into OUT, to run one by hand
 #
-# DIR receives run.sh (gpu/bundle/launch.sh), BUILD and payload.tar.gz: the release test binaries
+# DIR receives run.sh (gpu/bundle/launch.sh), BUILD and payload.tar.xz: the release test binaries
 # and examples built with the CUDA bindings for that major version (kernel sources are embedded in
-# them and compiled by NVRTC at load), the recsys Python package built with the same bindings, the
+# them and compiled by NVRTC at load), the backend (libtriton_recsys.so) and the recsys Python
+# package built with the same bindings, the
 # Python peer, check and summary scripts, and the inner run.sh (gpu/bundle/run.sh). The trained
 # fixtures are read from the checkout the bundle sits in (DIR inside it, e.g. build/gpu-bundle),
 # since a device call carries the checkout anyway; --standalone packs them in too, for a bundle
@@ -35,6 +36,7 @@ done
 [[ -n "$dir" ]] || usage
 [[ "$cuda" == 12 || "$cuda" == 13 ]] || { echo "error: --cuda takes 12 or 13, not $cuda" >&2; exit 2; }
 limit_mib=60
+command -v xz >/dev/null || { echo "error: xz is needed to pack the bundle" >&2; exit 1; }
 
 # Executables of one cargo invocation, from its JSON messages: "name path" lines.
 executables() {
@@ -67,7 +69,7 @@ trap 'rm -rf "$build_log" "$stage"' EXIT
   executables test --release --locked --no-run -p recsys-backend --features "recsys-backend/cuda-$cuda" --lib
 } >"$build_log"
 
-# Everything is staged in $stage, then packed into $dir/payload.tar.gz.
+# Everything is staged in $stage, then packed into $dir/payload.tar.xz.
 mkdir -p "$stage/bin"
 # Bundle names: gpu_lib, gpu_kernels, gpu_model, nvrtc_compile, backend_lib, gpu_bench, gpu_model_bench.
 while read -r name path; do
@@ -82,6 +84,14 @@ done <"$build_log"
 for needed in gpu_lib gpu_kernels gpu_model nvrtc_compile backend_lib gpu_bench gpu_model_bench; do
   [[ -x "$stage/bin/$needed" ]] || { echo "error: the build produced no $needed" >&2; exit 1; }
 done
+
+# The backend itself, as tritonserver loads it, for the serving half of the check
+# (scripts/gpu-serving-bundle.sh), which takes it from here: it shares most of its code with
+# backend_lib, so it costs the packed payload little, where the serving half's call has no room.
+cargo build --release --locked -p recsys-backend --features "recsys-backend/cuda-$cuda" >&2
+mkdir -p "$stage/backends/recsys"
+cp target/release/libtriton_recsys.so "$stage/backends/recsys/"
+strip --strip-unneeded "$stage/backends/recsys/libtriton_recsys.so"
 
 # The Python package with the GPU path, unpacked (run.sh puts it on PYTHONPATH): stripped, since
 # the wheel's debug information alone would not fit the budget.
@@ -104,12 +114,16 @@ if ((standalone)); then
   cp tests/fixtures/hstu/test_set.tsv.gz "$stage/fixtures/hstu/"
 fi
 cp gpu/bundle/run.sh "$stage/run.sh"
+cp gpu/bundle/nvrtc.sh "$stage/"
 cp gpu/bundle/summary.py scripts/gpu_bench_torch.py "$stage/"
 chmod +x "$stage/run.sh"
 
 rm -rf "$dir"
 mkdir -p "$dir"
-tar -C "$stage" -cf - . | gzip -9 >"$dir/payload.tar.gz"
+# xz with the x86 branch filter and a dictionary that spans the whole payload: the binaries share
+# most of their code (the engine, the GPU path), which gzip's 32 KiB window cannot see; 6 MiB
+# against gzip's 16.
+tar -C "$stage" -cf - . | xz --x86 --lzma2=preset=9e,dict=64MiB -T0 >"$dir/payload.tar.xz"
 cp gpu/bundle/launch.sh "$dir/run.sh"
 chmod +x "$dir/run.sh"
 {
@@ -127,7 +141,7 @@ if ((!standalone)); then
   tree_bytes=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ s += $1 } END { print s + 0 }')
 fi
 mib() { echo $((($1 + 1048575) / 1048576)); }
-binaries=$(tar -tzf "$dir/payload.tar.gz" | grep -c '^\./bin/.')
+binaries=$(xz -dc "$dir/payload.tar.xz" | tar -tf - | grep -c '^\./bin/.')
 if ((standalone)); then
   echo "==> $dir: $(mib "$bundle_bytes") MiB ($binaries binaries, fixtures; travels alone) of the $limit_mib MiB budget"
 else

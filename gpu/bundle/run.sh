@@ -28,68 +28,15 @@ note() { echo "$*" | tee -a "$results/env.log"; }
 # driver (PTX from a newer NVRTC cannot be loaded); ptxas for the spill check.
 : >"$results/env.log"
 note "bundle: $(tr '\n' ';' <"$here/BUILD")"
-driver_cuda=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   nvidia-smi | tee -a "$results/env.log"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.memory --format=csv \
     | tee -a "$results/env.log"
-  driver_cuda=$(nvidia-smi | grep -o 'CUDA Version: [0-9.]*' | awk '{print $3}')
 fi
-# Every libnvrtc.so.<major>* found: the toolkit's, PyTorch's (nvidia/*/lib), the linker cache's.
-nvrtc_files() {
-  local dirs=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
-  if command -v python3 >/dev/null 2>&1; then
-    while IFS= read -r d; do dirs+=("$d"); done < <(python3 -c '
-import glob, os
-try:
-    import nvidia
-    for root in nvidia.__path__:
-        for lib in glob.glob(os.path.join(root, "*", "lib")):
-            print(lib)
-except ImportError:
-    pass
-' 2>/dev/null)
-  fi
-  while IFS= read -r line; do dirs+=("$(dirname "${line##* => }")"); done \
-    < <(ldconfig -p 2>/dev/null | grep 'libnvrtc\.so\.')
-  local d f
-  for d in "${dirs[@]}"; do
-    for f in "$d"/libnvrtc.so."$cuda_major"*; do
-      [[ -e "$f" ]] && readlink -f "$f"
-    done
-  done | sort -u
-}
-# cudarc opens "libnvrtc.so" before "libnvrtc.so.<major>", so the chosen library is pinned by a
-# link of that name in a folder put first on the library path (its own folder follows, for the
-# builtins library it loads).
-pin_dir=$(mktemp -d)
-trap 'rm -rf "$pin_dir"' EXIT
-pin_nvrtc() {
-  ln -sf "$1" "$pin_dir/libnvrtc.so"
-  ln -sf "$1" "$pin_dir/libnvrtc.so.$cuda_major"
-}
-base_library_path=${LD_LIBRARY_PATH:-}
-version_le() { [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" == "$1" ]]; }
-chosen="" chosen_version=""
-while IFS= read -r file; do
-  pin_nvrtc "$file"
-  version=$(LD_LIBRARY_PATH="$pin_dir:$(dirname "$file"):$base_library_path" \
-    "$here/bin/gpu_bench" --versions 2>/dev/null | sed -n 's/^nvrtc \([0-9.]*\).*/\1/p')
-  note "NVRTC found: ${version:-unusable} at $file"
-  [[ -n "$version" ]] || continue
-  if [[ -z "$driver_cuda" ]] || version_le "$version" "$driver_cuda"; then
-    if [[ -z "$chosen" ]] || version_le "$chosen_version" "$version"; then
-      chosen=$file chosen_version=$version
-    fi
-  fi
-done < <(nvrtc_files)
-if [[ -n "$chosen" ]]; then
-  pin_nvrtc "$chosen"
-  export LD_LIBRARY_PATH="$pin_dir:$(dirname "$chosen"):$base_library_path"
-  note "NVRTC used: $chosen_version ($chosen)${driver_cuda:+; the driver supports CUDA $driver_cuda}"
-else
-  note "NVRTC: no usable libnvrtc.so.$cuda_major* no newer than the driver's CUDA ${driver_cuda:-(no driver)} was found"
-fi
+# shellcheck source=nvrtc.sh
+source "$here/nvrtc.sh"
+choose_nvrtc "$cuda_major" "$here/bin/gpu_bench" --versions
+trap 'rm -rf "$nvrtc_pin_dir"' EXIT
 ptxas=${RECSYS_PTXAS:-$(command -v ptxas || true)}
 for p in /usr/local/cuda/bin/ptxas "$(dirname "${chosen:-/nonexistent/x}")/../bin/ptxas"; do
   [[ -z "$ptxas" && -x "$p" ]] && ptxas=$p
