@@ -85,17 +85,26 @@ def model_table(results: Path) -> list:
     models = load(results / "models.json")
     if not models:
         return ["(no whole-model results: see bench.log)"]
+    floor = models.get("round_trip_ms")
     out = [
         f"{models['device']}; trained fixtures, top-10 with the history excluded; median of 30; "
-        "CPU engine in the same process with its default threads.",
+        "CPU engine in the same process with its default threads. GPU encoder ms: the encoder's "
+        "kernels alone, to the stream's end; launches, copies (in/out) and allocations: what one "
+        "call asks of the device"
+        + (f"; one value up and back (the floor of any call that waits for the GPU): {floor:.3f} ms."
+           if floor is not None else "."),
         "",
-        "| model | precision | batch | CPU engine ms | GPU ms | GPU speed-up | identical top-10 |",
-        "|---|---|---|---|---|---|---|",
+        "| model | precision | batch | CPU engine ms | GPU ms | GPU speed-up | GPU encoder ms | launches "
+        "| copies in/out | allocations | identical top-10 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in models["models"]:
+        encoder = f"{m['gpu_encode_ms']:.3f}" if "gpu_encode_ms" in m else "n/a"
+        copies = f"{m['copies_in']}/{m['copies_out']}" if "copies_in" in m else "n/a"
         out.append(
             f"| {m['model']} | {m['precision']} | {m['batch']} | {m['cpu_ms']:.3f} | {m['gpu_ms']:.3f} | "
-            f"{m['cpu_ms'] / m['gpu_ms']:.2f}x | {100 * m['identical_top10']:.0f} % |"
+            f"{m['cpu_ms'] / m['gpu_ms']:.2f}x | {encoder} | {m.get('launches', 'n/a')} | {copies} | "
+            f"{m.get('allocations', 'n/a')} | {100 * m['identical_top10']:.0f} % |"
         )
     return out
 

@@ -2,7 +2,9 @@
 //! the CPU engine in the same process, on the trained fixtures (fp32, fp16 and int8 engines), for
 //! batches of 1 and 64 test histories with top-10 and the history excluded (HSTU's with their
 //! event times, asked at the target's time); checks that both
-//! return the same top-10. Prints one JSON object. The GPU bundle's run.sh runs it;
+//! return the same top-10; and for each cell what one call asks of the device (kernel launches,
+//! copies each way, allocations), the encoder's time alone, and the round trip of one value (the
+//! floor of any call that waits for the GPU). Prints one JSON object. The GPU bundle's run.sh runs it;
 //! `--dry-run` checks that it starts and finds the fixtures, and exits 0 without a GPU.
 
 use std::sync::Arc;
@@ -12,8 +14,10 @@ mod timing;
 
 use recsys_engine::engine_dir::Precision;
 use recsys_engine::metrics::read_test_set;
+use recsys_engine::models::EventTimes;
 use recsys_engine::{convert, ConvertRequest, Engine, ExternalIds, InternalRequest, ModelKind};
 use recsys_gpu::cuda::CudaDevice;
+use recsys_gpu::device::Device;
 use recsys_gpu::model::DeviceModel;
 
 fn main() {
@@ -107,16 +111,42 @@ fn main() {
                 let gpu_ms = timing::median_ms(5, 30, || {
                     gpu.recommend(&requests).unwrap();
                 });
+                // Where a call's time goes besides its kernels: what one call asks of the device,
+                // and the encoder alone (to the end of its kernels, without the top-k).
+                let before = gpu.device.counts();
+                gpu.recommend(&requests).unwrap();
+                let per_call = gpu.device.counts() - before;
+                let histories: Vec<&[u32]> =
+                    requests.iter().map(|r| r.history.as_slice()).collect();
+                let times: Vec<EventTimes<'_>> = if timed {
+                    requests.iter().map(InternalRequest::event_times).collect()
+                } else {
+                    Vec::new()
+                };
+                let encode_ms = timing::median_ms(5, 30, || {
+                    let (hidden, _) = gpu.encode_timed(&histories, &times).unwrap();
+                    gpu.device.synchronize().unwrap();
+                    drop(hidden);
+                });
                 rows.push(format!(
                     "{{\"model\": \"{name}\", \"precision\": \"{precision:?}\", \"batch\": {batch}, \
-                     \"cpu_ms\": {cpu_ms:.4}, \"gpu_ms\": {gpu_ms:.4}, \"identical_top10\": {same}}}"
+                     \"cpu_ms\": {cpu_ms:.4}, \"gpu_ms\": {gpu_ms:.4}, \"gpu_encode_ms\": {encode_ms:.4}, \
+                     \"launches\": {}, \"copies_in\": {}, \"copies_out\": {}, \"allocations\": {}, \
+                     \"identical_top10\": {same}}}",
+                    per_call.launches, per_call.copies_in, per_call.copies_out, per_call.allocations
                 ));
             }
         }
     }
+    // The floor of any call that waits for the GPU: one value up, one back.
+    let device = CudaDevice::new(0).expect("GPU");
+    let round_trip_ms = timing::median_ms(5, 30, || {
+        let one = device.upload_u32(&[1]).unwrap();
+        device.download_u32(&one, 1).unwrap();
+    });
     println!(
-        "{{\"device\": \"{}\", \"models\": [{}]}}",
-        CudaDevice::new(0).expect("GPU").name,
+        "{{\"device\": \"{}\", \"round_trip_ms\": {round_trip_ms:.4}, \"models\": [{}]}}",
+        device.name,
         rows.join(", ")
     );
 }

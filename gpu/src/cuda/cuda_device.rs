@@ -2,6 +2,7 @@
 //! kernel (the [`Device`] trait on CUDA).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -45,6 +46,37 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
         });
     }
     Ok(())
+}
+
+#[derive(Default)]
+struct Counters {
+    launches: AtomicU64,
+    copies_in: AtomicU64,
+    copies_out: AtomicU64,
+    allocations: AtomicU64,
+}
+
+/// Kernel launches, host-to-device and device-to-host copies and device allocations (stream-ordered,
+/// from the memory pool) a [`CudaDevice`] has made: the difference across one call says what the
+/// call costs besides its kernels' time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounts {
+    pub launches: u64,
+    pub copies_in: u64,
+    pub copies_out: u64,
+    pub allocations: u64,
+}
+
+impl std::ops::Sub for DeviceCounts {
+    type Output = DeviceCounts;
+    fn sub(self, earlier: DeviceCounts) -> DeviceCounts {
+        DeviceCounts {
+            launches: self.launches - earlier.launches,
+            copies_in: self.copies_in - earlier.copies_in,
+            copies_out: self.copies_out - earlier.copies_out,
+            allocations: self.allocations - earlier.allocations,
+        }
+    }
 }
 
 /// The first `len` values of a page-locked buffer, as a copy's source: the copy reads only those
@@ -108,6 +140,8 @@ pub struct CudaDevice {
     pub poison_outputs: bool,
     /// Streaming multiprocessors, for the grids sized to what the device runs at once.
     multiprocessors: u32,
+    /// What this device has been asked to do so far (for the benchmarks' per-call breakdown).
+    counters: Counters,
     /// "NVIDIA H200 (sm_90)", for logs.
     pub name: String,
 }
@@ -176,6 +210,7 @@ impl CudaDevice {
             staging_f32: Mutex::new(None),
             poison_outputs: false,
             multiprocessors,
+            counters: Counters::default(),
             name: format!("{gpu} ({arch})"),
         })
     }
@@ -245,8 +280,27 @@ impl CudaDevice {
         Ok(())
     }
 
-    fn function(&self, name: &'static str) -> &CudaFunction {
+    fn function(&self, name: &str) -> &CudaFunction {
+        self.counters.launches.fetch_add(1, Ordering::Relaxed);
         &self.functions[name] // every name in MODULES was loaded by `new`
+    }
+
+    /// Kernel launches, copies and allocations this device has made so far.
+    pub fn counts(&self) -> DeviceCounts {
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        DeviceCounts {
+            launches: read(&self.counters.launches),
+            copies_in: read(&self.counters.copies_in),
+            copies_out: read(&self.counters.copies_out),
+            allocations: read(&self.counters.allocations),
+        }
+    }
+
+    /// Waits for everything enqueued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("waiting for the stream"))
     }
 
     fn upload<T: DeviceRepr + Copy>(
@@ -262,6 +316,8 @@ impl CudaDevice {
         } else {
             values
         };
+        self.counters.copies_in.fetch_add(1, Ordering::Relaxed);
+        self.counters.allocations.fetch_add(1, Ordering::Relaxed);
         self.stream.memcpy_stod(values).map_err(cuda_err(what))
     }
 
@@ -317,6 +373,7 @@ impl CudaDevice {
             pinned,
             len: values.len(),
         };
+        self.counters.copies_in.fetch_add(1, Ordering::Relaxed);
         self.stream
             .memcpy_htod(&staged, &mut dst.slice_mut(..values.len()))
             .map_err(cuda_err("uploading batch inputs"))
@@ -328,6 +385,7 @@ impl CudaDevice {
     }
 
     fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.counters.allocations.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the buffer is an output that the next kernel writes in full before anything
         // reads it (the emulated tests check that every output slot is written).
         unsafe { self.stream.alloc::<T>(len.max(1)) }
@@ -343,7 +401,7 @@ impl CudaDevice {
             DeviceMatrix::I8 { .. } => "i8",
         };
         let name = format!("{prefix}_{suffix}");
-        let mut b = self.stream.launch_builder(&self.functions[name.as_str()]);
+        let mut b = self.stream.launch_builder(self.function(&name));
         match table {
             DeviceMatrix::F32(t) => b.arg(t),
             DeviceMatrix::F16(t) => b.arg(t),
@@ -396,11 +454,13 @@ impl Device for CudaDevice {
         self.stage_into(&self.staging_u32, values, dst)
     }
     fn download_f32(&self, buffer: &Self::F32, len: usize) -> Result<Vec<f32>> {
+        self.counters.copies_out.fetch_add(1, Ordering::Relaxed);
         self.stream
             .memcpy_dtov(&buffer.slice(..len))
             .map_err(cuda_err("downloading results"))
     }
     fn download_u32(&self, buffer: &Self::U32, len: usize) -> Result<Vec<u32>> {
+        self.counters.copies_out.fetch_add(1, Ordering::Relaxed);
         self.stream
             .memcpy_dtov(&buffer.slice(..len))
             .map_err(cuda_err("downloading results"))

@@ -18,7 +18,7 @@ pub use compile::{
     nvrtc_check, nvrtc_present, nvrtc_version, BUILT_FOR_CUDA,
 };
 use cuda_device::cuda_err;
-pub use cuda_device::CudaDevice;
+pub use cuda_device::{CudaDevice, DeviceCounts};
 
 use crate::device::Device;
 use crate::model::DeviceModel;
