@@ -48,6 +48,33 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
     Ok(())
 }
 
+/// Page-locked buffers taken in turn by a device's uploads ([`CudaDevice`]'s staging).
+struct StagingRing<T> {
+    buffers: [Option<PinnedHostSlice<T>>; STAGING_BUFFERS],
+    next: usize,
+}
+
+/// Uploads in flight before one waits for an earlier copy: more than a batch makes (an encoder's
+/// inputs and the top-k's exclusions).
+const STAGING_BUFFERS: usize = 8;
+
+impl<T> Default for StagingRing<T> {
+    fn default() -> Self {
+        StagingRing {
+            buffers: std::array::from_fn(|_| None),
+            next: 0,
+        }
+    }
+}
+
+impl<T> StagingRing<T> {
+    fn next_slot(&mut self) -> &mut Option<PinnedHostSlice<T>> {
+        let at = self.next;
+        self.next = (at + 1) % STAGING_BUFFERS;
+        &mut self.buffers[at]
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     launches: AtomicU64,
@@ -126,13 +153,16 @@ pub struct CudaDevice {
     functions: HashMap<&'static str, CudaFunction>,
     /// Page-locked staging for each batch's inputs (item indices, offsets, exclusions, and the
     /// output-layer benchmark's hidden vectors), so their copies are asynchronous DMA. Kept between
-    /// batches (allocating page-locked memory costs far more than the copies) and grown to the
-    /// largest input seen. cudarc records an event on each copy from a buffer and makes the next
-    /// write to it wait for that event, so reusing it within a batch is safe. Outputs (top-k rows)
-    /// are small and read on the host, which cudarc's write-combined page-locked memory is slow
-    /// at, so they are copied back directly.
-    staging_u32: Mutex<Option<PinnedHostSlice<u32>>>,
-    staging_f32: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// batches (allocating page-locked memory costs far more than the copies), each buffer grown to
+    /// the largest input it has carried. cudarc records an event on each copy from a buffer and
+    /// makes the next write to it wait for that event, so reusing a buffer is safe; the uploads
+    /// take the ring's buffers in turn, so that an upload does not wait for the one before it
+    /// (with one buffer, the top-k's exclusion ids waited for their offsets' copy, which the
+    /// stream runs after the encoder's kernels: the host stalled until the encoder finished).
+    /// Outputs (top-k rows) are small and read on the host, which cudarc's write-combined
+    /// page-locked memory is slow at, so they are copied back directly.
+    staging_u32: Mutex<StagingRing<u32>>,
+    staging_f32: Mutex<StagingRing<f32>>,
     /// Tests: fill every output buffer with NaN / 0xDEADBEEF when it is allocated, so a slot a
     /// kernel fails to write shows up in the results instead of holding stale memory (buffers
     /// the top-k keeps between batches are poisoned once, at their first use; the emulation
@@ -206,8 +236,8 @@ impl CudaDevice {
             stream,
             _modules: modules,
             functions,
-            staging_u32: Mutex::new(None),
-            staging_f32: Mutex::new(None),
+            staging_u32: Mutex::new(StagingRing::default()),
+            staging_f32: Mutex::new(StagingRing::default()),
             poison_outputs: false,
             multiprocessors,
             counters: Counters::default(),
@@ -325,7 +355,7 @@ impl CudaDevice {
     /// longer than `values`; kernels read only the lengths they are given).
     fn stage<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
         &self,
-        slot: &Mutex<Option<PinnedHostSlice<T>>>,
+        slot: &Mutex<StagingRing<T>>,
         values: &[T],
     ) -> Result<CudaSlice<T>> {
         let mut device = self.alloc::<T>(values.len())?;
@@ -337,7 +367,7 @@ impl CudaDevice {
     /// `slot`, asynchronously on the stream.
     fn stage_into<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
         &self,
-        slot: &Mutex<Option<PinnedHostSlice<T>>>,
+        ring: &Mutex<StagingRing<T>>,
         values: &[T],
         dst: &mut CudaSlice<T>,
     ) -> Result<()> {
@@ -351,19 +381,20 @@ impl CudaDevice {
                 dst.len()
             )));
         }
-        let mut guard = slot
+        let mut ring = ring
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let large_enough = matches!(guard.as_ref(), Some(p) if p.len() >= values.len());
+        let slot = ring.next_slot();
+        let large_enough = matches!(slot.as_ref(), Some(p) if p.len() >= values.len());
         if !large_enough {
             let len = values.len().next_power_of_two().max(4096);
             // SAFETY: the buffer's first values.len() elements are written below before any
-            // copy reads them; the rest is copied but never read by a kernel.
+            // copy reads them; only that prefix is ever copied.
             let fresh = unsafe { self.stream.context().alloc_pinned::<T>(len) }
                 .map_err(cuda_err("allocating page-locked memory"))?;
-            *guard = Some(fresh); // the old buffer's drop waits for its last copy
+            *slot = Some(fresh); // the old buffer's drop waits for its last copy
         }
-        let pinned = guard.as_mut().expect("allocated above");
+        let pinned = slot.as_mut().expect("allocated above");
         // as_mut_slice waits for the previous copy from this buffer.
         pinned
             .as_mut_slice()
