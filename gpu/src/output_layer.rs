@@ -1,6 +1,7 @@
 //! The fused score + top-k on a device, sequenced from the host: the output layer uploaded once,
 //! then per batch the exclusions staged, the scan (by tiles, or by a sampled threshold:
-//! [`ScanStrategy`]) and the merge passes, and the answers read back.
+//! [`ScanStrategy`]) and the merge passes, and the answers read back; every buffer a batch writes
+//! is one the layer keeps ([`TopKWorkspace`]).
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
