@@ -56,6 +56,11 @@ pub(super) struct HistoryAttention<'a> {
     pub attention_width: usize,
 }
 
+/// Query rows one pass of a head's two GEMMs takes: each chunk reads the keys up to its own last
+/// row, so a history's attention costs about the causal triangle (plus half a chunk per row)
+/// rather than the whole square, for a repacking of that prefix's values per chunk.
+const QUERY_CHUNK: usize = 32;
+
 /// The buffers one history's attention works in, kept between calls.
 #[derive(Debug, Default)]
 pub(super) struct AttentionScratch {
@@ -119,22 +124,26 @@ impl HistoryAttention<'_> {
         }
     }
 
-    /// Attention outputs of rows `queries` (ascending, all new) into `out`: per head two small
-    /// GEMMs on the packed kernels, `Q_h K_h^T` (the keys packed as items) and then the weights
-    /// times `V_h` (`V_h^T` packed), with the bias, SiLU and divisor applied to the scores
-    /// between. A row's products and their order do not depend on where its keys and values lie
-    /// or on the other query rows, so a resumed pass has the full pass's bits.
+    /// Attention outputs of rows `queries` (ascending, all new) for the heads `heads` into `out`
+    /// (`[queries.len(), heads.len() x dv]`): per head and per chunk of [`QUERY_CHUNK`] query rows
+    /// two small GEMMs on the packed kernels, `Q_h K_h^T` over the keys up to the chunk's last row
+    /// (the keys packed as items) and then the weights times `V_h` over the same keys (`V_h^T`
+    /// packed), with the bias, SiLU and divisor applied to the scores between. A row's products
+    /// and their order do not depend on where its keys and values lie, on the other query rows or
+    /// on how far its chunk reaches (the weights past the row are zeros, which add nothing), so a
+    /// resumed pass has the full pass's bits.
     pub(super) fn run(
         &self,
         k: &KernelTable,
         queries: &[usize],
+        heads: std::ops::Range<usize>,
         out: &mut [f32],
         s: &mut AttentionScratch,
     ) {
         let (_, q_at, _) = self.offsets();
         let done = self.carried.len();
         let n = done + self.uvqk.len() / self.width;
-        let width = self.heads * self.dv;
+        let width = heads.len() * self.dv;
         let divisor = self.attention_width as f32;
         let na = self.attention_width;
         // The bias of each query row against every earlier row (later ones are never read).
@@ -148,49 +157,58 @@ impl HistoryAttention<'_> {
             }
         }
         s.zeros.resize(n.max(self.dv).div_ceil(8) * 8, 0.0);
-        s.weights.resize(queries.len() * n, 0.0);
-        s.head_out.resize(queries.len() * self.dv, 0.0);
-        for h in 0..self.heads {
+        for (slot, h) in heads.enumerate() {
             let key_cols = h * self.dqk..(h + 1) * self.dqk;
             packed::pack_rows_into(&mut s.keys, n, key_cols.clone(), |j| self.keys(j));
-            s.queries.clear();
-            for &i in queries {
-                debug_assert!(i >= done, "a carried row is never a query row");
-                let start = (i - done) * self.width + q_at;
-                s.queries
-                    .extend_from_slice(&self.uvqk[start..][key_cols.clone()]);
-            }
-            let keys = panels(&s.keys, n, self.dqk, &s.zeros);
-            dense::linear_into(k, keys, &s.queries, &mut s.weights, &mut s.unused);
-            for ((weights, bias), &i) in s
-                .weights
-                .chunks_exact_mut(n)
-                .zip(s.bias.chunks_exact(n))
-                .zip(queries)
-            {
-                // Keys past the row are computed too, up to a whole vector (their bias is 0 and
-                // they are zeroed after), so the SiLU runs without a scalar tail per row.
-                let end = (i + 1).next_multiple_of(8).min(n);
-                let row = &mut weights[..end];
-                for (w, b) in row.iter_mut().zip(bias) {
-                    *w += b;
-                }
-                (k.elementwise.silu)(row);
-                // The official code divides after the SiLU.
-                for w in row.iter_mut() {
-                    *w /= divisor;
-                }
-                weights[i + 1..].fill(0.0);
-            }
             let value_cols = h * self.dv..(h + 1) * self.dv;
-            packed::pack_rows_transposed_into(&mut s.values, n, value_cols, |j| self.values(j));
-            let values = panels(&s.values, self.dv, n, &s.zeros);
-            dense::linear_into(k, values, &s.weights, &mut s.head_out, &mut s.unused);
-            for (o, head) in out
-                .chunks_exact_mut(width)
-                .zip(s.head_out.chunks_exact(self.dv))
-            {
-                o[h * self.dv..(h + 1) * self.dv].copy_from_slice(head);
+            for (c, chunk) in queries.chunks(QUERY_CHUNK).enumerate() {
+                // The keys this chunk reads: a causal row attends to none after itself.
+                let reach = chunk.last().map_or(0, |&last| last + 1);
+                s.queries.clear();
+                for &i in chunk {
+                    debug_assert!(i >= done, "a carried row is never a query row");
+                    let start = (i - done) * self.width + q_at;
+                    s.queries
+                        .extend_from_slice(&self.uvqk[start..][key_cols.clone()]);
+                }
+                // The first `reach` keys are the packing's first panels.
+                let keys = panels(
+                    &s.keys[..reach.div_ceil(8) * 8 * self.dqk],
+                    reach,
+                    self.dqk,
+                    &s.zeros,
+                );
+                s.weights.resize(chunk.len() * reach, 0.0);
+                let weights = &mut s.weights[..chunk.len() * reach];
+                dense::linear_into(k, keys, &s.queries, weights, &mut s.unused);
+                let biases = s.bias[c * QUERY_CHUNK * n..].chunks_exact(n);
+                for ((weights, bias), &i) in weights.chunks_exact_mut(reach).zip(biases).zip(chunk)
+                {
+                    // Keys past the row are computed too, up to a whole vector (their bias is 0
+                    // and they are zeroed after), so the SiLU runs without a scalar tail per row.
+                    let end = (i + 1).next_multiple_of(8).min(reach);
+                    let row = &mut weights[..end];
+                    for (w, b) in row.iter_mut().zip(bias) {
+                        *w += b;
+                    }
+                    (k.elementwise.silu)(row);
+                    // The official code divides after the SiLU.
+                    for w in row.iter_mut() {
+                        *w /= divisor;
+                    }
+                    weights[i + 1..].fill(0.0);
+                }
+                packed::pack_rows_transposed_into(&mut s.values, reach, value_cols.clone(), |j| {
+                    self.values(j)
+                });
+                let values = panels(&s.values, self.dv, reach, &s.zeros);
+                s.head_out.resize(chunk.len() * self.dv, 0.0);
+                let head_out = &mut s.head_out[..chunk.len() * self.dv];
+                dense::linear_into(k, values, weights, head_out, &mut s.unused);
+                let rows = out[c * QUERY_CHUNK * width..].chunks_exact_mut(width);
+                for (o, head) in rows.zip(head_out.chunks_exact(self.dv)) {
+                    o[slot * self.dv..(slot + 1) * self.dv].copy_from_slice(head);
+                }
             }
         }
     }

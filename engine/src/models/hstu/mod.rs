@@ -108,9 +108,18 @@ pub struct HstuScratch {
     /// The rows whose output the block computes (every row but in the last block), global and
     /// per history (local indices).
     query_rows: Vec<usize>,
-    local_queries: Vec<usize>,
-    attention_scratch: AttentionScratch,
+    /// One per piece the heads' attention is split into.
+    attention_pieces: Vec<AttentionPiece>,
     quantized: QuantizedActivations,
+}
+
+/// What one piece of a block's attention works in: its heads' output rows (`[query rows, its
+/// heads x dv]`), the current history's query rows, and the attention's own buffers.
+#[derive(Debug, Default)]
+struct AttentionPiece {
+    out: Vec<f32>,
+    queries: Vec<usize>,
+    scratch: AttentionScratch,
 }
 
 impl Hstu {
@@ -442,43 +451,102 @@ impl Hstu {
             }
         }
 
-        s.attention.clear();
-        s.attention.resize(s.query_rows.len() * values, 0.0);
-        let mut done = 0;
-        for ((span, bucket_span), (rows, &covered)) in s
+        // The heads split over up to `threads` pieces when their work is worth a handoff (a
+        // batch of one long history: a batch of several has its histories split instead).
+        let key_reach: usize = s
             .spans
             .iter()
-            .zip(&s.bucket_spans)
-            .zip(carried.iter().zip(&s.done))
-        {
-            s.local_queries.clear();
-            s.local_queries.extend(
-                s.query_rows[done..]
+            .zip(&s.done)
+            .map(|(span, &covered)| {
+                let n = covered + span.len();
+                // The last block asks for one row per history, the others for every new row.
+                let rows = if b + 1 == self.blocks.len() {
+                    1
+                } else {
+                    span.len()
+                };
+                rows * n
+            })
+            .sum();
+        let head_macs = key_reach * (c.dqk + c.dv) / 2;
+        let by_work = c.num_heads * head_macs
+            / crate::parallel::min_macs_per_piece(crate::kernels::dense::MIN_MACS_PER_DENSE_PIECE);
+        let n_pieces = threads.min(c.num_heads).min(by_work).max(1);
+        if s.attention_pieces.len() < n_pieces {
+            s.attention_pieces
+                .resize_with(n_pieces, AttentionPiece::default);
+        }
+        let heads_per_piece = c.num_heads.div_ceil(n_pieces);
+        let piece_heads = |i: usize| {
+            (i * heads_per_piece).min(c.num_heads)..((i + 1) * heads_per_piece).min(c.num_heads)
+        };
+        let (spans, bucket_spans, covered, query_rows, uvqk, buckets) = (
+            &s.spans,
+            &s.bucket_spans,
+            &s.done,
+            &s.query_rows,
+            &s.uvqk,
+            &s.buckets,
+        );
+        let run = |i: usize, piece: &mut AttentionPiece| {
+            crate::profile::account(crate::profile::Work::Attention, || {
+                let heads = piece_heads(i);
+                let piece_width = heads.len() * c.dv;
+                piece.out.resize(query_rows.len() * piece_width, 0.0);
+                let mut done = 0;
+                for ((span, bucket_span), (rows, &covered)) in spans
                     .iter()
-                    .take_while(|&&r| r < span.end)
-                    .map(|&r| covered + r - span.start),
-            );
-            let count = s.local_queries.len();
-            HistoryAttention {
-                carried: rows,
-                carried_at: at_block,
-                uvqk: &s.uvqk[span.start * width..span.end * width],
-                width,
-                heads: c.num_heads,
-                dqk: c.dqk,
-                dv: c.dv,
-                buckets: &s.buckets[bucket_span.clone()],
-                position_bias: block.position_bias.as_slice(),
-                time_bias: block.time_bias.as_slice(),
-                attention_width: c.attention_width,
+                    .zip(bucket_spans)
+                    .zip(carried.iter().zip(covered))
+                {
+                    piece.queries.clear();
+                    piece.queries.extend(
+                        query_rows[done..]
+                            .iter()
+                            .take_while(|&&r| r < span.end)
+                            .map(|&r| covered + r - span.start),
+                    );
+                    let count = piece.queries.len();
+                    HistoryAttention {
+                        carried: rows,
+                        carried_at: at_block,
+                        uvqk: &uvqk[span.start * width..span.end * width],
+                        width,
+                        heads: c.num_heads,
+                        dqk: c.dqk,
+                        dv: c.dv,
+                        buckets: &buckets[bucket_span.clone()],
+                        position_bias: block.position_bias.as_slice(),
+                        time_bias: block.time_bias.as_slice(),
+                        attention_width: c.attention_width,
+                    }
+                    .run(
+                        k,
+                        &piece.queries,
+                        heads.clone(),
+                        &mut piece.out[done * piece_width..(done + count) * piece_width],
+                        &mut piece.scratch,
+                    );
+                    done += count;
+                }
+            })
+        };
+        let pieces = &mut s.attention_pieces[..n_pieces];
+        crate::parallel::for_each_mut(pieces, run);
+        // Each piece's heads into their columns of the attention rows.
+        s.attention.clear();
+        s.attention.resize(s.query_rows.len() * values, 0.0);
+        for (i, piece) in s.attention_pieces[..n_pieces].iter().enumerate() {
+            let heads = piece_heads(i);
+            let piece_width = heads.len() * c.dv;
+            let columns = heads.start * c.dv..heads.end * c.dv;
+            for (row, part) in s
+                .attention
+                .chunks_exact_mut(values)
+                .zip(piece.out.chunks_exact(piece_width.max(1)))
+            {
+                row[columns.clone()].copy_from_slice(part);
             }
-            .run(
-                k,
-                &s.local_queries,
-                &mut s.attention[done * values..(done + count) * values],
-                &mut s.attention_scratch,
-            );
-            done += count;
         }
         self.normalise(k, &mut s.attention, values);
         // u, the first `values` columns of each query row, gates the normalised attention.
@@ -495,6 +563,67 @@ impl Hstu {
             for (o, x) in out.iter_mut().zip(&s.x[r * d..(r + 1) * d]) {
                 *o += x;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelKind;
+    use crate::engine_dir::Precision;
+    use crate::models::Model;
+
+    /// A batch of one long history splits its heads' attention over threads: every bit as on one
+    /// thread, for whole histories and for the last block's single query row; and every history
+    /// longer than a query chunk reads the keys up to each chunk's last row only, which the
+    /// golden and resumed-pass tests hold to the full pass's answers.
+    #[test]
+    fn attention_heads_split_over_threads_change_no_bit() {
+        crate::parallel::split_by_floor_only();
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = crate::fixtures::convert(
+            ModelKind::Hstu,
+            "model.safetensors",
+            tmp.path(),
+            Precision::Fp32,
+        )
+        .unwrap();
+        let Model::Hstu(model) = &engine.model else {
+            unreachable!("an HSTU fixture")
+        };
+        let items = model.config().n_items as u32;
+        for len in [1usize, 33, 200, 260] {
+            let history: Vec<u32> = (0..len as u32).map(|p| 1 + (p * 7919) % items).collect();
+            let events: Vec<i64> = (0..len as i64)
+                .map(|p| 1_600_000_000 + 3_571 * p * p)
+                .collect();
+            let when = [EventTimes {
+                events: &events,
+                query: events[len - 1] + 60,
+            }];
+            let run = |threads: usize| {
+                let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+                let mut scratch = HstuScratch::default();
+                model.encode_into(
+                    model.kernels(),
+                    &[&history],
+                    &when,
+                    &mut scratch,
+                    &mut hidden,
+                    &mut notes,
+                    threads,
+                    &mut |_: &str, _: &[f32]| {},
+                );
+                hidden.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            };
+            let one = run(1);
+            assert!(
+                one.iter().any(|&b| b != 0),
+                "length {len}: a real embedding"
+            );
+            assert_eq!(run(2), one, "length {len}: two threads");
+            assert_eq!(run(3), one, "length {len}: three threads");
         }
     }
 }
