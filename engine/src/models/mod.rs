@@ -253,6 +253,34 @@ impl DenseLayer {
         )
     }
 
+    /// [`DenseLayer::forward_into`], then the elementwise `activation` over the output, each
+    /// piece's rows on the thread that computed them (see
+    /// [`crate::kernels::dense::linear_into_threads_then`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_into_then(
+        &self,
+        kernels: &crate::kernels::KernelTable,
+        x: &[f32],
+        y: &mut Vec<f32>,
+        quantized: &mut crate::kernels::packed::QuantizedActivations,
+        threads: usize,
+        observe: ActivationObserver<'_>,
+        activation: fn(&mut [f32]),
+    ) {
+        observe(&self.name, x);
+        y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
+        crate::kernels::dense::linear_into_threads_then(
+            kernels,
+            self.view(kernels),
+            x,
+            y,
+            quantized,
+            threads,
+            crate::profile::Work::Dense,
+            activation,
+        )
+    }
+
     /// `x @ W^T + b` into `y` (`[rows, out]`) on this thread, accounted as dense work: one piece
     /// of a layer whose rows are split by the caller.
     pub(crate) fn forward_rows(

@@ -426,15 +426,15 @@ impl Hstu {
         s.normalised.clear();
         s.normalised.extend_from_slice(&s.x);
         self.normalise(k, &mut s.normalised, d);
-        block.uvqk.forward_into(
+        block.uvqk.forward_into_then(
             k,
             &s.normalised,
             &mut s.uvqk,
             &mut s.quantized,
             threads,
             observe,
+            k.elementwise.silu,
         );
-        (k.elementwise.silu)(&mut s.uvqk);
 
         let keys = c.num_heads * c.dqk;
         let at_block = b * (keys + values);
