@@ -240,17 +240,7 @@ impl DenseLayer {
         threads: usize,
         observe: ActivationObserver<'_>,
     ) {
-        observe(&self.name, x);
-        y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
-        crate::kernels::dense::linear_into_threads(
-            kernels,
-            self.view(kernels),
-            x,
-            y,
-            quantized,
-            threads,
-            crate::profile::Work::Dense,
-        )
+        self.forward_into_then(kernels, x, y, quantized, threads, observe, |_| {})
     }
 
     /// [`DenseLayer::forward_into`], then the elementwise `activation` over the output, each
