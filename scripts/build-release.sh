@@ -4,9 +4,10 @@
 # for CUDA 13; CUDA is loaded at run time, so the build needs no CUDA toolkit. Used by CI
 # (scripts/test.sh) and by docker/Dockerfile, so the image is built exactly as CI builds.
 #   scripts/build-release.sh [--cuda | --cuda-13] [--backend-only] [--target-dir DIR]
-# --backend-only leaves out the CLI (it has no CUDA features, so its CUDA build is the plain one):
-# CI's CUDA build of the backend uses it. With the CLI, its shell completions and manual pages are
-# written to target/release/completions and target/release/man.
+# --backend-only leaves out the CLI (it has no CUDA features, so its CUDA build is the plain one).
+# In a target folder that already holds the CLI's release build, building with the CLI is the
+# faster one: the dependencies keep the feature set they were built with. With the CLI, its shell
+# completions and manual pages are written to target/release/completions and target/release/man.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features=()

@@ -132,6 +132,8 @@ class Mixed(threading.Thread):
             self.sent[model] += 1
             i += 1
             time.sleep(0.01)
+        # An open keep-alive connection would hold the stopping server for its exit timeout.
+        self.client.close()
 
 
 class SwitchLoad(threading.Thread):
@@ -168,6 +170,7 @@ class SwitchLoad(threading.Thread):
                     self.failures.append(repr(e)[:300])
             with self.lock:
                 self.sent += 1
+        client.close()
 
 
 def ids(rows: list[list[int]]):
@@ -206,8 +209,8 @@ def extra_input():
 def serving_version(url: str, model: str) -> str:
     import tritonclient.http as httpclient  # noqa: PLC0415
 
-    client = httpclient.InferenceServerClient(url)
-    return client.infer(model, [ids([[10011403, 10011207]])]).get_response()["model_version"]
+    with httpclient.InferenceServerClient(url) as client:
+        return client.infer(model, [ids([[10011403, 10011207]])]).get_response()["model_version"]
 
 
 def main() -> int:
@@ -301,7 +304,8 @@ def soak(args: argparse.Namespace) -> int:
                         if what.startswith("reload"):
                             import tritonclient.http as httpclient  # noqa: PLC0415
 
-                            httpclient.InferenceServerClient(server.http_url, network_timeout=120).load_model(what.split()[1])
+                            with httpclient.InferenceServerClient(server.http_url, network_timeout=120) as client:
+                                client.load_model(what.split()[1])
                         elif what.startswith("publish v2"):
                             registry("publish", "--approve", "--engine", str(tmp / "bert4rec-int8"), "--server", url,
                                      "--canary-on-traffic")
@@ -321,7 +325,8 @@ def soak(args: argparse.Namespace) -> int:
                             import tritonclient.http as httpclient  # noqa: PLC0415
 
                             try:
-                                httpclient.InferenceServerClient(server.http_url).load_model(VERSIONED)
+                                with httpclient.InferenceServerClient(server.http_url) as client:
+                                    client.load_model(VERSIONED)
                                 problems.append("a corrupted engine loaded")
                             except Exception as e:  # noqa: BLE001
                                 events.append(f"  load refused: {str(e).splitlines()[0][:200]}")

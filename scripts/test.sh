@@ -130,13 +130,17 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 HTTP_PORT=$(free_port) GRPC_PORT=$(free_port) METRICS_PORT=$(free_port) ./scripts/serve.sh --check
 
 stage "integration tests against the real tritonserver"
+# Every release build below names the CLI with the backend, as scripts/serve.sh's build above
+# does: cargo unifies the dependencies' features over the packages of one build, so the backend
+# built alone would compile its whole dependency tree again with another feature set (minutes
+# here); built beside the CLI, only the crates whose own features differ build again.
 # The backend under test is built with the test-only panic trigger, into its own backend directory.
-cargo build --release --locked -p recsys-backend --features recsys-backend/panic-trigger
+cargo build --release --locked -p recsys-backend -p recsys-cli --features recsys-backend/panic-trigger
 mkdir -p build/test-backends/recsys
 cp target/release/libtriton_recsys.so build/test-backends/recsys/
 # The CUDA build, as docker/Dockerfile builds it, for the KIND_GPU tests (a clear load error here).
 # In the one release target folder: only the crates whose features differ build again.
-./scripts/build-release.sh --cuda --backend-only
+./scripts/build-release.sh --cuda
 mkdir -p build/test-backends-cuda/recsys
 cp target/release/libtriton_recsys.so build/test-backends-cuda/recsys/
 # The release path's fault-injection suite (test_chaos.py) runs `recsys` built with its fault hooks
@@ -155,7 +159,7 @@ wheel=$(PYTHON=.venv/bin/python scripts/build-wheel.sh build/wheels)
 py_status=0
 .venv/bin/pytest tests/integration -q -p no:cacheprovider --durations=30 2>&1 | tee "$logs/py.log" || py_status=$?
 # Leave the serving build of the backend in place for scripts/serve.sh and the benchmarks.
-cargo build --release --locked -p recsys-backend >/dev/null 2>&1 || true
+cargo build --release --locked -p recsys-cli -p recsys-backend >/dev/null 2>&1 || true
 
 rust_passed=$(count "$logs/rust.log" passed '^test result:')
 rust_failed=$(count "$logs/rust.log" failed '^test result:')

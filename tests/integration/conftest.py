@@ -289,7 +289,10 @@ def http(server):
     """The real tritonclient over HTTP (8 connections, for the concurrent tests)."""
     import tritonclient.http as httpclient
 
-    return httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    yield client
+    # An open keep-alive connection holds a stopping tritonserver for its whole exit timeout.
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +300,9 @@ def grpc(server):
     """The real tritonclient over gRPC."""
     import tritonclient.grpc as grpcclient
 
-    return grpcclient.InferenceServerClient(server.grpc_url)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

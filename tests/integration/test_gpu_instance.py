@@ -40,8 +40,10 @@ def test_kind_gpu_loads_on_a_gpu_or_fails_clearly_without_one(tmp_path, recsys_b
         shutil.copytree(engine, repo / name / "1")
         (repo / name / "config.pbtxt").write_text(contract_config(name, kind=kind))
     has_driver = ctypes.util.find_library("cuda") is not None
-    with TritonServer(repo, CUDA_BACKEND, explicit=True, load_models=["cpu"], log_path=tmp_path / "server.log") as server:
-        client = httpclient.InferenceServerClient(server.http_url)
+    # The client closes before the server stops: an open keep-alive connection would hold the
+    # stopping server for its exit timeout.
+    with TritonServer(repo, CUDA_BACKEND, explicit=True, load_models=["cpu"], log_path=tmp_path / "server.log") as server, \
+            httpclient.InferenceServerClient(server.http_url) as client:
         cpu_ids, cpu_scores = infer(client, "cpu", [10011403, 10011207])
         if has_driver:
             client.load_model("gpu")

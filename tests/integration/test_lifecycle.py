@@ -70,6 +70,8 @@ def test_publish_approve_reject_switch_versions_without_failed_requests(tmp_path
         finally:
             stop.set()
             worker.join(30)
+            # Its keep-alive connection would hold the stopping server for its exit timeout.
+            client.close()
         assert failures == [], failures[:5]
         assert len(seen) > 50
         versions = recsys("versions")
