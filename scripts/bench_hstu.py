@@ -4,7 +4,7 @@ MovieLens-1M's shape (the official "large" config: 8 blocks, D 50, 2 heads x (25
 MovieLens-20M's (16 blocks, D 256, 8 heads x (32 + 32)), max_sequence_length 200, random weights,
 batch 1 and 64, the same threads for everyone, fp32.
 
-    scripts/bench.sh hstu [--threads 2] [--official-repo DIR] [--out FILE.md]
+    scripts/bench.sh hstu [--threads 2] [--official-repo DIR] [--out FILE.md] [--keep DIR]
 
 Each side answers the same requests: a history (MovieLens-1M's length distribution, so some are
 longer than the window and truncated to it) with a timestamp per event an hour apart, queried at
@@ -155,12 +155,18 @@ def main() -> None:
     parser.add_argument("--official-repo", type=Path,
                         help="a checkout of meta-recsys/generative-recommenders (without it: no official column)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="convert into DIR and leave there each shape's engine (engine-BLOCKS) and histories "
+                             "(histories-BLOCKS.json), for model_probe runs of one's own")
     args = parser.parse_args()
     import onnx  # noqa: PLC0415
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = args.keep
         for label, n, d, blocks, heads, width in SHAPES:
             rng = np.random.default_rng(59)
             weights, cfg = hstu_weights(n, d, blocks, heads, width, width, L, rng, OUTPUT_LENGTH)
@@ -170,14 +176,15 @@ def main() -> None:
             map_path.write_text("internal_index\texternal_item_id\n"
                                 + "".join(f"{i + 1}\t{2_000_001 + i}\n" for i in range(n)))
             engine = tmp / f"engine-{blocks}"
-            subprocess.run([str(RECSYS), "convert", "--kind", "hstu", "--checkpoint", str(ckpt), "--config",
+            subprocess.run([str(RECSYS), "convert", "--force", "--kind", "hstu", "--checkpoint", str(ckpt), "--config",
                             str(cfg_path), "--item-map", str(map_path), "--out", str(engine)],
                            check=True, capture_output=True)
             graph = tmp / f"hstu-{blocks}.onnx"
-            subprocess.run([str(RECSYS), "export-onnx", "--engine", str(engine), "--out", str(graph), "--k", str(K)],
+            subprocess.run([str(RECSYS), "export-onnx", "--force", "--engine", str(engine), "--out", str(graph), "--k", str(K)],
                            check=True, capture_output=True)
             index = {2_000_001 + i: i + 1 for i in range(n)}
             histories = ml1m_histories(sorted(index), rng, count=640)
+            (tmp / f"histories-{blocks}.json").write_text(json.dumps(histories))
             peers = Peers(onnx.load(str(graph)), args.threads)
             official = None
             if args.official_repo:
