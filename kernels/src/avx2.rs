@@ -452,7 +452,8 @@ pub(super) const KERNELS: KernelTable = kernel_table!(
         layer_norm,
         add_rows,
         add_rows_bf16,
-    }
+    },
+    super::attention::avx2::kernel
 );
 
 pub(super) static TABLE: KernelTable = KERNELS;

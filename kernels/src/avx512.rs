@@ -495,6 +495,8 @@ pub(super) const KERNELS: KernelTable = KernelTable {
         silu,
         ..avx2::KERNELS.elementwise
     },
+    // AVX2's: the same fused multiply-adds in the same order as the AVX-512 dense kernels.
+    attention: avx2::KERNELS.attention,
 };
 
 pub(super) static TABLE: KernelTable = KERNELS;

@@ -18,6 +18,7 @@
 //! (the products of two bfloat16 values are exact in f32). That is what `vdpbf16ps` does, so the
 //! paths without it (which widen to f32 and use two fused multiply-adds) give its bits.
 
+pub mod attention;
 mod bf16;
 pub mod dense;
 pub mod fused;
@@ -34,7 +35,7 @@ pub mod topk;
 /// Builds a [`KernelTable`] from four generic micro-kernels `kernel::<ROWS, PANELS>`, one per
 /// precision, instantiated for rows {1, 2, 4, 8} x panels {1, 2, 4, 8}.
 macro_rules! kernel_table {
-    ($isa:expr, $f32:ident, $f16:ident, $bf16:ident, $i8:ident, $elementwise:expr) => {
+    ($isa:expr, $f32:ident, $f16:ident, $bf16:ident, $i8:ident, $elementwise:expr, $attention:expr) => {
         $crate::KernelTable {
             isa: $isa,
             f32: kernel_table!(@rows $f32, $crate::PanelF32),
@@ -43,6 +44,7 @@ macro_rules! kernel_table {
             i8: kernel_table!(@rows $i8, $crate::PanelI8),
             panels_per_call: $crate::PanelsPerCall::EIGHT_ACCUMULATORS,
             elementwise: $elementwise,
+            attention: $attention,
         }
     };
     (@rows $kernel:ident, $ty:ty) => {
@@ -270,6 +272,8 @@ pub struct KernelTable {
     /// Panels per call for each precision's row groups.
     pub panels_per_call: PanelsPerCall,
     pub elementwise: Elementwise,
+    /// HSTU's pointwise attention of one head over one history ([`attention`]).
+    pub attention: attention::AttentionKernel,
 }
 
 /// Panels per micro-kernel call for row groups of 1, 2, 4 and 8 rows, per precision: what keeps

@@ -170,5 +170,6 @@ pub(super) static TABLE: KernelTable = kernel_table!(
         layer_norm: super::portable::layer_norm_rows,
         add_rows: super::portable::add_rows,
         add_rows_bf16: super::portable::add_rows_bf16,
-    }
+    },
+    super::attention::portable
 );

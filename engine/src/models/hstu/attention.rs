@@ -2,8 +2,9 @@
 //! `j <= i`, no softmax, where the relative bias `rab` adds a learned weight per position offset
 //! and one per log-spaced time gap between the event after `i` and event `j`.
 
-use crate::kernels::packed::{self, LayerRef, PanelRef, QuantizedActivations};
-use crate::kernels::{dense, KernelTable};
+use crate::kernels::attention::{AttentionOut, PointwiseAttention};
+use crate::kernels::packed;
+use crate::kernels::KernelTable;
 
 /// The time-gap bucket of `dt` seconds: `trunc(ln(max(|dt|, 1)) / 0.301)` clamped to
 /// `0..=buckets`, in f32 as the official code computes it (`torch.log` of the int64 gaps gives
@@ -56,11 +57,6 @@ pub(super) struct HistoryAttention<'a> {
     pub attention_width: usize,
 }
 
-/// Query rows one pass of a head's two GEMMs takes: each chunk reads the keys up to its own last
-/// row, so a history's attention costs about the causal triangle (plus half a chunk per row)
-/// rather than the whole square, for a repacking of that prefix's values per chunk.
-const QUERY_CHUNK: usize = 32;
-
 /// The buffers one history's attention works in, kept between calls.
 #[derive(Debug, Default)]
 pub(super) struct AttentionScratch {
@@ -69,22 +65,8 @@ pub(super) struct AttentionScratch {
     keys: Vec<f32>,
     values: Vec<f32>,
     queries: Vec<f32>,
+    /// The kernel's weights of one tile of query rows.
     weights: Vec<f32>,
-    head_out: Vec<f32>,
-    zeros: Vec<f32>,
-    /// Attention runs in f32: nothing is quantized here.
-    unused: QuantizedActivations,
-}
-
-/// `n` items of width `d` packed in `panels` (f32, no bias), as the dense kernels take them.
-fn panels<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> LayerRef<'a> {
-    LayerRef {
-        n,
-        d,
-        data: PanelRef::F32(panels),
-        bias: &zeros[..n.div_ceil(8) * 8],
-        activation_scale: None,
-    }
 }
 
 impl HistoryAttention<'_> {
@@ -125,12 +107,10 @@ impl HistoryAttention<'_> {
     }
 
     /// Attention outputs of rows `queries` (ascending, all new) for the heads `heads` into `out`
-    /// (`[queries.len(), heads.len() x dv]`): per head and per chunk of [`QUERY_CHUNK`] query rows
-    /// two small GEMMs on the packed kernels, `Q_h K_h^T` over the keys up to the chunk's last row
-    /// (the keys packed as items) and then the weights times `V_h` over the same keys (`V_h^T`
-    /// packed), with the bias, SiLU and divisor applied to the scores between. A row's products
-    /// and their order do not depend on where its keys and values lie, on the other query rows or
-    /// on how far its chunk reaches (the weights past the row are zeros, which add nothing), so a
+    /// (`[queries.len(), heads.len() x dv]`): per head, the keys and values of the whole history
+    /// packed once, then the table's fused attention kernel ([`KernelTable::attention`]) with the
+    /// bias of every (query, key) pair, computed once for all the heads. A row's products and their
+    /// order do not depend on where its keys and values lie or on the other query rows, so a
     /// resumed pass has the full pass's bits.
     pub(super) fn run(
         &self,
@@ -144,7 +124,6 @@ impl HistoryAttention<'_> {
         let done = self.carried.len();
         let n = done + self.uvqk.len() / self.width;
         let width = heads.len() * self.dv;
-        let divisor = self.attention_width as f32;
         let na = self.attention_width;
         // The bias of each query row against every earlier row (later ones are never read).
         s.bias.clear();
@@ -156,60 +135,36 @@ impl HistoryAttention<'_> {
                 *b = position + self.time_bias[usize::from(bucket)];
             }
         }
-        s.zeros.resize(n.max(self.dv).div_ceil(8) * 8, 0.0);
         for (slot, h) in heads.enumerate() {
             let key_cols = h * self.dqk..(h + 1) * self.dqk;
             packed::pack_rows_into(&mut s.keys, n, key_cols.clone(), |j| self.keys(j));
             let value_cols = h * self.dv..(h + 1) * self.dv;
-            for (c, chunk) in queries.chunks(QUERY_CHUNK).enumerate() {
-                // The keys this chunk reads: a causal row attends to none after itself.
-                let reach = chunk.last().map_or(0, |&last| last + 1);
-                s.queries.clear();
-                for &i in chunk {
-                    debug_assert!(i >= done, "a carried row is never a query row");
-                    let start = (i - done) * self.width + q_at;
-                    s.queries
-                        .extend_from_slice(&self.uvqk[start..][key_cols.clone()]);
-                }
-                // The first `reach` keys are the packing's first panels.
-                let keys = panels(
-                    &s.keys[..reach.div_ceil(8) * 8 * self.dqk],
-                    reach,
-                    self.dqk,
-                    &s.zeros,
-                );
-                s.weights.resize(chunk.len() * reach, 0.0);
-                let weights = &mut s.weights[..chunk.len() * reach];
-                dense::linear_into(k, keys, &s.queries, weights, &mut s.unused);
-                let biases = s.bias[c * QUERY_CHUNK * n..].chunks_exact(n);
-                for ((weights, bias), &i) in weights.chunks_exact_mut(reach).zip(biases).zip(chunk)
-                {
-                    // Keys past the row are computed too, up to a whole vector (their bias is 0
-                    // and they are zeroed after), so the SiLU runs without a scalar tail per row.
-                    let end = (i + 1).next_multiple_of(8).min(reach);
-                    let row = &mut weights[..end];
-                    for (w, b) in row.iter_mut().zip(bias) {
-                        *w += b;
-                    }
-                    (k.elementwise.silu)(row);
-                    // The official code divides after the SiLU.
-                    for w in row.iter_mut() {
-                        *w /= divisor;
-                    }
-                    weights[i + 1..].fill(0.0);
-                }
-                packed::pack_rows_transposed_into(&mut s.values, reach, value_cols.clone(), |j| {
-                    self.values(j)
-                });
-                let values = panels(&s.values, self.dv, reach, &s.zeros);
-                s.head_out.resize(chunk.len() * self.dv, 0.0);
-                let head_out = &mut s.head_out[..chunk.len() * self.dv];
-                dense::linear_into(k, values, weights, head_out, &mut s.unused);
-                let rows = out[c * QUERY_CHUNK * width..].chunks_exact_mut(width);
-                for (o, head) in rows.zip(head_out.chunks_exact(self.dv)) {
-                    o[slot * self.dv..(slot + 1) * self.dv].copy_from_slice(head);
-                }
+            packed::pack_rows_transposed_into(&mut s.values, n, value_cols, |j| self.values(j));
+            s.queries.clear();
+            for &i in queries {
+                debug_assert!(i >= done, "a carried row is never a query row");
+                let start = (i - done) * self.width + q_at;
+                s.queries
+                    .extend_from_slice(&self.uvqk[start..][key_cols.clone()]);
             }
+            let attention = PointwiseAttention {
+                queries: &s.queries,
+                query_stride: self.dqk,
+                rows: queries,
+                keys: &s.keys,
+                values: &s.values,
+                bias: &s.bias,
+                bias_stride: n,
+                n,
+                dqk: self.dqk,
+                dv: self.dv,
+                divisor: self.attention_width as f32,
+            };
+            let mut head_out = AttentionOut {
+                values: &mut out[slot * self.dv..],
+                stride: width,
+            };
+            (k.attention)(&attention, &mut head_out, &mut s.weights);
         }
     }
 }
