@@ -353,11 +353,89 @@ unsafe fn tanh_avx2(x: &mut [f32]) {
     super::portable::tanh_inplace(x)
 }
 
+/// SiLU of 4 registers at once, `x / (1 + e^-x)` with fused multiply-adds: `e^-x` as `2^k e^r`
+/// (x clamped to [-88, 87], k = round(-x / ln 2) by the 1.5 x 2^23 shifter, r = -x - k ln 2 in one
+/// fused step, whose error is |k| times ln 2's f32 rounding, 2e-9), e^r by a degree-6 polynomial
+/// fitted to the relative error on |r| <= ln2 / 2 (2e-8), then one division; 0 below -87, as the
+/// portable SiLU. Within 3e-7 relative of the formula in f64 (tested). Four independent registers
+/// step by step, because one register's chain of 15 dependent operations left Zen's out-of-order
+/// window half empty: 1.6 ns an element one register at a time, against 0.5 interleaved, and
+/// 1.65 for the portable SiLU (no FMA, Estrin's series to r^7, the sign handled by a blend).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu4(x: [__m256; 4]) -> [__m256; 4] {
+    let each = |f: &dyn Fn(usize) -> __m256| -> [__m256; 4] { std::array::from_fn(f) };
+    let shifter = _mm256_set1_ps(12_582_912.0 + 127.0);
+    let clamped = each(&|i| {
+        _mm256_max_ps(
+            _mm256_min_ps(x[i], _mm256_set1_ps(88.0)),
+            _mm256_set1_ps(-87.0),
+        )
+    });
+    // -x log2(e) rounded to an integer k, with 127 added: its low bits are 2^k's exponent bits.
+    let shifted = each(&|i| {
+        _mm256_fnmadd_ps(
+            clamped[i],
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+            shifter,
+        )
+    });
+    let k = each(&|i| _mm256_sub_ps(shifted[i], shifter));
+    // r = -x - k ln 2.
+    let r = each(&|i| _mm256_fnmsub_ps(k[i], _mm256_set1_ps(std::f32::consts::LN_2), clamped[i]));
+    let mut p = each(&|_| _mm256_set1_ps(SILU_EXP[6]));
+    for &c in SILU_EXP[..6].iter().rev() {
+        p = each(&|i| _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(c)));
+    }
+    let two_k =
+        each(&|i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(shifted[i]))));
+    let denominator = each(&|i| _mm256_fmadd_ps(p[i], two_k[i], _mm256_set1_ps(1.0)));
+    each(&|i| {
+        let silu = _mm256_div_ps(x[i], denominator[i]);
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x[i], _mm256_set1_ps(-87.0));
+        _mm256_andnot_ps(below, silu)
+    })
+}
+
+/// e^r on |r| <= ln2 / 2: the coefficients of r^0..r^6, fitted to the relative error (1.7e-8).
+const SILU_EXP: [f32; 7] = [
+    1.0,
+    1.0,
+    0.499_999_9,
+    0.166_664_2,
+    0.041_668_225,
+    0.008_374_816,
+    0.001_383_684_6,
+];
+
 /// # Safety
 /// As for [`gelu_avx2`].
 #[target_feature(enable = "avx2,fma")]
-unsafe fn silu_avx2(x: &mut [f32]) {
-    super::portable::silu_inplace(x)
+pub(super) unsafe fn silu_avx2(x: &mut [f32]) {
+    let mut blocks = x.chunks_exact_mut(32);
+    for block in &mut blocks {
+        let p = block.as_mut_ptr();
+        // SAFETY: a block holds 32 floats: registers i at 8 i.
+        unsafe {
+            let v = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
+            for (i, s) in silu4(v).into_iter().enumerate() {
+                _mm256_storeu_ps(p.add(8 * i), s);
+            }
+        }
+    }
+    // The rest through a padded copy, so that every element is the same function of its value.
+    let rest = blocks.into_remainder();
+    if !rest.is_empty() {
+        let mut padded = [0f32; 32];
+        padded[..rest.len()].copy_from_slice(rest);
+        // SAFETY: as above, on the 32 floats of `padded`.
+        unsafe { silu_avx2(&mut padded) };
+        let len = rest.len();
+        rest.copy_from_slice(&padded[..len]);
+    }
 }
 
 /// # Safety

@@ -450,21 +450,9 @@ unsafe fn gelu_avx512(x: &mut [f32]) {
     super::portable::gelu_erf_inplace(x)
 }
 
-/// # Safety
-/// As for [`tanh_avx512`].
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn silu_avx512(x: &mut [f32]) {
-    super::portable::silu_inplace(x)
-}
-
 fn tanh(x: &mut [f32]) {
     // SAFETY: TABLE is only reachable after AVX-512 F was detected (KernelTable::for_isa).
     unsafe { tanh_avx512(x) }
-}
-
-fn silu(x: &mut [f32]) {
-    // SAFETY: as for tanh.
-    unsafe { silu_avx512(x) }
 }
 
 fn gelu(x: &mut [f32]) {
@@ -492,7 +480,7 @@ pub(super) const KERNELS: KernelTable = KernelTable {
     elementwise: super::Elementwise {
         tanh,
         gelu,
-        silu,
+        // AVX2's (fused multiply-adds, four registers interleaved).
         ..avx2::KERNELS.elementwise
     },
     // AVX2's: the same fused multiply-adds in the same order as the AVX-512 dense kernels.
