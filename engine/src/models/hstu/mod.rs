@@ -91,7 +91,7 @@ pub struct HstuScratch {
     next: Vec<f32>,
     normalised: Vec<f32>,
     uvqk: Vec<f32>,
-    attention: Vec<f32>,
+    /// The gated attention rows, the output projection's input.
     gated: Vec<f32>,
     /// Per history: how many of its rows a carried state covers (their keys and values are
     /// read from it; only the rows after them are in `x`).
@@ -120,6 +120,17 @@ struct AttentionPiece {
     out: Vec<f32>,
     queries: Vec<usize>,
     scratch: AttentionScratch,
+}
+
+/// Pieces an elementwise step between a block's matrix products (norms, the gate) is split into
+/// over `rows` rows `width` wide: as a dense layer would be, counting a row's norm as 16
+/// multiply-adds an element (about its time: 0.2 us a row of 256 on a Zen core), so a batch-1
+/// history of 100 events and more splits, and short ones stay on the calling thread.
+fn elementwise_pieces(rows: usize, width: usize, threads: usize) -> usize {
+    let work = rows.saturating_mul(width * 16);
+    let floor =
+        crate::parallel::min_macs_per_piece(crate::kernels::dense::MIN_MACS_PER_DENSE_PIECE);
+    threads.min(work / floor).min(rows).max(1)
 }
 
 impl Hstu {
@@ -423,9 +434,16 @@ impl Hstu {
         let values = c.num_heads * c.dv;
         let block = &self.blocks[b];
 
-        s.normalised.clear();
-        s.normalised.extend_from_slice(&s.x);
-        self.normalise(k, &mut s.normalised, d);
+        // The rows' norms, split over the pool by rows.
+        let rows = s.x.len() / d;
+        s.normalised.resize(s.x.len(), 0.0);
+        let per_piece = rows.div_ceil(elementwise_pieces(rows, d, threads)).max(1);
+        let x = &s.x;
+        let mut parts: Vec<&mut [f32]> = s.normalised.chunks_mut(per_piece * d).collect();
+        crate::parallel::for_each_mut(&mut parts, |i, part| {
+            part.copy_from_slice(&x[i * per_piece * d..][..part.len()]);
+            self.normalise(k, part, d);
+        });
         block.uvqk.forward_into_then(
             k,
             &s.normalised,
@@ -533,29 +551,35 @@ impl Hstu {
         };
         let pieces = &mut s.attention_pieces[..n_pieces];
         crate::parallel::for_each_mut(pieces, run);
-        // Each piece's heads into their columns of the attention rows.
-        s.attention.clear();
-        s.attention.resize(s.query_rows.len() * values, 0.0);
-        for (i, piece) in s.attention_pieces[..n_pieces].iter().enumerate() {
-            let heads = piece_heads(i);
-            let piece_width = heads.len() * c.dv;
-            let columns = heads.start * c.dv..heads.end * c.dv;
-            for (row, part) in s
-                .attention
-                .chunks_exact_mut(values)
-                .zip(piece.out.chunks_exact(piece_width.max(1)))
-            {
-                row[columns.clone()].copy_from_slice(part);
+        // Each piece's heads into their columns of a query row, the row's norm, and u (the row's
+        // first `values` columns) as its gate: split over the pool by rows.
+        let query_count = s.query_rows.len();
+        s.gated.resize(query_count * values, 0.0);
+        let per_piece = query_count
+            .div_ceil(elementwise_pieces(query_count, values, threads))
+            .max(1);
+        let (attention, uvqk, query_rows) =
+            (&s.attention_pieces[..n_pieces], &s.uvqk, &s.query_rows);
+        let mut parts: Vec<&mut [f32]> = s.gated.chunks_mut(per_piece * values).collect();
+        crate::parallel::for_each_mut(&mut parts, |p, part| {
+            let first = p * per_piece;
+            for (q, row) in (first..).zip(part.chunks_exact_mut(values)) {
+                for (i, piece) in attention.iter().enumerate() {
+                    let heads = piece_heads(i);
+                    let piece_width = heads.len() * c.dv;
+                    row[heads.start * c.dv..heads.end * c.dv]
+                        .copy_from_slice(&piece.out[q * piece_width..(q + 1) * piece_width]);
+                }
             }
-        }
-        self.normalise(k, &mut s.attention, values);
-        // u, the first `values` columns of each query row, gates the normalised attention.
-        s.gated.clear();
-        for (q, &r) in s.query_rows.iter().enumerate() {
-            let u = &s.uvqk[r * width..r * width + values];
-            let a = &s.attention[q * values..(q + 1) * values];
-            s.gated.extend(u.iter().zip(a).map(|(u, a)| u * a));
-        }
+            self.normalise(k, part, values);
+            for (q, row) in (first..).zip(part.chunks_exact_mut(values)) {
+                let r = query_rows[q];
+                let u = &uvqk[r * width..r * width + values];
+                for (g, u) in row.iter_mut().zip(u) {
+                    *g *= u;
+                }
+            }
+        });
         block
             .output
             .forward_into(k, &s.gated, &mut s.next, &mut s.quantized, threads, observe);
