@@ -271,6 +271,33 @@ impl DenseLayer {
         )
     }
 
+    /// [`DenseLayer::forward_into_then`] for the outputs `outputs` only (whole panels: the range
+    /// starts at a multiple of 8), into `y` (`[rows, outputs.len()]`): each output has the bits it
+    /// has in the whole layer. The input is not shown to an observer (the caller shows it once).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_outputs_into_then(
+        &self,
+        kernels: &crate::kernels::KernelTable,
+        outputs: std::ops::Range<usize>,
+        x: &[f32],
+        y: &mut Vec<f32>,
+        quantized: &mut crate::kernels::packed::QuantizedActivations,
+        threads: usize,
+        activation: fn(&mut [f32]),
+    ) {
+        y.resize(x.len() / self.packed.d * outputs.len(), 0.0);
+        crate::kernels::dense::linear_into_threads_then(
+            kernels,
+            self.view(kernels).outputs(outputs),
+            x,
+            y,
+            quantized,
+            threads,
+            crate::profile::Work::Dense,
+            activation,
+        )
+    }
+
     /// `x @ W^T + b` into `y` (`[rows, out]`) on this thread, accounted as dense work: one piece
     /// of a layer whose rows are split by the caller.
     pub(crate) fn forward_rows(

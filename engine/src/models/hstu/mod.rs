@@ -91,6 +91,12 @@ pub struct HstuScratch {
     next: Vec<f32>,
     normalised: Vec<f32>,
     uvqk: Vec<f32>,
+    /// The last block's projections of some columns or some rows, and those rows' inputs.
+    projected: Vec<f32>,
+    query_input: Vec<f32>,
+    /// Tests: the last block projects every row whole, as where its widths are not whole panels.
+    #[cfg(test)]
+    whole_last_projection: bool,
     /// The gated attention rows, the output projection's input.
     gated: Vec<f32>,
     /// Per history: how many of its rows a carried state covers (their keys and values are
@@ -444,17 +450,67 @@ impl Hstu {
             part.copy_from_slice(&x[i * per_piece * d..][..part.len()]);
             self.normalise(k, part, d);
         });
-        block.uvqk.forward_into_then(
-            k,
-            &s.normalised,
-            &mut s.uvqk,
-            &mut s.quantized,
-            threads,
-            observe,
-            k.elementwise.silu,
-        );
-
         let keys = c.num_heads * c.dqk;
+        let last_block = b + 1 == self.blocks.len();
+        #[cfg(test)]
+        let last_block = last_block && !s.whole_last_projection;
+        if last_block
+            && values.is_multiple_of(8)
+            && keys.is_multiple_of(8)
+            && s.query_rows.len() < rows
+        {
+            // The last block reads u and q of its query rows only (one a history), v and k of
+            // every row: those two for every row, then the query rows whole (each output with
+            // its bits in the whole layer), half the projection's work at a long history.
+            observe(block.uvqk.name(), &s.normalised);
+            s.uvqk.resize(rows * width, 0.0);
+            for columns in [values..2 * values, 2 * values + keys..width] {
+                block.uvqk.forward_outputs_into_then(
+                    k,
+                    columns.clone(),
+                    &s.normalised,
+                    &mut s.projected,
+                    &mut s.quantized,
+                    threads,
+                    k.elementwise.silu,
+                );
+                for (row, part) in s
+                    .uvqk
+                    .chunks_exact_mut(width)
+                    .zip(s.projected.chunks_exact(columns.len()))
+                {
+                    row[columns.clone()].copy_from_slice(part);
+                }
+            }
+            s.query_input.clear();
+            for &r in &s.query_rows {
+                s.query_input
+                    .extend_from_slice(&s.normalised[r * d..(r + 1) * d]);
+            }
+            block.uvqk.forward_outputs_into_then(
+                k,
+                0..width,
+                &s.query_input,
+                &mut s.projected,
+                &mut s.quantized,
+                threads,
+                k.elementwise.silu,
+            );
+            for (&r, row) in s.query_rows.iter().zip(s.projected.chunks_exact(width)) {
+                s.uvqk[r * width..(r + 1) * width].copy_from_slice(row);
+            }
+        } else {
+            block.uvqk.forward_into_then(
+                k,
+                &s.normalised,
+                &mut s.uvqk,
+                &mut s.quantized,
+                threads,
+                observe,
+                k.elementwise.silu,
+            );
+        }
+
         let at_block = b * (keys + values);
         if let Some((ends, ends_at)) = ends {
             let per_row = self.carried_floats_per_row();
@@ -649,5 +705,85 @@ mod tests {
             assert_eq!(run(2), one, "length {len}: two threads");
             assert_eq!(run(3), one, "length {len}: three threads");
         }
+    }
+
+    /// A model whose head widths are whole panels: the last block projects v and k of every row
+    /// and its query rows whole, and the embeddings have the bits of the whole projection's, for
+    /// a batch of histories of several lengths (one event among them) on one thread and two.
+    #[test]
+    fn the_last_blocks_partial_projection_changes_no_bit() {
+        crate::parallel::split_by_floor_only();
+        let config = HstuConfig {
+            n_items: 60,
+            max_len: 40,
+            embedding_dim: 24,
+            num_blocks: 2,
+            num_heads: 2,
+            dqk: 8,
+            dv: 16,
+            attention_width: 51,
+            time_buckets: 128,
+        };
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let f32 = checkpoint::engine_shapes(&config)
+            .into_iter()
+            .map(|(name, shape)| {
+                let values = (0..shape.iter().product()).map(|_| next()).collect();
+                (name, Tensor::from_vec(shape, values))
+            })
+            .collect();
+        let weights = Weights {
+            f32,
+            raw: Default::default(),
+        };
+        let model = Hstu::from_tensors(config, &weights).unwrap();
+        let histories: Vec<Vec<u32>> = [33usize, 1, 40, 7]
+            .iter()
+            .map(|&len| (0..len as u32).map(|p| 1 + (p * 37) % 60).collect())
+            .collect();
+        let events: Vec<Vec<i64>> = histories
+            .iter()
+            .map(|h| {
+                (0..h.len() as i64)
+                    .map(|p| 1_600_000_000 + 977 * p * p)
+                    .collect()
+            })
+            .collect();
+        let when: Vec<EventTimes<'_>> = events
+            .iter()
+            .map(|e| EventTimes {
+                events: e,
+                query: e[e.len() - 1] + 60,
+            })
+            .collect();
+        let refs: Vec<&[u32]> = histories.iter().map(|h| h.as_slice()).collect();
+        let run = |threads: usize, whole: bool| {
+            let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+            let mut scratch = HstuScratch {
+                whole_last_projection: whole,
+                ..HstuScratch::default()
+            };
+            model.encode_into(
+                model.kernels(),
+                &refs,
+                &when,
+                &mut scratch,
+                &mut hidden,
+                &mut notes,
+                threads,
+                &mut |_: &str, _: &[f32]| {},
+            );
+            hidden.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+        };
+        let whole = run(1, true);
+        assert!(whole.iter().any(|&b| b != 0), "real embeddings");
+        assert_eq!(run(1, false), whole, "one thread");
+        assert_eq!(run(2, false), whole, "two threads");
     }
 }
