@@ -216,6 +216,37 @@ unsafe fn tile<L: Lanes, const R: usize>(
     R
 }
 
+/// The register block both products share: `R` rows of `depth` values (`row_stride` apart) times
+/// `P` panels of `depth` runs of 8 (`panel_stride` apart), each sum the multiply-adds in order
+/// from zero.
+///
+/// # Safety
+/// `L`'s features; `rows` has `R` rows of `depth` readable floats and `panels` `P` panels of
+/// `depth x 8`, at those strides.
+#[inline(always)]
+unsafe fn block<L: Lanes, const R: usize, const P: usize>(
+    rows: *const f32,
+    row_stride: usize,
+    panels: *const f32,
+    panel_stride: usize,
+    depth: usize,
+) -> [[L; P]; R] {
+    // SAFETY: the function's contract: `L`'s features are present.
+    let mut acc = [[unsafe { L::zero() }; P]; R];
+    for t in 0..depth {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: row r's value t and panel k's run t lie within the contract's bounds.
+            unsafe {
+                let h = L::splat(*rows.add(r * row_stride + t));
+                for (k, acc) in acc_r.iter_mut().enumerate() {
+                    *acc = L::mul_add(h, L::load(panels.add(k * panel_stride + t * 8)), *acc);
+                }
+            }
+        }
+    }
+    acc
+}
+
 /// The scores of queries `first..first + R` against the `8 P` keys from panel `p` into
 /// their rows of `weights` (`stride` apart) at `8 p`.
 ///
@@ -233,20 +264,9 @@ unsafe fn scores<L: Lanes, const R: usize, const P: usize>(
     let queries = a.queries[first * a.query_stride..].as_ptr();
     let keys = a.keys[p * a.dqk * 8..].as_ptr();
     let w = weights.as_mut_ptr();
-    // SAFETY: the function's contract: `L`'s features are present.
-    let mut acc = [[unsafe { L::zero() }; P]; R];
-    for d in 0..a.dqk {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: query first + r exists and d < dqk <= query_stride; panel p + k exists
-            // (contract), so (k dqk + d) 8 + 8 floats lie in it.
-            unsafe {
-                let h = L::splat(*queries.add(r * a.query_stride + d));
-                for (k, acc) in acc_r.iter_mut().enumerate() {
-                    *acc = L::mul_add(h, L::load(keys.add((k * a.dqk + d) * 8)), *acc);
-                }
-            }
-        }
-    }
+    // SAFETY: queries first.. + R have dqk floats each, query_stride apart; panels p.. + P of
+    // the keys have dqk runs of 8 each (contract).
+    let acc = unsafe { block::<L, R, P>(queries, a.query_stride, keys, a.dqk * 8, a.dqk) };
     for (r, acc_r) in acc.iter().enumerate() {
         for (k, acc) in acc_r.iter().enumerate() {
             // SAFETY: row r's slots 8 (p + k) .. + 8 lie within its stride (contract).
@@ -274,21 +294,9 @@ unsafe fn weighted_values<L: Lanes, const R: usize, const P: usize>(
     out: &mut AttentionOut<'_>,
 ) {
     let values = a.values[c * a.n * 8..].as_ptr();
-    let w = weights.as_ptr();
-    // SAFETY: the function's contract: `L`'s features are present.
-    let mut acc = [[unsafe { L::zero() }; P]; R];
-    for j in 0..reach {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: row r's weight j lies below reach <= stride; panel c + k exists and key
-            // j < n, so (k n + j) 8 + 8 floats lie in the values.
-            unsafe {
-                let h = L::splat(*w.add(r * stride + j));
-                for (k, acc) in acc_r.iter_mut().enumerate() {
-                    *acc = L::mul_add(h, L::load(values.add((k * a.n + j) * 8)), *acc);
-                }
-            }
-        }
-    }
+    // SAFETY: the R rows of weights have reach <= stride floats each, stride apart; panels c..
+    // + P of the values have reach <= n runs of 8 each (contract).
+    let acc = unsafe { block::<L, R, P>(weights.as_ptr(), stride, values, a.n * 8, reach) };
     // SAFETY: the function's contract: `L`'s features are present.
     let (zero, divisor) = unsafe { (L::zero(), L::splat(a.divisor)) };
     for (r, acc_r) in acc.iter().enumerate() {

@@ -683,19 +683,7 @@ mod tests {
                 query: events[len - 1] + 60,
             }];
             let run = |threads: usize| {
-                let (mut hidden, mut notes) = (Vec::new(), Vec::new());
-                let mut scratch = HstuScratch::default();
-                model.encode_into(
-                    model.kernels(),
-                    &[&history],
-                    &when,
-                    &mut scratch,
-                    &mut hidden,
-                    &mut notes,
-                    threads,
-                    &mut |_: &str, _: &[f32]| {},
-                );
-                hidden.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                embedding_bits(model, &[&history], &when, threads, HstuScratch::default())
             };
             let one = run(1);
             assert!(
@@ -705,6 +693,28 @@ mod tests {
             assert_eq!(run(2), one, "length {len}: two threads");
             assert_eq!(run(3), one, "length {len}: three threads");
         }
+    }
+
+    /// The user embeddings' bits of `histories` encoded on `threads` threads in `scratch`.
+    fn embedding_bits(
+        model: &Hstu,
+        histories: &[&[u32]],
+        when: &[EventTimes<'_>],
+        threads: usize,
+        mut scratch: HstuScratch,
+    ) -> Vec<u32> {
+        let (mut hidden, mut notes) = (Vec::new(), Vec::new());
+        model.encode_into(
+            model.kernels(),
+            histories,
+            when,
+            &mut scratch,
+            &mut hidden,
+            &mut notes,
+            threads,
+            &mut |_: &str, _: &[f32]| {},
+        );
+        hidden.iter().map(|v| v.to_bits()).collect()
     }
 
     /// A model whose head widths are whole panels: the last block projects v and k of every row
@@ -764,22 +774,11 @@ mod tests {
             .collect();
         let refs: Vec<&[u32]> = histories.iter().map(|h| h.as_slice()).collect();
         let run = |threads: usize, whole: bool| {
-            let (mut hidden, mut notes) = (Vec::new(), Vec::new());
-            let mut scratch = HstuScratch {
+            let scratch = HstuScratch {
                 whole_last_projection: whole,
                 ..HstuScratch::default()
             };
-            model.encode_into(
-                model.kernels(),
-                &refs,
-                &when,
-                &mut scratch,
-                &mut hidden,
-                &mut notes,
-                threads,
-                &mut |_: &str, _: &[f32]| {},
-            );
-            hidden.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            embedding_bits(&model, &refs, &when, threads, scratch)
         };
         let whole = run(1, true);
         assert!(whole.iter().any(|&b| b != 0), "real embeddings");
