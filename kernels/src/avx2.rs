@@ -8,6 +8,7 @@
 
 use std::arch::x86_64::*;
 
+use super::attention::{AttentionOut, Lanes, PointwiseAttention};
 use super::{Epilogue, Isa, KernelTable};
 
 /// Loads 8 weights of the panel element range starting at `offset` as f32.
@@ -515,6 +516,66 @@ fn softmax(x: &mut [f32]) {
     unsafe { softmax_avx2(x) }
 }
 
+/// HSTU attention's lanes ([`super::attention`]) as an AVX2 register, multiply-adds fused (as
+/// the AVX2 and AVX-512 dense kernels).
+#[derive(Clone, Copy)]
+pub(crate) struct AttentionLanes(__m256);
+
+// SAFETY (every method): reached only from `attention_avx2` below, whose callers have checked AVX2
+// and FMA; pointers carry the trait's 8-float guarantee.
+impl Lanes for AttentionLanes {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: AVX is present (the trait's contract).
+        AttentionLanes(unsafe { _mm256_setzero_ps() })
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: 8 readable floats at p and AVX (the trait's contract).
+        AttentionLanes(unsafe { _mm256_loadu_ps(p) })
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: AVX is present (the trait's contract).
+        AttentionLanes(unsafe { _mm256_set1_ps(x) })
+    }
+    #[inline(always)]
+    unsafe fn mul_add(a: Self, b: Self, acc: Self) -> Self {
+        // SAFETY: FMA is present (the trait's contract).
+        AttentionLanes(unsafe { _mm256_fmadd_ps(a.0, b.0, acc.0) })
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        // SAFETY: AVX is present (the trait's contract).
+        AttentionLanes(unsafe { _mm256_add_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    unsafe fn div(a: Self, b: Self) -> Self {
+        // SAFETY: AVX is present (the trait's contract).
+        AttentionLanes(unsafe { _mm256_div_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: 8 writable floats at p and AVX (the trait's contract).
+        unsafe { _mm256_storeu_ps(p, self.0) }
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attention_avx2(a: &PointwiseAttention<'_>, out: &mut AttentionOut<'_>, w: &mut Vec<f32>) {
+    // SAFETY: this function's features are the lanes'; `run` asserts its bounds.
+    unsafe { super::attention::run::<AttentionLanes>(a, out, w, silu) }
+}
+
+/// The AVX2 and AVX-512 tables' kernel.
+fn attention(a: &PointwiseAttention<'_>, out: &mut AttentionOut<'_>, w: &mut Vec<f32>) {
+    // SAFETY: the tables holding this kernel are only handed out after AVX2 and FMA were
+    // detected (KernelTable::for_isa).
+    unsafe { attention_avx2(a, out, w) }
+}
+
 /// This ISA's kernels as a value, from which `avx512` builds its table.
 pub(super) const KERNELS: KernelTable = kernel_table!(
     Isa::Avx2,
@@ -531,7 +592,7 @@ pub(super) const KERNELS: KernelTable = kernel_table!(
         add_rows,
         add_rows_bf16,
     },
-    super::attention::avx2::kernel
+    attention
 );
 
 pub(super) static TABLE: KernelTable = KERNELS;
