@@ -50,8 +50,8 @@ pub struct AttentionOut<'a> {
     pub stride: usize,
 }
 
-/// The signature of every table's attention kernel: the attention, its outputs, a scratch buffer
-/// for the weights of a tile (kept between calls), and the table's SiLU.
+/// The signature of every table's attention kernel: the attention, its outputs, and a scratch
+/// buffer for the weights of a tile (kept between calls). Each kernel applies its own table's SiLU.
 pub type AttentionKernel = fn(&PointwiseAttention<'_>, &mut AttentionOut<'_>, &mut Vec<f32>);
 
 /// Eight f32 lanes as the ISA a kernel is compiled for holds them. Every method is `unsafe`: the
