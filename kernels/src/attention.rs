@@ -418,20 +418,24 @@ mod tests {
             let (dqk, dv) = (self.dqk, self.dv);
             let zeros = vec![0f32; (self.n.max(dv) + 8).next_multiple_of(8)];
             let mut unused = QuantizedActivations::default();
+            // `n` items of width `d` packed in `panels`, with a zero bias.
+            fn layer<'a>(panels: &'a [f32], n: usize, d: usize, zeros: &'a [f32]) -> LayerRef<'a> {
+                LayerRef {
+                    n,
+                    d,
+                    data: PanelRef::F32(panels),
+                    bias: &zeros[..n.div_ceil(8) * 8],
+                    activation_scale: None,
+                }
+            }
             let mut out = Vec::new();
             for (q, &i) in self.rows.iter().enumerate() {
                 let reach = i + 1;
                 let mut keys = Vec::new();
                 packed::pack_rows_into(&mut keys, reach, dqk..2 * dqk, |j| self.row(j));
-                let layer = LayerRef {
-                    n: reach,
-                    d: dqk,
-                    data: PanelRef::F32(&keys),
-                    bias: &zeros[..reach.div_ceil(8) * 8],
-                    activation_scale: None,
-                };
+                let keys = layer(&keys, reach, dqk, &zeros);
                 let mut weights = vec![0f32; reach];
-                dense::linear_into(table, layer, &self.row(i)[..dqk], &mut weights, &mut unused);
+                dense::linear_into(table, keys, &self.row(i)[..dqk], &mut weights, &mut unused);
                 for (w, b) in weights.iter_mut().zip(&self.bias[q * self.n..]) {
                     *w += b;
                 }
@@ -440,15 +444,9 @@ mod tests {
                 packed::pack_rows_transposed_into(&mut values, reach, 2 * dqk..2 * dqk + dv, |j| {
                     self.row(j)
                 });
-                let layer = LayerRef {
-                    n: dv,
-                    d: reach,
-                    data: PanelRef::F32(&values),
-                    bias: &zeros[..dv.div_ceil(8) * 8],
-                    activation_scale: None,
-                };
+                let values = layer(&values, dv, reach, &zeros);
                 let mut row = vec![0f32; dv];
-                dense::linear_into(table, layer, &weights, &mut row, &mut unused);
+                dense::linear_into(table, values, &weights, &mut row, &mut unused);
                 out.extend(row.iter().map(|v| v / self.divisor));
             }
             out
