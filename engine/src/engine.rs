@@ -447,10 +447,27 @@ impl Engine {
                 // Measured without the prefix cache: the plan's made-up histories are nobody's
                 // session, and a cached repeat would time the cache instead of the kernels.
                 let cache = self.prefix_cache.take();
-                let timings = measure(self);
+                let (timings, others) = crate::plan_load::others_cores_during(|| measure(self));
                 self.prefix_cache = cache;
-                let path = dir.and_then(|d| plan::write_cached(&d, &key, &timings).ok());
-                (timings, PlanSource::Measured { path, ignored })
+                // A plan timed beside other work is used now but not kept for later loads.
+                let busy =
+                    crate::plan_load::busy_verdict(others, crate::plan_load::busy_cores_limit());
+                let (path, not_kept) = match (busy, dir) {
+                    (Some(why), _) => (None, Some(why)),
+                    (None, None) => (None, Some("no cache directory can be named".into())),
+                    (None, Some(d)) => match plan::write_cached(&d, &key, &timings) {
+                        Ok(path) => (Some(path), None),
+                        Err(why) => (None, Some(format!("it could not be written: {why}"))),
+                    },
+                };
+                (
+                    timings,
+                    PlanSource::Measured {
+                        path,
+                        ignored,
+                        not_kept,
+                    },
+                )
             }
         }
     }

@@ -12,7 +12,9 @@
 //! best of a few runs. Kept in `<cache dir>/recsys/plans/<key>.json`, the key naming the CPU model,
 //! the kernels' ISA, the scoring threads, the engine's weights (their SHA-256) and this recsys: a
 //! plan made on another CPU or for another engine is never read, and a damaged file is ignored
-//! (the reason is reported) and measured again. `RECSYS_PLAN=off` skips measuring (the screen
+//! (the reason is reported) and measured again. A plan measured while other processes took more
+//! than a quarter of a core is used for that load and not kept ([`crate::plan_load`]).
+//! `RECSYS_PLAN=off` skips measuring (the screen
 //! always runs, as an engine without a plan); `ScreenPolicy::Always` / `Never` pin the choice.
 //!
 //! The second is a bf16 engine's kernels on a CPU with AVX512-BF16 ([`Bf16Path`]): `vdpbf16ps`
@@ -47,8 +49,10 @@ const RUNS: usize = 3;
 /// The plan file's format (2: the plan's kind in the file and its name, neutral timing names; 3:
 /// thread plans measured from a forgotten handoff estimate, so files measured the old way, which
 /// could time one thread under the name of two, are measured again; 4: thread plans of
-/// sequential models also time single histories as long as the model reads).
-const FORMAT: u32 = 4;
+/// sequential models also time single histories as long as the model reads; 5: plans measured
+/// while other work took the cores are no longer kept, so files that may have been are measured
+/// again).
+const FORMAT: u32 = 5;
 
 /// The decision of the largest measured batch size not above `batch` in `by_batch` (`(smallest
 /// batch, decision)`, ascending), or the first one's for a batch below them all.
@@ -112,11 +116,13 @@ pub struct Timing {
 /// Where a plan came from.
 #[derive(Clone, Debug, PartialEq)]
 pub enum PlanSource {
-    /// Measured now (and written to `path` when the cache directory is writable); `ignored`
-    /// says why a file that was there was not used.
+    /// Measured now and written to `path`, or not kept, `not_kept` saying why (measured while
+    /// other work took the cores, [`crate::plan_load`]; a cache directory that cannot be
+    /// written); `ignored` says why a file that was there was not used.
     Measured {
         path: Option<PathBuf>,
         ignored: Option<String>,
+        not_kept: Option<String>,
     },
     /// Read from the plan file made on this CPU for this engine.
     Cached(PathBuf),
@@ -188,10 +194,17 @@ impl PlanSource {
     /// Where the plan came from, for logs.
     pub fn describe(&self) -> String {
         match self {
-            PlanSource::Measured { path, ignored } => format!(
-                "measured on this CPU{}{}",
+            PlanSource::Measured {
+                path,
+                ignored,
+                not_kept,
+            } => format!(
+                "measured on this CPU{}{}{}",
                 path.as_ref()
                     .map_or(String::new(), |p| format!(", kept in {}", p.display())),
+                not_kept
+                    .as_ref()
+                    .map_or(String::new(), |why| format!(", not kept: {why}")),
                 ignored.as_ref().map_or(String::new(), |why| format!(
                     "; the plan file there was ignored: {why}"
                 ))

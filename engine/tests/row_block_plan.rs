@@ -29,6 +29,8 @@ fn answers(engine: &Engine, batch: usize) -> Vec<Vec<(u32, u32)>> {
 fn the_row_block_is_planned_by_measurement_and_never_changes_an_answer() {
     let dir = tempfile::tempdir().unwrap();
     std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
+    // Kept whatever else runs beside the tests (CI builds the Python environment meanwhile).
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
     let kinds = [
         ModelKind::Vaecf,
         ModelKind::Bert4rec,
@@ -43,6 +45,7 @@ fn the_row_block_is_planned_by_measurement_and_never_changes_an_answer() {
                 assert!(four.plan_row_block(RowBlockPolicy::Auto).is_none());
                 eprintln!("these kernels have one row block: only the refusal was checked");
                 std::env::remove_var("RECSYS_PLAN_DIR");
+                std::env::remove_var("RECSYS_PLAN_BUSY_CORES");
                 return;
             }
             let plan = four
@@ -73,6 +76,7 @@ fn the_row_block_is_planned_by_measurement_and_never_changes_an_answer() {
         let PlanSource::Measured {
             path: Some(path),
             ignored: None,
+            not_kept: None,
         } = &plan.source
         else {
             panic!("{kind}: a first plan is measured and kept: {plan:?}");
@@ -110,4 +114,5 @@ fn the_row_block_is_planned_by_measurement_and_never_changes_an_answer() {
         }
     }
     std::env::remove_var("RECSYS_PLAN_DIR");
+    std::env::remove_var("RECSYS_PLAN_BUSY_CORES");
 }

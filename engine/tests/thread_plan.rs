@@ -72,6 +72,8 @@ fn the_plan_is_measured_kept_read_back_and_dropped_with_its_thread_count() {
     let dir = tempfile::tempdir().unwrap();
     let plans = dir.path().join("plans");
     std::env::set_var("RECSYS_PLAN_DIR", &plans);
+    // Kept whatever else runs beside the tests (CI builds the Python environment meanwhile).
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
     std::env::remove_var("RECSYS_PLAN");
     let load = |name: &str, threads: usize| {
         let mut engine = convert_fixture(
@@ -87,6 +89,7 @@ fn the_plan_is_measured_kept_read_back_and_dropped_with_its_thread_count() {
     let PlanSource::Measured {
         path: Some(path),
         ignored: None,
+        not_kept: None,
     } = &plan.source
     else {
         panic!("measured and kept: {plan:?}");
@@ -191,5 +194,40 @@ fn the_plan_is_measured_kept_read_back_and_dropped_with_its_thread_count() {
     assert_eq!(plan.source, PlanSource::Skipped);
     assert_eq!((plan.threads_for(1), plan.threads_for(64)), (2, 2));
     std::env::remove_var("RECSYS_PLAN");
+    // Measured while another process spins on a core: used, not kept, and the next load measures
+    // again (the counters only exist on Linux).
+    if recsys_engine::plan_load::CpuTicks::now().is_some() {
+        std::env::set_var(
+            "RECSYS_PLAN_BUSY_CORES",
+            recsys_engine::plan_load::BUSY_CORES.to_string(),
+        );
+        let mut spinner = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .expect("sh runs");
+        // Three threads: a key no plan above was kept under.
+        let mut busy = load("f", 3);
+        let plan = busy.plan_threads(ThreadPolicy::Auto).unwrap().clone();
+        spinner.kill().unwrap();
+        spinner.wait().unwrap();
+        let PlanSource::Measured {
+            path: None,
+            not_kept: Some(why),
+            ..
+        } = &plan.source
+        else {
+            panic!("measured beside a spinning process, not kept: {plan:?}");
+        };
+        assert!(why.contains("other processes took"), "{why}");
+        assert!(plan.describe().contains("not kept"), "{}", plan.describe());
+        let key = busy.plan_key("threads");
+        assert!(
+            recsys_engine::plan::read_cached::<recsys_engine::plan::ThreadTiming>(&plans, &key)
+                .unwrap()
+                .is_none(),
+            "no file for these weights at three threads"
+        );
+    }
     std::env::remove_var("RECSYS_PLAN_DIR");
+    std::env::remove_var("RECSYS_PLAN_BUSY_CORES");
 }
