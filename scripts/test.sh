@@ -58,6 +58,14 @@ wait_for_python_env() {
   cat "$logs/python-env.log"
 }
 
+# The AMX kernels' tests also run on an emulated Sapphire Rapids (scripts/amx-emulator.sh): its
+# tools are installed here, before the background jobs' apt runs, and the emulator is built in
+# the background at low priority while the Rust build uses the cores.
+./scripts/amx-emulator.sh --install-tools
+stage "AMX emulator (scripts/amx-emulator.sh --prepare, in the background)"
+nice -n 10 ./scripts/amx-emulator.sh --prepare >"$logs/amx-emulator.log" 2>&1 &
+amx_emulator=$!
+
 # The kernel tests run on every ISA the CPU has; here the AVX2 path must be among them.
 export REQUIRE_AVX2=1
 
@@ -75,6 +83,18 @@ cargo test --locked --workspace --exclude recsys-benches --lib --bins --tests 2>
 stage "PyTorch parity again on the portable scalar kernels (the run above uses the best ISA)"
 # --workspace: the features resolved as for the run above, so nothing builds again.
 RECSYS_FORCE_ISA=scalar cargo test --locked --workspace --exclude recsys-benches --test golden_parity --test sequential_parity 2>&1 | tee -a "$logs/rust.log" || rust_status=$?
+
+stage "AMX kernels on an emulated Sapphire Rapids (scripts/amx-emulator.sh)"
+if wait "$amx_emulator"; then
+  amx_tests=$(cargo test --locked -p recsys-kernels --test amx --no-run --message-format=json 2>/dev/null |
+    grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
+  RECSYS_REQUIRE_AMX=1 ./scripts/amx-emulator.sh "$amx_tests" --test-threads=1 2>&1 |
+    tee -a "$logs/rust.log" || rust_status=1
+else
+  cat "$logs/amx-emulator.log" >&2
+  echo "error: the AMX emulator could not be prepared (its output is above)" >&2
+  rust_status=1
+fi
 
 stage "waiting for the Python environment"
 wait_for_python_env

@@ -18,6 +18,7 @@
 //! (the products of two bfloat16 values are exact in f32). That is what `vdpbf16ps` does, so the
 //! paths without it (which widen to f32 and use two fused multiply-adds) give its bits.
 
+pub mod amx;
 pub mod attention;
 mod bf16;
 pub mod dense;
@@ -728,9 +729,9 @@ mod require_isa {
 }
 
 /// Deterministic test values in [-1, 1) from `seed` (a linear congruential generator), for the
-/// kernels' tests.
-#[cfg(test)]
-pub(crate) fn lcg(seed: u64) -> impl FnMut() -> f32 {
+/// kernels' tests (unit and integration).
+#[doc(hidden)]
+pub fn lcg(seed: u64) -> impl FnMut() -> f32 {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
     move || {
         s = s
