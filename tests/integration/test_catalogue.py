@@ -276,12 +276,15 @@ def served(client, model: str, history: list[int]) -> tuple[int, list[int]]:
 
 class Load:
     """Client threads asking for the top 10 of fixed histories, each answer checked against what
-    the catalogue version it names answers (`expected[version][history]`)."""
+    the catalogue version it names answers (`expected[version][history]`). Answers are checked
+    when `wrong` is read, after the load: a version's expected answers are computed after it is
+    published, and the server may serve it before they are."""
 
     def __init__(self, server: TritonServer, model: str, users: list[list[int]],
                  expected: dict[int, list[list[int]]], threads: int = 2):
         self.server, self.model, self.users, self.expected = server, model, users, expected
-        self.answers, self.failures, self.wrong = 0, [], []
+        self.answers, self.failures = 0, []
+        self.results: list[tuple[int, int, list[int]]] = []
         self.seen: set[int] = set()
         self.stop, self.lock = threading.Event(), threading.Lock()
         self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(threads)]
@@ -302,13 +305,22 @@ class Load:
                 with self.lock:
                     self.answers += 1
                     self.seen.add(version)
-                    want = self.expected.get(version)
-                    if want is None:
-                        self.wrong.append(f"catalogue version {version} was never published")
-                    elif ids != want[u]:
-                        self.wrong.append(f"version {version} history {u}: {ids} != {want[u]}")
+                    self.results.append((version, u, ids))
         finally:
             client.close()
+
+    @property
+    def wrong(self) -> list[str]:
+        """Every answer that is not its catalogue version's, or names a version never published."""
+        wrong = []
+        with self.lock:
+            for version, u, ids in self.results:
+                want = self.expected.get(version)
+                if want is None:
+                    wrong.append(f"catalogue version {version} was never published")
+                elif ids != want[u]:
+                    wrong.append(f"version {version} history {u}: {ids} != {want[u]}")
+        return wrong
 
     def __enter__(self) -> "Load":
         for t in self.threads:
