@@ -160,6 +160,23 @@ pub(crate) fn model_initialize(model: *mut sys::TRITONBACKEND_Model) -> Result<(
             ),
         );
     }
+    match engine.plan_amx(settings.amx) {
+        Ok(Some(plan)) => log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: AMX plan: {}",
+                plan.describe()
+            ),
+        ),
+        Ok(None) => {}
+        Err(why) => log(
+            LogLevel::Info,
+            &format!(
+                "recsys: model {name} version {version}: AMX tiles not used (the SIMD tables \
+                 run): {why}"
+            ),
+        ),
+    }
     // Last: it times whole calls with the kernels the plans above chose.
     if let Some(plan) = engine.plan_threads(settings.thread_plan) {
         log(

@@ -113,6 +113,9 @@ pub struct ModelSettings {
     /// Which kernels a bf16 engine runs on a CPU with AVX512-BF16: by measurement (`auto`), or
     /// pinned (parameter `bf16_path`: `native` or `widened`).
     pub bf16_path: recsys_engine::plan::Bf16Path,
+    /// Whether a bf16 engine's output layer runs on AMX tiles where the CPU has them: by
+    /// measurement (`auto`), always (`on`) or never (`off`) (parameter `amx`).
+    pub amx: recsys_engine::plan_amx::AmxPolicy,
     /// The largest row group an instance whose kernels come in two (AVX-512) cuts batches into:
     /// by measurement (`auto`), or pinned (parameter `row_block`: `4` or `8`).
     pub row_block: recsys_engine::plan::RowBlockPolicy,
@@ -170,7 +173,7 @@ impl ModelSettings {
 }
 
 /// A `parameters { key: ... value { string_value: ... } }` entry.
-/// A plan's policy parameter (`screen_policy`, `bf16_path`, `row_block`, `thread_plan`): its
+/// A plan's policy parameter (`screen_policy`, `bf16_path`, `amx`, `row_block`, `thread_plan`): its
 /// default (`auto`) when absent; a value the policy does not take is refused with its message.
 fn plan_policy<T: std::str::FromStr<Err = String> + Default>(
     config: &Value,
@@ -251,6 +254,7 @@ const KNOWN_PARAMETERS: &[&str] = &[
     "prefix_cache_idle_seconds",
     "screen_policy",
     "bf16_path",
+    "amx",
     "row_block",
     "thread_plan",
 ];
@@ -590,6 +594,7 @@ pub fn parse(config: &Value, engine: &Engine) -> Result<ModelSettings> {
         prefix_cache: prefix_cache(config, engine)?,
         screen_policy: plan_policy(config, "screen_policy")?,
         bf16_path: plan_policy(config, "bf16_path")?,
+        amx: plan_policy(config, "amx")?,
         row_block: plan_policy(config, "row_block")?,
         thread_plan: plan_policy(config, "thread_plan")?,
     })
@@ -764,6 +769,7 @@ mod tests {
             ("top_k", "5000", "more than max_k"),
             ("screen_policy", "sometimes", "screen_policy must be"),
             ("bf16_path", "fastest", "bf16_path must be"),
+            ("amx", "yes", "amx must be"),
             ("row_block", "16", "row_block must be"),
             ("thread_plan", "0", "thread_plan must be"),
             ("thread_plan", "most", "thread_plan must be"),

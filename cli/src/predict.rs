@@ -184,6 +184,11 @@ fn run_local(args: &PredictArgs) -> Result<i32> {
     if let Some(plan) = engine.plan_row_block(args.row_block.parse().map_err(CliError::Usage)?) {
         tell!("predict: row-block plan: {}", plan.describe());
     }
+    match engine.plan_amx(args.amx.parse().map_err(CliError::Usage)?) {
+        Ok(Some(plan)) => tell!("predict: AMX plan: {}", plan.describe()),
+        Ok(None) => {}
+        Err(why) => tell!("predict: AMX tiles not used (the SIMD tables run): {why}"),
+    }
     let engine = engine;
     if let Some(source) = &args.availability {
         let applied = recsys_registry::availability::apply(&engine, source)?;

@@ -59,7 +59,9 @@ struct Row {
     /// A screened variant's plan on this CPU: per batch size, its screen or its plain scan.
     #[serde(skip_serializing_if = "Option::is_none")]
     screen_plan: Option<String>,
-    /// A bf16 variant's kernels on a CPU with AVX512-BF16: `vdpbf16ps` or widened per batch size, as measured.
+    /// A variant's kernel plans, as measured: a bf16 variant's `vdpbf16ps` or widened per batch
+    /// size (AVX512-BF16), its output layer on AMX tiles or not (or why tiles are not used), and
+    /// the AVX-512 row block.
     #[serde(skip_serializing_if = "Option::is_none")]
     kernel_plan: Option<String>,
     /// The threads each batch size gets on this CPU, as measured (engines of more than one thread).
@@ -325,10 +327,14 @@ pub fn run(args: &SweepArgs) -> Result<i32> {
         let row_block_plan = engine
             .plan_row_block(recsys_engine::plan::RowBlockPolicy::Auto)
             .map(|p| p.describe());
-        let kernel_plan = match (bf16_plan, row_block_plan) {
-            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
-            (a, b) => a.or(b),
+        let amx_plan = match engine.plan_amx(recsys_engine::plan_amx::AmxPolicy::Auto) {
+            Ok(plan) => plan.map(|p| format!("AMX {}", p.describe())),
+            Err(why) => Some(format!("AMX tiles not used: {why}")),
         };
+        let kernel_plan = [bf16_plan, row_block_plan, amx_plan]
+            .into_iter()
+            .flatten()
+            .reduce(|a, b| format!("{a}; {b}"));
         let thread_plan = engine
             .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
             .map(|p| p.describe());

@@ -32,6 +32,17 @@ pub struct Scorer {
     pub kernels: &'static KernelTable,
     /// Threads one batch's scoring may use (instances x threads should fit the cores).
     pub threads: usize,
+    /// A bf16 output layer's AMX tiles and the batch sizes that run on them
+    /// ([`Engine::plan_amx`]); `None`: the SIMD tables at every batch size.
+    pub amx: Option<AmxScan>,
+}
+
+/// A bf16 output layer on AMX tiles: the tiles (built from the packed layer, the same values)
+/// and the plan saying which batch sizes run on them.
+#[derive(Clone, Debug)]
+pub struct AmxScan {
+    pub tiles: Arc<crate::kernels::fused_amx::AmxOutput>,
+    pub plan: crate::plan_amx::AmxPlan,
 }
 
 /// Each row's best items, best first.
@@ -100,6 +111,15 @@ impl Scorer {
     ) -> RankedRows {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
+        if let Some(amx) = self.amx.as_ref().filter(|a| a.plan.tiles_for(ks.len())) {
+            // Tiles were checked runnable when planned; should they fail all the same, the SIMD
+            // scan answers (the same bf16 layer).
+            if let Ok(ranked) =
+                crate::kernels::fused_amx::top_k_bf16(&amx.tiles, hidden, &queries, threads)
+            {
+                return ranked;
+            }
+        }
         fused::top_k(kernels, &self.packed, hidden, &queries, threads)
     }
 }
@@ -127,6 +147,9 @@ pub struct Engine {
     bf16_path_plan: Option<crate::plan::Bf16PathPlan>,
     /// The row block of an engine whose kernels come in two (see [`Engine::plan_row_block`]).
     row_block_plan: Option<crate::plan::RowBlockPlan>,
+    /// A bf16 engine's AMX choice (see [`Engine::plan_amx`]); the tiles themselves live in the
+    /// scorer while some batch size uses them.
+    amx_plan: Option<crate::plan_amx::AmxPlan>,
     /// Per batch size, how many of the scorer's threads a call uses (see
     /// [`Engine::plan_threads`]); `None`: all of them.
     thread_plan: Option<crate::plan::ThreadPlan>,
@@ -259,6 +282,7 @@ impl Engine {
                 screen,
                 kernels: KernelTable::detect(),
                 threads: 1,
+                amx: None,
             },
             filters,
             popularity,
@@ -266,6 +290,7 @@ impl Engine {
             screen_plan: None,
             bf16_path_plan: None,
             row_block_plan: None,
+            amx_plan: None,
             thread_plan: None,
             converted,
             catalogue: None,
@@ -298,6 +323,13 @@ impl Engine {
             packed = packed.with_static_activation_scale(scale);
         }
         let screen = self.scorer.screen.is_some().then(|| screen_of(out));
+        // New rows, new tiles; the plan stands (the layer's shape is the same but for items).
+        let amx = self.scorer.amx.as_ref().and_then(|amx| {
+            Some(AmxScan {
+                tiles: Arc::new(crate::kernels::fused_amx::AmxOutput::from_packed(&packed)?),
+                plan: amx.plan.clone(),
+            })
+        });
         let n_outputs = out.n_outputs();
         let retired = self.retired_with(&applied.retired, &applied.upserted);
         let filters = Filters::retiring(self.filters.sets().grown(n_outputs), n_outputs, &retired);
@@ -320,6 +352,7 @@ impl Engine {
                 screen,
                 kernels: self.scorer.kernels,
                 threads: self.scorer.threads,
+                amx,
             },
             filters,
             popularity: self.popularity.clone(),
@@ -332,6 +365,7 @@ impl Engine {
             screen_plan: self.screen_plan.clone(),
             bf16_path_plan: self.bf16_path_plan.clone(),
             row_block_plan: self.row_block_plan.clone(),
+            amx_plan: self.amx_plan.clone(),
             thread_plan: self.thread_plan.clone(),
             converted: Arc::clone(converted),
             catalogue: Some(applied.summary),
@@ -539,6 +573,76 @@ impl Engine {
         });
         self.bf16_path_plan = kept;
         timings
+    }
+
+    /// Chooses whether a bf16 engine's output layer runs on AMX tiles
+    /// ([`crate::kernels::fused_amx`]), per batch size: by `policy`, and for `Auto` by timing
+    /// whole calls with tiles and with the SIMD tables on this CPU (or its cached plan), tiles
+    /// kept only where strictly faster. The tiles hold the packed layer's bf16 values; their
+    /// scores differ from the SIMD tables' in the last bits (the tile unit's order of additions).
+    /// Call after [`Engine::plan_bf16_path`] and [`Engine::plan_row_block`] (tiles are timed
+    /// against the tables those chose). `Ok(None)` for engines other than bf16 and under
+    /// `Off`; `Err` with the reason where this CPU or process cannot run tiles (the engine runs
+    /// the SIMD tables: log it).
+    pub fn plan_amx(
+        &mut self,
+        policy: crate::plan_amx::AmxPolicy,
+    ) -> std::result::Result<Option<&crate::plan_amx::AmxPlan>, String> {
+        use crate::kernels::fused_amx::AmxOutput;
+        use crate::plan::PlanSource;
+        use crate::plan_amx::{AmxPlan, AmxPolicy};
+        self.scorer.amx = None;
+        let bf16 = matches!(
+            self.model.output().weight,
+            crate::weights::Matrix::Bf16 { .. }
+        );
+        if !bf16 || policy == AmxPolicy::Off {
+            return Ok(None);
+        }
+        crate::kernels::amx::availability().clone()?;
+        let Some(tiles) = AmxOutput::from_packed(&self.scorer.packed) else {
+            return Ok(None);
+        };
+        let tiles = Arc::new(tiles);
+        let plan = match policy {
+            AmxPolicy::On => AmxPlan::fixed(true, PlanSource::Pinned("on".into())),
+            AmxPolicy::Auto if plans_off() => AmxPlan::fixed(false, PlanSource::Skipped),
+            AmxPolicy::Auto | AmxPolicy::Off => {
+                self.scorer.amx = Some(AmxScan {
+                    tiles: Arc::clone(&tiles),
+                    plan: AmxPlan::fixed(false, PlanSource::Skipped),
+                });
+                let (timings, source) = self.planned("amx", Engine::measure_amx);
+                AmxPlan::from_timings(timings, source)
+            }
+        };
+        // Tiles no batch size uses are not kept (they double the layer's memory).
+        self.scorer.amx = plan.uses_tiles().then(|| AmxScan {
+            tiles,
+            plan: plan.clone(),
+        });
+        self.amx_plan = Some(plan);
+        Ok(self.amx_plan.as_ref())
+    }
+
+    /// The AMX plan the engine runs by ([`Engine::plan_amx`]).
+    pub fn amx_plan(&self) -> Option<&crate::plan_amx::AmxPlan> {
+        self.amx_plan.as_ref()
+    }
+
+    /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
+    /// size, with the output layer on tiles (the candidate) and on the SIMD tables in turn.
+    fn measure_amx(&mut self) -> Vec<crate::plan::Timing> {
+        use crate::plan::PlanSource;
+        use crate::plan_amx::AmxPlan;
+        let requests = self.plan_requests();
+        let largest = requests.len();
+        crate::plan::measure(|tiles, b| {
+            if let Some(amx) = self.scorer.amx.as_mut() {
+                amx.plan = AmxPlan::fixed(tiles, PlanSource::Skipped);
+            }
+            std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
+        })
     }
 
     /// Chooses the row block of an engine whose kernels come in two (AVX-512): batches cut into
@@ -873,9 +977,11 @@ impl Engine {
     }
 
     /// Replaces the kernel set (tests and benches run every ISA path): every call runs it, so a
-    /// bf16 path plan, made for the native table, is dropped.
+    /// bf16 path plan, made for the native table, and AMX tiles are dropped.
     pub fn set_kernels(&mut self, kernels: &'static KernelTable) {
         self.bf16_path_plan = None;
+        self.amx_plan = None;
+        self.scorer.amx = None;
         self.put_kernels(kernels);
     }
 

@@ -30,6 +30,7 @@ pub mod item_sets;
 pub mod metrics;
 pub mod models;
 pub mod plan;
+pub mod plan_amx;
 pub mod plan_load;
 pub mod popularity;
 pub mod prefix_cache;

@@ -56,7 +56,7 @@ const FORMAT: u32 = 5;
 
 /// The decision of the largest measured batch size not above `batch` in `by_batch` (`(smallest
 /// batch, decision)`, ascending), or the first one's for a batch below them all.
-fn decision_for<T: Copy>(by_batch: &[(usize, T)], batch: usize) -> Option<T> {
+pub(crate) fn decision_for<T: Copy>(by_batch: &[(usize, T)], batch: usize) -> Option<T> {
     by_batch
         .iter()
         .rev()

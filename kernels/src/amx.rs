@@ -36,6 +36,56 @@ pub fn available() -> bool {
     availability().is_ok()
 }
 
+/// This thread's tile state, held by one tile routine at a time: the configuration a routine
+/// loads is what its tile instructions rely on, so a nested routine (one called from a block
+/// callback of [`for_each_block_bf16`]) would silently reconfigure or release it. Claiming
+/// refuses that instead, and the guard releases the tiles when the routine ends, panics included.
+struct TileClaim {
+    /// Tile state is per thread: the claim must not move to another.
+    _per_thread: std::marker::PhantomData<*const ()>,
+}
+
+thread_local! {
+    static TILES_CLAIMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl TileClaim {
+    fn new() -> Result<Self, String> {
+        availability().clone()?;
+        if TILES_CLAIMED.with(|claimed| claimed.replace(true)) {
+            return Err(
+                "AMX tiles are already in use on this thread (a tile routine was \
+                        called from inside another's callback)"
+                    .into(),
+            );
+        }
+        Ok(TileClaim {
+            _per_thread: std::marker::PhantomData,
+        })
+    }
+
+    /// Loads `config` for the claiming routine's tile instructions.
+    #[cfg(target_arch = "x86_64")]
+    fn configure(&self, config: &TileConfig) {
+        // SAFETY: `config` is a valid palette-1 configuration (TileConfig's constructors allow
+        // only 1-16 rows of 4-64 bytes) in 64-byte aligned memory, and this process holds the
+        // tile permission (a claim exists only where `availability` is Ok).
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) config, options(nostack, readonly)) };
+    }
+}
+
+impl Drop for TileClaim {
+    fn drop(&mut self) {
+        // SAFETY: the tile permission is held (a claim exists only where `availability` is Ok);
+        // TILERELEASE only returns the tile state to its initial, unconfigured state.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            asm!("tilerelease", options(nostack, nomem))
+        };
+        TILES_CLAIMED.with(|claimed| claimed.set(false));
+    }
+}
+
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn request_tiles() -> Result<(), String> {
     // CPUID.(EAX=7, ECX=0).EDX: AMX-BF16 is bit 22, AMX-TILE bit 24, AMX-INT8 bit 25 (leaf 0
@@ -171,8 +221,27 @@ impl AmxBf16Weights {
     /// Rounds `w` (`[n, k]`, row-major) to bf16 (nearest, ties to even) and packs it.
     pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
         assert_eq!(w.len(), n * k, "weights are [{n}, {k}]");
-        let tiles = pack_b_tiles(n, k, 2, |j, i| crate::bf16::round_to_bf16(w[j * k + i]));
+        Self::pack_bits(n, k, |j, i| crate::bf16::round_to_bf16(w[j * k + i]))
+    }
+
+    /// Packs the bf16 bits `value(output, input)` of an `[n, k]` matrix. The blocks of 16 outputs
+    /// come in whole pairs (a zero block after an odd count), as [`for_each_block_bf16`] reads them.
+    pub fn pack_bits(n: usize, k: usize, value: impl Fn(usize, usize) -> u16) -> Self {
+        let mut tiles = pack_b_tiles(n, k, 2, value);
+        if n.div_ceil(16) % 2 == 1 {
+            tiles.resize(tiles.len() + k.div_ceil(TILE_DEPTH_BF16) * TILE_BF16, 0);
+        }
         AmxBf16Weights { n, k, tiles }
+    }
+
+    /// Blocks of 32 outputs, [`for_each_block_bf16`]'s unit (the last padded with zeros).
+    pub fn output_blocks(&self) -> usize {
+        self.n.div_ceil(BLOCK_OUTPUTS)
+    }
+
+    /// Bytes of the packed tiles.
+    pub fn bytes(&self) -> usize {
+        self.tiles.len() * 2
     }
 
     /// Inputs per row of the activations [`gemm_bf16`] takes: `k` rounded up to whole tiles.
@@ -203,7 +272,7 @@ pub fn bf16_rows(x: &[f32], m: usize, k: usize, padded_k: usize) -> Vec<u16> {
 /// `out[m, n] = x[m, k] . w^T` on AMX tiles: `x` as [`bf16_rows`] gives it, `out` row-major.
 /// Errors (never a tile instruction) when AMX is not [`available`] or a slice has the wrong size.
 pub fn gemm_bf16(x: &[u16], m: usize, w: &AmxBf16Weights, out: &mut [f32]) -> Result<(), String> {
-    availability().clone()?;
+    let claim = TileClaim::new()?;
     let padded_k = w.padded_k();
     if x.len() != m * padded_k {
         return Err(format!(
@@ -221,14 +290,15 @@ pub fn gemm_bf16(x: &[u16], m: usize, w: &AmxBf16Weights, out: &mut [f32]) -> Re
         ));
     }
     #[cfg(target_arch = "x86_64")]
-    gemm_bf16_tiles(x, m, w, out);
+    gemm_bf16_tiles(&claim, x, m, w, out);
+    drop(claim);
     Ok(())
 }
 
 /// Tiles: C in tmm0, A in tmm1, B in tmm2; per block of up to 16 rows and 16 outputs, the depth
 /// in steps of 32, the C tile stored into a block buffer and its live part copied out.
 #[cfg(target_arch = "x86_64")]
-fn gemm_bf16_tiles(x: &[u16], m: usize, w: &AmxBf16Weights, out: &mut [f32]) {
+fn gemm_bf16_tiles(claim: &TileClaim, x: &[u16], m: usize, w: &AmxBf16Weights, out: &mut [f32]) {
     let padded_k = w.padded_k();
     let k_blocks = padded_k / TILE_DEPTH_BF16;
     let mut block = [0f32; TILE_ROWS * 16];
@@ -238,12 +308,9 @@ fn gemm_bf16_tiles(x: &[u16], m: usize, w: &AmxBf16Weights, out: &mut [f32]) {
             .with_tile(0, rows, 64)
             .with_tile(1, rows, 64)
             .with_tile(2, TILE_ROWS, 64);
-        // SAFETY: `config` is a valid palette-1 configuration (rows 1-16, 64-byte rows) in
-        // 64-byte aligned memory, and this process holds the tile permission (checked by the
-        // caller through `availability`).
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly)) };
+        claim.configure(&config);
         for jb in 0..w.n.div_ceil(16) {
-            // SAFETY: tile 0 is configured above.
+            // SAFETY: tile 0 is configured above (`claim.configure`).
             unsafe { asm!("tilezero tmm0", options(nostack, nomem)) };
             for kb in 0..k_blocks {
                 let a = &x[row0 * padded_k + kb * TILE_DEPTH_BF16..];
@@ -285,8 +352,161 @@ fn gemm_bf16_tiles(x: &[u16], m: usize, w: &AmxBf16Weights, out: &mut [f32]) {
             }
         }
     }
-    // SAFETY: releases the tile state this function configured; no tile is used after it.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// Rows of the activations one [`for_each_block_bf16`] call multiplies: two A tiles.
+pub const BLOCK_ROWS: usize = 2 * TILE_ROWS;
+/// Outputs of one block: two B tiles.
+pub const BLOCK_OUTPUTS: usize = 32;
+/// One block's products, `[BLOCK_ROWS][BLOCK_OUTPUTS]` f32 (rows past the call's are garbage).
+pub type Bf16Block = [f32; BLOCK_ROWS * BLOCK_OUTPUTS];
+
+/// For each block `b` of `blocks` (32 outputs each: outputs `32 b ..`), the products of up to 32
+/// activation rows with them, handed to `each(b, &block)` with row `r`'s output `32 b + c` at
+/// `block[32 r + c]`. The rows are `x` ([`bf16_rows`] of `rows` rows at `w`'s padded depth);
+/// no product leaves the tiles but the 4 KiB block, so a scan can select from it as it goes.
+///
+/// Two A tiles (rows 0-15, 16-31) by two B tiles make four accumulators, so each tile loaded
+/// feeds two multiplications; the tile configuration is loaded once per call. Errors (never a
+/// tile instruction) when AMX is not [`available`], this thread's tiles are already in use
+/// (`each` itself calling a tile routine), or the shapes disagree.
+pub fn for_each_block_bf16(
+    x: &[u16],
+    rows: usize,
+    w: &AmxBf16Weights,
+    blocks: std::ops::Range<usize>,
+    mut each: impl FnMut(usize, &Bf16Block),
+) -> Result<(), String> {
+    let claim = TileClaim::new()?;
+    let padded_k = w.padded_k();
+    if padded_k == 0 {
+        return Err("weights of no inputs have no blocks to multiply".into());
+    }
+    if !(1..=BLOCK_ROWS).contains(&rows) {
+        return Err(format!("a block takes 1-{BLOCK_ROWS} rows, not {rows}"));
+    }
+    if x.len() != rows * padded_k {
+        return Err(format!(
+            "activations hold {} bf16, [{rows}, {padded_k}] needs {}",
+            x.len(),
+            rows * padded_k
+        ));
+    }
+    if blocks.end > w.output_blocks() {
+        return Err(format!(
+            "blocks up to {} asked of weights with {}",
+            blocks.end,
+            w.output_blocks()
+        ));
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (upper, lower) = (rows.min(TILE_ROWS), rows.saturating_sub(TILE_ROWS));
+        let mut config = TileConfig::new()
+            .with_tile(0, upper, 64)
+            .with_tile(1, upper, 64)
+            .with_tile(4, upper, 64)
+            .with_tile(6, TILE_ROWS, 64)
+            .with_tile(7, TILE_ROWS, 64);
+        if lower > 0 {
+            config = config
+                .with_tile(2, lower, 64)
+                .with_tile(3, lower, 64)
+                .with_tile(5, lower, 64);
+        }
+        claim.configure(&config);
+        let k_blocks = padded_k / TILE_DEPTH_BF16;
+        let mut block: Bf16Block = [0.0; BLOCK_ROWS * BLOCK_OUTPUTS];
+        for b in blocks {
+            let b0 = w.tile(2 * b, 0);
+            let b1 = w.tile(2 * b + 1, 0);
+            // Each B pointer walks `k_blocks` consecutive 1 KiB tiles (one output block's
+            // depth), each A pointer `k_blocks` steps of 64 bytes along its rows.
+            debug_assert!(w.tiles.len() >= ((2 * b + 2) * k_blocks) * TILE_BF16);
+            let (a0, stride) = (x.as_ptr(), padded_k * 2);
+            if lower > 0 {
+                // SAFETY: tiles 0-7 are configured above for these shapes (C: `upper` or
+                // `lower` rows of 16 f32; A: the same rows of 32 bf16; B: 16 rows of 16 pairs),
+                // so every product's shapes agree. Loads: A tile 4 reads rows 0..16 and tile 5
+                // rows 16..rows of `x`, each row 64 bytes at column 32 kb (kb < k_blocks),
+                // within the row's `padded_k` bf16; B tiles read output blocks 2b and 2b + 1's
+                // tiles, within `w.tiles` (checked above). Stores: four C tiles of at most 16
+                // rows of 64 bytes, 128 bytes apart, at (0, 0), (0, 16), (16, 0), (16, 16) of
+                // `block` (32 x 32 f32).
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        "2:",
+                        "tileloadd tmm4, [{a0} + {lda}*1]",
+                        "tileloadd tmm6, [{b0} + {ldb}*1]",
+                        "tileloadd tmm7, [{b1} + {ldb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a1} + {lda}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "add {a0}, 64",
+                        "add {a1}, 64",
+                        "add {b0}, 1024",
+                        "add {b1}, 1024",
+                        "dec {kb}",
+                        "jnz 2b",
+                        "tilestored [{c} + {ldc}*1], tmm0",
+                        "tilestored [{c} + {ldc}*1 + 64], tmm1",
+                        "tilestored [{c} + {ldc}*1 + 2048], tmm2",
+                        "tilestored [{c} + {ldc}*1 + 2112], tmm3",
+                        a0 = inout(reg) a0 => _,
+                        a1 = inout(reg) a0.add(TILE_ROWS * padded_k) => _,
+                        b0 = inout(reg) b0.as_ptr() => _,
+                        b1 = inout(reg) b1.as_ptr() => _,
+                        kb = inout(reg) k_blocks => _,
+                        lda = in(reg) stride,
+                        ldb = in(reg) 64usize,
+                        c = in(reg) block.as_mut_ptr(),
+                        ldc = in(reg) 128usize,
+                        options(nostack),
+                    )
+                };
+            } else {
+                // SAFETY: as above, with the upper tiles only (A tile 4: `rows` rows of `x`;
+                // C tiles 0 and 1 stored at (0, 0) and (0, 16) of `block`).
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "2:",
+                        "tileloadd tmm4, [{a0} + {lda}*1]",
+                        "tileloadd tmm6, [{b0} + {ldb}*1]",
+                        "tileloadd tmm7, [{b1} + {ldb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "add {a0}, 64",
+                        "add {b0}, 1024",
+                        "add {b1}, 1024",
+                        "dec {kb}",
+                        "jnz 2b",
+                        "tilestored [{c} + {ldc}*1], tmm0",
+                        "tilestored [{c} + {ldc}*1 + 64], tmm1",
+                        a0 = inout(reg) a0 => _,
+                        b0 = inout(reg) b0.as_ptr() => _,
+                        b1 = inout(reg) b1.as_ptr() => _,
+                        kb = inout(reg) k_blocks => _,
+                        lda = in(reg) stride,
+                        ldb = in(reg) 64usize,
+                        c = in(reg) block.as_mut_ptr(),
+                        ldc = in(reg) 128usize,
+                        options(nostack),
+                    )
+                };
+            }
+            each(b, &block);
+        }
+    }
+    drop(claim);
+    Ok(())
 }
 
 /// int8 values in a row of an A tile: the depth one `TDPBUSD` / `TDPBSSD` adds up.
@@ -360,7 +580,7 @@ impl SplitI16Rows {
 /// two AMX-INT8 products per tile, the low bytes' and the high bytes' (times 256). Errors
 /// (never a tile instruction) when AMX is not [`available`] or the shapes disagree.
 pub fn gemm_i16_i8(x: &SplitI16Rows, w: &AmxI8Weights, out: &mut [i32]) -> Result<(), String> {
-    availability().clone()?;
+    let claim = TileClaim::new()?;
     if x.padded_k != w.padded_k() {
         return Err(format!(
             "activations of {} inputs a row, weights of {} (padded)",
@@ -378,14 +598,15 @@ pub fn gemm_i16_i8(x: &SplitI16Rows, w: &AmxI8Weights, out: &mut [i32]) -> Resul
         ));
     }
     #[cfg(target_arch = "x86_64")]
-    gemm_i16_i8_tiles(x, w, out);
+    gemm_i16_i8_tiles(&claim, x, w, out);
+    drop(claim);
     Ok(())
 }
 
 /// Tiles: the low bytes' sums in tmm0, the high bytes' in tmm1, A's low and high bytes in tmm2
 /// and tmm3, B in tmm4.
 #[cfg(target_arch = "x86_64")]
-fn gemm_i16_i8_tiles(x: &SplitI16Rows, w: &AmxI8Weights, out: &mut [i32]) {
+fn gemm_i16_i8_tiles(claim: &TileClaim, x: &SplitI16Rows, w: &AmxI8Weights, out: &mut [i32]) {
     let k_blocks = x.padded_k / TILE_DEPTH_I8;
     let (mut low_sums, mut high_sums) = ([0i32; TILE_ROWS * 16], [0i32; TILE_ROWS * 16]);
     for row0 in (0..x.m).step_by(TILE_ROWS) {
@@ -396,9 +617,7 @@ fn gemm_i16_i8_tiles(x: &SplitI16Rows, w: &AmxI8Weights, out: &mut [i32]) {
             .with_tile(2, rows, 64)
             .with_tile(3, rows, 64)
             .with_tile(4, TILE_ROWS, 64);
-        // SAFETY: a valid palette-1 configuration in 64-byte aligned memory; the caller checked
-        // the tile permission (`availability`).
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly)) };
+        claim.configure(&config);
         for jb in 0..w.n.div_ceil(16) {
             // SAFETY: tiles 0 and 1 are configured above.
             unsafe { asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem)) };
@@ -453,8 +672,6 @@ fn gemm_i16_i8_tiles(x: &SplitI16Rows, w: &AmxI8Weights, out: &mut [i32]) {
             }
         }
     }
-    // SAFETY: releases the tile state configured above; no tile is used after it.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
 #[cfg(test)]

@@ -68,18 +68,18 @@ impl<'a> RowQuery<'a> {
 
 /// Bounded selection of one row's best `k`: candidates that beat the current k-th best are buffered
 /// (up to 2k), and the buffer is pruned back to k when full, raising the bar.
-struct Selection<'a> {
+pub(crate) struct Selection<'a> {
     k: usize,
     excluded: &'a Exclusions,
     eligible: Option<&'a ItemMask>,
-    buffer: Vec<Scored>,
+    pub(crate) buffer: Vec<Scored>,
     /// Score a candidate must strictly exceed. Items arrive in increasing index order within one
     /// scan, so a later item tying the bar ranks after it and is rightly refused.
-    bar: f32,
+    pub(crate) bar: f32,
 }
 
 impl<'a> Selection<'a> {
-    fn new(query: &RowQuery<'a>) -> Self {
+    pub(crate) fn new(query: &RowQuery<'a>) -> Self {
         Selection {
             k: query.k,
             excluded: query.excluded,
@@ -94,7 +94,7 @@ impl<'a> Selection<'a> {
     }
 
     #[inline]
-    fn offer(&mut self, index: u32, score: f32) {
+    pub(crate) fn offer(&mut self, index: u32, score: f32) {
         // Only a score strictly above the bar gets in; NaN (impossible with finite weights) never does.
         if score.partial_cmp(&self.bar) != Some(std::cmp::Ordering::Greater)
             || self.eligible.is_some_and(|m| !m.allows(index))
@@ -446,7 +446,7 @@ pub(super) fn scan_threads(panels: usize, macs_per_panel: usize, threads: usize)
 
 /// Runs `run` over `panels` split into contiguous ranges, one per thread (as many as
 /// [`scan_threads`] allows), and returns each range's result in order.
-pub(super) fn over_panel_ranges<T: Send>(
+pub(crate) fn over_panel_ranges<T: Send>(
     panels: usize,
     macs_per_panel: usize,
     threads: usize,
@@ -488,6 +488,14 @@ pub fn top_k(
         scan(table, out, hidden, &input, range, &mut selections);
         selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>()
     });
+    merge_ranges(queries, &per_thread)
+}
+
+/// Each row's best `k` of the candidates its ranges' selections kept, best first.
+pub(crate) fn merge_ranges(
+    queries: &[RowQuery<'_>],
+    per_thread: &[Vec<Vec<Scored>>],
+) -> Vec<Vec<Scored>> {
     queries
         .iter()
         .enumerate()

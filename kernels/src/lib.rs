@@ -23,6 +23,7 @@ pub mod attention;
 mod bf16;
 pub mod dense;
 pub mod fused;
+pub mod fused_amx;
 pub mod item_mask;
 pub mod packed;
 pub mod parallel;

@@ -115,3 +115,137 @@ fn int16_by_int8_tiles_are_exact_on_every_edge() {
         eprintln!("[{m}x{k}] x [{k}x{n}]: every output exact");
     }
 }
+
+/// Each row's answer from the tile scan against f64 scores of the bf16-rounded layer: the right
+/// count, only items the row may receive, ranked, every score within the rounding bound of its
+/// exact value, and no item left out that could beat the last one taken within the bounds.
+#[test]
+fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
+    use recsys_kernels::fused::{Exclusions, RowQuery};
+    use recsys_kernels::fused_amx::{self, AmxOutput};
+    use recsys_kernels::item_mask::ItemMask;
+    use recsys_kernels::packed::PackedOutput;
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(23);
+    // (rows, items, features, threads): one and two A tiles, a partial last block, depth below,
+    // at and past one tile's 32.
+    for &(m, n, d, threads) in &[
+        (1, 70, 3, 1),
+        (5, 100, 32, 1),
+        (16, 257, 64, 2),
+        (37, 1000, 50, 2),
+    ] {
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let bias: Vec<f32> = (0..n).map(|_| next() * 0.2).collect();
+        let bits: Vec<u16> = w
+            .iter()
+            .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
+            .collect();
+        let out = AmxOutput::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+        let hidden: Vec<f32> = (0..m * d).map(|_| next()).collect();
+        // Row r: k from 0 to past the catalogue; every third row filtered to a random quarter,
+        // every row excluding PAD and a few items.
+        let exclusions: Vec<Exclusions> = (0..m)
+            .map(|r| Exclusions::new(vec![0, (r * 7 % n) as u32, (r * 13 % n) as u32]))
+            .collect();
+        let masks: Vec<Option<ItemMask>> = (0..m)
+            .map(|r| {
+                (r % 3 == 2).then(|| {
+                    ItemMask::of(
+                        n,
+                        (0..n as u32).filter(|&j| (j as usize * 31 + r).is_multiple_of(4)),
+                    )
+                })
+            })
+            .collect();
+        let ks: Vec<usize> = (0..m).map(|r| [10, 0, 1, 3 * n, 50][r % 5]).collect();
+        let queries: Vec<RowQuery<'_>> = (0..m)
+            .map(|r| RowQuery {
+                k: ks[r],
+                excluded: &exclusions[r],
+                eligible: masks[r].as_ref(),
+            })
+            .collect();
+        let answers = fused_amx::top_k_bf16(&out, &hidden, &queries, threads).unwrap();
+        assert_eq!(answers.len(), m);
+        for (r, answer) in answers.iter().enumerate() {
+            let allowed = |j: usize| {
+                !exclusions[r].contains(j as u32)
+                    && masks[r].as_ref().is_none_or(|mask| mask.allows(j as u32))
+            };
+            // (exact score, bound) per item.
+            let reference: Vec<(f64, f64)> = (0..n)
+                .map(|j| {
+                    let (mut dot, mut magnitude) = (0f64, 0f64);
+                    for i in 0..d {
+                        let term = bf16_value(hidden[r * d + i]) * bf16_value(w[j * d + i]);
+                        dot += term;
+                        magnitude += term.abs();
+                    }
+                    let b = f64::from(bias[j]);
+                    let bound = (d as f64 + 2.0) * 2f64.powi(-24) * (magnitude + b.abs()) + 1e-30;
+                    (dot + b, bound)
+                })
+                .collect();
+            let eligible = (0..n).filter(|&j| allowed(j)).count();
+            assert_eq!(answer.len(), ks[r].min(eligible), "row {r}: how many");
+            let mut seen = std::collections::HashSet::new();
+            for pair in answer.windows(2) {
+                assert!(pair[0].score >= pair[1].score, "row {r}: ranked");
+            }
+            for s in answer {
+                let j = s.index as usize;
+                assert!(
+                    j < n && allowed(j),
+                    "row {r}: item {j} may not be recommended"
+                );
+                assert!(seen.insert(j), "row {r}: item {j} twice");
+                let (exact, bound) = reference[j];
+                assert!(
+                    (f64::from(s.score) - exact).abs() <= bound,
+                    "row {r} item {j}: {} vs {exact} (bound {bound:e})",
+                    s.score
+                );
+            }
+            if let Some(last) = answer.last() {
+                let (last_exact, last_bound) = reference[last.index as usize];
+                for j in (0..n).filter(|&j| allowed(j) && !seen.contains(&j)) {
+                    let (exact, bound) = reference[j];
+                    assert!(
+                        exact - bound <= last_exact + last_bound,
+                        "row {r}: item {j} ({exact}) left out for item {} ({last_exact})",
+                        last.index
+                    );
+                }
+            }
+        }
+        eprintln!("{m} rows x {n} items x {d} features on {threads} threads: every answer within the bound");
+    }
+}
+
+/// A tile routine called from inside another's block callback is refused, and the outer one
+/// carries on with its own configuration intact.
+#[test]
+fn a_nested_tile_routine_is_refused() {
+    if !tiles_here() {
+        return;
+    }
+    let w = AmxBf16Weights::pack(&[0.5; 64 * 32], 64, 32);
+    let x = amx::bf16_rows(&[1.0; 32], 1, 32, w.padded_k());
+    let mut sums = Vec::new();
+    amx::for_each_block_bf16(&x, 1, &w, 0..2, |_, block| {
+        let mut out = [0f32; 64];
+        let nested = amx::gemm_bf16(&x, 1, &w, &mut out).unwrap_err();
+        assert!(nested.contains("already in use"), "{nested}");
+        sums.push(block[..32].to_vec());
+    })
+    .unwrap();
+    // 32 products of 1 x 0.5 per output, in both blocks.
+    assert_eq!(sums, vec![vec![16.0; 32], vec![16.0; 32]]);
+    // The claim was released: a later routine runs.
+    let mut out = [0f32; 64];
+    amx::gemm_bf16(&x, 1, &w, &mut out).unwrap();
+    assert_eq!(out, [16.0; 64]);
+}

@@ -37,7 +37,7 @@ class Engine:
 
     def __init__(self, path: Union[str, PathLike[str]], threads: int | None = None, device: str = "cpu",
                  prefix_cache_bytes: int = 0, screen_policy: str = "auto", bf16_path: str = "auto",
-                 row_block: str = "auto", thread_plan: str = "auto") -> None:
+                 amx: str = "auto", row_block: str = "auto", thread_plan: str = "auto") -> None:
         """Loads and verifies the engine; `threads` scoring threads per call, 1 to 1024 (default:
         the cores).
         `prefix_cache_bytes` > 0 (GRU4Rec, SASRec): keep the model's state after recent histories
@@ -49,6 +49,10 @@ class Engine:
         widened to f32 per batch size, whichever measured faster here (kept like the screen's
         plan), "native"
         or "widened"; the answers are the same.
+        `amx` (bf16 engines on CPUs with AMX, Xeons since Sapphire Rapids): "auto" runs the output
+        layer on AMX tiles at the batch sizes where they measured faster here (kept like the
+        screen's plan), "on" or "off"; the tiles add in another order, so scores may differ in the
+        last bits. Without AMX the SIMD kernels run and `kernel_plan` says why.
         `row_block` (AVX-512 kernels): "auto" cuts batches into row groups of up to 8 rows or of
         up to 4, whichever measured faster here (kept like the screen's plan), "4" or "8"; the
         answers are the same.
@@ -120,8 +124,11 @@ class Engine:
         """A screened engine's plan per batch size and where it came from; None without a screen."""
     @property
     def kernel_plan(self) -> str | None:
-        """A bf16 engine's kernels on a CPU with AVX512-BF16 ("vdpbf16ps" or widened) per batch
-        size, the times behind the choice and where it came from; None for other engines and CPUs."""
+        """A bf16 engine's kernels per batch size: on a CPU with AVX512-BF16 "vdpbf16ps" or
+        widened; whether the output layer runs on AMX tiles ("AMX output layer batch 64+: AMX
+        tiles (...)"), or why not ("AMX tiles not used: this CPU has no AMX ..."); the times
+        behind each choice and where it came from. None for other engines, and with amx="off" on
+        CPUs without AVX512-BF16."""
     @property
     def row_block_plan(self) -> str | None:
         """The largest row group AVX-512 kernels cut a batch into ("row groups of up to 8 rows

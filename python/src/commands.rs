@@ -141,6 +141,7 @@ pub(crate) fn convert(
         device: crate::device::DeviceChoice::Cpu,
         path: output,
         _copy: None,
+        amx_refused: None,
     })
 }
 

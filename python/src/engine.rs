@@ -86,6 +86,9 @@ pub(crate) struct PyEngine {
     /// The local copy of an engine loaded from object storage, removed with the engine (the
     /// engine maps its files).
     pub(crate) _copy: Option<tempfile::TempDir>,
+    /// Why a bf16 engine's output layer does not run on AMX tiles here (no AMX, or Linux refused
+    /// the tile state); `None` where tiles were planned or nothing was asked of them.
+    pub(crate) amx_refused: Option<String>,
 }
 
 impl PyEngine {
@@ -381,7 +384,7 @@ impl PyEngine {
     /// model on that GPU, checked against the CPU engine at load; `score` stays on the CPU).
     #[new]
     #[pyo3(signature = (path, threads = None, device = "cpu", prefix_cache_bytes = 0, screen_policy = "auto",
-                        bf16_path = "auto", row_block = "auto", thread_plan = "auto"))]
+                        bf16_path = "auto", amx = "auto", row_block = "auto", thread_plan = "auto"))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature, keyword arguments
     fn new(
         py: Python<'_>,
@@ -391,6 +394,7 @@ impl PyEngine {
         prefix_cache_bytes: usize,
         screen_policy: &str,
         bf16_path: &str,
+        amx: &str,
         row_block: &str,
         thread_plan: &str,
     ) -> PyResult<Self> {
@@ -398,6 +402,7 @@ impl PyEngine {
             screen_policy.parse().map_err(PyValueError::new_err)?;
         let bf16_path: recsys_engine::plan::Bf16Path =
             bf16_path.parse().map_err(PyValueError::new_err)?;
+        let amx: recsys_engine::plan_amx::AmxPolicy = amx.parse().map_err(PyValueError::new_err)?;
         let row_block: recsys_engine::plan::RowBlockPolicy =
             row_block.parse().map_err(PyValueError::new_err)?;
         let thread_plan: recsys_engine::plan::ThreadPolicy =
@@ -436,6 +441,8 @@ impl PyEngine {
         py.detach(|| engine.plan_screen(screen_policy).is_some());
         py.detach(|| engine.plan_bf16_path(bf16_path).is_some());
         py.detach(|| engine.plan_row_block(row_block).is_some());
+        // A CPU or process without AMX runs the SIMD tables; `kernel_plan` says why.
+        let amx_refused = py.detach(|| engine.plan_amx(amx).err());
         py.detach(|| engine.plan_threads(thread_plan).is_some());
         let engine = Arc::new(engine);
         let on_device = py.detach(|| device::recommender(device, &engine))?;
@@ -445,6 +452,7 @@ impl PyEngine {
             device,
             path,
             _copy: copy,
+            amx_refused,
         })
     }
 
@@ -556,11 +564,22 @@ impl PyEngine {
         self.engine().screen_plan().map(|p| p.describe())
     }
 
-    /// A bf16 engine's kernels on a CPU with AVX512-BF16 (`vdpbf16ps` or widened to f32) per
-    /// batch size, the times behind the choice and where it came from; `None` for other engines and CPUs.
+    /// A bf16 engine's kernels per batch size: on a CPU with AVX512-BF16, `vdpbf16ps` or widened
+    /// to f32; on a CPU with AMX, whether the output layer runs on AMX tiles (or why tiles are
+    /// not used); with the times behind each choice and where it came from. `None` for other
+    /// engines, and for bf16 engines on CPUs with neither.
     #[getter]
     fn kernel_plan(&self) -> Option<String> {
-        self.engine().bf16_path_plan().map(|p| p.describe())
+        let engine = self.engine();
+        let amx = match (engine.amx_plan(), &self.amx_refused) {
+            (Some(plan), _) => Some(format!("AMX {}", plan.describe())),
+            (None, Some(why)) => Some(format!("AMX tiles not used: {why}")),
+            (None, None) => None,
+        };
+        [engine.bf16_path_plan().map(|p| p.describe()), amx]
+            .into_iter()
+            .flatten()
+            .reduce(|a, b| format!("{a}; {b}"))
     }
 
     /// The largest row group AVX-512 kernels cut a batch into (8 or 4 rows), the times behind the

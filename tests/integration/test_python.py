@@ -471,10 +471,14 @@ def test_the_row_block_changes_no_answer(engines, users):
 def test_a_bf16_engine_answers_the_same_on_either_kernel_path(engines, users):
     """bf16_path pins a bf16 engine's kernels on a CPU with AVX512-BF16 ("native" vdpbf16ps or
     "widened" to f32); "auto" measures them per batch size on this CPU (or reads the kept plan);
-    the answers are the same bits. On a CPU without AVX512-BF16 there is nothing to choose (kernel_plan is None)."""
+    the answers are the same bits (AMX tiles, whose sums differ in the last bits, off). On a CPU
+    without AVX512-BF16 there is nothing to choose (kernel_plan is None)."""
     path = str(engines["bert4rec_bf16"])
     has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    by_path = {p: recsys.Engine(path, threads=1, bf16_path=p) for p in ("native", "widened", "auto")}
+    by_path = {
+        p: recsys.Engine(path, threads=1, bf16_path=p, amx="off")
+        for p in ("native", "widened", "auto")
+    }
     if has_bf16:
         assert "pinned (native)" in by_path["native"].kernel_plan
         assert "widened to f32" in by_path["widened"].kernel_plan
@@ -488,6 +492,30 @@ def test_a_bf16_engine_answers_the_same_on_either_kernel_path(engines, users):
     assert recsys.Engine(str(engines["bert4rec"]), threads=1).kernel_plan is None
     with pytest.raises(ValueError, match="bf16_path"):
         recsys.Engine(path, bf16_path="fastest")
+
+
+def test_a_bf16_engine_names_its_amx_choice(engines, users):
+    """amx ("auto", "on", "off") decides whether a bf16 engine's output layer runs on AMX tiles;
+    kernel_plan names the choice, or why tiles are not used (a CPU without AMX), and a CPU without
+    them answers as with amx="off". On an AMX CPU the tiles' answers hold the same items but where
+    scores within rounding of each other swap."""
+    path = str(engines["bert4rec_bf16"])
+    has_amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    off = recsys.Engine(path, threads=1, amx="off")
+    assert off.kernel_plan is None or "AMX" not in off.kernel_plan
+    for policy in ("auto", "on"):
+        engine = recsys.Engine(path, threads=1, amx=policy)
+        if has_amx:
+            assert "AMX output layer batch 1+:" in engine.kernel_plan, engine.kernel_plan
+        else:
+            assert "AMX tiles not used: this CPU has no AMX" in engine.kernel_plan, engine.kernel_plan
+            got, want = engine.recommend(users[:20], k=10), off.recommend(users[:20], k=10)
+            assert got[0].tolist() == want[0].tolist()
+            np.testing.assert_array_equal(got[1], want[1])
+    fp32 = recsys.Engine(str(engines["bert4rec"]), threads=1, amx="on")
+    assert fp32.kernel_plan is None, "only bf16 engines have tiles to run"
+    with pytest.raises(ValueError, match="amx must be"):
+        recsys.Engine(path, amx="sometimes")
 
 
 def test_the_examples_in_the_stubs_docstrings_run(engines, tmp_path, monkeypatch):
