@@ -32,17 +32,9 @@ pub struct Scorer {
     pub kernels: &'static KernelTable,
     /// Threads one batch's scoring may use (instances x threads should fit the cores).
     pub threads: usize,
-    /// A bf16 output layer's AMX tiles and the batch sizes that run on them
-    /// ([`Engine::plan_amx`]); `None`: the SIMD tables at every batch size.
-    pub amx: Option<AmxScan>,
-}
-
-/// A bf16 output layer on AMX tiles: the tiles (built from the packed layer, the same values)
-/// and the plan saying which batch sizes run on them.
-#[derive(Clone, Debug)]
-pub struct AmxScan {
-    pub tiles: Arc<crate::kernels::fused_amx::AmxOutput>,
-    pub plan: crate::plan_amx::AmxPlan,
+    /// A bf16 output layer's AMX tiles (built from `packed`, the same values), run by calls
+    /// whose kernel table is tiled ([`Engine::plan_amx`], [`Engine::kernels_for`]).
+    pub amx: Option<Arc<crate::kernels::fused_amx::AmxLayer>>,
 }
 
 /// Each row's best items, best first.
@@ -111,11 +103,11 @@ impl Scorer {
     ) -> RankedRows {
         let exclusions = whole_catalogue_exclusions(limits.excluded);
         let queries = queries_of(ks, &exclusions, &limits.eligible);
-        if let Some(amx) = self.amx.as_ref().filter(|a| a.plan.tiles_for(ks.len())) {
+        if let Some(tiles) = self.amx.as_ref().filter(|_| kernels.tiles) {
             // Tiles were checked runnable when planned; should they fail all the same, the SIMD
             // scan answers (the same bf16 layer).
             if let Ok(ranked) =
-                crate::kernels::fused_amx::top_k_bf16(&amx.tiles, hidden, &queries, threads)
+                crate::kernels::fused_amx::top_k_bf16(tiles, hidden, &queries, threads)
             {
                 return ranked;
             }
@@ -324,12 +316,10 @@ impl Engine {
         }
         let screen = self.scorer.screen.is_some().then(|| screen_of(out));
         // New rows, new tiles; the plan stands (the layer's shape is the same but for items).
-        let amx = self.scorer.amx.as_ref().and_then(|amx| {
-            Some(AmxScan {
-                tiles: Arc::new(crate::kernels::fused_amx::AmxOutput::from_packed(&packed)?),
-                plan: amx.plan.clone(),
-            })
-        });
+        let amx =
+            self.scorer.amx.as_ref().and_then(|_| {
+                crate::kernels::fused_amx::AmxLayer::from_packed(&packed).map(Arc::new)
+            });
         let n_outputs = out.n_outputs();
         let retired = self.retired_with(&applied.retired, &applied.upserted);
         let filters = Filters::retiring(self.filters.sets().grown(n_outputs), n_outputs, &retired);
@@ -548,14 +538,20 @@ impl Engine {
 
     /// The kernels a call of `batch` histories runs: the engine's, or for a bf16 engine whose
     /// plan widens at this batch size, the AVX-512 table that widens bf16 to f32 (same row
-    /// block). Every table gives the same bits; only time differs.
+    /// block); either with bf16 layers on AMX tiles where the AMX plan runs them at this batch
+    /// size. Every table gives the same bits but the tiled ones (the tile unit's order of
+    /// additions); otherwise only time differs.
     pub fn kernels_for(&self, batch: usize) -> &'static KernelTable {
-        match &self.bf16_path_plan {
+        let table = match &self.bf16_path_plan {
             Some(plan) if !plan.native_for(batch) => KernelTable::for_isa_rows(
                 crate::kernels::Isa::Avx512,
                 self.scorer.kernels.row_block(),
             ),
             _ => self.scorer.kernels,
+        };
+        match &self.amx_plan {
+            Some(plan) if plan.tiles_for(batch) => table.tiled().unwrap_or(table),
+            _ => table,
         }
     }
 
@@ -575,22 +571,25 @@ impl Engine {
         timings
     }
 
-    /// Chooses whether a bf16 engine's output layer runs on AMX tiles
-    /// ([`crate::kernels::fused_amx`]), per batch size: by `policy`, and for `Auto` by timing
-    /// whole calls with tiles and with the SIMD tables on this CPU (or its cached plan), tiles
-    /// kept only where strictly faster. The tiles hold the packed layer's bf16 values; their
-    /// scores differ from the SIMD tables' in the last bits (the tile unit's order of additions).
-    /// Call after [`Engine::plan_bf16_path`] and [`Engine::plan_row_block`] (tiles are timed
-    /// against the tables those chose). `Ok(None)` for engines other than bf16 and under
-    /// `Off`; `Err` with the reason where this CPU or process cannot run tiles (the engine runs
-    /// the SIMD tables: log it).
+    /// Chooses whether a bf16 engine's layers run on AMX tiles, per batch size: the output
+    /// layer's scan ([`crate::kernels::fused_amx`], its tiles in the scorer) and the dense layers
+    /// ([`crate::kernels::dense_amx`], their tiles made on first use), by `policy`, and for
+    /// `Auto` by timing whole calls with tiles and with the SIMD tables on this CPU (or its
+    /// cached plan), tiles kept only where strictly faster. A call at a batch size that uses tiles
+    /// gets the tiled counterpart of its table from [`Engine::kernels_for`]. The tiles hold the
+    /// packed layers' bf16 values; their sums differ from the SIMD tables' in the last bits (the
+    /// tile unit's order of additions). Call after [`Engine::plan_bf16_path`] and
+    /// [`Engine::plan_row_block`] (tiles are timed against the tables those chose). `Ok(None)`
+    /// for engines other than bf16 and under `Off`; `Err` with the reason where this CPU,
+    /// process or kernel table cannot run tiles (the engine runs the SIMD tables: log it).
     pub fn plan_amx(
         &mut self,
         policy: crate::plan_amx::AmxPolicy,
     ) -> std::result::Result<Option<&crate::plan_amx::AmxPlan>, String> {
-        use crate::kernels::fused_amx::AmxOutput;
+        use crate::kernels::fused_amx::AmxLayer;
         use crate::plan::PlanSource;
         use crate::plan_amx::{AmxPlan, AmxPolicy};
+        self.amx_plan = None;
         self.scorer.amx = None;
         let bf16 = matches!(
             self.model.output().weight,
@@ -600,27 +599,28 @@ impl Engine {
             return Ok(None);
         }
         crate::kernels::amx::availability().clone()?;
-        let Some(tiles) = AmxOutput::from_packed(&self.scorer.packed) else {
+        if self.scorer.kernels.tiled().is_none() {
+            return Err(format!(
+                "the {} kernels in use have no tiled table (AMX runs beside AVX-512)",
+                self.scorer.kernels.isa.name()
+            ));
+        }
+        let Some(tiles) = AmxLayer::from_packed(&self.scorer.packed) else {
             return Ok(None);
         };
-        let tiles = Arc::new(tiles);
+        self.scorer.amx = Some(Arc::new(tiles));
         let plan = match policy {
             AmxPolicy::On => AmxPlan::fixed(true, PlanSource::Pinned("on".into())),
             AmxPolicy::Auto if plans_off() => AmxPlan::fixed(false, PlanSource::Skipped),
             AmxPolicy::Auto | AmxPolicy::Off => {
-                self.scorer.amx = Some(AmxScan {
-                    tiles: Arc::clone(&tiles),
-                    plan: AmxPlan::fixed(false, PlanSource::Skipped),
-                });
                 let (timings, source) = self.planned("amx", Engine::measure_amx);
                 AmxPlan::from_timings(timings, source)
             }
         };
-        // Tiles no batch size uses are not kept (they double the layer's memory).
-        self.scorer.amx = plan.uses_tiles().then(|| AmxScan {
-            tiles,
-            plan: plan.clone(),
-        });
+        // The output layer's tiles double its memory: dropped when no batch size uses them.
+        if !plan.uses_tiles() {
+            self.scorer.amx = None;
+        }
         self.amx_plan = Some(plan);
         Ok(self.amx_plan.as_ref())
     }
@@ -637,12 +637,12 @@ impl Engine {
         use crate::plan_amx::AmxPlan;
         let requests = self.plan_requests();
         let largest = requests.len();
-        crate::plan::measure(|tiles, b| {
-            if let Some(amx) = self.scorer.amx.as_mut() {
-                amx.plan = AmxPlan::fixed(tiles, PlanSource::Skipped);
-            }
+        let timings = crate::plan::measure(|tiles, b| {
+            self.amx_plan = Some(AmxPlan::fixed(tiles, PlanSource::Skipped));
             std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
-        })
+        });
+        self.amx_plan = None;
+        timings
     }
 
     /// Chooses the row block of an engine whose kernels come in two (AVX-512): batches cut into

@@ -1,5 +1,6 @@
-//! Whether a bf16 engine's output layer runs on AMX tiles ([`recsys_kernels::fused_amx`]) or on
-//! the SIMD tables, per batch size. Tiles multiply a 32-row by 32-item block per few dozen cycles
+//! Whether a bf16 engine's layers (its output layer's scan and its dense layers) run on AMX
+//! tiles ([`recsys_kernels::fused_amx`], [`recsys_kernels::dense_amx`]) or on the SIMD tables,
+//! per batch size. Tiles multiply a 32-row by 32-item block per few dozen cycles
 //! but pay a fixed cost per block (loading the tiles, comparing the block with each row's bar),
 //! so where they win depends on the batch, the hidden size and the CPU: measured, never assumed.
 
@@ -31,7 +32,7 @@ impl std::str::FromStr for AmxPolicy {
     }
 }
 
-/// Per batch size, whether the output layer runs on AMX tiles.
+/// Per batch size, whether the bf16 layers run on AMX tiles.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AmxPlan {
     /// `(smallest batch, tiles?)`, ascending.
@@ -94,7 +95,7 @@ impl AmxPlan {
             })
             .collect();
         format!(
-            "output layer {} — {}",
+            "bf16 layers {} — {}",
             choices.join(", "),
             self.source.describe()
         )

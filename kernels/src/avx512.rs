@@ -485,6 +485,7 @@ pub(super) const KERNELS: KernelTable = KernelTable {
     },
     // AVX2's: the same fused multiply-adds in the same order as the AVX-512 dense kernels.
     attention: avx2::KERNELS.attention,
+    tiles: false,
 };
 
 pub(super) static TABLE: KernelTable = KERNELS;
@@ -492,6 +493,19 @@ pub(super) static TABLE: KernelTable = KERNELS;
 /// The same kernels cutting batches into row groups of at most 4 ([`super::RowBlock::Four`]).
 pub(super) static TABLE_FOUR_ROWS: KernelTable = KernelTable {
     panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
+    ..KERNELS
+};
+
+/// [`TABLE`] with bf16 layers on AMX tiles ([`super::KernelTable::tiled`]).
+pub(super) static TABLE_TILES: KernelTable = KernelTable {
+    tiles: true,
+    ..KERNELS
+};
+
+/// [`TABLE_FOUR_ROWS`] with bf16 layers on AMX tiles.
+pub(super) static TABLE_FOUR_ROWS_TILES: KernelTable = KernelTable {
+    panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
+    tiles: true,
     ..KERNELS
 };
 

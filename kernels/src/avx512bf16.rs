@@ -112,3 +112,16 @@ pub(super) static TABLE_FOUR_ROWS: KernelTable = KernelTable {
     panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
     ..KERNELS
 };
+
+/// [`TABLE`] with bf16 layers on AMX tiles ([`super::KernelTable::tiled`]).
+pub(super) static TABLE_TILES: KernelTable = KernelTable {
+    tiles: true,
+    ..KERNELS
+};
+
+/// [`TABLE_FOUR_ROWS`] with bf16 layers on AMX tiles.
+pub(super) static TABLE_FOUR_ROWS_TILES: KernelTable = KernelTable {
+    panels_per_call: KERNELS.panels_per_call.at_most_four_rows(),
+    tiles: true,
+    ..KERNELS
+};

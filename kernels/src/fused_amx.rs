@@ -15,19 +15,20 @@ use crate::fused::{merge_ranges, over_panel_ranges, RowQuery, Selection};
 use crate::packed::{PackedOutput, PanelData};
 use crate::topk::Scored;
 
-/// A bf16 output layer in AMX tiles, beside its [`PackedOutput`]: the same bf16 values and bias.
+/// A bf16 layer in AMX tiles, beside its [`PackedOutput`]: the same bf16 values and bias. The
+/// output layer's scan ([`top_k_bf16`]) and dense layers ([`crate::dense_amx`]) run on it.
 #[derive(Clone, Debug)]
-pub struct AmxOutput {
+pub struct AmxLayer {
     /// Items (with PAD), as the packed layer's `n`.
     pub n: usize,
     /// Hidden size.
     pub d: usize,
-    weights: AmxBf16Weights,
+    pub(crate) weights: AmxBf16Weights,
     /// One per output of every block, -inf past `n`: a padding item never beats a bar.
-    bias: Vec<f32>,
+    pub(crate) bias: Vec<f32>,
 }
 
-impl AmxOutput {
+impl AmxLayer {
     /// The tiles of a bf16 layer (packed as [`PanelData::Bf16`] or widened, [`PanelData::Bf16Wide`]:
     /// the same values); `None` for any other precision.
     pub fn from_packed(out: &PackedOutput) -> Option<Self> {
@@ -49,7 +50,7 @@ impl AmxOutput {
         };
         let mut bias = vec![f32::NEG_INFINITY; weights.output_blocks() * BLOCK_OUTPUTS];
         bias[..out.n].copy_from_slice(&out.bias[..out.n]);
-        Some(AmxOutput {
+        Some(AmxLayer {
             n: out.n,
             d: out.d,
             weights,
@@ -65,7 +66,7 @@ impl AmxOutput {
 
 /// Blocks per stretch of the scan: about 96 KiB of weights, so a stretch stays in L2 while every
 /// row group of the batch multiplies it (the SIMD scan's tile, [`crate::fused`]).
-fn blocks_per_stretch(out: &AmxOutput) -> usize {
+fn blocks_per_stretch(out: &AmxLayer) -> usize {
     let bytes_per_block = BLOCK_OUTPUTS * out.weights.padded_k() * 2;
     (96 * 1024 / bytes_per_block).max(1)
 }
@@ -74,7 +75,7 @@ fn blocks_per_stretch(out: &AmxOutput) -> usize {
 /// without materialising scores, on up to `threads` pool threads. Errors where this CPU or
 /// process cannot run tiles ([`amx::availability`]) or the shapes disagree.
 pub fn top_k_bf16(
-    out: &AmxOutput,
+    out: &AmxLayer,
     hidden: &[f32],
     queries: &[RowQuery<'_>],
     threads: usize,
@@ -108,7 +109,7 @@ pub fn top_k_bf16(
 
 /// Blocks `range` for every row: stretch by stretch, each row group of up to 32 rows.
 fn scan(
-    out: &AmxOutput,
+    out: &AmxLayer,
     x: &[u16],
     rows: usize,
     range: std::ops::Range<usize>,
@@ -244,10 +245,10 @@ mod tests {
             let bits: Vec<u16> = w.iter().map(|&v| round_to_bf16(v)).collect();
             let packed = PackedOutput::from_bf16_bits(&bits, &bias, d);
             let expected = AmxBf16Weights::pack(&w, n, d);
-            let tiles = AmxOutput::from_packed(&packed).expect("a bf16 layer");
+            let tiles = AmxLayer::from_packed(&packed).expect("a bf16 layer");
             assert_eq!(tiles.weights, expected, "bf16 panels, n {n} d {d}");
             let wide = packed.widened_bf16().expect("a bf16 layer");
-            let from_wide = AmxOutput::from_packed(&wide).expect("a widened bf16 layer");
+            let from_wide = AmxLayer::from_packed(&wide).expect("a widened bf16 layer");
             assert_eq!(from_wide.weights, expected, "widened panels, n {n} d {d}");
             assert_eq!(&tiles.bias[..n], &bias[..], "the bias, n {n}");
             assert!(tiles.bias[n..].iter().all(|&b| b == f32::NEG_INFINITY));
@@ -258,7 +259,7 @@ mod tests {
     #[test]
     fn other_precisions_have_no_tiles() {
         let (w, bias) = layer(10, 4, 5);
-        assert!(AmxOutput::from_packed(&PackedOutput::from_f32(&w, &bias, 4)).is_none());
+        assert!(AmxLayer::from_packed(&PackedOutput::from_f32(&w, &bias, 4)).is_none());
     }
 
     #[test]
@@ -287,7 +288,7 @@ mod tests {
     fn without_tiles_the_scan_says_why() {
         let (w, bias) = layer(40, 8, 7);
         let bits: Vec<u16> = w.iter().map(|&v| round_to_bf16(v)).collect();
-        let tiles = AmxOutput::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, 8)).unwrap();
+        let tiles = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, 8)).unwrap();
         let none = crate::fused::Exclusions::new(vec![]);
         let queries = [RowQuery::new(3, &none)];
         match amx::availability() {

@@ -22,6 +22,7 @@ pub mod amx;
 pub mod attention;
 mod bf16;
 pub mod dense;
+pub mod dense_amx;
 pub mod fused;
 pub mod fused_amx;
 pub mod item_mask;
@@ -47,6 +48,7 @@ macro_rules! kernel_table {
             panels_per_call: $crate::PanelsPerCall::EIGHT_ACCUMULATORS,
             elementwise: $elementwise,
             attention: $attention,
+            tiles: false,
         }
     };
     (@rows $kernel:ident, $ty:ty) => {
@@ -277,6 +279,9 @@ pub struct KernelTable {
     pub elementwise: Elementwise,
     /// HSTU's pointwise attention of one head over one history ([`attention`]).
     pub attention: attention::AttentionKernel,
+    /// Whether bf16 layers that have AMX tiles run on them ([`fused_amx`], [`dense_amx`]) rather
+    /// than on this table's bf16 kernels: set only in the tables [`KernelTable::tiled`] gives.
+    pub tiles: bool,
 }
 
 /// Panels per micro-kernel call for row groups of 1, 2, 4 and 8 rows, per precision: what keeps
@@ -348,7 +353,8 @@ impl RowBlock {
 
 impl std::fmt::Debug for KernelTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "KernelTable({})", self.isa.name())
+        let tiles = if self.tiles { " + AMX tiles" } else { "" };
+        write!(f, "KernelTable({}{tiles})", self.isa.name())
     }
 }
 
@@ -399,6 +405,23 @@ impl KernelTable {
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512Bf16, RowBlock::Four) => &avx512bf16::TABLE_FOUR_ROWS,
             _ => table,
+        }
+    }
+
+    /// This table with bf16 layers on AMX tiles (the same kernels otherwise): for the AVX-512
+    /// tables (every CPU with AMX has AVX-512), `None` for others. Whether tiles can run is the
+    /// caller's to check ([`amx::availability`]); a layer without tiles runs the table's kernels.
+    pub fn tiled(&self) -> Option<&'static KernelTable> {
+        match (self.isa, self.row_block()) {
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, RowBlock::Eight) => Some(&avx512::TABLE_TILES),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, RowBlock::Four) => Some(&avx512::TABLE_FOUR_ROWS_TILES),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512Bf16, RowBlock::Eight) => Some(&avx512bf16::TABLE_TILES),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512Bf16, RowBlock::Four) => Some(&avx512bf16::TABLE_FOUR_ROWS_TILES),
+            _ => None,
         }
     }
 

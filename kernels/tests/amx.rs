@@ -122,7 +122,7 @@ fn int16_by_int8_tiles_are_exact_on_every_edge() {
 #[test]
 fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
     use recsys_kernels::fused::{Exclusions, RowQuery};
-    use recsys_kernels::fused_amx::{self, AmxOutput};
+    use recsys_kernels::fused_amx::{self, AmxLayer};
     use recsys_kernels::item_mask::ItemMask;
     use recsys_kernels::packed::PackedOutput;
     if !tiles_here() {
@@ -143,7 +143,7 @@ fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
             .iter()
             .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
             .collect();
-        let out = AmxOutput::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+        let out = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
         let hidden: Vec<f32> = (0..m * d).map(|_| next()).collect();
         // Row r: k from 0 to past the catalogue; every third row filtered to a random quarter,
         // every row excluding PAD and a few items.
@@ -248,4 +248,51 @@ fn a_nested_tile_routine_is_refused() {
     let mut out = [0f32; 64];
     amx::gemm_bf16(&x, 1, &w, &mut out).unwrap();
     assert_eq!(out, [16.0; 64]);
+}
+
+/// A bf16 dense layer on tiles against f64 of the bf16-rounded layer: every output within the
+/// bound of f32 accumulation plus the bias addition, on every edge of rows, outputs and depth.
+#[test]
+fn bf16_dense_layers_on_tiles_match_f64_on_every_edge() {
+    use recsys_kernels::dense_amx;
+    use recsys_kernels::fused_amx::AmxLayer;
+    use recsys_kernels::packed::PackedOutput;
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(31);
+    for &(rows, n, d) in &[(1, 5, 3), (17, 33, 64), (40, 70, 100), (33, 32, 32)] {
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let bias: Vec<f32> = (0..n).map(|_| next()).collect();
+        let bits: Vec<u16> = w
+            .iter()
+            .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
+            .collect();
+        let layer = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+        let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let mut y = vec![f32::NAN; rows * n];
+        dense_amx::linear_into(&layer, &x, &mut y).unwrap();
+        for r in 0..rows {
+            for j in 0..n {
+                let (mut dot, mut magnitude) = (0f64, 0f64);
+                for i in 0..d {
+                    let term = bf16_value(x[r * d + i]) * bf16_value(w[j * d + i]);
+                    dot += term;
+                    magnitude += term.abs();
+                }
+                let b = f64::from(bias[j]);
+                let bound = (d as f64 + 2.0) * 2f64.powi(-24) * (magnitude + b.abs()) + 1e-30;
+                let got = f64::from(y[r * n + j]);
+                assert!(
+                    (got - (dot + b)).abs() <= bound,
+                    "[{rows}x{d}] -> {n} at ({r}, {j}): {got} vs {} (bound {bound:e})",
+                    dot + b
+                );
+            }
+        }
+        let mut short = vec![0f32; rows * n - 1];
+        let err = dense_amx::linear_into(&layer, &x, &mut short).unwrap_err();
+        assert!(err.contains("the output holds"), "{err}");
+        eprintln!("[{rows}x{d}] -> {n}: every output within the bound");
+    }
 }

@@ -125,7 +125,7 @@ class Engine:
     @property
     def kernel_plan(self) -> str | None:
         """A bf16 engine's kernels per batch size: on a CPU with AVX512-BF16 "vdpbf16ps" or
-        widened; whether the output layer runs on AMX tiles ("AMX output layer batch 64+: AMX
+        widened; whether the bf16 layers run on AMX tiles ("AMX bf16 layers batch 64+: AMX
         tiles (...)"), or why not ("AMX tiles not used: this CPU has no AMX ..."); the times
         behind each choice and where it came from. None for other engines, and with amx="off" on
         CPUs without AVX512-BF16."""

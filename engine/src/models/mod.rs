@@ -147,6 +147,36 @@ impl Widened {
     }
 }
 
+/// A bf16 dense layer's values in AMX tiles ([`crate::kernels::fused_amx::AmxLayer`]), made the
+/// first time a tiled kernel table ([`crate::kernels::KernelTable::tiled`]) runs the layer and
+/// kept; `None` inside for layers that are not bf16.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tiles(std::sync::OnceLock<Option<crate::kernels::fused_amx::AmxLayer>>);
+
+impl Tiles {
+    /// The layer's tiles when `kernels` run bf16 layers on tiles and `packed` is bf16.
+    pub(crate) fn for_kernels(
+        &self,
+        packed: &crate::kernels::packed::PackedOutput,
+        kernels: &crate::kernels::KernelTable,
+    ) -> Option<&crate::kernels::fused_amx::AmxLayer> {
+        if !kernels.tiles {
+            return None;
+        }
+        self.0
+            .get_or_init(|| crate::kernels::fused_amx::AmxLayer::from_packed(packed))
+            .as_ref()
+    }
+
+    /// Bytes of the tiles, once made.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, |tiles| tiles.bytes())
+    }
+}
+
 /// A dense layer packed for the micro-kernels of [`crate::kernels::dense`] (`x @ W^T + b`).
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
@@ -155,6 +185,8 @@ pub struct DenseLayer {
     packed: crate::kernels::packed::PackedOutput,
     /// A bf16 layer widened for kernels without native bf16 ([`Widened`]).
     widened: Widened,
+    /// A bf16 layer in AMX tiles for tiled kernel tables ([`Tiles`]).
+    tiles: Tiles,
     /// The layer as stored (shares the engine's storage), for devices that pack it their own way.
     weight: Matrix,
     bias: Tensor,
@@ -168,6 +200,7 @@ impl DenseLayer {
             name: name.to_string(),
             packed: weight.pack(bias.as_slice()),
             widened: Widened::default(),
+            tiles: Tiles::default(),
             weight: weight.clone(),
             bias: bias.clone(),
         }
@@ -207,7 +240,10 @@ impl DenseLayer {
 
     /// Bytes of the packed weights this layer holds in memory.
     pub fn packed_bytes(&self) -> usize {
-        self.packed.weight_bytes() + 4 * self.packed.bias.len() + self.widened.bytes()
+        self.packed.weight_bytes()
+            + 4 * self.packed.bias.len()
+            + self.widened.bytes()
+            + self.tiles.bytes()
     }
 
     /// The layer as `kernels` run it ([`Widened`]).
@@ -215,10 +251,30 @@ impl DenseLayer {
         self.widened.view(&self.packed, kernels)
     }
 
+    /// `y` from `x` on the layer's AMX tiles, when `kernels` run bf16 layers on tiles and this
+    /// layer has them; false (nothing written) otherwise, for the SIMD kernels to run.
+    fn forward_on_tiles(
+        &self,
+        kernels: &crate::kernels::KernelTable,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> bool {
+        self.tiles
+            .for_kernels(&self.packed, kernels)
+            .is_some_and(|tiles| {
+                crate::profile::account(crate::profile::Work::Dense, || {
+                    crate::kernels::dense_amx::linear_into(tiles, x, y).is_ok()
+                })
+            })
+    }
+
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
+        let mut y = vec![0.0; x.len() / self.packed.d * self.packed.n];
+        if self.forward_on_tiles(kernels, x, &mut y) {
+            return y;
+        }
         crate::profile::account(crate::profile::Work::Dense, || {
             let layer = self.view(kernels);
-            let mut y = vec![0.0; x.len() / layer.d * layer.n];
             let mut quantized = crate::kernels::packed::QuantizedActivations::default();
             crate::kernels::dense::linear_into(kernels, layer, x, &mut y, &mut quantized);
             y
@@ -259,6 +315,9 @@ impl DenseLayer {
     ) {
         observe(&self.name, x);
         y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
+        if self.forward_on_tiles(kernels, x, y) {
+            return activation(y);
+        }
         crate::kernels::dense::linear_into_threads_then(
             kernels,
             self.view(kernels),
