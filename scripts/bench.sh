@@ -22,6 +22,8 @@
 #                                     size, on the four fixture models (scripts/bench_threads.py)
 #   scripts/bench.sh bf16 [ARGS]      bf16 engines on AVX512-BF16: the per-batch kernel plan against
 #                                     vdpbf16ps and widened pinned, and against fp32 (scripts/bench_bf16.py)
+#   scripts/bench.sh amx [ARGS]       bf16 engines on an AMX Xeon: layers on AMX tiles against the SIMD
+#                                     kernels, the measured AMX plan, and fp32 (scripts/bench_amx.py)
 #   scripts/bench.sh predict [ARGS]   offline batch scoring against a Python + ONNX Runtime loop
 #                                     and OpenVINO (scripts/bench_predict.py)
 #   scripts/bench.sh serving [ARGS]   recsys in tritonserver under perf_analyzer (scripts/bench_serving.py)
@@ -139,6 +141,11 @@ case "$kind" in
   bf16)
     release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
     exec python3 scripts/bench_bf16.py "$@"
+    ;;
+  amx)
+    ./scripts/python-env.sh --peers
+    release_build -p recsys-cli -p recsys-benches --bin recsys --bin model_probe
+    exec "$peers_python" scripts/bench_amx.py "$@"
     ;;
   predict)
     ./scripts/python-env.sh --peers

@@ -62,6 +62,10 @@ fn main() {
         .unwrap_or_else(|_| "auto".into())
         .parse()
         .unwrap_or_else(|e: String| panic!("RECSYS_PROBE_BF16_PATH: {e}"));
+    let amx: recsys_engine::plan_amx::AmxPolicy = std::env::var("RECSYS_PROBE_AMX")
+        .unwrap_or_else(|_| "auto".into())
+        .parse()
+        .unwrap_or_else(|e: String| panic!("RECSYS_PROBE_AMX: {e}"));
     let plans: Vec<String> = [
         engine
             .plan_screen(recsys_engine::plan::ScreenPolicy::Auto)
@@ -72,6 +76,11 @@ fn main() {
         engine
             .plan_row_block(recsys_engine::plan::RowBlockPolicy::Auto)
             .map(|p| format!("row block: {}", p.describe())),
+        // AMX tiles for a bf16 engine, as the backend parameter `amx` pins it (auto by default).
+        match engine.plan_amx(amx) {
+            Ok(plan) => plan.map(|p| format!("amx: {}", p.describe())),
+            Err(why) => Some(format!("amx: tiles not used: {why}")),
+        },
         engine
             .plan_threads(recsys_engine::plan::ThreadPolicy::Auto)
             .map(|p| format!("threads: {}", p.describe())),
