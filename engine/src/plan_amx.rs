@@ -4,7 +4,7 @@
 //! but pay a fixed cost per block (loading the tiles, comparing the block with each row's bar),
 //! so where they win depends on the batch, the hidden size and the CPU: measured, never assumed.
 
-use crate::plan::{decision_for, PlanSource, Timing};
+use crate::plan::{decision_for, describe_choices, PlanSource, Timing};
 
 /// How the AMX choice is made.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -78,27 +78,13 @@ impl AmxPlan {
 
     /// One line for logs: the choice per batch size, the times behind it, where it came from.
     pub fn describe(&self) -> String {
-        let choices: Vec<String> = self
-            .by_batch
-            .iter()
-            .map(|&(batch, tiles)| {
-                let timing = self.timings.iter().find(|t| t.batch == batch);
-                format!(
-                    "batch {batch}+: {}{}",
-                    if tiles { "AMX tiles" } else { "SIMD tables" },
-                    timing.map_or(String::new(), |t| format!(
-                        " ({:.3} ms tiles, {:.3} ms SIMD)",
-                        t.candidate_s * 1e3,
-                        t.fallback_s * 1e3
-                    ))
-                )
-            })
-            .collect();
-        format!(
-            "bf16 layers {} — {}",
-            choices.join(", "),
-            self.source.describe()
-        )
+        let choices = describe_choices(
+            &self.by_batch,
+            &self.timings,
+            ["AMX tiles", "SIMD tables"],
+            ["tiles", "SIMD"],
+        );
+        format!("bf16 layers {choices} — {}", self.source.describe())
     }
 }
 
