@@ -12,7 +12,10 @@ alternate for --rounds rounds (best median of each): the bf16 engine with its me
 (`amx` auto), pinned on (tiles at every batch size), pinned off (the SIMD kernels), and the fp32
 engine. Every side runs its own measured bf16-path, row-block and thread plans, measured once
 before the rounds into a fresh plan directory; the AMX plan's choice is printed with the table.
-On a CPU without AMX there is nothing to time: the script says so and stops.
+On a CPU without AMX there is nothing to time: the script says so and stops. This is an A/B of
+recsys's own kernels; the peers (ONNX Runtime, OpenVINO f32 and its default, bf16 on AMX) are
+`scripts/bench.sh models`, whose bf16 rows run with the AMX plan in force and whose header says
+whether the CPU has AMX.
 """
 from __future__ import annotations
 

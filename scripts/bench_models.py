@@ -50,6 +50,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from cpu_info import cpu_model
+
 try:  # OpenVINO: the peer many CPU teams pick (scripts/python-env.sh --peers installs it)
     import openvino as ov
 except ImportError:  # pragma: no cover - the table then has ONNX Runtime alone
@@ -409,8 +411,12 @@ def peers_table(rows, threads: int, isa: str, ov_default: str) -> list[str]:
     peer_names = ["ORT", "OV f32", "OV default"] if ov is not None else ["ORT"]
     versions = f"onnxruntime {ort.__version__}" + (f", OpenVINO {ov.__version__.split('-')[0]} (default precision here: "
                                                   f"{ov_default})" if ov is not None else "")
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    amx_note = ("AMX: yes (recsys bf16 rows run the AMX plan the probe measures; OpenVINO's bf16 uses AMX)" if amx
+                else "AMX: no")
     lines = [
-        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads for everyone; "
+        f"{datetime.date.today().isoformat()}, {platform.node()} ({cpu_model()}), {os.cpu_count()} cores, {threads} "
+        f"threads for everyone; {amx_note}; "
         f"{versions}; recsys fp32 unless a row says bf16 ({isa} kernels); top-{K} with the history excluded; each side's best "
         "median of two alternating rounds",
         "",
