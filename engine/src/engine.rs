@@ -926,7 +926,13 @@ impl Engine {
             }
             ThreadPolicy::Auto if plans_off() => ThreadPlan::fixed(all, PlanSource::Skipped),
             ThreadPolicy::Auto => {
-                let (timings, source) = self.planned("threads", Engine::measure_threads);
+                // Timed with the layers on AMX tiles, the threads a batch needs are another
+                // plan than on the SIMD tables (tiles left one thread enough for a Mult-VAE at
+                // batch 64): kept under its own name, so an engine loaded with the other AMX
+                // policy does not read it.
+                let tiles = self.amx_plan.as_ref().is_some_and(|p| p.uses_tiles());
+                let name = if tiles { "threads-amx" } else { "threads" };
+                let (timings, source) = self.planned(name, Engine::measure_threads);
                 ThreadPlan::from_timings(timings, source)
             }
         };

@@ -2,7 +2,8 @@
 //! have nothing to run on tiles; a CPU or process without AMX is refused with the reason and
 //! keeps answering on the SIMD tables, bit for bit as before; where tiles run (an AMX Xeon), the
 //! pinned plan runs them at every batch size, its answers hold the same items as the SIMD
-//! tables' within the tiles' rounding, and the measured plan is kept and read back.
+//! tables' within the tiles' rounding, the measured plan is kept and read back, and a thread plan
+//! timed with tiles is kept apart from one timed without.
 //! (The tiles' own answers are checked against f64 in `kernels/tests/amx.rs`, on an emulated
 //! Sapphire Rapids where the CPU has no AMX.)
 
@@ -10,7 +11,7 @@ mod common;
 
 use common::*;
 use recsys_engine::kernels::amx;
-use recsys_engine::plan::PlanSource;
+use recsys_engine::plan::{PlanSource, ThreadPolicy};
 use recsys_engine::plan_amx::AmxPolicy;
 use recsys_engine::{Engine, InternalRequest, ModelKind};
 
@@ -94,6 +95,25 @@ fn tiles_run_only_for_bf16_engines_where_the_cpu_has_them() {
             let again = bf16.plan_amx(AmxPolicy::Auto).unwrap().unwrap();
             assert!(matches!(again.source, PlanSource::Cached(_)), "{again:?}");
             assert_eq!(again.by_batch, measured.by_batch);
+            // The thread plan timed with tiles is kept apart from the one timed without.
+            bf16.set_threads(2);
+            let plan_file = |engine: &mut Engine| {
+                let plan = engine.plan_threads(ThreadPolicy::Auto).unwrap();
+                match &plan.source {
+                    PlanSource::Measured {
+                        path: Some(path), ..
+                    }
+                    | PlanSource::Cached(path) => {
+                        path.file_name().unwrap().to_string_lossy().into_owned()
+                    }
+                    other => panic!("a kept thread plan, not {other:?}"),
+                }
+            };
+            bf16.plan_amx(AmxPolicy::On).unwrap();
+            assert!(plan_file(&mut bf16).starts_with("threads-amx-"));
+            bf16.plan_amx(AmxPolicy::Off).unwrap();
+            let without = plan_file(&mut bf16);
+            assert!(without.starts_with("threads-") && !without.starts_with("threads-amx"));
         }
     }
 }
