@@ -136,7 +136,7 @@ fn tile_panels(out: &PackedOutput) -> usize {
 }
 
 /// Receives the flagged scores of a scan.
-pub(super) trait Sink {
+pub(crate) trait Sink {
     /// The score row `row` must beat to be of interest (-inf: every score).
     fn bar(&self, row: usize) -> f32;
     fn take(&mut self, row: usize, item: u32, score: f32);

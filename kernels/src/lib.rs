@@ -25,6 +25,7 @@ pub mod dense;
 pub mod dense_amx;
 pub mod fused;
 pub mod fused_amx;
+pub mod fused_amx_i8;
 pub mod item_mask;
 pub mod packed;
 pub mod parallel;

@@ -26,6 +26,7 @@
 //! dense path's rule, so the answer is the reference engine's, ids and scores.
 
 use super::fused::{self, over_panel_ranges, scan, Exclusions, RowQuery, Sink};
+use super::fused_amx_i8::{self, AmxI8Layer};
 use super::item_mask::ItemMask;
 use super::packed::{quantize_activations, quantize_int8_per_row, PackedOutput};
 use super::shared::Shared;
@@ -46,6 +47,9 @@ pub struct ScreenTable {
     terms: Shared<[f32; 4]>,
     /// Largest of each per-item quantity, for one conservative bar per row in the kernel.
     max_of: [f32; 4],
+    /// The int8 table in AMX tiles, where [`ScreenTable::prepare_tiles`] made it: scans with a
+    /// tiled kernel table ([`KernelTable::tiles`]) run on it, with the same scores to the bit.
+    tiles: Option<std::sync::Arc<AmxI8Layer>>,
 }
 
 impl ScreenTable {
@@ -91,7 +95,31 @@ impl ScreenTable {
             packed,
             terms,
             max_of,
+            tiles: None,
         }
+    }
+
+    /// Makes the AMX-INT8 copy of the int8 table that tiled scans run on (as many bytes again
+    /// as the table). Errors, leaving the screen on the SIMD tables, where this CPU or process
+    /// cannot run tiles.
+    pub fn prepare_tiles(&mut self) -> Result<(), String> {
+        crate::amx::availability().clone()?;
+        if self.tiles.is_none() {
+            let tiles = AmxI8Layer::from_packed(&self.packed)
+                .expect("a screen's table is int8, which has tiles");
+            self.tiles = Some(std::sync::Arc::new(tiles));
+        }
+        Ok(())
+    }
+
+    /// Drops the AMX copy (no batch size runs the screen on tiles).
+    pub fn drop_tiles(&mut self) {
+        self.tiles = None;
+    }
+
+    /// Whether the AMX copy exists ([`ScreenTable::prepare_tiles`]).
+    pub fn has_tiles(&self) -> bool {
+        self.tiles.is_some()
     }
 
     /// The per-item bound terms, `[weight_error, scaled_q_l1, max_weight, abs_bias]` per item.
@@ -104,9 +132,13 @@ impl ScreenTable {
         self.packed.weight_bytes()
     }
 
-    /// Bytes the screen holds: its int8 table and scales, the bias and the per-item bound terms.
+    /// Bytes the screen holds: its int8 table and scales, the bias, the per-item bound terms and
+    /// the AMX copy where there is one.
     pub fn memory_bytes(&self) -> usize {
-        self.packed.weight_bytes() + 4 * self.packed.bias.len() + 16 * self.terms.len()
+        self.packed.weight_bytes()
+            + 4 * self.packed.bias.len()
+            + 16 * self.terms.len()
+            + self.tiles.as_ref().map_or(0, |t| t.bytes())
     }
 }
 
@@ -285,9 +317,17 @@ fn survivors_with_bounds_scaled(
         t.bound(d, e, sq, wm, b)
     };
     let input = fused::prepared(&screen.packed, hidden);
+    // On tiles where the kernel table says so and the screen has them: the ranges count blocks of
+    // 32 items rather than panels of 8.
+    let tiles = screen.tiles.as_deref().filter(|_| table.tiles);
+    let split = tiles.map(|t| t.split(&input, queries.len()));
+    let (units, items_per_unit) = match tiles {
+        Some(t) => (t.blocks(), crate::amx::BLOCK_OUTPUTS),
+        None => (screen.packed.panels(), 8),
+    };
     let per_thread: Vec<Vec<PartialScreen>> = over_panel_ranges(
-        screen.packed.panels(),
-        queries.len() * 8 * d,
+        units,
+        queries.len() * items_per_unit * d,
         threads,
         |range| {
             let rows: Vec<ScreenRow<'_>> = queries
@@ -307,7 +347,20 @@ fn survivors_with_bounds_scaled(
                 .collect();
             let mut sink = (screen, rows);
             if queries.iter().any(|q| q.k > 0) {
-                scan(table, &screen.packed, hidden, &input, range, &mut sink);
+                let on_tiles = match (tiles, &split) {
+                    (Some(t), Some(x)) => {
+                        fused_amx_i8::scan(t, x, &input.scales, range.clone(), &mut sink).is_ok()
+                    }
+                    _ => false,
+                };
+                if !on_tiles {
+                    // No tiles, or they refused before any item reached the sink: the SIMD scan
+                    // of the same items (the same scores).
+                    let panels = screen.packed.panels();
+                    let range = (range.start * items_per_unit / 8).min(panels)
+                        ..(range.end * items_per_unit / 8).min(panels);
+                    scan(table, &screen.packed, hidden, &input, range, &mut sink);
+                }
             }
             sink.1
                 .into_iter()

@@ -296,3 +296,142 @@ fn bf16_dense_layers_on_tiles_match_f64_on_every_edge() {
         eprintln!("[{rows}x{d}] -> {n}: every output within the bound");
     }
 }
+
+/// The int16 x int8 block routine against i64 sums: batches of one row, a partial row group,
+/// a whole one and several, outputs across a partial last block, depth below, at and past one
+/// tile's 64, the extremes of both types, a range of blocks that starts past the first.
+#[test]
+fn int16_by_int8_blocks_are_exact_on_every_edge() {
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(41);
+    for &(m, n, k, first_block) in &[
+        (1, 5, 3, 0),
+        (16, 32, 64, 0),
+        (20, 70, 65, 1),
+        (40, 100, 200, 2),
+    ] {
+        let mut x: Vec<i16> = (0..m * k).map(|_| (next() * 32768.0) as i16).collect();
+        let mut w: Vec<i8> = (0..n * k).map(|_| (next() * 128.0) as i8).collect();
+        x[0] = i16::MIN;
+        x[m * k - 1] = i16::MAX;
+        w[0] = i8::MIN;
+        w[n * k - 1] = i8::MAX;
+        let packed = AmxI8Weights::pack(&w, n, k);
+        let split = SplitI16Rows::new(&x, m, k, packed.padded_k());
+        let blocks = packed.output_blocks();
+        let mut seen = Vec::new();
+        amx::for_each_block_i8(&split, &packed, first_block..blocks, 2048, |b, g, block| {
+            seen.push((b, g));
+            for r in 0..16 {
+                let row = 16 * g + r;
+                for c in 0..32 {
+                    let j = 32 * b + c;
+                    let got = block.high[32 * r + c]
+                        .wrapping_mul(256)
+                        .wrapping_add(block.low[32 * r + c]);
+                    let exact: i64 = if j < n && row < m {
+                        (0..k)
+                            .map(|i| i64::from(x[row * k + i]) * i64::from(w[j * k + i]))
+                            .sum()
+                    } else {
+                        0
+                    };
+                    assert_eq!(
+                        i64::from(got),
+                        exact,
+                        "[{m}x{k}]x[{k}x{n}] row {row} output {j}"
+                    );
+                }
+            }
+        })
+        .unwrap();
+        let groups = m.div_ceil(16);
+        let expected: Vec<(usize, usize)> = (first_block..blocks)
+            .flat_map(|b| (0..groups).map(move |g| (b, g)))
+            .collect();
+        assert_eq!(seen, expected, "every block, each row group, in order");
+        let err =
+            amx::for_each_block_i8(&split, &packed, 0..blocks + 1, 0, |_, _, _| {}).unwrap_err();
+        assert!(err.contains("blocks up to"), "{err}");
+        eprintln!("[{m}x{k}] x [{k}x{n}]: every sum exact");
+    }
+}
+
+/// The exact screen with its int8 scores on tiles: per row the same survivors as on the scalar
+/// table (the same scores to the bit, so the same bounds), with exclusions, filters, k from 0
+/// past the catalogue, one to three row groups of 16 and one or two threads. The answer is the
+/// survivors rescored, which no tile touches, so the same survivors are the same exact answers
+/// (checked end to end on AMX hardware by `engine/tests/amx_plan.rs`; on the emulated CPU its
+/// AVX-512 and even its scalar rescoring disagreed with the hardware's in the last bits).
+#[test]
+fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
+    use recsys_kernels::fused::{Exclusions, RowQuery};
+    use recsys_kernels::item_mask::ItemMask;
+    use recsys_kernels::screen::{self, ScreenTable};
+    use recsys_kernels::{Isa, KernelTable};
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(53);
+    for &(m, n, d, threads) in &[
+        (1, 40, 3, 1),
+        (5, 300, 64, 1),
+        (16, 1000, 65, 2),
+        (37, 2000, 50, 2),
+    ] {
+        // Per-item scales over three orders of magnitude, a few duplicate rows (exact ties).
+        let mut w: Vec<f32> = Vec::with_capacity(n * d);
+        for _ in 0..n {
+            let scale = 10f32.powi((next() * 1.5) as i32);
+            w.extend((0..d).map(|_| next() * scale));
+        }
+        for j in (5..n).step_by(7) {
+            let (from, to) = ((j - 5) * d, j * d);
+            w.copy_within(from..from + d, to);
+        }
+        let bias: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
+        let hidden: Vec<f32> = (0..m * d).map(|_| next() * 2.0).collect();
+        let exclusions: Vec<Exclusions> = (0..m)
+            .map(|r| Exclusions::new(vec![0, (r * 7 % n) as u32, (r * 13 % n) as u32]))
+            .collect();
+        let masks: Vec<Option<ItemMask>> = (0..m)
+            .map(|r| {
+                (r % 3 == 2).then(|| {
+                    ItemMask::of(
+                        n,
+                        (0..n as u32).filter(|&j| (j as usize * 31 + r).is_multiple_of(4)),
+                    )
+                })
+            })
+            .collect();
+        let ks: Vec<usize> = (0..m).map(|r| [10, 0, 1, 2 * n, 100][r % 5]).collect();
+        let queries: Vec<RowQuery<'_>> = (0..m)
+            .map(|r| RowQuery {
+                k: ks[r],
+                excluded: &exclusions[r],
+                eligible: masks[r].as_ref(),
+            })
+            .collect();
+        let mut table = ScreenTable::new(&w, &bias, d);
+        table.prepare_tiles().unwrap();
+        assert!(table.has_tiles());
+        // The survivors' reference is the portable scalar table (the same epilogue, so the same
+        // scores): on the emulated CPU the AVX-512 integer kernels are the emulator's to get
+        // right, and it does not (the survivors of a 37-row batch differed there).
+        let scalar = KernelTable::for_isa(Isa::Scalar);
+        let tiled = KernelTable::for_isa(Isa::Avx512)
+            .tiled()
+            .expect("AVX-512 has a tiled table");
+        let on_scalar = screen::survivors(scalar, &table, &hidden, &queries, threads);
+        let on_tiles = screen::survivors(tiled, &table, &hidden, &queries, threads);
+        for (r, (a, b)) in on_scalar.iter().zip(&on_tiles).enumerate() {
+            assert_eq!(
+                a.items, b.items,
+                "[{m}x{d}] x {n} items, row {r}: survivors"
+            );
+        }
+        eprintln!("{m} rows x {n} items x {d} features on {threads} threads: the scalar screen's survivors");
+    }
+}

@@ -4,6 +4,7 @@
 //!
 //! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps [rows]
 //!   (precision: fp32, fp16, bf16, int8, or screened-int8: the int8 screen with exact fp32 rescoring;
+//!   screened-int8-amx: the same screen with its int8 scores on AMX tiles, where the CPU has them;
 //!   rows: the largest row group, 4 or 8, where the CPU's kernels offer both; default theirs)
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
@@ -60,18 +61,19 @@ fn topk(args: &[String]) {
     assert_eq!(weights.len(), n * d);
     assert_eq!(bias.len(), n);
     assert!(hidden.len() >= batch * d);
-    if precision == "screened-int8" {
-        return screened(
-            &weights,
-            &bias,
-            &hidden,
-            d,
-            batch,
-            k,
-            threads,
-            reps,
-            kernels(args),
-        );
+    if precision == "screened-int8" || precision == "screened-int8-amx" {
+        let table = kernels(args);
+        let table = if precision == "screened-int8-amx" {
+            if let Err(why) = recsys_kernels::amx::availability() {
+                panic!("screened-int8-amx: {why}");
+            }
+            table
+                .tiled()
+                .unwrap_or_else(|| panic!("the {} kernels have no tiled table", table.isa.name()))
+        } else {
+            table
+        };
+        return screened(&weights, &bias, &hidden, d, batch, k, threads, reps, table);
     }
     let packed = match precision {
         "fp32" => PackedOutput::from_f32(&weights, &bias, d),
@@ -123,7 +125,10 @@ fn screened(
     reps: usize,
     table: &'static KernelTable,
 ) {
-    let screen = ScreenTable::new(weights, bias, d);
+    let mut screen = ScreenTable::new(weights, bias, d);
+    if table.tiles {
+        screen.prepare_tiles().expect("AMX was checked available");
+    }
     let none = Exclusions::default();
     let queries = vec![RowQuery::new(k, &none); batch];
     let h = &hidden[..batch * d];
@@ -143,6 +148,7 @@ fn screened(
             "median_s": median(times.clone()),
             "min_s": times.iter().cloned().fold(f64::INFINITY, f64::min),
             "isa": table.isa.name(),
+            "tiles": table.tiles,
             "rows": table.row_block().rows(),
             "weight_bytes": screen.weight_bytes(),
             "top_row0": first,
