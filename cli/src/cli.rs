@@ -1010,9 +1010,10 @@ pub struct PredictArgs {
     /// answers are the same.
     #[arg(long, default_value = "auto", value_parser = ["auto", "native", "widened"])]
     pub bf16_path: String,
-    /// A bf16 engine on a CPU with AMX (Xeons since Sapphire Rapids): its output layer on AMX
-    /// tiles per batch size by measurement on this CPU (auto, the plan kept for the next run),
-    /// always (on) or never (off). The tiles' scores differ from the SIMD tables' in the last bits.
+    /// On a CPU with AMX (Xeons since Sapphire Rapids): a bf16 engine's layers, or a screened
+    /// engine's int8 screen, on AMX tiles per batch size by measurement on this CPU (auto, the plan
+    /// kept for the next run), always (on) or never (off). bf16 scores on tiles differ from the
+    /// SIMD tables' in the last bits; a screened engine's answers are exact either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub amx: String,
     /// AVX-512 kernels: the largest row group a batch is cut into, by measurement on this CPU

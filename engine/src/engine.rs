@@ -314,8 +314,16 @@ impl Engine {
         if let Some(scale) = self.scorer.packed.activation_scale {
             packed = packed.with_static_activation_scale(scale);
         }
-        let screen = self.scorer.screen.is_some().then(|| screen_of(out));
         // New rows, new tiles; the plan stands (the layer's shape is the same but for items).
+        let screen = self.scorer.screen.as_ref().map(|old| {
+            let mut screen = screen_of(out);
+            if old.has_tiles() {
+                // The same process ran tiles for the old screen, so they run for this one; were
+                // they refused all the same, its scans run on the SIMD tables (same answers).
+                let _ = screen.prepare_tiles();
+            }
+            screen
+        });
         let amx =
             self.scorer.amx.as_ref().and_then(|_| {
                 crate::kernels::fused_amx::AmxLayer::from_packed(&packed).map(Arc::new)
@@ -571,31 +579,43 @@ impl Engine {
         timings
     }
 
-    /// Chooses whether a bf16 engine's layers run on AMX tiles, per batch size: the output
-    /// layer's scan ([`crate::kernels::fused_amx`], its tiles in the scorer) and the dense layers
-    /// ([`crate::kernels::dense_amx`], their tiles made on first use), by `policy`, and for
-    /// `Auto` by timing whole calls with tiles and with the SIMD tables on this CPU (or its
-    /// cached plan), tiles kept only where strictly faster. A call at a batch size that uses tiles
-    /// gets the tiled counterpart of its table from [`Engine::kernels_for`]. The tiles hold the
-    /// packed layers' bf16 values; their sums differ from the SIMD tables' in the last bits (the
-    /// tile unit's order of additions). Call after [`Engine::plan_bf16_path`] and
-    /// [`Engine::plan_row_block`] (tiles are timed against the tables those chose). `Ok(None)`
-    /// for engines other than bf16 and under `Off`; `Err` with the reason where this CPU,
-    /// process or kernel table cannot run tiles (the engine runs the SIMD tables: log it).
+    /// Chooses whether an engine's AMX-capable layers run on AMX tiles, per batch size: a bf16
+    /// engine's output layer scan ([`crate::kernels::fused_amx`], its tiles in the scorer) and
+    /// dense layers ([`crate::kernels::dense_amx`], their tiles made on first use), and a screened
+    /// engine's int8 screen ([`crate::kernels::fused_amx_i8`], its tiles in the screen table).
+    /// By `policy`, and for `Auto` by timing whole calls with tiles and with the SIMD tables on
+    /// this CPU (or its cached plan), tiles kept only where strictly faster. A call at a batch
+    /// size that uses tiles gets the tiled counterpart of its table from [`Engine::kernels_for`],
+    /// and a screened engine screens there whatever its screen plan chose (the screen is what
+    /// the tiles run). bf16 tiles hold the packed layers' bf16 values, their sums differ from
+    /// the SIMD tables' in the last bits (the tile unit's order of additions); the screen's
+    /// scores on tiles are the SIMD screen's to the bit, so its answers stay exact. Call after
+    /// [`Engine::plan_screen`], [`Engine::plan_bf16_path`] and [`Engine::plan_row_block`] (tiles
+    /// are timed against the tables and the screen plan those chose). `Ok(None)` for engines
+    /// with neither bf16 layers nor a screen, and under `Off`; `Err` with the reason where this
+    /// CPU, process or kernel table cannot run tiles (the engine runs the SIMD tables: log it).
     pub fn plan_amx(
         &mut self,
         policy: crate::plan_amx::AmxPolicy,
     ) -> std::result::Result<Option<&crate::plan_amx::AmxPlan>, String> {
         use crate::kernels::fused_amx::AmxLayer;
         use crate::plan::PlanSource;
-        use crate::plan_amx::{AmxPlan, AmxPolicy};
+        use crate::plan_amx::{AmxPlan, AmxPolicy, AmxSubject};
         self.amx_plan = None;
         self.scorer.amx = None;
+        if let Some(screen) = &mut self.scorer.screen {
+            screen.drop_tiles();
+        }
         let bf16 = matches!(
             self.model.output().weight,
             crate::weights::Matrix::Bf16 { .. }
         );
-        if !bf16 || policy == AmxPolicy::Off {
+        let subject = match (bf16, self.scorer.screen.is_some()) {
+            (true, _) => AmxSubject::Bf16Layers,
+            (false, true) => AmxSubject::Int8Screen,
+            (false, false) => return Ok(None),
+        };
+        if policy == AmxPolicy::Off {
             return Ok(None);
         }
         crate::kernels::amx::availability().clone()?;
@@ -605,21 +625,34 @@ impl Engine {
                 self.scorer.kernels.isa.name()
             ));
         }
-        let Some(tiles) = AmxLayer::from_packed(&self.scorer.packed) else {
-            return Ok(None);
-        };
-        self.scorer.amx = Some(Arc::new(tiles));
+        match subject {
+            AmxSubject::Bf16Layers => {
+                let Some(tiles) = AmxLayer::from_packed(&self.scorer.packed) else {
+                    return Ok(None);
+                };
+                self.scorer.amx = Some(Arc::new(tiles));
+            }
+            AmxSubject::Int8Screen => {
+                if let Some(screen) = &mut self.scorer.screen {
+                    screen.prepare_tiles()?;
+                }
+            }
+        }
         let plan = match policy {
-            AmxPolicy::On => AmxPlan::fixed(true, PlanSource::Pinned("on".into())),
-            AmxPolicy::Auto if plans_off() => AmxPlan::fixed(false, PlanSource::Skipped),
+            AmxPolicy::On => AmxPlan::fixed(subject, true, PlanSource::Pinned("on".into())),
+            AmxPolicy::Auto if plans_off() => AmxPlan::fixed(subject, false, PlanSource::Skipped),
             AmxPolicy::Auto | AmxPolicy::Off => {
-                let (timings, source) = self.planned("amx", Engine::measure_amx);
-                AmxPlan::from_timings(timings, source)
+                let (timings, source) = self.planned("amx", |engine| engine.measure_amx(subject));
+                AmxPlan::from_timings(subject, timings, source)
             }
         };
-        // The output layer's tiles double its memory: dropped when no batch size uses them.
+        // The tiles double the memory of the layer they copy: dropped when no batch size uses
+        // them.
         if !plan.uses_tiles() {
             self.scorer.amx = None;
+            if let Some(screen) = &mut self.scorer.screen {
+                screen.drop_tiles();
+            }
         }
         self.amx_plan = Some(plan);
         Ok(self.amx_plan.as_ref())
@@ -632,13 +665,13 @@ impl Engine {
 
     /// Whole calls (encoder, output layer, top-10) on seeded random histories at each plan batch
     /// size, with the output layer on tiles (the candidate) and on the SIMD tables in turn.
-    fn measure_amx(&mut self) -> Vec<crate::plan::Timing> {
+    fn measure_amx(&mut self, subject: crate::plan_amx::AmxSubject) -> Vec<crate::plan::Timing> {
         use crate::plan::PlanSource;
         use crate::plan_amx::AmxPlan;
         let requests = self.plan_requests();
         let largest = requests.len();
         let timings = crate::plan::measure(|tiles, b| {
-            self.amx_plan = Some(AmxPlan::fixed(tiles, PlanSource::Skipped));
+            self.amx_plan = Some(AmxPlan::fixed(subject, tiles, PlanSource::Skipped));
             std::hint::black_box(self.recommend_internal(&requests[..b.min(largest)]));
         });
         self.amx_plan = None;
@@ -988,6 +1021,9 @@ impl Engine {
         self.bf16_path_plan = None;
         self.amx_plan = None;
         self.scorer.amx = None;
+        if let Some(screen) = &mut self.scorer.screen {
+            screen.drop_tiles();
+        }
         self.put_kernels(kernels);
     }
 
@@ -1640,10 +1676,13 @@ impl Engine {
                 None,
             );
         };
-        if self
-            .screen_plan
-            .as_ref()
-            .is_some_and(|plan| !plan.screen_for(ks.len()))
+        // A tiled table screens on tiles: the AMX plan chose it for this batch size against
+        // the SIMD tables under the screen plan, so that plan's choice does not apply.
+        if !kernels.tiles
+            && self
+                .screen_plan
+                .as_ref()
+                .is_some_and(|plan| !plan.screen_for(ks.len()))
         {
             // Planned: the plain scan measured faster at this batch size (the same answer).
             return (

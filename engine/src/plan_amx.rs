@@ -1,8 +1,10 @@
-//! Whether a bf16 engine's layers (its output layer's scan and its dense layers) run on AMX
-//! tiles ([`recsys_kernels::fused_amx`], [`recsys_kernels::dense_amx`]) or on the SIMD tables,
-//! per batch size. Tiles multiply a 32-row by 32-item block per few dozen cycles
-//! but pay a fixed cost per block (loading the tiles, comparing the block with each row's bar),
-//! so where they win depends on the batch, the hidden size and the CPU: measured, never assumed.
+//! Whether an engine's AMX-capable layers run on AMX tiles or on the SIMD tables, per batch
+//! size: a bf16 engine's output layer scan and dense layers ([`recsys_kernels::fused_amx`],
+//! [`recsys_kernels::dense_amx`]), or a screened engine's int8 screen
+//! ([`recsys_kernels::fused_amx_i8`]). Tiles multiply a whole block of rows by items per few
+//! dozen cycles but pay a fixed cost per block (loading the tiles, comparing the block with each
+//! row's bar), so where they win depends on the batch, the hidden size and the CPU: measured,
+//! never assumed.
 
 use crate::plan::{decision_for, describe_choices, PlanSource, Timing};
 
@@ -32,9 +34,28 @@ impl std::str::FromStr for AmxPolicy {
     }
 }
 
-/// Per batch size, whether the bf16 layers run on AMX tiles.
+/// What an AMX plan puts on tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmxSubject {
+    /// A bf16 engine's output layer scan and dense layers.
+    Bf16Layers,
+    /// A screened engine's int8 screen (its answers exact either way).
+    Int8Screen,
+}
+
+impl AmxSubject {
+    fn describe(self) -> &'static str {
+        match self {
+            AmxSubject::Bf16Layers => "bf16 layers",
+            AmxSubject::Int8Screen => "int8 screen",
+        }
+    }
+}
+
+/// Per batch size, whether the plan's subject runs on AMX tiles.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AmxPlan {
+    pub subject: AmxSubject,
     /// `(smallest batch, tiles?)`, ascending.
     pub by_batch: Vec<(usize, bool)>,
     /// Whole calls per batch size: candidate = tiles, fallback = the SIMD tables.
@@ -44,8 +65,9 @@ pub struct AmxPlan {
 
 impl AmxPlan {
     /// One choice for every batch size.
-    pub fn fixed(tiles: bool, source: PlanSource) -> Self {
+    pub fn fixed(subject: AmxSubject, tiles: bool, source: PlanSource) -> Self {
         AmxPlan {
+            subject,
             by_batch: vec![(1, tiles)],
             timings: Vec::new(),
             source,
@@ -54,8 +76,9 @@ impl AmxPlan {
 
     /// Per batch size, tiles only where they measured strictly faster: a tie keeps the SIMD
     /// tables, whose bf16 scores every other CPU computes alike.
-    pub fn from_timings(timings: Vec<Timing>, source: PlanSource) -> Self {
+    pub fn from_timings(subject: AmxSubject, timings: Vec<Timing>, source: PlanSource) -> Self {
         AmxPlan {
+            subject,
             by_batch: timings
                 .iter()
                 .map(|t| (t.batch, t.candidate_s < t.fallback_s))
@@ -84,7 +107,11 @@ impl AmxPlan {
             ["AMX tiles", "SIMD tables"],
             ["tiles", "SIMD"],
         );
-        format!("bf16 layers {choices} — {}", self.source.describe())
+        format!(
+            "{} {choices} — {}",
+            self.subject.describe(),
+            self.source.describe()
+        )
     }
 }
 
@@ -103,6 +130,7 @@ mod tests {
     #[test]
     fn tiles_run_only_where_they_measured_faster() {
         let plan = AmxPlan::from_timings(
+            AmxSubject::Bf16Layers,
             vec![
                 timing(1, 2e-3, 1e-3),
                 timing(8, 1e-3, 1e-3),
@@ -121,6 +149,13 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("batch 1+: SIMD tables"), "{line}");
+        assert!(line.starts_with("bf16 layers "), "{line}");
+        let screen = AmxPlan::fixed(AmxSubject::Int8Screen, true, PlanSource::Skipped);
+        assert!(
+            screen.describe().starts_with("int8 screen "),
+            "{}",
+            screen.describe()
+        );
     }
 
     #[test]
@@ -132,6 +167,6 @@ mod tests {
             err.contains("amx must be") && err.contains("\"yes\""),
             "{err}"
         );
-        assert!(!AmxPlan::fixed(false, PlanSource::Skipped).uses_tiles());
+        assert!(!AmxPlan::fixed(AmxSubject::Bf16Layers, false, PlanSource::Skipped).uses_tiles());
     }
 }

@@ -1,5 +1,5 @@
-//! The AMX plan of a bf16 engine's output layer: engines that are not bf16 and the `off` policy
-//! have nothing to run on tiles; a CPU or process without AMX is refused with the reason and
+//! The AMX plan of a bf16 engine's output layer and of a screened engine's int8 screen: other
+//! engines and the `off` policy have nothing to run on tiles; a CPU or process without AMX is refused with the reason and
 //! keeps answering on the SIMD tables, bit for bit as before; where tiles run (an AMX Xeon), the
 //! pinned plan runs them at every batch size, its answers hold the same items as the SIMD
 //! tables' within the tiles' rounding, the measured plan is kept and read back, and a thread plan
@@ -114,6 +114,104 @@ fn tiles_run_only_for_bf16_engines_where_the_cpu_has_them() {
             bf16.plan_amx(AmxPolicy::Off).unwrap();
             let without = plan_file(&mut bf16);
             assert!(without.starts_with("threads-") && !without.starts_with("threads-amx"));
+        }
+    }
+}
+
+/// A screened engine's int8 screen on tiles: its answers are the SIMD screen's and the plain
+/// exact engine's, bit for bit, at every batch size (the tile sums are exact and the epilogue
+/// the SIMD kernels'), and the plan names the screen; without AMX the refusal and unchanged
+/// answers.
+#[test]
+fn a_screened_engine_screens_on_tiles_with_the_exact_answers() {
+    use recsys_engine::engine_dir::Screen;
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    for (kind, precision) in [
+        (ModelKind::Vaecf, Precision::Fp32),
+        (ModelKind::Bert4rec, Precision::Fp32),
+        (ModelKind::Vaecf, Precision::Fp16),
+    ] {
+        let name = format!("{kind:?}-{precision:?}");
+        let plain = convert_fixture_at(
+            kind,
+            "model.safetensors",
+            &dir.path().join(&name),
+            precision,
+        );
+        let mut screened = convert_fixture_screened(
+            kind,
+            &dir.path().join(format!("{name}-screen")),
+            precision,
+            Screen::Int8,
+        )
+        .unwrap();
+        let batches = [1, 8, 37, 64];
+        let exact: Vec<_> = batches
+            .iter()
+            .map(|&b| ranked_bits(&plain, &requests(&plain, b)))
+            .collect();
+        for (i, &b) in batches.iter().enumerate() {
+            assert_eq!(
+                ranked_bits(&screened, &requests(&screened, b)),
+                exact[i],
+                "{name}: SIMD screen, batch {b}"
+            );
+        }
+        assert_eq!(screened.plan_amx(AmxPolicy::Off), Ok(None));
+        assert!(!screened.scorer.screen.as_ref().unwrap().has_tiles());
+        match amx::availability() {
+            Err(why) => {
+                assert_eq!(screened.plan_amx(AmxPolicy::On), Err(why.clone()));
+                assert!(!screened.scorer.screen.as_ref().unwrap().has_tiles());
+                for (i, &b) in batches.iter().enumerate() {
+                    assert_eq!(
+                        ranked_bits(&screened, &requests(&screened, b)),
+                        exact[i],
+                        "{name}: batch {b}"
+                    );
+                }
+                eprintln!("this CPU runs no AMX tiles ({why}): only the refusal was checked");
+            }
+            Ok(()) => {
+                let plan = screened.plan_amx(AmxPolicy::On).unwrap().unwrap();
+                assert!(plan.tiles_for(1) && plan.tiles_for(64));
+                assert!(
+                    plan.describe().starts_with("int8 screen "),
+                    "{}",
+                    plan.describe()
+                );
+                assert!(screened.scorer.screen.as_ref().unwrap().has_tiles());
+                assert!(screened.kernels_for(64).tiles);
+                for (i, &b) in batches.iter().enumerate() {
+                    assert_eq!(
+                        ranked_bits(&screened, &requests(&screened, b)),
+                        exact[i],
+                        "{name}: screen on tiles, batch {b}"
+                    );
+                }
+                // A catalogue delta's new screen gets tiles too, with the same exact answers.
+                let unchanged = recsys_engine::catalogue::CatalogueDelta {
+                    version: 1,
+                    rows: vec![],
+                };
+                let live = screened.with_catalogue(&unchanged).unwrap();
+                assert!(live.scorer.screen.as_ref().unwrap().has_tiles(), "{name}");
+                assert_eq!(
+                    ranked_bits(&live, &requests(&live, 64)),
+                    exact[3],
+                    "{name}: delta"
+                );
+                let measured = screened.plan_amx(AmxPolicy::Auto).unwrap().unwrap().clone();
+                assert!(!measured.timings.is_empty(), "{measured:?}");
+                assert_eq!(
+                    screened.scorer.screen.as_ref().unwrap().has_tiles(),
+                    measured.uses_tiles(),
+                    "{name}: tiles kept only where a batch size uses them"
+                );
+                eprintln!("{name}: {}", measured.describe());
+            }
         }
     }
 }

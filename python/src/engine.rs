@@ -86,8 +86,9 @@ pub(crate) struct PyEngine {
     /// The local copy of an engine loaded from object storage, removed with the engine (the
     /// engine maps its files).
     pub(crate) _copy: Option<tempfile::TempDir>,
-    /// Why a bf16 engine's output layer does not run on AMX tiles here (no AMX, or Linux refused
-    /// the tile state); `None` where tiles were planned or nothing was asked of them.
+    /// Why a bf16 engine's layers or a screened engine's screen do not run on AMX tiles here (no
+    /// AMX, or Linux refused the tile state); `None` where tiles were planned or nothing was asked
+    /// of them.
     pub(crate) amx_refused: Option<String>,
 }
 
