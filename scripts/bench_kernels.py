@@ -3,7 +3,10 @@ recsys (fp32, fp16, int8 weight-only, and the int8 screen with exact fp32 rescor
 must equal fp32's), ONNX Runtime (MatMul + Add + TopK graph), numpy (matmul +
 argpartition), and this machine's floor (streaming bandwidth and FMA peak, measured in the same run).
 
-    scripts/bench.sh kernels [--threads 2] [--full] [--out FILE.md]
+    scripts/bench.sh kernels [--threads 2] [--full] [--n 1000000] [--d 64] [--out FILE.md]
+
+On a CPU with AMX-INT8 the exact screen also runs with its int8 scores on AMX tiles
+(screened-int8-amx: the same survivors and answer), compared with the screen on the SIMD tables.
 
 For B histories against N items of dimension d the floor is max(weight bytes / bandwidth,
 2*B*N*d / FMA peak): the weights must be read once per batch and every multiply-add done once.
@@ -32,7 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "target" / "release" / "kernel_probe"
 PRECISIONS = ["fp32", "fp16", "int8", "screened-int8"]
 # The screen reads the int8 table; its rescoring of the survivors is a few rows of fp32.
-BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2, "int8": 1, "screened-int8": 1}
+BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2, "int8": 1, "screened-int8": 1, "screened-int8-amx": 1}
+
+
+def cpu_has_amx_int8() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 def probe(*args: str) -> dict:
@@ -84,9 +94,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--full", action="store_true", help="include N=1e6 with d=600 (2.4 GB of fp32 weights)")
+    parser.add_argument("--n", type=int, action="append", help="only these catalogue sizes (repeatable)")
+    parser.add_argument("--d", type=int, action="append", help="only these hidden sizes (repeatable)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     threads = args.threads
+    precisions = PRECISIONS + (["screened-int8-amx"] if cpu_has_amx_int8() else [])
 
     bandwidth = probe("bandwidth", "1024", str(threads), "12")["bytes_per_s"]
     fma = probe("fma", str(threads))["flops"]
@@ -97,6 +110,8 @@ def main() -> None:
     for n in [100_000, 1_000_000]:
         for d in [64, 600]:
             if n == 1_000_000 and d == 600 and not args.full:
+                continue
+            if (args.n and n not in args.n) or (args.d and d not in args.d):
                 continue
             for batch in [1, 8, 64]:
                 for k in [10, 100]:
@@ -120,7 +135,7 @@ def main() -> None:
             h = hidden[:batch]
             floor_flops = 2 * batch * n * d / fma
             ours = {}
-            for precision in PRECISIONS:
+            for precision in precisions:
                 est = max(n * d * BYTES_PER_WEIGHT[precision] / bandwidth, floor_flops)
                 r = probe("topk", str(tmp / "w.bin"), str(tmp / "b.bin"), str(tmp / "h.bin"), str(n), str(d),
                           str(batch), str(k), precision, str(threads), str(reps_for(3 * est)))
@@ -137,11 +152,12 @@ def main() -> None:
 
             np_s = median_time(numpy_topk, reps_for(3 * floor_flops + 3 * n * d * 4 / bandwidth))
             agree = len(set(ours["fp32"]["top_row0"]) & set(ort_top)) / k
-            floors = {p: max(n * d * BYTES_PER_WEIGHT[p] / bandwidth, floor_flops) for p in PRECISIONS}
-            if ours["screened-int8"]["top_row0"] != ours["fp32"]["top_row0"]:
-                raise SystemExit(f"screened-int8 answered {ours['screened-int8']['top_row0']}, fp32 "
-                                 f"{ours['fp32']['top_row0']}: the screen must be exact")
-            rows.append(dict(n=n, d=d, batch=batch, k=k, ours={p: ours[p]["median_s"] for p in PRECISIONS},
+            floors = {p: max(n * d * BYTES_PER_WEIGHT[p] / bandwidth, floor_flops) for p in precisions}
+            for screened in [p for p in precisions if p.startswith("screened")]:
+                if ours[screened]["top_row0"] != ours["fp32"]["top_row0"]:
+                    raise SystemExit(f"{screened} answered {ours[screened]['top_row0']}, fp32 "
+                                     f"{ours['fp32']['top_row0']}: the screen must be exact")
+            rows.append(dict(n=n, d=d, batch=batch, k=k, ours={p: ours[p]["median_s"] for p in precisions},
                              ort=ort_s, numpy=np_s, floors=floors, agree=agree,
                              survivors=ours["screened-int8"]["survivors_median"]))
             del sess
@@ -153,8 +169,10 @@ def main() -> None:
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s, FMA peak {fma / 1e9:.0f} GFLOP/s (both measured in this run); "
         f"onnxruntime {ort.__version__}, numpy {np.__version__} ({blas}); recsys kernels: {ours['fp32']['isa']}",
         "",
-        "| N | d | B | k | floor fp32 ms | recsys fp32 ms | fp32 / floor | ORT ms | ORT / recsys | numpy ms | numpy / recsys | recsys fp16 ms | fp32 / fp16 | recsys int8 ms | fp32 / int8 | int8 / its floor | top-k agree (fp32 vs ORT) | screened int8 ms (exact) | fp32 / screened | ORT / screened | survivors (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | d | B | k | floor fp32 ms | recsys fp32 ms | fp32 / floor | ORT ms | ORT / recsys | numpy ms | numpy / recsys | recsys fp16 ms | fp32 / fp16 | recsys int8 ms | fp32 / int8 | int8 / its floor | top-k agree (fp32 vs ORT) | screened int8 ms (exact) | fp32 / screened | ORT / screened | survivors (median) |"
+        + (" screened on AMX ms | SIMD screen / AMX screen |" if "screened-int8-amx" in precisions else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if "screened-int8-amx" in precisions else ""),
     ]
     for r in rows:
         o = r["ours"]
@@ -165,6 +183,8 @@ def main() -> None:
             f"{o['fp32'] / o['int8']:.2f} | {o['int8'] / r['floors']['int8']:.2f} | {r['agree']:.2f} | "
             f"{ms(o['screened-int8'])} | {o['fp32'] / o['screened-int8']:.2f} | {r['ort'] / o['screened-int8']:.2f} | "
             f"{r['survivors']} |"
+            + (f" {ms(o['screened-int8-amx'])} | {o['screened-int8'] / o['screened-int8-amx']:.2f} |"
+               if "screened-int8-amx" in o else "")
         )
     table = "\n".join(lines) + "\n"
     print(table)

@@ -113,8 +113,8 @@ pub struct ModelSettings {
     /// Which kernels a bf16 engine runs on a CPU with AVX512-BF16: by measurement (`auto`), or
     /// pinned (parameter `bf16_path`: `native` or `widened`).
     pub bf16_path: recsys_engine::plan::Bf16Path,
-    /// Whether a bf16 engine's layers, or a screened engine's int8 screen, run on AMX tiles where
-    /// the CPU has them: by measurement (`auto`), always (`on`) or never (`off`) (parameter `amx`).
+    /// Whether a bf16 engine's layers, an int8 engine's output layer or a screened engine's int8
+    /// screen run on AMX tiles where the CPU has them: by measurement (`auto`), always (`on`) or never (`off`) (parameter `amx`).
     pub amx: recsys_engine::plan_amx::AmxPolicy,
     /// The largest row group an instance whose kernels come in two (AVX-512) cuts batches into:
     /// by measurement (`auto`), or pinned (parameter `row_block`: `4` or `8`).

@@ -1010,10 +1010,10 @@ pub struct PredictArgs {
     /// answers are the same.
     #[arg(long, default_value = "auto", value_parser = ["auto", "native", "widened"])]
     pub bf16_path: String,
-    /// On a CPU with AMX (Xeons since Sapphire Rapids): a bf16 engine's layers, or a screened
-    /// engine's int8 screen, on AMX tiles per batch size by measurement on this CPU (auto, the plan
-    /// kept for the next run), always (on) or never (off). bf16 scores on tiles differ from the
-    /// SIMD tables' in the last bits; a screened engine's answers are exact either way.
+    /// On a CPU with AMX (Xeons since Sapphire Rapids): a bf16 engine's layers, an int8 or W8A8
+    /// engine's output layer, or a screened engine's int8 screen, on AMX tiles per batch size by
+    /// measurement on this CPU (auto, the plan kept for the next run), always (on) or never (off).
+    /// bf16 scores on tiles differ from the SIMD tables' in the last bits; int8 answers keep theirs.
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub amx: String,
     /// AVX-512 kernels: the largest row group a batch is cut into, by measurement on this CPU

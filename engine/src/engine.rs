@@ -35,6 +35,9 @@ pub struct Scorer {
     /// A bf16 output layer's AMX tiles (built from `packed`, the same values), run by calls
     /// whose kernel table is tiled ([`Engine::plan_amx`], [`Engine::kernels_for`]).
     pub amx: Option<Arc<crate::kernels::fused_amx::AmxLayer>>,
+    /// An int8 output layer's AMX-INT8 tiles (int8 and W8A8 engines; the same values as
+    /// `packed`, the same scores to the bit), run like `amx`.
+    pub amx_int8: Option<Arc<crate::kernels::fused_amx_i8::AmxI8Layer>>,
 }
 
 /// Each row's best items, best first.
@@ -108,6 +111,14 @@ impl Scorer {
             // scan answers (the same bf16 layer).
             if let Ok(ranked) =
                 crate::kernels::fused_amx::top_k_bf16(tiles, hidden, &queries, threads)
+            {
+                return ranked;
+            }
+        }
+        if let Some(tiles) = self.amx_int8.as_ref().filter(|_| kernels.tiles) {
+            // As above; here the SIMD scan's answer is the tiles' to the bit.
+            if let Ok(ranked) =
+                crate::kernels::fused_amx_i8::top_k(tiles, &self.packed, hidden, &queries, threads)
             {
                 return ranked;
             }
@@ -275,6 +286,7 @@ impl Engine {
                 kernels: KernelTable::detect(),
                 threads: 1,
                 amx: None,
+                amx_int8: None,
             },
             filters,
             popularity,
@@ -328,6 +340,9 @@ impl Engine {
             self.scorer.amx.as_ref().and_then(|_| {
                 crate::kernels::fused_amx::AmxLayer::from_packed(&packed).map(Arc::new)
             });
+        let amx_int8 = self.scorer.amx_int8.as_ref().and_then(|_| {
+            crate::kernels::fused_amx_i8::AmxI8Layer::from_packed(&packed).map(Arc::new)
+        });
         let n_outputs = out.n_outputs();
         let retired = self.retired_with(&applied.retired, &applied.upserted);
         let filters = Filters::retiring(self.filters.sets().grown(n_outputs), n_outputs, &retired);
@@ -351,6 +366,7 @@ impl Engine {
                 kernels: self.scorer.kernels,
                 threads: self.scorer.threads,
                 amx,
+                amx_int8,
             },
             filters,
             popularity: self.popularity.clone(),
@@ -581,39 +597,36 @@ impl Engine {
 
     /// Chooses whether an engine's AMX-capable layers run on AMX tiles, per batch size: a bf16
     /// engine's output layer scan ([`crate::kernels::fused_amx`], its tiles in the scorer) and
-    /// dense layers ([`crate::kernels::dense_amx`], their tiles made on first use), and a screened
-    /// engine's int8 screen ([`crate::kernels::fused_amx_i8`], its tiles in the screen table).
+    /// dense layers ([`crate::kernels::dense_amx`], their tiles made on first use), an int8 or
+    /// W8A8 engine's output layer scan and a screened engine's int8 screen
+    /// ([`crate::kernels::fused_amx_i8`], their tiles in the scorer and the screen table).
     /// By `policy`, and for `Auto` by timing whole calls with tiles and with the SIMD tables on
     /// this CPU (or its cached plan), tiles kept only where strictly faster. A call at a batch
     /// size that uses tiles gets the tiled counterpart of its table from [`Engine::kernels_for`],
     /// and a screened engine screens there whatever its screen plan chose (the screen is what
     /// the tiles run). bf16 tiles hold the packed layers' bf16 values, their sums differ from
     /// the SIMD tables' in the last bits (the tile unit's order of additions); the screen's
-    /// scores on tiles are the SIMD screen's to the bit, so its answers stay exact. Call after
+    /// scores on tiles (and an int8 output layer's) are the SIMD scan's to the bit, so answers
+    /// keep their bits. Call after
     /// [`Engine::plan_screen`], [`Engine::plan_bf16_path`] and [`Engine::plan_row_block`] (tiles
     /// are timed against the tables and the screen plan those chose). `Ok(None)` for engines
-    /// with neither bf16 layers nor a screen, and under `Off`; `Err` with the reason where this
+    /// with neither bf16 nor int8 layers nor a screen, and under `Off`; `Err` with the reason where this
     /// CPU, process or kernel table cannot run tiles (the engine runs the SIMD tables: log it).
     pub fn plan_amx(
         &mut self,
         policy: crate::plan_amx::AmxPolicy,
     ) -> std::result::Result<Option<&crate::plan_amx::AmxPlan>, String> {
         use crate::kernels::fused_amx::AmxLayer;
+        use crate::kernels::fused_amx_i8::AmxI8Layer;
         use crate::plan::PlanSource;
         use crate::plan_amx::{AmxPlan, AmxPolicy, AmxSubject};
         self.amx_plan = None;
-        self.scorer.amx = None;
-        if let Some(screen) = &mut self.scorer.screen {
-            screen.drop_tiles();
-        }
-        let bf16 = matches!(
-            self.model.output().weight,
-            crate::weights::Matrix::Bf16 { .. }
-        );
-        let subject = match (bf16, self.scorer.screen.is_some()) {
-            (true, _) => AmxSubject::Bf16Layers,
-            (false, true) => AmxSubject::Int8Screen,
-            (false, false) => return Ok(None),
+        self.drop_tiles();
+        let subject = match (&self.model.output().weight, self.scorer.screen.is_some()) {
+            (crate::weights::Matrix::Bf16 { .. }, _) => AmxSubject::Bf16Layers,
+            (crate::weights::Matrix::I8 { .. }, _) => AmxSubject::Int8Output,
+            (_, true) => AmxSubject::Int8Screen,
+            (_, false) => return Ok(None),
         };
         if policy == AmxPolicy::Off {
             return Ok(None);
@@ -632,6 +645,12 @@ impl Engine {
                 };
                 self.scorer.amx = Some(Arc::new(tiles));
             }
+            AmxSubject::Int8Output => {
+                let Some(tiles) = AmxI8Layer::from_packed(&self.scorer.packed) else {
+                    return Ok(None);
+                };
+                self.scorer.amx_int8 = Some(Arc::new(tiles));
+            }
             AmxSubject::Int8Screen => {
                 if let Some(screen) = &mut self.scorer.screen {
                     screen.prepare_tiles()?;
@@ -649,13 +668,19 @@ impl Engine {
         // The tiles double the memory of the layer they copy: dropped when no batch size uses
         // them.
         if !plan.uses_tiles() {
-            self.scorer.amx = None;
-            if let Some(screen) = &mut self.scorer.screen {
-                screen.drop_tiles();
-            }
+            self.drop_tiles();
         }
         self.amx_plan = Some(plan);
         Ok(self.amx_plan.as_ref())
+    }
+
+    /// Drops every AMX copy of a layer (the output layer's, the screen's).
+    fn drop_tiles(&mut self) {
+        self.scorer.amx = None;
+        self.scorer.amx_int8 = None;
+        if let Some(screen) = &mut self.scorer.screen {
+            screen.drop_tiles();
+        }
     }
 
     /// The AMX plan the engine runs by ([`Engine::plan_amx`]).
@@ -1020,10 +1045,7 @@ impl Engine {
     pub fn set_kernels(&mut self, kernels: &'static KernelTable) {
         self.bf16_path_plan = None;
         self.amx_plan = None;
-        self.scorer.amx = None;
-        if let Some(screen) = &mut self.scorer.screen {
-            screen.drop_tiles();
-        }
+        self.drop_tiles();
         self.put_kernels(kernels);
     }
 

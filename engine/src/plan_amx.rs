@@ -1,7 +1,7 @@
 //! Whether an engine's AMX-capable layers run on AMX tiles or on the SIMD tables, per batch
 //! size: a bf16 engine's output layer scan and dense layers ([`recsys_kernels::fused_amx`],
-//! [`recsys_kernels::dense_amx`]), or a screened engine's int8 screen
-//! ([`recsys_kernels::fused_amx_i8`]). Tiles multiply a whole block of rows by items per few
+//! [`recsys_kernels::dense_amx`]), an int8 or W8A8 engine's output layer scan, or a screened
+//! engine's int8 screen ([`recsys_kernels::fused_amx_i8`]). Tiles multiply a whole block of rows by items per few
 //! dozen cycles but pay a fixed cost per block (loading the tiles, comparing the block with each
 //! row's bar), so where they win depends on the batch, the hidden size and the CPU: measured,
 //! never assumed.
@@ -39,6 +39,8 @@ impl std::str::FromStr for AmxPolicy {
 pub enum AmxSubject {
     /// A bf16 engine's output layer scan and dense layers.
     Bf16Layers,
+    /// An int8 or W8A8 engine's output layer scan (the same scores to the bit either way).
+    Int8Output,
     /// A screened engine's int8 screen (its answers exact either way).
     Int8Screen,
 }
@@ -47,6 +49,7 @@ impl AmxSubject {
     fn describe(self) -> &'static str {
         match self {
             AmxSubject::Bf16Layers => "bf16 layers",
+            AmxSubject::Int8Output => "int8 output layer",
             AmxSubject::Int8Screen => "int8 screen",
         }
     }

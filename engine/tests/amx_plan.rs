@@ -28,7 +28,7 @@ fn requests(engine: &Engine, batch: usize) -> Vec<InternalRequest> {
 }
 
 #[test]
-fn tiles_run_only_for_bf16_engines_where_the_cpu_has_them() {
+fn tiles_run_for_bf16_engines_where_the_cpu_has_them() {
     let dir = tempfile::tempdir().unwrap();
     std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
     std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
@@ -212,6 +212,58 @@ fn a_screened_engine_screens_on_tiles_with_the_exact_answers() {
                 );
                 eprintln!("{name}: {}", measured.describe());
             }
+        }
+    }
+}
+
+/// An int8 weight-only and a W8A8 engine's output layer on AMX-INT8 tiles: the answers of the
+/// SIMD scan, bit for bit, at every batch size; the plan names the int8 output layer; without
+/// AMX the refusal and unchanged answers.
+#[test]
+fn int8_engines_score_their_output_layer_on_tiles_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    for kind in [ModelKind::Vaecf, ModelKind::Bert4rec] {
+        let engines = engines_at_every_precision(kind, &dir.path().join(format!("{kind:?}")));
+        for (variant, mut engine) in engines
+            .into_iter()
+            .filter(|(v, _)| *v == "int8" || *v == "w8a8")
+        {
+            let name = format!("{kind:?} {variant}");
+            let batches = [1, 8, 37, 64];
+            let before: Vec<_> = batches
+                .iter()
+                .map(|&b| ranked_bits(&engine, &requests(&engine, b)))
+                .collect();
+            match amx::availability() {
+                Err(why) => {
+                    assert_eq!(engine.plan_amx(AmxPolicy::On), Err(why.clone()), "{name}");
+                    assert!(engine.scorer.amx_int8.is_none());
+                    eprintln!("this CPU runs no AMX tiles ({why}): only the refusal was checked");
+                }
+                Ok(()) => {
+                    let plan = engine.plan_amx(AmxPolicy::On).unwrap().unwrap();
+                    assert!(
+                        plan.describe().starts_with("int8 output layer "),
+                        "{}",
+                        plan.describe()
+                    );
+                    assert!(engine.scorer.amx_int8.is_some() && engine.kernels_for(8).tiles);
+                }
+            }
+            for (i, &b) in batches.iter().enumerate() {
+                assert_eq!(
+                    ranked_bits(&engine, &requests(&engine, b)),
+                    before[i],
+                    "{name}: batch {b}"
+                );
+            }
+            assert_eq!(engine.plan_amx(AmxPolicy::Off), Ok(None));
+            assert!(
+                engine.scorer.amx_int8.is_none(),
+                "{name}: off drops the tiles"
+            );
         }
     }
 }

@@ -1,5 +1,6 @@
-//! An int8 layer's scan on AMX-INT8 tiles (the exact screen's int8 copy of an output layer):
-//! each 16-row by 32-item block of int16 x int8 sums leaves the tile accumulators
+//! An int8 layer's scan on AMX-INT8 tiles (an int8 or W8A8 engine's output layer, or the exact
+//! screen's int8 copy of one): each 16-row by 32-item block of int16 x int8 sums leaves the tile
+//! accumulators
 //! ([`amx::for_each_block_i8`]), gets the SIMD kernels' f32 epilogue, is compared with each row's
 //! bar 16 items at a time, and only the items that beat it reach the [`Sink`], as in
 //! [`crate::fused`]: no score vector of the catalogue is ever written.
@@ -7,13 +8,15 @@
 //! The sums are exact (the activations' low and high bytes multiplied apart, see
 //! [`amx::SplitI16Rows`]), and the epilogue is the SIMD kernels' own, operation for operation
 //! (`dot as f32 * (item scale * row scale) + bias`, no fused multiply-add), so every score is the
-//! SIMD scan's to the bit and a screen's certified bound holds unchanged. Filters and exclusions
+//! SIMD scan's to the bit: a screen's certified bound holds unchanged, and an int8 or W8A8
+//! output layer's top-k ([`top_k`]) is the SIMD scan's answer. Filters and exclusions
 //! are left to the sink; unlike the SIMD scan, blocks no row of a group may receive are scored
 //! all the same.
 
 use crate::amx::{self, AmxI8Weights, I8Block, SplitI16Rows, BLOCK_OUTPUTS, I8_BLOCK_ROWS};
-use crate::fused::Sink;
+use crate::fused::{merge_ranges, over_panel_ranges, RowQuery, Selection, Sink};
 use crate::packed::{PackedOutput, PanelData, QuantizedActivations};
+use crate::topk::Scored;
 
 /// An int8 layer in AMX tiles, beside its [`PackedOutput`]: the same int8 values, per-item
 /// scales and bias.
@@ -130,6 +133,47 @@ pub(crate) fn scan(
             }
         }
     })
+}
+
+/// The best `k` items of each row of `hidden` (`[B, d]`), best first, from the int8 layer `out`
+/// scored on its tiles `layer` (made from `out`), on up to `threads` pool threads: the SIMD
+/// scan's answer, ids and scores, since every score is its score (an int8 or W8A8 engine's
+/// output layer). Errors where this CPU or process cannot run tiles or the shapes disagree.
+pub fn top_k(
+    layer: &AmxI8Layer,
+    out: &PackedOutput,
+    hidden: &[f32],
+    queries: &[RowQuery<'_>],
+    threads: usize,
+) -> Result<Vec<Vec<Scored>>, String> {
+    amx::availability().clone()?;
+    if (layer.n, layer.d) != (out.n, out.d) {
+        return Err(format!(
+            "tiles of {} x {} for a layer of {} x {}",
+            layer.n, layer.d, out.n, out.d
+        ));
+    }
+    if hidden.len() != queries.len() * out.d {
+        return Err(format!(
+            "{} hidden values for {} queries of {} features",
+            hidden.len(),
+            queries.len(),
+            out.d
+        ));
+    }
+    if queries.is_empty() {
+        return Ok(Vec::new());
+    }
+    let input = crate::fused::prepared(out, hidden);
+    let x = layer.split(&input, queries.len());
+    let macs_per_block = queries.len() * BLOCK_OUTPUTS * out.d;
+    let per_thread = over_panel_ranges(layer.blocks(), macs_per_block, threads, |range| {
+        let mut selections: Vec<Selection<'_>> = queries.iter().map(Selection::new).collect();
+        scan(layer, &x, &input.scales, range, &mut selections)?;
+        Ok(selections.into_iter().map(|s| s.buffer).collect::<Vec<_>>())
+    });
+    let per_thread = per_thread.into_iter().collect::<Result<Vec<_>, String>>()?;
+    Ok(merge_ranges(queries, &per_thread))
 }
 
 /// One block from sums to flagged scores, every row of it.

@@ -435,3 +435,59 @@ fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
         eprintln!("{m} rows x {n} items x {d} features on {threads} threads: the scalar screen's survivors");
     }
 }
+
+/// An int8 output layer's top-k on tiles, per-row activation scales (int8 weight-only engines)
+/// and one static scale (W8A8): the scalar table's answer, ids and scores to the bit, with
+/// exclusions, filters, k from 0 past the catalogue, one to three row groups and two threads.
+#[test]
+fn int8_layers_on_tiles_answer_as_the_scalar_scan() {
+    use recsys_kernels::fused::{self, Exclusions, RowQuery};
+    use recsys_kernels::fused_amx_i8::{self, AmxI8Layer};
+    use recsys_kernels::item_mask::ItemMask;
+    use recsys_kernels::packed::{quantize_int8_per_row, PackedOutput};
+    use recsys_kernels::{Isa, KernelTable};
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(61);
+    for &(m, n, d, threads) in &[(1, 50, 5, 1), (16, 700, 64, 2), (37, 1500, 100, 2)] {
+        let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let bias: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
+        let (q, scales) = quantize_int8_per_row(&w, d);
+        let hidden: Vec<f32> = (0..m * d).map(|_| next() * 2.0).collect();
+        let exclusions: Vec<Exclusions> = (0..m)
+            .map(|r| Exclusions::new(vec![0, (r * 11 % n) as u32]))
+            .collect();
+        let masks: Vec<Option<ItemMask>> = (0..m)
+            .map(|r| (r % 4 == 3).then(|| ItemMask::of(n, (0..n as u32).filter(|j| j % 3 == 1))))
+            .collect();
+        let ks: Vec<usize> = (0..m).map(|r| [10, 0, 2 * n, 1, 50][r % 5]).collect();
+        let queries: Vec<RowQuery<'_>> = (0..m)
+            .map(|r| RowQuery {
+                k: ks[r],
+                excluded: &exclusions[r],
+                eligible: masks[r].as_ref(),
+            })
+            .collect();
+        let per_row = PackedOutput::from_i8(&q, &scales, &bias, d);
+        let static_scale = per_row.clone().with_static_activation_scale(2.0 / 127.0);
+        for (name, out) in [("per-row scales", per_row), ("static scale", static_scale)] {
+            let tiles = AmxI8Layer::from_packed(&out).expect("an int8 layer");
+            let want = fused::top_k(
+                KernelTable::for_isa(Isa::Scalar),
+                &out,
+                &hidden,
+                &queries,
+                1,
+            );
+            let got = fused_amx_i8::top_k(&tiles, &out, &hidden, &queries, threads).unwrap();
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g == w,
+                    "{name}, [{m}x{d}] x {n} items, row {r}: not the scalar answer"
+                );
+            }
+        }
+        eprintln!("{m} rows x {n} items x {d} features on {threads} threads: the scalar answers");
+    }
+}

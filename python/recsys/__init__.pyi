@@ -49,11 +49,11 @@ class Engine:
         widened to f32 per batch size, whichever measured faster here (kept like the screen's
         plan), "native"
         or "widened"; the answers are the same.
-        `amx` (bf16 and screened engines on CPUs with AMX, Xeons since Sapphire Rapids): "auto"
-        runs a bf16 engine's layers, or a screened engine's int8 screen, on AMX tiles at the batch
-        sizes where they measured faster here (kept like the screen's plan), "on" or "off"; bf16
-        tiles add in another order, so scores may differ in the last bits, while a screened
-        engine's answers stay exact. Without AMX the SIMD kernels run and `kernel_plan` says why.
+        `amx` (bf16, int8 and screened engines on CPUs with AMX, Xeons since Sapphire Rapids):
+        "auto" runs a bf16 engine's layers, an int8 or W8A8 engine's output layer, or a screened
+        engine's int8 screen, on AMX tiles at the batch sizes where they measured faster here (kept
+        like the screen's plan), "on" or "off"; bf16 tiles add in another order, so scores may
+        differ in the last bits, while int8 and screened engines' answers keep their bits. Without AMX the SIMD kernels run and `kernel_plan` says why.
         `row_block` (AVX-512 kernels): "auto" cuts batches into row groups of up to 8 rows or of
         up to 4, whichever measured faster here (kept like the screen's plan), "4" or "8"; the
         answers are the same.

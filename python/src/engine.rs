@@ -86,8 +86,8 @@ pub(crate) struct PyEngine {
     /// The local copy of an engine loaded from object storage, removed with the engine (the
     /// engine maps its files).
     pub(crate) _copy: Option<tempfile::TempDir>,
-    /// Why a bf16 engine's layers or a screened engine's screen do not run on AMX tiles here (no
-    /// AMX, or Linux refused the tile state); `None` where tiles were planned or nothing was asked
+    /// Why an engine's layers (bf16 or int8) or its screen do not run on AMX tiles here (no AMX,
+    /// or Linux refused the tile state); `None` where tiles were planned or nothing was asked
     /// of them.
     pub(crate) amx_refused: Option<String>,
 }
