@@ -1,5 +1,6 @@
 """SASRec and GRU4Rec against ONNX Runtime and OpenVINO, same weights and histories, same
-invocation, same threads.
+invocation, same threads; each model also as a `--precision bf16` engine (rows marked "bf16"),
+whose column to read is OpenVINO's default precision (bf16 where the CPU has it).
 
     scripts/bench.sh sequential [--threads 2] [--out FILE.md]
 
@@ -187,9 +188,11 @@ def main() -> None:
                 if kind == "gru4rec" and "gru_layers.bias_ih_l0" in w:
                     raise SystemExit("the peer graph here assumes RecBole's bias-free GRU")
                 engine = tmp / f"{kind}_{synthetic or 'fixture'}"
-                subprocess.run([str(RECSYS), "convert", "--kind", kind, "--checkpoint", str(ckpt),
-                                "--config", str(cfg_path), "--item-map", str(map_path), "--out", str(engine)],
-                               check=True, capture_output=True)
+                engine_bf16 = tmp / f"{kind}_{synthetic or 'fixture'}_bf16"
+                for out, extra in [(engine, []), (engine_bf16, ["--precision", "bf16"])]:
+                    subprocess.run([str(RECSYS), "convert", "--kind", kind, "--checkpoint", str(ckpt),
+                                    "--config", str(cfg_path), "--item-map", str(map_path), "--out", str(out),
+                                    *extra], check=True, capture_output=True)
                 ext_to_int = {int(l.split("\t")[1]): int(l.split("\t")[0]) for l in map_path.read_text().splitlines()[1:]}
                 if synthetic:
                     histories = ml1m_histories(sorted(ext_to_int), rng)
@@ -209,6 +212,13 @@ def main() -> None:
                     agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
                     rows.append((row_label, N, batch, ours["median_s"], theirs, agree,
                                  one_thread(engine, histories, batch, reps)))
+                    # The bf16 engine against the same peers (its column to compare: OpenVINO's
+                    # default, bf16 on CPUs with AVX512-BF16 or AMX; the AMX plan in force).
+                    ours = min((probe(engine_bf16, histories, batch, threads, reps, tmp) for _ in range(2)),
+                               key=lambda o: o["median_s"])
+                    agree = len(set(ours["top_first"]) & {int_to_ext[i] for i in ort_top}) / K
+                    rows.append((row_label.replace(")", ", bf16)"), N, batch, ours["median_s"], theirs, agree,
+                                 one_thread(engine_bf16, histories, batch, reps)))
 
     lines = peers_table(rows, threads, ours["isa"], ov_default)
     table = "\n".join(lines) + "\n"

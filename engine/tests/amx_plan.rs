@@ -267,3 +267,50 @@ fn int8_engines_score_their_output_layer_on_tiles_bit_for_bit() {
         }
     }
 }
+
+/// A bf16 Mult-VAE whose batch of long histories lists much of the catalogue runs its first layer
+/// as one multi-hot product on tiles: the answers share the gather's items within the tiles'
+/// rounding, and the best score agrees to 1e-3.
+#[test]
+fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
+    if amx::availability().is_err() {
+        eprintln!("this CPU runs no AMX tiles: nothing to check");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    let mut bf16 = convert_fixture_at(
+        ModelKind::Vaecf,
+        "model.safetensors",
+        &dir.path().join("bf16"),
+        Precision::Bf16,
+    );
+    let n = bf16.n_items() as u32;
+    // 64 histories of 120 distinct items: 7,680 listed against 64 x 2,001 inputs, which the
+    // rule puts on tiles (at most 32 multiply-adds per listed item's row value).
+    let long: Vec<InternalRequest> = (0..64u32)
+        .map(|b| InternalRequest {
+            history: (0..120).map(|j| (b * 31 + j * 17) % n + 1).collect(),
+            k: 20,
+            exclude_seen: true,
+            ..Default::default()
+        })
+        .collect();
+    bf16.plan_amx(AmxPolicy::Off).unwrap();
+    let gathered = ranked_bits(&bf16, &long);
+    bf16.plan_amx(AmxPolicy::On).unwrap();
+    let on_tiles = ranked_bits(&bf16, &long);
+    for (row, (got, want)) in on_tiles.iter().zip(&gathered).enumerate() {
+        let same = got
+            .iter()
+            .filter(|g| want.iter().any(|w| w.0 == g.0))
+            .count();
+        assert!(same >= 18, "row {row}: {same} of 20 items shared");
+        let (top_got, top_want) = (f32::from_bits(got[0].1), f32::from_bits(want[0].1));
+        assert!(
+            (top_got - top_want).abs() <= 1e-3 * top_want.abs().max(1.0),
+            "row {row}: best {top_got} vs {top_want}"
+        );
+    }
+}

@@ -58,6 +58,27 @@ impl AmxLayer {
         })
     }
 
+    /// The tiles of an `[n outputs, d inputs]` bf16 layer given by its bits `value(output,
+    /// input)` and its bias (`n` values): a layer stored otherwise than as packed panels
+    /// (Mult-VAE's first layer, kept one row per input item).
+    pub fn from_bits(
+        n: usize,
+        d: usize,
+        value: impl Fn(usize, usize) -> u16,
+        bias: &[f32],
+    ) -> Self {
+        assert_eq!(bias.len(), n, "one bias per output");
+        let weights = AmxBf16Weights::pack_bits(n, d, value);
+        let mut padded = vec![f32::NEG_INFINITY; weights.output_blocks() * BLOCK_OUTPUTS];
+        padded[..n].copy_from_slice(bias);
+        AmxLayer {
+            n,
+            d,
+            weights,
+            bias: padded,
+        }
+    }
+
     /// Bytes the tiles and bias take (beside the packed layer's).
     pub fn bytes(&self) -> usize {
         self.weights.bytes() + self.bias.len() * 4

@@ -491,3 +491,69 @@ fn int8_layers_on_tiles_answer_as_the_scalar_scan() {
         eprintln!("{m} rows x {n} items x {d} features on {threads} threads: the scalar answers");
     }
 }
+
+/// A multi-hot layer on tiles (Mult-VAE's first layer): each output the sum of the listed
+/// inputs' bf16 weights plus the bias, within the bound of f32 accumulation, for 1 to 70 rows
+/// (partial and whole groups of 32), empty rows included; one and three threads give the same
+/// bits; an input past the layer is refused.
+#[test]
+fn multi_hot_rows_on_tiles_sum_the_listed_inputs() {
+    use recsys_kernels::dense_amx;
+    use recsys_kernels::fused_amx::AmxLayer;
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(71);
+    let (n, d) = (70, 500);
+    let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+    let bits: Vec<u16> = w
+        .iter()
+        .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
+        .collect();
+    let bias: Vec<f32> = (0..n).map(|_| next()).collect();
+    let layer = AmxLayer::from_bits(n, d, |j, i| bits[j * d + i], &bias);
+    for rows in [1, 5, 32, 33, 70] {
+        let hot: Vec<Vec<u32>> = (0..rows)
+            .map(|r| {
+                if r % 9 == 4 {
+                    return Vec::new();
+                }
+                let mut items: Vec<u32> = (0..d as u32).filter(|_| next() > 0.6).collect();
+                items.dedup();
+                items
+            })
+            .collect();
+        let hot_refs: Vec<&[u32]> = hot.iter().map(Vec::as_slice).collect();
+        let mut one = vec![f32::NAN; rows * n];
+        dense_amx::multi_hot_into(&layer, &hot_refs, &mut one, 1).unwrap();
+        let mut three = vec![f32::NAN; rows * n];
+        dense_amx::multi_hot_into(&layer, &hot_refs, &mut three, 3).unwrap();
+        assert_eq!(
+            one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            three.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{rows} rows: threads change no bit"
+        );
+        for (r, items) in hot.iter().enumerate() {
+            for j in 0..n {
+                let (mut sum, mut magnitude) = (f64::from(bias[j]), f64::from(bias[j]).abs());
+                for &i in items {
+                    let v = bf16_value(w[j * d + i as usize]);
+                    sum += v;
+                    magnitude += v.abs();
+                }
+                let bound = (items.len() as f64 + 2.0) * 2f64.powi(-24) * magnitude + 1e-30;
+                let got = f64::from(one[r * n + j]);
+                assert!(
+                    (got - sum).abs() <= bound,
+                    "{rows} rows, row {r} output {j}: {got} vs {sum} (bound {bound:e})"
+                );
+            }
+        }
+    }
+    let past: &[u32] = &[3, d as u32];
+    let err = dense_amx::multi_hot_into(&layer, &[past], &mut vec![0.0; n], 1).unwrap_err();
+    assert!(
+        err.contains("input 500 of a layer with 500 inputs"),
+        "{err}"
+    );
+}
