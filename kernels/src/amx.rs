@@ -392,13 +392,7 @@ pub fn for_each_block_bf16(
             rows * padded_k
         ));
     }
-    if blocks.end > w.output_blocks() {
-        return Err(format!(
-            "blocks up to {} asked of weights with {}",
-            blocks.end,
-            w.output_blocks()
-        ));
-    }
+    check_blocks(&blocks, w.output_blocks())?;
     #[cfg(target_arch = "x86_64")]
     {
         let (upper, lower) = (rows.min(TILE_ROWS), rows.saturating_sub(TILE_ROWS));
@@ -506,6 +500,17 @@ pub fn for_each_block_bf16(
         }
     }
     drop(claim);
+    Ok(())
+}
+
+/// Refuses a range of output blocks past the weights' `available` blocks.
+fn check_blocks(blocks: &std::ops::Range<usize>, available: usize) -> Result<(), String> {
+    if blocks.end > available {
+        return Err(format!(
+            "blocks up to {} asked of weights with {available}",
+            blocks.end
+        ));
+    }
     Ok(())
 }
 
@@ -641,13 +646,7 @@ pub fn for_each_block_i8(
             w.padded_k()
         ));
     }
-    if blocks.end > w.output_blocks() {
-        return Err(format!(
-            "blocks up to {} asked of weights with {}",
-            blocks.end,
-            w.output_blocks()
-        ));
-    }
+    check_blocks(&blocks, w.output_blocks())?;
     #[cfg(target_arch = "x86_64")]
     {
         let mut config = TileConfig::new();

@@ -491,6 +491,18 @@ pub fn top_k(
     merge_ranges(queries, &per_thread)
 }
 
+/// Refuses hidden rows that are not one row of `d` features per query (the tile scans' check;
+/// the SIMD scan asserts it).
+pub(crate) fn check_hidden(hidden: &[f32], queries: usize, d: usize) -> Result<(), String> {
+    if hidden.len() != queries * d {
+        return Err(format!(
+            "{} hidden values for {queries} queries of {d} features",
+            hidden.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Each row's best `k` of the candidates its ranges' selections kept, best first.
 pub(crate) fn merge_ranges(
     queries: &[RowQuery<'_>],

@@ -102,14 +102,7 @@ pub fn top_k_bf16(
     threads: usize,
 ) -> Result<Vec<Vec<Scored>>, String> {
     amx::availability().clone()?;
-    if hidden.len() != queries.len() * out.d {
-        return Err(format!(
-            "{} hidden values for {} queries of {} features",
-            hidden.len(),
-            queries.len(),
-            out.d
-        ));
-    }
+    crate::fused::check_hidden(hidden, queries.len(), out.d)?;
     if queries.is_empty() {
         return Ok(Vec::new());
     }

@@ -153,14 +153,7 @@ pub fn top_k(
             layer.n, layer.d, out.n, out.d
         ));
     }
-    if hidden.len() != queries.len() * out.d {
-        return Err(format!(
-            "{} hidden values for {} queries of {} features",
-            hidden.len(),
-            queries.len(),
-            out.d
-        ));
-    }
+    crate::fused::check_hidden(hidden, queries.len(), out.d)?;
     if queries.is_empty() {
         return Ok(Vec::new());
     }

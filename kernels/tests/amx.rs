@@ -16,6 +16,48 @@ fn bf16_value(x: f32) -> f64 {
     f64::from(f32::from_bits(rounded))
 }
 
+/// What each of `m` rows of a scan test may receive: PAD and two items excluded, every third row
+/// filtered to a quarter of the `n` items, k cycling through `ks` (0 and past the catalogue
+/// among them, as the tests pick).
+struct RowLimits {
+    exclusions: Vec<recsys_kernels::fused::Exclusions>,
+    masks: Vec<Option<recsys_kernels::item_mask::ItemMask>>,
+    ks: Vec<usize>,
+}
+
+impl RowLimits {
+    fn new(m: usize, n: usize, ks: [usize; 5]) -> Self {
+        use recsys_kernels::fused::Exclusions;
+        use recsys_kernels::item_mask::ItemMask;
+        RowLimits {
+            exclusions: (0..m)
+                .map(|r| Exclusions::new(vec![0, (r * 7 % n) as u32, (r * 13 % n) as u32]))
+                .collect(),
+            masks: (0..m)
+                .map(|r| {
+                    (r % 3 == 2).then(|| {
+                        ItemMask::of(
+                            n,
+                            (0..n as u32).filter(|&j| (j as usize * 31 + r).is_multiple_of(4)),
+                        )
+                    })
+                })
+                .collect(),
+            ks: (0..m).map(|r| ks[r % 5]).collect(),
+        }
+    }
+
+    fn queries(&self) -> Vec<recsys_kernels::fused::RowQuery<'_>> {
+        (0..self.ks.len())
+            .map(|r| recsys_kernels::fused::RowQuery {
+                k: self.ks[r],
+                excluded: &self.exclusions[r],
+                eligible: self.masks[r].as_ref(),
+            })
+            .collect()
+    }
+}
+
 /// Whether the test can run here; `false` (after saying why) when it is skipped.
 fn tiles_here() -> bool {
     match amx::availability() {
@@ -121,9 +163,7 @@ fn int16_by_int8_tiles_are_exact_on_every_edge() {
 /// exact value, and no item left out that could beat the last one taken within the bounds.
 #[test]
 fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
-    use recsys_kernels::fused::{Exclusions, RowQuery};
     use recsys_kernels::fused_amx::{self, AmxLayer};
-    use recsys_kernels::item_mask::ItemMask;
     use recsys_kernels::packed::PackedOutput;
     if !tiles_here() {
         return;
@@ -147,27 +187,9 @@ fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
         let hidden: Vec<f32> = (0..m * d).map(|_| next()).collect();
         // Row r: k from 0 to past the catalogue; every third row filtered to a random quarter,
         // every row excluding PAD and a few items.
-        let exclusions: Vec<Exclusions> = (0..m)
-            .map(|r| Exclusions::new(vec![0, (r * 7 % n) as u32, (r * 13 % n) as u32]))
-            .collect();
-        let masks: Vec<Option<ItemMask>> = (0..m)
-            .map(|r| {
-                (r % 3 == 2).then(|| {
-                    ItemMask::of(
-                        n,
-                        (0..n as u32).filter(|&j| (j as usize * 31 + r).is_multiple_of(4)),
-                    )
-                })
-            })
-            .collect();
-        let ks: Vec<usize> = (0..m).map(|r| [10, 0, 1, 3 * n, 50][r % 5]).collect();
-        let queries: Vec<RowQuery<'_>> = (0..m)
-            .map(|r| RowQuery {
-                k: ks[r],
-                excluded: &exclusions[r],
-                eligible: masks[r].as_ref(),
-            })
-            .collect();
+        let limits = RowLimits::new(m, n, [10, 0, 1, 3 * n, 50]);
+        let (exclusions, masks, ks) = (&limits.exclusions, &limits.masks, &limits.ks);
+        let queries = limits.queries();
         let answers = fused_amx::top_k_bf16(&out, &hidden, &queries, threads).unwrap();
         assert_eq!(answers.len(), m);
         for (r, answer) in answers.iter().enumerate() {
@@ -367,8 +389,6 @@ fn int16_by_int8_blocks_are_exact_on_every_edge() {
 /// AVX-512 and even its scalar rescoring disagreed with the hardware's in the last bits).
 #[test]
 fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
-    use recsys_kernels::fused::{Exclusions, RowQuery};
-    use recsys_kernels::item_mask::ItemMask;
     use recsys_kernels::screen::{self, ScreenTable};
     use recsys_kernels::{Isa, KernelTable};
     if !tiles_here() {
@@ -393,27 +413,8 @@ fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
         }
         let bias: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
         let hidden: Vec<f32> = (0..m * d).map(|_| next() * 2.0).collect();
-        let exclusions: Vec<Exclusions> = (0..m)
-            .map(|r| Exclusions::new(vec![0, (r * 7 % n) as u32, (r * 13 % n) as u32]))
-            .collect();
-        let masks: Vec<Option<ItemMask>> = (0..m)
-            .map(|r| {
-                (r % 3 == 2).then(|| {
-                    ItemMask::of(
-                        n,
-                        (0..n as u32).filter(|&j| (j as usize * 31 + r).is_multiple_of(4)),
-                    )
-                })
-            })
-            .collect();
-        let ks: Vec<usize> = (0..m).map(|r| [10, 0, 1, 2 * n, 100][r % 5]).collect();
-        let queries: Vec<RowQuery<'_>> = (0..m)
-            .map(|r| RowQuery {
-                k: ks[r],
-                excluded: &exclusions[r],
-                eligible: masks[r].as_ref(),
-            })
-            .collect();
+        let limits = RowLimits::new(m, n, [10, 0, 1, 2 * n, 100]);
+        let queries = limits.queries();
         let mut table = ScreenTable::new(&w, &bias, d);
         table.prepare_tiles().unwrap();
         assert!(table.has_tiles());
@@ -441,9 +442,8 @@ fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
 /// exclusions, filters, k from 0 past the catalogue, one to three row groups and two threads.
 #[test]
 fn int8_layers_on_tiles_answer_as_the_scalar_scan() {
-    use recsys_kernels::fused::{self, Exclusions, RowQuery};
+    use recsys_kernels::fused;
     use recsys_kernels::fused_amx_i8::{self, AmxI8Layer};
-    use recsys_kernels::item_mask::ItemMask;
     use recsys_kernels::packed::{quantize_int8_per_row, PackedOutput};
     use recsys_kernels::{Isa, KernelTable};
     if !tiles_here() {
@@ -455,20 +455,8 @@ fn int8_layers_on_tiles_answer_as_the_scalar_scan() {
         let bias: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
         let (q, scales) = quantize_int8_per_row(&w, d);
         let hidden: Vec<f32> = (0..m * d).map(|_| next() * 2.0).collect();
-        let exclusions: Vec<Exclusions> = (0..m)
-            .map(|r| Exclusions::new(vec![0, (r * 11 % n) as u32]))
-            .collect();
-        let masks: Vec<Option<ItemMask>> = (0..m)
-            .map(|r| (r % 4 == 3).then(|| ItemMask::of(n, (0..n as u32).filter(|j| j % 3 == 1))))
-            .collect();
-        let ks: Vec<usize> = (0..m).map(|r| [10, 0, 2 * n, 1, 50][r % 5]).collect();
-        let queries: Vec<RowQuery<'_>> = (0..m)
-            .map(|r| RowQuery {
-                k: ks[r],
-                excluded: &exclusions[r],
-                eligible: masks[r].as_ref(),
-            })
-            .collect();
+        let limits = RowLimits::new(m, n, [10, 0, 2 * n, 1, 50]);
+        let queries = limits.queries();
         let per_row = PackedOutput::from_i8(&q, &scales, &bias, d);
         let static_scale = per_row.clone().with_static_activation_scale(2.0 / 127.0);
         for (name, out) in [("per-row scales", per_row), ("static scale", static_scale)] {
