@@ -2,15 +2,37 @@
 //! ([`AmxLayer`], built from its packed panels), the input rounded to bf16 as the SIMD bf16
 //! kernels round it, the products summed in the tile unit's order (so outputs may differ from
 //! the SIMD kernels' in the last bits, within f32 accumulation's bound: `tests/amx.rs`).
-//! One thread: a batch of 64 rows through a 600 x 600 layer is 23 M multiply-adds, a few
-//! microseconds of one core's tiles, less than handing pieces to the pool costs.
+//! A layer's rows are split over the pool only where the tiles' work pays for the handoff (a
+//! batch of 64 rows through a 600 x 600 layer, 23 M multiply-adds, stays on one thread; a
+//! BERT4Rec batch's 12,800 token rows do not).
 
 use crate::amx::{self, BLOCK_OUTPUTS, BLOCK_ROWS};
 use crate::fused_amx::AmxLayer;
 
-/// `y = x @ W^T + b` for `x` of `[rows, d]` into `y` (`[rows, n]`, every value overwritten).
-/// Errors (nothing written) where this CPU or process cannot run tiles or the shapes disagree.
+/// `y = x @ W^T + b` for `x` of `[rows, d]` into `y` (`[rows, n]`, every value overwritten), on
+/// this thread. Errors (nothing written) where this CPU or process cannot run tiles or the shapes
+/// disagree.
 pub fn linear_into(layer: &AmxLayer, x: &[f32], y: &mut [f32]) -> Result<(), String> {
+    linear_into_then(layer, x, y, 1, |_| {})
+}
+
+/// Multiply-adds a tile does for one of an AVX-512 FMA: the pool's split of a layer on tiles
+/// needs this many times a SIMD piece's multiply-adds to be worth a handoff (tiles multiply
+/// about 300 bf16 pairs a nanosecond on the Emerald Rapids measured, AVX-512 FMAs about 70 f32
+/// pairs a core).
+const TILE_MACS_PER_FMA: usize = 4;
+
+/// [`linear_into`] with the rows split into contiguous runs over up to `threads` pool threads
+/// (as many as [`crate::dense::dense_pieces`] allows for the tiles' work), each run then passed
+/// to `activation` on the thread that computed it. Every row is computed as alone, so the split
+/// changes no bit.
+pub fn linear_into_then(
+    layer: &AmxLayer,
+    x: &[f32],
+    y: &mut [f32],
+    threads: usize,
+    activation: impl Fn(&mut [f32]) + Sync,
+) -> Result<(), String> {
     amx::availability().clone()?;
     let (d, n) = (layer.d, layer.n);
     if d == 0 || !x.len().is_multiple_of(d) {
@@ -28,8 +50,15 @@ pub fn linear_into(layer: &AmxLayer, x: &[f32], y: &mut [f32]) -> Result<(), Str
         ));
     }
     let padded_k = layer.weights.padded_k();
-    let xb = amx::bf16_rows(x, rows, d, padded_k);
-    multiply_rows(layer, &xb, rows, y, 1)
+    let pieces = crate::dense::dense_pieces(rows, d * n / TILE_MACS_PER_FMA, threads);
+    multiply_rows(
+        layer,
+        rows,
+        y,
+        pieces,
+        |run| amx::bf16_rows(&x[run.start * d..run.end * d], run.len(), d, padded_k),
+        activation,
+    )
 }
 
 /// bfloat16 1.0: a multi-hot input's value.
@@ -65,61 +94,79 @@ pub fn multi_hot_into(
         return Err(format!("input {i} of a layer with {d} inputs"));
     }
     let padded_k = layer.weights.padded_k();
-    let mut xb = vec![0u16; rows * padded_k];
-    for (row, items) in xb.chunks_exact_mut(padded_k.max(1)).zip(hot) {
-        for &i in items.iter() {
-            row[i as usize] = BF16_ONE;
+    let pieces = threads.clamp(1, rows.div_ceil(BLOCK_ROWS).max(1));
+    let multi_hot = |run: std::ops::Range<usize>| {
+        let mut xb = vec![0u16; run.len() * padded_k];
+        for (row, items) in xb.chunks_exact_mut(padded_k.max(1)).zip(&hot[run]) {
+            for &i in items.iter() {
+                row[i as usize] = BF16_ONE;
+            }
         }
-    }
-    multiply_rows(layer, &xb, rows, y, threads)
+        xb
+    };
+    multiply_rows(layer, rows, y, pieces, multi_hot, |_| {})
 }
 
-/// `y = xb @ W^T + b` for `rows` bf16 rows `xb` of the layer's padded depth, the groups of 32
-/// rows spread over up to `threads` pool threads (each group's outputs its own: the split
-/// changes no bit).
+/// `y = xb @ W^T + b` for `rows` rows split into `pieces` contiguous runs of whole groups of 32
+/// rows, each run on a pool thread: its bf16 rows (`input(run)`, of the layer's padded depth)
+/// multiplied, then its outputs passed to `activation`. Each row's outputs are its own, so the
+/// split changes no bit.
 fn multiply_rows(
     layer: &AmxLayer,
-    xb: &[u16],
     rows: usize,
     y: &mut [f32],
-    threads: usize,
+    pieces: usize,
+    input: impl Fn(std::ops::Range<usize>) -> Vec<u16> + Sync,
+    activation: impl Fn(&mut [f32]) + Sync,
 ) -> Result<(), String> {
-    let (n, padded_k) = (layer.n, layer.weights.padded_k());
-    let blocks = layer.weights.output_blocks();
+    let n = layer.n;
     let groups = rows.div_ceil(BLOCK_ROWS);
-    let pieces = threads.clamp(1, groups.max(1));
-    let per_piece = groups.div_ceil(pieces.max(1)) * BLOCK_ROWS;
+    let per_piece = groups.div_ceil(pieces.clamp(1, groups.max(1))).max(1) * BLOCK_ROWS;
     // Each piece's output rows and what its tiles said.
     let mut parts: Vec<(&mut [f32], Result<(), String>)> = y
         .chunks_mut((per_piece * n).max(1))
         .map(|out| (out, Ok(())))
         .collect();
     crate::parallel::for_each_mut(&mut parts, |piece, (out, result)| {
-        let first_row = piece * per_piece;
-        let piece_rows = out.len() / n.max(1);
-        for row0 in (0..piece_rows).step_by(BLOCK_ROWS) {
-            let size = (piece_rows - row0).min(BLOCK_ROWS);
-            let at = (first_row + row0) * padded_k;
-            let group = &xb[at..at + size * padded_k];
-            let out = &mut out[row0 * n..(row0 + size) * n];
-            *result =
-                amx::for_each_block_bf16(group, size, &layer.weights, 0..blocks, |b, block| {
-                    let first = b * BLOCK_OUTPUTS;
-                    let cols = (n - first).min(BLOCK_OUTPUTS);
-                    let bias = &layer.bias[first..first + cols];
-                    for r in 0..size {
-                        let sums = &block[r * BLOCK_OUTPUTS..][..cols];
-                        for ((o, &s), &b) in
-                            out[r * n + first..][..cols].iter_mut().zip(sums).zip(bias)
-                        {
-                            *o = s + b;
-                        }
-                    }
-                });
-            if result.is_err() {
-                return;
-            }
-        }
+        crate::profile::account(crate::profile::Work::Dense, || {
+            multiply_piece(layer, piece * per_piece, out, result, &input, &activation)
+        })
     });
     parts.into_iter().try_for_each(|(_, result)| result)
+}
+
+/// One piece of [`multiply_rows`]: its rows from `first_row` into `out`, then `activation`; the
+/// first error from the tiles into `result` (and nothing after it).
+fn multiply_piece(
+    layer: &AmxLayer,
+    first_row: usize,
+    out: &mut [f32],
+    result: &mut Result<(), String>,
+    input: &(impl Fn(std::ops::Range<usize>) -> Vec<u16> + Sync),
+    activation: &(impl Fn(&mut [f32]) + Sync),
+) {
+    let (n, padded_k) = (layer.n, layer.weights.padded_k());
+    let blocks = layer.weights.output_blocks();
+    let piece_rows = out.len() / n.max(1);
+    let xb = input(first_row..first_row + piece_rows);
+    for row0 in (0..piece_rows).step_by(BLOCK_ROWS) {
+        let size = (piece_rows - row0).min(BLOCK_ROWS);
+        let group = &xb[row0 * padded_k..(row0 + size) * padded_k];
+        let out = &mut out[row0 * n..(row0 + size) * n];
+        *result = amx::for_each_block_bf16(group, size, &layer.weights, 0..blocks, |b, block| {
+            let first = b * BLOCK_OUTPUTS;
+            let cols = (n - first).min(BLOCK_OUTPUTS);
+            let bias = &layer.bias[first..first + cols];
+            for r in 0..size {
+                let sums = &block[r * BLOCK_OUTPUTS..][..cols];
+                for ((o, &s), &b) in out[r * n + first..][..cols].iter_mut().zip(sums).zip(bias) {
+                    *o = s + b;
+                }
+            }
+        });
+        if result.is_err() {
+            return;
+        }
+    }
+    activation(out);
 }

@@ -545,3 +545,40 @@ fn multi_hot_rows_on_tiles_sum_the_listed_inputs() {
         "{err}"
     );
 }
+
+/// A dense layer on tiles split over the pool: the same bits as on one thread, the activation
+/// applied to every row once, for row counts across whole and partial groups of 32.
+#[test]
+fn dense_layers_on_tiles_split_over_threads_keep_their_bits() {
+    use recsys_kernels::dense_amx;
+    use recsys_kernels::fused_amx::AmxLayer;
+    use recsys_kernels::packed::PackedOutput;
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(83);
+    let (n, d) = (48, 96);
+    let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+    let bias: Vec<f32> = (0..n).map(|_| next()).collect();
+    let bits: Vec<u16> = w
+        .iter()
+        .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
+        .collect();
+    let layer = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+    let double = |piece: &mut [f32]| piece.iter_mut().for_each(|v| *v = 2.0 * *v - 1.0);
+    for rows in [1, 31, 64, 100, 2000] {
+        let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let mut one = vec![f32::NAN; rows * n];
+        dense_amx::linear_into(&layer, &x, &mut one).unwrap();
+        double(&mut one);
+        for threads in [2, 3] {
+            let mut split = vec![f32::NAN; rows * n];
+            dense_amx::linear_into_then(&layer, &x, &mut split, threads, double).unwrap();
+            assert_eq!(
+                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                split.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{rows} rows on {threads} threads"
+            );
+        }
+    }
+}

@@ -251,26 +251,28 @@ impl DenseLayer {
         self.widened.view(&self.packed, kernels)
     }
 
-    /// `y` from `x` on the layer's AMX tiles, when `kernels` run bf16 layers on tiles and this
-    /// layer has them; false (nothing written) otherwise, for the SIMD kernels to run.
+    /// `y` from `x` on the layer's AMX tiles (rows split over up to `threads` pool threads, each
+    /// piece then passed to `activation`), when `kernels` run bf16 layers on tiles and this layer
+    /// has them; false (nothing written) otherwise, for the SIMD kernels to run.
     fn forward_on_tiles(
         &self,
         kernels: &crate::kernels::KernelTable,
         x: &[f32],
         y: &mut [f32],
+        threads: usize,
+        activation: fn(&mut [f32]),
     ) -> bool {
         self.tiles
             .for_kernels(&self.packed, kernels)
             .is_some_and(|tiles| {
-                crate::profile::account(crate::profile::Work::Dense, || {
-                    crate::kernels::dense_amx::linear_into(tiles, x, y).is_ok()
-                })
+                crate::kernels::dense_amx::linear_into_then(tiles, x, y, threads, activation)
+                    .is_ok()
             })
     }
 
     pub fn forward(&self, kernels: &crate::kernels::KernelTable, x: &[f32]) -> Vec<f32> {
         let mut y = vec![0.0; x.len() / self.packed.d * self.packed.n];
-        if self.forward_on_tiles(kernels, x, &mut y) {
+        if self.forward_on_tiles(kernels, x, &mut y, 1, |_| {}) {
             return y;
         }
         crate::profile::account(crate::profile::Work::Dense, || {
@@ -315,8 +317,8 @@ impl DenseLayer {
     ) {
         observe(&self.name, x);
         y.resize(x.len() / self.packed.d * self.packed.n, 0.0);
-        if self.forward_on_tiles(kernels, x, y) {
-            return activation(y);
+        if self.forward_on_tiles(kernels, x, y, threads, activation) {
+            return;
         }
         crate::kernels::dense::linear_into_threads_then(
             kernels,

@@ -297,10 +297,7 @@ impl VaeCf {
                         items
                     })
                     .collect();
-                crate::profile::account(crate::profile::Work::Dense, || {
-                    crate::kernels::dense_amx::multi_hot_into(tiles, &hot, &mut s.x, threads)
-                })
-                .is_ok()
+                crate::kernels::dense_amx::multi_hot_into(tiles, &hot, &mut s.x, threads).is_ok()
             });
         if !on_tiles {
             s.x.fill(0.0);
