@@ -321,6 +321,14 @@ impl Engine {
             model.set_static_activation_scales(&scales)?;
         }
         model.set_kernels(self.model.kernels());
+        if let Some(tiled) = self
+            .scorer
+            .kernels
+            .tiled()
+            .filter(|_| self.amx_plan.as_ref().is_some_and(|p| p.uses_tiles()))
+        {
+            model.prepare_tiles(tiled);
+        }
         let out = model.output();
         let mut packed = out.weight.pack(out.bias.as_slice());
         if let Some(scale) = self.scorer.packed.activation_scale {
@@ -666,9 +674,11 @@ impl Engine {
             }
         };
         // The tiles double the memory of the layer they copy: dropped when no batch size uses
-        // them.
+        // them; those a call makes on first use only for some batches are made now.
         if !plan.uses_tiles() {
             self.drop_tiles();
+        } else if let Some(tiled) = self.scorer.kernels.tiled() {
+            self.model.prepare_tiles(tiled);
         }
         self.amx_plan = Some(plan);
         Ok(self.amx_plan.as_ref())
@@ -904,7 +914,7 @@ impl Engine {
     }
 
     /// Bytes the engine holds: the weights file (memory-mapped and read at load, so resident) plus
-    /// the packed copies the kernels read (dense layers and output layer).
+    /// the packed copies the kernels read (dense layers, output layer, screen, AMX tiles).
     pub fn memory_bytes(&self) -> usize {
         let mapped = self
             .manifest
@@ -921,6 +931,8 @@ impl Engine {
                 .screen
                 .as_ref()
                 .map_or(0, ScreenTable::memory_bytes)
+            + self.scorer.amx.as_ref().map_or(0, |t| t.bytes())
+            + self.scorer.amx_int8.as_ref().map_or(0, |t| t.bytes())
     }
 
     /// Threads for scoring one batch (at least 1). A thread plan made for another count is

@@ -299,7 +299,16 @@ fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
         .collect();
     bf16.plan_amx(AmxPolicy::Off).unwrap();
     let gathered = ranked_bits(&bf16, &long);
+    let before = bf16.memory_bytes();
     bf16.plan_amx(AmxPolicy::On).unwrap();
+    // The output layer's tiles and the first layer's (made by the plan, not by a request): two
+    // bf16 copies of 2,001 x 600.
+    let tile_bytes = 2 * (2 * 2001 * 600);
+    assert!(
+        bf16.memory_bytes() >= before + tile_bytes,
+        "{} bytes with tiles, {before} without",
+        bf16.memory_bytes()
+    );
     let on_tiles = ranked_bits(&bf16, &long);
     for (row, (got, want)) in on_tiles.iter().zip(&gathered).enumerate() {
         let same = got

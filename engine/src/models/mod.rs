@@ -673,6 +673,15 @@ impl Model {
     }
 
     /// The kernels the model runs when a call names none ([`Model::set_kernels`]).
+    /// Makes the AMX tiles a tiled table `kernels` would otherwise make on a call's first use of
+    /// them where that depends on the call (Mult-VAE's multi-hot first layer: only batches of long
+    /// enough histories use it), so no request pays for packing them.
+    pub fn prepare_tiles(&self, kernels: &crate::kernels::KernelTable) {
+        if let Model::Vaecf(m) = self {
+            m.prepare_tiles(kernels);
+        }
+    }
+
     pub fn kernels(&self) -> &'static crate::kernels::KernelTable {
         match self {
             Model::Bert4rec(m) | Model::Sasrec(m) => m.kernels(),

@@ -172,6 +172,13 @@ impl VaeCf {
         })
     }
 
+    /// Makes the first layer's tiles now when `k` is tiled ([`Model::prepare_tiles`]).
+    ///
+    /// [`Model::prepare_tiles`]: super::Model::prepare_tiles
+    pub(crate) fn prepare_tiles(&self, k: &KernelTable) {
+        self.first_layer_tiles(k);
+    }
+
     /// The first layer's tiles when `k` is tiled and the layer is a bf16 table in memory (its
     /// bias left out: it is added after the history's scale).
     fn first_layer_tiles(&self, k: &KernelTable) -> Option<&crate::kernels::fused_amx::AmxLayer> {
@@ -204,12 +211,20 @@ impl VaeCf {
         &self.config
     }
 
+    /// Bytes of the packed copies the kernels read: the dense layers' and the first layer's
+    /// tiles, once made.
     pub(crate) fn packed_bytes(&self) -> usize {
+        let first_tiles = self
+            .first_tiles
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, |t| t.bytes());
         self.encoder_rest
             .iter()
             .chain(&self.decoder_hidden)
             .map(DenseLayer::packed_bytes)
-            .sum()
+            .sum::<usize>()
+            + first_tiles
     }
 
     pub(crate) fn set_kernels(&mut self, kernels: &'static KernelTable) {
