@@ -382,13 +382,14 @@ fn int16_by_int8_blocks_are_exact_on_every_edge() {
 }
 
 /// The exact screen with its int8 scores on tiles: per row the same survivors as on the scalar
-/// table (the same scores to the bit, so the same bounds), with exclusions, filters, k from 0
-/// past the catalogue, one to three row groups of 16 and one or two threads. The answer is the
-/// survivors rescored, which no tile touches, so the same survivors are the same exact answers
-/// (checked end to end on AMX hardware by `engine/tests/amx_plan.rs`; on the emulated CPU its
-/// AVX-512 and even its scalar rescoring disagreed with the hardware's in the last bits).
+/// and AVX-512 tables (the same scores to the bit, so the same bounds), and the answers the dense
+/// f32 scan's, ids and scores, with exclusions, filters, k from 0 past the catalogue, one to three
+/// row groups of 16 and one or two threads (a tile routine preempted mid-block included, which
+/// the emulated CPU's tile-state bug made lose survivors).
 #[test]
-fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
+fn the_screen_on_tiles_keeps_the_simd_screens_survivors_and_answers() {
+    use recsys_kernels::fused;
+    use recsys_kernels::packed::PackedOutput;
     use recsys_kernels::screen::{self, ScreenTable};
     use recsys_kernels::{Isa, KernelTable};
     if !tiles_here() {
@@ -418,22 +419,35 @@ fn the_screen_on_tiles_keeps_the_scalar_screens_survivors() {
         let mut table = ScreenTable::new(&w, &bias, d);
         table.prepare_tiles().unwrap();
         assert!(table.has_tiles());
-        // The survivors' reference is the portable scalar table (the same epilogue, so the same
-        // scores): on the emulated CPU the AVX-512 integer kernels are the emulator's to get
-        // right, and it does not (the survivors of a 37-row batch differed there).
-        let scalar = KernelTable::for_isa(Isa::Scalar);
-        let tiled = KernelTable::for_isa(Isa::Avx512)
-            .tiled()
-            .expect("AVX-512 has a tiled table");
-        let on_scalar = screen::survivors(scalar, &table, &hidden, &queries, threads);
+        // The same survivors as the screen on the scalar and the AVX-512 tables (the same
+        // epilogue, so the same scores).
+        let simd = KernelTable::for_isa(Isa::Avx512);
+        let tiled = simd.tiled().expect("AVX-512 has a tiled table");
         let on_tiles = screen::survivors(tiled, &table, &hidden, &queries, threads);
-        for (r, (a, b)) in on_scalar.iter().zip(&on_tiles).enumerate() {
-            assert_eq!(
-                a.items, b.items,
-                "[{m}x{d}] x {n} items, row {r}: survivors"
+        for reference in [KernelTable::for_isa(Isa::Scalar), simd] {
+            let want = screen::survivors(reference, &table, &hidden, &queries, threads);
+            for (r, (a, b)) in want.iter().zip(&on_tiles).enumerate() {
+                assert!(
+                    a.items == b.items,
+                    "{:?}, [{m}x{d}] x {n} items, row {r}: {} survivors against {} on tiles",
+                    reference.isa,
+                    a.items.len(),
+                    b.items.len()
+                );
+            }
+        }
+        // The answers: the survivors rescored with the tiled table's f32 kernels, the dense
+        // scan's, ids and scores.
+        let dense = PackedOutput::from_f32(&w, &bias, d);
+        let want = fused::top_k(tiled, &dense, &hidden, &queries, 1);
+        let (got, _) = screen::top_k_from_f32(tiled, &table, &w, &bias, &hidden, &queries, threads);
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g == w,
+                "[{m}x{d}] x {n} items, row {r}: not the dense answer"
             );
         }
-        eprintln!("{m} rows x {n} items x {d} features on {threads} threads: the scalar screen's survivors");
+        eprintln!("{m} rows x {n} items x {d} features on {threads} threads: the same survivors, the dense answers");
     }
 }
 
