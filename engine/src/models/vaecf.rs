@@ -34,8 +34,9 @@ pub struct VaeCf {
     decoder_hidden: Vec<DenseLayer>,
     pub output: OutputLayer,
     kernels: &'static KernelTable,
-    /// The first layer in AMX tiles (a bf16 table in memory only), made the first time a tiled
-    /// kernel table runs a batch that multiplies it there ([`multi_hot_on_tiles`]).
+    /// The first layer in AMX tiles (a bf16 table in memory only), made when the engine's AMX
+    /// plan chooses tiles ([`VaeCf::prepare_tiles`]) or else the first time a tiled kernel table
+    /// runs a batch that multiplies it there ([`multi_hot_on_tiles`]).
     first_tiles: std::sync::OnceLock<Option<crate::kernels::fused_amx::AmxLayer>>,
 }
 
