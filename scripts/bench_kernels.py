@@ -31,6 +31,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from cpu_info import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "target" / "release" / "kernel_probe"
 PRECISIONS = ["fp32", "fp16", "int8", "screened-int8"]
@@ -165,7 +167,8 @@ def main() -> None:
     ms = lambda s: f"{1000 * s:.3f}"  # noqa: E731
     blas = ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')})" for i in threadpool_info())
     lines = [
-        f"{datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores, {threads} threads everywhere; "
+        f"{datetime.date.today().isoformat()}, {platform.node()} ({cpu_model()}; AMX-INT8: "
+        f"{'yes' if cpu_has_amx_int8() else 'no'}), {os.cpu_count()} cores, {threads} threads everywhere; "
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s, FMA peak {fma / 1e9:.0f} GFLOP/s (both measured in this run); "
         f"onnxruntime {ort.__version__}, numpy {np.__version__} ({blas}); recsys kernels: {ours['fp32']['isa']}",
         "",
