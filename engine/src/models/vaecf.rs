@@ -299,24 +299,27 @@ impl VaeCf {
         s.x.resize(histories.len() * width, 0.0);
         // The first dense layer: a gather-sum of each history's weight rows, or one multi-hot
         // product on tiles where the batch's histories list enough of the catalogue.
-        let on_tiles = self
+        let tiles = self
             .first_layer_tiles(k)
-            .filter(|t| multi_hot_on_tiles(histories.len(), t.d, s.items.len()))
-            .is_some_and(|tiles| {
-                let mut start = 0;
-                let hot: Vec<&[u32]> = s
-                    .item_ends
-                    .iter()
-                    .map(|&end| {
-                        let items = &s.items[start..end];
-                        start = end;
-                        items
-                    })
-                    .collect();
-                crate::kernels::dense_amx::multi_hot_into(tiles, &hot, &mut s.x, threads).is_ok()
-            });
+            .filter(|t| multi_hot_on_tiles(histories.len(), t.d, s.items.len()));
+        let on_tiles = tiles.is_some_and(|tiles| {
+            let mut start = 0;
+            let hot: Vec<&[u32]> = s
+                .item_ends
+                .iter()
+                .map(|&end| {
+                    let items = &s.items[start..end];
+                    start = end;
+                    items
+                })
+                .collect();
+            crate::kernels::dense_amx::multi_hot_into(tiles, &hot, &mut s.x, threads).is_ok()
+        });
         if !on_tiles {
-            s.x.fill(0.0);
+            if tiles.is_some() {
+                // The tiles refused part-way: the gather adds into zeros again.
+                s.x.fill(0.0);
+            }
             self.gather_first_layer(k, s, threads);
         }
         for (h, acc) in s.x.chunks_exact_mut(width).enumerate() {
