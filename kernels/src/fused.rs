@@ -25,8 +25,7 @@ pub struct Exclusions(Vec<u32>);
 
 impl Exclusions {
     pub fn new(mut indices: Vec<u32>) -> Self {
-        indices.sort_unstable();
-        indices.dedup();
+        crate::indices::sort_distinct(&mut indices);
         Exclusions(indices)
     }
 

@@ -26,6 +26,7 @@ pub mod dense_amx;
 pub mod fused;
 pub mod fused_amx;
 pub mod fused_amx_i8;
+pub mod indices;
 pub mod item_mask;
 pub mod packed;
 pub mod parallel;

@@ -258,8 +258,7 @@ impl VaeCf {
                 .copied()
                 .filter(|&i| i != 0 && (i as usize) <= self.config.n_items),
         );
-        items.sort_unstable();
-        items.dedup();
+        crate::kernels::indices::sort_distinct(items);
     }
 
     /// The dense layers after the first (a gather-sum), in the order they run.
