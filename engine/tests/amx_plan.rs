@@ -323,3 +323,70 @@ fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
         );
     }
 }
+
+/// A bf16 transformer's encoder on tiles: the key, value and query projections (one side-by-side
+/// layer), the attention output and the feed-forward run there (their tiles are made by the
+/// first batch), on one thread and with the layer's rows split over two, and the answers hold
+/// the SIMD tables' items within the tiles' rounding.
+#[test]
+fn bf16_transformers_run_their_encoder_layers_on_tiles() {
+    if amx::availability().is_err() {
+        eprintln!("this CPU runs no AMX tiles: nothing to check");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    for kind in [ModelKind::Bert4rec, ModelKind::Sasrec] {
+        let mut bf16 = convert_fixture_at(
+            kind,
+            "model.safetensors",
+            &dir.path().join(format!("{kind:?}")),
+            Precision::Bf16,
+        );
+        let n = bf16.n_items() as u32;
+        let long: Vec<InternalRequest> = (0..16u32)
+            .map(|b| InternalRequest {
+                history: (0..60).map(|j| (b * 31 + j * 17) % n + 1).collect(),
+                k: 20,
+                exclude_seen: true,
+                ..Default::default()
+            })
+            .collect();
+        for threads in [1, 2] {
+            bf16.set_threads(threads);
+            bf16.plan_amx(AmxPolicy::Off).unwrap();
+            let simd = ranked_bits(&bf16, &long);
+            let before = bf16.memory_bytes();
+            bf16.plan_amx(AmxPolicy::On).unwrap();
+            let on_tiles = ranked_bits(&bf16, &long);
+            if threads == 1 {
+                // Hidden 64, inner 256, two layers: per layer the three projections, the
+                // attention output and the two feed-forward layers in bf16 tiles, beside the
+                // output layer's (2,001 items in blocks of 32, 64 wide).
+                let encoder = 2 * 2 * (3 * 64 * 64 + 64 * 64 + 2 * 64 * 256);
+                let output = 2016 * 64 * 2;
+                assert!(
+                    bf16.memory_bytes() >= before + encoder + output,
+                    "{kind:?}: {} bytes with tiles, {before} without",
+                    bf16.memory_bytes()
+                );
+            }
+            for (row, (got, want)) in on_tiles.iter().zip(&simd).enumerate() {
+                let same = got
+                    .iter()
+                    .filter(|g| want.iter().any(|w| w.0 == g.0))
+                    .count();
+                assert!(
+                    same >= 18,
+                    "{kind:?} threads {threads} row {row}: {same} of 20 items shared"
+                );
+                let (top_got, top_want) = (f32::from_bits(got[0].1), f32::from_bits(want[0].1));
+                assert!(
+                    (top_got - top_want).abs() <= 1e-2 * top_want.abs().max(1.0),
+                    "{kind:?} threads {threads} row {row}: best {top_got} vs {top_want}"
+                );
+            }
+        }
+    }
+}

@@ -63,6 +63,21 @@ pub(crate) fn round_rows_to_bf16_both(
     }
 }
 
+/// The rows of `x` (`[rows, k]`) rounded to bfloat16 ([`round_to_bf16`]) into `out`, rows of
+/// `padded_k` values whose padding is left as it is (zero in a fresh buffer): AMX tiles' input.
+/// A loop that vectorises, compiled by callers for their instruction set.
+#[inline(always)]
+pub(crate) fn round_rows_padded(x: &[f32], k: usize, padded_k: usize, out: &mut [u16]) {
+    for (row, src) in out
+        .chunks_exact_mut(padded_k.max(1))
+        .zip(x.chunks_exact(k.max(1)))
+    {
+        for (d, &s) in row.iter_mut().zip(src) {
+            *d = round_to_bf16_branch_free(s);
+        }
+    }
+}
+
 /// [`round_to_bf16`] without branches (selects instead), so loops over it vectorise: the same
 /// bits for every input (tested).
 #[inline(always)]

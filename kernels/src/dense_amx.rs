@@ -33,6 +33,21 @@ pub fn linear_into_then(
     threads: usize,
     activation: impl Fn(&mut [f32]) + Sync,
 ) -> Result<(), String> {
+    linear_outputs_into_then(layer, 0..layer.n, x, y, threads, activation)
+}
+
+/// [`linear_into_then`] for the outputs `outputs` only, into `y` (`[rows, outputs.len()]`): each
+/// output has the bits it has in the whole layer (a transformer's keys and values without its
+/// queries, which the last layer needs for fewer rows). The range starts at a block of
+/// [`BLOCK_OUTPUTS`] outputs (the blocks past its end are not multiplied); errors otherwise.
+pub fn linear_outputs_into_then(
+    layer: &AmxLayer,
+    outputs: std::ops::Range<usize>,
+    x: &[f32],
+    y: &mut [f32],
+    threads: usize,
+    activation: impl Fn(&mut [f32]) + Sync,
+) -> Result<(), String> {
     amx::availability().clone()?;
     let (d, n) = (layer.d, layer.n);
     if d == 0 || !x.len().is_multiple_of(d) {
@@ -41,18 +56,29 @@ pub fn linear_into_then(
             x.len()
         ));
     }
-    let rows = x.len() / d;
-    if y.len() != rows * n {
+    if !outputs.start.is_multiple_of(BLOCK_OUTPUTS)
+        || outputs.start > outputs.end
+        || outputs.end > n
+    {
         return Err(format!(
-            "the output holds {} values, [{rows}, {n}] needs {}",
+            "outputs {outputs:?} of a layer of {n} on tiles: the range must start at a multiple \
+             of {BLOCK_OUTPUTS} and end within the layer"
+        ));
+    }
+    let rows = x.len() / d;
+    let width = outputs.len();
+    if y.len() != rows * width {
+        return Err(format!(
+            "the output holds {} values, [{rows}, {width}] needs {}",
             y.len(),
-            rows * n
+            rows * width
         ));
     }
     let padded_k = layer.weights.padded_k();
-    let pieces = crate::dense::dense_pieces(rows, d * n / TILE_MACS_PER_FMA, threads);
+    let pieces = crate::dense::dense_pieces(rows, d * width / TILE_MACS_PER_FMA, threads);
     multiply_rows(
         layer,
+        outputs,
         rows,
         y,
         pieces,
@@ -104,66 +130,85 @@ pub fn multi_hot_into(
         }
         xb
     };
-    multiply_rows(layer, rows, y, pieces, multi_hot, |_| {})
+    multiply_rows(layer, 0..n, rows, y, pieces, multi_hot, |_| {})
 }
 
 /// `y = xb @ W^T + b` for `rows` rows split into `pieces` contiguous runs of whole groups of 32
 /// rows, each run on a pool thread: its bf16 rows (`input(run)`, of the layer's padded depth)
-/// multiplied, then its outputs passed to `activation`. Each row's outputs are its own, so the
-/// split changes no bit.
+/// multiplied by the layer's `outputs` (starting at a block), then its outputs passed to
+/// `activation`. Each row's outputs are its own, so the split changes no bit.
 fn multiply_rows(
     layer: &AmxLayer,
+    outputs: std::ops::Range<usize>,
     rows: usize,
     y: &mut [f32],
     pieces: usize,
     input: impl Fn(std::ops::Range<usize>) -> Vec<u16> + Sync,
     activation: impl Fn(&mut [f32]) + Sync,
 ) -> Result<(), String> {
-    let n = layer.n;
+    let width = outputs.len();
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
     let groups = rows.div_ceil(BLOCK_ROWS);
-    let per_piece = groups.div_ceil(pieces.clamp(1, groups.max(1))).max(1) * BLOCK_ROWS;
+    let per_piece = groups.div_ceil(pieces.clamp(1, groups)) * BLOCK_ROWS;
     // Each piece's output rows and what its tiles said.
     let mut parts: Vec<(&mut [f32], Result<(), String>)> = y
-        .chunks_mut((per_piece * n).max(1))
+        .chunks_mut(per_piece * width)
         .map(|out| (out, Ok(())))
         .collect();
+    let outputs = &outputs;
     crate::parallel::for_each_mut(&mut parts, |piece, (out, result)| {
         crate::profile::account(crate::profile::Work::Dense, || {
-            multiply_piece(layer, piece * per_piece, out, result, &input, &activation)
+            multiply_piece(
+                layer,
+                outputs.clone(),
+                piece * per_piece,
+                out,
+                result,
+                &input,
+                &activation,
+            )
         })
     });
     parts.into_iter().try_for_each(|(_, result)| result)
 }
 
-/// One piece of [`multiply_rows`]: its rows from `first_row` into `out`, then `activation`; the
-/// first error from the tiles into `result` (and nothing after it).
+/// One piece of [`multiply_rows`]: its rows from `first_row` into `out` (`outputs.len()` values
+/// a row), then `activation`; the first error from the tiles into `result` (and nothing after it).
 fn multiply_piece(
     layer: &AmxLayer,
+    outputs: std::ops::Range<usize>,
     first_row: usize,
     out: &mut [f32],
     result: &mut Result<(), String>,
     input: &(impl Fn(std::ops::Range<usize>) -> Vec<u16> + Sync),
     activation: &(impl Fn(&mut [f32]) + Sync),
 ) {
-    let (n, padded_k) = (layer.n, layer.weights.padded_k());
-    let blocks = layer.weights.output_blocks();
-    let piece_rows = out.len() / n.max(1);
+    let padded_k = layer.weights.padded_k();
+    let width = outputs.len();
+    let blocks = outputs.start / BLOCK_OUTPUTS..outputs.end.div_ceil(BLOCK_OUTPUTS);
+    let piece_rows = out.len() / width;
     let xb = input(first_row..first_row + piece_rows);
     for row0 in (0..piece_rows).step_by(BLOCK_ROWS) {
         let size = (piece_rows - row0).min(BLOCK_ROWS);
         let group = &xb[row0 * padded_k..(row0 + size) * padded_k];
-        let out = &mut out[row0 * n..(row0 + size) * n];
-        *result = amx::for_each_block_bf16(group, size, &layer.weights, 0..blocks, |b, block| {
-            let first = b * BLOCK_OUTPUTS;
-            let cols = (n - first).min(BLOCK_OUTPUTS);
-            let bias = &layer.bias[first..first + cols];
-            for r in 0..size {
-                let sums = &block[r * BLOCK_OUTPUTS..][..cols];
-                for ((o, &s), &b) in out[r * n + first..][..cols].iter_mut().zip(sums).zip(bias) {
-                    *o = s + b;
+        let out = &mut out[row0 * width..(row0 + size) * width];
+        *result =
+            amx::for_each_block_bf16(group, size, &layer.weights, blocks.clone(), |b, block| {
+                let first = b * BLOCK_OUTPUTS;
+                let cols = (outputs.end - first).min(BLOCK_OUTPUTS);
+                let bias = &layer.bias[first..first + cols];
+                let at = first - outputs.start;
+                for r in 0..size {
+                    let sums = &block[r * BLOCK_OUTPUTS..][..cols];
+                    for ((o, &s), &b) in
+                        out[r * width + at..][..cols].iter_mut().zip(sums).zip(bias)
+                    {
+                        *o = s + b;
+                    }
                 }
-            }
-        });
+            });
         if result.is_err() {
             return;
         }

@@ -596,3 +596,60 @@ fn dense_layers_on_tiles_split_over_threads_keep_their_bits() {
         }
     }
 }
+
+/// Some of a layer's outputs on tiles (a transformer's keys and values without its queries):
+/// each output has its bits in the whole layer, the last block partial or not, on one thread and
+/// split; a range that does not start at a block of 32 outputs is refused with the reason.
+#[test]
+fn a_layers_outputs_on_tiles_keep_their_bits_in_the_whole_layer() {
+    use recsys_kernels::dense_amx;
+    use recsys_kernels::fused_amx::AmxLayer;
+    use recsys_kernels::packed::PackedOutput;
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(89);
+    let (n, d, rows) = (100, 72, 45);
+    let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
+    let bias: Vec<f32> = (0..n).map(|_| next()).collect();
+    let bits: Vec<u16> = w
+        .iter()
+        .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
+        .collect();
+    let layer = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+    let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+    let mut whole = vec![f32::NAN; rows * n];
+    dense_amx::linear_into(&layer, &x, &mut whole).unwrap();
+    for outputs in [0..100, 0..64, 32..100, 64..70, 96..100, 32..32] {
+        for threads in [1, 2] {
+            let width = outputs.len();
+            let mut some = vec![f32::NAN; rows * width];
+            dense_amx::linear_outputs_into_then(
+                &layer,
+                outputs.clone(),
+                &x,
+                &mut some,
+                threads,
+                |_| {},
+            )
+            .unwrap();
+            for r in 0..rows {
+                let want: Vec<u32> = whole[r * n + outputs.start..r * n + outputs.end]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let got: Vec<u32> = some[r * width..(r + 1) * width]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(got, want, "outputs {outputs:?}, row {r}, {threads} threads");
+            }
+        }
+    }
+    let mut y = vec![0.0; rows * 32];
+    let refused =
+        dense_amx::linear_outputs_into_then(&layer, 8..40, &x, &mut y, 1, |_| {}).unwrap_err();
+    assert!(refused.contains("multiple of 32"), "{refused}");
+    let past = dense_amx::linear_outputs_into_then(&layer, 96..128, &x, &mut y, 1, |_| {});
+    assert!(past.unwrap_err().contains("within the layer"));
+}

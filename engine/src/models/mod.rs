@@ -368,6 +368,9 @@ impl DenseLayer {
         y: &mut [f32],
         quantized: &mut crate::kernels::packed::QuantizedActivations,
     ) {
+        if self.forward_on_tiles(kernels, x, y, 1, |_| {}) {
+            return;
+        }
         crate::profile::account(crate::profile::Work::Dense, || {
             crate::kernels::dense::linear_into(kernels, self.view(kernels), x, y, quantized)
         })

@@ -185,15 +185,15 @@ impl Transformer {
         let w = p.width;
         let (stride, queries) = match p.all(k).filter(|_| every_row) {
             Some(all) => {
-                project(k, all, &s.x, &mut s.projected, &mut s.quantized, threads);
+                project(k, &all, &s.x, &mut s.projected, &mut s.quantized, threads);
                 (3 * w, None)
             }
             None => {
                 let kv = p.keys_values(k);
-                project(k, kv, &s.x, &mut s.projected, &mut s.quantized, threads);
+                project(k, &kv, &s.x, &mut s.projected, &mut s.quantized, threads);
                 project(
                     k,
-                    p.queries(k),
+                    &p.queries(k),
                     x_q,
                     &mut s.queries,
                     &mut s.quantized,

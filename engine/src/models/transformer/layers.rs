@@ -1,8 +1,9 @@
 //! The transformer's layer primitives: a dense layer loaded by name, LayerNorm, the key, value and
 //! query projections packed as one layer, a projection's columns, and one projection run.
 
-use super::{DenseLayer, Widened};
+use super::{DenseLayer, Tiles, Widened};
 use crate::error::Result;
+use crate::kernels::fused_amx::AmxLayer;
 use crate::kernels::packed::{LayerRef, PackedOutput, PanelRef, QuantizedActivations};
 use crate::kernels::{dense, KernelTable};
 use crate::tensor::Tensor;
@@ -55,6 +56,8 @@ pub(super) struct Projections {
     pub(super) packed: PackedOutput,
     /// A bf16 layer widened for kernels without native bf16 ([`Widened`]).
     widened: Widened,
+    /// A bf16 layer in AMX tiles for tiled kernel tables ([`Tiles`]).
+    tiles: Tiles,
     /// Lanes per projection: the hidden size rounded up to a whole panel.
     pub(super) width: usize,
     /// W8A8: the static scale the keys' and values' input is quantized at (they read the same
@@ -94,6 +97,7 @@ impl Projections {
             width: key.packed.panels() * 8,
             packed,
             widened: Widened::default(),
+            tiles: Tiles::default(),
             kv_scale,
             q_scale,
         })
@@ -101,38 +105,109 @@ impl Projections {
 
     /// Bytes of the packed weights held in memory (the widened copy included, once made).
     pub(super) fn packed_bytes(&self) -> usize {
-        self.packed.weight_bytes() + 4 * self.packed.bias.len() + self.widened.bytes()
+        self.packed.weight_bytes()
+            + 4 * self.packed.bias.len()
+            + self.widened.bytes()
+            + self.tiles.bytes()
     }
 
     /// Keys, values and queries of the same rows in one call, as `kernels` run them: when their
     /// input is quantized alike.
-    pub(super) fn all(&self, kernels: &KernelTable) -> Option<LayerRef<'_>> {
-        (self.kv_scale == self.q_scale).then(|| LayerRef {
-            activation_scale: self.kv_scale,
-            ..self.widened.view(&self.packed, kernels)
+    pub(super) fn all(&self, kernels: &KernelTable) -> Option<Projection<'_>> {
+        (self.kv_scale == self.q_scale).then(|| Projection {
+            layer: LayerRef {
+                activation_scale: self.kv_scale,
+                ..self.widened.view(&self.packed, kernels)
+            },
+            tiles: self.tiles_of(kernels, 0..3 * self.width),
         })
     }
 
     /// Keys and values (`[rows, 2 x width]`).
-    pub(super) fn keys_values(&self, kernels: &KernelTable) -> LayerRef<'_> {
-        LayerRef {
-            activation_scale: self.kv_scale,
-            ..self
-                .widened
-                .view(&self.packed, kernels)
-                .outputs(0..2 * self.width)
+    pub(super) fn keys_values(&self, kernels: &KernelTable) -> Projection<'_> {
+        Projection {
+            layer: LayerRef {
+                activation_scale: self.kv_scale,
+                ..self
+                    .widened
+                    .view(&self.packed, kernels)
+                    .outputs(0..2 * self.width)
+            },
+            tiles: self.tiles_of(kernels, 0..2 * self.width),
         }
     }
 
     /// Queries (`[rows, width]`).
-    pub(super) fn queries(&self, kernels: &KernelTable) -> LayerRef<'_> {
-        LayerRef {
-            activation_scale: self.q_scale,
-            ..self
-                .widened
-                .view(&self.packed, kernels)
-                .outputs(2 * self.width..3 * self.width)
+    pub(super) fn queries(&self, kernels: &KernelTable) -> Projection<'_> {
+        Projection {
+            layer: LayerRef {
+                activation_scale: self.q_scale,
+                ..self
+                    .widened
+                    .view(&self.packed, kernels)
+                    .outputs(2 * self.width..3 * self.width)
+            },
+            tiles: self.tiles_of(kernels, 2 * self.width..3 * self.width),
         }
+    }
+
+    /// The tiles of outputs `outputs` where `kernels` run bf16 layers on tiles, the layer is bf16
+    /// and the range starts at a block of tile outputs (a hidden size that is a multiple of 32
+    /// puts every projection there; others run the SIMD kernels).
+    fn tiles_of(
+        &self,
+        kernels: &KernelTable,
+        outputs: std::ops::Range<usize>,
+    ) -> Option<(&AmxLayer, std::ops::Range<usize>)> {
+        if !outputs
+            .start
+            .is_multiple_of(crate::kernels::amx::BLOCK_OUTPUTS)
+        {
+            return None;
+        }
+        self.tiles
+            .for_kernels(&self.packed, kernels)
+            .map(|tiles| (tiles, outputs))
+    }
+}
+
+/// Some of a layer's projections as one layer: its panels for the SIMD kernels, and its tiles
+/// with the outputs they hold where the kernel table runs bf16 layers on AMX tiles.
+#[derive(Clone, Debug)]
+pub(super) struct Projection<'a> {
+    pub(super) layer: LayerRef<'a>,
+    tiles: Option<(&'a AmxLayer, std::ops::Range<usize>)>,
+}
+
+impl Projection<'_> {
+    /// `x @ W^T + b` into `y` (`[rows, n]`), on this thread: on tiles where the projection has
+    /// them (and the process may run them), else by the SIMD kernels.
+    pub(super) fn rows_into(
+        &self,
+        kernels: &KernelTable,
+        x: &[f32],
+        y: &mut [f32],
+        quantized: &mut QuantizedActivations,
+    ) {
+        if !self.on_tiles(x, y, 1) {
+            dense::linear_into(kernels, self.layer, x, y, quantized)
+        }
+    }
+
+    /// Whether the projection ran on its tiles (false: it has none, or they refused; nothing
+    /// written).
+    fn on_tiles(&self, x: &[f32], y: &mut [f32], threads: usize) -> bool {
+        self.tiles.as_ref().is_some_and(|(tiles, outputs)| {
+            crate::kernels::dense_amx::linear_outputs_into_then(
+                tiles,
+                outputs.clone(),
+                x,
+                y,
+                threads,
+                |_| {},
+            )
+            .is_ok()
+        })
     }
 }
 
@@ -161,16 +236,21 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// `x @ W^T + b` of a borrowed layer into `y` (resized to `[rows, n]`), accounted as dense work.
+/// `x @ W^T + b` of some of a layer's projections into `y` (resized to `[rows, n]`), on tiles
+/// where they have them, accounted as dense work.
 pub(super) fn project(
     kernels: &KernelTable,
-    layer: LayerRef<'_>,
+    projection: &Projection<'_>,
     x: &[f32],
     y: &mut Vec<f32>,
     quantized: &mut QuantizedActivations,
     threads: usize,
 ) {
+    let layer = projection.layer;
     y.resize(x.len() / layer.d * layer.n, 0.0);
+    if projection.on_tiles(x, y, threads) {
+        return;
+    }
     dense::linear_into_threads(
         kernels,
         layer,

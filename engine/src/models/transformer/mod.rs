@@ -28,7 +28,7 @@ mod split;
 
 pub use carry::CarriedScratch;
 
-use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer, Widened};
+use super::{ActivationObserver, DenseLayer, HistoryNote, OutputLayer, Tiles, Widened};
 use crate::config::{ModelKind, TransformerConfig};
 use crate::error::Result;
 use crate::import::Checkpoint;
@@ -474,7 +474,7 @@ impl Transformer {
         let w = p.width;
         let (keys, values, queries) = match p.all(k).filter(|_| every_row) {
             Some(all) => {
-                project(k, all, &s.x, &mut s.projected, &mut s.quantized, threads);
+                project(k, &all, &s.x, &mut s.projected, &mut s.quantized, threads);
                 let at = |offset| Columns {
                     data: &s.projected,
                     stride: 3 * w,
@@ -484,10 +484,10 @@ impl Transformer {
             }
             None => {
                 let kv = p.keys_values(k);
-                project(k, kv, &s.x, &mut s.projected, &mut s.quantized, threads);
+                project(k, &kv, &s.x, &mut s.projected, &mut s.quantized, threads);
                 project(
                     k,
-                    p.queries(k),
+                    &p.queries(k),
                     x_q,
                     &mut s.queries,
                     &mut s.quantized,
@@ -620,8 +620,7 @@ pub struct TransformerScratch {
 mod tests {
     use crate::config::ModelKind;
     use crate::engine_dir::Precision;
-    use crate::kernels::dense;
-    use crate::kernels::packed::{LayerRef, QuantizedActivations};
+    use crate::kernels::packed::QuantizedActivations;
     use crate::models::Model;
 
     /// Each layer's keys, values and queries computed as one packed layer carry the bits of the
@@ -677,9 +676,9 @@ mod tests {
             for layer in &model.layers {
                 let p = &layer.projections;
                 let want = [&layer.key, &layer.value, &layer.query].map(|d| d.0.forward(k, &x));
-                let run = |view: LayerRef<'_>| {
-                    let mut y = vec![0f32; rows * view.n];
-                    dense::linear_into(k, view, &x, &mut y, &mut QuantizedActivations::default());
+                let run = |projection: super::layers::Projection<'_>| {
+                    let mut y = vec![0f32; rows * projection.layer.n];
+                    projection.rows_into(k, &x, &mut y, &mut QuantizedActivations::default());
                     y
                 };
                 let same = |got: &[f32], stride: usize, offset: usize, want: &[f32]| {

@@ -102,16 +102,14 @@ impl Transformer {
             crate::parallel::for_each_mut(&mut parts, |i, (token_rows, query_rows, piece)| {
                 let (t, q) = (&token_ranges[i], &projected_queries[i]);
                 let x_rows = &x[t.start * h..t.end * h];
-                crate::profile::account(crate::profile::Work::Dense, || match all {
-                    Some(all) => {
-                        dense::linear_into(k, all, x_rows, token_rows, &mut piece.quantized)
-                    }
+                crate::profile::account(crate::profile::Work::Dense, || match &all {
+                    Some(all) => all.rows_into(k, x_rows, token_rows, &mut piece.quantized),
                     None => {
                         let kv = p.keys_values(k);
-                        dense::linear_into(k, kv, x_rows, token_rows, &mut piece.quantized);
+                        kv.rows_into(k, x_rows, token_rows, &mut piece.quantized);
                         let xq_rows = &x_q[q.start * h..q.end * h];
                         let queries = p.queries(k);
-                        dense::linear_into(k, queries, xq_rows, query_rows, &mut piece.quantized);
+                        queries.rows_into(k, xq_rows, query_rows, &mut piece.quantized);
                     }
                 })
             });
