@@ -432,9 +432,10 @@ pub(super) fn split_halves<const R: usize, const P: usize, const Q: usize>(
     split
 }
 
-/// `portable`'s tanh, GELU and SiLU compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
+/// `portable`'s tanh, GELU and softmax compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
 /// (the same operations in the same order, so AVX2's and the scalar path's bits). GRU4Rec runs
-/// three gates' worth of them per token and step.
+/// three gates' worth of them per token and step; a transformer's attention a softmax per query
+/// row and head (16 lanes: 1.x of AVX2's on BERT4Rec's attention).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F (with AVX2 and FMA).
@@ -448,6 +449,18 @@ unsafe fn tanh_avx512(x: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 unsafe fn gelu_avx512(x: &mut [f32]) {
     super::portable::gelu_erf_inplace(x)
+}
+
+/// # Safety
+/// As for [`tanh_avx512`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn softmax_avx512(x: &mut [f32]) {
+    super::portable::softmax(x)
+}
+
+fn softmax(x: &mut [f32]) {
+    // SAFETY: as for tanh.
+    unsafe { softmax_avx512(x) }
 }
 
 fn tanh(x: &mut [f32]) {
@@ -480,6 +493,7 @@ pub(super) const KERNELS: KernelTable = KernelTable {
     elementwise: super::Elementwise {
         tanh,
         gelu,
+        softmax,
         // AVX2's (fused multiply-adds, four registers interleaved).
         ..avx2::KERNELS.elementwise
     },

@@ -56,6 +56,27 @@ fn sum_f32(x: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
+/// The largest value of `x` (NaN ignored; -inf for an empty or all-NaN slice), in 16 lanes: a
+/// fold through `f32::max` stayed scalar (its NaN rule lane by lane), a third of a softmax over
+/// attention scores. The maximum does not depend on the order, so every width gives its bits.
+#[inline(always)]
+fn max_f32(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = x.chunks_exact(16);
+    for chunk in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            // A NaN is never greater: ignored, as `f32::max` ignores it.
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = if v > *a { v } else { *a };
+    }
+    acc.iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+}
+
 /// LayerNorm applied to every row of a row-major matrix.
 #[inline(always)]
 pub fn layer_norm_rows(x: &mut [f32], width: usize, gamma: &[f32], beta: &[f32], eps: f64) {
@@ -211,7 +232,7 @@ pub fn add_rows_bf16(table: &[u16], width: usize, rows: &[u32], acc: &mut [f32])
 /// Numerically stable softmax in place (every exponent is <= 0, so the vectorisable exp applies).
 #[inline(always)]
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_f32(x);
     for v in x.iter_mut() {
         *v = exp_nonpositive(*v - max);
     }
@@ -227,6 +248,21 @@ mod tests {
     //! Each kernel against a plain f64 evaluation of its formula.
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_lane_maximum_is_the_folds_and_ignores_nan() {
+        let fold = |x: &[f32]| x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut x: Vec<f32> = (0..53).map(|i| ((i * 37) % 29) as f32 - 14.5).collect();
+        for len in [0, 1, 15, 16, 17, 53] {
+            assert_eq!(max_f32(&x[..len]), fold(&x[..len]), "{len} values");
+        }
+        x[40] = f32::NAN;
+        x[3] = f32::NAN;
+        assert_eq!(max_f32(&x), fold(&x));
+        assert_eq!(max_f32(&[f32::NAN; 20]), f32::NEG_INFINITY);
+        x[50] = f32::INFINITY;
+        assert_eq!(max_f32(&x), f32::INFINITY);
+    }
 
     proptest! {
         #[test]
