@@ -435,7 +435,7 @@ pub(super) fn split_halves<const R: usize, const P: usize, const Q: usize>(
 /// `portable`'s tanh, GELU and softmax compiled for AVX-512 F: the same portable bodies, vectorised 16 wide
 /// (the same operations in the same order, so AVX2's and the scalar path's bits). GRU4Rec runs
 /// three gates' worth of them per token and step; a transformer's attention a softmax per query
-/// row and head (16 lanes: 1.x of AVX2's on BERT4Rec's attention).
+/// row and head.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F (with AVX2 and FMA).
