@@ -109,11 +109,28 @@ impl<'a> Selection<'a> {
 
     fn prune(&mut self) {
         if self.buffer.len() > self.k {
-            self.buffer.select_nth_unstable_by(self.k - 1, rank_order);
+            // The buffer holds no NaN (`offer` refuses it), so `rank_order` is the order of
+            // `rank_key`: integer comparisons instead of its NaN cases (a bf16 Mult-VAE batch of
+            // 64 ML-1M rows spent about 11 % of its caller thread's samples pruning, 6 % since).
+            self.buffer.select_nth_unstable_by_key(self.k - 1, rank_key);
             self.buffer.truncate(self.k);
             self.bar = self.buffer[self.k - 1].score;
         }
     }
+}
+
+/// A key whose ascending order is [`rank_order`] for scores that are not NaN: the score's bits
+/// mapped to an order-preserving integer and inverted (higher first; both zeros as one, as
+/// `partial_cmp` has them equal), then the index (lower first).
+#[inline]
+fn rank_key(s: &Scored) -> u64 {
+    let bits = if s.score == 0.0 { 0 } else { s.score.to_bits() };
+    let ascending = if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 0x8000_0000
+    };
+    (u64::from(!ascending) << 32) | u64::from(s.index)
 }
 
 /// Every row group of a batch of `rows`: `(first row, rows, panels per call)`.
@@ -538,6 +555,37 @@ pub fn score_all(table: &KernelTable, out: &PackedOutput, hidden: &[f32]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rank_key_orders_as_the_rank_order() {
+        let scores = [
+            f32::INFINITY,
+            f32::MAX,
+            1.5,
+            1.0,
+            f32::MIN_POSITIVE,
+            1e-45,
+            0.0,
+            -0.0,
+            -1e-45,
+            -1.0,
+            f32::MIN,
+            f32::NEG_INFINITY,
+        ];
+        let all: Vec<Scored> = scores
+            .iter()
+            .flat_map(|&score| [7, 0, 3].map(|index| Scored { index, score }))
+            .collect();
+        for a in &all {
+            for b in &all {
+                assert_eq!(
+                    rank_key(a).cmp(&rank_key(b)),
+                    rank_order(a, b),
+                    "{a:?} against {b:?}"
+                );
+            }
+        }
+    }
     use crate::dense::linear;
     use crate::lcg;
     use crate::packed::{
