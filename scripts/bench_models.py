@@ -445,6 +445,10 @@ def main() -> None:
     test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        # Plans measured by this run's build, on this run's engines: plan files are keyed by the
+        # package version and the engine's weights, so the user's plan cache may hold plans an
+        # earlier build measured for the same random weights.
+        os.environ.setdefault("RECSYS_PLAN_DIR", str(tmp / "plans"))
         # ---- BERT4Rec: the fixture (trained, L = 50), and the MovieLens-1M shape with random weights
         rng = np.random.default_rng(5)
         bert_specs = [

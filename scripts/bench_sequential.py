@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -177,6 +178,10 @@ def main() -> None:
     test = [l.split("\t") for l in (FIX / "test_set.tsv").read_text().splitlines()[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        # Plans measured by this run's build, on this run's engines: plan files are keyed by the
+        # package version and the engine's weights, so the user's plan cache may hold plans an
+        # earlier build measured for the same random weights.
+        os.environ.setdefault("RECSYS_PLAN_DIR", str(tmp / "plans"))
         rng = np.random.default_rng(33)
         for kind, label in [("sasrec", "SASRec"), ("gru4rec", "GRU4Rec")]:
             specs = [(f"{label} (fixture)", FIX / kind / "model.safetensors", FIX / kind / "config.json",
