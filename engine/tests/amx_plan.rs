@@ -27,6 +27,43 @@ fn requests(engine: &Engine, batch: usize) -> Vec<InternalRequest> {
         .collect()
 }
 
+/// `rows` requests for the top 20 of histories of `length` distinct items, spread over the
+/// catalogue, the history excluded.
+fn long_histories(engine: &Engine, rows: u32, length: u32) -> Vec<InternalRequest> {
+    let n = engine.n_items() as u32;
+    (0..rows)
+        .map(|b| InternalRequest {
+            history: (0..length).map(|j| (b * 31 + j * 17) % n + 1).collect(),
+            k: 20,
+            exclude_seen: true,
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// Answers on tiles against the SIMD tables' (items with their score bits): the same items but
+/// where bf16 sums within rounding of each other swap (at least 18 of 20 shared), and each row's
+/// best score within `relative` of the other's.
+fn assert_same_within_rounding(
+    tiles: &[Vec<(u32, u32)>],
+    simd: &[Vec<(u32, u32)>],
+    relative: f32,
+    context: &str,
+) {
+    for (row, (got, want)) in tiles.iter().zip(simd).enumerate() {
+        let same = got
+            .iter()
+            .filter(|g| want.iter().any(|w| w.0 == g.0))
+            .count();
+        assert!(same >= 18, "{context} row {row}: {same} of 20 items shared");
+        let (top_got, top_want) = (f32::from_bits(got[0].1), f32::from_bits(want[0].1));
+        assert!(
+            (top_got - top_want).abs() <= relative * top_want.abs().max(1.0),
+            "{context} row {row}: best {top_got} vs {top_want}"
+        );
+    }
+}
+
 #[test]
 fn tiles_run_for_bf16_engines_where_the_cpu_has_them() {
     let dir = tempfile::tempdir().unwrap();
@@ -71,20 +108,7 @@ fn tiles_run_for_bf16_engines_where_the_cpu_has_them() {
             assert!(plan.tiles_for(1) && plan.tiles_for(64));
             for (i, &b) in [1, 8, 64].iter().enumerate() {
                 let tiles = ranked_bits(&bf16, &requests(&bf16, b));
-                for (row, (got, want)) in tiles.iter().zip(&before[i]).enumerate() {
-                    // The same items but where bf16 sums within rounding of each other swap.
-                    let same = got
-                        .iter()
-                        .filter(|g| want.iter().any(|w| w.0 == g.0))
-                        .count();
-                    assert!(same >= 18, "batch {b} row {row}: {same} of 20 items shared");
-                    let score = |bits: u32| f32::from_bits(bits);
-                    let (top_got, top_want) = (score(got[0].1), score(want[0].1));
-                    assert!(
-                        (top_got - top_want).abs() <= 1e-3 * top_want.abs().max(1.0),
-                        "batch {b} row {row}: best {top_got} vs {top_want}"
-                    );
-                }
+                assert_same_within_rounding(&tiles, &before[i], 1e-3, &format!("batch {b}"));
             }
             let measured = bf16.plan_amx(AmxPolicy::Auto).unwrap().unwrap().clone();
             assert!(
@@ -286,17 +310,9 @@ fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
         &dir.path().join("bf16"),
         Precision::Bf16,
     );
-    let n = bf16.n_items() as u32;
     // 64 histories of 120 distinct items: 7,680 listed against 64 x 2,001 inputs, which the
     // rule puts on tiles (at most 32 multiply-adds per listed item's row value).
-    let long: Vec<InternalRequest> = (0..64u32)
-        .map(|b| InternalRequest {
-            history: (0..120).map(|j| (b * 31 + j * 17) % n + 1).collect(),
-            k: 20,
-            exclude_seen: true,
-            ..Default::default()
-        })
-        .collect();
+    let long = long_histories(&bf16, 64, 120);
     bf16.plan_amx(AmxPolicy::Off).unwrap();
     let gathered = ranked_bits(&bf16, &long);
     let before = bf16.memory_bytes();
@@ -310,18 +326,7 @@ fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
         bf16.memory_bytes()
     );
     let on_tiles = ranked_bits(&bf16, &long);
-    for (row, (got, want)) in on_tiles.iter().zip(&gathered).enumerate() {
-        let same = got
-            .iter()
-            .filter(|g| want.iter().any(|w| w.0 == g.0))
-            .count();
-        assert!(same >= 18, "row {row}: {same} of 20 items shared");
-        let (top_got, top_want) = (f32::from_bits(got[0].1), f32::from_bits(want[0].1));
-        assert!(
-            (top_got - top_want).abs() <= 1e-3 * top_want.abs().max(1.0),
-            "row {row}: best {top_got} vs {top_want}"
-        );
-    }
+    assert_same_within_rounding(&on_tiles, &gathered, 1e-3, "multi-hot");
 }
 
 /// A bf16 transformer's encoder on tiles: the key, value and query projections (one side-by-side
@@ -344,15 +349,7 @@ fn bf16_transformers_run_their_encoder_layers_on_tiles() {
             &dir.path().join(format!("{kind:?}")),
             Precision::Bf16,
         );
-        let n = bf16.n_items() as u32;
-        let long: Vec<InternalRequest> = (0..16u32)
-            .map(|b| InternalRequest {
-                history: (0..60).map(|j| (b * 31 + j * 17) % n + 1).collect(),
-                k: 20,
-                exclude_seen: true,
-                ..Default::default()
-            })
-            .collect();
+        let long = long_histories(&bf16, 16, 60);
         for threads in [1, 2] {
             bf16.set_threads(threads);
             bf16.plan_amx(AmxPolicy::Off).unwrap();
@@ -372,21 +369,8 @@ fn bf16_transformers_run_their_encoder_layers_on_tiles() {
                     bf16.memory_bytes()
                 );
             }
-            for (row, (got, want)) in on_tiles.iter().zip(&simd).enumerate() {
-                let same = got
-                    .iter()
-                    .filter(|g| want.iter().any(|w| w.0 == g.0))
-                    .count();
-                assert!(
-                    same >= 18,
-                    "{kind:?} threads {threads} row {row}: {same} of 20 items shared"
-                );
-                let (top_got, top_want) = (f32::from_bits(got[0].1), f32::from_bits(want[0].1));
-                assert!(
-                    (top_got - top_want).abs() <= 1e-2 * top_want.abs().max(1.0),
-                    "{kind:?} threads {threads} row {row}: best {top_got} vs {top_want}"
-                );
-            }
+            let context = format!("{kind:?} threads {threads}");
+            assert_same_within_rounding(&on_tiles, &simd, 1e-3, &context);
         }
     }
 }

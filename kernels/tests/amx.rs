@@ -59,6 +59,19 @@ impl RowLimits {
 }
 
 /// Whether the test can run here; `false` (after saying why) when it is skipped.
+/// A bf16 layer on tiles holding `w` (`[n, d]`) rounded to bf16 by this file's own rounding, and
+/// its bias.
+fn bf16_layer(w: &[f32], bias: &[f32], d: usize) -> recsys_kernels::fused_amx::AmxLayer {
+    let bits: Vec<u16> = w
+        .iter()
+        .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
+        .collect();
+    recsys_kernels::fused_amx::AmxLayer::from_packed(
+        &recsys_kernels::packed::PackedOutput::from_bf16_bits(&bits, bias, d),
+    )
+    .unwrap()
+}
+
 fn tiles_here() -> bool {
     match amx::availability() {
         Ok(()) => true,
@@ -163,8 +176,7 @@ fn int16_by_int8_tiles_are_exact_on_every_edge() {
 /// exact value, and no item left out that could beat the last one taken within the bounds.
 #[test]
 fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
-    use recsys_kernels::fused_amx::{self, AmxLayer};
-    use recsys_kernels::packed::PackedOutput;
+    use recsys_kernels::fused_amx;
     if !tiles_here() {
         return;
     }
@@ -179,11 +191,7 @@ fn bf16_tile_scan_selects_each_rows_best_within_the_rounding_bound() {
     ] {
         let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
         let bias: Vec<f32> = (0..n).map(|_| next() * 0.2).collect();
-        let bits: Vec<u16> = w
-            .iter()
-            .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
-            .collect();
-        let out = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+        let out = bf16_layer(&w, &bias, d);
         let hidden: Vec<f32> = (0..m * d).map(|_| next()).collect();
         // Row r: k from 0 to past the catalogue; every third row filtered to a random quarter,
         // every row excluding PAD and a few items.
@@ -277,8 +285,6 @@ fn a_nested_tile_routine_is_refused() {
 #[test]
 fn bf16_dense_layers_on_tiles_match_f64_on_every_edge() {
     use recsys_kernels::dense_amx;
-    use recsys_kernels::fused_amx::AmxLayer;
-    use recsys_kernels::packed::PackedOutput;
     if !tiles_here() {
         return;
     }
@@ -286,11 +292,7 @@ fn bf16_dense_layers_on_tiles_match_f64_on_every_edge() {
     for &(rows, n, d) in &[(1, 5, 3), (17, 33, 64), (40, 70, 100), (33, 32, 32)] {
         let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
         let bias: Vec<f32> = (0..n).map(|_| next()).collect();
-        let bits: Vec<u16> = w
-            .iter()
-            .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
-            .collect();
-        let layer = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+        let layer = bf16_layer(&w, &bias, d);
         let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
         let mut y = vec![f32::NAN; rows * n];
         dense_amx::linear_into(&layer, &x, &mut y).unwrap();
@@ -565,8 +567,6 @@ fn multi_hot_rows_on_tiles_sum_the_listed_inputs() {
 #[test]
 fn dense_layers_on_tiles_split_over_threads_keep_their_bits() {
     use recsys_kernels::dense_amx;
-    use recsys_kernels::fused_amx::AmxLayer;
-    use recsys_kernels::packed::PackedOutput;
     if !tiles_here() {
         return;
     }
@@ -574,11 +574,7 @@ fn dense_layers_on_tiles_split_over_threads_keep_their_bits() {
     let (n, d) = (48, 96);
     let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
     let bias: Vec<f32> = (0..n).map(|_| next()).collect();
-    let bits: Vec<u16> = w
-        .iter()
-        .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
-        .collect();
-    let layer = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+    let layer = bf16_layer(&w, &bias, d);
     let double = |piece: &mut [f32]| piece.iter_mut().for_each(|v| *v = 2.0 * *v - 1.0);
     for rows in [1, 31, 64, 100, 2000] {
         let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
@@ -603,8 +599,6 @@ fn dense_layers_on_tiles_split_over_threads_keep_their_bits() {
 #[test]
 fn a_layers_outputs_on_tiles_keep_their_bits_in_the_whole_layer() {
     use recsys_kernels::dense_amx;
-    use recsys_kernels::fused_amx::AmxLayer;
-    use recsys_kernels::packed::PackedOutput;
     if !tiles_here() {
         return;
     }
@@ -612,11 +606,7 @@ fn a_layers_outputs_on_tiles_keep_their_bits_in_the_whole_layer() {
     let (n, d, rows) = (100, 72, 45);
     let w: Vec<f32> = (0..n * d).map(|_| next()).collect();
     let bias: Vec<f32> = (0..n).map(|_| next()).collect();
-    let bits: Vec<u16> = w
-        .iter()
-        .map(|&v| ((bf16_value(v) as f32).to_bits() >> 16) as u16)
-        .collect();
-    let layer = AmxLayer::from_packed(&PackedOutput::from_bf16_bits(&bits, &bias, d)).unwrap();
+    let layer = bf16_layer(&w, &bias, d);
     let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
     let mut whole = vec![f32::NAN; rows * n];
     dense_amx::linear_into(&layer, &x, &mut whole).unwrap();
