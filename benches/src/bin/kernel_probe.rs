@@ -5,6 +5,7 @@
 //! kernel_probe topk WEIGHTS BIAS HIDDEN n d batch k precision threads reps [rows]
 //!   (precision: fp32, fp16, bf16, int8, or screened-int8: the int8 screen with exact fp32 rescoring;
 //!   screened-int8-amx: the same screen with its int8 scores on AMX tiles, where the CPU has them;
+//!   bf16-amx: the bf16 layer's scan on AMX tiles, where the CPU has them;
 //!   rows: the largest row group, 4 or 8, where the CPU's kernels offer both; default theirs)
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
@@ -15,6 +16,7 @@
 use std::time::Instant;
 
 use recsys_kernels::fused::{top_k, Exclusions, RowQuery};
+use recsys_kernels::fused_amx::{top_k_bf16, AmxLayer};
 use recsys_kernels::packed::{quantize_int8_per_row, to_bf16_bits, to_f16_bits, PackedOutput};
 use recsys_kernels::screen::{top_k_from_f32, ScreenTable};
 use recsys_kernels::{fma_peak_flops, KernelTable, RowBlock};
@@ -75,6 +77,9 @@ fn topk(args: &[String]) {
         };
         return screened(&weights, &bias, &hidden, d, batch, k, threads, reps, table);
     }
+    if precision == "bf16-amx" {
+        return bf16_on_tiles(&weights, &bias, &hidden, d, batch, k, threads, reps);
+    }
     let packed = match precision {
         "fp32" => PackedOutput::from_f32(&weights, &bias, d),
         "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
@@ -106,6 +111,47 @@ fn topk(args: &[String]) {
             "isa": table.isa.name(),
             "rows": table.row_block().rows(),
             "weight_bytes": packed.weight_bytes(),
+            "top_row0": first,
+        })
+    );
+}
+
+/// A bf16 layer's scan on AMX tiles (`fused_amx::top_k_bf16`), as a bf16 engine's output layer
+/// runs where its plan chose tiles.
+#[allow(clippy::too_many_arguments)] // the probe's own arguments, parsed above
+fn bf16_on_tiles(
+    weights: &[f32],
+    bias: &[f32],
+    hidden: &[f32],
+    d: usize,
+    batch: usize,
+    k: usize,
+    threads: usize,
+    reps: usize,
+) {
+    if let Err(why) = recsys_kernels::amx::availability() {
+        panic!("bf16-amx: {why}");
+    }
+    let packed = PackedOutput::from_bf16_bits(&to_bf16_bits(weights), bias, d);
+    let tiles = AmxLayer::from_packed(&packed).expect("a bf16 layer has tiles");
+    let none = Exclusions::default();
+    let queries = vec![RowQuery::new(k, &none); batch];
+    let h = &hidden[..batch * d];
+    let mut times = Vec::with_capacity(reps);
+    let mut result = Vec::new();
+    for _ in 0..reps {
+        let start = Instant::now();
+        result = top_k_bf16(&tiles, h, &queries, threads).expect("tiles run here");
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let first: Vec<u32> = result[0].iter().map(|s| s.index).collect();
+    println!(
+        "{}",
+        serde_json::json!({
+            "median_s": median(times.clone()),
+            "min_s": times.iter().cloned().fold(f64::INFINITY, f64::min),
+            "isa": "amx-bf16",
+            "weight_bytes": tiles.bytes(),
             "top_row0": first,
         })
     );
