@@ -181,7 +181,8 @@ pub(super) struct Projection<'a> {
 
 impl Projection<'_> {
     /// `x @ W^T + b` into `y` (`[rows, n]`), on this thread: on tiles where the projection has
-    /// them (and the process may run them), else by the SIMD kernels.
+    /// them (and the process may run them), else by the SIMD kernels; accounted as dense work
+    /// either way (the tiles account their own).
     pub(super) fn rows_into(
         &self,
         kernels: &KernelTable,
@@ -190,7 +191,9 @@ impl Projection<'_> {
         quantized: &mut QuantizedActivations,
     ) {
         if !self.on_tiles(x, y, 1) {
-            dense::linear_into(kernels, self.layer, x, y, quantized)
+            crate::profile::account(crate::profile::Work::Dense, || {
+                dense::linear_into(kernels, self.layer, x, y, quantized)
+            })
         }
     }
 

@@ -102,7 +102,7 @@ impl Transformer {
             crate::parallel::for_each_mut(&mut parts, |i, (token_rows, query_rows, piece)| {
                 let (t, q) = (&token_ranges[i], &projected_queries[i]);
                 let x_rows = &x[t.start * h..t.end * h];
-                crate::profile::account(crate::profile::Work::Dense, || match &all {
+                match &all {
                     Some(all) => all.rows_into(k, x_rows, token_rows, &mut piece.quantized),
                     None => {
                         let kv = p.keys_values(k);
@@ -111,7 +111,7 @@ impl Transformer {
                         let queries = p.queries(k);
                         queries.rows_into(k, xq_rows, query_rows, &mut piece.quantized);
                     }
-                })
+                }
             });
         }
 
