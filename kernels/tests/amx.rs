@@ -643,3 +643,46 @@ fn a_layers_outputs_on_tiles_keep_their_bits_in_the_whole_layer() {
     let past = dense_amx::linear_outputs_into_then(&layer, 96..128, &x, &mut y, 1, |_| {});
     assert!(past.unwrap_err().contains("within the layer"));
 }
+
+/// The scan's blocks (two A tiles by two B tiles, four accumulators) hold the bits of the plain
+/// product (`gemm_bf16`, one accumulator per output tile), every block handed over once and in
+/// order: depths of 256 to the multi-hot first layer's 3,417, rows in one tile group and two.
+#[test]
+fn blocks_hold_the_plain_products_bits_at_every_depth() {
+    if !tiles_here() {
+        return;
+    }
+    let mut next = lcg(97);
+    for &(rows, n, k) in &[(32, 64, 256), (20, 96, 600), (7, 40, 300), (32, 96, 3417)] {
+        let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+        let weights = AmxBf16Weights::pack(&w, n, k);
+        let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
+        let xb = amx::bf16_rows(&x, rows, k, weights.padded_k());
+        let mut want = vec![0f32; rows * n];
+        amx::gemm_bf16(&xb, rows, &weights, &mut want).unwrap();
+        let mut got = vec![f32::NAN; rows * n];
+        let mut seen = Vec::new();
+        amx::for_each_block_bf16(
+            &xb,
+            rows,
+            &weights,
+            0..weights.output_blocks(),
+            |b, block| {
+                seen.push(b);
+                for r in 0..rows {
+                    for c in 0..32.min(n - 32 * b) {
+                        got[r * n + 32 * b + c] = block[32 * r + c];
+                    }
+                }
+            },
+        )
+        .unwrap();
+        assert_eq!(seen, (0..weights.output_blocks()).collect::<Vec<_>>());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "{rows} rows, {n} outputs, depth {k}"
+        );
+    }
+}
