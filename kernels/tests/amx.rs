@@ -686,3 +686,16 @@ fn blocks_hold_the_plain_products_bits_at_every_depth() {
         );
     }
 }
+
+/// The tile unit's rate probe runs where tiles do and gives a positive, finite rate; elsewhere it
+/// refuses with the reason.
+#[test]
+fn the_tile_rate_probe_reports_a_rate_or_why_not() {
+    match amx::availability() {
+        Ok(()) => {
+            let rate = amx::bf16_peak_macs_per_second(1000).unwrap();
+            assert!(rate.is_finite() && rate > 0.0, "{rate}");
+        }
+        Err(why) => assert_eq!(&amx::bf16_peak_macs_per_second(10).unwrap_err(), why),
+    }
+}

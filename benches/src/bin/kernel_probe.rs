@@ -9,6 +9,7 @@
 //!   rows: the largest row group, 4 or 8, where the CPU's kernels offer both; default theirs)
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
+//! kernel_probe amx-peak threads   (the tile unit's bf16 multiply-adds a second, each thread)
 //!
 //! Prints one JSON object.
 #![forbid(unsafe_code)]
@@ -255,14 +256,37 @@ fn fma(args: &[String]) {
     );
 }
 
+/// The tile unit's bf16 rate on `threads` threads at once (`amx::bf16_peak_macs_per_second`).
+fn amx_peak(args: &[String]) {
+    let threads: usize = arg(args, 2, "threads");
+    let per_thread: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    recsys_kernels::amx::bf16_peak_macs_per_second(2_000_000)
+                        .unwrap_or_else(|why| panic!("amx-peak: {why}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    println!(
+        "{}",
+        serde_json::json!({"bf16_macs_per_second": per_thread})
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("topk") => topk(&args),
         Some("bandwidth") => bandwidth(&args),
         Some("fma") => fma(&args),
+        Some("amx-peak") => amx_peak(&args),
         _ => {
-            eprintln!("usage: kernel_probe topk|bandwidth|fma ... (see the source header)");
+            eprintln!(
+                "usage: kernel_probe topk|bandwidth|fma|amx-peak ... (see the source header)"
+            );
             std::process::exit(2);
         }
     }

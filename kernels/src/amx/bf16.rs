@@ -323,3 +323,58 @@ pub fn for_each_block_bf16(
     drop(claim);
     Ok(())
 }
+
+/// The tile unit's bf16 rate on this core, in multiply-adds a second: `iterations` rounds of
+/// the scan's four products (two A tiles by two B tiles into four accumulators, as
+/// [`for_each_block_bf16`] runs them) on tiles loaded once, so no memory is read in the timed
+/// loop: the ceiling the scans' rates are judged against (`kernel_probe amx-peak`). Errors where
+/// this CPU or process cannot run tiles.
+pub fn bf16_peak_macs_per_second(iterations: usize) -> Result<f64, String> {
+    let claim = TileClaim::new()?;
+    #[cfg(target_arch = "x86_64")]
+    {
+        let config = (0..8).fold(TileConfig::new(), |c, t| c.with_tile(t, TILE_ROWS, 64));
+        claim.configure(&config);
+        // Small normal values (bf16 0.5 and 0.25): no denormal or overflow path in the unit.
+        let a: Vec<u16> = vec![0x3f00; TILE_BF16];
+        let b: Vec<u16> = vec![0x3e80; TILE_BF16];
+        let rounds = iterations.max(1);
+        let start = std::time::Instant::now();
+        // SAFETY: tiles 0-7 are configured as 16 rows of 64 bytes; the loads read 16 rows of
+        // 64 bytes, 64 bytes apart, from `a` and `b` (1 KiB each); the products' shapes agree
+        // (16 x 32 bf16 by 16 pairs x 16); the loop count is at least 1.
+        unsafe {
+            asm!(
+                "tileloadd tmm4, [{a} + {ld}*1]",
+                "tileloadd tmm5, [{a} + {ld}*1]",
+                "tileloadd tmm6, [{b} + {ld}*1]",
+                "tileloadd tmm7, [{b} + {ld}*1]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "dec {n}",
+                "jnz 2b",
+                a = in(reg) a.as_ptr(),
+                b = in(reg) b.as_ptr(),
+                ld = in(reg) 64usize,
+                n = inout(reg) rounds => _,
+                options(nostack, readonly),
+            )
+        };
+        let seconds = start.elapsed().as_secs_f64();
+        drop(claim);
+        let macs = rounds as f64 * 4.0 * (TILE_ROWS * TILE_ROWS * TILE_DEPTH_BF16) as f64;
+        Ok(macs / seconds)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (claim, iterations);
+        Err("AMX tiles exist on x86-64 only".into())
+    }
+}
