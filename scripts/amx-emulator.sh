@@ -169,6 +169,9 @@ cd /tmp
 echo "amx-emulator: cpu flags: \$(/bin/busybox grep -o 'amx[a-z0-9_]*' /proc/cpuinfo | /bin/busybox sort -u | /bin/busybox tr '\n' ' ')"
 HOME=/tmp RUST_BACKTRACE=1 $(printf '%q' "$guest_program")$args
 echo "amx-emulator: exit status \$?"
+# The console writes to the serial port asynchronously: power off before it drains and the
+# status line is cut short (seen once a test binary ran a little longer), so wait for it.
+/bin/busybox sleep 1
 /bin/busybox sync
 /bin/busybox poweroff -f
 EOF
