@@ -27,6 +27,19 @@ fn requests(engine: &Engine, batch: usize) -> Vec<InternalRequest> {
         .collect()
 }
 
+/// Where this CPU runs AMX tiles: a fresh plan directory, set for the engines the test loads
+/// (plans timed as on an idle machine); elsewhere `None`, said on stderr.
+fn tiles_and_plans_dir() -> Option<tempfile::TempDir> {
+    if amx::availability().is_err() {
+        eprintln!("this CPU runs no AMX tiles: nothing to check");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
+    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    Some(dir)
+}
+
 /// `rows` requests for the top 20 of histories of `length` distinct items, spread over the
 /// catalogue, the history excluded.
 fn long_histories(engine: &Engine, rows: u32, length: u32) -> Vec<InternalRequest> {
@@ -297,13 +310,9 @@ fn int8_engines_score_their_output_layer_on_tiles_bit_for_bit() {
 /// rounding, and the best score agrees to 1e-3.
 #[test]
 fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
-    if amx::availability().is_err() {
-        eprintln!("this CPU runs no AMX tiles: nothing to check");
+    let Some(dir) = tiles_and_plans_dir() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
-    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    };
     let mut bf16 = convert_fixture_at(
         ModelKind::Vaecf,
         "model.safetensors",
@@ -335,13 +344,9 @@ fn a_bf16_mult_vae_runs_its_first_layer_on_tiles_for_long_histories() {
 /// the SIMD tables' items within the tiles' rounding.
 #[test]
 fn bf16_transformers_run_their_encoder_layers_on_tiles() {
-    if amx::availability().is_err() {
-        eprintln!("this CPU runs no AMX tiles: nothing to check");
+    let Some(dir) = tiles_and_plans_dir() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("RECSYS_PLAN_DIR", dir.path().join("plans"));
-    std::env::set_var("RECSYS_PLAN_BUSY_CORES", "inf");
+    };
     for kind in [ModelKind::Bert4rec, ModelKind::Sasrec] {
         let mut bf16 = convert_fixture_at(
             kind,
