@@ -122,7 +122,7 @@ pub fn multi_hot_into(
     let padded_k = layer.weights.padded_k();
     let pieces = threads.clamp(1, rows.div_ceil(BLOCK_ROWS).max(1));
     let multi_hot = |run: std::ops::Range<usize>| {
-        let mut xb = vec![0u16; run.len() * padded_k];
+        let mut xb = amx::TileBuffer::zeroed(run.len() * padded_k);
         for (row, items) in xb.chunks_exact_mut(padded_k.max(1)).zip(&hot[run]) {
             for &i in items.iter() {
                 row[i as usize] = BF16_ONE;
@@ -143,7 +143,7 @@ fn multiply_rows(
     rows: usize,
     y: &mut [f32],
     pieces: usize,
-    input: impl Fn(std::ops::Range<usize>) -> Vec<u16> + Sync,
+    input: impl Fn(std::ops::Range<usize>) -> amx::TileBuffer<u16> + Sync,
     activation: impl Fn(&mut [f32]) + Sync,
 ) -> Result<(), String> {
     let width = outputs.len();
@@ -182,7 +182,7 @@ fn multiply_piece(
     first_row: usize,
     out: &mut [f32],
     result: &mut Result<(), String>,
-    input: &(impl Fn(std::ops::Range<usize>) -> Vec<u16> + Sync),
+    input: &(impl Fn(std::ops::Range<usize>) -> amx::TileBuffer<u16> + Sync),
     activation: &(impl Fn(&mut [f32]) + Sync),
 ) {
     let padded_k = layer.weights.padded_k();

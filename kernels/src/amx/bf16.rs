@@ -4,7 +4,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
 
-use super::{check_blocks, pack_b_tiles, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS};
+use super::{
+    check_blocks, pack_b_tiles, TileBuffer, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS,
+};
 
 /// bf16 values in a row of an A tile: the depth one `TDPBF16PS` adds up.
 pub const TILE_DEPTH_BF16: usize = 32;
@@ -18,7 +20,7 @@ pub struct AmxBf16Weights {
     pub n: usize,
     pub k: usize,
     /// `[n blocks][k blocks][16 rows][16 outputs][2]` bf16 bits.
-    tiles: Vec<u16>,
+    tiles: TileBuffer<u16>,
 }
 
 /// bf16 values in one B tile.
@@ -34,11 +36,11 @@ impl AmxBf16Weights {
     /// Packs the bf16 bits `value(output, input)` of an `[n, k]` matrix. The blocks of 16 outputs
     /// come in whole pairs (a zero block after an odd count), as [`for_each_block_bf16`] reads them.
     pub fn pack_bits(n: usize, k: usize, value: impl Fn(usize, usize) -> u16) -> Self {
-        let mut tiles = pack_b_tiles(n, k, 2, value);
-        if n.div_ceil(16) % 2 == 1 {
-            tiles.resize(tiles.len() + k.div_ceil(TILE_DEPTH_BF16) * TILE_BF16, 0);
+        AmxBf16Weights {
+            n,
+            k,
+            tiles: pack_b_tiles(n, k, 2, value),
         }
-        AmxBf16Weights { n, k, tiles }
     }
 
     /// Blocks of 32 outputs, [`for_each_block_bf16`]'s unit (the last padded with zeros).
@@ -64,11 +66,11 @@ impl AmxBf16Weights {
 }
 
 /// `x` (`[m, k]` f32) as bf16 rows of [`AmxBf16Weights::padded_k`] values (nearest, ties to
-/// even; the padding zeros), the activations [`gemm_bf16`] takes.
-pub fn bf16_rows(x: &[f32], m: usize, k: usize, padded_k: usize) -> Vec<u16> {
+/// even; the padding zeros), the activations [`gemm_bf16`] takes, each row on a cache line.
+pub fn bf16_rows(x: &[f32], m: usize, k: usize, padded_k: usize) -> TileBuffer<u16> {
     assert_eq!(x.len(), m * k, "activations are [{m}, {k}]");
     assert!(padded_k >= k);
-    let mut rows = vec![0u16; m * padded_k];
+    let mut rows = TileBuffer::zeroed(m * padded_k);
     // A dense layer's whole input comes through here (a BERT4Rec batch: millions of values per
     // layer; scalar, this was an eighth of its time on tiles), so it runs vectorised.
     #[cfg(target_arch = "x86_64")]

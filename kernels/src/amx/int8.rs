@@ -4,7 +4,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
 
-use super::{check_blocks, pack_b_tiles, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS};
+use super::{
+    check_blocks, pack_b_tiles, TileBuffer, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS,
+};
 
 /// int8 values in a row of an A tile: the depth one `TDPBUSD` / `TDPBSSD` adds up.
 pub const TILE_DEPTH_I8: usize = 64;
@@ -17,7 +19,7 @@ pub struct AmxI8Weights {
     pub n: usize,
     pub k: usize,
     /// `[n blocks][k blocks][16 rows][16 outputs][4]`.
-    tiles: Vec<i8>,
+    tiles: TileBuffer<i8>,
 }
 
 /// int8 values in one B tile.
@@ -33,11 +35,11 @@ impl AmxI8Weights {
     /// outputs come in whole pairs (a zero block after an odd count), as [`for_each_block_i8`]
     /// reads them.
     pub fn pack_values(n: usize, k: usize, value: impl Fn(usize, usize) -> i8) -> Self {
-        let mut tiles = pack_b_tiles(n, k, 4, value);
-        if n.div_ceil(16) % 2 == 1 {
-            tiles.resize(tiles.len() + k.div_ceil(TILE_DEPTH_I8) * TILE_I8, 0);
+        AmxI8Weights {
+            n,
+            k,
+            tiles: pack_b_tiles(n, k, 4, value),
         }
-        AmxI8Weights { n, k, tiles }
     }
 
     /// Blocks of 32 outputs, [`for_each_block_i8`]'s unit (the last padded with zeros).
@@ -63,14 +65,14 @@ impl AmxI8Weights {
 
 /// int16 activations as AMX-INT8 multiplies them: each value split exactly into a low byte
 /// (unsigned, `TDPBUSD`'s A operand) and a high byte (signed, `TDPBSSD`'s), `x = 256 hi + lo`, in
-/// rows of `padded_k` (zeros past `k`). The products of both halves with int8 weights add up to
+/// rows of `padded_k` (zeros past `k`), each on a cache line. The products of both halves with int8 weights add up to
 /// the int16 x int8 dot product exactly, so a screen's certified bound is unchanged.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SplitI16Rows {
     pub m: usize,
     pub padded_k: usize,
-    low: Vec<u8>,
-    high: Vec<i8>,
+    low: TileBuffer<u8>,
+    high: TileBuffer<i8>,
 }
 
 impl SplitI16Rows {
@@ -80,7 +82,7 @@ impl SplitI16Rows {
         assert_eq!(x.len(), m * k, "activations are [{m}, {k}]");
         assert!(padded_k >= k);
         let stored = m.div_ceil(TILE_ROWS) * TILE_ROWS * padded_k;
-        let (mut low, mut high) = (vec![0u8; stored], vec![0i8; stored]);
+        let (mut low, mut high) = (TileBuffer::zeroed(stored), TileBuffer::zeroed(stored));
         for r in 0..m {
             for (i, &v) in x[r * k..(r + 1) * k].iter().enumerate() {
                 low[r * padded_k + i] = (v & 0xff) as u8;

@@ -180,16 +180,18 @@ impl Default for TileConfig {
 /// A `[n, k]` matrix as B tiles of 16 rows x 16 outputs x `per_lane` inputs (2 for bf16, 4 for
 /// int8: the values one 32-bit lane holds): per block of 16 outputs and `16 per_lane` inputs, row
 /// `p` holds each output's inputs `per_lane p ..` side by side; `value(j, i)` is output `j`'s
-/// weight of input `i`, and outputs or inputs past the matrix are zeros.
-fn pack_b_tiles<T: Copy + Default>(
+/// weight of input `i`, and outputs or inputs past the matrix are zeros. The blocks of 16
+/// outputs come in whole pairs (a zero block after an odd count), as the scans read two at a
+/// time, and every tile starts a cache line ([`TileBuffer`]).
+fn pack_b_tiles<T: bytemuck::Pod>(
     n: usize,
     k: usize,
     per_lane: usize,
     value: impl Fn(usize, usize) -> T,
-) -> Vec<T> {
+) -> TileBuffer<T> {
     let (depth, tile_len) = (TILE_ROWS * per_lane, TILE_ROWS * 16 * per_lane);
-    let (n_blocks, k_blocks) = (n.div_ceil(16), k.div_ceil(depth));
-    let mut tiles = vec![T::default(); n_blocks * k_blocks * tile_len];
+    let (n_blocks, k_blocks) = (n.div_ceil(16).next_multiple_of(2), k.div_ceil(depth));
+    let mut tiles = TileBuffer::zeroed(n_blocks * k_blocks * tile_len);
     for (tile_index, tile) in tiles.chunks_exact_mut(tile_len).enumerate() {
         let (jb, kb) = (tile_index / k_blocks, tile_index % k_blocks);
         for p in 0..TILE_ROWS {
@@ -219,9 +221,11 @@ fn check_blocks(blocks: &std::ops::Range<usize>, available: usize) -> Result<(),
 
 mod bf16;
 mod int8;
+mod tile_buffer;
 
 pub use bf16::*;
 pub use int8::*;
+pub use tile_buffer::TileBuffer;
 
 #[cfg(test)]
 mod tests {
