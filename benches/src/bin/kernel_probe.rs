@@ -10,6 +10,10 @@
 //! kernel_probe bandwidth MIB threads reps
 //! kernel_probe fma threads
 //! kernel_probe amx-peak threads   (the tile unit's bf16 multiply-adds a second, each thread)
+//! kernel_probe dense n d rows precision threads reps
+//!   (a dense layer `[rows, d] -> [rows, n]` on the SIMD kernels, deterministic weights; precision
+//!   fp32, fp16, bf16 or int8; prints the median and the fastest call and the multiply-adds a
+//!   nanosecond of the fastest)
 //!
 //! Prints one JSON object.
 #![forbid(unsafe_code)]
@@ -282,6 +286,55 @@ fn amx_peak(args: &[String]) {
     );
 }
 
+/// A dense layer's time on the SIMD kernels (`dense::linear_into_threads`), as the encoders call it.
+fn dense(args: &[String]) {
+    let n: usize = arg(args, 2, "n");
+    let d: usize = arg(args, 3, "d");
+    let rows: usize = arg(args, 4, "rows");
+    let precision = args.get(5).map(String::as_str).unwrap_or("fp32");
+    let threads: usize = arg(args, 6, "threads");
+    let reps: usize = arg(args, 7, "reps");
+    let mut next = recsys_kernels::lcg(7);
+    let weights: Vec<f32> = (0..n * d).map(|_| next() * 0.1).collect();
+    let bias: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
+    let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+    let layer = match precision {
+        "fp32" => PackedOutput::from_f32(&weights, &bias, d),
+        "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
+        "bf16" => PackedOutput::from_bf16_bits(&to_bf16_bits(&weights), &bias, d),
+        "int8" => {
+            let (q, s) = quantize_int8_per_row(&weights, d);
+            PackedOutput::from_i8(&q, &s, &bias, d)
+        }
+        other => panic!("unknown precision {other}"),
+    };
+    let table = KernelTable::detect();
+    let mut y = vec![0f32; rows * n];
+    let mut quantized = Default::default();
+    let (times, ()) = timed(reps, || {
+        recsys_kernels::dense::linear_into_threads(
+            table,
+            layer.view(),
+            &x,
+            &mut y,
+            &mut quantized,
+            threads,
+            recsys_kernels::profile::Work::Dense,
+        )
+    });
+    let fastest = times.iter().cloned().fold(f64::INFINITY, f64::min);
+    println!(
+        "{}",
+        serde_json::json!({
+            "median_s": median(times.clone()),
+            "min_s": fastest,
+            "macs_per_ns": (rows * n * d) as f64 / fastest / 1e9,
+            "isa": table.isa.name(),
+            "y0": y[0],
+        })
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -289,9 +342,10 @@ fn main() {
         Some("bandwidth") => bandwidth(&args),
         Some("fma") => fma(&args),
         Some("amx-peak") => amx_peak(&args),
+        Some("dense") => dense(&args),
         _ => {
             eprintln!(
-                "usage: kernel_probe topk|bandwidth|fma|amx-peak ... (see the source header)"
+                "usage: kernel_probe topk|bandwidth|fma|amx-peak|dense ... (see the source header)"
             );
             std::process::exit(2);
         }
