@@ -4,7 +4,7 @@ MovieLens-1M's shape (the official "large" config: 8 blocks, D 50, 2 heads x (25
 MovieLens-20M's (16 blocks, D 256, 8 heads x (32 + 32)), max_sequence_length 200, random weights,
 batch 1 and 64, the same threads for everyone, fp32.
 
-    scripts/bench.sh hstu [--threads 2] [--official-repo DIR] [--out FILE.md] [--keep DIR]
+    scripts/bench.sh hstu [--threads 2] [--official-repo DIR] [--rounds N] [--out FILE.md] [--keep DIR]
 
 Each side answers the same requests: a history (MovieLens-1M's length distribution, so some are
 longer than the window and truncated to it) with a timestamp per event an hour apart, queried at
@@ -20,8 +20,8 @@ once, as recsys makes it at conversion), the history's items set to -inf and `to
 team serving the research module would write. `--official-repo` points at a checkout of
 github.com/meta-recsys/generative-recommenders (the research code at commit db1bf8f2e8f6 or
 later); it needs torch, gin-config and fbgemm-gpu-cpu (for `torch.ops.fbgemm`), which
-`scripts/bench.sh hstu` installs in .venv/hstu-peers. Sides alternate, two rounds, each keeping
-its best median.
+`scripts/bench.sh hstu` installs in .venv/hstu-peers. Sides alternate, two rounds (`--rounds`), each
+keeping its best median.
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--official-repo", type=Path,
                         help="a checkout of meta-recsys/generative-recommenders (without it: no official column)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternating rounds per cell, each side keeping its best median (default 2; more "
+                             "where the machine has slow and fast phases of minutes)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="convert into DIR and leave there each shape's engine (engine-BLOCKS) and histories "
@@ -206,7 +209,7 @@ def main() -> None:
                 official_feeds = [official.feeds(c, index) for c in chunks] if official else []
                 best: dict[str, float] = {}
                 ours = None
-                for _ in range(2):
+                for _ in range(max(args.rounds, 1)):
                     run = probe(engine, histories, batch, args.threads, reps, tmp)
                     if ours is None or run["median_s"] < ours["median_s"]:
                         ours = run
@@ -235,7 +238,7 @@ def main() -> None:
     lines = [
         f"{datetime.date.today().isoformat()}, CPU (lscpu): {cpu_model()}; {args.threads} threads for everyone; "
         "HSTU fp32, random weights, max_sequence_length 200; top-10 of the whole catalogue with the history "
-        "excluded; each side's best median of two alternating rounds",
+        f"excluded; each side's best median of {max(args.rounds, 1)} alternating rounds",
         "",
         "| shape | items | batch | recsys ms | recsys + exact screen ms | "
         + " | ".join(f"{p} ms | {p} / recsys (screened)" for p in peer_names)
