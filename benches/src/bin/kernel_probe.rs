@@ -85,16 +85,7 @@ fn topk(args: &[String]) {
     if precision == "bf16-amx" {
         return bf16_on_tiles(&weights, &bias, &hidden, d, batch, k, threads, reps);
     }
-    let packed = match precision {
-        "fp32" => PackedOutput::from_f32(&weights, &bias, d),
-        "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
-        "bf16" => PackedOutput::from_bf16_bits(&to_bf16_bits(&weights), &bias, d),
-        "int8" => {
-            let (q, s) = quantize_int8_per_row(&weights, d);
-            PackedOutput::from_i8(&q, &s, &bias, d)
-        }
-        other => panic!("unknown precision {other}"),
-    };
+    let packed = packed_at(precision, &weights, &bias, d);
     drop(weights);
     let table = kernels(args);
     let none = Exclusions::default();
@@ -112,6 +103,20 @@ fn topk(args: &[String]) {
             "top_row0": first_row(&result),
         })
     );
+}
+
+/// `[n, d]` weights packed at `precision` (fp32, fp16, bf16 or int8 per row).
+fn packed_at(precision: &str, weights: &[f32], bias: &[f32], d: usize) -> PackedOutput {
+    match precision {
+        "fp32" => PackedOutput::from_f32(weights, bias, d),
+        "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(weights), bias, d),
+        "bf16" => PackedOutput::from_bf16_bits(&to_bf16_bits(weights), bias, d),
+        "int8" => {
+            let (q, s) = quantize_int8_per_row(weights, d);
+            PackedOutput::from_i8(&q, &s, bias, d)
+        }
+        other => panic!("unknown precision {other}"),
+    }
 }
 
 /// `run` called `reps` times (at least once): each call's seconds and the last call's answer.
@@ -298,16 +303,7 @@ fn dense(args: &[String]) {
     let weights: Vec<f32> = (0..n * d).map(|_| next() * 0.1).collect();
     let bias: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
     let x: Vec<f32> = (0..rows * d).map(|_| next()).collect();
-    let layer = match precision {
-        "fp32" => PackedOutput::from_f32(&weights, &bias, d),
-        "fp16" => PackedOutput::from_f16_bits(&to_f16_bits(&weights), &bias, d),
-        "bf16" => PackedOutput::from_bf16_bits(&to_bf16_bits(&weights), &bias, d),
-        "int8" => {
-            let (q, s) = quantize_int8_per_row(&weights, d);
-            PackedOutput::from_i8(&q, &s, &bias, d)
-        }
-        other => panic!("unknown precision {other}"),
-    };
+    let layer = packed_at(precision, &weights, &bias, d);
     let table = KernelTable::detect();
     let mut y = vec![0f32; rows * n];
     let mut quantized = Default::default();
