@@ -4,27 +4,18 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
 
-use super::{
-    check_blocks, pack_b_tiles, TileBuffer, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS,
-};
+use super::{check_blocks, BTiles, TileBuffer, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS};
 
 /// bf16 values in a row of an A tile: the depth one `TDPBF16PS` adds up.
 pub const TILE_DEPTH_BF16: usize = 32;
 
-/// A weight matrix `[n outputs, k inputs]` (a dense layer's, row-major as PyTorch keeps it) in
-/// bf16 B tiles: per block of 16 outputs and 32 inputs, one 1 KiB tile of 16 rows, row `p`
-/// holding the 16 outputs' weights of inputs `2p` and `2p + 1` side by side. Outputs and inputs
-/// past the matrix are zeros.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AmxBf16Weights {
-    pub n: usize,
-    pub k: usize,
-    /// `[n blocks][k blocks][16 rows][16 outputs][2]` bf16 bits.
-    tiles: TileBuffer<u16>,
-}
+/// A weight matrix in bf16 B tiles ([`BTiles`]): per block of 16 outputs and 32 inputs, tile row
+/// `p` holds the 16 outputs' weights of inputs `2p` and `2p + 1` side by side.
+pub type AmxBf16Weights = BTiles<u16>;
 
 /// bf16 values in one B tile.
 const TILE_BF16: usize = TILE_ROWS * TILE_DEPTH_BF16;
+const _: () = assert!(AmxBf16Weights::DEPTH == TILE_DEPTH_BF16);
 
 impl AmxBf16Weights {
     /// Rounds `w` (`[n, k]`, row-major) to bf16 (nearest, ties to even) and packs it.
@@ -33,35 +24,9 @@ impl AmxBf16Weights {
         Self::pack_bits(n, k, |j, i| crate::bf16::round_to_bf16(w[j * k + i]))
     }
 
-    /// Packs the bf16 bits `value(output, input)` of an `[n, k]` matrix. The blocks of 16 outputs
-    /// come in whole pairs (a zero block after an odd count), as [`for_each_block_bf16`] reads them.
+    /// Packs the bf16 bits `value(output, input)` of an `[n, k]` matrix.
     pub fn pack_bits(n: usize, k: usize, value: impl Fn(usize, usize) -> u16) -> Self {
-        AmxBf16Weights {
-            n,
-            k,
-            tiles: pack_b_tiles(n, k, 2, value),
-        }
-    }
-
-    /// Blocks of 32 outputs, [`for_each_block_bf16`]'s unit (the last padded with zeros).
-    pub fn output_blocks(&self) -> usize {
-        self.n.div_ceil(BLOCK_OUTPUTS)
-    }
-
-    /// Bytes of the packed tiles.
-    pub fn bytes(&self) -> usize {
-        self.tiles.len() * 2
-    }
-
-    /// Inputs per row of the activations [`gemm_bf16`] takes: `k` rounded up to whole tiles.
-    pub fn padded_k(&self) -> usize {
-        self.k.div_ceil(TILE_DEPTH_BF16) * TILE_DEPTH_BF16
-    }
-
-    /// B tile `(output block jb, input block kb)`.
-    pub(super) fn tile(&self, jb: usize, kb: usize) -> &[u16] {
-        let k_blocks = self.k.div_ceil(TILE_DEPTH_BF16);
-        &self.tiles[(jb * k_blocks + kb) * TILE_BF16..][..TILE_BF16]
+        Self::pack_with(n, k, value)
     }
 }
 

@@ -4,26 +4,18 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
 
-use super::{
-    check_blocks, pack_b_tiles, TileBuffer, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS,
-};
+use super::{check_blocks, BTiles, TileBuffer, TileClaim, TileConfig, BLOCK_OUTPUTS, TILE_ROWS};
 
 /// int8 values in a row of an A tile: the depth one `TDPBUSD` / `TDPBSSD` adds up.
 pub const TILE_DEPTH_I8: usize = 64;
 
-/// An int8 weight matrix `[n outputs, k inputs]` (row-major) in B tiles: per block of 16
-/// outputs and 64 inputs, one 1 KiB tile of 16 rows, row `p` holding each output's weights of
-/// inputs `4p .. 4p + 4` side by side. Outputs and inputs past the matrix are zeros.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AmxI8Weights {
-    pub n: usize,
-    pub k: usize,
-    /// `[n blocks][k blocks][16 rows][16 outputs][4]`.
-    tiles: TileBuffer<i8>,
-}
+/// An int8 weight matrix in B tiles ([`BTiles`]): per block of 16 outputs and 64 inputs, tile row
+/// `p` holds each output's weights of inputs `4p .. 4p + 4` side by side.
+pub type AmxI8Weights = BTiles<i8>;
 
 /// int8 values in one B tile.
 const TILE_I8: usize = TILE_ROWS * TILE_DEPTH_I8;
+const _: () = assert!(AmxI8Weights::DEPTH == TILE_DEPTH_I8);
 
 impl AmxI8Weights {
     pub fn pack(w: &[i8], n: usize, k: usize) -> Self {
@@ -31,35 +23,9 @@ impl AmxI8Weights {
         Self::pack_values(n, k, |j, i| w[j * k + i])
     }
 
-    /// Packs the int8 weights `value(output, input)` of an `[n, k]` matrix. The blocks of 16
-    /// outputs come in whole pairs (a zero block after an odd count), as [`for_each_block_i8`]
-    /// reads them.
+    /// Packs the int8 weights `value(output, input)` of an `[n, k]` matrix.
     pub fn pack_values(n: usize, k: usize, value: impl Fn(usize, usize) -> i8) -> Self {
-        AmxI8Weights {
-            n,
-            k,
-            tiles: pack_b_tiles(n, k, 4, value),
-        }
-    }
-
-    /// Blocks of 32 outputs, [`for_each_block_i8`]'s unit (the last padded with zeros).
-    pub fn output_blocks(&self) -> usize {
-        self.n.div_ceil(BLOCK_OUTPUTS)
-    }
-
-    /// Bytes of the packed tiles.
-    pub fn bytes(&self) -> usize {
-        self.tiles.len()
-    }
-
-    /// Inputs per row of the activations [`gemm_i16_i8`] takes: `k` rounded up to whole tiles.
-    pub fn padded_k(&self) -> usize {
-        self.k.div_ceil(TILE_DEPTH_I8) * TILE_DEPTH_I8
-    }
-
-    fn tile(&self, jb: usize, kb: usize) -> &[i8] {
-        let k_blocks = self.k.div_ceil(TILE_DEPTH_I8);
-        &self.tiles[(jb * k_blocks + kb) * TILE_I8..][..TILE_I8]
+        Self::pack_with(n, k, value)
     }
 }
 

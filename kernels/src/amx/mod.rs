@@ -177,35 +177,73 @@ impl Default for TileConfig {
     }
 }
 
-/// A `[n, k]` matrix as B tiles of 16 rows x 16 outputs x `per_lane` inputs (2 for bf16, 4 for
-/// int8: the values one 32-bit lane holds): per block of 16 outputs and `16 per_lane` inputs, row
-/// `p` holds each output's inputs `per_lane p ..` side by side; `value(j, i)` is output `j`'s
-/// weight of input `i`, and outputs or inputs past the matrix are zeros. The blocks of 16
-/// outputs come in whole pairs (a zero block after an odd count), as the scans read two at a
-/// time, and every tile starts a cache line ([`TileBuffer`]).
-fn pack_b_tiles<T: bytemuck::Pod>(
-    n: usize,
-    k: usize,
-    per_lane: usize,
-    value: impl Fn(usize, usize) -> T,
-) -> TileBuffer<T> {
-    let (depth, tile_len) = (TILE_ROWS * per_lane, TILE_ROWS * 16 * per_lane);
-    let (n_blocks, k_blocks) = (n.div_ceil(16).next_multiple_of(2), k.div_ceil(depth));
-    let mut tiles = TileBuffer::zeroed(n_blocks * k_blocks * tile_len);
-    for (tile_index, tile) in tiles.chunks_exact_mut(tile_len).enumerate() {
-        let (jb, kb) = (tile_index / k_blocks, tile_index % k_blocks);
-        for p in 0..TILE_ROWS {
-            for col in 0..16 {
-                for lane in 0..per_lane {
-                    let (j, i) = (jb * 16 + col, kb * depth + per_lane * p + lane);
-                    if j < n && i < k {
-                        tile[(p * 16 + col) * per_lane + lane] = value(j, i);
+/// A weight matrix `[n outputs, k inputs]` (a layer's, row-major as PyTorch keeps it) in B tiles
+/// of 16 rows x 16 outputs x the values one 32-bit lane holds (2 bf16 for `TDPBF16PS`, 4 int8 for
+/// `TDPBUSD` / `TDPBSSD`): per block of 16 outputs and one tile's depth of inputs, a 1 KiB tile
+/// whose row `p` holds each output's inputs `lane p ..` side by side. Outputs and inputs past the
+/// matrix are zeros, and the blocks of 16 outputs come in whole pairs (a zero block after an odd
+/// count), as the scans read two at a time. Every tile starts a cache line ([`TileBuffer`]).
+/// [`AmxBf16Weights`] and [`AmxI8Weights`] are its two precisions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BTiles<T: bytemuck::Pod> {
+    pub n: usize,
+    pub k: usize,
+    /// `[n blocks][k blocks][16 rows][16 outputs][lane]`.
+    tiles: TileBuffer<T>,
+}
+
+impl<T: bytemuck::Pod> BTiles<T> {
+    /// Values of `T` in one 32-bit lane.
+    const LANE: usize = 4 / std::mem::size_of::<T>();
+    /// Inputs one tile spans (a row of an A tile).
+    pub const DEPTH: usize = TILE_ROWS * Self::LANE;
+    /// Values in one tile.
+    const TILE_LEN: usize = TILE_ROWS * 16 * Self::LANE;
+
+    /// Packs the values `value(output, input)` of an `[n, k]` matrix.
+    fn pack_with(n: usize, k: usize, value: impl Fn(usize, usize) -> T) -> Self {
+        let (n_blocks, k_blocks) = (n.div_ceil(16).next_multiple_of(2), k.div_ceil(Self::DEPTH));
+        let mut tiles = TileBuffer::zeroed(n_blocks * k_blocks * Self::TILE_LEN);
+        for (tile_index, tile) in tiles.chunks_exact_mut(Self::TILE_LEN).enumerate() {
+            let (jb, kb) = (tile_index / k_blocks, tile_index % k_blocks);
+            for p in 0..TILE_ROWS {
+                for col in 0..16 {
+                    for lane in 0..Self::LANE {
+                        let (j, i) = (jb * 16 + col, kb * Self::DEPTH + Self::LANE * p + lane);
+                        if j < n && i < k {
+                            tile[(p * 16 + col) * Self::LANE + lane] = value(j, i);
+                        }
                     }
                 }
             }
         }
+        BTiles { n, k, tiles }
     }
-    tiles
+
+    /// Blocks of 32 outputs, the scans' unit (the last padded with zeros).
+    pub fn output_blocks(&self) -> usize {
+        self.n.div_ceil(BLOCK_OUTPUTS)
+    }
+
+    /// Bytes of the packed tiles.
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val::<[T]>(&self.tiles)
+    }
+
+    /// Inputs per row of the activations the products take: `k` rounded up to whole tiles.
+    pub fn padded_k(&self) -> usize {
+        self.k.div_ceil(Self::DEPTH) * Self::DEPTH
+    }
+
+    /// Tiles along the depth of one block of 16 outputs.
+    fn k_blocks(&self) -> usize {
+        self.k.div_ceil(Self::DEPTH)
+    }
+
+    /// B tile `(output block jb, input block kb)`.
+    fn tile(&self, jb: usize, kb: usize) -> &[T] {
+        &self.tiles[(jb * self.k_blocks() + kb) * Self::TILE_LEN..][..Self::TILE_LEN]
+    }
 }
 
 /// Refuses a range of output blocks past the weights' `available` blocks.
